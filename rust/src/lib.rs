@@ -1,0 +1,22 @@
+//! pagedrs core: every decision about KV-cache memory.
+//!
+//! Which physical page holds which token, who shares it, when it is copied,
+//! evicted or moved to host memory, and which requests run in the next step.
+//! The core never touches tensors: everything it returns is plain integers
+//! (block ids, slots, copy pairs) that the Python runner executes.
+//!
+//! Modules (one concept each):
+//! - [`sync`]: atomics, swapped for loom's under `--cfg loom`.
+//! - [`page_pool`]: the lock-free pool of free block ids of one tier.
+//! - [`block_manager`]: block tables, refcounts, copy-on-write, prefix cache, swap tiers.
+//! - [`scheduler`]: continuous batching with chunked prefill and preemption.
+//! - `py` (feature `python`): the PyO3 bindings, and nothing else of PyO3.
+
+pub mod sync;
+pub mod error;
+pub mod page_pool;
+pub mod block_manager;
+pub mod scheduler;
+
+#[cfg(feature = "python")]
+mod py;

@@ -1,0 +1,6 @@
+//! Python bindings of the scheduler (in progress).
+use pyo3::prelude::*;
+
+pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+    Ok(())
+}

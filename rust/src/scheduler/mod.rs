@@ -1,0 +1,1 @@
+//! Continuous-batching scheduler (in progress).
