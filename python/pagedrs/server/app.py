@@ -1,0 +1,96 @@
+"""The FastAPI application: routes only; the work is in completions, chat and engine_loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+import pagedrs
+from pagedrs.server import chat, completions
+from pagedrs.server.engine_loop import EngineLoop
+from pagedrs.server.errors import error_body, install_error_handlers
+from pagedrs.server.metrics import CONTENT_TYPE_LATEST
+from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
+from pagedrs.server.serving import Generation, ServerContext, unless_disconnected
+
+# Not an HTTP status anyone reads: the client is gone (nginx's "client closed request").
+_CLIENT_CLOSED = 499
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends.
+
+    The body generator's own ``finally`` does not run if the client disconnects
+    before the first chunk is pulled (a never-started generator is just dropped).
+    """
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def build_app(engine_loop: EngineLoop, model_name: str, max_waiting: int) -> FastAPI:
+    """The OpenAI-compatible app over a started ``engine_loop``; the caller starts and stops the loop."""
+    engine = engine_loop.engine
+    ctx = ServerContext(
+        engine_loop=engine_loop,
+        model_name=model_name,
+        max_waiting=max_waiting,
+        max_model_len=int(engine.max_model_len),
+        tokenizer=engine.tokenizer,
+    )
+    app = FastAPI(title="pagedrs", version=pagedrs.__version__)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine_loop.is_alive():
+            reason = engine_loop.fatal_error or "the engine loop is not running"
+            return JSONResponse(error_body(503, reason), status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)])
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine_loop.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions", response_model=None)
+    async def create_completion(body: CompletionRequest, request: Request) -> Response | Any:
+        gen = completions.prepare(ctx, body)
+        await gen.submit()
+        if body.stream:
+            return _EventStream(completions.stream(ctx, body, gen), gen.abort)
+        return await _complete(request, gen, completions.complete(ctx, body, gen))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | Any:
+        gen = chat.prepare(ctx, body)
+        await gen.submit()
+        if body.stream:
+            return _EventStream(chat.stream(ctx, body, gen), gen.abort)
+        return await _complete(request, gen, chat.complete(ctx, body, gen))
+
+    return app
+
+
+async def _complete(request: Request, gen: Generation, work: Any) -> Response | Any:
+    try:
+        result = await unless_disconnected(request, work)
+    finally:
+        gen.abort()  # no-op when it finished
+    if result is None:
+        return Response(status_code=_CLIENT_CLOSED)
+    return result

@@ -1,0 +1,53 @@
+"""Run an app under uvicorn on a background thread, with a bounded start and stop."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class BackgroundServer:
+    """``with BackgroundServer(app) as server: server.url ...`` — uvicorn on a daemon thread."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.host = host
+        self.port = port or free_port(host)
+        config = uvicorn.Config(app, host=self.host, port=self.port, log_level=log_level, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="pagedrs-uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"uvicorn exited before listening on {self.url}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"uvicorn did not start listening on {self.url} within {timeout_s} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

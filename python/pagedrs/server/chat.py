@@ -1,0 +1,120 @@
+"""POST /v1/chat/completions: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedrs.server.errors import APIError, bad_request
+from pagedrs.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    TopLogprob,
+    now_s,
+    random_id,
+)
+from pagedrs.server.serving import SSE_DONE, Generation, sse_error, ServerContext, sse
+from pagedrs.server.tokens import render_chat, token_text, top_logprobs
+
+
+def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation:
+    """Check the request, render the conversation and build its engine request (not yet submitted)."""
+    ctx.check_model(body.model)
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
+    prompt_ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt)
+    room = ctx.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {ctx.max_model_len} tokens; the messages take "
+            f"{len(prompt_ids)} tokens, leaving no room for a completion",
+            param="messages",
+        )
+    kwargs = body.sampling_kwargs()
+    # Unset: generate until the context is full, as OpenAI does for chat.
+    kwargs["max_tokens"] = body.max_completion_tokens or body.max_tokens or room
+    if body.logprobs:
+        kwargs["logprobs"] = body.top_logprobs or 0
+    params = ctx.make_params(kwargs)
+    return Generation(ctx, [{"prompt_token_ids": prompt_ids}], params, priority=body.priority)
+
+
+def _logprobs(ctx: ServerContext, k: int, token_ids: list[int], entries: list[dict[int, float]]) -> ChatLogprobs:
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = token_text(ctx.tokenizer, token_id)
+        top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top_logprobs(ctx.tokenizer, entry, k)]
+        logprob = entry.get(token_id, float("-inf"))
+        content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+async def complete(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> ChatCompletionResponse:
+    """Run a submitted non-streaming request to the end."""
+    states = await gen.collect()
+    k = body.top_logprobs or 0
+    choices = [
+        ChatChoice(
+            index=index,
+            message=ChatResponseMessage(content="".join(state.text)),
+            logprobs=_logprobs(ctx, k, state.token_ids, state.logprobs) if body.logprobs else None,
+            finish_reason=state.finish_reason,
+            stop_reason=state.stop_reason,
+        )
+        for index, state in states.items()
+    ]
+    completion_tokens = sum(len(s.token_ids) for s in states.values())
+    return ChatCompletionResponse(
+        id=random_id("chatcmpl"), created=now_s(), model=ctx.model_name, choices=choices,
+        usage=gen.usage(completion_tokens),
+    )
+
+
+async def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> AsyncIterator[str]:
+    """Server-sent events: a role chunk per choice, content chunks, a usage chunk if asked, then [DONE]."""
+    response_id, created = random_id("chatcmpl"), now_s()
+
+    def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
+        return sse(
+            ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
+            .model_dump_json()
+        )
+
+    k = body.top_logprobs or 0
+    completion_tokens = 0
+    try:
+        for i in range(gen.n):
+            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        async for delta in gen.deltas():
+            for sample in delta.samples:
+                if not (sample.text or sample.token_ids or sample.finish_reason):
+                    continue
+                completion_tokens += len(sample.token_ids)
+                logprobs = None
+                if body.logprobs:
+                    logprobs = _logprobs(ctx, k, sample.token_ids, sample.logprobs or [])
+                choice = ChatChunkChoice(
+                    index=gen.choice_index(delta.tag, sample.index),
+                    delta=ChatDelta(content=sample.text or None) if sample.text else ChatDelta(),
+                    logprobs=logprobs,
+                    finish_reason=sample.finish_reason,
+                    stop_reason=sample.stop_reason,
+                )
+                yield chunk([choice])
+        if body.include_usage:
+            yield chunk([], gen.usage(completion_tokens))
+    except APIError as exc:
+        yield sse_error(exc)
+    finally:
+        gen.abort()
+    yield SSE_DONE
+

@@ -1,0 +1,140 @@
+"""POST /v1/completions: prompts as text or token ids, streamed or not, with echo and logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedrs.server.errors import APIError, bad_request
+from pagedrs.server.protocol import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    now_s,
+    random_id,
+)
+from pagedrs.server.serving import SSE_DONE, Generation, sse_error, SampleState, ServerContext, sse
+from pagedrs.server.tokens import token_text, top_logprobs
+
+
+def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
+    """Check the request and build its engine requests (not yet submitted)."""
+    ctx.check_model(body.model)
+    if body.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request(f"best_of={body.best_of} is not supported: only best_of == n (n={body.n})", "best_of")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+    kwargs = body.sampling_kwargs()
+    kwargs.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    if body.logprobs is not None:
+        kwargs["logprobs"] = body.logprobs
+    params = ctx.make_params(kwargs)
+    return Generation(ctx, _prompts(body.prompt), params, priority=body.priority)
+
+
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """Normalize OpenAI's four prompt forms into a list of engine prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt is empty: send a string, a list of strings or token ids", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+
+
+def _echo_text(ctx: ServerContext, prompt: Any) -> str:
+    return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt["prompt_token_ids"])
+
+
+class _LogprobBuilder:
+    """The legacy layout for one choice, built incrementally (offsets count characters of the choice text)."""
+
+    def __init__(self, ctx: ServerContext, top_k: int, offset: int) -> None:
+        self.ctx, self.top_k, self.offset = ctx, top_k, offset
+        self.value = CompletionLogprobs()
+
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> CompletionLogprobs:
+        part = CompletionLogprobs()
+        for token_id, entry in zip(token_ids, logprobs, strict=True):
+            text = token_text(self.ctx.tokenizer, token_id)
+            part.tokens.append(text)
+            part.token_logprobs.append(entry.get(token_id))
+            top = top_logprobs(self.ctx.tokenizer, entry, self.top_k)
+            part.top_logprobs.append({t: lp for t, lp in top} if self.top_k else None)
+            part.text_offset.append(self.offset)
+            self.offset += len(text)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self.value, name).extend(getattr(part, name))
+        return part
+
+
+async def complete(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> CompletionResponse:
+    """Run a submitted non-streaming request to the end."""
+    states = await gen.collect()
+    choices: list[CompletionChoice] = []
+    for index, state in states.items():
+        prefix = _echo_text(ctx, gen.prompts[index // gen.n]) if body.echo else ""
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _LogprobBuilder(ctx, body.logprobs, len(prefix)).add(state.token_ids, state.logprobs)
+        choices.append(_choice(index, prefix + "".join(state.text), logprobs, state))
+    completion_tokens = sum(len(s.token_ids) for s in states.values())
+    return CompletionResponse(
+        id=random_id("cmpl"), created=now_s(), model=ctx.model_name, choices=choices, usage=gen.usage(completion_tokens)
+    )
+
+
+def _choice(index: int, text: str, logprobs: CompletionLogprobs | None, state: SampleState) -> CompletionChoice:
+    return CompletionChoice(
+        index=index, text=text, logprobs=logprobs, finish_reason=state.finish_reason, stop_reason=state.stop_reason
+    )
+
+
+async def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per choice and step, a usage chunk if asked, then [DONE]."""
+    response_id, created = random_id("cmpl"), now_s()
+
+    def chunk(choices: list[CompletionChoice], usage: Any = None) -> str:
+        return sse(
+            CompletionResponse(id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
+            .model_dump_json()
+        )
+
+    builders: dict[int, _LogprobBuilder] = {}
+    completion_tokens = 0
+    try:
+        if body.echo:
+            for tag, prompt in enumerate(gen.prompts):
+                text = _echo_text(ctx, prompt)
+                for i in range(gen.n):
+                    yield chunk([CompletionChoice(index=gen.choice_index(tag, i), text=text)])
+        async for delta in gen.deltas():
+            for sample in delta.samples:
+                if not (sample.text or sample.token_ids or sample.finish_reason):
+                    continue
+                index = gen.choice_index(delta.tag, sample.index)
+                completion_tokens += len(sample.token_ids)
+                logprobs = None
+                if body.logprobs is not None:
+                    builder = builders.setdefault(index, _LogprobBuilder(ctx, body.logprobs, 0))
+                    logprobs = builder.add(sample.token_ids, sample.logprobs or [])
+                choice = CompletionChoice(
+                    index=index, text=sample.text, logprobs=logprobs,
+                    finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                )
+                yield chunk([choice])
+        if body.include_usage:
+            yield chunk([], gen.usage(completion_tokens))
+    except APIError as exc:
+        yield sse_error(exc)
+    finally:
+        gen.abort()
+    yield SSE_DONE
+

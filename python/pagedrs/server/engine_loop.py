@@ -1,0 +1,313 @@
+"""One thread that owns the Engine and serves every HTTP request through it.
+
+The Engine is not thread-safe, and continuous batching needs every request in
+the same engine anyway, so exactly one thread touches it. HTTP handlers (on
+the asyncio event loop) only *send commands* — add, abort — and *receive
+deltas* on a per-request asyncio queue::
+
+    handler ──add/abort──► commands (SimpleQueue) ──► engine thread: apply commands,
+    handler ◄──deltas───── asyncio.Queue ◄─call_soon_threadsafe── engine.step(), dispatch
+
+Commands are applied before every step, so an abort sent while step k runs
+frees the request's pages before step k+1 starts ("within one step").
+
+Deltas are snapshots (new text, new token ids, their logprobs), copied in the
+engine thread: the handler may read them after the engine has moved on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagedrs.server.metrics import ServerMetrics
+
+logger = logging.getLogger("pagedrs.server")
+
+
+class EngineLike(Protocol):
+    """The part of ``pagedrs.Engine`` the loop drives (see docs/ENGINE_API.md)."""
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None: ...
+    def step(self) -> list[Any]: ...
+    def abort(self, request_id: str) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class SampleDelta:
+    """What one sample (of n) gained in one step."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None  # one dict per token in token_ids, when requested
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """One engine request's progress in one step, or its failure (``error`` set, ``finished``)."""
+
+    tag: int  # which prompt of the HTTP request this engine request serves
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[SampleDelta]
+    finished: bool
+    error: str | None = None
+
+
+@dataclass
+class _Sink:
+    """Where one engine request's deltas go, and its latency bookkeeping (engine thread only)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestDelta]
+    tag: int
+    arrival: float
+    last_token_time: float | None = None
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    params: Any
+    priority: int
+    sink: _Sink
+    accepted: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class EngineLoop:
+    """Drives ``engine`` from a dedicated thread; safe to call from any thread or event loop."""
+
+    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None, *, idle_poll_s: float = 0.5) -> None:
+        self.engine = engine
+        self.metrics = metrics or ServerMetrics()
+        self._idle_poll_s = idle_poll_s
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._lock = threading.Lock()  # guards _pending_adds and _stats
+        self._pending_adds = 0
+        self._stats: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+        self.fatal_error: str | None = None
+
+    # --- any thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("EngineLoop.start() called twice")
+        self._refresh_stats(applied_adds=0)
+        self._thread = threading.Thread(target=self._run, name="pagedrs-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop after the current step; requests still in flight get an error delta."""
+        if self._thread is None:
+            return
+        self._commands.put(_Stop())
+        self._thread.join(timeout_s)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def add(
+        self,
+        request_id: str,
+        prompt: Any,
+        params: Any,
+        out: asyncio.Queue[RequestDelta],
+        *,
+        tag: int = 0,
+        priority: int = 0,
+    ) -> None:
+        """Queue a request; returns once the engine accepted it, raises its ValueError otherwise.
+
+        Deltas then arrive on ``out``; the last one has ``finished`` set.
+        """
+        if not self.is_alive():
+            raise RuntimeError(f"the engine loop is not running ({self.fatal_error or 'stopped'})")
+        sink = _Sink(asyncio.get_running_loop(), out, tag, time.monotonic())
+        command = _Add(request_id, prompt, params, priority, sink)
+        with self._lock:
+            self._pending_adds += 1
+        self._commands.put(command)
+        await asyncio.wrap_future(command.accepted)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to drop the request (no-op if it already finished). Does not wait."""
+        self._commands.put(_Abort(request_id))
+
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled: queued commands plus the engine's waiting queue."""
+        with self._lock:
+            return self._pending_adds + int(self._stats.get("num_waiting", 0))
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's stats as of the end of the latest step or command batch."""
+        with self._lock:
+            return dict(self._stats)
+
+    # --- engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished()
+                commands = self._take_commands(block=idle)
+                if any(isinstance(c, _Stop) for c in commands):
+                    self._apply([c for c in commands if not isinstance(c, _Stop)])
+                    break
+                self._apply(commands)
+                if self.engine.has_unfinished():
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
+            self.fatal_error = f"{type(exc).__name__}: {exc}"
+            logger.error("engine loop died:\n%s", traceback.format_exc())
+        finally:
+            self._fail_all(self.fatal_error or "the server is shutting down")
+            self._fail_queued_commands()
+
+    def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
+        commands: list[_Add | _Abort | _Stop] = []
+        if block:
+            try:
+                commands.append(self._commands.get(timeout=self._idle_poll_s))
+            except queue.Empty:
+                return commands
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, commands: list[_Add | _Abort | _Stop]) -> None:
+        if not commands:
+            return
+        adds = 0
+        for command in commands:
+            if isinstance(command, _Add):
+                adds += 1
+                self._apply_add(command)
+            elif isinstance(command, _Abort):
+                self._sinks.pop(command.request_id, None)
+                self.engine.abort(command.request_id)
+        self._refresh_stats(applied_adds=adds)
+
+    def _apply_add(self, command: _Add) -> None:
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
+        except Exception as exc:  # ValueError for bad input; anything else is reported the same way
+            command.accepted.set_exception(exc)
+            return
+        self._sinks[command.request_id] = command.sink
+        command.accepted.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # The engine's state is unknown; fail what is in flight rather than hang it.
+            logger.error("engine.step() failed:\n%s", traceback.format_exc())
+            self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            return
+        now = time.monotonic()
+        for output in outputs:
+            self._dispatch(output, now)
+        self._refresh_stats(applied_adds=0)
+
+    def _dispatch(self, output: Any, now: float) -> None:
+        sink = self._sinks.get(output.request_id)
+        if sink is None:  # aborted, or not ours
+            return
+        samples = [_snapshot(c) for c in output.outputs]
+        delta = RequestDelta(
+            tag=sink.tag,
+            request_id=output.request_id,
+            prompt_token_ids=list(output.prompt_token_ids),
+            samples=samples,
+            finished=bool(output.finished),
+            error=getattr(output, "error", None),
+        )
+        if any(s.token_ids for s in samples):
+            if sink.last_token_time is None:
+                self.metrics.time_to_first_token.observe(now - sink.arrival)
+            else:
+                self.metrics.inter_token_latency.observe(now - sink.last_token_time)
+            sink.last_token_time = now
+        if delta.finished:
+            del self._sinks[output.request_id]
+            for s in samples:
+                self.metrics.requests.labels(finish_reason=str(s.finish_reason)).inc()
+        if not _deliver(sink, delta):
+            self._sinks.pop(output.request_id, None)
+            self.engine.abort(output.request_id)
+
+    def _refresh_stats(self, applied_adds: int) -> None:
+        stats = self.engine.stats()
+        self.metrics.update_from_stats(stats)
+        with self._lock:
+            self._stats = stats
+            self._pending_adds -= applied_adds
+
+    def _fail_all(self, message: str) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            _swallow(lambda rid=request_id: self.engine.abort(rid))
+            _deliver(sink, RequestDelta(sink.tag, request_id, [], [], finished=True, error=message))
+
+    def _fail_queued_commands(self) -> None:
+        for command in self._take_commands(block=False):
+            if isinstance(command, _Add) and not command.accepted.done():
+                command.accepted.set_exception(RuntimeError("the engine loop stopped before the request was added"))
+
+
+def _snapshot(completion: Any) -> SampleDelta:
+    new_ids = list(completion.delta_token_ids)
+    logprobs = None
+    if completion.logprobs is not None and new_ids:
+        logprobs = [dict(d) for d in completion.logprobs[-len(new_ids):]]
+    return SampleDelta(
+        index=completion.index,
+        text=completion.delta_text,
+        token_ids=new_ids,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )
+
+
+def _deliver(sink: _Sink, delta: RequestDelta) -> bool:
+    """Hand ``delta`` to the handler's event loop; False when that loop is gone."""
+    try:
+        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, delta)
+    except RuntimeError:  # event loop closed: the server is shutting down
+        return False
+    return True
+
+
+def _swallow(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - best effort cleanup while failing requests
+        logger.debug("ignored during cleanup:\n%s", traceback.format_exc())

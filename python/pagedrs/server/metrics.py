@@ -1,0 +1,84 @@
+"""Prometheus metrics of the serving engine, in a private registry.
+
+A private ``CollectorRegistry`` (not the process-global default) lets several
+servers live in one process — the tests start more than one — without
+"Duplicated timeseries" errors, and keeps ``/metrics`` to pagedrs's own series.
+
+Gauges mirror the latest ``Engine.stats()``. The engine reports cumulative
+totals, so counters advance by the difference from the previous snapshot; a
+counter never moves backwards even if a total did (it would only after an
+engine restart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
+
+# gauge name -> Engine.stats() key
+_GAUGES: dict[str, tuple[str, str]] = {
+    "pagedrs_kv_total_blocks": ("num_gpu_blocks", "KV cache pages in the device pool."),
+    "pagedrs_kv_free_blocks": ("num_free_gpu_blocks", "Allocatable device KV pages (evictable cached pages count as free)."),
+    "pagedrs_kv_utilization": ("kv_utilization", "Live token slots over reserved slots, 0..1."),
+    "pagedrs_requests_running": ("num_running", "Requests in the running batch."),
+    "pagedrs_requests_waiting": ("num_waiting", "Requests admitted but not yet scheduled."),
+    "pagedrs_requests_swapped": ("num_swapped", "Requests whose pages are on the host tier."),
+}
+
+# counter name (without _total) -> Engine.stats() keys summed
+_COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "pagedrs_prefix_cache_queries": (("prefix_queries",), "Blocks looked up in the prefix cache."),
+    "pagedrs_prefix_cache_hits": (("prefix_hits",), "Blocks found in the prefix cache."),
+    "pagedrs_preemptions": (("num_preemptions",), "Sequence groups preempted (swap or recompute)."),
+    "pagedrs_swapped_pages": (("swap_out_blocks", "swap_in_blocks"), "KV pages moved between device and host."),
+    "pagedrs_generated_tokens": (("num_generated_tokens",), "Tokens sampled."),
+}
+
+# Latency buckets (seconds) from a few ms (GPU decode) to a minute (CPU prefill under load).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """All series of one server. Thread-safe: the engine thread writes, HTTP handlers read."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._gauges = {name: Gauge(name, doc, registry=self.registry) for name, (_, doc) in _GAUGES.items()}
+        self._counters = {name: Counter(name, doc, registry=self.registry) for name, (_, doc) in _COUNTERS.items()}
+        self._last_totals: dict[str, float] = {name: 0.0 for name in _COUNTERS}
+        self.requests = Counter(
+            "pagedrs_requests_finished", "Requests finished, by reason.", ["finish_reason"], registry=self.registry
+        )
+        self.rejected = Counter(
+            "pagedrs_requests_rejected", "Requests refused before reaching the engine, by HTTP status.",
+            ["status"], registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "pagedrs_time_to_first_token_seconds", "From arrival at the server to the first sampled token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "pagedrs_inter_token_latency_seconds", "Between consecutive token-bearing outputs of one request.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+
+    def update_from_stats(self, stats: Mapping[str, Any]) -> None:
+        for name, (key, _) in _GAUGES.items():
+            if key in stats:
+                self._gauges[name].set(float(stats[key]))
+        for name, (keys, _) in _COUNTERS.items():
+            if not all(k in stats for k in keys):
+                continue
+            total = float(sum(stats[k] for k in keys))
+            delta = total - self._last_totals[name]
+            if delta > 0:
+                self._counters[name].inc(delta)
+            self._last_totals[name] = total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

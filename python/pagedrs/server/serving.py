@@ -1,0 +1,191 @@
+"""What both endpoints share: the server's context and one HTTP request's engine requests.
+
+An HTTP request with P prompts and ``n`` samples becomes P engine requests
+(``<id>-0`` .. ``<id>-{P-1}``), each with n samples; its choices are numbered
+``prompt_index * n + sample_index``, as OpenAI numbers them. The engine requests
+are submitted together, read from one asyncio queue, and aborted together when
+the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from pagedrs.server.engine_loop import EngineLoop, RequestDelta
+from pagedrs.server.errors import APIError, bad_request
+from pagedrs.server.protocol import Usage, random_id
+
+T = TypeVar("T")
+
+
+@dataclass
+class ServerContext:
+    """Everything a handler needs; one per app (``app.state.ctx``)."""
+
+    engine_loop: EngineLoop
+    model_name: str
+    max_waiting: int  # a request that would make the waiting queue longer than this gets a 503
+    max_model_len: int
+    tokenizer: Any
+
+    def check_model(self, requested: str) -> None:
+        if requested != self.model_name:
+            raise APIError(
+                404,
+                f"The model {requested!r} does not exist: this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def make_params(self, kwargs: dict[str, Any]) -> Any:
+        """SamplingParams from request fields; its ValueError (naming field and range) becomes a 400."""
+        from pagedrs.sampling_params import SamplingParams
+
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            field_name = re.match(r"SamplingParams\.(\w+)=", str(exc))
+            raise bad_request(str(exc), param=field_name.group(1) if field_name else None) from exc
+
+
+@dataclass
+class SampleState:
+    """One choice accumulated from deltas (non-streaming responses)."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Generation:
+    """The engine requests behind one HTTP request: submitted together, aborted together."""
+
+    def __init__(self, ctx: ServerContext, prompts: list[Any], params: Any, priority: int = 0) -> None:
+        self.ctx = ctx
+        self.prompts = prompts
+        self.params = params
+        self.priority = priority
+        self.n: int = params.n
+        self.id_base = random_id("req")
+        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self.prompt_token_ids: dict[int, list[int]] = {}
+        self._unfinished: set[str] = set()
+
+    async def submit(self) -> None:
+        """Add every prompt to the engine, or none: 503 on back-pressure, 400 on invalid input."""
+        loop = self.ctx.engine_loop
+        waiting = loop.num_waiting()
+        if waiting + len(self.prompts) > self.ctx.max_waiting:
+            loop.metrics.rejected.labels(status="503").inc()
+            raise APIError(
+                503,
+                f"The server is overloaded: {waiting} requests are waiting and --max-waiting is "
+                f"{self.ctx.max_waiting}; retry later",
+                code="server_overloaded",
+            )
+        try:
+            for tag, prompt in enumerate(self.prompts):
+                request_id = f"{self.id_base}-{tag}"
+                self._unfinished.add(request_id)
+                await loop.add(request_id, prompt, self.params, self.queue, tag=tag, priority=self.priority)
+        except ValueError as exc:
+            self.abort()
+            loop.metrics.rejected.labels(status="400").inc()
+            raise bad_request(str(exc)) from exc
+        except RuntimeError as exc:
+            self.abort()
+            raise APIError(503, str(exc)) from exc
+        except BaseException:  # cancelled while submitting: the client is gone
+            self.abort()
+            raise
+
+    async def deltas(self) -> AsyncIterator[RequestDelta]:
+        """Every delta until all engine requests finished; aborts the rest if the reader stops early."""
+        try:
+            while self._unfinished:
+                delta = await self.queue.get()
+                if delta.finished:
+                    self._unfinished.discard(delta.request_id)
+                if delta.error is not None:
+                    raise APIError(500, f"request {delta.request_id} failed: {delta.error}")
+                if delta.prompt_token_ids:
+                    self.prompt_token_ids[delta.tag] = delta.prompt_token_ids
+                yield delta
+        finally:
+            self.abort()
+
+    async def collect(self) -> dict[int, SampleState]:
+        """Run to completion; choice index -> accumulated sample."""
+        states: dict[int, SampleState] = {}
+        async for delta in self.deltas():
+            for sample in delta.samples:
+                state = states.setdefault(self.choice_index(delta.tag, sample.index), SampleState())
+                state.text.append(sample.text)
+                state.token_ids.extend(sample.token_ids)
+                if sample.logprobs:
+                    state.logprobs.extend(sample.logprobs)
+                if sample.finish_reason is not None:
+                    state.finish_reason, state.stop_reason = sample.finish_reason, sample.stop_reason
+        return dict(sorted(states.items()))
+
+    def choice_index(self, tag: int, sample_index: int) -> int:
+        return tag * self.n + sample_index
+
+    def usage(self, completion_tokens: int) -> Usage:
+        return Usage.of(sum(len(ids) for ids in self.prompt_token_ids.values()), completion_tokens)
+
+    def abort(self) -> None:
+        for request_id in self._unfinished:
+            self.ctx.engine_loop.abort(request_id)
+        self._unfinished.clear()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await ``work``; cancel it and return None if the client disconnects first.
+
+    For non-streaming requests: Starlette cancels streaming bodies on disconnect
+    by itself, but a plain handler would keep generating for nobody. After the
+    body is read, the only message ``receive`` can return is ``http.disconnect``.
+    """
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work_task.done():
+            work_task.cancel()  # its finally blocks abort the engine requests
+            with contextlib.suppress(asyncio.CancelledError):
+                await work_task
+    if work_task.cancelled():
+        return None
+    return work_task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def sse_error(exc: APIError) -> str:
+    """An error inside a stream that already answered 200: OpenAI's error body as one event."""
+    return sse(json.dumps(exc.body()))

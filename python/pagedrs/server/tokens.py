@@ -1,0 +1,50 @@
+"""Token-level helpers for responses: token strings for logprobs and chat prompt rendering."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jinja2 import TemplateError
+
+from pagedrs.server.errors import bad_request
+from pagedrs.server.protocol import ChatMessage
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """The text one token stands for, special tokens included (OpenAI lists them too)."""
+    return str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def top_logprobs(tokenizer: Any, entry: dict[int, float], k: int) -> list[tuple[str, float]]:
+    """The k most likely tokens of one position, most likely first (ties by token id, for determinism)."""
+    ranked = sorted(entry.items(), key=lambda item: (-item[1], item[0]))[:k]
+    return [(token_text(tokenizer, token_id), logprob) for token_id, logprob in ranked]
+
+
+def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    """The conversation through the model's chat template, as prompt token ids."""
+    if not messages:
+        raise bad_request("messages is empty: send at least one message", param="messages")
+    plain = [{"role": m.role, "content": _content_text(m, i)} for i, m in enumerate(messages)]
+    try:
+        return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
+    except (ValueError, TemplateError) as exc:  # no chat template, or the template rejected the conversation
+        raise bad_request(str(exc), param="messages") from exc
+
+
+def _content_text(message: ChatMessage, index: int) -> str:
+    """Message content as text: a string, or the concatenation of its text parts."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(
+                f"messages[{index}].content has a part of type {part.type!r}: only 'text' parts are supported",
+                param=f"messages[{index}].content",
+            )
+        texts.append(part.text)
+    return "".join(texts)
