@@ -1,0 +1,89 @@
+"""ModelRunner: executes one scheduled step (block copies, then the forward pass) and returns logits.
+
+It owns the KV tensors and never decides anything about memory: which block
+holds what, what to copy and what to swap all come in the ``StepInput``.
+
+KV layout (see ``pagedrs.attention.base``): one tensor per tier,
+``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so that a
+copy or a swap of a block across every layer and both K and V is a single
+indexed copy along dim 2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedrs.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedrs.models import LoadedModel
+from pagedrs.step_input import StepInput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        if num_gpu_blocks < 1 or num_cpu_blocks < 0 or block_size < 1:
+            raise ValueError(
+                f"ModelRunner needs num_gpu_blocks >= 1, num_cpu_blocks >= 0, block_size >= 1; got "
+                f"num_gpu_blocks={num_gpu_blocks}, num_cpu_blocks={num_cpu_blocks}, block_size={block_size}"
+            )
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = loaded.config
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = block_size
+        self.backend = backend if backend is not None else get_backend(self.device)
+        c = self.config
+        per_block = (c.num_hidden_layers, 2)
+        block_shape = (block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_cache = torch.zeros(per_block + (num_gpu_blocks,) + block_shape, dtype=self.dtype, device=self.device)
+        self.cpu_cache = torch.zeros(
+            per_block + (num_cpu_blocks,) + block_shape,
+            dtype=self.dtype,
+            device="cpu",
+            pin_memory=self.device.type == "cuda" and torch.cuda.is_available(),
+        )
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """float32 logits [S, vocab]: row i for the last new token of scheduled sequence i."""
+        # block movement first, in the contract's order: swap-out frees blocks others may reuse now
+        if len(step.swap_out):
+            self.backend.swap_blocks(self.kv_cache, self.cpu_cache, torch.from_numpy(step.swap_out).long())
+        if len(step.swap_in):
+            self.backend.swap_blocks(self.cpu_cache, self.kv_cache, torch.from_numpy(step.swap_in).long())
+        if len(step.copies):
+            self.backend.copy_blocks(self.kv_cache, torch.from_numpy(step.copies).long().to(self.device))
+        vocab = self.config.vocab_size
+        if step.num_tokens == 0:
+            return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
+        meta = self.build_metadata(step)
+        input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
+        positions = torch.from_numpy(step.positions).long().to(self.device)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        last = meta.query_start_loc[1:].long() - 1
+        return self.model.compute_logits(hidden[last])
+
+    def build_metadata(self, step: StepInput) -> AttentionMetadata:
+        q = step.query_start_loc.astype("int64")
+        dev = self.device
+        query_lens = q[1:] - q[:-1]
+        if (query_lens < 1).any():
+            raise ValueError(f"every scheduled sequence needs at least one new token; query lengths {query_lens.tolist()}")
+        return AttentionMetadata(
+            slot_mapping=torch.from_numpy(step.slot_mapping).long().to(dev),
+            query_start_loc=torch.from_numpy(step.query_start_loc).int().to(dev),
+            seq_lens=torch.from_numpy(step.seq_lens).int().to(dev),
+            block_tables=torch.from_numpy(step.block_tables).int().to(dev),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(step.seq_lens.max()),
+            query_start_loc_cpu=[int(x) for x in q],
+            seq_lens_cpu=[int(x) for x in step.seq_lens],
+        )

@@ -1,0 +1,222 @@
+"""GGUF -> a cached Hugging Face folder (config.json, model.safetensors, tokenizer files).
+
+Dequantizing and building the tokenizer from GGUF metadata take seconds, so the
+result is written once under ``$PAGEDRS_CACHE_DIR`` (default ``~/.cache/pagedrs``)
+in ``gguf/<sha256 of the file's content>/`` and every later load reads that folder.
+The hash of a file is remembered by (path, size, mtime) so a warm load does not
+re-read the whole file.
+
+llama.cpp stores the Q and K projections of ``llama`` models with their rows
+permuted (interleaved rotary halves); ``unpermute_qk`` undoes it so the weights
+match the Hugging Face rotary layout our model uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# llama.cpp architecture -> (our model_type, whether Q/K rows were permuted by the converter)
+_ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+
+# GGUF tensor names -> transformers names; "{i}" is the layer index.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_CONVERTED_FORMAT = 1  # bump when the cached folder's contents change meaning
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDRS_CACHE_DIR", Path.home() / ".cache" / "pagedrs"))
+
+
+def file_sha256(path: Path) -> str:
+    """Content hash, memoized by (resolved path, size, mtime_ns) in the cache's hashes.json."""
+    stat = path.stat()
+    memo_file = cache_root() / "hashes.json"
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, json.JSONDecodeError):
+        memo = {}
+    if key in memo:
+        return str(memo[key])
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    memo[key] = h.hexdigest()
+    _atomic_write_text(memo_file, json.dumps(memo))
+    return memo[key]
+
+
+def convert_gguf_cached(path: Path) -> Path:
+    """The cached converted folder for this GGUF file, converting it on the first call."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
+    target = cache_root() / "gguf" / f"{file_sha256(path)}-v{_CONVERTED_FORMAT}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        convert_gguf(path, staging)
+        try:
+            staging.rename(target)  # atomic: a concurrent converter may have won, which is fine
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def convert_gguf(path: Path, out: Path) -> None:
+    """Write config.json, model.safetensors (float32) and the tokenizer of a GGUF file into ``out``."""
+    from safetensors.torch import save_file
+
+    reader = open_gguf(path)
+    config = gguf_config(reader, path)
+    state = gguf_state_dict(reader, config, path)
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    from pagedrs.tokenizer import Tokenizer
+
+    Tokenizer.from_gguf(path).hf.save_pretrained(str(out))
+
+
+def open_gguf(path: Path) -> Any:
+    import gguf
+
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{str(path)!r} is not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # the reader raises assorted errors on a short or garbled file
+        raise ValueError(f"GGUF file {str(path)!r} is truncated or corrupt: {type(e).__name__}: {e}") from e
+
+
+def _field(reader: Any, key: str, default: Any = None, *, path: Path | None = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        if path is not None:
+            raise ValueError(f"GGUF file {str(path)!r} lacks metadata field {key!r}")
+        return default
+    return f.contents()
+
+
+def gguf_config(reader: Any, path: Path) -> dict[str, Any]:
+    """A transformers-style config.json dict from the GGUF metadata."""
+    from pagedrs.models.config import SUPPORTED_MODEL_TYPES
+
+    arch = _field(reader, "general.architecture", path=path)
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} in {str(path)!r} is not supported; supported model types: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (GGUF architectures: {', '.join(_ARCHITECTURES)})"
+        )
+    hidden = int(_field(reader, f"{arch}.embedding_length", path=path))
+    heads = int(_field(reader, f"{arch}.attention.head_count", path=path))
+    tokens = _field(reader, "tokenizer.ggml.tokens", [])
+    names = {t.name for t in reader.tensors}
+    config: dict[str, Any] = {
+        "model_type": _ARCHITECTURES[arch][0],
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "vocab_size": int(_field(reader, f"{arch}.vocab_size", len(tokens))),
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length", path=path)),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count", path=path)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"GGUF file {str(path)!r} uses rope_freqs (Llama 3 frequency factors), not supported yet")
+    return config
+
+
+def gguf_state_dict(reader: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to float32 under its transformers name."""
+    from gguf.quants import dequantize
+
+    permuted = _ARCHITECTURES[_field(reader, "general.architecture")][1]
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name, path)
+        try:
+            array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError as e:
+            raise ValueError(f"GGUF tensor {t.name!r} in {str(path)!r} has unsupported type {t.tensor_type.name}") from e
+        # GGUF lists dims innermost first; numpy data is already row-major [out, in].
+        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if array.shape != expected:
+            array = array.reshape(expected)
+        tensor = torch.from_numpy(array.copy())
+        if permuted and name.endswith("q_proj.weight"):
+            tensor = unpermute_qk(tensor, config["num_attention_heads"])
+        elif permuted and name.endswith("k_proj.weight"):
+            tensor = unpermute_qk(tensor, config["num_key_value_heads"])
+        state[name] = tensor
+    return state
+
+
+def _hf_name(gguf_name: str, path: Path) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} in {str(path)!r} has no counterpart in the Llama architecture")
+
+
+def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's convert_hf_to_gguf permutation (rotary halves -> interleaved pairs), for tests."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Inverse of ``permute_qk``: interleaved rotary pairs -> the two halves transformers expects."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

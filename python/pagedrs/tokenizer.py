@@ -1,0 +1,103 @@
+"""Tokenizer: text <-> token ids and chat templates, plus streaming detokenization.
+
+Both sources (a Hugging Face folder's tokenizer.json, or a GGUF file's metadata)
+go through transformers' fast tokenizer, always with ``local_files_only`` so that
+nothing is ever fetched from a hub.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+_REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None) -> None:
+        self.hf = hf_tokenizer
+        eos = set(eos_token_ids or ())
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(int(hf_tokenizer.eos_token_id))
+        self.eos_token_ids: set[int] = eos
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, eos_token_ids: set[int] | None = None) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot load a tokenizer from folder {str(folder)!r}: {e}") from e
+        return cls(tok, eos_token_ids)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, eos_token_ids: set[int] | None = None) -> Tokenizer:
+        """Built by transformers from the GGUF metadata (slow: the GGUF loader caches the result as a folder)."""
+        from transformers import AutoTokenizer
+
+        path = Path(path)
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        return cls(tok, eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The model's own chat template, rendered to text and then encoded without extra special tokens."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; pass a plain prompt instead")
+        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing output, never splitting a multi-byte character.
+
+    Decodes only a short window: ``ids[prefix_offset:read_offset]`` is text already
+    emitted, ``ids[prefix_offset:]`` is that plus the new tokens. Decoding with a few
+    tokens of left context keeps tokenizers that drop a leading space at the start of
+    a decode (SentencePiece) right. A window that ends in U+FFFD is an incomplete
+    byte sequence: it is held back until the next token completes it (``flush`` emits
+    it at the end of a request).
+    """
+
+    _CONTEXT = 5  # tokens of already-emitted left context
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids)
+        self.read_offset = len(self.ids)
+        self.prefix_offset = max(self.read_offset - self._CONTEXT, 0)
+        self.text = ""
+
+    def step(self, new_token_ids: list[int]) -> str:
+        self.ids.extend(new_token_ids)
+        return self._emit(hold_incomplete=True)
+
+    def flush(self) -> str:
+        """Emit whatever is held back (an output that really ends in an invalid byte sequence)."""
+        return self._emit(hold_incomplete=False)
+
+    def _emit(self, hold_incomplete: bool) -> str:
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        new_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(new_text) <= len(prefix_text) or (hold_incomplete and new_text.endswith(_REPLACEMENT_CHAR)):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,121 @@
+"""Shared fixtures: tiny random llama / mistral / qwen2 models saved as Hugging Face folders
+(with a tiny byte-level BPE tokenizer and a chat template), and the embedded SmolLM2.
+
+Nothing here reaches a model hub: everything is built locally with transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))  # tests/paged_driver.py
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention keeps the KV cache in fixed-size blocks.",
+    "naïve café résumé — über straße, 東京 and 北京, emoji 🙂🚀 ✓",
+    "def main():\n    return 42\n",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# (model_type, extra config): together they cover GQA, MQA, tied/untied heads, q/k/v bias,
+# and the default, linear and Llama 3 rotary scalings.
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    ),
+    "mistral": dict(num_key_value_heads=1, tie_word_embeddings=False, sliding_window=None),
+    "qwen2": dict(num_key_value_heads=2, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+def make_tiny_tokenizer(folder: Path):
+    """A byte-level BPE (256 bytes + a few merges + specials) saved as tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TINY_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def make_tiny_model(model_type: str, folder: Path, seed: int = 0):
+    """A random transformers model of ``model_type`` (hidden 64, 2 layers) saved to ``folder``."""
+    import transformers
+
+    tokenizer = make_tiny_tokenizer(folder)
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[model_type]
+    config = getattr(transformers, cls)(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        initializer_range=0.2,  # large weights: well separated logits, so greedy never hits near-ties
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **TINY_CONFIGS[model_type],
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if model_type == "qwen2":  # transformers initializes biases to zero: make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(str(folder))
+    return model
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
+def tiny_model_dir(request, tmp_path_factory) -> Path:
+    """A saved tiny model folder, once per model type (llama, mistral, qwen2)."""
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    make_tiny_model(request.param, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama-only")
+    make_tiny_model("llama", folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M loaded once for the session (float32, CPU)."""
+    from pagedrs.models import load_model
+
+    return load_model("smollm2-135m")
