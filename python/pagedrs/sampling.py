@@ -1,0 +1,173 @@
+"""Batched sampling for one step: penalties, temperature, min-p, top-k, top-p, seeded draws, logprobs.
+
+Everything is a tensor op over the step's [S, V] logits; per-row settings become
+[S] tensors. The only Python loop is over rows that carry their own seeded
+generator: each draws its own noise, so a seeded request gets the same tokens
+whatever else shares its batch.
+
+Order (vLLM's): repetition / frequency / presence penalties -> min_tokens mask
+(EOS and stop ids) -> greedy rows take the argmax here -> temperature -> min-p
+-> top-k -> top-p -> one draw per row via the exponential race
+``argmax(p / q), q ~ Exp(1)``, which samples exactly from ``p``.
+
+Logprobs follow vLLM's default: the log-softmax of the model's *raw* logits,
+before penalties, temperature and truncation, so they describe the model rather
+than the sampler settings (and a greedy and a sampled request report the same
+numbers for the same token).
+
+Stop strings and max_tokens are the engine's job, not this module's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedrs.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One scheduled sequence's sampling state for this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # set when params.seed is not None; owned by the request
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # masked while len(output_token_ids) < params.min_tokens (with params.stop_token_ids)
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+@dataclass
+class SampleResult:
+    token_id: int
+    logprob: float  # of token_id, from the raw logits
+    top_logprobs: dict[int, float] | None  # the top params.logprobs tokens plus the sampled one; None if not asked
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+    """One token per row of ``logits`` (float32 [S, V])."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(rows)} sampling rows")
+    if not rows:
+        return []
+    device = logits.device
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    x = apply_penalties(logits.float().clone(), rows)
+    mask_min_tokens(x, rows)
+    greedy_ids = x.argmax(dim=-1)
+    is_greedy = torch.tensor([r.params.temperature == 0 for r in rows], device=device)
+    if bool(is_greedy.all()):
+        token_ids = greedy_ids
+    else:
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
+        x = x / temps[:, None]
+        x = apply_min_p(x, torch.tensor([r.params.min_p for r in rows], device=device))
+        x = apply_top_k_top_p(
+            x,
+            torch.tensor([r.params.top_k if r.params.top_k > 0 else x.shape[1] for r in rows], device=device),
+            torch.tensor([r.params.top_p for r in rows], device=device),
+        )
+        sampled = _exponential_race(torch.softmax(x, dim=-1), rows)
+        token_ids = torch.where(is_greedy, greedy_ids, sampled)
+    return _results(token_ids, logprobs, rows)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM's formulas, in place:
+
+    - repetition (tokens seen in prompt or output): ``l / r`` where ``l > 0``, else ``l * r``;
+    - frequency: ``l -= f * count_in_output``;  presence: ``l -= p * (count_in_output > 0)``.
+    """
+    rep = [r.params.repetition_penalty for r in rows]
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    if all(v == 1.0 for v in rep) and not any(freq) and not any(pres):
+        return logits
+    num_seqs, vocab = logits.shape
+    device = logits.device
+    output_counts = _token_counts([r.output_token_ids for r in rows], num_seqs, vocab, device)
+    if any(v != 1.0 for v in rep):
+        seen = (_token_counts([r.prompt_token_ids for r in rows], num_seqs, vocab, device) > 0) | (output_counts > 0)
+        r = torch.tensor(rep, device=device)[:, None].expand_as(logits)
+        penalized = torch.where(logits > 0, logits / r, logits * r)
+        logits = torch.where(seen, penalized, logits)
+    logits -= torch.tensor(freq, device=device)[:, None] * output_counts
+    logits -= torch.tensor(pres, device=device)[:, None] * (output_counts > 0).float()
+    return logits
+
+
+def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Until a row has ``min_tokens`` outputs, its EOS and stop token ids cannot be sampled."""
+    for i, r in enumerate(rows):  # builds an index list only; the masking is one op
+        if len(r.output_token_ids) < r.params.min_tokens:
+            banned = [t for t in (set(r.params.stop_token_ids) | set(r.eos_token_ids)) if t < logits.shape[1]]
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
+    if not bool((min_p > 0).any()):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's ``k`` largest logits, then its smallest set with probability mass >= ``p``."""
+    if bool((k >= logits.shape[1]).all()) and bool((p >= 1.0).all()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    kth = sorted_logits.gather(1, (logits.shape[1] - k.long()).clamp(min=0)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1 - p[:, None])
+    drop[:, -1] = False  # the top token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return sorted_logits.scatter(1, order, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """argmax(p / q) with q ~ Exp(1) per token samples from p; seeded rows draw q from their own generator."""
+    q = torch.empty_like(probs).exponential_()
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            q[i].exponential_(generator=r.generator)
+    return (probs / q.clamp_min(1e-30)).argmax(dim=-1)
+
+
+def _token_counts(token_lists: list[list[int]], num_seqs: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """[S, V] float counts of each token id in each row's list (ids >= vocab ignored)."""
+    counts = torch.zeros(num_seqs, vocab, device=device)
+    lengths = [len(t) for t in token_lists]
+    if sum(lengths) == 0:
+        return counts
+    width = max(lengths)
+    ids = torch.full((num_seqs, width), vocab, dtype=torch.long)  # pad with an out-of-range id
+    for i, t in enumerate(token_lists):
+        ids[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    ids = ids.clamp(max=vocab).to(device)
+    padded = torch.zeros(num_seqs, vocab + 1, device=device)
+    padded.scatter_add_(1, ids, torch.ones_like(ids, dtype=padded.dtype))
+    return padded[:, :vocab]
+
+
+def _results(token_ids: torch.Tensor, logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+    ids = token_ids.tolist()
+    chosen = logprobs.gather(1, token_ids[:, None].long())[:, 0].tolist()
+    max_k = max((r.params.logprobs or 0) for r in rows)
+    top_vals, top_ids = (logprobs.topk(max_k, dim=-1) if max_k else (None, None))
+    results = []
+    for i, r in enumerate(rows):
+        top: dict[int, float] | None = None
+        if r.params.logprobs is not None:
+            k = r.params.logprobs
+            top = {}
+            if k and top_ids is not None:
+                top = dict(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+            top[ids[i]] = chosen[i]
+        results.append(SampleResult(token_id=ids[i], logprob=chosen[i], top_logprobs=top))
+    return results

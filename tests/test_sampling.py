@@ -1,0 +1,148 @@
+"""Sampling: seeded reproducibility, truncation sets on a known distribution, penalty formulas, validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedrs.sampling import SamplingRow, apply_penalties, sample
+from pagedrs.sampling_params import SamplingParams
+
+# token 0..4 carry 0.4, 0.3, 0.15, 0.1, 0.05 of the mass; 5..9 are impossible
+KNOWN_PROBS = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05, 0, 0, 0, 0, 0])
+KNOWN_LOGITS = torch.log(KNOWN_PROBS.clamp_min(1e-12))
+
+
+def _row(params: SamplingParams, out: list[int] | None = None, prompt: list[int] | None = None, **kw) -> SamplingRow:
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator().manual_seed(params.seed)
+    return SamplingRow(params, gen, prompt or [], out or [], **kw)
+
+
+def _draws(params: SamplingParams, n: int = 3000) -> set[int]:
+    torch.manual_seed(0)
+    rows = [_row(params) for _ in range(n)]
+    return {r.token_id for r in sample(KNOWN_LOGITS.expand(n, -1).clone(), rows)}
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (SamplingParams(temperature=1.0), {0, 1, 2, 3, 4}),
+        (SamplingParams(temperature=1.0, top_k=2), {0, 1}),
+        (SamplingParams(temperature=1.0, top_k=1), {0}),
+        (SamplingParams(temperature=1.0, top_p=0.6), {0, 1}),  # 0.4 < 0.6 <= 0.4 + 0.3
+        (SamplingParams(temperature=1.0, top_p=0.86), {0, 1, 2, 3}),  # 0.85 < 0.86
+        (SamplingParams(temperature=1.0, min_p=0.5), {0, 1}),  # >= 0.2
+        (SamplingParams(temperature=1.0, min_p=0.3), {0, 1, 2}),  # >= 0.12
+        (SamplingParams(temperature=1.0, top_k=3, top_p=0.5), {0, 1}),
+        (SamplingParams(temperature=0.0, top_k=3), {0}),
+    ],
+)
+def test_truncation_emits_exactly_the_allowed_set(params, allowed):
+    """Over 3000 draws: never a token outside the set, and every token inside it shows up."""
+    assert _draws(params) == allowed
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    torch.manual_seed(1)
+    n = 20000
+    rows = [_row(SamplingParams(temperature=1.0)) for _ in range(n)]
+    ids = torch.tensor([r.token_id for r in sample(KNOWN_LOGITS.expand(n, -1).clone(), rows)])
+    freq = torch.bincount(ids, minlength=10).float() / n
+    assert (freq - KNOWN_PROBS).abs().max().item() < 0.02
+
+
+def test_seeded_rows_reproducible_whatever_the_batch():
+    torch.manual_seed(3)
+    logits = torch.randn(1, 50)
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+
+    def run(companions: int, steps: int = 6) -> list[int]:
+        gen_row = _row(seeded)
+        others = [_row(SamplingParams(temperature=1.0, seed=s if s % 2 else None)) for s in range(companions)]
+        tokens = []
+        for _ in range(steps):
+            rows = others[: companions // 2] + [gen_row] + others[companions // 2 :]
+            batch = torch.cat([torch.randn(companions // 2, 50), logits, torch.randn(companions - companions // 2, 50)])
+            tokens.append(sample(batch, rows)[companions // 2].token_id)
+        return tokens
+
+    alone = run(0)
+    assert run(3) == alone
+    assert run(8) == alone
+    assert len(set(alone)) > 1  # really random, not stuck on the argmax
+
+
+def test_greedy_is_argmax_and_logprobs_are_raw():
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0], [0.5, 0.1, 0.2, 4.0]])
+    res = sample(logits, [_row(SamplingParams(temperature=0, logprobs=2)), _row(SamplingParams(temperature=0))])
+    assert [r.token_id for r in res] == [1, 3]
+    raw = torch.log_softmax(logits, -1)
+    assert res[0].logprob == pytest.approx(raw[0, 1].item())
+    assert res[0].top_logprobs == pytest.approx({1: raw[0, 1].item(), 2: raw[0, 2].item()})
+    assert res[1].top_logprobs is None
+
+
+def test_penalties_follow_vllm_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    row = _row(params, out=[0, 0, 1], prompt=[4])
+    got = apply_penalties(logits.clone(), [row])[0].tolist()
+    # token 0: seen, >0 -> 2/2 = 1, then -0.5*2 (freq) -0.25 (presence) = -0.25
+    # token 1: seen, <0 -> -1*2 = -2, then -0.5*1 -0.25 = -2.75
+    # token 4: in prompt only, <0 -> -2*2 = -4, no output penalty
+    expected = [-0.25, -2.75, 0.5, 3.0, -4.0, 1.0]
+    assert got == pytest.approx(expected)
+
+
+def test_penalties_are_per_row():
+    logits = torch.zeros(2, 4) + 1.0
+    rows = [_row(SamplingParams(presence_penalty=1.0), out=[2]), _row(SamplingParams(), out=[2])]
+    got = apply_penalties(logits.clone(), rows)
+    assert got.tolist() == [[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])
+    params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
+    assert sample(logits, [_row(params, out=[1], eos_token_ids=frozenset({2}))])[0].token_id == 4
+    assert sample(logits, [_row(params, out=[1, 1], eos_token_ids=frozenset({2}))])[0].token_id == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "allowed"),
+    [
+        ({"n": 0}, "n", ">= 1"),
+        ({"temperature": -0.1}, "temperature", ">= 0"),
+        ({"top_p": 0.0}, "top_p", "0 < top_p <= 1"),
+        ({"top_p": 1.5}, "top_p", "0 < top_p <= 1"),
+        ({"top_k": -2}, "top_k", "0 / -1 to disable"),
+        ({"min_p": 1.2}, "min_p", "0 <= min_p <= 1"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "-2 <= value <= 2"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "-2 <= value <= 2"),
+        ({"max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "[0, max_tokens=10]"),
+        ({"logprobs": 21}, "logprobs", "[0, 20]"),
+        ({"stop": [""]}, "stop", "non-empty"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+    ],
+)
+def test_sampling_params_validation_names_field_value_and_range(kwargs, field, allowed):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    msg = str(e.value)
+    assert f"SamplingParams.{field}=" in msg
+    assert repr(kwargs[field]) in msg
+    assert allowed in msg
+
+
+def test_sampling_params_normalizes_stop():
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams().stop == []
+    assert SamplingParams(top_k=-1).top_k == -1
+    assert math.isclose(SamplingParams(temperature=0).temperature, 0.0)
