@@ -1,0 +1,315 @@
+// Paged attention over a block table: decode, chunked prefill and split-K in one kernel.
+//
+// The work of one thread block is a set of query "rows" that share one KV head:
+// row = new_token * group + head_in_group, where group = num_heads / num_kv_heads.
+// A decode step has one new token per sequence, so a block serves the `group`
+// query heads of one KV head (GQA: each KV page is read once for all of them).
+// A prefill chunk has q_len new tokens; each row sees the keys up to its own
+// position (causal), i.e. the cached prefix pages plus the chunk itself, read
+// straight from the pages (no gather into a contiguous tensor).
+//
+// Per tile of TILE tokens (about 16 KiB of K and 16 KiB of V for one KV head):
+//   1. every thread issues its 16-byte K and V loads (K to registers, V to registers)
+//   2. groups of TPT lanes reduce q.k for every row        -> p_s[row][token]
+//   3. V goes to shared memory; one warp per row updates the running max and sum
+//      (online softmax) and turns scores into probabilities
+//   4. threads own (row, 16-byte slice of head_dim) accumulators in fp32 and add p * v
+// Split-K: gridDim.z partitions of `part_tokens` keys each write a normalized
+// partial output and (max, sum); attention_reduce_kernel merges them.
+#include "dtype.cuh"
+
+namespace pagedrs {
+
+constexpr int kThreads = 128;      // threads per attention block (4 warps)
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRows = 16;       // query rows one block serves
+constexpr int kTileBytes = 16384;  // bytes of K (and of V) per tile for one KV head
+constexpr int kMaxParts = 1024;    // split-K partitions the reduce kernel accepts
+constexpr int kMinBlocksPerSm = 4;  // caps registers at 128/thread: 16 warps per SM to hide load latency
+
+__host__ __device__ constexpr int pow2_floor(int x) {
+  int p = 1;
+  while (p * 2 <= x) p *= 2;
+  return p;
+}
+__host__ __device__ constexpr int pow2_ceil(int x) {
+  int p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+__host__ __device__ constexpr int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// Compile-time geometry of one (dtype, head size) pair.
+template <typename T, int HEAD>
+struct AttnShape {
+  static constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte vector
+  static constexpr int NVEC = HEAD / VEC;                         // vectors per head row
+  static constexpr int TPT = NVEC < 32 ? pow2_ceil(NVEC) : 32;    // lanes per token in q.k
+  static constexpr int VPT = (NVEC + TPT - 1) / TPT;              // vectors per lane per token
+  static constexpr int NGRP = kThreads / TPT;                     // tokens in flight in q.k
+  static constexpr int TILE = clamp_int(pow2_floor(kTileBytes / (HEAD * static_cast<int>(sizeof(T)))), 16, 128);
+  static constexpr int TOK_PER_GRP = TILE / NGRP;                 // tokens per lane group per tile
+  static constexpr int V_PER_THREAD = TILE * NVEC / kThreads;     // V vectors loaded per thread per tile
+  static constexpr int KMAX = (kMaxRows * NVEC + kThreads - 1) / kThreads;  // accumulators per thread
+  static_assert(HEAD % VEC == 0, "head size must be a multiple of 16 bytes");
+  static_assert(TILE % NGRP == 0, "tile must split evenly over lane groups");
+  static_assert((TILE * NVEC) % kThreads == 0, "V tile must split evenly over threads");
+};
+
+template <typename T, int HEAD, int BLOCK>
+__device__ __forceinline__ const T* kv_row(const T* __restrict__ cache, const int* __restrict__ table, int t,
+                                           int num_kv_heads, int kv_head) {
+  const long long block = table[t / BLOCK];
+  return cache + ((block * BLOCK + t % BLOCK) * num_kv_heads + kv_head) * HEAD;
+}
+
+// grid (num_kv_heads, num_work_items, num_parts), block kThreads, static shared memory < 48 KiB.
+template <typename T, int HEAD, int BLOCK>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_kernel(
+    T* __restrict__ out,                      // [num_tokens, num_heads, HEAD]; written when num_parts == 1
+    float* __restrict__ part_out,             // [num_tokens, num_heads, num_parts, HEAD]; when num_parts > 1
+    float* __restrict__ part_ml,              // [num_tokens, num_heads, num_parts, 2] (max, sum); when > 1
+    const T* __restrict__ query,              // [num_tokens, num_heads, HEAD], token stride q_token_stride
+    const T* __restrict__ key_cache,          // [num_blocks, BLOCK, num_kv_heads, HEAD]
+    const T* __restrict__ value_cache,        // [num_blocks, BLOCK, num_kv_heads, HEAD]
+    const int* __restrict__ block_tables,     // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ seq_lens,         // [num_seqs] context length including the new tokens
+    const int* __restrict__ query_start_loc,  // [num_seqs + 1] seq i owns tokens [q[i], q[i+1])
+    const int* __restrict__ work_items,       // [num_work_items, 2] (seq, first row of the block)
+    int max_blocks_per_seq, int num_kv_heads, int group, long long q_token_stride, float scale,
+    int part_tokens) {
+  using S = AttnShape<T, HEAD>;
+  constexpr int VEC = S::VEC, NVEC = S::NVEC, TPT = S::TPT, TILE = S::TILE;
+
+  __shared__ float q_s[kMaxRows][HEAD];    // scaled queries
+  __shared__ float p_s[kMaxRows][TILE];    // scores, then probabilities, of the current tile
+  __shared__ __align__(16) T v_s[TILE * HEAD];  // V of the current tile; reused for the slice reduction
+  __shared__ float m_s[kMaxRows], l_s[kMaxRows], alpha_s[kMaxRows];
+  __shared__ int last_s[kMaxRows];         // last key position each row may see (causal)
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int kv_head = blockIdx.x;
+  const int seq = work_items[2 * blockIdx.y];
+  const int row0 = work_items[2 * blockIdx.y + 1];
+  const int part = blockIdx.z, num_parts = gridDim.z;
+  const int q_begin = query_start_loc[seq];
+  const int q_len = query_start_loc[seq + 1] - q_begin;
+  const int ctx = seq_lens[seq];
+  const int nrows = min(kMaxRows, q_len * group - row0);
+  const int num_heads = num_kv_heads * group;
+  const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
+
+  // Key range of this block: the partition, cut at the last row's causal limit.
+  const int key_end = ctx - q_len + (row0 + nrows - 1) / group + 1;
+  const int kbeg = part * part_tokens;
+  const int kend = min(kbeg + part_tokens, key_end);
+  if (kbeg >= kend) {  // no key here for any row: tell the reduce kernel (uniform branch)
+    for (int r = tid; r < nrows; r += kThreads) {
+      const int grow = row0 + r;
+      const long long ml = ((static_cast<long long>(q_begin + grow / group) * num_heads + kv_head * group + grow % group) * num_parts + part) * 2;
+      part_ml[ml] = kNegInf();
+      part_ml[ml + 1] = 0.f;
+    }
+    return;
+  }
+
+  for (int idx = tid; idx < nrows * NVEC; idx += kThreads) {
+    const int r = idx / NVEC, vi = idx % NVEC, grow = row0 + r;
+    const T* q = query + (q_begin + grow / group) * q_token_stride + (kv_head * group + grow % group) * HEAD;
+    float f[VEC];
+    vec_to_float<T>(reinterpret_cast<const uint4*>(q)[vi], f);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) q_s[r][vi * VEC + e] = f[e] * scale;
+  }
+  for (int r = tid; r < nrows; r += kThreads) {
+    m_s[r] = kNegInf();
+    l_s[r] = 0.f;
+    last_s[r] = ctx - q_len + (row0 + r) / group;
+  }
+
+  // Accumulator ownership: item = (row, vector of head_dim); with few items,
+  // `nslice` threads share an item and split the tile's tokens between them.
+  const int items = nrows * NVEC;
+  const int nslice = items >= kThreads ? 1 : kThreads / items;
+  const int slice = items >= kThreads ? 0 : tid / items;
+  const bool active = slice < nslice;
+  float acc[S::KMAX][VEC];
+#pragma unroll
+  for (int k = 0; k < S::KMAX; ++k)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[k][e] = 0.f;
+
+  const int grp = tid / TPT, glane = tid % TPT;
+  for (int tile = kbeg; tile < kend; tile += TILE) {
+    // 1. issue every load of the tile before using any of them
+    uint4 kreg[S::TOK_PER_GRP][S::VPT];
+#pragma unroll
+    for (int i = 0; i < S::TOK_PER_GRP; ++i) {
+      const int t = tile + i * S::NGRP + grp;
+      const T* krow = t < kend ? kv_row<T, HEAD, BLOCK>(key_cache, table, t, num_kv_heads, kv_head) : nullptr;
+#pragma unroll
+      for (int j = 0; j < S::VPT; ++j) {
+        const int vi = glane + j * TPT;
+        kreg[i][j] = (krow != nullptr && vi < NVEC) ? reinterpret_cast<const uint4*>(krow)[vi] : make_uint4(0, 0, 0, 0);
+      }
+    }
+    uint4 vreg[S::V_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < S::V_PER_THREAD; ++j) {
+      const int idx = tid + j * kThreads, t = tile + idx / NVEC;
+      vreg[j] = t < kend
+                    ? reinterpret_cast<const uint4*>(kv_row<T, HEAD, BLOCK>(value_cache, table, t, num_kv_heads, kv_head))[idx % NVEC]
+                    : make_uint4(0, 0, 0, 0);  // zeros, never garbage: p = 0 times NaN would poison the sum
+    }
+    __syncthreads();  // the previous tile is done with p_s, v_s, alpha_s; q_s and last_s are ready
+
+    // 2. scores
+#pragma unroll
+    for (int i = 0; i < S::TOK_PER_GRP; ++i) {
+      const int tl = i * S::NGRP + grp, t = tile + tl;
+      float kf[S::VPT][VEC];
+#pragma unroll
+      for (int j = 0; j < S::VPT; ++j) vec_to_float<T>(kreg[i][j], kf[j]);
+      for (int r = 0; r < nrows; ++r) {
+        float dot = 0.f;
+#pragma unroll
+        for (int j = 0; j < S::VPT; ++j) {
+          const int vi = glane + j * TPT;
+          if (vi < NVEC) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) dot += kf[j][e] * q_s[r][vi * VEC + e];
+          }
+        }
+#pragma unroll
+        for (int off = TPT / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
+        if (glane == 0) p_s[r][tl] = (t < kend && t <= last_s[r]) ? dot : kNegInf();
+      }
+    }
+    // 3. stage V, then online softmax, one warp per row
+#pragma unroll
+    for (int j = 0; j < S::V_PER_THREAD; ++j) reinterpret_cast<uint4*>(v_s)[tid + j * kThreads] = vreg[j];
+    __syncthreads();
+    for (int r = warp; r < nrows; r += kWarps) {
+      float mx = kNegInf();
+      for (int tl = lane; tl < TILE; tl += 32) mx = fmaxf(mx, p_s[r][tl]);
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_old = m_s[r], m_new = fmaxf(m_old, mx);
+      float sum = 0.f;
+      for (int tl = lane; tl < TILE; tl += 32) {
+        const float p = m_new == kNegInf() ? 0.f : expf(p_s[r][tl] - m_new);
+        p_s[r][tl] = p;
+        sum += p;
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (lane == 0) {
+        const float alpha = m_new == kNegInf() ? 1.f : expf(m_old - m_new);
+        alpha_s[r] = alpha;
+        l_s[r] = l_s[r] * alpha + sum;
+        m_s[r] = m_new;
+      }
+    }
+    __syncthreads();
+
+    // 4. acc = acc * alpha + p @ V
+    const int tile_len = min(TILE, kend - tile);
+#pragma unroll
+    for (int k = 0; k < S::KMAX; ++k) {
+      const int item = nslice > 1 ? tid % items : tid + k * kThreads;
+      if (!active || item >= items || (nslice > 1 && k > 0)) continue;
+      const int r = item / NVEC, vi = item % NVEC;
+      const float alpha = alpha_s[r];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[k][e] *= alpha;
+      for (int tl = slice; tl < tile_len; tl += nslice) {
+        const float p = p_s[r][tl];
+        float vf[VEC];
+        vec_to_float<T>(reinterpret_cast<const uint4*>(v_s)[tl * NVEC + vi], vf);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[k][e] += p * vf[e];
+      }
+    }
+  }
+  __syncthreads();
+
+  // Slices of one item add up through shared memory (v_s is free now).
+  if (nslice > 1) {
+    float* red = reinterpret_cast<float*>(v_s);  // [nslice, items, VEC], at most kThreads * VEC floats
+    if (active && slice > 0) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) red[(slice * items + tid % items) * VEC + e] = acc[0][e];
+    }
+    __syncthreads();
+    if (tid < items) {
+      for (int s = 1; s < nslice; ++s)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[0][e] += red[(s * items + tid) * VEC + e];
+    }
+  }
+
+  // Write: the final output (one pass) or a normalized partial with its (max, sum).
+  if (num_parts > 1) {
+    for (int r = tid; r < nrows; r += kThreads) {
+      const int grow = row0 + r;
+      const long long ml = ((static_cast<long long>(q_begin + grow / group) * num_heads + kv_head * group + grow % group) * num_parts + part) * 2;
+      part_ml[ml] = m_s[r];
+      part_ml[ml + 1] = l_s[r];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < S::KMAX; ++k) {
+    const int item = tid + k * kThreads;
+    if (item >= items || (nslice > 1 && k > 0)) continue;
+    const int r = item / NVEC, vi = item % NVEC, grow = row0 + r;
+    const float l = l_s[r];
+    if (l == 0.f) continue;  // a row with no key in this partition; the reduce skips it
+    const long long row = static_cast<long long>(q_begin + grow / group) * num_heads + kv_head * group + grow % group;
+    const float inv = 1.f / l;
+    float o[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) o[e] = acc[k][e] * inv;
+    if (num_parts == 1) {
+      reinterpret_cast<uint4*>(out + row * HEAD)[vi] = float_to_vec<T>(o);
+    } else {
+      float* dst = part_out + (row * num_parts + part) * HEAD + vi * VEC;
+#pragma unroll
+      for (int e = 0; e < VEC; e += 4) *reinterpret_cast<float4*>(dst + e) = make_float4(o[e], o[e + 1], o[e + 2], o[e + 3]);
+    }
+  }
+}
+
+// Merges split-K partials: out = sum_p w_p * o_p / sum_p w_p with w_p = l_p * exp(m_p - max_p m_p).
+// grid (num_heads, num_tokens), block 128.
+template <typename T>
+__global__ void __launch_bounds__(128) attention_reduce_kernel(
+    T* __restrict__ out,              // [num_tokens, num_heads, head_size]
+    const float* __restrict__ part_out,  // [num_tokens, num_heads, num_parts, head_size]
+    const float* __restrict__ part_ml,   // [num_tokens, num_heads, num_parts, 2] (max, sum); sum 0 = empty
+    int num_parts, int head_size) {
+  __shared__ float w_s[kMaxParts];
+  __shared__ float inv_total_s;
+  const long long row = static_cast<long long>(blockIdx.y) * gridDim.x + blockIdx.x;
+  const float* ml = part_ml + row * num_parts * 2;
+  float m = kNegInf();
+  for (int p = 0; p < num_parts; ++p)
+    if (ml[2 * p + 1] > 0.f) m = fmaxf(m, ml[2 * p]);
+  for (int p = threadIdx.x; p < num_parts; p += blockDim.x)
+    w_s[p] = ml[2 * p + 1] > 0.f ? ml[2 * p + 1] * expf(ml[2 * p] - m) : 0.f;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int p = 0; p < num_parts; ++p) total += w_s[p];
+    inv_total_s = 1.f / total;
+  }
+  __syncthreads();
+  const float* po = part_out + row * num_parts * head_size;
+  for (int d = threadIdx.x; d < head_size; d += blockDim.x) {
+    float o = 0.f;
+    for (int p = 0; p < num_parts; ++p)
+      if (w_s[p] > 0.f) o += w_s[p] * po[static_cast<long long>(p) * head_size + d];
+    out[row * head_size + d] = from_float<T>(o * inv_total_s);
+  }
+}
+
+}  // namespace pagedrs
