@@ -1,0 +1,92 @@
+"""``CudaAttentionBackend``: the paged-attention CUDA kernels of ``cuda/`` behind the backend interface.
+
+One kernel serves both phases (see cuda/paged_attention.cu): a decode-only step
+puts the ``group`` query heads of one KV head in a thread block and may split
+long contexts (split-K + reduce, by ``pagedrs.kernels.planning.plan_split``); a
+step with prefill chunks gives each chunk ``q_len × group`` causal rows over its
+cached prefix pages plus itself. The plan is made once per step (the metadata
+object is shared by every layer) and reused by each layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedrs.attention.base import AttentionBackend, AttentionMetadata
+from pagedrs.kernels import ops
+from pagedrs.kernels.planning import SplitPlan, plan_split, work_items
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    meta: AttentionMetadata  # the step this plan belongs to (compared by identity)
+    group: int
+    work_items: torch.Tensor  # int32 [num_items, 2] on the device
+    split: SplitPlan
+
+
+class CudaAttentionBackend(AttentionBackend):
+    name = "cuda"
+
+    def __init__(self, num_sms: int | None = None) -> None:
+        self._num_sms = num_sms  # None: read from the device on first use
+        self._plan: _StepPlan | None = None
+        self._swap_streams: dict[int, torch.cuda.Stream] = {}
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim] of the cache dtype; allocated when None
+    ) -> torch.Tensor:
+        group = query.shape[1] // key_cache.shape[2]
+        plan = self._step_plan(meta, group, key_cache.shape[2], query.device)
+        if out is None:
+            out = torch.empty(query.shape, dtype=key_cache.dtype, device=query.device)
+        ops.paged_attention(
+            out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            plan.work_items, scale, plan.split,
+        )  # fmt: skip
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def _step_plan(self, meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device) -> _StepPlan:
+        if self._plan is not None and self._plan.meta is meta and self._plan.group == group:
+            return self._plan
+        starts = meta.query_start_loc_cpu
+        items = work_items([starts[i + 1] - starts[i] for i in range(meta.num_seqs)], group)
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # Split-K only pays off for decode; prefill chunks already bring many rows per sequence.
+        split = (
+            plan_split(len(items) * num_kv_heads, meta.max_seq_len, self._num_sms)
+            if meta.is_decode_only
+            else SplitPlan(num_parts=1, part_tokens=meta.max_seq_len)
+        )
+        self._plan = _StepPlan(meta, group, torch.from_numpy(items).to(device), split)
+        return self._plan
+
+    def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+        ops.copy_blocks(kv_cache, pairs)
+
+    def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+        device = src_cache.device if src_cache.is_cuda else dst_cache.device
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        stream = self._swap_streams.get(index)
+        if stream is None:
+            stream = self._swap_streams[index] = torch.cuda.Stream(device)
+        ops.swap_blocks(src_cache, dst_cache, pairs, stream)

@@ -1,0 +1,164 @@
+"""The kernels as functions of torch tensors: argument checks, grids, launches.
+
+Host code plans (work items, split-K) and checks shapes; the kernels compute.
+Every function launches on torch's current stream and returns without syncing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedrs.kernels import loader
+from pagedrs.kernels.dispatch import COPY_BLOCKS, lookup
+from pagedrs.kernels.planning import MAX_PARTS, SplitPlan
+
+_ATTN_THREADS = 128  # kThreads in cuda/paged_attention.cu
+_MAX_PITCH = 2**31 - 1  # conservative cudaMemcpy2D pitch limit
+
+
+def _rows_ok(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` with contiguous 16-byte-aligned rows (token stride may be larger, e.g. a slice of fused qkv)."""
+    vec = 16 // t.element_size()
+    aligned = t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and t.stride(0) % vec == 0 and t.data_ptr() % 16 == 0
+    if not aligned:
+        t = t.contiguous()
+    if t.data_ptr() % 16 or t.shape[-1] % vec:
+        raise ValueError(f"{what}: head_dim {t.shape[-1]} of {t.dtype} is not a whole number of 16-byte vectors")
+    return t
+
+
+def paged_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_size], fully written
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    work_items: torch.Tensor,  # int32 [num_items, 2] from planning.work_items, on the device
+    scale: float,
+    plan: SplitPlan,
+) -> None:
+    """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``."""
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    num_tokens, num_heads, _ = query.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if not (1 <= plan.num_parts <= MAX_PARTS):
+        raise ValueError(f"plan.num_parts={plan.num_parts} must be in [1, {MAX_PARTS}]")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc), ("work_items", work_items)):
+        if t.dtype != torch.int32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous int32 tensor, got {t.dtype} contiguous={t.is_contiguous()}")
+    if not (out.is_contiguous() and out.shape == query.shape and out.dtype == key_cache.dtype):
+        raise ValueError(f"out must be contiguous {tuple(query.shape)} {key_cache.dtype}, got {tuple(out.shape)} {out.dtype}")
+    entry = lookup(key_cache.dtype, head_size, block_size)
+    device = query.device
+    query = _rows_ok(query.to(key_cache.dtype), "query")
+    group = num_heads // num_kv_heads
+    grid = (num_kv_heads, work_items.shape[0], plan.num_parts)
+    if plan.num_parts > 1:
+        part_out = torch.empty((num_tokens, num_heads, plan.num_parts, head_size), dtype=torch.float32, device=device)
+        part_ml = torch.empty((num_tokens, num_heads, plan.num_parts, 2), dtype=torch.float32, device=device)
+    else:
+        part_out = part_ml = out  # never touched by the single-pass kernel
+    fn = loader.kernel(entry, entry.attention, device)
+    args = (
+        loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.ptr(query),
+        loader.ptr(key_cache), loader.ptr(value_cache), loader.ptr(block_tables), loader.ptr(seq_lens),
+        loader.ptr(query_start_loc), loader.ptr(work_items), loader.i32(block_tables.shape[1]),
+        loader.i32(num_kv_heads), loader.i32(group), loader.i64(query.stride(0)), loader.f32(scale),
+        loader.i32(plan.part_tokens if plan.num_parts > 1 else 2**31 - 1),
+    )  # fmt: skip
+    loader.launch(fn, grid, (_ATTN_THREADS,), args, device)
+    if plan.num_parts > 1:
+        reduce = loader.kernel(entry, entry.reduce, device)
+        args = (loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.i32(plan.num_parts), loader.i32(head_size))
+        loader.launch(reduce, (num_heads, num_tokens), (128,), args, device)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative slots are skipped
+) -> None:
+    """Scatters the step's new K/V rows into their cache slots."""
+    if key.shape[0] == 0:
+        return
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    entry = lookup(key_cache.dtype, head_size, block_size)
+    key = _rows_ok(key.to(key_cache.dtype).reshape(key.shape[0], -1), "key")
+    value = _rows_ok(value.to(key_cache.dtype).reshape(value.shape[0], -1), "value")
+    slot_mapping = slot_mapping.to(device=key.device, dtype=torch.int64).contiguous()
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    fn = loader.kernel(entry, entry.reshape_and_cache, key.device)
+    args = (
+        loader.ptr(key_cache), loader.ptr(value_cache), loader.ptr(key), loader.ptr(value), loader.ptr(slot_mapping),
+        loader.i64(key.stride(0)), loader.i64(value.stride(0)), loader.i32(num_kv_heads * head_size),
+    )  # fmt: skip
+    loader.launch(fn, (key.shape[0],), (128,), args, key.device)
+
+
+def _block_geometry(cache: torch.Tensor) -> tuple[int, int, int]:
+    """(planes = layers * 2, num_blocks, bytes per block) of ``[num_layers, 2, num_blocks, ...]``."""
+    if cache.dim() < 3 or cache.shape[1] != 2 or not cache.is_contiguous():
+        raise ValueError(f"cache must be a contiguous [num_layers, 2, num_blocks, ...] tensor, got {tuple(cache.shape)}")
+    block_bytes = cache[0, 0, 0].numel() * cache.element_size()
+    return cache.shape[0] * 2, cache.shape[2], block_bytes
+
+
+def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    """``kv_cache[:, :, dst] = kv_cache[:, :, src]`` for every (src, dst) pair, all layers in one launch."""
+    if pairs.numel() == 0:
+        return
+    planes, num_blocks, block_bytes = _block_geometry(kv_cache)
+    if block_bytes % 16:
+        raise ValueError(f"a cache block is {block_bytes} bytes; copy_blocks needs a multiple of 16")
+    pairs = pairs.to(device=kv_cache.device, dtype=torch.int64).contiguous()
+    fn = loader.standalone_kernel(COPY_BLOCKS, kv_cache.device)
+    args = (loader.ptr(kv_cache), loader.ptr(kv_cache), loader.ptr(pairs), loader.i64(block_bytes // 16),
+            loader.i64(num_blocks), loader.i64(num_blocks))  # fmt: skip
+    loader.launch(fn, (pairs.shape[0], planes), (256,), args, kv_cache.device)
+
+
+def contiguous_runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:
+    """(src, dst, length) runs where both ids advance by one; sorted by src. Fewer, larger copies."""
+    order = np.argsort(pairs[:, 0], kind="stable")
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in pairs[order].tolist():
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((src, dst, 1))
+    return runs
+
+
+def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.Tensor, side_stream: torch.cuda.Stream) -> None:
+    """Blocks between the device cache and its pinned host mirror, on the copy engines.
+
+    One cudaMemcpy2DAsync per run of consecutive blocks moves that run for every
+    layer and K/V (rows = layers * 2, row pitch = a tier's plane). The copies run on
+    ``side_stream``: it first waits for the compute stream's work so far (event),
+    and the compute stream waits for the copies (event) before its next kernel.
+    """
+    if pairs.numel() == 0:
+        return
+    s_planes, s_blocks, block_bytes = _block_geometry(src_cache)
+    d_planes, d_blocks, d_block_bytes = _block_geometry(dst_cache)
+    if (s_planes, block_bytes) != (d_planes, d_block_bytes) or src_cache.dtype != dst_cache.dtype:
+        raise ValueError(f"swap between mismatched caches {tuple(src_cache.shape)} {src_cache.dtype} and {tuple(dst_cache.shape)} {dst_cache.dtype}")
+    device = src_cache.device if src_cache.is_cuda else dst_cache.device
+    compute = torch.cuda.current_stream(device)
+    side_stream.wait_stream(compute)
+    s_pitch, d_pitch = s_blocks * block_bytes, d_blocks * block_bytes
+    for src, dst, n in contiguous_runs(pairs.cpu().numpy()):
+        s_ptr, d_ptr = src_cache.data_ptr() + src * block_bytes, dst_cache.data_ptr() + dst * block_bytes
+        if max(s_pitch, d_pitch) <= _MAX_PITCH:
+            loader.memcpy_2d_async(d_ptr, d_pitch, s_ptr, s_pitch, n * block_bytes, s_planes, side_stream)
+        else:  # one plane at a time
+            for plane in range(s_planes):
+                loader.memcpy_2d_async(d_ptr + plane * d_pitch, n * block_bytes, s_ptr + plane * s_pitch, n * block_bytes, n * block_bytes, 1, side_stream)
+    compute.wait_stream(side_stream)
