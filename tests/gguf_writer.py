@@ -1,0 +1,88 @@
+"""Write a tiny Hugging Face llama-family model as a GGUF file, the way llama.cpp's converter does
+(Q/K rows permuted, tensors quantized), so loader tests have a GGUF of known content."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf.quants import quantize
+
+from pagedrs.models.gguf_loader import permute_qk
+
+# which quantization each tensor kind gets: every supported type appears at least once
+QTYPES = {
+    "attn_q": gguf.GGMLQuantizationType.Q8_0,
+    "attn_k": gguf.GGMLQuantizationType.Q4_0,
+    "attn_v": gguf.GGMLQuantizationType.Q4_1,
+    "attn_output": gguf.GGMLQuantizationType.F16,
+    "ffn_gate": gguf.GGMLQuantizationType.BF16,
+    "ffn_up": gguf.GGMLQuantizationType.Q8_0,
+    "ffn_down": gguf.GGMLQuantizationType.F32,
+}
+_HF_TO_GGUF = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_gguf(model, tokenizer_dir: Path, out: Path) -> None:
+    cfg = model.config
+    w = gguf.GGUFWriter(str(out), arch="llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    _add_tokenizer(w, tokenizer_dir)
+    for name, t in model.state_dict().items():
+        arr = t.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", arr)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", arr)
+        elif name == "lm_head.weight":
+            w.add_tensor("output.weight", arr)
+        else:
+            _, _, layer, *rest = name.split(".")
+            kind = _HF_TO_GGUF[".".join(rest[:-1])]
+            if kind == "attn_q":
+                arr = permute_qk(torch.from_numpy(arr), cfg.num_attention_heads).numpy()
+            elif kind == "attn_k":
+                arr = permute_qk(torch.from_numpy(arr), cfg.num_key_value_heads).numpy()
+            qtype = QTYPES.get(kind, gguf.GGMLQuantizationType.F32)
+            gname = f"blk.{layer}.{kind}.{rest[-1]}"
+            if qtype == gguf.GGMLQuantizationType.F32:
+                w.add_tensor(gname, arr)
+            elif qtype == gguf.GGMLQuantizationType.F16:
+                w.add_tensor(gname, arr.astype(np.float16))
+            else:
+                w.add_tensor(gname, quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _add_tokenizer(w, folder: Path) -> None:
+    tj = json.loads((folder / "tokenizer.json").read_text())
+    vocab = dict(tj["model"]["vocab"])
+    for added in tj["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["content"] for a in tj["added_tokens"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab["<|endoftext|>"])
+    w.add_eos_token_id(vocab["<|im_end|>"])

@@ -1,0 +1,178 @@
+"""Loading: HF folders, GGUF (dequantization, Q/K unpermute, the converted-weights cache) and every error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model
+from gguf_writer import write_gguf
+
+from pagedrs.models import ModelConfig, load_model
+from pagedrs.models import gguf_loader
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    """A tiny untied llama written as GGUF with F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors."""
+    d = tmp_path_factory.mktemp("gguf")
+    model = make_tiny_model("mistral", d / "hf")
+    write_gguf(model, d / "hf", d / "tiny.gguf")
+    return d / "tiny.gguf"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _copy_folder(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_gguf_logits_match_transformers_reading_the_same_file(tiny_gguf, cache_dir):
+    from transformers import AutoModelForCausalLM
+
+    from pagedrs.model_runner import ModelRunner
+    from paged_driver import BlockPool, PagedSeq, build_step
+
+    loaded = load_model(tiny_gguf)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).eval()
+    prompt = [5, 9, 17, 33, 65, 129, 250]
+    runner = ModelRunner(loaded, num_gpu_blocks=8, num_cpu_blocks=0, block_size=4)
+    got = runner.execute(build_step([PagedSeq(prompt)], [len(prompt)], 4, BlockPool(8)))[0]
+    with torch.inference_mode():
+        ref = hf(torch.tensor([prompt])).logits[0, -1]
+    assert (got - ref).abs().max().item() <= 1e-4
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("lazy dog", add_special_tokens=False)) == "lazy dog"
+
+
+def test_gguf_cache_is_written_then_used(tiny_gguf, cache_dir, monkeypatch):
+    first = load_model(tiny_gguf)
+    sha = gguf_loader.file_sha256(tiny_gguf)
+    folders = list((cache_dir / "gguf").iterdir())
+    assert [f.name for f in folders] == [f"{sha}-v{gguf_loader._CONVERTED_FORMAT}"]
+    assert (folders[0] / "model.safetensors").is_file() and (folders[0] / "tokenizer.json").is_file()
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("second load converted the GGUF again instead of reading the cache")
+
+    monkeypatch.setattr(gguf_loader, "convert_gguf", no_conversion)
+    second = load_model(tiny_gguf)
+    for (k, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    w = torch.arange(8 * 16 * 3, dtype=torch.float32).reshape(8 * 16, 3)
+    for heads in (1, 2, 8):
+        permuted = gguf_loader.permute_qk(w, heads)
+        assert not torch.equal(permuted, w)
+        assert torch.equal(gguf_loader.unpermute_qk(permuted, heads), w)
+
+
+def test_missing_path_names_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model.*does not exist.*never downloads"):
+        load_model(missing)
+
+
+def test_folder_without_weights(tiny_llama_dir, tmp_path):
+    folder = _copy_folder(tiny_llama_dir, tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match=r"has no weights: expected \*\.safetensors"):
+        load_model(folder)
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_model(tmp_path / "empty")
+
+
+def test_truncated_safetensors(tiny_llama_dir, tmp_path):
+    folder = _copy_folder(tiny_llama_dir, tmp_path / "m")
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"safetensors file '.*model\.safetensors' is truncated or corrupt"):
+        load_model(folder)
+
+
+def test_sharded_safetensors_with_index(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy_folder(tiny_llama_dir, tmp_path / "m")
+    state = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(folder / file))
+    index = {"weight_map": {k: file for file, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    sharded = load_model(folder)
+    whole = load_model(tiny_llama_dir)
+    for a, b in zip(sharded.model.state_dict().values(), whole.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="lists shards that do not exist.*00002-of-00002"):
+        load_model(folder)
+
+
+def test_shapes_not_matching_config(tiny_llama_dir, tmp_path):
+    folder = _copy_folder(tiny_llama_dir, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' .* has shape .*implies"):
+        load_model(folder)
+
+
+def test_unsupported_model_type(tiny_llama_dir, tmp_path):
+    folder = _copy_folder(tiny_llama_dir, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"):
+        load_model(folder)
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + b"\0" * 100)
+    with pytest.raises(ValueError, match=r"bad\.gguf' is not a GGUF file .*b'NOPE'"):
+        load_model(bad)
+
+
+def test_truncated_gguf(tiny_gguf, tmp_path, cache_dir):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_gguf.read_bytes()[: tiny_gguf.stat().st_size - 1000])
+    with pytest.raises(ValueError, match=r"GGUF file '.*cut\.gguf' is truncated or corrupt"):
+        load_model(cut)
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype 'int8' is not supported; allowed: float32, bfloat16, float16"):
+        load_model("smollm2-135m", dtype="int8")
+
+
+def test_embedded_model_config(smollm2):
+    c = smollm2.config
+    assert (c.model_type, c.num_hidden_layers, c.hidden_size, c.num_key_value_heads) == ("llama", 30, 576, 3)
+    assert c.tie_word_embeddings and smollm2.name == "smollm2-135m"
+    assert c.kv_bytes_per_token("float16") == 2 * 30 * 3 * 64 * 2
+
+
+def test_kv_bytes_per_token():
+    c = ModelConfig.from_hf_dict(
+        {"model_type": "llama", "vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}
+    )
+    assert c.head_dim == 16
+    assert c.kv_bytes_per_token(torch.float32) == 2 * 3 * 2 * 16 * 4
+    assert c.kv_bytes_per_token("bfloat16") == 2 * 3 * 2 * 16 * 2

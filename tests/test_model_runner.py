@@ -1,0 +1,95 @@
+"""ModelRunner block movement: copy-on-write and swap run as indexed copies, in the contract's order."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from paged_driver import BlockPool, PagedSeq, build_step, greedy_generate
+
+from pagedrs.attention import TorchAttentionBackend, get_backend
+from pagedrs.model_runner import ModelRunner
+from pagedrs.models import load_model
+from pagedrs.step_input import StepInput
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_llama_dir):
+    return load_model(tiny_llama_dir)
+
+
+def _empty_step(**pairs) -> StepInput:
+    z = np.zeros(0, dtype=np.int64)
+    arrays = {k: np.array(v, dtype=np.int64).reshape(-1, 2) for k, v in pairs.items()}
+    return StepInput(
+        input_ids=z, positions=z, slot_mapping=z, query_start_loc=np.zeros(1, dtype=np.int32),
+        seq_lens=np.zeros(0, dtype=np.int32), block_tables=np.zeros((0, 1), dtype=np.int32), **arrays,
+    )
+
+
+def test_cache_layout_and_dtype(loaded):
+    r = ModelRunner(loaded, num_gpu_blocks=5, num_cpu_blocks=3, block_size=4)
+    c = loaded.config
+    assert r.kv_cache.shape == (c.num_hidden_layers, 2, 5, 4, c.num_key_value_heads, c.head_dim)
+    assert r.cpu_cache.shape == (c.num_hidden_layers, 2, 3, 4, c.num_key_value_heads, c.head_dim)
+    assert r.kv_cache.dtype == r.cpu_cache.dtype == torch.float32
+    assert isinstance(r.backend, TorchAttentionBackend) and isinstance(get_backend("cpu"), TorchAttentionBackend)
+
+
+def test_copies_and_swaps_in_contract_order(loaded):
+    r = ModelRunner(loaded, num_gpu_blocks=6, num_cpu_blocks=4, block_size=2)
+    torch.manual_seed(0)
+    r.kv_cache.copy_(torch.randn_like(r.kv_cache))
+    r.cpu_cache.copy_(torch.randn_like(r.cpu_cache))
+    gpu0, cpu0 = r.kv_cache.clone(), r.cpu_cache.clone()
+    # swap out gpu 1 -> cpu 0 and gpu 4 -> cpu 2; then swap in cpu 0 -> gpu 4 (the block that was just
+    # swapped out, so order matters) and cpu 3 -> gpu 5; then copy gpu 5 -> gpu 0 and gpu 2 -> gpu 3
+    logits = r.execute(_empty_step(swap_out=[[1, 0], [4, 2]], swap_in=[[0, 4], [3, 5]], copies=[[5, 0], [2, 3]]))
+    assert logits.shape == (0, loaded.config.vocab_size)
+    exp_cpu = cpu0.clone()
+    exp_cpu[:, :, 0], exp_cpu[:, :, 2] = gpu0[:, :, 1], gpu0[:, :, 4]
+    exp_gpu = gpu0.clone()
+    exp_gpu[:, :, 4], exp_gpu[:, :, 5] = exp_cpu[:, :, 0], exp_cpu[:, :, 3]
+    exp_gpu[:, :, 0], exp_gpu[:, :, 3] = exp_gpu[:, :, 5], exp_gpu[:, :, 2]
+    assert torch.equal(r.cpu_cache, exp_cpu)
+    assert torch.equal(r.kv_cache, exp_gpu)
+
+
+def test_swap_round_trip_keeps_generation(loaded, tiny_llama_dir):
+    """Prefill, swap the sequence's pages out, poison the device blocks, swap into other blocks: same tokens."""
+    prompt = [5, 9, 17, 33, 65, 129, 250, 4, 8]
+    ref_runner = ModelRunner(loaded, num_gpu_blocks=16, num_cpu_blocks=0, block_size=4)
+    expected = greedy_generate(ref_runner, [prompt], 4)[0]
+
+    r = ModelRunner(loaded, num_gpu_blocks=16, num_cpu_blocks=8, block_size=4)
+    pool = BlockPool(16)
+    seq = PagedSeq(list(prompt))
+    logits = r.execute(build_step([seq], [len(prompt)], 4, pool))
+    seq.num_computed = len(prompt)
+    seq.token_ids.append(int(logits.argmax()))
+    old = list(seq.block_table)
+    new = [13, 14, 15]
+    r.execute(_empty_step(swap_out=[[b, i] for i, b in enumerate(old)]))
+    r.kv_cache[:, :, old] = float("nan")
+    seq.block_table = list(new)
+    got = [seq.token_ids[-1]]
+    step = build_step([seq], [1], 4, pool)
+    step = StepInput(**{**step.__dict__, "swap_in": np.array([[i, b] for i, b in enumerate(new)], dtype=np.int64)})
+    while True:
+        logits = r.execute(step)
+        seq.num_computed += 1
+        if len(got) == 4:
+            break
+        seq.token_ids.append(int(logits.argmax()))
+        got.append(seq.token_ids[-1])
+        step = build_step([seq], [1], 4, pool)
+    assert got == expected
+
+
+def test_zero_query_sequence_is_rejected(loaded):
+    r = ModelRunner(loaded, num_gpu_blocks=4, num_cpu_blocks=0, block_size=4)
+    seqs = [PagedSeq([5, 6]), PagedSeq([7])]
+    step = build_step(seqs, [2, 1], 4, BlockPool(4))
+    bad = StepInput(**{**step.__dict__, "query_start_loc": np.array([0, 3, 3], dtype=np.int32)})
+    with pytest.raises(ValueError, match=r"at least one new token; query lengths \[3, 0\]"):
+        r.execute(bad)
