@@ -1,0 +1,184 @@
+//! Prompt allocation with prefix reuse, and commit, which makes full blocks reusable.
+//!
+//! ```text
+//!  prompt      | b0 | b1 | b2 | b3 |t t|     eligible for hits: (len - 1) / bs blocks,
+//!  lookup        hit  hit  miss  -          so at least one token is always computed
+//!  table       | h0 | h1 | n0 | n1 | n2 |   h = cached blocks (refcount + 1), n = new
+//! ```
+//! The lookup stops at the first miss. A hit on an evictable block costs one free
+//! block (it leaves the evictable set); a hit on a block in use costs none.
+
+use super::prefix_cache::block_hash;
+use super::{BlockManager, Sequence};
+use crate::error::{invalid, BlockId, CoreError, SeqId, Tier, TokenId};
+
+/// Where a leading prompt block's K/V already is.
+#[derive(Debug, Clone, Copy)]
+enum Hit {
+    /// A cached device block.
+    Gpu(BlockId),
+    /// A host block holding an evicted device block's content.
+    Host(BlockId),
+}
+
+/// The outcome of a prefix lookup, before anything changes.
+struct Plan {
+    hits: Vec<Hit>,
+    /// Chain hash of each hit block.
+    hashes: Vec<u64>,
+    /// Free device blocks the allocation consumes.
+    cost: usize,
+}
+
+impl BlockManager {
+    fn plan(&self, tokens: &[TokenId]) -> Plan {
+        let bs = self.cfg.block_size;
+        let num_blocks = tokens.len().div_ceil(bs);
+        let mut plan = Plan { hits: Vec::new(), hashes: Vec::new(), cost: num_blocks };
+        if !self.cfg.enable_prefix_caching {
+            return plan;
+        }
+        let mut parent = self.root;
+        for block in tokens[..tokens.len() - 1].chunks_exact(bs) {
+            let h = block_hash(parent, block);
+            let hit = if let Some(b) = self.gpu.cache.lookup(h, parent, block) {
+                if self.gpu.refs.get(b) > 0 {
+                    plan.cost -= 1; // shared with a running sequence: costs no free block
+                }
+                Hit::Gpu(b)
+            } else if let Some(c) = self.host_lookup(h, parent, block) {
+                Hit::Host(c)
+            } else {
+                break;
+            };
+            plan.hits.push(hit);
+            plan.hashes.push(h);
+            parent = h;
+        }
+        plan
+    }
+
+    fn host_lookup(&self, h: u64, parent: u64, block: &[TokenId]) -> Option<BlockId> {
+        if !self.cfg.host_cache_evicted {
+            return None;
+        }
+        self.cpu.cache.lookup(h, parent, block)
+    }
+
+    fn check_prompt(&self, seq: Option<SeqId>, tokens: &[TokenId]) -> Result<(), CoreError> {
+        if tokens.is_empty() {
+            let who = seq.map_or(String::new(), |s| format!(" of sequence {s}"));
+            return Err(invalid!("a prompt{who} needs at least one token, got 0"));
+        }
+        Ok(())
+    }
+
+    /// Free device blocks `allocate(tokens)` would consume (see the module diagram).
+    pub fn num_blocks_to_allocate(&self, tokens: &[TokenId]) -> usize {
+        if tokens.is_empty() {
+            return 0;
+        }
+        self.plan(tokens).cost
+    }
+
+    /// Whether `allocate(_, tokens)` would succeed now.
+    pub fn can_allocate(&self, tokens: &[TokenId]) -> bool {
+        !tokens.is_empty() && self.plan(tokens).cost <= self.gpu.num_free()
+    }
+
+    /// Pages for the whole prompt, reusing cached blocks of an equal prefix. Returns how
+    /// many leading tokens already have K/V: a multiple of block_size, < tokens.len().
+    ///
+    /// On OutOfBlocks nothing changes, counters included: the scheduler retries a
+    /// failed allocation later and must not count its queries twice.
+    pub fn allocate(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<usize, CoreError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(invalid!("sequence id {seq} is already allocated; free it first or use a new id"));
+        }
+        self.check_prompt(Some(seq), tokens)?;
+        let plan = self.plan(tokens);
+        let available = self.gpu.num_free();
+        if plan.cost > available {
+            return Err(CoreError::OutOfBlocks { tier: Tier::Gpu, needed: plan.cost, available });
+        }
+        let bs = self.cfg.block_size;
+        let num_blocks = tokens.len().div_ceil(bs);
+        // Hold device hits first, so that taking new blocks cannot evict them.
+        let mut table = Vec::with_capacity(num_blocks);
+        let mut num_host_hits = 0;
+        for hit in &plan.hits {
+            match *hit {
+                Hit::Gpu(b) => {
+                    self.gpu.retain(b, 1);
+                    table.push(b);
+                }
+                Hit::Host(_) => {
+                    num_host_hits += 1;
+                    table.push(BlockId::MAX); // filled below
+                }
+            }
+        }
+        self.take_gpu(num_host_hits + num_blocks - plan.hits.len()).expect("cost was checked");
+        let mut fresh = std::mem::take(&mut self.taken);
+        let mut fresh_iter = fresh.iter().copied();
+        for (i, hit) in plan.hits.iter().enumerate() {
+            if let Hit::Host(c) = *hit {
+                let g = fresh_iter.next().expect("took one per host hit");
+                table[i] = g;
+                let parent = if i == 0 { self.root } else { plan.hashes[i - 1] };
+                self.bring_back_host_hit(c, g, plan.hashes[i], parent, &tokens[i * bs..(i + 1) * bs]);
+            }
+        }
+        table.extend(fresh_iter);
+        fresh.clear();
+        self.taken = fresh;
+
+        let num_hits = plan.hits.len();
+        if self.cfg.enable_prefix_caching {
+            self.stats.prefix_queries += ((tokens.len() - 1) / bs) as u64;
+            self.stats.prefix_hits += num_hits as u64;
+            self.stats.host_cache_hits += num_host_hits as u64;
+        }
+        let seq_state = Sequence {
+            table,
+            tokens: tokens.to_vec(),
+            hashes: plan.hashes,
+            committed: num_hits * bs,
+            swapped: false,
+        };
+        self.seqs.insert(seq, seq_state);
+        Ok(num_hits * bs)
+    }
+
+    /// Declares the K/V of the first `num_computed_tokens` tokens written (or written in
+    /// this step before anything reads it). Full blocks up to there join the prefix
+    /// cache; a block merely reserved for a prompt still being prefilled never does.
+    /// A count below the current one changes nothing.
+    pub fn commit(&mut self, seq: SeqId, num_computed_tokens: usize) -> Result<(), CoreError> {
+        let s = self.seq_on_device(seq, "commit")?;
+        if num_computed_tokens > s.tokens.len() {
+            return Err(invalid!(
+                "commit of sequence {seq}: num_computed_tokens = {num_computed_tokens} exceeds its {} tokens",
+                s.tokens.len()
+            ));
+        }
+        let caching = self.cfg.enable_prefix_caching;
+        let bs = self.cfg.block_size;
+        let root = self.root;
+        let s = self.seqs.get_mut(&seq).expect("checked above");
+        s.committed = s.committed.max(num_computed_tokens);
+        if !caching {
+            return Ok(());
+        }
+        for i in s.hashes.len()..s.committed / bs {
+            let parent = s.hashes.last().copied().unwrap_or(root);
+            let block = &s.tokens[i * bs..(i + 1) * bs];
+            let h = block_hash(parent, block);
+            // Already hashed (shared with a fork that committed first) or the same content
+            // cached in another block: either way this block stays as it is.
+            self.gpu.cache.insert(s.table[i], h, parent, block);
+            s.hashes.push(h);
+        }
+        Ok(())
+    }
+}

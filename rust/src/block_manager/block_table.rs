@@ -1,0 +1,99 @@
+//! Per-sequence block tables and the operations that grow, share and drop them:
+//! append (with copy-on-write), fork and free.
+//!
+//! Block tables are append-only except for copy-on-write, which replaces the last
+//! entry, and swapping, which maps every entry to the other tier.
+
+use super::BlockManager;
+use crate::error::{invalid, BlockId, CoreError, SeqId, TokenId};
+
+/// One sequence's view of the cache.
+#[derive(Debug, Clone)]
+pub(crate) struct Sequence {
+    /// Logical block i → physical block (device, or host while `swapped`);
+    /// `table.len() == ceil(tokens.len() / block_size)`.
+    pub(crate) table: Vec<BlockId>,
+    /// Every token recorded so far.
+    pub(crate) tokens: Vec<TokenId>,
+    /// Chain hashes of the leading full committed blocks (`hashes.len() * bs <= committed`).
+    pub(crate) hashes: Vec<u64>,
+    /// Tokens whose K/V is written (or written this step before anything reads it).
+    pub(crate) committed: usize,
+    /// The table holds host block ids.
+    pub(crate) swapped: bool,
+}
+
+impl BlockManager {
+    /// New device blocks `append_tokens(seq, n new tokens)` would take, including a
+    /// copy-on-write block when the last block is partially filled and shared.
+    pub fn num_blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError> {
+        let s = self.seq_on_device(seq, "append to")?;
+        Ok(self.append_cost(s, num_new_tokens).0)
+    }
+
+    /// (blocks to take, whether the first of them replaces a shared partial last block).
+    fn append_cost(&self, s: &Sequence, num_new_tokens: usize) -> (usize, bool) {
+        if num_new_tokens == 0 {
+            return (0, false);
+        }
+        let bs = self.cfg.block_size;
+        let len = s.tokens.len();
+        let grow = (len + num_new_tokens).div_ceil(bs) - s.table.len();
+        let cow = len % bs != 0 && self.gpu.refs.get(*s.table.last().expect("partial block exists")) > 1;
+        (grow + cow as usize, cow)
+    }
+
+    /// Records `tokens` appended to `seq`, growing its table on demand. Returns the
+    /// copy-on-write pairs (src, dst) to copy before writing the new tokens' K/V: at most
+    /// one, when the last block is partially filled and shared. A full shared block is
+    /// never copied. All or nothing: on OutOfBlocks the sequence is unchanged.
+    pub fn append_tokens(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<Vec<(BlockId, BlockId)>, CoreError> {
+        let s = self.seq_on_device(seq, "append to")?;
+        let (needed, cow) = self.append_cost(s, tokens.len());
+        self.take_gpu(needed)?;
+        let mut copies = Vec::new();
+        let s = self.seqs.get_mut(&seq).expect("checked above");
+        let mut fresh = self.taken.iter().copied();
+        if cow {
+            let dst = fresh.next().expect("took the cow block");
+            let last = s.table.last_mut().expect("partial block exists");
+            let src = std::mem::replace(last, dst);
+            self.gpu.release(src, 1); // shared, so it keeps at least one user
+            copies.push((src, dst));
+            self.stats.cow_copies += 1;
+        }
+        s.table.extend(fresh);
+        s.tokens.extend_from_slice(tokens);
+        Ok(copies)
+    }
+
+    /// A new sequence `child` sharing every page of `parent` (refcounts + 1, nothing
+    /// allocated). The child inherits the parent's committed count and hashes.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), CoreError> {
+        if parent == child {
+            return Err(invalid!("fork needs a child id other than the parent's, got {child} for both"));
+        }
+        if self.seqs.contains_key(&child) {
+            return Err(invalid!("cannot fork {parent} into {child}: sequence {child} already exists"));
+        }
+        let copy = self.seq(parent)?.clone();
+        let tier = if copy.swapped { &mut self.cpu } else { &mut self.gpu };
+        for &b in &copy.table {
+            tier.retain(b, 1);
+        }
+        self.seqs.insert(child, copy);
+        Ok(())
+    }
+
+    /// Drops the sequence. Pages with no other user become free; cached ones stay
+    /// evictable, released last-block-first so that a prompt's tail is evicted first.
+    pub fn free(&mut self, seq: SeqId) -> Result<(), CoreError> {
+        let s = self.seqs.remove(&seq).ok_or(CoreError::UnknownSequence(seq))?;
+        let tier = if s.swapped { &mut self.cpu } else { &mut self.gpu };
+        for &b in s.table.iter().rev() {
+            tier.release(b, 1);
+        }
+        tier.flush();
+        Ok(())
+    }
+}

@@ -1,0 +1,112 @@
+//! `check_invariants`: every invariant of DESIGN.md that the manager can see by itself.
+//! (Invariant 3, reading tokens back through the tables, needs the runner's memory; the
+//! property tests simulate that memory and check it.)
+
+use super::prefix_cache::block_hash;
+use super::tier::TierPool;
+use super::BlockManager;
+use crate::error::{BlockId, TokenId};
+
+impl BlockManager {
+    /// Ok, or a description of the first broken invariant found.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let bs = self.cfg.block_size;
+        let mut gpu_users = vec![0u32; self.cfg.num_gpu_blocks];
+        let mut cpu_users = vec![0u32; self.cfg.num_cpu_blocks];
+        for &c in &self.host_pins {
+            cpu_users[c as usize] += 1;
+        }
+        for (&id, s) in &self.seqs {
+            if s.table.len() != s.tokens.len().div_ceil(bs) {
+                return Err(format!("seq {id}: {} blocks for {} tokens of block size {bs}", s.table.len(), s.tokens.len()));
+            }
+            if s.committed > s.tokens.len() || s.hashes.len() * bs > s.committed {
+                return Err(format!(
+                    "seq {id}: committed {} / hashed blocks {} inconsistent with {} tokens",
+                    s.committed,
+                    s.hashes.len(),
+                    s.tokens.len()
+                ));
+            }
+            let users = if s.swapped { &mut cpu_users } else { &mut gpu_users };
+            for &b in &s.table {
+                *users.get_mut(b as usize).ok_or_else(|| format!("seq {id}: block {b} out of range"))? += 1;
+            }
+            if s.swapped {
+                continue;
+            }
+            for (i, &h) in s.hashes.iter().enumerate() {
+                let b = s.table[i];
+                // Invariant 4: a block that holds a hash holds this block's content.
+                if let Some(bh) = self.gpu.cache.hash_of(b) {
+                    if bh != h || self.gpu.cache.block_tokens(b) != &s.tokens[i * bs..(i + 1) * bs] {
+                        return Err(format!("seq {id}: block {b} at index {i} is cached with other content"));
+                    }
+                }
+            }
+        }
+        check_tier("gpu", &self.gpu, &gpu_users)?;
+        check_tier("cpu", &self.cpu, &cpu_users)?;
+        if !self.cfg.host_cache_evicted && self.cpu.cache.num_cached() > 0 {
+            return Err("host blocks are cached while host_cache_evicted is off".into());
+        }
+        Ok(())
+    }
+}
+
+/// Invariants 1, 2, 4 (hash/map/content agreement) and 5 for one tier.
+fn check_tier(name: &str, tier: &TierPool, users: &[u32]) -> Result<(), String> {
+    let n = tier.num_blocks();
+    let mut state = vec![0u8; n]; // 0 unseen, 1 free, 2 evictable
+    let free = tier.pool.free_ids();
+    if free.len() != tier.pool.num_free() {
+        return Err(format!("{name}: free counter {} but {} blocks on the free stack", tier.pool.num_free(), free.len()));
+    }
+    for b in free {
+        let i = b as usize;
+        if i >= n || state[i] != 0 {
+            return Err(format!("{name}: block {b} out of range or twice on the free stack"));
+        }
+        if tier.refs.get(b) != 0 || tier.cache.hash_of(b).is_some() {
+            return Err(format!("{name}: free block {b} has refcount {} or a hash", tier.refs.get(b)));
+        }
+        state[i] = 1;
+    }
+    for b in tier.cache.evictable.iter() {
+        let i = b as usize;
+        if state[i] != 0 {
+            return Err(format!("{name}: block {b} is both free and evictable, or evictable twice"));
+        }
+        if tier.refs.get(b) != 0 || tier.cache.hash_of(b).is_none() {
+            return Err(format!("{name}: evictable block {b} has refcount {} or no hash", tier.refs.get(b)));
+        }
+        state[i] = 2;
+    }
+    let mut used = 0;
+    for b in 0..n as BlockId {
+        let rc = tier.refs.get(b);
+        if rc != users[b as usize] {
+            return Err(format!("{name}: block {b} has refcount {rc} but {} users", users[b as usize]));
+        }
+        if state[b as usize] == 0 {
+            if rc == 0 {
+                return Err(format!("{name}: block {b} is neither free, evictable nor used"));
+            }
+            used += 1;
+        }
+    }
+    let (num_free, num_evictable) = (tier.pool.num_free(), tier.cache.evictable.len());
+    if num_free + num_evictable + used != n {
+        return Err(format!("{name}: free {num_free} + evictable {num_evictable} + used {used} != {n}"));
+    }
+    for (h, b) in tier.cache.entries() {
+        if tier.cache.hash_of(b) != Some(h) {
+            return Err(format!("{name}: hash map points {h:#x} at block {b}, which holds {:?}", tier.cache.hash_of(b)));
+        }
+        let tokens: &[TokenId] = tier.cache.block_tokens(b);
+        if block_hash(tier.cache.parent_of(b), tokens) != h {
+            return Err(format!("{name}: cached block {b}'s tokens do not hash to {h:#x}"));
+        }
+    }
+    Ok(())
+}

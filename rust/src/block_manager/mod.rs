@@ -1,0 +1,260 @@
+//! Block tables, refcounts and copy-on-write, the prefix cache and the swap tiers:
+//! every decision about which physical page holds which token.
+//!
+//! ```text
+//!  sequence tokens   | t0 .. t15 | t16 .. t31 | t32 t33 _ _ |
+//!  block table       |    7      |     2      |     9       |   (gpu block ids)
+//!  slot of t33       = 9 * block_size + 1
+//!  committed         |<------ hashed, cacheable ------>|       (full blocks only)
+//! ```
+//!
+//! Files: [`tier`] (pool + refcounts + cache of one tier), [`prefix_cache`] (hashes,
+//! LRU), `allocate` (prefix lookup, allocate, commit), [`block_table`] (append, COW,
+//! fork, free), `swap` (swap tiers and host-cached evictions), `invariants`.
+//!
+//! The manager is single-owner (`&mut self`); the page pool underneath is lock-free so
+//! that other components may take and return raw blocks concurrently.
+
+mod allocate;
+pub(crate) mod block_table;
+mod invariants;
+mod lru;
+pub(crate) mod prefix_cache;
+mod swap;
+pub(crate) mod tier;
+
+use block_table::Sequence;
+use prefix_cache::{root_seed, IdMap};
+use tier::TierPool;
+
+use crate::error::invalid;
+pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
+
+/// How big the tiers are and which features are on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockManagerConfig {
+    /// Device blocks (pages); ≥ 1.
+    pub num_gpu_blocks: usize,
+    /// Tokens per block; ≥ 1.
+    pub block_size: usize,
+    /// Host blocks for swapping (and host-cached evictions); may be 0.
+    pub num_cpu_blocks: usize,
+    /// Share committed full blocks between equal prefixes.
+    pub enable_prefix_caching: bool,
+    /// Folded into every chain's first hash: prompts with another salt never share.
+    pub cache_salt: Option<u64>,
+    /// When a cached device block is evicted and the host tier has a free block, keep its
+    /// content there; a later prefix hit on it becomes a host→device copy, not a recompute.
+    pub host_cache_evicted: bool,
+}
+
+impl BlockManagerConfig {
+    /// `num_gpu_blocks` blocks of `block_size`, no host tier, prefix caching on.
+    pub fn new(num_gpu_blocks: usize, block_size: usize) -> Self {
+        BlockManagerConfig {
+            num_gpu_blocks,
+            block_size,
+            num_cpu_blocks: 0,
+            enable_prefix_caching: true,
+            cache_salt: None,
+            host_cache_evicted: false,
+        }
+    }
+}
+
+/// Whether a group of swapped-out sequences can come back to the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SwapInStatus {
+    /// Enough device blocks are free (or evictable) now.
+    Ok,
+    /// Not now, but the device has enough blocks in total.
+    Later,
+    /// The group needs more blocks than the device has.
+    Never,
+}
+
+/// Counters since creation. Prefix counters count blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockManagerStats {
+    /// Full prompt blocks that could have been hits (all but the last token), per successful allocate.
+    pub prefix_queries: u64,
+    /// Of those, blocks reused from the cache (device hits plus host hits).
+    pub prefix_hits: u64,
+    /// Cached device blocks whose content was dropped to reuse the block.
+    pub evictions: u64,
+    /// Copy-on-write copies returned by append_tokens.
+    pub cow_copies: u64,
+    /// Device blocks copied to the host by swap_out.
+    pub swap_out_blocks: u64,
+    /// Host blocks copied to the device by swap_in.
+    pub swap_in_blocks: u64,
+    /// Prefix hits served from the host tier (a host→device copy instead of a recompute).
+    pub host_cache_hits: u64,
+    /// Evicted device blocks whose content was kept on the host tier.
+    pub host_cache_evictions_saved: u64,
+}
+
+/// The KV-cache memory of one model: both tiers and every sequence's block table.
+pub struct BlockManager {
+    cfg: BlockManagerConfig,
+    gpu: TierPool,
+    cpu: TierPool,
+    seqs: IdMap<SeqId, Sequence>,
+    stats: BlockManagerStats,
+    /// Seed of every chain's first block (folds in the cache salt).
+    root: u64,
+    /// Evicted device blocks saved to the host, (gpu, cpu), not yet taken by the runner.
+    pending_evict_copies: Vec<(BlockId, BlockId)>,
+    /// Host hits brought back, (cpu, gpu), not yet taken by the runner.
+    pending_hit_copies: Vec<(BlockId, BlockId)>,
+    /// Host blocks read or written by a pending copy: each holds one refcount until
+    /// [`take_pending_host_copies`](Self::take_pending_host_copies), so no swap reuses it.
+    host_pins: Vec<BlockId>,
+    /// Scratch: blocks taken in one call.
+    taken: Vec<BlockId>,
+    /// Scratch: (block, hash) of the device blocks evicted in one call.
+    evicted: Vec<(BlockId, u64)>,
+}
+
+impl BlockManager {
+    /// Validates `cfg` and builds both tiers with every block free.
+    pub fn new(cfg: BlockManagerConfig) -> Result<Self, CoreError> {
+        const MAX_BLOCKS: usize = u32::MAX as usize - 2;
+        if cfg.block_size == 0 {
+            return Err(invalid!("block_size must be at least 1, got 0"));
+        }
+        if cfg.num_gpu_blocks == 0 || cfg.num_gpu_blocks > MAX_BLOCKS {
+            return Err(invalid!("num_gpu_blocks must be in 1..={MAX_BLOCKS}, got {}", cfg.num_gpu_blocks));
+        }
+        if cfg.num_cpu_blocks > MAX_BLOCKS {
+            return Err(invalid!("num_cpu_blocks must be in 0..={MAX_BLOCKS}, got {}", cfg.num_cpu_blocks));
+        }
+        if cfg.num_gpu_blocks.max(cfg.num_cpu_blocks).checked_mul(cfg.block_size).map_or(true, |n| n > i64::MAX as usize) {
+            return Err(invalid!(
+                "num_blocks * block_size overflows slot ids: {} blocks of {} tokens",
+                cfg.num_gpu_blocks.max(cfg.num_cpu_blocks),
+                cfg.block_size
+            ));
+        }
+        Ok(BlockManager {
+            gpu: TierPool::new(cfg.num_gpu_blocks, cfg.block_size),
+            cpu: TierPool::new(cfg.num_cpu_blocks, cfg.block_size),
+            seqs: IdMap::default(),
+            stats: BlockManagerStats::default(),
+            root: root_seed(cfg.cache_salt),
+            pending_evict_copies: Vec::new(),
+            pending_hit_copies: Vec::new(),
+            host_pins: Vec::new(),
+            taken: Vec::new(),
+            evicted: Vec::new(),
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &BlockManagerConfig {
+        &self.cfg
+    }
+    pub fn block_size(&self) -> usize {
+        self.cfg.block_size
+    }
+    pub fn num_gpu_blocks(&self) -> usize {
+        self.cfg.num_gpu_blocks
+    }
+    pub fn num_cpu_blocks(&self) -> usize {
+        self.cfg.num_cpu_blocks
+    }
+    /// Device blocks allocatable now, counting evictable cached blocks.
+    pub fn num_free_gpu_blocks(&self) -> usize {
+        self.gpu.num_free()
+    }
+    /// Host blocks usable now, counting evictable host-cached blocks.
+    pub fn num_free_cpu_blocks(&self) -> usize {
+        self.cpu.num_free()
+    }
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.seqs.contains_key(&seq)
+    }
+    /// Live sequence ids, in no particular order.
+    pub fn seq_ids(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.seqs.keys().copied()
+    }
+    pub fn stats(&self) -> BlockManagerStats {
+        self.stats
+    }
+
+    /// The sequence's block table: device block ids, or host ids while it is swapped out.
+    pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId], CoreError> {
+        Ok(&self.seq(seq)?.table)
+    }
+    pub fn num_tokens(&self, seq: SeqId) -> Result<usize, CoreError> {
+        Ok(self.seq(seq)?.tokens.len())
+    }
+    /// The sequence's tokens as recorded by allocate and append_tokens.
+    pub fn tokens(&self, seq: SeqId) -> Result<&[TokenId], CoreError> {
+        Ok(&self.seq(seq)?.tokens)
+    }
+    /// Tokens whose K/V the caller has committed.
+    pub fn num_committed_tokens(&self, seq: SeqId) -> Result<usize, CoreError> {
+        Ok(self.seq(seq)?.committed)
+    }
+    pub fn is_swapped(&self, seq: SeqId) -> Result<bool, CoreError> {
+        Ok(self.seq(seq)?.swapped)
+    }
+    /// Reference count of a device block (for tests and debugging).
+    pub fn gpu_refcount(&self, block: BlockId) -> Option<u32> {
+        ((block as usize) < self.cfg.num_gpu_blocks).then(|| self.gpu.refs.get(block))
+    }
+
+    /// Appends the slots (`block * block_size + offset`) of token positions `start..end`.
+    pub fn slot_mapping_into(&self, seq: SeqId, start: usize, end: usize, out: &mut Vec<i64>) -> Result<(), CoreError> {
+        let s = self.seq(seq)?;
+        if s.swapped {
+            return Err(invalid!("sequence {seq} is swapped out; swap it in before asking for slots"));
+        }
+        if start > end || end > s.tokens.len() {
+            return Err(invalid!(
+                "slot range {start}..{end} of sequence {seq} is invalid: need start <= end <= num_tokens = {}",
+                s.tokens.len()
+            ));
+        }
+        let bs = self.cfg.block_size;
+        out.reserve(end - start);
+        let mut pos = start;
+        while pos < end {
+            let block = s.table[pos / bs] as i64 * bs as i64;
+            let stop = end.min((pos / bs + 1) * bs);
+            out.extend((pos % bs..pos % bs + (stop - pos)).map(|off| block + off as i64));
+            pos = stop;
+        }
+        Ok(())
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&Sequence, CoreError> {
+        self.seqs.get(&seq).ok_or(CoreError::UnknownSequence(seq))
+    }
+
+    /// A live sequence that is on the device, for calls that need its device pages.
+    fn seq_on_device(&self, seq: SeqId, what: &str) -> Result<&Sequence, CoreError> {
+        let s = self.seq(seq)?;
+        if s.swapped {
+            return Err(invalid!("cannot {what} sequence {seq}: it is swapped out; swap it in first"));
+        }
+        Ok(s)
+    }
+
+    /// Takes `n` device blocks into `self.taken` (cleared first), saving evicted cached
+    /// content to the host tier when that switch is on and a host block is free.
+    /// Fails with nothing changed when fewer than `n` are free.
+    fn take_gpu(&mut self, n: usize) -> Result<(), CoreError> {
+        self.taken.clear();
+        self.evicted.clear();
+        if !self.gpu.take(n, &mut self.taken, &mut self.evicted) {
+            return Err(CoreError::OutOfBlocks { tier: Tier::Gpu, needed: n, available: self.gpu.num_free() });
+        }
+        self.stats.evictions += self.evicted.len() as u64;
+        if self.cfg.host_cache_evicted {
+            self.save_evicted_to_host();
+        }
+        Ok(())
+    }
+}

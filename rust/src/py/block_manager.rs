@@ -1,0 +1,202 @@
+//! `pagedrs._core.BlockManager`: the Python face of [`crate::block_manager::BlockManager`].
+
+use numpy::PyArray1;
+use pyo3::exceptions::PyAssertionError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::convert::{core_err, with_tokens};
+use crate::block_manager::{BlockManager, BlockManagerConfig, SwapInStatus};
+use crate::error::{BlockId, SeqId, TokenId};
+
+type Pairs = Vec<(BlockId, BlockId)>;
+
+#[pyclass(name = "BlockManager", module = "pagedrs._core")]
+pub struct PyBlockManager {
+    inner: BlockManager,
+    /// Reused buffer for token ids that need converting (lists, int64 arrays).
+    scratch: Vec<TokenId>,
+}
+
+#[pymethods]
+impl PyBlockManager {
+    #[new]
+    #[pyo3(signature = (num_gpu_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=true, cache_salt=None, host_cache_evicted=false))]
+    fn new(
+        num_gpu_blocks: usize,
+        block_size: usize,
+        num_cpu_blocks: usize,
+        enable_prefix_caching: bool,
+        cache_salt: Option<u64>,
+        host_cache_evicted: bool,
+    ) -> PyResult<Self> {
+        let cfg = BlockManagerConfig {
+            num_gpu_blocks,
+            block_size,
+            num_cpu_blocks,
+            enable_prefix_caching,
+            cache_salt,
+            host_cache_evicted,
+        };
+        Ok(PyBlockManager { inner: BlockManager::new(cfg).map_err(core_err)?, scratch: Vec::new() })
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+    #[getter]
+    fn num_gpu_blocks(&self) -> usize {
+        self.inner.num_gpu_blocks()
+    }
+    #[getter]
+    fn num_cpu_blocks(&self) -> usize {
+        self.inner.num_cpu_blocks()
+    }
+    #[getter]
+    fn num_free_gpu_blocks(&self) -> usize {
+        self.inner.num_free_gpu_blocks()
+    }
+    #[getter]
+    fn num_free_cpu_blocks(&self) -> usize {
+        self.inner.num_free_cpu_blocks()
+    }
+
+    fn __contains__(&self, seq_id: SeqId) -> bool {
+        self.inner.contains(seq_id)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.seq_ids().count()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockManager(num_gpu_blocks={}, block_size={}, num_cpu_blocks={}, free_gpu={}, seqs={})",
+            self.inner.num_gpu_blocks(),
+            self.inner.block_size(),
+            self.inner.num_cpu_blocks(),
+            self.inner.num_free_gpu_blocks(),
+            self.inner.seq_ids().count()
+        )
+    }
+
+    fn can_allocate(&mut self, token_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let inner = &self.inner;
+        with_tokens(token_ids, &mut self.scratch, |t| inner.can_allocate(t))
+    }
+
+    fn num_blocks_to_allocate(&mut self, token_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let inner = &self.inner;
+        with_tokens(token_ids, &mut self.scratch, |t| inner.num_blocks_to_allocate(t))
+    }
+
+    fn allocate(&mut self, seq_id: SeqId, token_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let inner = &mut self.inner;
+        with_tokens(token_ids, &mut self.scratch, |t| inner.allocate(seq_id, t))?.map_err(core_err)
+    }
+
+    fn num_blocks_to_append(&self, seq_id: SeqId, num_new_tokens: usize) -> PyResult<usize> {
+        self.inner.num_blocks_to_append(seq_id, num_new_tokens).map_err(core_err)
+    }
+
+    fn append_tokens(&mut self, seq_id: SeqId, token_ids: &Bound<'_, PyAny>) -> PyResult<Pairs> {
+        let inner = &mut self.inner;
+        with_tokens(token_ids, &mut self.scratch, |t| inner.append_tokens(seq_id, t))?.map_err(core_err)
+    }
+
+    fn commit(&mut self, seq_id: SeqId, num_computed_tokens: usize) -> PyResult<()> {
+        self.inner.commit(seq_id, num_computed_tokens).map_err(core_err)
+    }
+
+    fn fork(&mut self, parent_id: SeqId, child_id: SeqId) -> PyResult<()> {
+        self.inner.fork(parent_id, child_id).map_err(core_err)
+    }
+
+    fn free(&mut self, seq_id: SeqId) -> PyResult<()> {
+        self.inner.free(seq_id).map_err(core_err)
+    }
+
+    fn block_table(&self, seq_id: SeqId) -> PyResult<Vec<BlockId>> {
+        Ok(self.inner.block_table(seq_id).map_err(core_err)?.to_vec())
+    }
+
+    fn num_tokens(&self, seq_id: SeqId) -> PyResult<usize> {
+        self.inner.num_tokens(seq_id).map_err(core_err)
+    }
+
+    fn num_committed_tokens(&self, seq_id: SeqId) -> PyResult<usize> {
+        self.inner.num_committed_tokens(seq_id).map_err(core_err)
+    }
+
+    fn tokens(&self, seq_id: SeqId) -> PyResult<Vec<TokenId>> {
+        Ok(self.inner.tokens(seq_id).map_err(core_err)?.to_vec())
+    }
+
+    fn slot_mapping(&self, seq_id: SeqId, start: usize, end: usize) -> PyResult<Vec<i64>> {
+        let mut out = Vec::new();
+        self.inner.slot_mapping_into(seq_id, start, end, &mut out).map_err(core_err)?;
+        Ok(out)
+    }
+
+    /// The slot mapping as an int64 NumPy array (no per-item Python ints).
+    fn slot_mapping_array<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: SeqId,
+        start: usize,
+        end: usize,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let mut out = Vec::new();
+        self.inner.slot_mapping_into(seq_id, start, end, &mut out).map_err(core_err)?;
+        Ok(PyArray1::from_vec(py, out))
+    }
+
+    fn num_blocks_to_swap_out(&self, seq_ids: Vec<SeqId>) -> PyResult<usize> {
+        self.inner.num_blocks_to_swap_out(&seq_ids).map_err(core_err)
+    }
+
+    fn swap_out(&mut self, seq_ids: Vec<SeqId>) -> PyResult<Pairs> {
+        self.inner.swap_out(&seq_ids).map_err(core_err)
+    }
+
+    fn can_swap_in(&self, seq_ids: Vec<SeqId>) -> PyResult<&'static str> {
+        Ok(match self.inner.can_swap_in(&seq_ids).map_err(core_err)? {
+            SwapInStatus::Ok => "ok",
+            SwapInStatus::Later => "later",
+            SwapInStatus::Never => "never",
+        })
+    }
+
+    fn swap_in(&mut self, seq_ids: Vec<SeqId>) -> PyResult<Pairs> {
+        self.inner.swap_in(&seq_ids).map_err(core_err)
+    }
+
+    fn is_swapped(&self, seq_id: SeqId) -> PyResult<bool> {
+        self.inner.is_swapped(seq_id).map_err(core_err)
+    }
+
+    /// (gpu→cpu evict-to-host copies, cpu→gpu host-hit copies) since the last call.
+    fn take_pending_host_copies(&mut self) -> (Pairs, Pairs) {
+        self.inner.take_pending_host_copies()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        d.set_item("prefix_queries", s.prefix_queries)?;
+        d.set_item("prefix_hits", s.prefix_hits)?;
+        d.set_item("evictions", s.evictions)?;
+        d.set_item("cow_copies", s.cow_copies)?;
+        d.set_item("swap_out_blocks", s.swap_out_blocks)?;
+        d.set_item("swap_in_blocks", s.swap_in_blocks)?;
+        d.set_item("host_cache_hits", s.host_cache_hits)?;
+        d.set_item("host_cache_evictions_saved", s.host_cache_evictions_saved)?;
+        Ok(d)
+    }
+
+    /// Raises AssertionError naming the first broken invariant.
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner.check_invariants().map_err(PyAssertionError::new_err)
+    }
+}

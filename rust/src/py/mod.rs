@@ -1,0 +1,17 @@
+//! The PyO3 bindings: the native module `pagedrs._core`, and nothing else of PyO3.
+
+mod block_manager;
+pub(crate) mod convert;
+mod scheduler;
+
+use pyo3::prelude::*;
+
+pub(crate) use convert::OutOfBlocksError;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("OutOfBlocksError", m.py().get_type::<OutOfBlocksError>())?;
+    m.add_class::<block_manager::PyBlockManager>()?;
+    scheduler::register(m)?;
+    Ok(())
+}
