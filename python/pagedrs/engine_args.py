@@ -1,0 +1,66 @@
+"""Engine settings, validated before anything is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+_LAYOUTS = ("paged", "contiguous")
+_PREEMPTION = ("swap", "recompute", "auto")
+_RESERVE = ("max_model_len", "request")
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineArgs:
+    model: Optional[str] = "smollm2-135m"  # a preset name, an HF folder, or a .gguf file
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None  # bytes for the device KV pool
+    gpu_memory_utilization: float = 0.9  # CUDA, when neither num_gpu_blocks nor kv_cache_memory is set
+    swap_space_gb: float = 1.0  # host tier for swapped pages
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    preemption_mode: str = "auto"
+    kv_layout: str = "paged"  # "contiguous" = the traditional reservation baseline
+    contiguous_reserve: str = "max_model_len"  # or "request": prompt + max_tokens
+    num_gpu_blocks: Optional[int] = None  # overrides kv_cache_memory
+    max_model_len: Optional[int] = None  # default: the model's context length
+    seed: int = 0
+    watermark: float = 0.01  # fraction of device blocks kept free at admission
+    aging_steps: int = 100  # waiting steps per priority level gained (anti-starvation)
+    host_cache_evicted: bool = False  # keep evicted prefix-cache pages on the host tier
+
+    def __post_init__(self) -> None:
+        def choice(name: str, allowed: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"{name} is {value!r}; allowed: {', '.join(repr(a) for a in allowed)}")
+
+        def at_least(name: str, low: float, optional: bool = False) -> None:
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+                raise ValueError(f"{name} is {value!r}; it must be a number >= {low}")
+
+        choice("kv_layout", _LAYOUTS)
+        choice("preemption_mode", _PREEMPTION)
+        choice("contiguous_reserve", _RESERVE)
+        choice("dtype", _DTYPES)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            at_least(name, 1)
+        for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory"):
+            at_least(name, 1, optional=True)
+        at_least("swap_space_gb", 0)
+        at_least("aging_steps", 0)
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization!r}; it must be in (0, 1]")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,74 @@
+"""The KV memory calculator behind `pagedrs kv-size`: why paging matters, in bytes.
+
+    bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
+
+Llama 3.1 70B in float16: 2 x 80 x 8 x 128 x 2 = 327,680 bytes per token, about
+1.34 GB for one 4096-token sequence and about 344 GB for 256 such users.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_token(self, dtype: str) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+
+# Published architecture figures (config.json of each model).
+PRESETS: dict[str, KvGeometry] = {
+    "llama-3.1-8b": KvGeometry(num_layers=32, num_kv_heads=8, head_dim=128),
+    "llama-3.1-70b": KvGeometry(num_layers=80, num_kv_heads=8, head_dim=128),
+    "llama-3.1-405b": KvGeometry(num_layers=126, num_kv_heads=8, head_dim=128),
+    "mistral-7b": KvGeometry(num_layers=32, num_kv_heads=8, head_dim=128),
+    "qwen2.5-7b": KvGeometry(num_layers=28, num_kv_heads=4, head_dim=128),
+    "smollm2-135m": KvGeometry(num_layers=30, num_kv_heads=3, head_dim=64),
+}
+
+
+def geometry_from_config(path: Path) -> KvGeometry:
+    """Reads the KV geometry from an HF config.json (or a folder holding one)."""
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model {str(path)!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+    try:
+        heads = int(cfg["num_attention_heads"])
+        return KvGeometry(
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{path} lacks the field {exc.args[0]!r} needed for the KV size") from exc
+
+
+def resolve(model: str) -> KvGeometry:
+    return PRESETS[model.lower()] if model.lower() in PRESETS else geometry_from_config(Path(model))
+
+
+def kv_size(model: str, tokens: int, seqs: int = 1, dtype: str = "float16") -> dict[str, int]:
+    if tokens < 1 or seqs < 1:
+        raise ValueError(f"tokens is {tokens} and seqs is {seqs}; both must be >= 1")
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype is {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
+    per_token = resolve(model).bytes_per_token(dtype)
+    return {
+        "bytes_per_token": per_token,
+        "bytes_per_sequence": per_token * tokens,
+        "total_bytes": per_token * tokens * seqs,
+    }

@@ -1,0 +1,102 @@
+"""`LLM`: the offline, batch-at-once face of the engine."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from pagedrs.engine import Engine, PromptType
+from pagedrs.engine_args import EngineArgs
+from pagedrs.outputs import RequestOutput
+from pagedrs.sampling_params import SamplingParams
+
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = "smollm2-135m", **kwargs: Any) -> None:
+        self.engine = Engine(EngineArgs(model=model, **kwargs))
+        self._ids = 0
+
+    def _next_id(self) -> str:
+        self._ids += 1
+        return f"llm-{self._ids}"
+
+    def generate(
+        self,
+        prompts: Union[PromptType, Sequence[PromptType]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in input order.
+
+        All prompts are queued before the first step, so prompts that share a prefix
+        (a system prompt) share its pages, stored once.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text, a dict, or token ids
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"params has {len(params_list)} entries but there are {len(prompts)} prompts; they must match")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                request_id = self._next_id()
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # leave nothing half-queued behind
+                self.engine.abort(request_id)
+            self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        try:
+            wanted = set(ids)
+            while len(finished) < len(ids) and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Union[Messages, Sequence[Messages]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.engine.tokenizer.apply_chat_template(c)} for c in conversations]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt: PromptType, params: Optional[SamplingParams] = None) -> Iterator[str]:
+        """Yields the text of one prompt's first sample as it is generated."""
+        request_id = self._next_id()
+        self.engine.add_request(request_id, prompt, params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != request_id:
+                        continue
+                    if out.outputs and out.outputs[0].delta_text:
+                        yield out.outputs[0].delta_text
+                    if out.finished:
+                        return
+        finally:
+            self.engine.abort(request_id)  # a no-op when it finished; frees pages when the caller stops early

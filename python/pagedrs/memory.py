@@ -1,0 +1,74 @@
+"""KV memory sizing and the preemption cost model, from the model config and the device.
+
+The Rust scheduler thinks in blocks; this module turns bytes and device speeds into
+block counts and into the two numbers of its `auto` preemption cost model:
+
+    swap a victim       = 2 x blocks x bytes_per_block / host_link_bandwidth
+    recompute a victim  = tokens x 2 x num_parameters / device_flops
+
+(See rust/src/scheduler/config.rs.) The speeds are round figures per device kind;
+only their ratio matters, and it makes short sequences recompute and long ones swap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Round figures: (host link bytes/s, sustained FLOP/s of the forward pass).
+_DEVICE_SPEEDS = {
+    "cpu": (8e9, 5e10),  # a memcpy between two host buffers; a few cores of fp32 matmul
+    "cuda": (2.5e10, 2e14),  # PCIe 4/5-class pinned copies; a tensor-core GPU at modest efficiency
+}
+DEFAULT_CPU_KV_BYTES = 512 * 2**20
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    bytes_per_token: int
+    bytes_per_block: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    swap_cost_per_block: float  # seconds
+    recompute_cost_per_token: float  # seconds
+
+
+def plan_kv_memory(
+    *,
+    bytes_per_token: int,
+    block_size: int,
+    num_parameters: int,
+    device: torch.device,
+    num_gpu_blocks: int | None,
+    kv_cache_memory: int | None,
+    gpu_memory_utilization: float,
+    swap_space_gb: float,
+) -> KvPlan:
+    bytes_per_block = bytes_per_token * block_size
+    if num_gpu_blocks is None:
+        if kv_cache_memory is None:
+            kv_cache_memory = _default_kv_bytes(device, gpu_memory_utilization)
+        num_gpu_blocks = kv_cache_memory // bytes_per_block
+        if num_gpu_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory is {kv_cache_memory} bytes; one block of {block_size} tokens needs {bytes_per_block}"
+            )
+    num_cpu_blocks = int(swap_space_gb * 2**30) // bytes_per_block
+    host_bw, flops = _DEVICE_SPEEDS["cuda" if device.type == "cuda" else "cpu"]
+    return KvPlan(
+        bytes_per_token=bytes_per_token,
+        bytes_per_block=bytes_per_block,
+        num_gpu_blocks=int(num_gpu_blocks),
+        num_cpu_blocks=num_cpu_blocks,
+        swap_cost_per_block=bytes_per_block / host_bw,
+        recompute_cost_per_token=2.0 * num_parameters / flops,
+    )
+
+
+def _default_kv_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free
+    return max(0, int(total * gpu_memory_utilization) - used_by_others)

@@ -1,0 +1,34 @@
+"""What the engine hands back: one RequestOutput per request, one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n samples
+    text: str = ""  # cumulative text so far
+    token_ids: list[int] = field(default_factory=list)  # cumulative generated tokens
+    delta_text: str = ""  # text new since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)  # tokens new since the previous output
+    finish_reason: Optional[str] = None  # None while running; "stop" | "length" | "abort" | "error"
+    stop_reason: Union[int, str, None] = None  # the stop token id or stop string that ended it
+    logprobs: Optional[list[dict[int, float]]] = None  # per generated token, when requested
+    cumulative_logprob: Optional[float] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: Optional[str] = None  # set when the request ended with finish_reason "error"
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival_time, first_token_time, finished_time (time.monotonic)

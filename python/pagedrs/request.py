@@ -1,0 +1,150 @@
+"""A request's state inside the engine: its samples, their text, and when they stop.
+
+The scheduler only knows sequence ids and tokens; everything about text (detokenizing,
+stop strings, deltas for streaming) lives here.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from pagedrs.outputs import CompletionOutput, RequestOutput
+from pagedrs.sampling_params import SamplingParams
+from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class SampleState:
+    """One of a request's n samples: one scheduler sequence."""
+
+    seq_id: int
+    index: int
+    detokenizer: IncrementalDetokenizer
+    generator: Optional[torch.Generator]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # visible text (a matched stop string cut off)
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+    logprobs: Optional[list[dict[int, float]]] = None
+    cumulative_logprob: Optional[float] = None
+    sent_tokens: int = 0  # tokens already reported in an output
+    sent_chars: int = 0  # characters of text already reported
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival: int  # engine-wide arrival counter
+    samples: list[SampleState]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+    error: Optional[str] = None
+    forked: bool = False  # n > 1: children created after the first sample
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples) and len(self.samples) == self.params.n
+
+    def to_output(self) -> RequestOutput:
+        """The output since the last call: cumulative fields plus deltas."""
+        outs = []
+        for s in self.samples:
+            # Hold back text that might still turn out to be the start of a stop string.
+            hold = 0 if s.finished else max((len(x) for x in self.params.stop), default=1) - 1
+            visible = len(s.text) - hold if hold else len(s.text)
+            visible = max(visible, s.sent_chars)
+            outs.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.text[:visible] if not s.finished else s.text,
+                    token_ids=list(s.token_ids),
+                    delta_text=s.text[s.sent_chars : visible] if not s.finished else s.text[s.sent_chars :],
+                    delta_token_ids=s.token_ids[s.sent_tokens :],
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    cumulative_logprob=s.cumulative_logprob,
+                )
+            )
+            s.sent_tokens = len(s.token_ids)
+            s.sent_chars = len(s.text) if s.finished else visible
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None:
+            metrics["first_token_time"] = self.first_token_time
+        if self.finished_time is not None:
+            metrics["finished_time"] = self.finished_time
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outs,
+            finished=self.finished,
+            error=self.error,
+            metrics=metrics,
+        )
+
+
+def record_token(
+    sample: SampleState,
+    token: int,
+    logprob: float,
+    top_logprobs: Optional[dict[int, float]],
+    request: Request,
+    tokenizer: Tokenizer,
+    max_model_len: int,
+) -> None:
+    """Appends one sampled token and decides whether the sample is finished."""
+    params = request.params
+    sample.token_ids.append(token)
+    if params.logprobs is not None:
+        entry = {token: logprob}
+        if top_logprobs:
+            entry.update(top_logprobs)
+        sample.logprobs = (sample.logprobs or []) + [entry]
+        sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprob
+    num_out = len(sample.token_ids)
+    is_eos = token in tokenizer.eos_token_ids and not params.ignore_eos
+    is_stop_token = token in params.stop_token_ids
+    if (is_eos or is_stop_token) and num_out > params.min_tokens:
+        # The stop token itself is not part of the text.
+        sample.text += sample.detokenizer.flush()
+        sample.finish_reason, sample.stop_reason = "stop", (token if is_stop_token else None)
+        return
+    delta = sample.detokenizer.step([token])
+    previous = len(sample.text)
+    sample.text += delta
+    if params.stop and num_out > params.min_tokens and _apply_stop_strings(sample, params, previous):
+        return
+    if num_out >= params.max_tokens or len(request.prompt_token_ids) + num_out >= max_model_len:
+        sample.text += sample.detokenizer.flush()
+        sample.finish_reason = "length"
+
+
+def _apply_stop_strings(sample: SampleState, params: SamplingParams, previous: int) -> bool:
+    """Finds a stop string that ends in the newest text; cuts the text at it."""
+    longest = max(len(s) for s in params.stop)
+    search_from = max(0, previous - longest + 1)
+    best: Optional[tuple[int, str]] = None
+    for stop in params.stop:
+        at = sample.text.find(stop, search_from)
+        if at != -1 and (best is None or at < best[0]):
+            best = (at, stop)
+    if best is None:
+        return False
+    at, stop = best
+    sample.text = sample.text[: at + len(stop)] if params.include_stop_str_in_output else sample.text[:at]
+    sample.finish_reason, sample.stop_reason = "stop", stop
+    return True

@@ -1,0 +1,114 @@
+//! What the scheduler needs from a KV memory layout, so that one scheduler loop
+//! drives both the paged [`BlockManager`] and the contiguous baseline.
+//!
+//! The benchmark compares the two layouts with the same model code and the same
+//! scheduler; only this trait's implementation differs.
+
+use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, SeqId, SwapInStatus, TokenId};
+use crate::error::CoreError;
+
+/// Block copies a step must run before its forward pass.
+pub type CopyPairs = Vec<(BlockId, BlockId)>;
+
+pub trait KvSpace: Send + Sync {
+    fn block_size(&self) -> usize;
+    fn num_blocks(&self) -> usize;
+    /// Blocks that an admission or an append may take now.
+    fn num_free_blocks(&self) -> usize;
+    fn num_free_host_blocks(&self) -> usize;
+    /// Free blocks admitting `tokens` would consume; `reserve_tokens` is the
+    /// length the sequence may grow to (the contiguous layout reserves it up front).
+    fn blocks_to_admit(&self, tokens: &[TokenId], reserve_tokens: usize) -> usize;
+    /// Takes pages for `tokens`; returns how many leading tokens already have K/V.
+    fn admit(&mut self, seq: SeqId, tokens: &[TokenId], reserve_tokens: usize) -> Result<usize, CoreError>;
+    fn blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError>;
+    fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<CopyPairs, CoreError>;
+    fn commit(&mut self, seq: SeqId, num_computed_tokens: usize) -> Result<(), CoreError>;
+    /// Child shares (paged) or copies (contiguous: returned pairs) the parent's pages.
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<CopyPairs, CoreError>;
+    fn free(&mut self, seq: SeqId) -> Result<(), CoreError>;
+    fn block_table(&self, seq: SeqId) -> Result<&[BlockId], CoreError>;
+    fn slot_mapping_into(&self, seq: SeqId, start: usize, end: usize, out: &mut Vec<i64>) -> Result<(), CoreError>;
+    /// Whether pages can move to the host tier (the contiguous baseline cannot).
+    fn supports_swap(&self) -> bool;
+    fn blocks_to_swap_out(&self, seqs: &[SeqId]) -> Result<usize, CoreError>;
+    fn swap_out(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError>;
+    fn can_swap_in(&self, seqs: &[SeqId]) -> Result<SwapInStatus, CoreError>;
+    fn swap_in(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError>;
+    /// (device->host, host->device) copies produced by fine-grained eviction.
+    fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs);
+    fn block_manager_stats(&self) -> BlockManagerStats;
+    /// Token slots held for live sequences (used blocks × block size, or reserved regions).
+    fn reserved_slots(&self) -> usize;
+    fn check_invariants(&self) -> Result<(), String>;
+}
+
+impl KvSpace for BlockManager {
+    fn block_size(&self) -> usize {
+        BlockManager::block_size(self)
+    }
+    fn num_blocks(&self) -> usize {
+        self.num_gpu_blocks()
+    }
+    fn num_free_blocks(&self) -> usize {
+        self.num_free_gpu_blocks()
+    }
+    fn num_free_host_blocks(&self) -> usize {
+        self.num_free_cpu_blocks()
+    }
+    fn blocks_to_admit(&self, tokens: &[TokenId], _reserve_tokens: usize) -> usize {
+        self.num_blocks_to_allocate(tokens)
+    }
+    fn admit(&mut self, seq: SeqId, tokens: &[TokenId], _reserve_tokens: usize) -> Result<usize, CoreError> {
+        self.allocate(seq, tokens)
+    }
+    fn blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError> {
+        self.num_blocks_to_append(seq, num_new_tokens)
+    }
+    fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<CopyPairs, CoreError> {
+        self.append_tokens(seq, tokens)
+    }
+    fn commit(&mut self, seq: SeqId, num_computed_tokens: usize) -> Result<(), CoreError> {
+        BlockManager::commit(self, seq, num_computed_tokens)
+    }
+    fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<CopyPairs, CoreError> {
+        BlockManager::fork(self, parent, child).map(|()| Vec::new())
+    }
+    fn free(&mut self, seq: SeqId) -> Result<(), CoreError> {
+        BlockManager::free(self, seq)
+    }
+    fn block_table(&self, seq: SeqId) -> Result<&[BlockId], CoreError> {
+        BlockManager::block_table(self, seq)
+    }
+    fn slot_mapping_into(&self, seq: SeqId, start: usize, end: usize, out: &mut Vec<i64>) -> Result<(), CoreError> {
+        BlockManager::slot_mapping_into(self, seq, start, end, out)
+    }
+    fn supports_swap(&self) -> bool {
+        self.num_cpu_blocks() > 0
+    }
+    fn blocks_to_swap_out(&self, seqs: &[SeqId]) -> Result<usize, CoreError> {
+        self.num_blocks_to_swap_out(seqs)
+    }
+    fn swap_out(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError> {
+        BlockManager::swap_out(self, seqs)
+    }
+    fn can_swap_in(&self, seqs: &[SeqId]) -> Result<SwapInStatus, CoreError> {
+        BlockManager::can_swap_in(self, seqs)
+    }
+    fn swap_in(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError> {
+        BlockManager::swap_in(self, seqs)
+    }
+    fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs) {
+        BlockManager::take_pending_host_copies(self)
+    }
+    fn block_manager_stats(&self) -> BlockManagerStats {
+        self.stats()
+    }
+    fn reserved_slots(&self) -> usize {
+        // Cached evictable blocks are free for allocation, so they hold nothing for a live request.
+        (self.num_gpu_blocks() - self.num_free_gpu_blocks()) * BlockManager::block_size(self)
+    }
+    fn check_invariants(&self) -> Result<(), String> {
+        BlockManager::check_invariants(self)
+    }
+}

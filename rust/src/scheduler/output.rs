@@ -1,0 +1,41 @@
+//! The one value a step hands the runner: what runs, where its K/V goes, what moves.
+
+use crate::block_manager::{BlockId, SeqId};
+
+/// Everything the runner needs for one step, flattened for NumPy.
+#[derive(Debug, Default, Clone)]
+pub struct SchedulerOutput {
+    /// Scheduled sequences in batch order. [S]
+    pub seq_ids: Vec<SeqId>,
+    /// New tokens of each scheduled sequence. [S]
+    pub num_scheduled_tokens: Vec<i32>,
+    /// Whether the sequence's last new token is its last known token, so a token is sampled after the step. [S]
+    pub do_sample: Vec<bool>,
+    /// Tokens to compute, sequences back to back. [T]
+    pub input_ids: Vec<i64>,
+    /// Position of each token in its sequence. [T]
+    pub positions: Vec<i64>,
+    /// Slot receiving each token's K/V. [T]
+    pub slot_mapping: Vec<i64>,
+    /// Cumulative new-token counts; sequence i owns `[q[i], q[i+1])`. [S+1]
+    pub query_start_loc: Vec<i32>,
+    /// Context length after the step. [S]
+    pub seq_lens: Vec<i32>,
+    /// Row-major [S, max_blocks] block tables, padded with 0.
+    pub block_tables: Vec<i32>,
+    pub max_blocks: usize,
+    /// (device block, host block) copies to run first.
+    pub swap_out: Vec<(BlockId, BlockId)>,
+    /// (host block, device block) copies to run after swap-out.
+    pub swap_in: Vec<(BlockId, BlockId)>,
+    /// (src, dst) device copies (copy-on-write) to run after swap-in, before the forward.
+    pub copies: Vec<(BlockId, BlockId)>,
+    /// Sequences preempted in this step (swapped out or dropped for recompute).
+    pub preempted: Vec<SeqId>,
+}
+
+impl SchedulerOutput {
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+}

@@ -1,0 +1,211 @@
+//! One step of continuous batching (the order is in the module docs of `scheduler`).
+
+use std::collections::HashSet;
+
+use super::sequence::SeqStatus;
+use super::{Scheduler, SchedulerOutput};
+use crate::block_manager::{SeqId, SwapInStatus};
+use crate::error::CoreError;
+
+/// What is left of this step's limits while the batch fills.
+struct Budget {
+    tokens: usize,
+    seqs: usize,
+}
+
+impl Scheduler {
+    /// Builds the next step. Sequences it schedules are committed: the caller must
+    /// run the step (copies, then forward) before calling `schedule` again.
+    pub fn schedule(&mut self) -> Result<SchedulerOutput, CoreError> {
+        let mut out = SchedulerOutput { copies: std::mem::take(&mut self.pending_copies), ..Default::default() };
+        let mut budget = Budget { tokens: self.config.max_num_batched_tokens, seqs: self.config.max_num_seqs };
+        let mut scheduled: Vec<(SeqId, usize)> = Vec::new();
+
+        let seqs = &self.seqs;
+        self.running.sort_by_key(|id| seqs[id].rank());
+        self.schedule_decodes(&mut budget, &mut scheduled, &mut out)?;
+        if out.preempted.is_empty() {
+            self.schedule_swap_ins(&mut budget, &mut scheduled, &mut out)?;
+        }
+        self.schedule_prefill_chunks(&mut budget, &mut scheduled)?;
+        if out.preempted.is_empty() {
+            self.schedule_admissions(&mut budget, &mut scheduled)?;
+        }
+
+        let (host_out, host_in) = self.kv.take_pending_host_copies();
+        out.swap_out.extend(host_out);
+        out.swap_in.extend(host_in);
+        self.fill_batch(&scheduled, &mut out)?;
+        self.stats.num_steps += 1;
+        Ok(out)
+    }
+
+    /// Running sequences whose sampled tokens must join the KV space, best first.
+    /// A missing page preempts from the back of the running order.
+    fn schedule_decodes(
+        &mut self,
+        budget: &mut Budget,
+        scheduled: &mut Vec<(SeqId, usize)>,
+        out: &mut SchedulerOutput,
+    ) -> Result<(), CoreError> {
+        let order: Vec<SeqId> = self.running.clone();
+        let mut done: HashSet<SeqId> = HashSet::new();
+        for id in order {
+            if budget.tokens == 0 || budget.seqs == 0 {
+                break;
+            }
+            let seq = &self.seqs[&id];
+            if seq.status != SeqStatus::Running || seq.num_computed < seq.kv_tokens || seq.kv_tokens == seq.tokens.len() {
+                continue; // preempted above, still in prefill (phase 3), or nothing to do
+            }
+            let pending = seq.tokens.len() - seq.kv_tokens;
+            let mut preempted_self = false;
+            while self.kv.blocks_to_append(id, pending)? > self.kv.num_free_blocks() {
+                let victim = self.running.iter().rev().copied().find(|v| *v != id && !done.contains(v));
+                match victim {
+                    Some(v) => self.preempt(v, out)?,
+                    None => {
+                        self.preempt(id, out)?;
+                        preempted_self = true;
+                        break;
+                    }
+                }
+            }
+            if preempted_self {
+                continue;
+            }
+            let seq = self.seqs.get_mut(&id).expect("running sequence");
+            let new_tokens = seq.tokens[seq.kv_tokens..].to_vec();
+            out.copies.extend(self.kv.append(id, &new_tokens)?);
+            seq.kv_tokens = seq.tokens.len();
+            let n = (seq.tokens.len() - seq.num_computed).min(budget.tokens);
+            seq.num_computed += n;
+            self.kv.commit(id, seq.num_computed)?;
+            self.stats.decode_tokens += n as u64;
+            budget.tokens -= n;
+            budget.seqs -= 1;
+            scheduled.push((id, n));
+            done.insert(id);
+        }
+        Ok(())
+    }
+
+    /// Swapped sequences come back, best first, while their pages and a new one fit.
+    fn schedule_swap_ins(
+        &mut self,
+        budget: &mut Budget,
+        scheduled: &mut Vec<(SeqId, usize)>,
+        out: &mut SchedulerOutput,
+    ) -> Result<(), CoreError> {
+        let seqs = &self.seqs;
+        self.swapped.sort_by_key(|id| seqs[id].rank());
+        while let Some(&id) = self.swapped.first() {
+            if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
+                break;
+            }
+            let table_len = self.kv.block_table(id)?.len();
+            let fits = table_len + 1 + self.config.watermark_blocks <= self.kv.num_free_blocks();
+            if self.kv.can_swap_in(&[id])? != SwapInStatus::Ok || !fits {
+                break;
+            }
+            out.swap_in.extend(self.kv.swap_in(&[id])?);
+            self.swapped.remove(0);
+            let seq = self.seqs.get_mut(&id).expect("swapped sequence");
+            seq.status = SeqStatus::Running;
+            self.running.push(id);
+            let new_tokens = seq.tokens[seq.kv_tokens..].to_vec();
+            out.copies.extend(self.kv.append(id, &new_tokens)?);
+            seq.kv_tokens = seq.tokens.len();
+            let n = (seq.tokens.len() - seq.num_computed).min(budget.tokens);
+            seq.num_computed += n;
+            self.kv.commit(id, seq.num_computed)?;
+            self.stats.decode_tokens += n as u64;
+            budget.tokens -= n;
+            budget.seqs -= 1;
+            scheduled.push((id, n));
+        }
+        Ok(())
+    }
+
+    /// Next chunks of running sequences whose prompt is not fully computed yet.
+    fn schedule_prefill_chunks(&mut self, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
+        for &id in &self.running {
+            if budget.tokens == 0 || budget.seqs == 0 {
+                break;
+            }
+            let seq = self.seqs.get_mut(&id).expect("running sequence");
+            if seq.num_computed >= seq.kv_tokens {
+                continue;
+            }
+            let n = (seq.kv_tokens - seq.num_computed).min(budget.tokens);
+            seq.num_computed += n;
+            self.kv.commit(id, seq.num_computed)?;
+            self.stats.prompt_tokens_computed += n as u64;
+            budget.tokens -= n;
+            budget.seqs -= 1;
+            scheduled.push((id, n));
+        }
+        Ok(())
+    }
+
+    /// Admits waiting sequences in (aged) priority order while pages above the
+    /// watermark remain; stops at the first that does not fit, so order holds.
+    fn schedule_admissions(&mut self, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
+        let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
+        let seqs = &self.seqs;
+        self.waiting.sort_by_key(|id| seqs[id].waiting_rank(now, aging));
+        while let Some(&id) = self.waiting.first() {
+            if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
+                break;
+            }
+            let seq = &self.seqs[&id];
+            let needed = self.kv.blocks_to_admit(&seq.tokens, seq.reserve_tokens);
+            // An idle pool admits without the watermark, or a large prompt could never start.
+            let watermark = if self.running.is_empty() { 0 } else { self.config.watermark_blocks };
+            if needed == usize::MAX || needed + watermark > self.kv.num_free_blocks() {
+                break;
+            }
+            let cached = self.kv.admit(id, &seq.tokens, seq.reserve_tokens)?;
+            self.waiting.remove(0);
+            let seq = self.seqs.get_mut(&id).expect("waiting sequence");
+            seq.kv_tokens = seq.tokens.len();
+            seq.num_computed = cached;
+            seq.status = SeqStatus::Running;
+            self.running.push(id);
+            self.stats.cached_prompt_tokens += cached as u64;
+            let n = (seq.kv_tokens - cached).min(budget.tokens);
+            seq.num_computed += n;
+            self.kv.commit(id, seq.num_computed)?;
+            self.stats.prompt_tokens_computed += n as u64;
+            budget.tokens -= n;
+            budget.seqs -= 1;
+            scheduled.push((id, n));
+        }
+        Ok(())
+    }
+
+    /// Flattens the scheduled sequences into the runner's arrays. Block tables are
+    /// read last, after every allocation and copy-on-write of the step.
+    fn fill_batch(&self, scheduled: &[(SeqId, usize)], out: &mut SchedulerOutput) -> Result<(), CoreError> {
+        let max_blocks = scheduled.iter().map(|(id, _)| self.kv.block_table(*id).map(|t| t.len())).try_fold(0, |m, l| l.map(|l| m.max(l)))?;
+        out.max_blocks = max_blocks;
+        out.query_start_loc.push(0);
+        for &(id, n) in scheduled {
+            let seq = &self.seqs[&id];
+            let end = seq.num_computed;
+            let start = end - n;
+            out.seq_ids.push(id);
+            out.num_scheduled_tokens.push(n as i32);
+            out.do_sample.push(end == seq.tokens.len());
+            out.input_ids.extend(seq.tokens[start..end].iter().map(|&t| t as i64));
+            out.positions.extend((start..end).map(|p| p as i64));
+            self.kv.slot_mapping_into(id, start, end, &mut out.slot_mapping)?;
+            out.query_start_loc.push(out.input_ids.len() as i32);
+            out.seq_lens.push(end as i32);
+            let table = self.kv.block_table(id)?;
+            out.block_tables.extend(table.iter().map(|&b| b as i32));
+            out.block_tables.extend(std::iter::repeat_n(0, max_blocks - table.len()));
+        }
+        Ok(())
+    }
+}

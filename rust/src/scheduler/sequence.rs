@@ -1,0 +1,54 @@
+//! One sequence as the scheduler sees it: its tokens and how far its K/V goes.
+//!
+//! ```text
+//!  tokens:  | prompt ............................ | outputs ...... |
+//!           0                  num_computed       kv_tokens      len
+//!           |<- K/V written ->|<- scheduled next ->|<- sampled, not yet in the KV space ->|
+//! ```
+//! `kv_tokens` is what the KV space has recorded (its block table covers it);
+//! sampled tokens join it at the next schedule, which is when pages are taken.
+
+use crate::block_manager::{SeqId, TokenId};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SeqStatus {
+    Waiting,
+    Running,
+    Swapped,
+}
+
+#[derive(Clone, Debug)]
+pub struct Sequence {
+    pub id: SeqId,
+    /// Lower runs first (vLLM's convention).
+    pub priority: i64,
+    /// Arrival order of its request; siblings from `n > 1` share it.
+    pub arrival: u64,
+    pub tokens: Vec<TokenId>,
+    /// Tokens recorded in the KV space; 0 while it holds no pages.
+    pub kv_tokens: usize,
+    /// Leading tokens whose K/V is written (or scheduled in the current step).
+    pub num_computed: usize,
+    /// Length the contiguous layout reserves up front.
+    pub reserve_tokens: usize,
+    pub status: SeqStatus,
+    /// Step at which it last entered the waiting queue, for aging.
+    pub waiting_since: u64,
+}
+
+impl Sequence {
+    /// Sort key of the running set: best first, so the preemption victim is the last.
+    pub fn rank(&self) -> (i64, u64, SeqId) {
+        (self.priority, self.arrival, self.id)
+    }
+
+    /// Waiting order: priority improved by one level per `aging_steps` steps waited.
+    pub fn waiting_rank(&self, now: u64, aging_steps: u64) -> (i64, u64, SeqId) {
+        let boost = if aging_steps == 0 { 0 } else { (now.saturating_sub(self.waiting_since) / aging_steps) as i64 };
+        (self.priority.saturating_sub(boost), self.arrival, self.id)
+    }
+
+    pub fn has_pages(&self) -> bool {
+        self.kv_tokens > 0
+    }
+}
