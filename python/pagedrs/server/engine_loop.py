@@ -117,7 +117,7 @@ class EngineLoop:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("EngineLoop.start() called twice")
-        self._refresh_stats(applied_adds=0)
+        self._refresh_stats()
         self._thread = threading.Thread(target=self._run, name="pagedrs-engine", daemon=True)
         self._thread.start()
 
@@ -204,23 +204,26 @@ class EngineLoop:
     def _apply(self, commands: list[_Add | _Abort | _Stop]) -> None:
         if not commands:
             return
-        adds = 0
         for command in commands:
             if isinstance(command, _Add):
-                adds += 1
                 self._apply_add(command)
             elif isinstance(command, _Abort):
                 self._sinks.pop(command.request_id, None)
                 self.engine.abort(command.request_id)
-        self._refresh_stats(applied_adds=adds)
+        self._refresh_stats()
 
     def _apply_add(self, command: _Add) -> None:
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
         except Exception as exc:  # ValueError for bad input; anything else is reported the same way
+            with self._lock:
+                self._pending_adds -= 1
             command.accepted.set_exception(exc)
             return
         self._sinks[command.request_id] = command.sink
+        with self._lock:  # moved from our queue to the engine's: num_waiting() stays exact
+            self._pending_adds -= 1
+            self._stats["num_waiting"] = int(self._stats.get("num_waiting", 0)) + 1
         command.accepted.set_result(None)
 
     def _step(self) -> None:
@@ -234,7 +237,7 @@ class EngineLoop:
         now = time.monotonic()
         for output in outputs:
             self._dispatch(output, now)
-        self._refresh_stats(applied_adds=0)
+        self._refresh_stats()
 
     def _dispatch(self, output: Any, now: float) -> None:
         sink = self._sinks.get(output.request_id)
@@ -263,12 +266,11 @@ class EngineLoop:
             self._sinks.pop(output.request_id, None)
             self.engine.abort(output.request_id)
 
-    def _refresh_stats(self, applied_adds: int) -> None:
+    def _refresh_stats(self) -> None:
         stats = self.engine.stats()
         self.metrics.update_from_stats(stats)
         with self._lock:
             self._stats = stats
-            self._pending_adds -= applied_adds
 
     def _fail_all(self, message: str) -> None:
         sinks, self._sinks = self._sinks, {}
@@ -279,6 +281,8 @@ class EngineLoop:
     def _fail_queued_commands(self) -> None:
         for command in self._take_commands(block=False):
             if isinstance(command, _Add) and not command.accepted.done():
+                with self._lock:
+                    self._pending_adds -= 1
                 command.accepted.set_exception(RuntimeError("the engine loop stopped before the request was added"))
 
 

@@ -1,0 +1,91 @@
+"""A deterministic stand-in for pagedrs.Engine, to test the server's plumbing without a model.
+
+It follows docs/ENGINE_API.md: one token per sample per step, token ``ord('a') + (k + index) % 26``
+for the k-th token of sample ``index``. Every call is recorded; with ``permits`` set, each step
+records itself and then waits for one permit, so a test can hold the engine inside a step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from pagedrs.outputs import CompletionOutput, RequestOutput
+
+
+class FakeTokenizer:
+    """One token per character: id = ord(ch)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+class FakeEngine:
+    def __init__(self, max_model_len: int = 64, permits: threading.Semaphore | None = None) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_model_len = max_model_len
+        self.model_name = "fake"
+        self.permits = permits  # when set, every step takes one (waiting at most a minute)
+        self.fail_next_step = False
+        self.calls: list[tuple[str, Any]] = []  # ("add", id) | ("abort", id) | ("step", k)
+        self._requests: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()  # the test thread reads `calls` while the engine thread appends
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
+        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens > max_model_len {self.max_model_len}")
+        self._record("add", request_id)
+        self._requests[request_id] = {"ids": ids, "params": params, "samples": [[] for _ in range(params.n)]}
+
+    def abort(self, request_id: str) -> bool:
+        self._record("abort", request_id)
+        return self._requests.pop(request_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        self._record("step", None)
+        if self.permits is not None and not self.permits.acquire(timeout=60):
+            raise RuntimeError("FakeEngine.step: no permit within 60 s")
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("injected step failure")
+        outputs = []
+        for request_id, r in list(self._requests.items()):
+            completions = []
+            for index, tokens in enumerate(r["samples"]):
+                token = ord("a") + (len(tokens) + index) % 26
+                tokens.append(token)
+                done = len(tokens) >= r["params"].max_tokens
+                completions.append(
+                    CompletionOutput(index, self.tokenizer.decode(tokens), list(tokens), chr(token), [token],
+                                     "length" if done else None)
+                )
+            finished = all(c.finish_reason for c in completions)
+            outputs.append(RequestOutput(request_id, None, r["ids"], completions, finished))
+            if finished:
+                del self._requests[request_id]
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        return {"num_gpu_blocks": 8, "num_free_gpu_blocks": 8 - len(self._requests),
+                "num_running": len(self._requests), "num_waiting": 0}
+
+    def call_log(self) -> list[tuple[str, Any]]:
+        with self._lock:
+            return list(self.calls)
+
+    def _record(self, kind: str, arg: Any) -> None:
+        with self._lock:
+            self.calls.append((kind, arg))

@@ -1,0 +1,203 @@
+"""The server's plumbing — engine thread, back-pressure, failures, disconnects — on a fake engine.
+
+A fake engine (tests/server_fakes.py) can be held inside a step, which makes the
+orderings these tests check deterministic. The real model is exercised in test_server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from pagedrs.sampling_params import SamplingParams  # noqa: E402
+from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
+from server_fakes import FakeEngine  # noqa: E402
+
+MODEL = "fake"
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (bounded); fail naming ``what`` if it never holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Served:
+    def __init__(self, engine: FakeEngine, max_waiting: int = 8) -> None:
+        self.engine = engine
+        self.loop = EngineLoop(engine)
+        self.app = build_app(self.loop, MODEL, max_waiting)
+        self.http = BackgroundServer(self.app)
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k, _ in self.engine.call_log() if k == kind)
+
+
+@pytest.fixture
+def make_served() -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def make(engine: FakeEngine, max_waiting: int = 8) -> Served:
+        served = Served(engine, max_waiting)
+        served.loop.start()
+        served.http.start()
+        started.append(served)
+        return served
+
+    yield make
+    for served in started:
+        if served.engine.permits is not None:
+            served.engine.permits.release(10_000)  # never leave the engine thread parked in a step
+        served.http.stop()
+        served.loop.stop()
+
+
+def test_abort_is_applied_before_the_next_step() -> None:
+    """An abort sent while step k runs is applied before step k+1 (here: there is no k+1)."""
+    permits = threading.Semaphore(0)
+    engine = FakeEngine(permits=permits)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+
+        async def scenario() -> None:  # one event loop throughout: deltas need a live loop to land on
+            await loop.add("r1", "hi", SamplingParams(max_tokens=50), asyncio.Queue())
+            wait_until(lambda: ("step", None) in engine.call_log(), "the first step to start")
+            loop.abort("r1")
+            permits.release(100)
+            wait_until(lambda: ("abort", "r1") in engine.call_log(), "the abort to be applied")
+            wait_until(lambda: loop.stats().get("num_running") == 0, "the stats to show no running request")
+
+        asyncio.run(scenario())
+        assert engine.call_log() == [("add", "r1"), ("step", None), ("abort", "r1")]
+    finally:
+        permits.release(10_000)
+        loop.stop()
+
+
+def test_add_rejected_by_the_engine_raises_its_value_error() -> None:
+    loop = EngineLoop(FakeEngine(max_model_len=4))
+    loop.start()
+    try:
+        with pytest.raises(ValueError, match="max_model_len 4"):
+            asyncio.run(loop.add("r1", "too long", SamplingParams(max_tokens=1), asyncio.Queue()))
+        assert loop.num_waiting() == 0
+    finally:
+        loop.stop()
+
+
+def test_503_when_the_waiting_queue_is_full(make_served: Callable[..., Served]) -> None:
+    permits = threading.Semaphore(0)
+    served = make_served(FakeEngine(permits=permits), max_waiting=1)
+    client = served.client()
+    with ThreadPoolExecutor(2) as pool:
+        # 1: added, then the engine is held inside its first step
+        first = pool.submit(client.completions.create, model=MODEL, prompt="a", max_tokens=2)
+        wait_until(lambda: served.count("step") == 1, "the first request's step")
+        # 2: its add waits behind the held step, so it counts as waiting
+        second = pool.submit(client.completions.create, model=MODEL, prompt="b", max_tokens=2)
+        wait_until(lambda: served.loop.num_waiting() == 1, "one waiting request")
+        # 3: would make the waiting queue 2 > --max-waiting 1
+        with pytest.raises(openai.APIStatusError) as rejected:
+            client.completions.create(model=MODEL, prompt="c", max_tokens=2)
+        permits.release(10_000)
+        assert first.result(timeout=60).choices[0].text == "ab"
+        assert second.result(timeout=60).choices[0].text == "ab"
+    assert rejected.value.status_code == 503
+    error = rejected.value.body
+    assert error["type"] == "server_overloaded_error" and error["code"] == "server_overloaded"
+    assert "1 requests are waiting and --max-waiting is 1" in error["message"]
+    metrics = httpx.get(served.url + "/metrics").text
+    assert 'pagedrs_requests_rejected_total{status="503"} 1.0' in metrics
+
+
+def test_a_failed_step_fails_its_requests_with_500_and_the_server_keeps_serving(
+    make_served: Callable[..., Served],
+) -> None:
+    engine = FakeEngine()
+    engine.fail_next_step = True
+    served = make_served(engine)
+    client = served.client()
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=3)
+    assert "injected step failure" in failed.value.body["message"]
+    assert client.completions.create(model=MODEL, prompt="a", max_tokens=3).choices[0].text == "abc"
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_failed_step_ends_a_stream_with_an_error_event_then_done(make_served: Callable[..., Served]) -> None:
+    engine = FakeEngine()
+    engine.fail_next_step = True
+    served = make_served(engine)
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 3, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line]
+    assert len(events) == 2 and events[1] == "data: [DONE]"
+    error = json.loads(events[0].removeprefix("data: "))["error"]
+    assert error["type"] == "internal_server_error" and error["message"].endswith("RuntimeError: injected step failure")
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(make_served: Callable[..., Served]) -> None:
+    permits = threading.Semaphore(0)
+    served = make_served(FakeEngine(permits=permits))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 50}, timeout=0.5)
+    # the client closed its connection while the engine was held inside the first step
+    _step_until_aborted(served, permits)
+
+
+def test_streaming_client_that_disconnects_is_aborted(make_served: Callable[..., Served]) -> None:
+    permits = threading.Semaphore(0)
+    served = make_served(FakeEngine(permits=permits))
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 50, "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as response:
+        permits.release(2)
+        events = (line for line in response.iter_lines() if line)
+        texts = [json.loads(next(events).removeprefix("data: "))["choices"][0]["text"] for _ in range(2)]
+    assert texts == ["a", "b"]
+    # closed after two chunks
+    _step_until_aborted(served, permits)
+
+
+def _step_until_aborted(served: Served, permits: threading.Semaphore) -> None:
+    """Let the engine run one step at a time until the server aborts the abandoned request.
+
+    The request asked for 50 tokens: it must be dropped before it gets them.
+    """
+    for _ in range(45):
+        if served.count("abort"):
+            break
+        permits.release(1)
+        time.sleep(0.05)  # give the server time to notice the closed connection; no assertion on time
+    assert served.count("abort") == 1
+    wait_until(lambda: not served.engine.has_unfinished(), "the engine to be idle")
+    assert served.count("step") < 50
+
+
+def test_sampling_value_errors_become_400_naming_the_field(make_served: Callable[..., Served]) -> None:
+    served = make_served(FakeEngine())
+    with pytest.raises(openai.BadRequestError) as bad:
+        served.client().completions.create(model=MODEL, prompt="a", top_p=1.5)
+    assert bad.value.body["param"] == "top_p"
+    assert bad.value.body["message"] == "SamplingParams.top_p=1.5 is out of range: allowed 0 < top_p <= 1"
