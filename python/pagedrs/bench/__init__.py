@@ -1,0 +1,84 @@
+"""``pagedrs bench``: benchmarks that back the project's claims with its own numbers.
+
+Subcommands (one module each): ``throughput`` (paged vs contiguous vs transformers under
+one KV byte budget), ``prefix`` (prefix caching on vs off), ``preemption`` (swap vs
+recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``all``.
+Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
+``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
+the JSON result (for ``all``: one object keyed by benchmark).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Callable
+
+from pagedrs.bench.config import BenchConfig
+
+BENCHES = ("throughput", "prefix", "preemption", "allocator")
+
+
+def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:
+    import importlib
+
+    return importlib.import_module(f"pagedrs.bench.{name}").run  # type: ignore[no-any-return]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedrs bench", description=__doc__.splitlines()[0])
+    p.add_argument("benchmark", choices=(*BENCHES, "all"))
+    p.add_argument("--quick", action="store_true", help="small workloads (minutes on 2 CPU cores)")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the JSON result here")
+    p.add_argument("--out", dest="out_dir", metavar="DIR", help="write <bench>.json and <bench>.md here")
+    p.add_argument("--plot", dest="plot_dir", metavar="DIR", help="write PNG charts here")
+    p.add_argument("--num-requests", type=int, metavar="N", help="override the request count")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model folder or a .gguf file")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.num_requests is not None and args.num_requests < 1:
+        print(f"--num-requests must be >= 1, got {args.num_requests}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    cfg = BenchConfig(
+        model=args.model,
+        quick=args.quick,
+        num_requests=args.num_requests,
+        out_dir=args.out_dir,
+        plot_dir=args.plot_dir,
+        json_path=args.json_path,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+    )
+    from pagedrs.bench.machine import describe_machine
+    from pagedrs.bench.plots import PLOTTERS
+    from pagedrs.bench.report import write_json, write_outputs
+
+    machine = describe_machine().describe()
+    names = BENCHES if args.benchmark == "all" else (args.benchmark,)
+    results: dict[str, Any] = {}
+    for name in names:
+        start = time.perf_counter()
+        data, markdown = _runner(name)(cfg, machine)
+        data["bench_seconds"] = time.perf_counter() - start
+        print(markdown, flush=True)
+        for path in write_outputs(cfg.out_dir, name, data, markdown):
+            print(f"wrote {path}")
+        if cfg.plot_dir:
+            for path in PLOTTERS[name](data, cfg.plot_dir):
+                print(f"wrote {path}")
+        results[name] = data
+    if cfg.json_path:
+        write_json(cfg.json_path, results if args.benchmark == "all" else results[args.benchmark])
+        print(f"wrote {cfg.json_path}")
+    return 0

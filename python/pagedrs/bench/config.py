@@ -1,0 +1,18 @@
+"""Options shared by every benchmark, parsed once by ``pagedrs.bench.main``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str  # "smollm2-135m", a Hugging Face model folder, or a .gguf file
+    quick: bool  # small workloads that finish in minutes on 2 CPU cores
+    num_requests: int | None  # overrides the preset's request count
+    out_dir: str | None  # JSON + markdown per benchmark
+    plot_dir: str | None  # PNG charts
+    json_path: str | None  # the benchmark's JSON result, also here
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16

@@ -1,0 +1,120 @@
+"""Drive one pagedrs Engine over a list of requests and record what each step did.
+
+Everything a benchmark reports about pagedrs comes from here: wall time of the step
+loop only (model loading excluded), the generated tokens of every request, its time to
+first token, and one ``StepSample`` of ``engine.stats()`` after every step (running
+sequences, KV blocks in use, kv_utilization) for the peak-concurrency figure, the
+utilization average and the memory-over-time plot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedrs.bench.workloads import BenchRequest
+
+# Counters of engine.stats() that grow over the engine's life; a run reports their increase.
+_COUNTERS = (
+    "num_preemptions",
+    "num_swap_preemptions",
+    "num_recompute_preemptions",
+    "swap_out_blocks",
+    "swap_in_blocks",
+    "prefix_queries",
+    "prefix_hits",
+    "num_generated_tokens",
+    "num_prompt_tokens_computed",
+    "num_cached_prompt_tokens",
+    "num_steps",
+)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    t: float  # seconds since the first step started, at the end of this step
+    num_running: int
+    num_waiting: int
+    used_blocks: int
+    kv_utilization: float  # live token slots / reserved slots, 0..1
+
+
+@dataclass
+class EngineRun:
+    wall_s: float
+    samples: list[StepSample]
+    output_token_ids: dict[str, list[int]]
+    ttft_s: dict[str, float]  # request id -> seconds from submission to its first token
+    counters: dict[str, float]  # increase of each _COUNTERS entry during the run
+    final_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(t) for t in self.output_token_ids.values())
+
+
+def build_engine(model: str, **overrides: Any) -> Any:
+    """An Engine on the CPU in float32 unless ``overrides`` say otherwise."""
+    from pagedrs import Engine, EngineArgs
+
+    kwargs: dict[str, Any] = {"model": model, "device": "cpu", "dtype": "float32"}
+    kwargs.update(overrides)
+    return Engine(EngineArgs(**kwargs))
+
+
+def greedy_params(max_tokens: int) -> Any:
+    """Greedy and ``ignore_eos``: every system produces exactly ``max_tokens`` tokens."""
+    from pagedrs import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def warm_up(engine: Any, vocab_size: int) -> None:
+    """One tiny request so first-call costs (allocator, kernels, caches) stay out of the timing."""
+    rid = "__warmup__"
+    engine.add_request(rid, {"prompt_token_ids": [vocab_size // 2] * 8}, greedy_params(2))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _counter_snapshot(stats: dict[str, Any]) -> dict[str, float]:
+    return {k: float(stats.get(k, 0) or 0) for k in _COUNTERS}
+
+
+def run_requests(engine: Any, requests: list[BenchRequest]) -> EngineRun:
+    """Submit every request at once (offline throughput), then step until all finish."""
+    before = _counter_snapshot(engine.stats())
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    ttft: dict[str, float] = {}
+    samples: list[StepSample] = []
+    start = time.perf_counter()
+    for r in requests:
+        engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_token_ids)}, greedy_params(r.max_tokens))
+    while engine.has_unfinished():
+        step_outputs = engine.step()
+        now = time.perf_counter() - start
+        for out in step_outputs:
+            if out.request_id not in outputs:
+                continue
+            if out.error:
+                raise RuntimeError(f"request {out.request_id} failed in the engine: {out.error}")
+            tokens = list(out.outputs[0].token_ids)
+            if tokens and out.request_id not in ttft:
+                ttft[out.request_id] = now
+            outputs[out.request_id] = tokens
+        s = engine.stats()
+        samples.append(
+            StepSample(
+                t=now,
+                num_running=int(s["num_running"]),
+                num_waiting=int(s["num_waiting"]),
+                used_blocks=int(s.get("num_used_gpu_blocks", s["num_gpu_blocks"] - s["num_free_gpu_blocks"])),
+                kv_utilization=float(s["kv_utilization"]),
+            )
+        )
+    wall = time.perf_counter() - start
+    final = engine.stats()
+    after = _counter_snapshot(final)
+    counters = {k: after[k] - before[k] for k in _COUNTERS}
+    return EngineRun(wall, samples, outputs, ttft, counters, dict(final))

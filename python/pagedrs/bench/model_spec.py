@@ -1,0 +1,74 @@
+"""Where a benchmark's model lives and how many KV-cache bytes one token costs.
+
+Every model resolves to one Hugging Face folder: a GGUF (the embedded SmolLM2 or a
+path) goes through the engine's own cached converter, so transformers and pagedrs
+load exactly the same weights. The KV byte budget, the one quantity every system in a
+comparison shares, is computed here once from that folder's config.json:
+``2 (K and V) * layers * kv_heads * head_dim * dtype bytes`` per token.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def resolve_model(name: str) -> Path:
+    """The Hugging Face folder for ``name`` (same recognition rules as the engine's loader)."""
+    from pagedrs.models.gguf_loader import convert_gguf_cached
+    from pagedrs.models.loader import EMBEDDED_MODEL_NAME, embedded_model_path
+
+    if name.lower() == EMBEDDED_MODEL_NAME:
+        return convert_gguf_cached(embedded_model_path())
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_gguf_cached(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
+        return convert_gguf_cached(ggufs[0])
+    raise ValueError(
+        f"--model {name!r} is not {EMBEDDED_MODEL_NAME!r}, a .gguf file, or a folder with "
+        "config.json or exactly one .gguf"
+    )
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    vocab_size: int
+    context_len: int  # max_position_embeddings: no benchmark's max_model_len may exceed it
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+def kv_geometry(folder: Path, dtype: str) -> KVGeometry:
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+    cfg: dict[str, Any] = json.loads((Path(folder) / "config.json").read_text())
+    heads = int(cfg["num_attention_heads"])
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    return KVGeometry(
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype_bytes=_DTYPE_BYTES[dtype],
+        vocab_size=int(cfg["vocab_size"]),
+        context_len=int(cfg.get("max_position_embeddings") or 2048),
+    )
+
+
+def load_tokenizer(folder: Path) -> Any:
+    from pagedrs.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(folder)

@@ -1,0 +1,112 @@
+"""PNG charts of benchmark results (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+_COLORS = {"paged": "#2a7ab9", "contiguous": "#d9822b", "hf": "#7f7f7f"}
+_NAMES = {"paged": "pagedrs paged", "contiguous": "pagedrs contiguous", "hf": "transformers static"}
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt: Any, fig: Any, plot_dir: str, name: str) -> str:
+    os.makedirs(plot_dir, exist_ok=True)
+    path = os.path.join(plot_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _bars(ax: Any, labels: list[str], values: list[float], colors: list[str], fmt: str) -> None:
+    bars = ax.bar(labels, values, color=colors)
+    for bar, v in zip(bars, values):
+        ax.annotate(fmt.format(v), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+
+
+def plot_throughput(data: dict[str, Any], plot_dir: str) -> list[str]:
+    plt = _pyplot()
+    systems = [s for s in ("paged", "contiguous", "hf") if s in data]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    _bars(ax, [_NAMES[s] for s in systems], [data[s]["tokens_per_s"] for s in systems], [_COLORS[s] for s in systems], "{:.1f}")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"Throughput, same KV budget ({data['kv_budget']['bytes'] / 2**20:.0f} MiB)")
+    paths.append(_save(plt, fig, plot_dir, "throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    mib = data["kv_budget"]["bytes_per_token"] / 2**20
+    for s in systems:
+        tl = data[s]["timeline"]
+        ax.plot(tl["t"], [r * mib for r in tl["reserved_slots"]], color=_COLORS[s], label=f"{_NAMES[s]}: reserved")
+        ax.plot(tl["t"], [v * mib for v in tl["live_slots"]], color=_COLORS[s], linestyle="--", label=f"{_NAMES[s]}: live tokens")
+    ax.axhline(data["kv_budget"]["bytes"] / 2**20, color="black", linewidth=0.8, label="budget")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("KV memory (MiB)")
+    ax.set_title("KV memory in use over time")
+    ax.legend(fontsize=7)
+    paths.append(_save(plt, fig, plot_dir, "kv_memory_over_time.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s in systems:
+        ax.hist(data[s]["utilization_per_step"], bins=20, range=(0, 1), alpha=0.6, color=_COLORS[s], label=_NAMES[s])
+    ax.set_xlabel("KV utilization per step (live slots / reserved slots)")
+    ax.set_ylabel("steps")
+    ax.set_title("KV utilization")
+    ax.legend()
+    paths.append(_save(plt, fig, plot_dir, "kv_utilization_hist.png"))
+    return paths
+
+
+def plot_prefix(data: dict[str, Any], plot_dir: str) -> list[str]:
+    plt = _pyplot()
+    on, off = data["caching_on"], data["caching_off"]
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.6))
+    colors = ["#2a7ab9", "#d9822b"]
+    labels = ["caching on", "caching off"]
+    _bars(axes[0], labels, [on["pages_per_running_seq"], off["pages_per_running_seq"]], colors, "{:.1f}")
+    axes[0].set_title("pages per running sequence")
+    _bars(axes[1], labels, [on["prefill_tokens_computed"], off["prefill_tokens_computed"]], colors, "{:.0f}")
+    axes[1].set_title("prefill tokens computed")
+    _bars(axes[2], labels, [on["median_ttft_s"], off["median_ttft_s"]], colors, "{:.2f}")
+    axes[2].set_title("median TTFT (s)")
+    return [_save(plt, fig, plot_dir, "prefix_sharing.png")]
+
+
+def plot_preemption(data: dict[str, Any], plot_dir: str) -> list[str]:
+    plt = _pyplot()
+    modes = [m for m in ("swap", "recompute", "auto") if m in data]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
+    colors = ["#2a7ab9", "#d9822b", "#4c9a2a"][: len(modes)]
+    _bars(axes[0], modes, [data[m]["tokens_per_s"] for m in modes], colors, "{:.1f}")
+    axes[0].set_title("tokens / s")
+    _bars(axes[1], modes, [data[m]["pages_moved"] + data[m]["recomputed_tokens"] / data["block_size"] for m in modes], colors, "{:.0f}")
+    axes[1].set_title("pages moved + recomputed (in pages)")
+    return [_save(plt, fig, plot_dir, "preemption.png")]
+
+
+def plot_allocator(data: dict[str, Any], plot_dir: str) -> list[str]:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    _bars(ax, ["Rust (PyO3)", "pure Python"], [data["rust_ops_per_s"], data["python_ops_per_s"]], ["#2a7ab9", "#7f7f7f"], "{:,.0f}")
+    ax.set_ylabel("block-manager calls / s")
+    ax.set_title(f"Allocator: {data['ratio']:.1f}x")
+    return [_save(plt, fig, plot_dir, "allocator.png")]
+
+
+PLOTTERS = {
+    "throughput": plot_throughput,
+    "prefix": plot_prefix,
+    "preemption": plot_preemption,
+    "allocator": plot_allocator,
+}
