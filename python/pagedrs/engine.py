@@ -40,6 +40,7 @@ class Engine:
         self.device = torch.device(args.device)
         self.loaded = load_model(args.model, dtype=args.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
+        self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.model_name = self.loaded.name
         config = self.loaded.config
         self.max_model_len = args.max_model_len or config.max_position_embeddings
@@ -229,7 +230,7 @@ class Engine:
             for k in range(fan_out):
                 owner = state if k == 0 else self._fork_sample(request, state, k)
                 rows_logits.append(i)
-                rows.append(SamplingRow(request.params, owner.generator, request.prompt_token_ids, owner.token_ids))
+                rows.append(SamplingRow(request.params, owner.generator, request.prompt_token_ids, owner.token_ids, self._eos_ids))
                 owners.append((request, owner))
             if fan_out > 1:
                 request.forked = True

@@ -1,0 +1,69 @@
+"""The `pagedrs` command: kv-size figures exact, bad arguments rejected, the demo runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedrs.cli import main
+
+
+def run(capsys, argv):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_kv_size_reproduces_the_llama_70b_figures(capsys):
+    code, out, _ = run(capsys, ["kv-size", "--model", "llama-3.1-70b", "--tokens", "4096", "--seqs", "256", "--json"])
+    assert code == 0
+    assert json.loads(out) == {
+        "bytes_per_token": 327_680,  # 2 x 80 layers x 8 kv heads x 128 x 2 bytes
+        "bytes_per_sequence": 1_342_177_280,  # about 1.34 GB
+        "total_bytes": 343_597_383_680,  # about 344 GB for 256 users
+    }
+
+
+@pytest.mark.parametrize(
+    "model, per_token",
+    [("llama-3.1-8b", 131_072), ("llama-3.1-405b", 516_096), ("mistral-7b", 131_072),
+     ("qwen2.5-7b", 57_344), ("smollm2-135m", 23_040)],
+)
+def test_kv_size_presets(capsys, model, per_token):
+    code, out, _ = run(capsys, ["kv-size", "--model", model, "--tokens", "10", "--json"])
+    assert code == 0 and json.loads(out)["bytes_per_token"] == per_token
+
+
+def test_kv_size_reads_a_config_json(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256}))
+    code, out, _ = run(capsys, ["kv-size", "--model", str(tmp_path), "--tokens", "3", "--dtype", "float32", "--json"])
+    assert code == 0 and json.loads(out) == {"bytes_per_token": 2 * 4 * 2 * 32 * 4,
+                                             "bytes_per_sequence": 3 * 2048, "total_bytes": 3 * 2048}
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--model", "no-such-model", "--tokens", "4"], "neither a preset"),
+        (["--model", "llama-3.1-8b", "--tokens", "0"], "tokens is 0"),
+        (["--model", "llama-3.1-8b", "--tokens", "4", "--dtype", "int3"], "dtype is 'int3'"),
+    ],
+)
+def test_kv_size_bad_arguments_exit_nonzero(capsys, argv, fragment):
+    code, _, err = run(capsys, ["kv-size", *argv])
+    assert code != 0 and fragment in err
+
+
+def test_demo_runs_shortened(capsys):
+    from pagedrs.demo import run_demo
+
+    report = run_demo(max_tokens=3, num_questions=3)
+    text = capsys.readouterr().out
+    assert "report:" in text and "What is the capital of France?" in text
+    assert report["requests"] == 3 and report["generated_tokens"] >= 3
+    # Three chats share the system prompt: the second and third hit its cached blocks.
+    assert report["prefix_hits"] >= 2 * 4
+    assert 0 < report["kv_utilization"] <= 1
+    assert report["preemptions"] == 0
