@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     loop = EngineLoop(engine)
     loop.start()
     app = build_app(loop, args.served_model_name or args.model, args.max_waiting)
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so `finally` below may never
+    # run: stop the engine thread in the app's shutdown phase as well.
+    app.router.on_shutdown.append(loop.stop)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

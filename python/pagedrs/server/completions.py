@@ -67,7 +67,8 @@ class _LogprobBuilder:
             part.tokens.append(text)
             part.token_logprobs.append(entry.get(token_id))
             top = top_logprobs(self.ctx.tokenizer, entry, self.top_k)
-            part.top_logprobs.append({t: lp for t, lp in top} if self.top_k else None)
+            # keyed by text: distinct tokens with the same text keep the likeliest one
+            part.top_logprobs.append(dict(reversed(top)) if self.top_k else None)
             part.text_offset.append(self.offset)
             self.offset += len(text)
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):

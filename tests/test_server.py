@@ -1,0 +1,408 @@
+"""The OpenAI-compatible server, end to end: a real Engine on a tiny random llama, a live
+uvicorn on 127.0.0.1 (random free port), and the official `openai` client.
+
+Expected outputs come from the offline API (`LLM.generate` / `LLM.chat`) on the same
+weights and engine settings, so every comparison is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from pagedrs import LLM, Engine, EngineArgs, SamplingParams  # noqa: E402
+from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
+from pagedrs.server.background import free_port  # noqa: E402
+
+MODEL = "tiny-llama"
+# A small pool (48 pages of 8 tokens) so that the load test runs out of pages and preempts.
+ENGINE_KW: dict[str, Any] = dict(
+    device="cpu", dtype="float32", block_size=8, num_gpu_blocks=48, max_num_seqs=16, max_model_len=128,
+    swap_space_gb=0.01,
+)
+MAX_MODEL_LEN = ENGINE_KW["max_model_len"]
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention keeps the KV cache",
+    "def main():",
+    "naïve café résumé",
+]
+GREEDY = dict(temperature=0.0, max_tokens=8)
+
+
+class Served:
+    """A live server plus handles on its parts (the test reads metrics and changes max_waiting)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.engine = Engine(EngineArgs(model=str(model_dir), **ENGINE_KW))
+        self.loop = EngineLoop(self.engine)
+        self.app = build_app(self.loop, MODEL, max_waiting=64)
+        self.http = BackgroundServer(self.app)
+        self.url = self.http.url
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics by name (labels folded into the name as name{k=v})."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return samples
+
+    def wait_idle(self, timeout_s: float = 60.0) -> dict[str, float]:
+        """Poll /metrics (bounded) until no request is running, waiting or swapped."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            m = self.metrics()
+            busy = m["pagedrs_requests_running"] + m["pagedrs_requests_waiting"] + m["pagedrs_requests_swapped"]
+            if busy == 0:
+                return m
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server still has {busy} requests after {timeout_s} s")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama_dir: Path) -> Iterator[Served]:
+    s = Served(tiny_llama_dir)
+    s.loop.start()
+    s.http.start()
+    yield s
+    s.http.stop()
+    s.loop.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir: Path) -> LLM:
+    return LLM(model=str(tiny_llama_dir), **ENGINE_KW)
+
+
+@pytest.fixture(scope="module")
+def client(served: Served) -> openai.OpenAI:
+    return served.client()
+
+
+def test_health_and_models(served: Served, client: openai.OpenAI) -> None:
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completions_equal_offline_generate_with_usage(client: openai.OpenAI, offline: LLM) -> None:
+    expected = offline.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, **GREEDY)
+    assert [c.index for c in response.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in response.choices] == [e.outputs[0].text for e in expected]
+    assert [c.finish_reason for c in response.choices] == [e.outputs[0].finish_reason for e in expected]
+    assert response.usage.prompt_tokens == sum(len(e.prompt_token_ids) for e in expected)
+    assert response.usage.completion_tokens == sum(len(e.outputs[0].token_ids) for e in expected)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_token_id_prompt_equals_text_prompt(client: openai.OpenAI, offline: LLM) -> None:
+    ids = offline.engine.tokenizer.encode(PROMPTS[1])
+    by_text = client.completions.create(model=MODEL, prompt=PROMPTS[1], **GREEDY)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, **GREEDY)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage == by_text.usage
+
+
+def test_streaming_equals_non_streaming_for_greedy(client: openai.OpenAI) -> None:
+    for prompt in PROMPTS:
+        whole = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+        chunks = list(client.completions.create(
+            model=MODEL, prompt=prompt, stream=True, stream_options={"include_usage": True}, **GREEDY
+        ))
+        text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+        assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in text_chunks][-1] == whole.choices[0].finish_reason
+        assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+        assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+
+
+def test_raw_event_stream_ends_with_done(served: Served) -> None:
+    body = {"model": MODEL, "prompt": PROMPTS[0], "stream": True, **GREEDY}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"text_completion"} and len({c["id"] for c in chunks}) == 1
+
+
+def test_n_samples_seeded_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
+    sampling = dict(n=3, temperature=1.0, seed=1234, max_tokens=6)
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], **sampling)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts = [c.text for c in whole.choices]
+    assert len(set(texts)) > 1, f"three seeded samples should differ, got {texts}"
+    streamed = ["", "", ""]
+    finished = [0, 0, 0]
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **sampling):
+        choice = chunk.choices[0]
+        streamed[choice.index] += choice.text
+        finished[choice.index] += choice.finish_reason is not None
+    assert streamed == texts and finished == [1, 1, 1]
+    assert whole.usage.completion_tokens == 3 * 6  # max_tokens each, as all three ended by "length"
+    assert [c.finish_reason for c in whole.choices] == ["length"] * 3
+
+
+def test_stop_string_cuts_the_text_before_it(client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[2], temperature=0.0, max_tokens=16).choices[0].text
+    # a 2-character stop string taken from the middle of the greedy text
+    at = next(i for i in range(1, len(full) - 1) if full[i : i + 2].isprintable() and full[i : i + 2].strip())
+    stop = full[at : at + 2]
+    expected = full[: full.index(stop)]
+    for stream in (False, True):
+        result = client.completions.create(
+            model=MODEL, prompt=PROMPTS[2], temperature=0.0, max_tokens=16, stop=[stop], stream=stream
+        )
+        chunks = list(result) if stream else [result]
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_echo_and_logprobs(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY).choices[0]
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], echo=True, **GREEDY).choices[0]
+    assert echoed.text == PROMPTS[0] + plain.text
+    with_logprobs = client.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=3, **GREEDY).choices[0]
+    lp = with_logprobs.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == GREEDY["max_tokens"]
+    assert "".join(lp.tokens) == plain.text  # single-token strings of this byte-level BPE concatenate
+    for token_logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and token_logprob <= 0
+        assert token_logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_chat_equals_offline_chat_streaming_or_not(client: openai.OpenAI, offline: LLM) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox?"}]
+    expected = offline.chat(messages, SamplingParams(**GREEDY))[0]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == expected.outputs[0].text
+    assert whole.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert whole.usage.completion_tokens == len(expected.outputs[0].token_ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_chat_without_max_tokens_stops_within_the_context(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "def main():"}], temperature=0.0
+    )
+    usage = response.usage
+    assert usage.total_tokens <= MAX_MODEL_LEN
+    if response.choices[0].finish_reason == "length":
+        assert usage.total_tokens == MAX_MODEL_LEN
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2, **GREEDY
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    for entry in content:
+        assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+TOO_LONG = list(range(3, 3 + MAX_MODEL_LEN + 1))
+
+ERROR_CASES = [
+    # (endpoint, body, status, expected param or None, text in the message)
+    ("completions", {"model": "nope", "prompt": "x"}, 404, "model", "'nope' does not exist"),
+    ("chat", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model", "does not exist"),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature", "temperature=-1"),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "0 < top_p <= 1"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n", "SamplingParams.n=0"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens=0"),
+    ("completions", {"model": MODEL, "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty", "-2 <= value <= 2"),
+    ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "logprobs=21"),
+    ("completions", {"model": MODEL, "prompt": TOO_LONG}, 400, None, f"max_model_len is {MAX_MODEL_LEN}"),
+    ("completions", {"model": MODEL, "prompt": ""}, 400, None, "the prompt is empty"),
+    ("completions", {"model": MODEL, "prompt": 5}, 400, "prompt", "Input should be"),
+    ("completions", {"model": MODEL}, 400, "prompt", "Field required"),
+    ("completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
+    ("completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo", "not supported"),
+    ("chat", {"model": MODEL, "messages": []}, 400, "messages", "messages is empty"),
+    ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "fox " * 200}]}, 400, "messages",
+     f"maximum context length is {MAX_MODEL_LEN} tokens"),
+    ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs", "requires logprobs"),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param,text", ERROR_CASES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_errors_have_openai_shape_and_status(
+    served: Served, endpoint: str, body: dict[str, Any], status: int, param: str | None, text: str, stream: bool
+) -> None:
+    path = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}[endpoint]
+    response = httpx.post(served.url + path, json={**body, "stream": stream}, timeout=60)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == {400: "invalid_request_error", 404: "not_found_error"}[status]
+    assert error["param"] == param
+    assert text in error["message"]
+
+
+def test_openai_client_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=2)
+
+
+def test_503_when_the_waiting_queue_would_exceed_max_waiting(served: Served, client: openai.OpenAI) -> None:
+    ctx = served.app.state.ctx
+    before = served.metrics().get('pagedrs_requests_rejected_total{status=503}', 0.0)
+    ctx.max_waiting = 0  # every new request would wait at least a moment
+    try:
+        with pytest.raises(openai.APIStatusError) as rejected:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    finally:
+        ctx.max_waiting = 64
+    assert rejected.value.status_code == 503
+    assert rejected.value.body["type"] == "server_overloaded_error"
+    assert "--max-waiting is 0" in rejected.value.body["message"]
+    assert served.metrics()['pagedrs_requests_rejected_total{status=503}'] == before + 1
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].finish_reason
+
+
+def test_load_with_disconnects_frees_every_page_and_matches_offline(served: Served, offline: LLM) -> None:
+    """32 concurrent streaming clients; every 4th disconnects after 3 chunks of a 100-token request."""
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
+    leavers = set(range(0, 32, 4))
+    stayers = [i for i in range(32) if i not in leavers]
+    finished_before = _finished_requests(served.metrics())
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
+        if i in leavers:
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompts[i], temperature=0.0, max_tokens=100, extra_body={"ignore_eos": True},
+                stream=True,
+            )
+            received = 0
+            async for _ in stream:
+                received += 1
+                if received == 3:
+                    break
+            await stream.close()
+            return "", None
+        stream = await client.completions.create(model=MODEL, prompt=prompts[i], stream=True, **GREEDY)
+        text, reason = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            reason = chunk.choices[0].finish_reason or reason
+        return text, reason
+
+    async def run_all() -> list[tuple[str, str | None]]:
+        client = served.async_client()
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))), timeout=300)
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    metrics = served.wait_idle()
+    assert metrics["pagedrs_kv_free_blocks"] == metrics["pagedrs_kv_total_blocks"] == ENGINE_KW["num_gpu_blocks"]
+    # the leavers were aborted, not run to their 100 tokens: only the stayers finished
+    assert _finished_requests(metrics) - finished_before == len(stayers)
+    expected = offline.generate([prompts[i] for i in stayers], SamplingParams(**GREEDY), use_tqdm=False)
+    assert [results[i][0] for i in stayers] == [e.outputs[0].text for e in expected]
+    assert [results[i][1] for i in stayers] == [e.outputs[0].finish_reason for e in expected]
+    assert metrics["pagedrs_generated_tokens_total"] > 0
+    assert metrics["pagedrs_time_to_first_token_seconds_count"] >= 32
+
+
+def _finished_requests(metrics: dict[str, float]) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith("pagedrs_requests_finished_total{"))
+
+
+def test_metrics_expose_every_required_series(served: Served) -> None:
+    names = set(served.metrics())
+    for name in (
+        "pagedrs_kv_total_blocks", "pagedrs_kv_free_blocks", "pagedrs_kv_utilization",
+        "pagedrs_requests_running", "pagedrs_requests_waiting", "pagedrs_prefix_cache_queries_total",
+        "pagedrs_prefix_cache_hits_total", "pagedrs_preemptions_total", "pagedrs_swapped_pages_total",
+        "pagedrs_generated_tokens_total", "pagedrs_time_to_first_token_seconds_count",
+        "pagedrs_inter_token_latency_seconds_count",
+    ):
+        assert name in names, name
+
+
+def test_serve_cli_in_a_subprocess(tiny_llama_dir: Path, offline: LLM) -> None:
+    """`python -m pagedrs.server` binds 127.0.0.1, answers, and exits 0 on SIGTERM."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "pagedrs.server", "--model", str(tiny_llama_dir), "--served-model-name", MODEL,
+        "--port", str(port), "--block-size", "8", "--num-gpu-blocks", "32", "--max-model-len", "64",
+        "--log-level", "warning",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, f"the server exited early:\n{proc.stdout.read() if proc.stdout else ''}"
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("the server did not answer /health within 180 s")
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY).choices[0].text
+        assert got == offline.generate(PROMPTS[0], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].text
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+    output = proc.stdout.read() if proc.stdout else ""
+    # uvicorn shuts down gracefully, then re-raises the signal: exit status 0 or "killed by SIGTERM"
+    assert proc.returncode in (0, -signal.SIGTERM), output
+    assert "Traceback" not in output, output
+
+
+def test_serve_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedrs.server import main
+
+    assert main(["--max-waiting", "-1"]) == 2
+    assert "--max-waiting=-1 must be >= 0" in capsys.readouterr().err
+    assert main(["--model", "/nonexistent/model/dir", "--port", "1"]) == 2
+    assert "cannot start the engine" in capsys.readouterr().err
