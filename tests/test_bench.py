@@ -79,7 +79,7 @@ def test_simple_block_manager_matches_core_prefix_hits() -> None:
     trace = make_trace(num_seqs=40, block_size=4, seed=3)
     ours, core = SimpleBlockManager(1000, 4), BlockManager(1000, 4, 0, True)
     for i, prompt in enumerate(trace.prompts):
-        sid = f"s{i}"
+        sid = i
         assert ours.allocate(sid, prompt) == core.allocate(sid, prompt), f"prefix hit differs for {sid}"
         ours.commit(sid, len(prompt))
         core.commit(sid, len(prompt))
@@ -88,6 +88,6 @@ def test_simple_block_manager_matches_core_prefix_hits() -> None:
             core.append_tokens(sid, [t])
         assert len(ours.tables[sid]) == len(core.block_table(sid))
         if i % 3 == 2:
-            ours.free(f"s{i - 1}")
-            core.free(f"s{i - 1}")
+            ours.free(i - 1)
+            core.free(i - 1)
         assert ours.num_free_gpu_blocks == core.num_free_gpu_blocks

@@ -40,9 +40,9 @@ class SimpleBlockManager:
         self.block_hash: list[int | None] = [None] * num_gpu_blocks
         self.cached: dict[int, int] = {}  # hash -> block
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0, LRU first
-        self.tables: dict[str, list[int]] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.hashes: dict[str, list[int]] = {}  # per sequence: hash of each committed full block
+        self.tables: dict[int, list[int]] = {}
+        self.tokens: dict[int, list[int]] = {}
+        self.hashes: dict[int, list[int]] = {}  # per sequence: hash of each committed full block
 
     @property
     def num_free_gpu_blocks(self) -> int:
@@ -60,7 +60,7 @@ class SimpleBlockManager:
         self.ref[block] = 1
         return block
 
-    def allocate(self, seq_id: str, token_ids: list[int]) -> int:
+    def allocate(self, seq_id: int, token_ids: list[int]) -> int:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already allocated")
         bs = self.block_size
@@ -91,7 +91,7 @@ class SimpleBlockManager:
         self.hashes[seq_id] = hashes
         return hit_tokens
 
-    def append_tokens(self, seq_id: str, token_ids: list[int]) -> list[tuple[int, int]]:
+    def append_tokens(self, seq_id: int, token_ids: list[int]) -> list[tuple[int, int]]:
         tokens = self.tokens[seq_id]
         table = self.tables[seq_id]
         tokens.extend(token_ids)
@@ -99,7 +99,7 @@ class SimpleBlockManager:
             table.append(self._take())
         return []
 
-    def commit(self, seq_id: str, num_computed_tokens: int) -> None:
+    def commit(self, seq_id: int, num_computed_tokens: int) -> None:
         if not self.caching:
             return
         bs = self.block_size
@@ -122,7 +122,7 @@ class SimpleBlockManager:
             else:
                 self.free_blocks.append(block)
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: int) -> None:
         for block in reversed(self.tables.pop(seq_id)):
             self._release(block)
         del self.tokens[seq_id], self.hashes[seq_id]
@@ -168,12 +168,12 @@ def make_trace(num_seqs: int, block_size: int, seed: int = 0) -> Trace:
 def replay(manager: Any, trace: Trace, concurrency: int) -> int:
     """Run the trace with ``concurrency`` sequences alive at once; returns calls made."""
     ops = 0
-    live: deque[str] = deque()
+    live: deque[int] = deque()
     for i, (prompt, decode) in enumerate(zip(trace.prompts, trace.decode_tokens)):
         if len(live) == concurrency:
             manager.free(live.popleft())
             ops += 1
-        sid = f"s{i}"
+        sid = i
         manager.allocate(sid, prompt)
         manager.commit(sid, len(prompt))
         ops += 2

@@ -3,7 +3,7 @@
 Everything a benchmark reports about pagedrs comes from here: wall time of the step
 loop only (model loading excluded), the generated tokens of every request, its time to
 first token, and one ``StepSample`` of ``engine.stats()`` after every step (running
-sequences, KV blocks in use, kv_utilization) for the peak-concurrency figure, the
+sequences, KV blocks in use, reserved and live token slots) for the peak-concurrency figure, the
 utilization average and the memory-over-time plot.
 """
 
@@ -37,7 +37,8 @@ class StepSample:
     num_running: int
     num_waiting: int
     used_blocks: int
-    kv_utilization: float  # live token slots / reserved slots, 0..1
+    reserved_slots: int  # token slots the scheduler holds for running sequences
+    live_slots: int  # of those, slots holding a token
 
 
 @dataclass
@@ -109,8 +110,9 @@ def run_requests(engine: Any, requests: list[BenchRequest]) -> EngineRun:
                 t=now,
                 num_running=int(s["num_running"]),
                 num_waiting=int(s["num_waiting"]),
-                used_blocks=int(s.get("num_used_gpu_blocks", s["num_gpu_blocks"] - s["num_free_gpu_blocks"])),
-                kv_utilization=float(s["kv_utilization"]),
+                used_blocks=int(s["num_used_gpu_blocks"]),
+                reserved_slots=int(s["kv_reserved_slots"]),
+                live_slots=int(s["kv_live_slots"]),
             )
         )
     wall = time.perf_counter() - start

@@ -76,12 +76,11 @@ def run_engine_system(cfg: BenchConfig, layout: str, workload: Workload, budget:
     run = run_requests(engine, workload.requests)
     del engine
     gc.collect()
-    bs = budget.block_size
     timeline = Timeline(
         t=[s.t for s in run.samples],
         running=[s.num_running for s in run.samples],
-        reserved_slots=[s.used_blocks * bs for s in run.samples],
-        live_slots=[round(s.kv_utilization * s.used_blocks * bs) for s in run.samples],
+        reserved_slots=[s.reserved_slots for s in run.samples],
+        live_slots=[s.live_slots for s in run.samples],
     )
     result = summarize(
         wall_s=run.wall_s,
