@@ -1,0 +1,221 @@
+//! Scheduler scenarios with exact expectations: batch order, chunking, same-step
+//! prefix sharing, preemption victims and modes, aging, and the contiguous baseline.
+
+use pagedrs::block_manager::BlockManagerConfig;
+use pagedrs::scheduler::{PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig};
+
+fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
+    SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: budget,
+        max_model_len: 1024,
+        preemption_mode: mode,
+        watermark_blocks: 0,
+        aging_steps: 0,
+        cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
+    }
+}
+
+fn paged(blocks: usize, cpu: usize, budget: usize, mode: PreemptionMode) -> Scheduler {
+    let bm = BlockManagerConfig { num_cpu_blocks: cpu, ..BlockManagerConfig::new(blocks, 4) };
+    Scheduler::paged(config(budget, mode), bm).unwrap()
+}
+
+fn tokens(start: u32, n: u32) -> Vec<u32> {
+    (start..start + n).collect()
+}
+
+#[test]
+fn chunked_prefill_splits_a_prompt_under_the_budget_and_decodes_go_first() {
+    let mut s = paged(32, 0, 6, PreemptionMode::Recompute);
+    s.add_sequence(1, tokens(0, 3), 0, 0, 0).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![1]);
+    assert_eq!(out.do_sample, vec![true]);
+    s.append_token(1, 100).unwrap();
+    s.add_sequence(2, tokens(50, 10), 0, 1, 0).unwrap();
+    // Step 2: seq 1 decodes one token, then 5 of seq 2's 10 prompt tokens fill the budget.
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![1, 2]);
+    assert_eq!(out.num_scheduled_tokens, vec![1, 5]);
+    assert_eq!(out.do_sample, vec![true, false]);
+    assert_eq!(out.input_ids, vec![100, 50, 51, 52, 53, 54]);
+    assert_eq!(out.positions, vec![3, 0, 1, 2, 3, 4]);
+    assert_eq!(out.query_start_loc, vec![0, 1, 6]);
+    assert_eq!(out.seq_lens, vec![4, 5]);
+    s.append_token(1, 101).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_scheduled_tokens, vec![1, 5]);
+    assert_eq!(out.do_sample, vec![true, true]);
+    assert_eq!(out.positions[1..], [5, 6, 7, 8, 9]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn slot_mapping_follows_block_tables() {
+    let mut s = paged(32, 0, 64, PreemptionMode::Recompute);
+    s.add_sequence(7, tokens(0, 9), 0, 0, 0).unwrap();
+    let out = s.schedule().unwrap();
+    let table: Vec<i64> = out.block_tables[..out.max_blocks].iter().map(|&b| b as i64).collect();
+    assert_eq!(table.len(), 3);
+    let expected: Vec<i64> = (0..9).map(|p| table[p / 4] * 4 + (p % 4) as i64).collect();
+    assert_eq!(out.slot_mapping, expected);
+}
+
+#[test]
+fn requests_in_the_same_step_share_a_prefix() {
+    let mut s = paged(32, 0, 64, PreemptionMode::Recompute);
+    let shared = tokens(0, 8);
+    let mut a = shared.clone();
+    a.extend([90, 91]);
+    let mut b = shared.clone();
+    b.extend([95]);
+    s.add_sequence(1, a, 0, 0, 0).unwrap();
+    s.add_sequence(2, b, 0, 1, 0).unwrap();
+    let out = s.schedule().unwrap();
+    // Seq 2 hits seq 1's two full blocks, committed when seq 1 was scheduled: it computes 1 token.
+    assert_eq!(out.num_scheduled_tokens, vec![10, 1]);
+    let row = |i: usize| out.block_tables[i * out.max_blocks..i * out.max_blocks + 2].to_vec();
+    assert_eq!(row(0), row(1));
+    assert_eq!(s.stats().cached_prompt_tokens, 8);
+}
+
+#[test]
+fn a_missing_page_preempts_the_latest_arrival_and_swap_brings_it_back() {
+    // 4 blocks of 4 tokens: two 8-token sequences fill the pool exactly.
+    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.append_token(2, 28).unwrap();
+    let out = s.schedule().unwrap();
+    // Seq 1 needs a fifth block: seq 2 (later arrival) is swapped out, its 2 blocks move.
+    assert_eq!(out.preempted, vec![2]);
+    assert_eq!(out.swap_out.len(), 2);
+    assert_eq!(out.seq_ids, vec![1]);
+    assert_eq!(s.num_swapped(), 1);
+    s.finish(1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.swap_in.len(), 2);
+    assert_eq!(out.seq_ids, vec![2]);
+    assert_eq!(out.input_ids, vec![28]);
+    assert_eq!(out.positions, vec![8]);
+    s.finish(2).unwrap();
+    assert_eq!(s.kv().num_free_blocks(), 4);
+    assert_eq!(s.kv().num_free_host_blocks(), 8);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn recompute_drops_pages_and_prefills_everything_again() {
+    let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.append_token(2, 28).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2]);
+    assert!(out.swap_out.is_empty());
+    assert_eq!(s.num_waiting(), 1);
+    s.finish(1).unwrap();
+    let out = s.schedule().unwrap();
+    // Prompt and the sampled token come back as one prefill (the prefix cache may skip full blocks).
+    let n = out.num_scheduled_tokens[0] as usize;
+    assert_eq!(out.input_ids[..], (20..29).map(|t| t as i64).collect::<Vec<_>>()[9 - n..]);
+    assert_eq!(out.do_sample, vec![true]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn auto_mode_weighs_swap_against_recompute() {
+    let run = |swap_cost: f64| {
+        let mut cfg = config(64, PreemptionMode::Auto);
+        cfg.cost = PreemptionCost { swap_cost_per_block: swap_cost, recompute_cost_per_token: 1.0 };
+        let bm = BlockManagerConfig { num_cpu_blocks: 8, ..BlockManagerConfig::new(4, 4) };
+        let mut s = Scheduler::paged(cfg, bm).unwrap();
+        s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
+        s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
+        s.schedule().unwrap();
+        s.append_token(1, 8).unwrap();
+        s.append_token(2, 28).unwrap();
+        let out = s.schedule().unwrap();
+        (out.swap_out.len(), s.stats().num_swap_preemptions, s.stats().num_recompute_preemptions)
+    };
+    // Victim: 9 tokens, 2 blocks. Swap = 2 x 2 x cost; recompute = 9.
+    assert_eq!(run(1.0), (2, 1, 0));
+    assert_eq!(run(5.0), (0, 0, 1));
+}
+
+#[test]
+fn a_full_host_tier_falls_back_to_recompute() {
+    let mut s = paged(4, 1, 64, PreemptionMode::Swap);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.append_token(2, 28).unwrap();
+    s.schedule().unwrap();
+    assert_eq!(s.stats().num_recompute_preemptions, 1);
+    assert_eq!(s.num_waiting(), 1);
+}
+
+#[test]
+fn priority_then_arrival_and_aging_prevents_starvation() {
+    let mut cfg = config(64, PreemptionMode::Recompute);
+    cfg.max_num_seqs = 1;
+    cfg.aging_steps = 2;
+    let mut s = Scheduler::paged(cfg, BlockManagerConfig::new(64, 4)).unwrap();
+    s.add_sequence(1, tokens(0, 2), 3, 0, 0).unwrap(); // low priority, first to arrive
+    s.add_sequence(2, tokens(0, 2), 0, 1, 0).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![2]);
+    // Seq 2 keeps running; newcomers of priority 1 keep arriving, yet seq 1 ages past them.
+    let mut next_id = 10;
+    let mut admitted_1_at = None;
+    for step in 0..20 {
+        if s.contains(2) {
+            s.finish(2).unwrap();
+        }
+        s.add_sequence(next_id, tokens(0, 2), 1, 100 + step, 0).unwrap();
+        next_id += 1;
+        let out = s.schedule().unwrap();
+        if out.seq_ids == vec![1] {
+            admitted_1_at = Some(step);
+            break;
+        }
+        s.finish(out.seq_ids[0]).unwrap();
+    }
+    // Waiting since step 0, one level per 2 steps: at the 4th schedule (loop step 3) it has
+    // gained 2 levels, ties the newcomers' priority 1 and wins on earlier arrival.
+    assert_eq!(admitted_1_at, Some(3));
+}
+
+#[test]
+fn contiguous_layout_reserves_up_front_and_never_preempts() {
+    let mut s = Scheduler::contiguous(config(64, PreemptionMode::Recompute), 8, 4).unwrap();
+    s.add_sequence(1, tokens(0, 3), 0, 0, 16).unwrap();
+    s.add_sequence(2, tokens(0, 3), 0, 1, 16).unwrap();
+    s.add_sequence(3, tokens(0, 3), 0, 2, 16).unwrap();
+    let out = s.schedule().unwrap();
+    // 16 reserved tokens = 4 blocks each: only two fit in 8 blocks, and their tables are runs.
+    assert_eq!(out.seq_ids, vec![1, 2]);
+    assert_eq!(out.block_tables, vec![0, 1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(s.num_waiting(), 1);
+    assert!(s.kv_usage().reserved_slots == 32 && s.kv_usage().live_slots == 6);
+    assert!(s.add_sequence(4, tokens(0, 3), 0, 3, 40).is_err()); // can never fit
+}
+
+#[test]
+fn bad_sequences_are_rejected_without_change() {
+    let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
+    assert!(s.add_sequence(1, vec![], 0, 0, 0).is_err());
+    assert!(s.add_sequence(1, tokens(0, 17), 0, 0, 0).is_err()); // 5 blocks > 4
+    s.add_sequence(1, tokens(0, 3), 0, 0, 0).unwrap();
+    assert!(s.add_sequence(1, tokens(0, 3), 0, 0, 0).is_err());
+    assert!(s.append_token(99, 1).is_err());
+    assert!(s.fork(1, 2).is_err()); // not running yet
+    assert_eq!(s.num_waiting(), 1);
+    s.check_invariants().unwrap();
+}
