@@ -30,9 +30,9 @@ from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
 from pagedrs.server.background import free_port  # noqa: E402
 
 MODEL = "tiny-llama"
-# A small pool (48 pages of 8 tokens) so that the load test runs out of pages and preempts.
+# A small pool (24 pages of 8 tokens) so that the load test runs out of pages and preempts.
 ENGINE_KW: dict[str, Any] = dict(
-    device="cpu", dtype="float32", block_size=8, num_gpu_blocks=48, max_num_seqs=16, max_model_len=128,
+    device="cpu", dtype="float32", block_size=8, num_gpu_blocks=24, max_num_seqs=16, max_model_len=128,
     swap_space_gb=0.01,
 )
 MAX_MODEL_LEN = ENGINE_KW["max_model_len"]
