@@ -43,7 +43,9 @@ class FakeEngine:
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         if len(ids) > self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens > max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens > max_model_len {self.max_model_len}"
+            )
         self._record("add", request_id)
         self._requests[request_id] = {"ids": ids, "params": params, "samples": [[] for _ in range(params.n)]}
 
@@ -79,7 +81,7 @@ class FakeEngine:
         return outputs
 
     def stats(self) -> dict[str, Any]:
-        return {"num_gpu_blocks": 8, "num_free_gpu_blocks": 8 - len(self._requests),
+        return {"num_gpu_blocks": 8, "block_size": 4, "num_free_gpu_blocks": 8 - len(self._requests),
                 "num_running": len(self._requests), "num_waiting": 0}
 
     def call_log(self) -> list[tuple[str, Any]]:

@@ -201,3 +201,13 @@ def test_sampling_value_errors_become_400_naming_the_field(make_served: Callable
         served.client().completions.create(model=MODEL, prompt="a", top_p=1.5)
     assert bad.value.body["param"] == "top_p"
     assert bad.value.body["message"] == "SamplingParams.top_p=1.5 is out of range: allowed 0 < top_p <= 1"
+
+
+def test_chat_without_max_tokens_fills_what_the_kv_pool_can_hold(make_served: Callable[..., Served]) -> None:
+    """Context 64 tokens, pool 8 pages x 4 = 32 slots: the default stops at the pool, not the context."""
+    served = make_served(FakeEngine(max_model_len=64))
+    response = served.client().chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    prompt_tokens = len("<user>hi<assistant>")
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 32 - prompt_tokens
+    assert response.choices[0].finish_reason == "length"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from types import ModuleType
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -41,11 +42,14 @@ class _EventStream(StreamingResponse):
 def build_app(engine_loop: EngineLoop, model_name: str, max_waiting: int) -> FastAPI:
     """The OpenAI-compatible app over a started ``engine_loop``; the caller starts and stops the loop."""
     engine = engine_loop.engine
+    stats = engine_loop.stats()
     ctx = ServerContext(
         engine_loop=engine_loop,
         model_name=model_name,
         max_waiting=max_waiting,
         max_model_len=int(engine.max_model_len),
+        kv_pool_tokens=int(stats.get("num_gpu_blocks", 0)) * int(stats.get("block_size", 0))
+        or int(engine.max_model_len),
         tokenizer=engine.tokenizer,
     )
     app = FastAPI(title="pagedrs", version=pagedrs.__version__)
@@ -69,26 +73,23 @@ def build_app(engine_loop: EngineLoop, model_name: str, max_waiting: int) -> Fas
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(body: CompletionRequest, request: Request) -> Response | Any:
-        gen = completions.prepare(ctx, body)
-        await gen.submit()
-        if body.stream:
-            return _EventStream(completions.stream(ctx, body, gen), gen.abort)
-        return await _complete(request, gen, completions.complete(ctx, body, gen))
+        return await _serve(completions, ctx, body, request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | Any:
-        gen = chat.prepare(ctx, body)
-        await gen.submit()
-        if body.stream:
-            return _EventStream(chat.stream(ctx, body, gen), gen.abort)
-        return await _complete(request, gen, chat.complete(ctx, body, gen))
+        return await _serve(chat, ctx, body, request)
 
     return app
 
 
-async def _complete(request: Request, gen: Generation, work: Any) -> Response | Any:
+async def _serve(endpoint: ModuleType, ctx: ServerContext, body: Any, request: Request) -> Response | Any:
+    """Submit, then stream or answer at the end. ``endpoint`` is the chat or completions module."""
+    gen: Generation = endpoint.prepare(ctx, body)
+    await gen.submit()
+    if body.stream:
+        return _EventStream(endpoint.stream(ctx, body, gen), gen.abort)
     try:
-        result = await unless_disconnected(request, work)
+        result = await unless_disconnected(request, endpoint.complete(ctx, body, gen))
     finally:
         gen.abort()  # no-op when it finished
     if result is None:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
-from pagedrs.server.errors import APIError, bad_request
+from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -17,10 +16,12 @@ from pagedrs.server.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     TopLogprob,
+    Usage,
     now_s,
     random_id,
 )
-from pagedrs.server.serving import SSE_DONE, Generation, sse_error, ServerContext, sse
+from pagedrs.server.engine_loop import SampleDelta
+from pagedrs.server.serving import Generation, ServerContext, event_stream, sse
 from pagedrs.server.tokens import render_chat, token_text, top_logprobs
 
 
@@ -40,8 +41,12 @@ def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation:
             param="messages",
         )
     kwargs = body.sampling_kwargs()
-    # Unset: generate until the context is full, as OpenAI does for chat.
-    kwargs["max_tokens"] = body.max_completion_tokens or body.max_tokens or room
+    if body.max_completion_tokens is not None:
+        kwargs["max_tokens"] = body.max_completion_tokens
+    elif body.max_tokens is None:
+        # Unset: until the context is full, as OpenAI does for chat, but never more than the
+        # KV pool can hold next to the prompt (the engine refuses a request that can never fit).
+        kwargs["max_tokens"] = max(1, min(room, ctx.kv_pool_tokens - len(prompt_ids)))
     if body.logprobs:
         kwargs["logprobs"] = body.top_logprobs or 0
     params = ctx.make_params(kwargs)
@@ -52,7 +57,10 @@ def _logprobs(ctx: ServerContext, k: int, token_ids: list[int], entries: list[di
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         text = token_text(ctx.tokenizer, token_id)
-        top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in top_logprobs(ctx.tokenizer, entry, k)]
+        top = [
+            TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
+            for t, lp in top_logprobs(ctx.tokenizer, entry, k)
+        ]
         logprob = entry.get(token_id, float("-inf"))
         content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=top))
     return ChatLogprobs(content=content)
@@ -79,42 +87,21 @@ async def complete(ctx: ServerContext, body: ChatCompletionRequest, gen: Generat
     )
 
 
-async def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> AsyncIterator[str]:
-    """Server-sent events: a role chunk per choice, content chunks, a usage chunk if asked, then [DONE]."""
+def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> AsyncIterator[str]:
+    """Server-sent events: a role chunk per choice, content chunks, usage if asked, [DONE]."""
     response_id, created = random_id("chatcmpl"), now_s()
 
-    def chunk(choices: list[ChatChunkChoice], usage: Any = None) -> str:
-        return sse(
-            ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
-            .model_dump_json()
-        )
+    def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        chunk = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
+        return sse(chunk.model_dump_json())
 
     k = body.top_logprobs or 0
-    completion_tokens = 0
-    try:
-        for i in range(gen.n):
-            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-        async for delta in gen.deltas():
-            for sample in delta.samples:
-                if not (sample.text or sample.token_ids or sample.finish_reason):
-                    continue
-                completion_tokens += len(sample.token_ids)
-                logprobs = None
-                if body.logprobs:
-                    logprobs = _logprobs(ctx, k, sample.token_ids, sample.logprobs or [])
-                choice = ChatChunkChoice(
-                    index=gen.choice_index(delta.tag, sample.index),
-                    delta=ChatDelta(content=sample.text or None) if sample.text else ChatDelta(),
-                    logprobs=logprobs,
-                    finish_reason=sample.finish_reason,
-                    stop_reason=sample.stop_reason,
-                )
-                yield chunk([choice])
-        if body.include_usage:
-            yield chunk([], gen.usage(completion_tokens))
-    except APIError as exc:
-        yield sse_error(exc)
-    finally:
-        gen.abort()
-    yield SSE_DONE
 
+    def render(index: int, sample: SampleDelta) -> str:
+        logprobs = _logprobs(ctx, k, sample.token_ids, sample.logprobs or []) if body.logprobs else None
+        return event([ChatChunkChoice(index=index, delta=ChatDelta(content=sample.text or None), logprobs=logprobs,
+                                      finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)])
+
+    prologue = [event([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(gen.n)]
+    usage_event = (lambda usage: event([], usage)) if body.include_usage else None
+    return event_stream(gen, prologue, render, usage_event)

@@ -13,7 +13,8 @@ DEFAULT_MAX_WAITING = 1024
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pagedrs serve",
-        description="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
+        description="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, "
+        "/health, /metrics",
     )
     p.add_argument("--model", default="smollm2-135m", help="model name or local path (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="name clients must send as `model` (default: --model)")
@@ -28,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument("--num-gpu-blocks", type=int, default=None, help="device KV pages (overrides --kv-cache-memory)")
+    engine.add_argument(
+        "--num-gpu-blocks", type=int, default=None, help="device KV pages (overrides --kv-cache-memory)"
+    )
     engine.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the device KV pool")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     engine.add_argument("--swap-space-gb", type=float, default=1.0)

@@ -5,17 +5,19 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pagedrs.server.errors import APIError, bad_request
+from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    Usage,
     now_s,
     random_id,
 )
-from pagedrs.server.serving import SSE_DONE, Generation, sse_error, SampleState, ServerContext, sse
+from pagedrs.server.engine_loop import SampleDelta
+from pagedrs.server.serving import Generation, SampleState, ServerContext, event_stream, sse
 from pagedrs.server.tokens import token_text, top_logprobs
 
 
@@ -98,44 +100,30 @@ def _choice(index: int, text: str, logprobs: CompletionLogprobs | None, state: S
     )
 
 
-async def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per choice and step, a usage chunk if asked, then [DONE]."""
+def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> AsyncIterator[str]:
+    """Server-sent events: echoed prompts, one chunk per choice and step, usage if asked, [DONE]."""
     response_id, created = random_id("cmpl"), now_s()
 
-    def chunk(choices: list[CompletionChoice], usage: Any = None) -> str:
-        return sse(
-            CompletionResponse(id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
-            .model_dump_json()
+    def event(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        response = CompletionResponse(
+            id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage
         )
+        return sse(response.model_dump_json())
 
     builders: dict[int, _LogprobBuilder] = {}
-    completion_tokens = 0
-    try:
-        if body.echo:
-            for tag, prompt in enumerate(gen.prompts):
-                text = _echo_text(ctx, prompt)
-                for i in range(gen.n):
-                    yield chunk([CompletionChoice(index=gen.choice_index(tag, i), text=text)])
-        async for delta in gen.deltas():
-            for sample in delta.samples:
-                if not (sample.text or sample.token_ids or sample.finish_reason):
-                    continue
-                index = gen.choice_index(delta.tag, sample.index)
-                completion_tokens += len(sample.token_ids)
-                logprobs = None
-                if body.logprobs is not None:
-                    builder = builders.setdefault(index, _LogprobBuilder(ctx, body.logprobs, 0))
-                    logprobs = builder.add(sample.token_ids, sample.logprobs or [])
-                choice = CompletionChoice(
-                    index=index, text=sample.text, logprobs=logprobs,
-                    finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
-                )
-                yield chunk([choice])
-        if body.include_usage:
-            yield chunk([], gen.usage(completion_tokens))
-    except APIError as exc:
-        yield sse_error(exc)
-    finally:
-        gen.abort()
-    yield SSE_DONE
 
+    def render(index: int, sample: SampleDelta) -> str:
+        logprobs = None
+        if body.logprobs is not None:
+            builder = builders.setdefault(index, _LogprobBuilder(ctx, body.logprobs, 0))
+            logprobs = builder.add(sample.token_ids, sample.logprobs or [])
+        return event([CompletionChoice(index=index, text=sample.text, logprobs=logprobs,
+                                       finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)])
+
+    prologue = []
+    if body.echo:
+        for tag, prompt in enumerate(gen.prompts):
+            text = _echo_text(ctx, prompt)
+            prologue += [event([CompletionChoice(index=gen.choice_index(tag, i), text=text)]) for i in range(gen.n)]
+    usage_event = (lambda usage: event([], usage)) if body.include_usage else None
+    return event_stream(gen, prologue, render, usage_event)

@@ -111,13 +111,13 @@ class EngineLoop:
         self._stats: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
         self.fatal_error: str | None = None
+        self._refresh_stats()  # the engine thread does not exist yet: safe to call from here
 
     # --- any thread ------------------------------------------------------------------
 
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("EngineLoop.start() called twice")
-        self._refresh_stats()
         self._thread = threading.Thread(target=self._run, name="pagedrs-engine", daemon=True)
         self._thread.start()
 

@@ -23,7 +23,9 @@ __all__ = ["CONTENT_TYPE_LATEST", "ServerMetrics"]
 # gauge name -> Engine.stats() key
 _GAUGES: dict[str, tuple[str, str]] = {
     "pagedrs_kv_total_blocks": ("num_gpu_blocks", "KV cache pages in the device pool."),
-    "pagedrs_kv_free_blocks": ("num_free_gpu_blocks", "Allocatable device KV pages (evictable cached pages count as free)."),
+    "pagedrs_kv_free_blocks": (
+        "num_free_gpu_blocks", "Allocatable device KV pages (evictable cached pages count as free)."
+    ),
     "pagedrs_kv_utilization": ("kv_utilization", "Live token slots over reserved slots, 0..1."),
     "pagedrs_requests_running": ("num_running", "Requests in the running batch."),
     "pagedrs_requests_waiting": ("num_waiting", "Requests admitted but not yet scheduled."),

@@ -13,13 +13,13 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagedrs.server.engine_loop import EngineLoop, RequestDelta
+from pagedrs.server.engine_loop import EngineLoop, RequestDelta, SampleDelta
 from pagedrs.server.errors import APIError, bad_request
 from pagedrs.server.protocol import Usage, random_id
 
@@ -34,6 +34,7 @@ class ServerContext:
     model_name: str
     max_waiting: int  # a request that would make the waiting queue longer than this gets a 503
     max_model_len: int
+    kv_pool_tokens: int  # token slots in the device KV pool: no request can grow past this
     tokenizer: Any
 
     def check_model(self, requested: str) -> None:
@@ -189,3 +190,34 @@ SSE_DONE = sse("[DONE]")
 def sse_error(exc: APIError) -> str:
     """An error inside a stream that already answered 200: OpenAI's error body as one event."""
     return sse(json.dumps(exc.body()))
+
+
+async def event_stream(
+    gen: Generation,
+    prologue: Iterable[str],
+    render: Callable[[int, SampleDelta], str],
+    usage_event: Callable[[Usage], str] | None,
+) -> AsyncIterator[str]:
+    """The SSE frame both endpoints share.
+
+    ``prologue`` events first, then ``render(choice_index, sample)`` for every sample
+    that gained text or tokens or finished, then ``usage_event`` (when the client asked
+    for usage), then ``data: [DONE]``. An engine failure becomes an error event; a
+    client that goes away cancels this generator, and ``finally`` aborts its requests.
+    """
+    completion_tokens = 0
+    try:
+        for event in prologue:
+            yield event
+        async for delta in gen.deltas():
+            for sample in delta.samples:
+                if sample.text or sample.token_ids or sample.finish_reason:
+                    completion_tokens += len(sample.token_ids)
+                    yield render(gen.choice_index(delta.tag, sample.index), sample)
+        if usage_event is not None:
+            yield usage_event(gen.usage(completion_tokens))
+    except APIError as exc:
+        yield sse_error(exc)
+    finally:
+        gen.abort()
+    yield SSE_DONE
