@@ -1,0 +1,240 @@
+//! Property test: random operation sequences against a simple model with a simulated
+//! physical memory (one token id per slot, per tier). After every operation the runner's
+//! copies are applied to that memory and the new tokens written to their slots, then:
+//! every invariant holds, every live sequence reads back exactly its tokens through its
+//! table, prefix hits read back the right tokens, predicted block costs are exact, and a
+//! failed call changed nothing.
+
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+
+use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, SwapInStatus};
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A prompt of `len` tokens: the first `shared` from a common stream (so prefixes
+    /// repeat), the rest from `seed`.
+    Allocate { seq: u64, shared: usize, len: usize, seed: u32 },
+    Append { seq: u64, n: usize, seed: u32 },
+    Commit { seq: u64, frac: u8 },
+    Fork { parent: u64, child: u64 },
+    Free { seq: u64 },
+    SwapOut { seqs: Vec<u64> },
+    SwapIn { seqs: Vec<u64> },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let seq = 0u64..4;
+    prop_oneof![
+        3 => (seq.clone(), 0usize..12, 1usize..14, any::<u32>()).prop_map(|(seq, shared, len, seed)| Op::Allocate { seq, shared, len, seed }),
+        4 => (seq.clone(), 1usize..6, any::<u32>()).prop_map(|(seq, n, seed)| Op::Append { seq, n, seed }),
+        3 => (seq.clone(), 0u8..=4).prop_map(|(seq, frac)| Op::Commit { seq, frac }),
+        2 => (seq.clone(), seq.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
+        1 => seq.clone().prop_map(|seq| Op::Free { seq }),
+        1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapOut { seqs }),
+        1 => proptest::collection::vec(seq, 1..3).prop_map(|seqs| Op::SwapIn { seqs }),
+    ]
+}
+
+fn config() -> impl Strategy<Value = BlockManagerConfig> {
+    (4usize..16, 1usize..5, 0usize..10, any::<bool>(), any::<bool>()).prop_map(|(gpu, bs, cpu, prefix, host)| {
+        BlockManagerConfig {
+            num_gpu_blocks: gpu,
+            block_size: bs,
+            num_cpu_blocks: cpu,
+            enable_prefix_caching: prefix,
+            cache_salt: None,
+            host_cache_evicted: host,
+        }
+    })
+}
+
+/// Tokens from a tiny alphabet, so that equal blocks (and hash lookups on them) are common.
+fn tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (seed.wrapping_mul(31).wrapping_add(i * 7) >> 3) % 3).collect()
+}
+
+/// Appended tokens come from a wide alphabet, so that a write into the wrong block shows.
+fn wide_tokens(seed: u32, n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| seed.wrapping_mul(2_654_435_761).wrapping_add(i) % 1000).collect()
+}
+
+/// The runner's view: memory of both tiers, and the model of what each sequence holds.
+struct Sim {
+    bm: BlockManager,
+    bs: usize,
+    gpu: Vec<Option<u32>>,
+    cpu: Vec<Option<u32>>,
+    /// seq → (tokens, swapped)
+    model: BTreeMap<u64, (Vec<u32>, bool)>,
+}
+
+type Snapshot = (usize, usize, Vec<(u64, Vec<u32>, Vec<u32>, bool)>, pagedrs::block_manager::BlockManagerStats);
+
+impl Sim {
+    fn snapshot(&self) -> Snapshot {
+        let seqs = self
+            .model
+            .keys()
+            .map(|&s| {
+                (s, self.bm.block_table(s).unwrap().to_vec(), self.bm.tokens(s).unwrap().to_vec(), self.bm.is_swapped(s).unwrap())
+            })
+            .collect();
+        (self.bm.num_free_gpu_blocks(), self.bm.num_free_cpu_blocks(), seqs, self.bm.stats())
+    }
+
+    fn copy(&mut self, pairs: &[(u32, u32)], from_gpu: bool, to_gpu: bool) {
+        let bs = self.bs;
+        for &(src, dst) in pairs {
+            for off in 0..bs {
+                let v = if from_gpu { self.gpu[src as usize * bs + off] } else { self.cpu[src as usize * bs + off] };
+                if to_gpu {
+                    self.gpu[dst as usize * bs + off] = v;
+                } else {
+                    self.cpu[dst as usize * bs + off] = v;
+                }
+            }
+        }
+    }
+
+    fn run_host_copies(&mut self) {
+        let (evict, hits) = self.bm.take_pending_host_copies();
+        self.copy(&evict, true, false);
+        self.copy(&hits, false, true);
+    }
+
+    /// Writes the K/V ("tokens") of positions `start..` of a device sequence.
+    fn write(&mut self, seq: u64, start: usize) {
+        let toks = self.bm.tokens(seq).unwrap().to_vec();
+        let mut slots = Vec::new();
+        self.bm.slot_mapping_into(seq, start, toks.len(), &mut slots).unwrap();
+        for (slot, t) in slots.into_iter().zip(&toks[start..]) {
+            self.gpu[slot as usize] = Some(*t);
+        }
+    }
+
+    fn read_back(&self, seq: u64) -> Vec<Option<u32>> {
+        let table = self.bm.block_table(seq).unwrap();
+        let mem = if self.bm.is_swapped(seq).unwrap() { &self.cpu } else { &self.gpu };
+        (0..self.bm.num_tokens(seq).unwrap()).map(|p| mem[table[p / self.bs] as usize * self.bs + p % self.bs]).collect()
+    }
+
+    fn check(&self) -> Result<(), TestCaseError> {
+        self.bm.check_invariants().map_err(TestCaseError::fail)?;
+        prop_assert_eq!(self.bm.seq_ids().count(), self.model.len());
+        for (&seq, (toks, swapped)) in &self.model {
+            prop_assert_eq!(self.bm.tokens(seq).unwrap(), &toks[..]);
+            prop_assert_eq!(self.bm.is_swapped(seq).unwrap(), *swapped);
+            let expected: Vec<Option<u32>> = toks.iter().map(|&t| Some(t)).collect();
+            prop_assert_eq!(self.read_back(seq), expected, "seq {} reads back wrong tokens", seq);
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
+        let before = self.snapshot();
+        let result: Result<(), CoreError> = match op {
+            Op::Allocate { seq, shared, len, seed } => {
+                let mut prompt = tokens(0, *shared.min(len));
+                prompt.extend(tokens(*seed, len - prompt.len()));
+                let cost = self.bm.num_blocks_to_allocate(&prompt);
+                let can = self.bm.can_allocate(&prompt);
+                let free = self.bm.num_free_gpu_blocks();
+                match self.bm.allocate(*seq, &prompt) {
+                    Ok(cached) => {
+                        prop_assert!(can && cost <= free);
+                        prop_assert_eq!(free - self.bm.num_free_gpu_blocks(), cost);
+                        prop_assert!(cached % self.bs == 0 && cached < prompt.len());
+                        self.run_host_copies();
+                        // The cached prefix must already hold the right tokens.
+                        let head: Vec<Option<u32>> = self.read_back(*seq)[..cached].to_vec();
+                        prop_assert_eq!(head, prompt[..cached].iter().map(|&t| Some(t)).collect::<Vec<_>>());
+                        self.write(*seq, cached);
+                        self.model.insert(*seq, (prompt, false));
+                        Ok(())
+                    }
+                    Err(e) => {
+                        if matches!(e, CoreError::OutOfBlocks { .. }) {
+                            prop_assert!(!can && cost > free);
+                        }
+                        Err(e)
+                    }
+                }
+            }
+            Op::Append { seq, n, seed } => {
+                let new = wide_tokens(*seed, *n);
+                let predicted = self.bm.num_blocks_to_append(*seq, *n);
+                let free = self.bm.num_free_gpu_blocks();
+                self.bm.append_tokens(*seq, &new).map(|cow| {
+                    let (toks, _) = self.model.get_mut(seq).unwrap();
+                    let start = toks.len();
+                    toks.extend(&new);
+                    assert_eq!(free - self.bm.num_free_gpu_blocks(), predicted.unwrap());
+                    self.run_host_copies();
+                    self.copy(&cow, true, true);
+                    self.write(*seq, start);
+                })
+            }
+            Op::Commit { seq, frac } => {
+                let n = self.model.get(seq).map_or(0, |(t, _)| t.len() * *frac as usize / 4);
+                self.bm.commit(*seq, n)
+            }
+            Op::Fork { parent, child } => self.bm.fork(*parent, *child).map(|()| {
+                let copy = self.model[parent].clone();
+                self.model.insert(*child, copy);
+            }),
+            Op::Free { seq } => self.bm.free(*seq).map(|()| {
+                self.model.remove(seq);
+            }),
+            Op::SwapOut { seqs } => {
+                let predicted = self.bm.num_blocks_to_swap_out(seqs);
+                self.bm.swap_out(seqs).map(|pairs| {
+                    assert_eq!(pairs.len(), predicted.unwrap());
+                    self.copy(&pairs, true, false);
+                    seqs.iter().for_each(|s| self.model.get_mut(s).unwrap().1 = true);
+                })
+            }
+            Op::SwapIn { seqs } => {
+                let status = self.bm.can_swap_in(seqs);
+                let r = self.bm.swap_in(seqs).map(|pairs| {
+                    self.copy(&pairs, false, true);
+                    seqs.iter().for_each(|s| self.model.get_mut(s).unwrap().1 = false);
+                });
+                if let Ok(status) = status {
+                    prop_assert_eq!(r.is_ok(), status == SwapInStatus::Ok);
+                }
+                r
+            }
+        };
+        if result.is_err() {
+            prop_assert_eq!(self.snapshot(), before, "failed {:?} changed state", op);
+        }
+        self.check()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 384, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_operations_keep_every_invariant(cfg in config(), ops in proptest::collection::vec(op(), 1..60)) {
+        let bs = cfg.block_size;
+        let mut sim = Sim {
+            gpu: vec![None; cfg.num_gpu_blocks * bs],
+            cpu: vec![None; cfg.num_cpu_blocks * bs],
+            bm: BlockManager::new(cfg).unwrap(),
+            bs,
+            model: BTreeMap::new(),
+        };
+        for op in &ops {
+            sim.apply(op)?;
+        }
+        for seq in sim.model.keys().copied().collect::<Vec<_>>() {
+            sim.bm.free(seq).unwrap();
+        }
+        sim.run_host_copies();
+        sim.bm.check_invariants().map_err(TestCaseError::fail)?;
+        prop_assert_eq!(sim.bm.num_free_gpu_blocks(), sim.bm.num_gpu_blocks());
+        prop_assert_eq!(sim.bm.num_free_cpu_blocks(), sim.bm.num_cpu_blocks());
+    }
+}
