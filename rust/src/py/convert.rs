@@ -126,8 +126,10 @@ fn list_into(list: &Bound<'_, PyList>, out: &mut Vec<TokenId>) -> PyResult<()> {
         if item.is_null() {
             return Err(PyErr::fetch(list.py()));
         }
-        // SAFETY: `item` is a valid, non-null object pointer (see above).
-        let is_int = unsafe { ffi::PyLong_Check(item) } != 0;
+        // SAFETY: `item` is a valid, non-null object pointer (see above); reading its type
+        // and the address of the static `int` type touches no Python state. Exact ints
+        // skip the PyLong_Check call (one C call fewer per token under the limited API).
+        let is_int = unsafe { ffi::Py_TYPE(item) == std::ptr::addr_of_mut!(ffi::PyLong_Type) || ffi::PyLong_Check(item) != 0 };
         if !is_int {
             // SAFETY: as above; the borrowed pointer becomes an owned Bound for the message.
             let bound = unsafe { Bound::from_borrowed_ptr(list.py(), item) };
