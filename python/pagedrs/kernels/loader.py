@@ -35,7 +35,7 @@ def _module(name_expressions: tuple[str, ...], device_index: int) -> Any:
     with cupy.cuda.Device(device_index):
         return cupy.RawModule(
             code=sources.translation_unit(),
-            options=(*sources.BASE_OPTIONS, f"-I{sources.cuda_dir()}"),
+            options=sources.BASE_OPTIONS,
             name_expressions=list(name_expressions),
         )
 

@@ -1,13 +1,17 @@
 """Where the CUDA sources live and how they become one translation unit.
 
 Search order: ``$PAGEDRS_CUDA_DIR``, then ``cuda/`` of the source checkout this
-package runs from (editable installs), then ``./cuda`` (a wheel installed next to
-a checkout, as on the GPU check machine).
+package runs from (editable installs), then ``./cuda``; an installed wheel with none
+of those uses the copy compiled into the extension (``pagedrs._core.cuda_sources``).
+Headers are inlined into the translation unit (they carry include guards), so
+neither NVRTC nor CuPy needs an include path.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from functools import lru_cache
 from pathlib import Path
 
 KERNEL_FILES: tuple[str, ...] = ("paged_attention.cu", "cache_ops.cu")
@@ -33,16 +37,40 @@ def cuda_dir() -> Path:
     )
 
 
+@lru_cache(maxsize=1)
+def _files() -> dict[str, str]:
+    """File name -> text of every kernel and header file, from disk or from the extension."""
+    names = (*KERNEL_FILES, *HEADER_FILES)
+    try:
+        root = cuda_dir()
+    except FileNotFoundError:
+        from pagedrs._core import cuda_sources
+
+        embedded = dict(cuda_sources())
+        return {name: embedded[name] for name in names}
+    return {name: (root / name).read_text() for name in names}
+
+
 def headers() -> dict[str, str]:
-    """Include name -> text, served to NVRTC in memory (no -I needed)."""
-    root = cuda_dir()
-    return {name: (root / name).read_text() for name in HEADER_FILES}
+    """Include name -> text (for NVRTC's in-memory headers)."""
+    files = _files()
+    return {name: files[name] for name in HEADER_FILES}
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 
 def translation_unit() -> str:
-    """All kernel files as one source; each includes its headers by name."""
-    root = cuda_dir()
-    return "\n".join(f'#line 1 "{name}"\n' + (root / name).read_text() for name in KERNEL_FILES)
+    """All kernel files as one source, with their headers inlined."""
+    files = _files()
+
+    def inline(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in HEADER_FILES:
+            raise ValueError(f"cuda source includes {name!r}; known headers: {list(HEADER_FILES)}")
+        return f'#line 1 "{name}"\n{files[name]}\n'
+
+    return "\n".join(f'#line 1 "{name}"\n' + _INCLUDE.sub(inline, files[name]) for name in KERNEL_FILES)
 
 
 def arch_option(arch: str) -> str:

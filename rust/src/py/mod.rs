@@ -2,6 +2,7 @@
 
 mod block_manager;
 pub(crate) mod convert;
+mod cuda_sources;
 mod scheduler;
 
 use pyo3::prelude::*;
@@ -13,5 +14,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutOfBlocksError", m.py().get_type::<OutOfBlocksError>())?;
     m.add_class::<block_manager::PyBlockManager>()?;
     scheduler::register(m)?;
+    cuda_sources::register(m)?;
     Ok(())
 }
