@@ -127,3 +127,14 @@ def smollm2():
     from pagedrs.models import load_model
 
     return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' own reading of the same GGUF file: the outside referee for SmolLM2."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, local_files_only=True, dtype=torch.float32
+    )
+    return model.eval()

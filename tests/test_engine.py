@@ -278,3 +278,24 @@ def test_generate_keeps_input_order_and_chat_template(tiny_llama_dir):
     chat = llm.chat([{"role": "user", "content": "hi"}], greedy(max_tokens=3))[0]
     expected = llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat.prompt_token_ids == expected
+
+
+def test_embedded_smollm2_engine_matches_transformers_with_sharing_chunking_and_preemption(hf_smollm2):
+    """The demo's situation on the real model: chats sharing a system prompt, prefix
+    caching on, prompts chunked under a small budget and a pool small enough to preempt."""
+    from pagedrs.demo import QUESTIONS, SYSTEM_PROMPT
+
+    engine = Engine(EngineArgs(model="smollm2-135m", num_gpu_blocks=10, block_size=16, max_num_batched_tokens=48,
+                               preemption_mode="auto", swap_space_gb=0.05, watermark=0.0))
+    tok = engine.tokenizer
+    prompts = [tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}])
+               for q in QUESTIONS[:3]]
+    done = run_all(engine, prompts, greedy(max_tokens=8))
+    hf_smollm2.generation_config.eos_token_id = None
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        ref = hf_smollm2.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert done[f"r{i}"] == ref[0, len(p):].tolist(), f"chat {i}"
+    stats = engine.stats()
+    assert stats["prefix_hits"] > 0 and stats["num_preemptions"] > 0
+    assert_all_free(engine)

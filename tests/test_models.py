@@ -108,10 +108,9 @@ def _reference_tokens(folder, prompts: list[list[int]]) -> list[list[int]]:
     return _REFERENCE[key]
 
 
-def test_embedded_smollm2_greedy_matches_transformers_gguf(smollm2, smollm2_path):
+def test_embedded_smollm2_greedy_matches_transformers_gguf(smollm2, hf_smollm2):
     """SmolLM2-135M from its Q4_1 GGUF: our dequantize + Q/K unpermute against transformers' own GGUF reader."""
-    path = smollm2_path
-    hf = _hf_model(path.parent, gguf_file=path.name)
+    hf = hf_smollm2
     tok = smollm2.tokenizer
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea, there"]
     prompts = [tok.encode(t) for t in texts]
