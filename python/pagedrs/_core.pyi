@@ -63,3 +63,71 @@ class BlockManager:
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> None:
         """Raises AssertionError naming the first broken invariant."""
+
+class StepPlan:
+    """One step's plan as NumPy arrays (see pagedrs.step_input.StepInput for the layout)."""
+
+    seq_ids: npt.NDArray[np.uint64]  # [S] scheduled sequences in batch order
+    num_scheduled_tokens: npt.NDArray[np.int32]  # [S]
+    do_sample: npt.NDArray[np.bool_]  # [S] a token is sampled from this sequence after the step
+    input_ids: npt.NDArray[np.int64]  # [T]
+    positions: npt.NDArray[np.int64]  # [T]
+    slot_mapping: npt.NDArray[np.int64]  # [T]
+    query_start_loc: npt.NDArray[np.int32]  # [S+1]
+    seq_lens: npt.NDArray[np.int32]  # [S]
+    block_tables: npt.NDArray[np.int32]  # [S, max_blocks]
+    swap_out: npt.NDArray[np.int64]  # [N, 2] (gpu_block, cpu_block), run first
+    swap_in: npt.NDArray[np.int64]  # [N, 2] (cpu_block, gpu_block), run second
+    copies: npt.NDArray[np.int64]  # [N, 2] (src, dst) copy-on-write, run third
+    preempted: npt.NDArray[np.uint64]  # sequences preempted in this step
+    @property
+    def num_seqs(self) -> int: ...
+
+class Scheduler:
+    """Continuous batching: decodes, swap-ins, prompt chunks, admissions under a token budget."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        *,
+        num_cpu_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        kv_layout: Literal["paged", "contiguous"] = "paged",
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 2048,
+        preemption_mode: Literal["swap", "recompute", "auto"] = "auto",
+        watermark_blocks: int = 0,
+        aging_steps: int = 100,
+        swap_cost_per_block: float = 1.0,
+        recompute_cost_per_token: float = 1.0,
+        host_cache_evicted: bool = False,
+    ) -> None: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_swapped(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_gpu_blocks(self) -> int: ...
+    def add_sequence(
+        self, seq_id: int, token_ids: npt.NDArray[np.uint32], priority: int = 0, arrival: int = 0, reserve_tokens: int = 0
+    ) -> None: ...
+    def schedule(self) -> StepPlan:
+        """Plans the next step and commits its blocks; run it before scheduling again."""
+    def append_tokens(self, seq_ids: npt.NDArray[np.uint64], token_ids: npt.NDArray[np.uint32]) -> None: ...
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Child shares the running parent's pages; fork before appending the step's sampled tokens."""
+    def finish(self, seq_id: int) -> None: ...
+    def contains(self, seq_id: int) -> bool: ...
+    def fits_in_pool(self, num_tokens: int, reserve_tokens: int = 0) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def stats(self) -> dict[str, int]: ...
+    def check_invariants(self) -> None: ...
+
+def cuda_sources() -> list[tuple[str, str]]:
+    """File name -> text of the CUDA kernel sources compiled into this extension."""
