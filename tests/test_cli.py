@@ -67,3 +67,26 @@ def test_demo_runs_shortened(capsys):
     assert report["prefix_hits"] >= 2 * 4
     assert 0 < report["kv_utilization"] <= 1
     assert report["preemptions"] == 0
+
+
+def test_chat_repl_answers_and_quits(tiny_llama_dir):
+    """`pagedrs chat` reads lines from the terminal, answers each, and quits on an empty line."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedrs.cli", "chat", "--model", str(tiny_llama_dir), "--max-tokens", "4"],
+        input="hello\nand again\n\n", capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("bot> ") == 2
+
+
+def test_generate_command_prints_the_greedy_completion(tiny_llama_dir, capsys):
+    from pagedrs import LLM, SamplingParams
+
+    code = main(["generate", "The quick brown fox", "--model", str(tiny_llama_dir), "--max-tokens", "5"])
+    printed = capsys.readouterr().out.rstrip("\n")
+    expected = LLM(model=str(tiny_llama_dir)).generate("The quick brown fox", SamplingParams(max_tokens=5, temperature=0.0),
+                                                      use_tqdm=False)[0].outputs[0].text
+    assert code == 0 and printed == expected

@@ -299,3 +299,40 @@ def test_embedded_smollm2_engine_matches_transformers_with_sharing_chunking_and_
     stats = engine.stats()
     assert stats["prefix_hits"] > 0 and stats["num_preemptions"] > 0
     assert_all_free(engine)
+
+
+def test_a_failing_request_ends_with_an_error_and_the_others_continue(tiny_llama_dir, hf_model, monkeypatch):
+    engine = make_engine(tiny_llama_dir)
+    prompts = make_prompts(engine, 2, seed=8)
+    engine.add_request("ok", prompts[0], greedy(max_tokens=6))
+    engine.add_request("bad", prompts[1], greedy(max_tokens=6))
+    bad_detok = engine._requests["bad"].samples[0].detokenizer
+
+    def explode(_ids):
+        raise RuntimeError("detokenizer failed")
+
+    monkeypatch.setattr(bad_detok, "step", explode)
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished["bad"].outputs[0].finish_reason == "error"
+    assert "detokenizer failed" in finished["bad"].error
+    assert finished["ok"].outputs[0].token_ids == hf_greedy(hf_model, prompts[0], 6)
+    assert_all_free(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["cuda", "torch"])
+def test_greedy_on_the_gpu_equals_the_cpu_reference(tiny_llama_dir, monkeypatch, backend):
+    """End to end on CUDA (kernels, or the torch reference path) against the CPU engine."""
+    if backend == "torch":
+        monkeypatch.setenv("PAGEDRS_ATTENTION_BACKEND", "torch")
+    cpu = make_engine(tiny_llama_dir)
+    prompts = make_prompts(cpu, 6, shared=9, seed=9)
+    expected = run_all(cpu, prompts, greedy())
+    gpu = make_engine(tiny_llama_dir, device="cuda", num_gpu_blocks=12, preemption_mode="swap", swap_space_gb=0.01)
+    assert run_all(gpu, prompts, greedy()) == expected
+    assert_all_free(gpu)
