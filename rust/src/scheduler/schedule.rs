@@ -74,17 +74,8 @@ impl Scheduler {
             if preempted_self {
                 continue;
             }
-            let seq = self.seqs.get_mut(&id).expect("running sequence");
-            let new_tokens = seq.tokens[seq.kv_tokens..].to_vec();
-            out.copies.extend(self.kv.append(id, &new_tokens)?);
-            seq.kv_tokens = seq.tokens.len();
-            let n = (seq.tokens.len() - seq.num_computed).min(budget.tokens);
-            seq.num_computed += n;
-            self.kv.commit(id, seq.num_computed)?;
-            self.stats.decode_tokens += n as u64;
-            budget.tokens -= n;
-            budget.seqs -= 1;
-            scheduled.push((id, n));
+            self.append_sampled(id, out)?;
+            self.stats.decode_tokens += self.take_tokens(id, budget, scheduled)? as u64;
             done.insert(id);
         }
         Ok(())
@@ -110,40 +101,25 @@ impl Scheduler {
             }
             out.swap_in.extend(self.kv.swap_in(&[id])?);
             self.swapped.remove(0);
-            let seq = self.seqs.get_mut(&id).expect("swapped sequence");
-            seq.status = SeqStatus::Running;
+            self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
             self.running.push(id);
-            let new_tokens = seq.tokens[seq.kv_tokens..].to_vec();
-            out.copies.extend(self.kv.append(id, &new_tokens)?);
-            seq.kv_tokens = seq.tokens.len();
-            let n = (seq.tokens.len() - seq.num_computed).min(budget.tokens);
-            seq.num_computed += n;
-            self.kv.commit(id, seq.num_computed)?;
-            self.stats.decode_tokens += n as u64;
-            budget.tokens -= n;
-            budget.seqs -= 1;
-            scheduled.push((id, n));
+            self.append_sampled(id, out)?;
+            self.stats.decode_tokens += self.take_tokens(id, budget, scheduled)? as u64;
         }
         Ok(())
     }
 
     /// Next chunks of running sequences whose prompt is not fully computed yet.
     fn schedule_prefill_chunks(&mut self, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
-        for &id in &self.running {
+        for id in self.running.clone() {
             if budget.tokens == 0 || budget.seqs == 0 {
                 break;
             }
-            let seq = self.seqs.get_mut(&id).expect("running sequence");
+            let seq = &self.seqs[&id];
             if seq.num_computed >= seq.kv_tokens {
                 continue;
             }
-            let n = (seq.kv_tokens - seq.num_computed).min(budget.tokens);
-            seq.num_computed += n;
-            self.kv.commit(id, seq.num_computed)?;
-            self.stats.prompt_tokens_computed += n as u64;
-            budget.tokens -= n;
-            budget.seqs -= 1;
-            scheduled.push((id, n));
+            self.stats.prompt_tokens_computed += self.take_tokens(id, budget, scheduled)? as u64;
         }
         Ok(())
     }
@@ -173,15 +149,31 @@ impl Scheduler {
             seq.status = SeqStatus::Running;
             self.running.push(id);
             self.stats.cached_prompt_tokens += cached as u64;
-            let n = (seq.kv_tokens - cached).min(budget.tokens);
-            seq.num_computed += n;
-            self.kv.commit(id, seq.num_computed)?;
-            self.stats.prompt_tokens_computed += n as u64;
-            budget.tokens -= n;
-            budget.seqs -= 1;
-            scheduled.push((id, n));
+            self.stats.prompt_tokens_computed += self.take_tokens(id, budget, scheduled)? as u64;
         }
         Ok(())
+    }
+
+    /// Records a running sequence's sampled tokens in the KV space: pages are taken
+    /// (and a shared, partly filled last page copied on write) only now.
+    fn append_sampled(&mut self, id: SeqId, out: &mut SchedulerOutput) -> Result<(), CoreError> {
+        let seq = self.seqs.get_mut(&id).expect("known sequence");
+        out.copies.extend(self.kv.append(id, &seq.tokens[seq.kv_tokens..])?);
+        seq.kv_tokens = seq.tokens.len();
+        Ok(())
+    }
+
+    /// Schedules the sequence's next uncomputed tokens that fit the budget and commits
+    /// them (their K/V is written this step, before any read); returns how many.
+    fn take_tokens(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<usize, CoreError> {
+        let seq = self.seqs.get_mut(&id).expect("known sequence");
+        let n = (seq.kv_tokens - seq.num_computed).min(budget.tokens);
+        seq.num_computed += n;
+        self.kv.commit(id, seq.num_computed)?;
+        budget.tokens -= n;
+        budget.seqs -= 1;
+        scheduled.push((id, n));
+        Ok(n)
     }
 
     /// Flattens the scheduled sequences into the runner's arrays. Block tables are
