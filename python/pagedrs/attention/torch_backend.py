@@ -97,7 +97,10 @@ class TorchAttentionBackend(AttentionBackend):
     def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         if pairs.numel() == 0:
             return
-        moved = src_cache.index_select(2, pairs[:, 0].to(src_cache.device)).to(dst_cache.device, non_blocking=True)
+        # Only a host-to-device copy may be asynchronous: a device-to-host one with
+        # non_blocking=True could be read on the host before it has landed.
+        moved = src_cache.index_select(2, pairs[:, 0].to(src_cache.device))
+        moved = moved.to(dst_cache.device, non_blocking=dst_cache.device.type == "cuda")
         dst_cache.index_copy_(2, pairs[:, 1].to(dst_cache.device), moved)
 
 
