@@ -336,3 +336,22 @@ def test_greedy_on_the_gpu_equals_the_cpu_reference(tiny_llama_dir, monkeypatch,
     gpu = make_engine(tiny_llama_dir, device="cuda", num_gpu_blocks=12, preemption_mode="swap", swap_space_gb=0.01)
     assert run_all(gpu, prompts, greedy()) == expected
     assert_all_free(gpu)
+
+
+def test_contiguous_fork_without_room_fails_only_that_request(tiny_llama_dir):
+    """The contiguous baseline copies the parent's region for each extra sample; with no room
+    for the third one the request ends with an error, its regions are freed, others go on."""
+    engine = make_engine(tiny_llama_dir, kv_layout="contiguous", num_gpu_blocks=16, max_model_len=32)
+    prompt = make_prompts(engine, 2, seed=10)[1]
+    engine.add_request("n3", prompt, SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1))
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    out = finished["n3"]
+    assert out.error and "OutOfBlocksError" in out.error
+    assert [o.finish_reason for o in out.outputs] == ["error"] * 3
+    assert_all_free(engine)
+    engine.add_request("after", prompt, greedy(max_tokens=4))
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finished["after"].outputs[0].finish_reason == "length"

@@ -221,20 +221,23 @@ class Engine:
         seq_ids = plan.seq_ids.tolist()
         do_sample = plan.do_sample.tolist()
         rows_logits, rows, owners = [], [], []
+        touched: dict[str, Request] = {}
         for i, (seq_id, sampled) in enumerate(zip(seq_ids, do_sample)):
             if not sampled or seq_id not in self._by_seq:
                 continue
             request, state = self._by_seq[seq_id]
             # n > 1: the prompt's logits give every sample its first token.
             fan_out = request.params.n if (request.params.n > 1 and not request.forked) else 1
-            for k in range(fan_out):
-                owner = state if k == 0 else self._fork_sample(request, state, k)
+            try:
+                samples = [state] + [self._fork_sample(request, state, k) for k in range(1, fan_out)]
+            except Exception as exc:  # e.g. the contiguous layout has no room for a child's region
+                self._fail(request, exc, touched)
+                continue
+            request.forked = request.forked or fan_out > 1
+            for owner in samples:
                 rows_logits.append(i)
                 rows.append(SamplingRow(request.params, owner.generator, request.prompt_token_ids, owner.token_ids, self._eos_ids))
                 owners.append((request, owner))
-            if fan_out > 1:
-                request.forked = True
-        touched: dict[str, Request] = {}
         if rows:
             results = sample(logits[rows_logits], rows)
             self._apply_samples(owners, results, touched)
@@ -252,6 +255,12 @@ class Engine:
         self._by_seq[seq_id] = (request, child)
         return child
 
+    def _fail(self, request: Request, exc: Exception, touched: dict[str, Request]) -> None:
+        """Ends one request with finish_reason "error"; the engine and other requests go on."""
+        request.error = f"{type(exc).__name__}: {exc}"
+        self._end_request(request, "error")
+        touched[request.request_id] = request
+
     def _apply_samples(self, owners, results, touched: dict[str, Request]) -> None:
         now = time.monotonic()
         cont_ids, cont_tokens = [], []
@@ -259,11 +268,12 @@ class Engine:
             touched[request.request_id] = request
             if request.first_token_time is None:
                 request.first_token_time = now
+            if request.error is not None:
+                continue  # a sibling sample already failed the request
             try:
                 record_token(state, result.token_id, result.logprob, result.top_logprobs, request, self.tokenizer, self.max_model_len)
             except Exception as exc:  # one request's failure must not take the engine down
-                request.error = f"{type(exc).__name__}: {exc}"
-                self._end_request(request, "error")
+                self._fail(request, exc, touched)
                 continue
             self._num_generated += 1
             if state.finished:
