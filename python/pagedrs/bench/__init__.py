@@ -39,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads for every system (default 1: on a shared machine, OpenMP "
+        "barriers across busy cores stall; measured 30x slower with 2 threads at load 4 on 2 cores)",
+    )
     return p
 
 
@@ -47,6 +55,13 @@ def main(argv: list[str]) -> int:
     if args.num_requests is not None and args.num_requests < 1:
         print(f"--num-requests must be >= 1, got {args.num_requests}", file=sys.stderr)
         return 2
+    if args.threads is not None:  # before any model exists, so every system runs alike
+        if args.threads < 1:
+            print(f"--threads must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     cfg = BenchConfig(

@@ -9,6 +9,7 @@ utilization average and the memory-over-time plot.
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,13 +84,19 @@ def _counter_snapshot(stats: dict[str, Any]) -> dict[str, float]:
     return {k: float(stats.get(k, 0) or 0) for k in _COUNTERS}
 
 
-def run_requests(engine: Any, requests: list[BenchRequest]) -> EngineRun:
+def progress(message: str) -> None:
+    """Progress of a long run, on stderr so that stdout stays the tables."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def run_requests(engine: Any, requests: list[BenchRequest], label: str = "engine") -> EngineRun:
     """Submit every request at once (offline throughput), then step until all finish."""
     before = _counter_snapshot(engine.stats())
     outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
     ttft: dict[str, float] = {}
     samples: list[StepSample] = []
     start = time.perf_counter()
+    next_report = 15.0
     for r in requests:
         engine.add_request(r.request_id, {"prompt_token_ids": list(r.prompt_token_ids)}, greedy_params(r.max_tokens))
     while engine.has_unfinished():
@@ -105,6 +112,9 @@ def run_requests(engine: Any, requests: list[BenchRequest]) -> EngineRun:
                 ttft[out.request_id] = now
             outputs[out.request_id] = tokens
         s = engine.stats()
+        if now >= next_report:
+            progress(f"{label}: {len(requests) - engine.num_unfinished()}/{len(requests)} finished after {now:.0f} s")
+            next_report = now + 15.0
         samples.append(
             StepSample(
                 t=now,

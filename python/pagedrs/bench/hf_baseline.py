@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedrs.bench.engine_runner import progress
 from pagedrs.bench.metrics import Timeline, summarize
 from pagedrs.bench.workloads import BenchRequest
 
@@ -88,6 +89,7 @@ def run_hf(model: Any, requests: list[BenchRequest], batch_size: int, bytes_per_
                 reserved.append(len(batch) * cur_len)
                 live.append(sum(p + min(generated, r.max_tokens) for p, r in zip(plen, batch)))
             outputs += sum(r.max_tokens for r in batch)
+            progress(f"transformers: {b0 + len(batch)}/{len(requests)} finished after {time.perf_counter() - start:.0f} s")
     wall = time.perf_counter() - start
     result = summarize(
         wall_s=wall,

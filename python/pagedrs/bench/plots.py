@@ -44,7 +44,7 @@ def plot_throughput(data: dict[str, Any], plot_dir: str) -> list[str]:
     ax.set_title(f"Throughput, same KV budget ({data['kv_budget']['bytes'] / 2**20:.0f} MiB)")
     paths.append(_save(plt, fig, plot_dir, "throughput.png"))
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9, 4))
     mib = data["kv_budget"]["bytes_per_token"] / 2**20
     for s in systems:
         tl = data[s]["timeline"]
@@ -54,14 +54,16 @@ def plot_throughput(data: dict[str, Any], plot_dir: str) -> list[str]:
     ax.set_xlabel("seconds")
     ax.set_ylabel("KV memory (MiB)")
     ax.set_title("KV memory in use over time")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     paths.append(_save(plt, fig, plot_dir, "kv_memory_over_time.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in systems:
-        ax.hist(data[s]["utilization_per_step"], bins=20, range=(0, 1), alpha=0.6, color=_COLORS[s], label=_NAMES[s])
+        values = data[s]["utilization_per_step"]
+        weights = [1.0 / len(values)] * len(values) if values else None  # systems run different step counts
+        ax.hist(values, bins=20, range=(0, 1), weights=weights, alpha=0.6, color=_COLORS[s], label=_NAMES[s])
     ax.set_xlabel("KV utilization per step (live slots / reserved slots)")
-    ax.set_ylabel("steps")
+    ax.set_ylabel("share of steps")
     ax.set_title("KV utilization")
     ax.legend()
     paths.append(_save(plt, fig, plot_dir, "kv_utilization_hist.png"))

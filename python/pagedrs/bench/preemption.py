@@ -67,7 +67,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
             seed=spec.seed,
         )
         warm_up(engine, geo.vocab_size)
-        result = run_requests(engine, workload.requests)
+        result = run_requests(engine, workload.requests, label=f"preemption {mode}")
         del engine
         gc.collect()
         c = result.counters

@@ -82,7 +82,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
         blocks = _pool_blocks(requests, cfg.block_size, settings["max_model_len"])
         engine = build_engine(cfg.model, num_gpu_blocks=blocks, **engine_kwargs)
         warm_up(engine, geo.vocab_size)
-        result = _summary(run_requests(engine, requests), requests, settings["prefix_tokens"], cfg.block_size)
+        result = _summary(run_requests(engine, requests, label=f"prefix caching={caching}"), requests, settings["prefix_tokens"], cfg.block_size)
         result["pool_blocks"] = blocks
         data["caching_on" if caching else "caching_off"] = result
         del engine

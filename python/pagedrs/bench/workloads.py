@@ -66,7 +66,7 @@ class WorkloadSpec:
 
 QUICK = WorkloadSpec(
     name="sharegpt-like-quick",
-    num_requests=24,
+    num_requests=20,
     prompt=LengthDistribution(mean=48, sigma=0.9, minimum=4, maximum=384),
     output=LengthDistribution(mean=96, sigma=0.8, minimum=4, maximum=384),
     max_model_len=512,
@@ -202,7 +202,7 @@ def shared_prefix_requests(
     for i in range(num_requests):
         template = _QUESTIONS[i % len(_QUESTIONS)]
         question = template.format(n=int(rng.integers(1, 1000)), day=_DAYS[i % len(_DAYS)])
-        ids = _encode(tokenizer, " Question: " + question + " Answer:")
+        ids = _encode(tokenizer, f" Question {i + 1}: {question} Answer:")  # the number keeps them distinct
         requests.append(
             BenchRequest(request_id=f"pfx-{i:04d}", prompt_token_ids=system + ids, max_tokens=max_tokens)
         )
