@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import pagedrs.bench as bench
-from pagedrs.bench.allocator import SimpleBlockManager, make_trace
+from pagedrs.bench.allocator import PoolBlockManager, SimpleBlockManager, load_vllm_style_pool, make_trace
 from pagedrs.bench.metrics import Timeline, time_weighted_utilization
 from pagedrs.bench.workloads import LengthDistribution, WorkloadSpec, synthetic_workload
 
@@ -73,11 +73,20 @@ def test_time_weighted_utilization_weights_by_step_duration() -> None:
         Timeline(t=[1.0, 2.0], running=[1, 1], reserved_slots=[1, 1], live_slots=[1])
 
 
-def test_simple_block_manager_matches_core_prefix_hits() -> None:
+def _python_managers() -> list:
+    managers = [lambda n, bs: SimpleBlockManager(n, bs)]
+    pool = load_vllm_style_pool()
+    if pool is not None:
+        managers.append(lambda n, bs: PoolBlockManager(pool, n, bs))
+    return managers
+
+
+@pytest.mark.parametrize("make", _python_managers())
+def test_python_block_managers_match_core_prefix_hits(make) -> None:
     from pagedrs import BlockManager
 
     trace = make_trace(num_seqs=40, block_size=4, seed=3)
-    ours, core = SimpleBlockManager(1000, 4), BlockManager(1000, 4, 0, True)
+    ours, core = make(1000, 4), BlockManager(1000, 4, 0, True)
     for i, prompt in enumerate(trace.prompts):
         sid = i
         assert ours.allocate(sid, prompt) == core.allocate(sid, prompt), f"prefix hit differs for {sid}"

@@ -75,6 +75,9 @@ def summarize(
     bytes_per_token: int,
 ) -> dict[str, object]:
     util = time_weighted_utilization(timeline)
+    dt = timeline.durations()
+    seq_time = float(np.dot(dt, np.asarray(timeline.running, dtype=np.float64)))
+    live_time = float(np.dot(dt, np.asarray(timeline.live_slots, dtype=np.float64)))
     step_ms = np.diff(np.concatenate([[0.0], np.asarray(timeline.t)])) * 1e3 if timeline.t else np.zeros(1)
     return {
         "tokens_per_s": num_output_tokens / wall_s,
@@ -84,6 +87,8 @@ def summarize(
         "mean_concurrency": float(np.mean(timeline.running)) if timeline.running else 0.0,
         "kv_utilization": util,
         "kv_waste_pct": 100.0 * (1.0 - util),
+        # paged waste is the unfilled tail of each last block, ~ (block_size / 2) / this
+        "mean_live_tokens_per_seq": live_time / seq_time if seq_time > 0 else 0.0,
         "median_step_ms": float(np.median(step_ms)),
         "peak_kv_reserved_bytes": int(max(timeline.reserved_slots, default=0)) * bytes_per_token,
         "wall_s": wall_s,

@@ -10,7 +10,7 @@ finishes in minutes, and clip them to the benchmark's max_model_len:
     ============  ================  ================  ==============
     preset        prompt mean/sig   output mean/sig   max_model_len
     ============  ================  ================  ==============
-    quick         48 / 0.9          96 / 0.8          512
+    quick         32 / 0.9          64 / 0.8          512
     full          80 / 0.9          160 / 0.8         1024
     ============  ================  ================  ==============
 
@@ -66,15 +66,15 @@ class WorkloadSpec:
 
 QUICK = WorkloadSpec(
     name="sharegpt-like-quick",
-    num_requests=20,
-    prompt=LengthDistribution(mean=48, sigma=0.9, minimum=4, maximum=384),
-    output=LengthDistribution(mean=96, sigma=0.8, minimum=4, maximum=384),
+    num_requests=32,
+    prompt=LengthDistribution(mean=32, sigma=0.9, minimum=4, maximum=384),
+    output=LengthDistribution(mean=64, sigma=0.8, minimum=4, maximum=384),
     max_model_len=512,
 )
 
 FULL = WorkloadSpec(
     name="sharegpt-like-full",
-    num_requests=96,
+    num_requests=64,
     prompt=LengthDistribution(mean=80, sigma=0.9, minimum=4, maximum=768),
     output=LengthDistribution(mean=160, sigma=0.8, minimum=4, maximum=768),
     max_model_len=1024,
