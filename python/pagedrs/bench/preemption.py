@@ -33,9 +33,9 @@ QUICK = WorkloadSpec(
 FULL = dataclasses.replace(
     QUICK,
     name="preemption-full",
-    num_requests=48,
-    prompt=LengthDistribution(mean=64, sigma=0.6, minimum=4, maximum=256),
-    output=LengthDistribution(mean=128, sigma=0.5, minimum=8, maximum=384),
+    num_requests=32,
+    prompt=LengthDistribution(mean=48, sigma=0.6, minimum=4, maximum=256),
+    output=LengthDistribution(mean=96, sigma=0.5, minimum=8, maximum=384),
     max_model_len=768,
 )
 
