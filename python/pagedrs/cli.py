@@ -14,10 +14,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default 1)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, device=args.device, dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size)
+    return dict(model=args.model, device=args.device, dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+                cpu_threads=args.cpu_threads)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -38,6 +38,8 @@ class Engine:
         self.args = args
         torch.manual_seed(args.seed)
         self.device = torch.device(args.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.cpu_threads or 1)
         self.loaded = load_model(args.model, dtype=args.dtype, device=self.device)
         self.tokenizer = self.loaded.tokenizer
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)

@@ -32,6 +32,10 @@ class EngineArgs:
     watermark: float = 0.01  # fraction of device blocks kept free at admission
     aging_steps: int = 100  # waiting steps per priority level gained (anti-starvation)
     host_cache_evicted: bool = False  # keep evicted prefix-cache pages on the host tier
+    # CPU only: torch intra-op threads. Default 1: on a small shared machine OpenMP's
+    # spinning workers stall 10-30x whenever another process holds a core (measured:
+    # the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy process).
+    cpu_threads: Optional[int] = None
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -52,7 +56,7 @@ class EngineArgs:
         choice("dtype", _DTYPES)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             at_least(name, 1)
-        for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory"):
+        for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):
             at_least(name, 1, optional=True)
         at_least("swap_space_gb", 0)
         at_least("aging_steps", 0)
