@@ -68,7 +68,8 @@ class Engine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             preemption_mode=args.preemption_mode if args.kv_layout == "paged" else "recompute",
-            watermark_blocks=int(args.watermark * plan.num_gpu_blocks),
+            # A contiguous reservation never grows, so holding pages back only costs it a sequence.
+            watermark_blocks=int(args.watermark * plan.num_gpu_blocks) if args.kv_layout == "paged" else 0,
             aging_steps=args.aging_steps,
             swap_cost_per_block=plan.swap_cost_per_block,
             recompute_cost_per_token=plan.recompute_cost_per_token,

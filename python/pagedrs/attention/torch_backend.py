@@ -41,15 +41,24 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         if meta.is_decode_only:
-            return self._decode(query, key_cache, value_cache, meta, scale)
+            return _attend_last_tokens(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(query)
         block_size = key_cache.shape[1]
         starts = meta.query_start_loc_cpu
+        # One-token rows (decodes, resumed sequences) attend to their whole context: batch them.
+        single = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
+        if single:
+            rows = torch.tensor([starts[i] for i in single], device=query.device)
+            index = torch.tensor(single, device=meta.block_tables.device)
+            out[rows] = _attend_last_tokens(
+                query[rows], key_cache, value_cache, meta.block_tables[index], meta.seq_lens[index],
+                max(meta.seq_lens_cpu[i] for i in single), scale,
+            )
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             q = query[starts[i] : starts[i + 1]]  # [q_len, h, d]
             q_len = q.shape[0]
-            if q_len == 0:
-                continue
+            if q_len <= 1:
+                continue  # empty, or done above
             k, v = _gather_pages(key_cache, value_cache, meta.block_tables[i], seq_len, block_size)
             # new tokens sit at positions seq_len - q_len .. seq_len - 1; token at p sees keys 0..p.
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
@@ -60,32 +69,6 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
         return out
-
-    def _decode(
-        self,
-        query: torch.Tensor,  # [S, h, d], one token per sequence
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        num_seqs = meta.num_seqs
-        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        num_blocks = -(-meta.max_seq_len // block_size)
-        tables = meta.block_tables[:, :num_blocks].long()  # [S, nb]
-        k = key_cache[tables].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-        v = value_cache[tables].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-        k_pos = torch.arange(num_blocks * block_size, device=query.device)
-        mask = k_pos[None, :] < meta.seq_lens.to(query.device).long()[:, None]  # [S, L]; padding masked out
-        o = F.scaled_dot_product_attention(
-            query[:, :, None, :],  # [S, h, 1, d]
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        return o[:, :, 0, :]
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         if pairs.numel() == 0:
@@ -102,6 +85,35 @@ class TorchAttentionBackend(AttentionBackend):
         moved = src_cache.index_select(2, pairs[:, 0].to(src_cache.device))
         moved = moved.to(dst_cache.device, non_blocking=dst_cache.device.type == "cuda")
         dst_cache.index_copy_(2, pairs[:, 1].to(dst_cache.device), moved)
+
+
+def _attend_last_tokens(
+    query: torch.Tensor,  # [S, h, d]: the last token of each sequence
+    key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, d]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, >= ceil(max_seq_len / block_size)]
+    seq_lens: torch.Tensor,  # [S]
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [S, h, d]
+    """One query per sequence, at its last position, over all its pages: one padded, masked SDPA."""
+    num_seqs = query.shape[0]
+    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_blocks = -(-max_seq_len // block_size)
+    tables = block_tables[:, :num_blocks].long()  # [S, nb]
+    k = key_cache[tables].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    v = value_cache[tables].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
+    k_pos = torch.arange(num_blocks * block_size, device=query.device)
+    mask = k_pos[None, :] < seq_lens.to(query.device).long()[:, None]  # [S, L]; padding masked out
+    o = F.scaled_dot_product_attention(
+        query[:, :, None, :],  # [S, h, 1, d]
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[:, :, 0, :]
 
 
 def _gather_pages(
