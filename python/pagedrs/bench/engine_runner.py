@@ -60,7 +60,10 @@ def build_engine(model: str, **overrides: Any) -> Any:
     """An Engine on the CPU in float32 unless ``overrides`` say otherwise."""
     from pagedrs import Engine, EngineArgs
 
-    kwargs: dict[str, Any] = {"model": model, "device": "cpu", "dtype": "float32"}
+    import torch
+
+    # Keep the thread count `--threads` set for every system (the engine would reset it to 1).
+    kwargs: dict[str, Any] = {"model": model, "device": "cpu", "dtype": "float32", "cpu_threads": torch.get_num_threads()}
     kwargs.update(overrides)
     return Engine(EngineArgs(**kwargs))
 

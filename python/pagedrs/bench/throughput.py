@@ -70,9 +70,6 @@ def run_engine_system(cfg: BenchConfig, layout: str, workload: Workload, budget:
         num_gpu_blocks=budget.num_gpu_blocks,
         max_model_len=workload.spec.max_model_len,
         enable_prefix_caching=False,  # random prompts share nothing; keep both layouts alike
-        # A contiguous reservation never grows, so the admission watermark (headroom for
-        # paged sequences to grow into) would only cost it a sequence: give it 0.
-        **({"watermark": 0.0} if layout == "contiguous" else {}),
         seed=workload.spec.seed,
     )
     warm_up(engine, vocab)
@@ -168,8 +165,8 @@ def _markdown(data: dict[str, Any], machine: str) -> str:
         f"Workload: {w['num_requests']} requests, prompt mean {w['prompt_len']['mean']} "
         f"(max {w['prompt_len']['max']}), output mean {w['output_len']['mean']} (max {w['output_len']['max']}), "
         f"max_model_len {w['max_model_len']}, seed {w['seed']}, greedy, ignore_eos.",
-        f"transformers static batch size: {data['hf']['batch_size']}. Contiguous runs with watermark 0 "
-        "(its reservations never grow).",
+        f"transformers static batch size: {data['hf']['batch_size']}. The engine gives the contiguous layout "
+        "no admission watermark (its reservations never grow).",
         f"Paged waste is the unfilled tail of each sequence's last block: about (block_size / 2) / "
         f"mean live tokens per sequence = {b['block_size'] / 2:.0f} / {data['paged']['mean_live_tokens_per_seq']:.0f} "
         f"= {100 * b['block_size'] / 2 / max(1.0, data['paged']['mean_live_tokens_per_seq']):.1f}% here; "
