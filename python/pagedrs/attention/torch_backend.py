@@ -40,19 +40,18 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if meta.is_decode_only:
-            return _attend_last_tokens(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(query)
         block_size = key_cache.shape[1]
         starts = meta.query_start_loc_cpu
-        # One-token rows (decodes, resumed sequences) attend to their whole context: batch them.
+        # One-token rows (decodes, resumed sequences) attend to their whole context: batch
+        # them, in buckets of similar length so that padding to the longest stays small.
         single = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
-        if single:
-            rows = torch.tensor([starts[i] for i in single], device=query.device)
-            index = torch.tensor(single, device=meta.block_tables.device)
+        for bucket in _length_buckets(single, meta.seq_lens_cpu, block_size):
+            rows = torch.tensor([starts[i] for i in bucket], device=query.device)
+            index = torch.tensor(bucket, device=meta.block_tables.device)
             out[rows] = _attend_last_tokens(
                 query[rows], key_cache, value_cache, meta.block_tables[index], meta.seq_lens[index],
-                max(meta.seq_lens_cpu[i] for i in single), scale,
+                max(meta.seq_lens_cpu[i] for i in bucket), scale,
             )
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             q = query[starts[i] : starts[i + 1]]  # [q_len, h, d]
@@ -85,6 +84,20 @@ class TorchAttentionBackend(AttentionBackend):
         moved = src_cache.index_select(2, pairs[:, 0].to(src_cache.device))
         moved = moved.to(dst_cache.device, non_blocking=dst_cache.device.type == "cuda")
         dst_cache.index_copy_(2, pairs[:, 1].to(dst_cache.device), moved)
+
+
+def _length_buckets(seqs: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
+    """Groups sequences whose context lengths are within 2x of each other (in blocks).
+
+    The batched path pads every sequence to its bucket's longest context; with long-tailed
+    lengths one bucket would gather and attend over mostly padding. Doubling buckets keep
+    the padded work under twice the real work for a handful of calls per layer.
+    """
+    buckets: dict[int, list[int]] = {}
+    for i in seqs:
+        blocks = -(-seq_lens[i] // block_size)
+        buckets.setdefault(blocks.bit_length(), []).append(i)
+    return [buckets[k] for k in sorted(buckets)]
 
 
 def _attend_last_tokens(
