@@ -64,7 +64,8 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     folder = resolve_model(cfg.model)
     geo = kv_geometry(folder, cfg.dtype)
     settings["max_model_len"] = min(settings["max_model_len"], geo.context_len)
-    settings["prefix_tokens"] = min(settings["prefix_tokens"], settings["max_model_len"] // 2)
+    # Leave room for the question and the answer after the shared prompt.
+    settings["prefix_tokens"] = min(settings["prefix_tokens"], settings["max_model_len"] - 128)
     _, requests = shared_prefix_requests(
         load_tokenizer(folder), settings["num_requests"], settings["prefix_tokens"], settings["max_tokens"]
     )
