@@ -355,3 +355,13 @@ def test_contiguous_fork_without_room_fails_only_that_request(tiny_llama_dir):
     while engine.has_unfinished():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
     assert finished["after"].outputs[0].finish_reason == "length"
+
+
+def test_generate_with_one_bad_prompt_queues_nothing(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=64, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.generate(["fox", [5] * 65, "café"], greedy(max_tokens=4), use_tqdm=False)
+    assert llm.engine.num_unfinished() == 0
+    assert_all_free(llm.engine)
+    outs = llm.generate(["fox", "café"], greedy(max_tokens=4), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["fox", "café"] and all(o.finished for o in outs)

@@ -48,9 +48,8 @@ class LLM:
                 self.engine.add_request(request_id, prompt, p)
                 ids.append(request_id)
         except Exception:
-            for request_id in ids:  # leave nothing half-queued behind
+            for request_id in ids:  # leave nothing half-queued behind; their pages are freed now
                 self.engine.abort(request_id)
-            self.engine.step()
             raise
         return self._run(ids, use_tqdm)
 
