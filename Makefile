@@ -47,7 +47,7 @@ check-kernels: build
 bench: build
 	cargo bench --bench allocator -- --noplot
 	$(PY) benches/bench_block_manager.py
-	$(VENV)/bin/pagedrs bench all --out bench-out --plot bench-out
+	$(VENV)/bin/pagedrs bench all --threads $(shell nproc) --out bench-out --plot bench-out
 
 lint: build
 	cargo clippy --all-targets -- -D warnings
