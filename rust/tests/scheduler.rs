@@ -172,14 +172,12 @@ fn priority_then_arrival_and_aging_prevents_starvation() {
     let out = s.schedule().unwrap();
     assert_eq!(out.seq_ids, vec![2]);
     // Seq 2 keeps running; newcomers of priority 1 keep arriving, yet seq 1 ages past them.
-    let mut next_id = 10;
     let mut admitted_1_at = None;
     for step in 0..20 {
         if s.contains(2) {
             s.finish(2).unwrap();
         }
-        s.add_sequence(next_id, tokens(0, 2), 1, 100 + step, 0).unwrap();
-        next_id += 1;
+        s.add_sequence(10 + step, tokens(0, 2), 1, 100 + step, 0).unwrap();
         let out = s.schedule().unwrap();
         if out.seq_ids == vec![1] {
             admitted_1_at = Some(step);

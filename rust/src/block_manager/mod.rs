@@ -30,6 +30,9 @@ use tier::TierPool;
 use crate::error::invalid;
 pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
 
+/// Block copies for the runner: (source, destination) pairs.
+pub type CopyPairs = Vec<(BlockId, BlockId)>;
+
 /// How big the tiers are and which features are on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BlockManagerConfig {
@@ -129,7 +132,7 @@ impl BlockManager {
         if cfg.num_cpu_blocks > MAX_BLOCKS {
             return Err(invalid!("num_cpu_blocks must be in 0..={MAX_BLOCKS}, got {}", cfg.num_cpu_blocks));
         }
-        if cfg.num_gpu_blocks.max(cfg.num_cpu_blocks).checked_mul(cfg.block_size).map_or(true, |n| n > i64::MAX as usize) {
+        if cfg.num_gpu_blocks.max(cfg.num_cpu_blocks).checked_mul(cfg.block_size).is_none_or(|n| n > i64::MAX as usize) {
             return Err(invalid!(
                 "num_blocks * block_size overflows slot ids: {} blocks of {} tokens",
                 cfg.num_gpu_blocks.max(cfg.num_cpu_blocks),

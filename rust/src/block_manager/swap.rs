@@ -11,7 +11,7 @@
 //! A step must not swap the same blocks both ways: the scheduler swaps in only in a
 //! step that preempted nothing (vLLM's rule).
 
-use super::{BlockManager, SwapInStatus};
+use super::{BlockManager, CopyPairs, SwapInStatus};
 use crate::error::{invalid, BlockId, CoreError, SeqId, Tier};
 use std::collections::HashMap;
 
@@ -158,7 +158,7 @@ impl BlockManager {
     /// The host copies produced since the last call: (gpu → cpu evict-to-host copies,
     /// cpu → gpu host-hit copies). Call once per step and run them with the step's swaps
     /// (see the module docs); this also unpins the host blocks they use.
-    pub fn take_pending_host_copies(&mut self) -> (Vec<(BlockId, BlockId)>, Vec<(BlockId, BlockId)>) {
+    pub fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs) {
         for c in std::mem::take(&mut self.host_pins) {
             self.cpu.release(c, 1);
         }

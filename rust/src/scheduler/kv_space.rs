@@ -4,11 +4,9 @@
 //! The benchmark compares the two layouts with the same model code and the same
 //! scheduler; only this trait's implementation differs.
 
+pub use crate::block_manager::CopyPairs;
 use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, SeqId, SwapInStatus, TokenId};
 use crate::error::CoreError;
-
-/// Block copies a step must run before its forward pass.
-pub type CopyPairs = Vec<(BlockId, BlockId)>;
 
 pub trait KvSpace: Send + Sync {
     fn block_size(&self) -> usize;

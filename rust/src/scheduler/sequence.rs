@@ -44,7 +44,7 @@ impl Sequence {
 
     /// Waiting order: priority improved by one level per `aging_steps` steps waited.
     pub fn waiting_rank(&self, now: u64, aging_steps: u64) -> (i64, u64, SeqId) {
-        let boost = if aging_steps == 0 { 0 } else { (now.saturating_sub(self.waiting_since) / aging_steps) as i64 };
+        let boost = now.saturating_sub(self.waiting_since).checked_div(aging_steps).unwrap_or(0) as i64;
         (self.priority.saturating_sub(boost), self.arrival, self.id)
     }
 
