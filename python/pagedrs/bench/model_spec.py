@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def resolve_model(name: str) -> Path:
@@ -52,17 +51,17 @@ class KVGeometry:
 
 
 def kv_geometry(folder: Path, dtype: str) -> KVGeometry:
-    if dtype not in _DTYPE_BYTES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPE_BYTES)}")
+    from pagedrs.kv_size import DTYPE_BYTES, geometry_from_config
+
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
     cfg: dict[str, Any] = json.loads((Path(folder) / "config.json").read_text())
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    geo = geometry_from_config(Path(folder))  # the same arithmetic as `pagedrs kv-size`
     return KVGeometry(
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        dtype_bytes=_DTYPE_BYTES[dtype],
+        num_layers=geo.num_layers,
+        num_kv_heads=geo.num_kv_heads,
+        head_dim=geo.head_dim,
+        dtype_bytes=DTYPE_BYTES[dtype],
         vocab_size=int(cfg["vocab_size"]),
         context_len=int(cfg.get("max_position_embeddings") or 2048),
     )
