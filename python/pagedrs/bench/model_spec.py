@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 
-
 def resolve_model(name: str) -> Path:
     """The Hugging Face folder for ``name`` (same recognition rules as the engine's loader)."""
     from pagedrs.models.gguf_loader import convert_gguf_cached
