@@ -25,6 +25,16 @@ fn tokens(start: u32, n: u32) -> Vec<u32> {
     (start..start + n).collect()
 }
 
+/// Two 8-token prompts (seq 1 first, seq 2 later) fill a 4-block pool of 4-token blocks
+/// exactly; each then samples a token, so the next step needs a fifth block.
+fn fill_four_blocks_then_grow(s: &mut Scheduler) {
+    s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.append_token(2, 28).unwrap();
+}
+
 #[test]
 fn chunked_prefill_splits_a_prompt_under_the_budget_and_decodes_go_first() {
     let mut s = paged(32, 0, 6, PreemptionMode::Recompute);
@@ -84,11 +94,7 @@ fn requests_in_the_same_step_share_a_prefix() {
 fn a_missing_page_preempts_the_latest_arrival_and_swap_brings_it_back() {
     // 4 blocks of 4 tokens: two 8-token sequences fill the pool exactly.
     let mut s = paged(4, 8, 64, PreemptionMode::Swap);
-    s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
-    s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
-    s.schedule().unwrap();
-    s.append_token(1, 8).unwrap();
-    s.append_token(2, 28).unwrap();
+    fill_four_blocks_then_grow(&mut s);
     let out = s.schedule().unwrap();
     // Seq 1 needs a fifth block: seq 2 (later arrival) is swapped out, its 2 blocks move.
     assert_eq!(out.preempted, vec![2]);
@@ -110,11 +116,7 @@ fn a_missing_page_preempts_the_latest_arrival_and_swap_brings_it_back() {
 #[test]
 fn recompute_drops_pages_and_prefills_everything_again() {
     let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
-    s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
-    s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
-    s.schedule().unwrap();
-    s.append_token(1, 8).unwrap();
-    s.append_token(2, 28).unwrap();
+    fill_four_blocks_then_grow(&mut s);
     let out = s.schedule().unwrap();
     assert_eq!(out.preempted, vec![2]);
     assert!(out.swap_out.is_empty());
@@ -135,11 +137,7 @@ fn auto_mode_weighs_swap_against_recompute() {
         cfg.cost = PreemptionCost { swap_cost_per_block: swap_cost, recompute_cost_per_token: 1.0 };
         let bm = BlockManagerConfig { num_cpu_blocks: 8, ..BlockManagerConfig::new(4, 4) };
         let mut s = Scheduler::paged(cfg, bm).unwrap();
-        s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
-        s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
-        s.schedule().unwrap();
-        s.append_token(1, 8).unwrap();
-        s.append_token(2, 28).unwrap();
+        fill_four_blocks_then_grow(&mut s);
         let out = s.schedule().unwrap();
         (out.swap_out.len(), s.stats().num_swap_preemptions, s.stats().num_recompute_preemptions)
     };
@@ -151,11 +149,7 @@ fn auto_mode_weighs_swap_against_recompute() {
 #[test]
 fn a_full_host_tier_falls_back_to_recompute() {
     let mut s = paged(4, 1, 64, PreemptionMode::Swap);
-    s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
-    s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
-    s.schedule().unwrap();
-    s.append_token(1, 8).unwrap();
-    s.append_token(2, 28).unwrap();
+    fill_four_blocks_then_grow(&mut s);
     s.schedule().unwrap();
     assert_eq!(s.stats().num_recompute_preemptions, 1);
     assert_eq!(s.num_waiting(), 1);
