@@ -64,14 +64,13 @@ class Request:
         for s in self.samples:
             # Hold back text that might still turn out to be the start of a stop string.
             hold = 0 if s.finished else max((len(x) for x in self.params.stop), default=1) - 1
-            visible = len(s.text) - hold if hold else len(s.text)
-            visible = max(visible, s.sent_chars)
+            visible = max(len(s.text) - hold, s.sent_chars)
             outs.append(
                 CompletionOutput(
                     index=s.index,
-                    text=s.text[:visible] if not s.finished else s.text,
+                    text=s.text[:visible],
                     token_ids=list(s.token_ids),
-                    delta_text=s.text[s.sent_chars : visible] if not s.finished else s.text[s.sent_chars :],
+                    delta_text=s.text[s.sent_chars : visible],
                     delta_token_ids=s.token_ids[s.sent_tokens :],
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
@@ -80,7 +79,7 @@ class Request:
                 )
             )
             s.sent_tokens = len(s.token_ids)
-            s.sent_chars = len(s.text) if s.finished else visible
+            s.sent_chars = visible
         metrics = {"arrival_time": self.arrival_time}
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time

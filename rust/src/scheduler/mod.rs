@@ -203,10 +203,6 @@ impl Scheduler {
         self.seqs.contains_key(&id)
     }
 
-    pub fn sequence_tokens(&self, id: SeqId) -> Result<&[TokenId], CoreError> {
-        Ok(&self.seqs.get(&id).ok_or(CoreError::UnknownSequence(id))?.tokens)
-    }
-
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }

@@ -33,9 +33,3 @@ pub struct SchedulerOutput {
     /// Sequences preempted in this step (swapped out or dropped for recompute).
     pub preempted: Vec<SeqId>,
 }
-
-impl SchedulerOutput {
-    pub fn num_tokens(&self) -> usize {
-        self.input_ids.len()
-    }
-}
