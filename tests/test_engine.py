@@ -117,12 +117,13 @@ def test_auto_preemption_uses_both_modes_by_cost(tiny_llama_dir, hf_model):
     engine = make_engine(tiny_llama_dir, num_gpu_blocks=12, preemption_mode="auto", swap_space_gb=0.01,
                          enable_prefix_caching=False, watermark=0.0)
     # Rebuild the scheduler's cost model: recompute of ~20 tokens costs the same as swapping 5 blocks.
-    from pagedrs._core import Scheduler
+    from pagedrs._core import Scheduler, SchedulerConfig
 
     plan = engine.kv_plan
-    engine.scheduler = Scheduler(plan.num_gpu_blocks, 4, num_cpu_blocks=plan.num_cpu_blocks, enable_prefix_caching=False,
-                                 max_model_len=256, preemption_mode="auto", swap_cost_per_block=1.0,
-                                 recompute_cost_per_token=0.5)
+    engine.scheduler = Scheduler(SchedulerConfig(
+        num_gpu_blocks=plan.num_gpu_blocks, block_size=4, num_cpu_blocks=plan.num_cpu_blocks,
+        enable_prefix_caching=False, max_model_len=256, preemption_mode="auto", swap_cost_per_block=1.0,
+        recompute_cost_per_token=0.5))
     prompts = make_prompts(engine, 8, seed=1)
     done = run_all(engine, prompts, greedy(max_tokens=16))
     for i, p in enumerate(prompts):
@@ -339,22 +340,32 @@ def test_greedy_on_the_gpu_equals_the_cpu_reference(tiny_llama_dir, monkeypatch,
 
 
 def test_contiguous_fork_without_room_fails_only_that_request(tiny_llama_dir):
-    """The contiguous baseline copies the parent's region for each extra sample; with no room
-    for the third one the request ends with an error, its regions are freed, others go on."""
-    engine = make_engine(tiny_llama_dir, kv_layout="contiguous", num_gpu_blocks=16, max_model_len=32)
+    """The contiguous baseline copies the parent's region for each extra sample; when another
+    request holds the room the third one needs, the request ends with an error, its regions
+    are freed, and the other request goes on."""
+    engine = make_engine(tiny_llama_dir, kv_layout="contiguous", num_gpu_blocks=24, max_model_len=32)
     prompt = make_prompts(engine, 2, seed=10)[1]
+    engine.add_request("other", prompt, greedy(max_tokens=6))
     engine.add_request("n3", prompt, SamplingParams(n=3, max_tokens=4, temperature=1.0, seed=1))
     finished = {}
     while engine.has_unfinished():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_invariants()
     out = finished["n3"]
     assert out.error and "OutOfBlocksError" in out.error
     assert [o.finish_reason for o in out.outputs] == ["error"] * 3
+    assert finished["other"].error is None and finished["other"].outputs[0].finish_reason == "length"
     assert_all_free(engine)
-    engine.add_request("after", prompt, greedy(max_tokens=4))
-    while engine.has_unfinished():
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finished["after"].outputs[0].finish_reason == "length"
+
+
+def test_a_request_whose_samples_can_never_fit_is_refused_up_front(tiny_llama_dir):
+    """n samples each need their own pages at worst: the core refuses what can never fit."""
+    engine = make_engine(tiny_llama_dir, num_gpu_blocks=16, max_model_len=64)
+    prompt = make_prompts(engine, 2, seed=10)[1]
+    with pytest.raises(ValueError, match="n = 8 samples"):
+        engine.add_request("n8", prompt, SamplingParams(n=8, max_tokens=30, temperature=1.0))
+    assert engine.num_unfinished() == 0
+    assert_all_free(engine)
 
 
 def test_generate_with_one_bad_prompt_queues_nothing(tiny_llama_dir):

@@ -10,7 +10,7 @@ from paged_driver import BlockPool, PagedSeq, build_step, greedy_generate
 from pagedrs.attention import TorchAttentionBackend, get_backend
 from pagedrs.model_runner import ModelRunner
 from pagedrs.models import load_model
-from pagedrs.step_input import StepInput
+from pagedrs.step_input import StepInput, Transfer
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +18,22 @@ def loaded(tiny_llama_dir):
     return load_model(tiny_llama_dir)
 
 
-def _empty_step(**pairs) -> StepInput:
+def _pairs(v) -> np.ndarray:
+    return np.array(v, dtype=np.int64).reshape(-1, 2)
+
+
+def _moves(swap_out=(), swap_in=()) -> tuple[Transfer, ...]:
+    """Transfers as the core hands them out: device->host first, then host->device."""
+    moves = [Transfer(1, "gpu", "cpu", _pairs(swap_out)), Transfer(2, "cpu", "gpu", _pairs(swap_in))]
+    return tuple(t for t in moves if len(t.pairs))
+
+
+def _empty_step(swap_out=(), swap_in=(), copies=()) -> StepInput:
     z = np.zeros(0, dtype=np.int64)
-    arrays = {k: np.array(v, dtype=np.int64).reshape(-1, 2) for k, v in pairs.items()}
     return StepInput(
         input_ids=z, positions=z, slot_mapping=z, query_start_loc=np.zeros(1, dtype=np.int32),
-        seq_lens=np.zeros(0, dtype=np.int32), block_tables=np.zeros((0, 1), dtype=np.int32), **arrays,
+        seq_lens=np.zeros(0, dtype=np.int32), block_tables=np.zeros((0, 1), dtype=np.int32),
+        transfers=_moves(swap_out, swap_in), copies=_pairs(copies),
     )
 
 
@@ -74,7 +84,7 @@ def test_swap_round_trip_keeps_generation(loaded, tiny_llama_dir):
     seq.block_table = list(new)
     got = [seq.token_ids[-1]]
     step = build_step([seq], [1], 4, pool)
-    step = StepInput(**{**step.__dict__, "swap_in": np.array([[i, b] for i, b in enumerate(new)], dtype=np.int64)})
+    step = StepInput(**{**step.__dict__, "transfers": _moves(swap_in=[[i, b] for i, b in enumerate(new)])})
     while True:
         logits = r.execute(step)
         seq.num_computed += 1

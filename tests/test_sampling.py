@@ -116,20 +116,37 @@ def test_min_tokens_masks_eos_and_stop_ids():
 @pytest.mark.parametrize(
     ("kwargs", "field", "allowed"),
     [
-        ({"n": 0}, "n", ">= 1"),
+        ({"n": 0}, "n", "1 <= n <= 1024"),
+        ({"n": 100_000}, "n", "1 <= n <= 1024"),
         ({"temperature": -0.1}, "temperature", ">= 0"),
+        ({"temperature": float("nan")}, "temperature", "finite"),
+        ({"temperature": float("inf")}, "temperature", "finite"),
         ({"top_p": 0.0}, "top_p", "0 < top_p <= 1"),
         ({"top_p": 1.5}, "top_p", "0 < top_p <= 1"),
+        ({"top_p": float("nan")}, "top_p", "0 < top_p <= 1"),
         ({"top_k": -2}, "top_k", "0 / -1 to disable"),
+        ({"top_k": 2**63}, "top_k", "[1, 2147483647]"),
         ({"min_p": 1.2}, "min_p", "0 <= min_p <= 1"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
+        ({"seed": 2**64}, "seed", "18446744073709551615"),
+        ({"seed": 1.5}, "seed", "None or an integer"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty", "0 < value <= 100"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty", "<= 100"),
         ({"presence_penalty": 2.5}, "presence_penalty", "-2 <= value <= 2"),
+        ({"presence_penalty": float("nan")}, "presence_penalty", "-2 <= value <= 2"),
         ({"frequency_penalty": -3}, "frequency_penalty", "-2 <= value <= 2"),
-        ({"max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"max_tokens": 0}, "max_tokens", "[1, 2147483647]"),
+        ({"max_tokens": 2**70}, "max_tokens", "[1, 2147483647]"),
+        ({"max_tokens": True}, "max_tokens", "[1, 2147483647]"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens", "[0, max_tokens=10]"),
         ({"logprobs": 21}, "logprobs", "[0, 20]"),
         ({"stop": [""]}, "stop", "non-empty"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids", "non-negative"),
+        ({"stop": ["x"] * 33}, "stop", "at most 32"),
+        ({"stop": "x" * 513}, "stop", "at most 512 characters"),
+        ({"stop": 5}, "stop", "non-empty string"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "each in [0, 2147483647]"),
+        ({"stop_token_ids": [True]}, "stop_token_ids", "each in [0, 2147483647]"),
+        ({"stop_token_ids": [2**40]}, "stop_token_ids", "each in [0, 2147483647]"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
     ],
 )
 def test_sampling_params_validation_names_field_value_and_range(kwargs, field, allowed):
@@ -137,8 +154,22 @@ def test_sampling_params_validation_names_field_value_and_range(kwargs, field, a
         SamplingParams(**kwargs)
     msg = str(e.value)
     assert f"SamplingParams.{field}=" in msg
-    assert repr(kwargs[field]) in msg
+    assert repr(kwargs[field])[:60] in msg
     assert allowed in msg
+
+
+def test_a_tiny_temperature_is_greedy_not_nan():
+    """1e-40 would overflow logits / T to inf and the softmax to NaN: below 1e-5 is greedy (vLLM's rule)."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    params = SamplingParams(temperature=1e-40)
+    assert params.is_greedy
+    assert sample(logits, [_row(params)])[0].token_id == 1
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    params = SamplingParams(temperature=1.0, top_k=2**31 - 1, seed=3)
+    assert 0 <= sample(logits, [_row(params)])[0].token_id < 4
 
 
 def test_sampling_params_normalizes_stop():

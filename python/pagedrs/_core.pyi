@@ -65,45 +65,58 @@ class BlockManager:
         """Raises AssertionError naming the first broken invariant."""
 
 class StepPlan:
-    """One step's plan as NumPy arrays (see pagedrs.step_input.StepInput for the layout)."""
+    """One step's plan; its Python twin is pagedrs.step_input.StepInput (StepInput.from_plan)."""
 
-    seq_ids: npt.NDArray[np.uint64]  # [S] scheduled sequences in batch order
-    num_scheduled_tokens: npt.NDArray[np.int32]  # [S]
-    do_sample: npt.NDArray[np.bool_]  # [S] a token is sampled from this sequence after the step
-    input_ids: npt.NDArray[np.int64]  # [T]
-    positions: npt.NDArray[np.int64]  # [T]
-    slot_mapping: npt.NDArray[np.int64]  # [T]
-    query_start_loc: npt.NDArray[np.int32]  # [S+1]
-    seq_lens: npt.NDArray[np.int32]  # [S]
-    block_tables: npt.NDArray[np.int32]  # [S, max_blocks]
-    swap_out: npt.NDArray[np.int64]  # [N, 2] (gpu_block, cpu_block), run first
-    swap_in: npt.NDArray[np.int64]  # [N, 2] (cpu_block, gpu_block), run second
-    copies: npt.NDArray[np.int64]  # [N, 2] (src, dst) copy-on-write, run third
-    preempted: npt.NDArray[np.uint64]  # sequences preempted in this step
+    seq_ids: npt.NDArray[np.uint64]
+    do_sample: npt.NDArray[np.bool_]
+    input_ids: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    slot_mapping: npt.NDArray[np.int64]
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    block_tables: npt.NDArray[np.int32]
+    transfers: list[tuple[int, str, str, npt.NDArray[np.int64]]]
+    """(transfer id, src tier, dst tier, [N, 2] pairs), in execution order."""
+    copies: npt.NDArray[np.int64]
     @property
     def num_seqs(self) -> int: ...
 
-class Scheduler:
-    """Continuous batching: decodes, swap-ins, prompt chunks, admissions under a token budget."""
+class SchedulerConfig:
+    """Every setting of a scheduler and its KV memory; the core applies the layout's rules."""
 
     def __init__(
         self,
+        *,
         num_gpu_blocks: int,
         block_size: int,
-        *,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
         kv_layout: Literal["paged", "contiguous"] = "paged",
+        contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len",
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 2048,
         preemption_mode: Literal["swap", "recompute", "auto"] = "auto",
-        watermark_blocks: int = 0,
+        watermark: float = 0.0,
         aging_steps: int = 100,
         swap_cost_per_block: float = 1.0,
         recompute_cost_per_token: float = 1.0,
         host_cache_evicted: bool = False,
     ) -> None: ...
+    @property
+    def num_gpu_blocks(self) -> int: ...
+    @property
+    def num_cpu_blocks(self) -> int:
+        """Host blocks the layout uses (0 for the contiguous baseline)."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def watermark_blocks(self) -> int: ...
+
+class Scheduler:
+    """The continuous-batching scheduler over a paged (or contiguous) KV space."""
+
+    def __init__(self, config: SchedulerConfig) -> None: ...
     @property
     def num_waiting(self) -> int: ...
     @property
@@ -115,16 +128,28 @@ class Scheduler:
     @property
     def num_gpu_blocks(self) -> int: ...
     def add_sequence(
-        self, seq_id: int, token_ids: npt.NDArray[np.uint32], priority: int = 0, arrival: int = 0, reserve_tokens: int = 0
-    ) -> None: ...
+        self,
+        seq_id: int,
+        token_ids: npt.NDArray[np.uint32],
+        *,
+        priority: int = 0,
+        arrival: int = 0,
+        max_tokens: int = 0,
+        num_samples: int = 1,
+    ) -> None:
+        """Queues a sequence; ValueError (nothing changed) when its worst case can never fit the pool."""
     def schedule(self) -> StepPlan:
-        """Plans the next step and commits its blocks; run it before scheduling again."""
-    def append_tokens(self, seq_ids: npt.NDArray[np.uint64], token_ids: npt.NDArray[np.uint32]) -> None: ...
+        """Plans the next step (and commits the scheduled tokens' blocks)."""
+    def append_tokens(self, seq_ids: npt.NDArray[np.uint64], token_ids: npt.NDArray[np.uint32]) -> None:
+        """One token per sequence, all or nothing."""
+    def complete_transfers(self, ids: Sequence[int]) -> None:
+        """The runner finished these transfers; their host pins are released (all or nothing)."""
+    def num_tokens(self, seq_id: int) -> int: ...
     def fork(self, parent_id: int, child_id: int) -> None:
-        """Child shares the running parent's pages; fork before appending the step's sampled tokens."""
+        """Child shares the running parent's pages. Fork before appending the step's sampled tokens."""
     def finish(self, seq_id: int) -> None: ...
     def contains(self, seq_id: int) -> bool: ...
-    def fits_in_pool(self, num_tokens: int, reserve_tokens: int = 0) -> bool: ...
+    def worst_case_blocks(self, prompt_len: int, max_tokens: int, num_samples: int = 1) -> int: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> None: ...

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 _LAYOUTS = ("paged", "contiguous")
@@ -36,6 +36,9 @@ class EngineArgs:
     # spinning workers stall 10-30x whenever another process holds a core (measured:
     # the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy process).
     cpu_threads: Optional[int] = None
+    # Most samples (SamplingParams.n) one request may ask for: each sample holds its own
+    # pages and sampling rows, so n is a multiplier a hostile client must not control.
+    max_n: int = 128
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -54,7 +57,7 @@ class EngineArgs:
         choice("preemption_mode", _PREEMPTION)
         choice("contiguous_reserve", _RESERVE)
         choice("dtype", _DTYPES)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):
             at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):
             at_least(name, 1, optional=True)
@@ -64,7 +67,3 @@ class EngineArgs:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization!r}; it must be in (0, 1]")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

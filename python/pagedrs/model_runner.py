@@ -54,11 +54,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor:
         """float32 logits [S, vocab]: row i for the last new token of scheduled sequence i."""
-        # block movement first, in the contract's order: swap-out frees blocks others may reuse now
-        if len(step.swap_out):
-            self.backend.swap_blocks(self.kv_cache, self.cpu_cache, torch.from_numpy(step.swap_out).long())
-        if len(step.swap_in):
-            self.backend.swap_blocks(self.cpu_cache, self.kv_cache, torch.from_numpy(step.swap_in).long())
+        # block movement first, in the plan's order: swap-outs free blocks others may reuse now
+        caches = {"gpu": self.kv_cache, "cpu": self.cpu_cache}
+        for transfer in step.transfers:
+            pairs = torch.from_numpy(transfer.pairs).long()
+            self.backend.swap_blocks(caches[transfer.src], caches[transfer.dst], pairs)
         if len(step.copies):
             self.backend.copy_blocks(self.kv_cache, torch.from_numpy(step.copies).long().to(self.device))
         vocab = self.config.vocab_size

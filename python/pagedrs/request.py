@@ -18,7 +18,7 @@ from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
-class SampleState:
+class Sample:
     """One of a request's n samples: one scheduler sequence."""
 
     seq_id: int
@@ -47,7 +47,7 @@ class Request:
     params: SamplingParams
     priority: int
     arrival: int  # engine-wide arrival counter
-    samples: list[SampleState]
+    samples: list[Sample]
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
@@ -74,7 +74,9 @@ class Request:
                     delta_token_ids=s.token_ids[s.sent_tokens :],
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
-                    logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                    # the sample's own growing list, not a copy (a copy per step is quadratic in
+                    # the output length); a consumer that keeps it past the next step copies it
+                    logprobs=s.logprobs,
                     cumulative_logprob=s.cumulative_logprob,
                 )
             )
@@ -97,7 +99,7 @@ class Request:
 
 
 def record_token(
-    sample: SampleState,
+    sample: Sample,
     token: int,
     logprob: float,
     top_logprobs: Optional[dict[int, float]],
@@ -112,7 +114,9 @@ def record_token(
         entry = {token: logprob}
         if top_logprobs:
             entry.update(top_logprobs)
-        sample.logprobs = (sample.logprobs or []) + [entry]
+        if sample.logprobs is None:
+            sample.logprobs = []
+        sample.logprobs.append(entry)  # in place: a copy per token would be quadratic
         sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprob
     num_out = len(sample.token_ids)
     is_eos = token in tokenizer.eos_token_ids and not params.ignore_eos
@@ -132,7 +136,7 @@ def record_token(
         sample.finish_reason = "length"
 
 
-def _apply_stop_strings(sample: SampleState, params: SamplingParams, previous: int) -> bool:
+def _apply_stop_strings(sample: Sample, params: SamplingParams, previous: int) -> bool:
     """Finds a stop string that ends in the newest text; cuts the text at it."""
     longest = max(len(s) for s in params.stop)
     search_from = max(0, previous - longest + 1)

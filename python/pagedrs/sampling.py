@@ -57,16 +57,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     x = apply_penalties(logits.float().clone(), rows)
     mask_min_tokens(x, rows)
     greedy_ids = x.argmax(dim=-1)
-    is_greedy = torch.tensor([r.params.temperature == 0 for r in rows], device=device)
+    is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=device)
     if bool(is_greedy.all()):
         token_ids = greedy_ids
     else:
-        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], device=device)
+        temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in rows], device=device)
         x = x / temps[:, None]
         x = apply_min_p(x, torch.tensor([r.params.min_p for r in rows], device=device))
         x = apply_top_k_top_p(
             x,
-            torch.tensor([r.params.top_k if r.params.top_k > 0 else x.shape[1] for r in rows], device=device),
+            # top_k beyond the vocabulary keeps everything; clamping keeps the tensor in range
+            torch.tensor([min(r.params.top_k, x.shape[1]) if r.params.top_k > 0 else x.shape[1] for r in rows], device=device),
             torch.tensor([r.params.top_p for r in rows], device=device),
         )
         sampled = _exponential_race(torch.softmax(x, dim=-1), rows)

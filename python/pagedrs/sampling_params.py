@@ -7,7 +7,22 @@ range, before anything runs. Ranges follow vLLM and the OpenAI API.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Bounds that keep every value inside the tensor or core type it ends up in, and a
+# hostile request from costing more than its share (see README, "Limits and safety").
+MAX_N = 1024  # samples per prompt, absolute; EngineArgs.max_n (default 128) is the serving limit
+MAX_TOP_K = 2**31 - 1  # int32; larger values are clamped to the vocabulary when sampling anyway
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+MAX_TOKEN_ID = 2**31 - 1
+MAX_TOKENS_LIMIT = 2**31 - 1  # the context length caps generation far below this
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40
+# overflows to inf and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _fail(name: str, value: object, allowed: str) -> None:
@@ -19,7 +34,10 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite int or float (NaN and infinities are never a valid setting)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    return math.isfinite(value) if isinstance(value, float) else abs(value) < 2**1023
 
 
 @dataclass
@@ -43,44 +61,58 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_int(self.n) or self.n < 1:
-            _fail("n", self.n, "an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            _fail("n", self.n, f"1 <= n <= {MAX_N}")
         if not _is_number(self.temperature) or self.temperature < 0:
-            _fail("temperature", self.temperature, ">= 0 (0 means greedy)")
+            _fail("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             _fail("top_p", self.top_p, "0 < top_p <= 1")
-        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
-            _fail("top_k", self.top_k, "an integer >= 1, or 0 / -1 to disable")
+        if not _is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)) or self.top_k > MAX_TOP_K:
+            _fail("top_k", self.top_k, f"an integer in [1, {MAX_TOP_K}], or 0 / -1 to disable")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             _fail("min_p", self.min_p, "0 <= min_p <= 1")
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", self.seed, "an integer or None")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            _fail("repetition_penalty", self.repetition_penalty, "> 0 (1 = off)")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            _fail("seed", self.seed, f"None or an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            _fail("repetition_penalty", self.repetition_penalty, "0 < value <= 100 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 _fail(name, value, "-2 <= value <= 2")
         self.stop = self._normalize_stop(self.stop)
+        if not isinstance(self.stop_token_ids, (list, tuple)) and self.stop_token_ids is not None:
+            _fail("stop_token_ids", self.stop_token_ids, "a list of token ids")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            _fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            _fail("max_tokens", self.max_tokens, "an integer >= 1")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+            _is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids
+        ):
+            _fail("stop_token_ids", self.stop_token_ids,
+                  f"at most {MAX_STOP_TOKEN_IDS} token ids, each in [0, {MAX_TOKEN_ID}]")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            _fail("max_tokens", self.max_tokens, f"an integer in [1, {MAX_TOKENS_LIMIT}]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             _fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "true or false")
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:
         if stop is None:
             return []
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        if not all(isinstance(s, str) and s for s in stops):
+        if not isinstance(stop, (str, list, tuple)):
             _fail("stop", stop, "a non-empty string, a list of non-empty strings, or None")
+        stops = [stop] if isinstance(stop, str) else list(stop)
+        if len(stops) > MAX_STOP_STRINGS or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stops
+        ):
+            _fail("stop", stop, f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                  f"{MAX_STOP_STRING_CHARS} characters each, or None")
         return stops
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below GREEDY_TEMPERATURE (vLLM's rule) are greedy: argmax, no draw."""
+        return self.temperature < GREEDY_TEMPERATURE

@@ -1,7 +1,10 @@
-"""The one value that crosses from the scheduler to the model runner each step.
+"""The one value that crosses from the scheduler to the executor each step.
 
-The scheduler (Rust, ``pagedrs._core.Scheduler``) decides; the runner executes.
+The scheduler (Rust, ``pagedrs._core.Scheduler``) decides; the executor runs.
 Everything here is plain integers in NumPy arrays, batched for the whole step.
+``StepInput`` is the Python twin of the core's ``StepPlan`` (rust/src/py/scheduler.rs):
+the same fields, converted once by :meth:`StepInput.from_plan`; ``tests/test_step_input.py``
+fails when the two sides name different fields.
 
 Token layout of one step (S scheduled sequences, T tokens in all)::
 
@@ -11,20 +14,35 @@ Token layout of one step (S scheduled sequences, T tokens in all)::
 A sequence's new tokens sit at positions ``seq_lens[i] - (q[i+1] - q[i]) .. seq_lens[i] - 1``:
 everything before them is already in its KV pages (cached prefix or earlier chunks).
 
-Order of work in a step: ``swap_out``, then ``swap_in``, then ``copies``
-(copy-on-write), then the forward pass. Swap-out comes first because the
-blocks it frees may be handed to other sequences in the same step.
+Order of work in a step: every ``transfers`` entry in list order (all device→host copies
+come before any host→device copy, because blocks a swap-out frees may be handed to other
+sequences in the same step), then ``copies`` (copy-on-write), then the forward pass.
+After a transfer's copy has finished, its id goes back to the core
+(``Scheduler.complete_transfers``) so the host pages it pinned can be reused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
+
+TIERS = ("gpu", "cpu")  # the tier names the core uses; the executor maps each to its storage
 
 
 def _empty_pairs() -> np.ndarray:
     return np.zeros((0, 2), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One batch of page copies between tiers, handed out by the core."""
+
+    id: int  # report it to Scheduler.complete_transfers once the copy has finished
+    src: str  # a name in TIERS
+    dst: str  # a name in TIERS
+    pairs: np.ndarray  # int64 [N, 2] (src block, dst block)
 
 
 @dataclass(frozen=True)
@@ -35,9 +53,17 @@ class StepInput:
     query_start_loc: np.ndarray  # int32 [S+1]  cumulative new-token counts; seq i owns [q[i], q[i+1])
     seq_lens: np.ndarray  # int32 [S]  context length after this step (cached + new tokens)
     block_tables: np.ndarray  # int32 [S, max_blocks]  physical block ids, padded with 0 past seq_lens
-    swap_out: np.ndarray = field(default_factory=_empty_pairs)  # int64 [N, 2] (gpu_block, cpu_block)
-    swap_in: np.ndarray = field(default_factory=_empty_pairs)  # int64 [N, 2] (cpu_block, gpu_block)
+    seq_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))  # uint64 [S]
+    do_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # bool [S] sample after the step
+    transfers: tuple[Transfer, ...] = ()  # tier copies, run first and in order
     copies: np.ndarray = field(default_factory=_empty_pairs)  # int64 [N, 2] (src_block, dst_block) on the device
+
+    @classmethod
+    def from_plan(cls, plan: Any) -> StepInput:
+        """The single conversion from the core's ``StepPlan``."""
+        values = {f.name: getattr(plan, f.name) for f in fields(cls)}
+        values["transfers"] = tuple(Transfer(int(i), str(s), str(d), p) for i, s, d, p in plan.transfers)
+        return cls(**values)
 
     @property
     def num_seqs(self) -> int:

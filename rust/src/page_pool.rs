@@ -34,8 +34,9 @@
 //!   reservation of k always finds k blocks on a consistent snapshot.
 //! * *No block handed out twice, none lost.* A block is removed from the stack only by
 //!   the one CAS that moves `head` past it, and each block in a put batch is owned by
-//!   the caller (checked by `debug_assert` in debug builds only; the block manager
-//!   guarantees it by construction).
+//!   the caller. `put` does not check ownership (that would need a per-block flag
+//!   written on every take and put); the block manager guarantees it by construction,
+//!   and its `check_invariants` reports a block that is on the free stack twice.
 //!
 //! `rust/tests/loom_page_pool.rs` model-checks these claims with 2–3 threads.
 

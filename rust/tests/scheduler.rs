@@ -2,7 +2,7 @@
 //! prefix sharing, preemption victims and modes, aging, and the contiguous baseline.
 
 use pagedrs::block_manager::BlockManagerConfig;
-use pagedrs::scheduler::{PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig};
+use pagedrs::scheduler::{KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, Scheduler, SchedulerConfig};
 
 fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
     SchedulerConfig {
@@ -13,12 +13,18 @@ fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
         watermark_blocks: 0,
         aging_steps: 0,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
+        layout: KvLayout::Paged,
     }
 }
 
 fn paged(blocks: usize, cpu: usize, budget: usize, mode: PreemptionMode) -> Scheduler {
     let bm = BlockManagerConfig { num_cpu_blocks: cpu, ..BlockManagerConfig::new(blocks, 4) };
     Scheduler::paged(config(budget, mode), bm).unwrap()
+}
+
+/// Pairs moved out of `src` ("gpu" or "cpu") by the step's transfers.
+fn swapped(out: &pagedrs::scheduler::SchedulerOutput, src: &str) -> usize {
+    out.transfers.iter().filter(|t| t.src.to_string() == src).map(|t| t.pairs.len()).sum()
 }
 
 fn tokens(start: u32, n: u32) -> Vec<u32> {
@@ -28,8 +34,8 @@ fn tokens(start: u32, n: u32) -> Vec<u32> {
 /// Two 8-token prompts (seq 1 first, seq 2 later) fill a 4-block pool of 4-token blocks
 /// exactly; each then samples a token, so the next step needs a fifth block.
 fn fill_four_blocks_then_grow(s: &mut Scheduler) {
-    s.add_sequence(1, tokens(0, 8), 0, 0, 0).unwrap();
-    s.add_sequence(2, tokens(20, 8), 0, 1, 0).unwrap();
+    s.add_sequence(1, tokens(0, 8), 0, 0, 0, 1).unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 0, 1).unwrap();
     s.schedule().unwrap();
     s.append_token(1, 8).unwrap();
     s.append_token(2, 28).unwrap();
@@ -38,12 +44,12 @@ fn fill_four_blocks_then_grow(s: &mut Scheduler) {
 #[test]
 fn chunked_prefill_splits_a_prompt_under_the_budget_and_decodes_go_first() {
     let mut s = paged(32, 0, 6, PreemptionMode::Recompute);
-    s.add_sequence(1, tokens(0, 3), 0, 0, 0).unwrap();
+    s.add_sequence(1, tokens(0, 3), 0, 0, 0, 1).unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.seq_ids, vec![1]);
     assert_eq!(out.do_sample, vec![true]);
     s.append_token(1, 100).unwrap();
-    s.add_sequence(2, tokens(50, 10), 0, 1, 0).unwrap();
+    s.add_sequence(2, tokens(50, 10), 0, 1, 0, 1).unwrap();
     // Step 2: seq 1 decodes one token, then 5 of seq 2's 10 prompt tokens fill the budget.
     let out = s.schedule().unwrap();
     assert_eq!(out.seq_ids, vec![1, 2]);
@@ -64,7 +70,7 @@ fn chunked_prefill_splits_a_prompt_under_the_budget_and_decodes_go_first() {
 #[test]
 fn slot_mapping_follows_block_tables() {
     let mut s = paged(32, 0, 64, PreemptionMode::Recompute);
-    s.add_sequence(7, tokens(0, 9), 0, 0, 0).unwrap();
+    s.add_sequence(7, tokens(0, 9), 0, 0, 0, 1).unwrap();
     let out = s.schedule().unwrap();
     let table: Vec<i64> = out.block_tables[..out.max_blocks].iter().map(|&b| b as i64).collect();
     assert_eq!(table.len(), 3);
@@ -80,8 +86,8 @@ fn requests_in_the_same_step_share_a_prefix() {
     a.extend([90, 91]);
     let mut b = shared.clone();
     b.extend([95]);
-    s.add_sequence(1, a, 0, 0, 0).unwrap();
-    s.add_sequence(2, b, 0, 1, 0).unwrap();
+    s.add_sequence(1, a, 0, 0, 0, 1).unwrap();
+    s.add_sequence(2, b, 0, 1, 0, 1).unwrap();
     let out = s.schedule().unwrap();
     // Seq 2 hits seq 1's two full blocks, committed when seq 1 was scheduled: it computes 1 token.
     assert_eq!(out.num_scheduled_tokens, vec![10, 1]);
@@ -98,19 +104,55 @@ fn a_missing_page_preempts_the_latest_arrival_and_swap_brings_it_back() {
     let out = s.schedule().unwrap();
     // Seq 1 needs a fifth block: seq 2 (later arrival) is swapped out, its 2 blocks move.
     assert_eq!(out.preempted, vec![2]);
-    assert_eq!(out.swap_out.len(), 2);
+    assert_eq!(swapped(&out, "gpu"), 2);
     assert_eq!(out.seq_ids, vec![1]);
     assert_eq!(s.num_swapped(), 1);
     s.finish(1).unwrap();
     let out = s.schedule().unwrap();
-    assert_eq!(out.swap_in.len(), 2);
+    assert_eq!(swapped(&out, "cpu"), 2);
     assert_eq!(out.seq_ids, vec![2]);
     assert_eq!(out.input_ids, vec![28]);
     assert_eq!(out.positions, vec![8]);
     s.finish(2).unwrap();
     assert_eq!(s.kv().num_free_blocks(), 4);
-    assert_eq!(s.kv().num_free_host_blocks(), 8);
+    // The swap-in's host sources stay pinned until the runner reports the copy done.
+    assert_eq!(s.kv().num_free_host_blocks(), 6);
     s.check_invariants().unwrap();
+    let ids: Vec<u64> = out.transfers.iter().map(|t| t.id).collect();
+    assert!(s.complete_transfers(&[ids[0], ids[0]]).is_err(), "an id twice changes nothing");
+    assert_eq!(s.kv().num_free_host_blocks(), 6);
+    s.complete_transfers(&ids).unwrap();
+    assert_eq!(s.kv().num_free_host_blocks(), 8);
+    assert!(s.complete_transfers(&ids).is_err(), "completed twice");
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn append_tokens_is_all_or_nothing() {
+    let mut s = paged(8, 0, 64, PreemptionMode::Recompute);
+    s.add_sequence(1, tokens(0, 3), 0, 0, 4, 1).unwrap();
+    s.add_sequence(2, tokens(10, 3), 0, 1, 4, 1).unwrap();
+    s.schedule().unwrap();
+    // A failure in the middle of the list (unknown id 99, then a repeated id) changes no sequence.
+    assert!(s.append_tokens(&[(1, 7), (99, 7), (2, 7)]).is_err());
+    assert!(s.append_tokens(&[(1, 7), (2, 7), (1, 8)]).is_err());
+    assert_eq!((s.num_tokens(1).unwrap(), s.num_tokens(2).unwrap()), (3, 3));
+    s.append_tokens(&[(1, 7), (2, 8)]).unwrap();
+    assert_eq!((s.num_tokens(1).unwrap(), s.num_tokens(2).unwrap()), (4, 4));
+}
+
+#[test]
+fn a_request_is_refused_unless_all_its_samples_fit_at_worst() {
+    // 8 blocks of 4 tokens. A 6-token prompt growing by 10 (16 tokens) with n samples needs
+    // its one full prompt block once plus 3 private blocks per sample: n = 2 fits (7), n = 3 (10) not.
+    let mut s = paged(8, 0, 64, PreemptionMode::Recompute);
+    assert_eq!(s.worst_case_blocks(6, 10, 2), 7);
+    s.add_sequence(1, tokens(0, 6), 0, 0, 10, 2).unwrap();
+    let err = s.add_sequence(2, tokens(0, 6), 0, 1, 10, 3).unwrap_err().to_string();
+    assert!(err.contains("10 blocks") && err.contains("n = 3"), "{err}");
+    assert!(!s.contains(2));
+    // Overflowing arguments saturate instead of wrapping around into a small number.
+    assert!(s.add_sequence(3, tokens(0, 6), 0, 2, usize::MAX, usize::MAX).is_err());
 }
 
 #[test]
@@ -119,7 +161,7 @@ fn recompute_drops_pages_and_prefills_everything_again() {
     fill_four_blocks_then_grow(&mut s);
     let out = s.schedule().unwrap();
     assert_eq!(out.preempted, vec![2]);
-    assert!(out.swap_out.is_empty());
+    assert!(swapped(&out, "gpu") == 0);
     assert_eq!(s.num_waiting(), 1);
     s.finish(1).unwrap();
     let out = s.schedule().unwrap();
@@ -139,7 +181,7 @@ fn auto_mode_weighs_swap_against_recompute() {
         let mut s = Scheduler::paged(cfg, bm).unwrap();
         fill_four_blocks_then_grow(&mut s);
         let out = s.schedule().unwrap();
-        (out.swap_out.len(), s.stats().num_swap_preemptions, s.stats().num_recompute_preemptions)
+        (swapped(&out, "gpu"), s.stats().num_swap_preemptions, s.stats().num_recompute_preemptions)
     };
     // Victim: 9 tokens, 2 blocks. Swap = 2 x 2 x cost; recompute = 9.
     assert_eq!(run(1.0), (2, 1, 0));
@@ -161,8 +203,8 @@ fn priority_then_arrival_and_aging_prevents_starvation() {
     cfg.max_num_seqs = 1;
     cfg.aging_steps = 2;
     let mut s = Scheduler::paged(cfg, BlockManagerConfig::new(64, 4)).unwrap();
-    s.add_sequence(1, tokens(0, 2), 3, 0, 0).unwrap(); // low priority, first to arrive
-    s.add_sequence(2, tokens(0, 2), 0, 1, 0).unwrap();
+    s.add_sequence(1, tokens(0, 2), 3, 0, 0, 1).unwrap(); // low priority, first to arrive
+    s.add_sequence(2, tokens(0, 2), 0, 1, 0, 1).unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.seq_ids, vec![2]);
     // Seq 2 keeps running; newcomers of priority 1 keep arriving, yet seq 1 ages past them.
@@ -171,7 +213,7 @@ fn priority_then_arrival_and_aging_prevents_starvation() {
         if s.contains(2) {
             s.finish(2).unwrap();
         }
-        s.add_sequence(10 + step, tokens(0, 2), 1, 100 + step, 0).unwrap();
+        s.add_sequence(10 + step, tokens(0, 2), 1, 100 + step, 0, 1).unwrap();
         let out = s.schedule().unwrap();
         if out.seq_ids == vec![1] {
             admitted_1_at = Some(step);
@@ -186,26 +228,27 @@ fn priority_then_arrival_and_aging_prevents_starvation() {
 
 #[test]
 fn contiguous_layout_reserves_up_front_and_never_preempts() {
-    let mut s = Scheduler::contiguous(config(64, PreemptionMode::Recompute), 8, 4).unwrap();
-    s.add_sequence(1, tokens(0, 3), 0, 0, 16).unwrap();
-    s.add_sequence(2, tokens(0, 3), 0, 1, 16).unwrap();
-    s.add_sequence(3, tokens(0, 3), 0, 2, 16).unwrap();
+    let cfg = SchedulerConfig { layout: KvLayout::Contiguous(ReservePolicy::Request), ..config(64, PreemptionMode::Recompute) };
+    let mut s = Scheduler::contiguous(cfg, 8, 4).unwrap();
+    s.add_sequence(1, tokens(0, 3), 0, 0, 13, 1).unwrap();
+    s.add_sequence(2, tokens(0, 3), 0, 1, 13, 1).unwrap();
+    s.add_sequence(3, tokens(0, 3), 0, 2, 13, 1).unwrap();
     let out = s.schedule().unwrap();
     // 16 reserved tokens = 4 blocks each: only two fit in 8 blocks, and their tables are runs.
     assert_eq!(out.seq_ids, vec![1, 2]);
     assert_eq!(out.block_tables, vec![0, 1, 2, 3, 4, 5, 6, 7]);
     assert_eq!(s.num_waiting(), 1);
     assert!(s.kv_usage().reserved_slots == 32 && s.kv_usage().live_slots == 6);
-    assert!(s.add_sequence(4, tokens(0, 3), 0, 3, 40).is_err()); // can never fit
+    assert!(s.add_sequence(4, tokens(0, 3), 0, 3, 37, 1).is_err()); // can never fit
 }
 
 #[test]
 fn bad_sequences_are_rejected_without_change() {
     let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
-    assert!(s.add_sequence(1, vec![], 0, 0, 0).is_err());
-    assert!(s.add_sequence(1, tokens(0, 17), 0, 0, 0).is_err()); // 5 blocks > 4
-    s.add_sequence(1, tokens(0, 3), 0, 0, 0).unwrap();
-    assert!(s.add_sequence(1, tokens(0, 3), 0, 0, 0).is_err());
+    assert!(s.add_sequence(1, vec![], 0, 0, 0, 1).is_err());
+    assert!(s.add_sequence(1, tokens(0, 17), 0, 0, 0, 1).is_err()); // 5 blocks > 4
+    s.add_sequence(1, tokens(0, 3), 0, 0, 0, 1).unwrap();
+    assert!(s.add_sequence(1, tokens(0, 3), 0, 0, 0, 1).is_err());
     assert!(s.append_token(99, 1).is_err());
     assert!(s.fork(1, 2).is_err()); // not running yet
     assert_eq!(s.num_waiting(), 1);

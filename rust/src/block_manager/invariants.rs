@@ -13,8 +13,8 @@ impl BlockManager {
         let bs = self.cfg.block_size;
         let mut gpu_users = vec![0u32; self.cfg.num_gpu_blocks];
         let mut cpu_users = vec![0u32; self.cfg.num_cpu_blocks];
-        for &c in &self.host_pins {
-            cpu_users[c as usize] += 1;
+        for &c in self.host_pins.0.iter().chain(&self.host_pins.1).chain(self.inflight_pins.values().flatten()) {
+            *cpu_users.get_mut(c as usize).ok_or_else(|| format!("pinned host block {c} out of range"))? += 1;
         }
         for (&id, s) in &self.seqs {
             if s.table.len() != s.tokens.len().div_ceil(bs) {

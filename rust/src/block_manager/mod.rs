@@ -22,6 +22,7 @@ mod lru;
 pub(crate) mod prefix_cache;
 mod swap;
 pub(crate) mod tier;
+mod transfer;
 
 use block_table::Sequence;
 use prefix_cache::{root_seed, IdMap};
@@ -29,6 +30,7 @@ use tier::TierPool;
 
 use crate::error::invalid;
 pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
+pub use transfer::{Transfer, TransferId};
 
 /// Block copies for the runner: (source, destination) pairs.
 pub type CopyPairs = Vec<(BlockId, BlockId)>;
@@ -110,9 +112,18 @@ pub struct BlockManager {
     pending_evict_copies: Vec<(BlockId, BlockId)>,
     /// Host hits brought back, (cpu, gpu), not yet taken by the runner.
     pending_hit_copies: Vec<(BlockId, BlockId)>,
-    /// Host blocks read or written by a pending copy: each holds one refcount until
-    /// [`take_pending_host_copies`](Self::take_pending_host_copies), so no swap reuses it.
-    host_pins: Vec<BlockId>,
+    /// Host blocks read or written by a copy not yet handed out: each holds one refcount
+    /// until the copy completes (see `transfer`), so no swap or eviction reuses it.
+    /// `.0`: destinations of device→host copies; `.1`: sources of host→device copies.
+    host_pins: (Vec<BlockId>, Vec<BlockId>),
+    /// Host pins of copies handed out by [`start_transfers`](Self::start_transfers) and
+    /// not yet completed, by transfer id.
+    inflight_pins: std::collections::BTreeMap<TransferId, Vec<BlockId>>,
+    /// Id of the next transfer handed out.
+    next_transfer_id: TransferId,
+    /// When set (the scheduler's mode), `swap_in` keeps one pin on each host source block
+    /// until its transfer completes; when not (the plain BlockManager API) it frees them at once.
+    pin_swap_in_sources: bool,
     /// Scratch: blocks taken in one call.
     taken: Vec<BlockId>,
     /// Scratch: (block, hash) of the device blocks evicted in one call.
@@ -147,7 +158,10 @@ impl BlockManager {
             root: root_seed(cfg.cache_salt),
             pending_evict_copies: Vec::new(),
             pending_hit_copies: Vec::new(),
-            host_pins: Vec::new(),
+            host_pins: (Vec::new(), Vec::new()),
+            inflight_pins: Default::default(),
+            next_transfer_id: 1,
+            pin_swap_in_sources: false,
             taken: Vec::new(),
             evicted: Vec::new(),
             cfg,

@@ -25,11 +25,20 @@ pub(crate) fn root_seed(salt: Option<u64>) -> u64 {
 
 /// The chained hash of one full block.
 #[inline]
+///
+/// The token ids are hashed as little-endian bytes on every machine, so a hash written
+/// to disk (the disk page tier) means the same on a big-endian reader.
 pub(crate) fn block_hash(parent: u64, tokens: &[TokenId]) -> u64 {
-    // SAFETY: `u32` has no padding and every byte pattern is a valid `u8`; the byte
-    // slice covers exactly the memory of `tokens` and lives no longer than it.
-    let bytes = unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) };
-    xxhash_rust::xxh3::xxh3_64_with_seed(bytes, parent)
+    if cfg!(target_endian = "little") {
+        // SAFETY: `u32` has no padding and every byte pattern is a valid `u8`; the byte
+        // slice covers exactly the memory of `tokens` and lives no longer than it. On a
+        // little-endian target these are the tokens' little-endian bytes.
+        let bytes = unsafe { std::slice::from_raw_parts(tokens.as_ptr().cast::<u8>(), std::mem::size_of_val(tokens)) };
+        xxhash_rust::xxh3::xxh3_64_with_seed(bytes, parent)
+    } else {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, parent)
+    }
 }
 
 /// Hasher for keys that are already well-mixed (xxh3 hashes) or small ids: one multiply.
@@ -149,6 +158,13 @@ impl PrefixCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn block_hash_is_over_little_endian_token_bytes() {
+        // The on-disk meaning: xxh3 over each token's 4 little-endian bytes, whatever the host.
+        let bytes: Vec<u8> = [1u32, 0x0102_0304].iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(block_hash(7, &[1, 0x0102_0304]), xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, 7));
+    }
 
     #[test]
     fn hit_needs_equal_tokens_and_parent() {

@@ -11,7 +11,7 @@
 //! A step must not swap the same blocks both ways: the scheduler swaps in only in a
 //! step that preempted nothing (vLLM's rule).
 
-use super::{BlockManager, CopyPairs, SwapInStatus};
+use super::{BlockManager, SwapInStatus};
 use crate::error::{invalid, BlockId, CoreError, SeqId, Tier};
 use std::collections::HashMap;
 
@@ -108,7 +108,13 @@ impl BlockManager {
         let mut to_device: HashMap<BlockId, BlockId> = HashMap::with_capacity(blocks.len());
         for (&(c, users), &g) in blocks.iter().zip(&device) {
             self.gpu.refs.set_exclusive(g, users);
-            self.cpu.release(c, users);
+            if self.pin_swap_in_sources {
+                // One user stays as the pin of the copy that reads it (see `transfer`).
+                self.cpu.release(c, users - 1);
+                self.host_pins.1.push(c);
+            } else {
+                self.cpu.release(c, users);
+            }
             copies.push((c, g));
             to_device.insert(c, g);
         }
@@ -139,8 +145,8 @@ impl BlockManager {
             let parent = self.gpu.cache.parent_of(g);
             let inserted = self.cpu.cache.insert(c, hash, parent, self.gpu.cache.block_tokens(g));
             debug_assert!(inserted);
-            self.cpu.refs.set_exclusive(c, 1); // the pin, until the copy is taken
-            self.host_pins.push(c);
+            self.cpu.refs.set_exclusive(c, 1); // the pin, until the copy completes
+            self.host_pins.0.push(c);
             self.pending_evict_copies.push((g, c));
             self.stats.host_cache_evictions_saved += 1;
         }
@@ -150,24 +156,13 @@ impl BlockManager {
     /// content by a pending (cpu, gpu) copy and joins the device cache.
     pub(super) fn bring_back_host_hit(&mut self, c: BlockId, g: BlockId, hash: u64, parent: u64, tokens: &[u32]) {
         self.cpu.retain(c, 1);
-        self.host_pins.push(c);
+        self.host_pins.1.push(c);
         self.pending_hit_copies.push((c, g));
         self.gpu.cache.insert(g, hash, parent, tokens);
     }
 
-    /// The host copies produced since the last call: (gpu → cpu evict-to-host copies,
-    /// cpu → gpu host-hit copies). Call once per step and run them with the step's swaps
-    /// (see the module docs); this also unpins the host blocks they use.
-    pub fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs) {
-        for c in std::mem::take(&mut self.host_pins) {
-            self.cpu.release(c, 1);
-        }
-        self.cpu.flush();
-        (std::mem::take(&mut self.pending_evict_copies), std::mem::take(&mut self.pending_hit_copies))
-    }
-
-    /// Host blocks pinned by pending host copies.
+    /// Host blocks pinned by copies not yet completed (handed out or not).
     pub fn num_pinned_host_blocks(&self) -> usize {
-        self.host_pins.len()
+        self.host_pins.0.len() + self.host_pins.1.len() + self.inflight_pins.values().map(Vec::len).sum::<usize>()
     }
 }

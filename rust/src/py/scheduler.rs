@@ -2,15 +2,16 @@
 
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 use super::convert::core_err as to_py_err;
-use crate::block_manager::{BlockManagerConfig, SeqId};
-use crate::scheduler::{PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::block_manager::SeqId;
+use crate::scheduler::{KvConfig, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyStepPlan>()?;
+    m.add_class::<PySchedulerConfig>()?;
     Ok(())
 }
 
@@ -20,47 +21,56 @@ fn pairs_to_array<'py>(py: Python<'py>, pairs: &[(u32, u32)]) -> Bound<'py, PyAr
     flat.into_pyarray(py).reshape([rows, 2]).expect("a [rows * 2] vector reshapes to [rows, 2]")
 }
 
-/// One step's plan, as NumPy arrays ready for the runner (see `pagedrs.step_input.StepInput`).
+/// One step's plan, as NumPy arrays ready for the runner. Its Python twin is
+/// `pagedrs.step_input.StepInput` (built by `StepInput.from_plan`); a test checks that
+/// the two name the same fields.
 #[pyclass(name = "StepPlan", module = "pagedrs._core", frozen)]
 pub struct PyStepPlan {
+    /// uint64 [S] scheduled sequences in batch order.
     #[pyo3(get)]
     seq_ids: Py<PyArray1<u64>>,
-    #[pyo3(get)]
-    num_scheduled_tokens: Py<PyArray1<i32>>,
+    /// bool [S] whether a token is sampled after the step (its last new token is its last token).
     #[pyo3(get)]
     do_sample: Py<PyArray1<bool>>,
+    /// int64 [T] tokens to compute, sequences back to back.
     #[pyo3(get)]
     input_ids: Py<PyArray1<i64>>,
+    /// int64 [T] position of each token in its sequence.
     #[pyo3(get)]
     positions: Py<PyArray1<i64>>,
+    /// int64 [T] slot receiving each token's K/V.
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
+    /// int32 [S+1] cumulative new-token counts.
     #[pyo3(get)]
     query_start_loc: Py<PyArray1<i32>>,
+    /// int32 [S] context length after the step.
     #[pyo3(get)]
     seq_lens: Py<PyArray1<i32>>,
+    /// int32 [S, max_blocks] block tables, padded with 0.
     #[pyo3(get)]
     block_tables: Py<PyArray2<i32>>,
+    /// list of (transfer id, src tier, dst tier, int64 [N, 2] pairs), in execution order.
     #[pyo3(get)]
-    swap_out: Py<PyArray2<i64>>,
-    #[pyo3(get)]
-    swap_in: Py<PyArray2<i64>>,
+    transfers: Py<PyList>,
+    /// int64 [N, 2] (src, dst) device copies (copy-on-write), after the transfers.
     #[pyo3(get)]
     copies: Py<PyArray2<i64>>,
-    #[pyo3(get)]
-    preempted: Py<PyArray1<u64>>,
 }
 
 impl PyStepPlan {
     fn from_output(py: Python<'_>, out: SchedulerOutput) -> PyResult<Self> {
         let rows = out.seq_ids.len();
         let block_tables = out.block_tables.into_pyarray(py).reshape([rows, out.max_blocks])?;
+        let transfers = PyList::empty(py);
+        for t in &out.transfers {
+            let item = (t.id, t.src.to_string(), t.dst.to_string(), pairs_to_array(py, &t.pairs));
+            transfers.append(item)?;
+        }
         Ok(Self {
-            swap_out: pairs_to_array(py, &out.swap_out).unbind(),
-            swap_in: pairs_to_array(py, &out.swap_in).unbind(),
+            transfers: transfers.unbind(),
             copies: pairs_to_array(py, &out.copies).unbind(),
             seq_ids: out.seq_ids.into_pyarray(py).unbind(),
-            num_scheduled_tokens: out.num_scheduled_tokens.into_pyarray(py).unbind(),
             do_sample: out.do_sample.into_pyarray(py).unbind(),
             input_ids: out.input_ids.into_pyarray(py).unbind(),
             positions: out.positions.into_pyarray(py).unbind(),
@@ -68,7 +78,6 @@ impl PyStepPlan {
             query_start_loc: out.query_start_loc.into_pyarray(py).unbind(),
             seq_lens: out.seq_lens.into_pyarray(py).unbind(),
             block_tables: block_tables.unbind(),
-            preempted: out.preempted.into_pyarray(py).unbind(),
         })
     }
 }
@@ -82,6 +91,80 @@ impl PyStepPlan {
     }
 }
 
+/// Every setting of a scheduler and its KV memory, in one value (`pagedrs.EngineArgs`
+/// builds it). The layout's memory rules are applied by the core, not by the caller.
+#[pyclass(name = "SchedulerConfig", module = "pagedrs._core", frozen)]
+#[derive(Clone)]
+pub struct PySchedulerConfig {
+    sched: SchedulerConfig,
+    kv: KvConfig,
+}
+
+#[pymethods]
+impl PySchedulerConfig {
+    #[new]
+    #[pyo3(signature = (
+        *, num_gpu_blocks, block_size, num_cpu_blocks = 0, enable_prefix_caching = true,
+        kv_layout = "paged", contiguous_reserve = "max_model_len", max_num_seqs = 256,
+        max_num_batched_tokens = 2048, max_model_len = 2048, preemption_mode = "auto",
+        watermark = 0.0, aging_steps = 100, swap_cost_per_block = 1.0,
+        recompute_cost_per_token = 1.0, host_cache_evicted = false
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_gpu_blocks: usize,
+        block_size: usize,
+        num_cpu_blocks: usize,
+        enable_prefix_caching: bool,
+        kv_layout: &str,
+        contiguous_reserve: &str,
+        max_num_seqs: usize,
+        max_num_batched_tokens: usize,
+        max_model_len: usize,
+        preemption_mode: &str,
+        watermark: f64,
+        aging_steps: u64,
+        swap_cost_per_block: f64,
+        recompute_cost_per_token: f64,
+        host_cache_evicted: bool,
+    ) -> PyResult<Self> {
+        let layout = KvLayout::parse(kv_layout, contiguous_reserve).map_err(to_py_err)?;
+        let sched = SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            preemption_mode: PreemptionMode::parse(preemption_mode).map_err(to_py_err)?,
+            watermark_blocks: 0,
+            aging_steps,
+            cost: PreemptionCost { swap_cost_per_block, recompute_cost_per_token },
+            layout,
+        };
+        let kv = KvConfig { layout, num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching, host_cache_evicted, watermark };
+        kv.validate().map_err(to_py_err)?;
+        sched.validate().map_err(to_py_err)?;
+        Ok(Self { sched, kv })
+    }
+
+    /// Host blocks the layout uses (0 for the contiguous baseline, which cannot swap).
+    #[getter]
+    fn num_cpu_blocks(&self) -> usize {
+        self.kv.effective_cpu_blocks()
+    }
+    #[getter]
+    fn num_gpu_blocks(&self) -> usize {
+        self.kv.num_gpu_blocks
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.kv.block_size
+    }
+    /// Device blocks an admission leaves free (0 for the contiguous baseline).
+    #[getter]
+    fn watermark_blocks(&self) -> usize {
+        self.kv.watermark_blocks()
+    }
+}
+
 /// The continuous-batching scheduler over a paged (or contiguous) KV space.
 #[pyclass(name = "Scheduler", module = "pagedrs._core")]
 pub struct PyScheduler {
@@ -91,73 +174,25 @@ pub struct PyScheduler {
 #[pymethods]
 impl PyScheduler {
     #[new]
-    #[pyo3(signature = (
-        num_gpu_blocks, block_size, *, num_cpu_blocks = 0, enable_prefix_caching = true,
-        kv_layout = "paged", max_num_seqs = 256, max_num_batched_tokens = 2048,
-        max_model_len = 2048, preemption_mode = "auto", watermark_blocks = 0, aging_steps = 100,
-        swap_cost_per_block = 1.0, recompute_cost_per_token = 1.0, host_cache_evicted = false
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        num_gpu_blocks: usize,
-        block_size: usize,
-        num_cpu_blocks: usize,
-        enable_prefix_caching: bool,
-        kv_layout: &str,
-        max_num_seqs: usize,
-        max_num_batched_tokens: usize,
-        max_model_len: usize,
-        preemption_mode: &str,
-        watermark_blocks: usize,
-        aging_steps: u64,
-        swap_cost_per_block: f64,
-        recompute_cost_per_token: f64,
-        host_cache_evicted: bool,
-    ) -> PyResult<Self> {
-        let config = SchedulerConfig {
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            preemption_mode: PreemptionMode::parse(preemption_mode).map_err(to_py_err)?,
-            watermark_blocks,
-            aging_steps,
-            cost: PreemptionCost { swap_cost_per_block, recompute_cost_per_token },
-        };
-        let inner = match kv_layout {
-            "paged" => Scheduler::paged(
-                config,
-                BlockManagerConfig {
-                    num_gpu_blocks,
-                    block_size,
-                    num_cpu_blocks,
-                    enable_prefix_caching,
-                    host_cache_evicted,
-                    cache_salt: None,
-                },
-            ),
-            "contiguous" => Scheduler::contiguous(config, num_gpu_blocks, block_size),
-            other => {
-                return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                    "kv_layout is {other:?}; allowed: \"paged\", \"contiguous\""
-                )))
-            }
-        }
-        .map_err(to_py_err)?;
+    fn new(config: PySchedulerConfig) -> PyResult<Self> {
+        let inner = Scheduler::build(config.sched, config.kv).map_err(to_py_err)?;
         Ok(Self { inner })
     }
 
-    /// Queues a sequence. `reserve_tokens` is what the contiguous layout reserves up front.
-    #[pyo3(signature = (seq_id, token_ids, priority = 0, arrival = 0, reserve_tokens = 0))]
+    /// Queues a sequence that may grow by `max_tokens` outputs and fork into `num_samples`
+    /// samples; refused (ValueError, nothing changed) when that can never fit the pool.
+    #[pyo3(signature = (seq_id, token_ids, *, priority = 0, arrival = 0, max_tokens = 0, num_samples = 1))]
     fn add_sequence(
         &mut self,
         seq_id: SeqId,
         token_ids: PyReadonlyArray1<'_, u32>,
         priority: i64,
         arrival: u64,
-        reserve_tokens: usize,
+        max_tokens: usize,
+        num_samples: usize,
     ) -> PyResult<()> {
         let tokens = token_ids.as_slice()?.to_vec();
-        self.inner.add_sequence(seq_id, tokens, priority, arrival, reserve_tokens).map_err(to_py_err)
+        self.inner.add_sequence(seq_id, tokens, priority, arrival, max_tokens, num_samples).map_err(to_py_err)
     }
 
     /// Plans the next step (and commits the scheduled tokens' blocks).
@@ -166,7 +201,8 @@ impl PyScheduler {
         PyStepPlan::from_output(py, out)
     }
 
-    /// Records one sampled token per sequence (batched: equal-length arrays).
+    /// Records one sampled token per sequence (batched: equal-length arrays), all or
+    /// nothing: an unknown, repeated or full sequence anywhere in the list changes none.
     fn append_tokens(&mut self, seq_ids: PyReadonlyArray1<'_, u64>, token_ids: PyReadonlyArray1<'_, u32>) -> PyResult<()> {
         let (ids, tokens) = (seq_ids.as_slice()?, token_ids.as_slice()?);
         if ids.len() != tokens.len() {
@@ -176,10 +212,18 @@ impl PyScheduler {
                 tokens.len()
             )));
         }
-        for (&id, &token) in ids.iter().zip(tokens) {
-            self.inner.append_token(id, token).map_err(to_py_err)?;
-        }
-        Ok(())
+        let items: Vec<(SeqId, u32)> = ids.iter().copied().zip(tokens.iter().copied()).collect();
+        self.inner.append_tokens(&items).map_err(to_py_err)
+    }
+
+    /// Reports transfers (ids from `StepPlan.transfers`) finished: their host pins go.
+    fn complete_transfers(&mut self, ids: Vec<u64>) -> PyResult<()> {
+        self.inner.complete_transfers(&ids).map_err(to_py_err)
+    }
+
+    /// Tokens of the sequence as the scheduler records them (prompt + appended).
+    fn num_tokens(&self, seq_id: SeqId) -> PyResult<usize> {
+        self.inner.num_tokens(seq_id).map_err(to_py_err)
     }
 
     /// Child shares the running parent's pages. Fork before appending the step's sampled tokens.
@@ -196,10 +240,10 @@ impl PyScheduler {
         self.inner.contains(seq_id)
     }
 
-    /// Whether a sequence of this length could ever run (the whole pool to itself).
-    #[pyo3(signature = (num_tokens, reserve_tokens = 0))]
-    fn fits_in_pool(&self, num_tokens: usize, reserve_tokens: usize) -> bool {
-        self.inner.fits_in_pool(num_tokens, reserve_tokens)
+    /// Device blocks a request needs at worst with the pool to itself (see `add_sequence`).
+    #[pyo3(signature = (prompt_len, max_tokens, num_samples = 1))]
+    fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, num_samples: usize) -> usize {
+        self.inner.worst_case_blocks(prompt_len, max_tokens, num_samples)
     }
 
     fn has_unfinished(&self) -> bool {
@@ -254,6 +298,8 @@ impl PyScheduler {
         d.set_item("cow_copies", bm.cow_copies)?;
         d.set_item("swap_out_blocks", bm.swap_out_blocks)?;
         d.set_item("swap_in_blocks", bm.swap_in_blocks)?;
+        d.set_item("host_cache_hits", bm.host_cache_hits)?;
+        d.set_item("num_pinned_host_blocks", kv.num_pinned_host_blocks())?;
         d.set_item("reserved_slots", usage.reserved_slots)?;
         d.set_item("live_slots", usage.live_slots)?;
         Ok(d)

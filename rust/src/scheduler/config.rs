@@ -39,6 +39,84 @@ pub struct PreemptionCost {
     pub recompute_cost_per_token: f64,
 }
 
+/// How the device KV memory is laid out, with the memory rules each layout implies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvLayout {
+    /// Pages on demand, shared prefixes, swapping and a free-page watermark at admission.
+    Paged,
+    /// The traditional baseline: one region per sequence reserved up front. It cannot
+    /// share (no prefix caching), cannot swap (preemption recomputes), and keeps no
+    /// watermark (a reservation never grows, so held-back pages only cost it a sequence).
+    Contiguous(ReservePolicy),
+}
+
+/// What a contiguous region reserves for a new sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReservePolicy {
+    /// `max_model_len` tokens, whatever the request asks (what systems without paging do).
+    MaxModelLen,
+    /// The request's own worst case: prompt + max_tokens (capped at `max_model_len`).
+    Request,
+}
+
+impl KvLayout {
+    pub fn parse(layout: &str, reserve: &str) -> Result<Self, CoreError> {
+        let policy = match reserve {
+            "max_model_len" => ReservePolicy::MaxModelLen,
+            "request" => ReservePolicy::Request,
+            other => {
+                return Err(CoreError::InvalidArgument(format!(
+                    "contiguous_reserve is {other:?}; allowed: \"max_model_len\", \"request\""
+                )))
+            }
+        };
+        match layout {
+            "paged" => Ok(Self::Paged),
+            "contiguous" => Ok(Self::Contiguous(policy)),
+            other => Err(CoreError::InvalidArgument(format!("kv_layout is {other:?}; allowed: \"paged\", \"contiguous\""))),
+        }
+    }
+}
+
+/// The KV memory the scheduler manages, before the layout's rules are applied.
+#[derive(Clone, Debug)]
+pub struct KvConfig {
+    pub layout: KvLayout,
+    pub num_gpu_blocks: usize,
+    pub block_size: usize,
+    /// Host tier for swapped pages (ignored by the contiguous layout).
+    pub num_cpu_blocks: usize,
+    pub enable_prefix_caching: bool,
+    pub host_cache_evicted: bool,
+    /// Fraction of device blocks an admission must leave free, in `[0, 1)` (paged only).
+    pub watermark: f64,
+}
+
+impl KvConfig {
+    pub fn validate(&self) -> Result<(), CoreError> {
+        if !(self.watermark.is_finite() && (0.0..1.0).contains(&self.watermark)) {
+            return Err(CoreError::InvalidArgument(format!("watermark is {}; it must be in [0, 1)", self.watermark)));
+        }
+        Ok(())
+    }
+
+    /// Host blocks this layout actually uses: none for the contiguous baseline.
+    pub fn effective_cpu_blocks(&self) -> usize {
+        match self.layout {
+            KvLayout::Paged => self.num_cpu_blocks,
+            KvLayout::Contiguous(_) => 0,
+        }
+    }
+
+    /// Device blocks an admission must leave free.
+    pub fn watermark_blocks(&self) -> usize {
+        match self.layout {
+            KvLayout::Paged => (self.watermark * self.num_gpu_blocks as f64) as usize,
+            KvLayout::Contiguous(_) => 0,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
     /// Most sequences in the running set.
@@ -54,6 +132,8 @@ pub struct SchedulerConfig {
     /// Steps a waiting sequence waits per priority level it gains (anti-starvation); 0 disables aging.
     pub aging_steps: u64,
     pub cost: PreemptionCost,
+    /// The layout, for the reservation rule of `add_sequence` (set by `Scheduler::build`).
+    pub layout: KvLayout,
 }
 
 impl SchedulerConfig {

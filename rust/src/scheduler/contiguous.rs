@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::block_manager::{BlockId, BlockManagerStats, SeqId, SwapInStatus, TokenId};
+use crate::block_manager::{BlockId, BlockManagerStats, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
 use crate::error::{CoreError, Tier};
 use crate::scheduler::kv_space::{CopyPairs, KvSpace};
 
@@ -187,8 +187,18 @@ impl KvSpace for ContiguousSpace {
     fn swap_in(&mut self, _seqs: &[SeqId]) -> Result<CopyPairs, CoreError> {
         Err(CoreError::InvalidArgument("the contiguous layout cannot swap".into()))
     }
-    fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs) {
-        (Vec::new(), Vec::new())
+    fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer> {
+        debug_assert!(to_host.is_empty() && to_device.is_empty(), "the contiguous layout never swaps");
+        Vec::new()
+    }
+    fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError> {
+        match ids.first() {
+            None => Ok(()),
+            Some(id) => Err(CoreError::InvalidArgument(format!("transfer {id} is not in flight: the contiguous layout has no host tier"))),
+        }
+    }
+    fn num_pinned_host_blocks(&self) -> usize {
+        0
     }
     fn block_manager_stats(&self) -> BlockManagerStats {
         BlockManagerStats::default()

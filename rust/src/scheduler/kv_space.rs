@@ -5,7 +5,7 @@
 //! scheduler; only this trait's implementation differs.
 
 pub use crate::block_manager::CopyPairs;
-use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, SeqId, SwapInStatus, TokenId};
+use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
 use crate::error::CoreError;
 
 pub trait KvSpace: Send + Sync {
@@ -33,8 +33,13 @@ pub trait KvSpace: Send + Sync {
     fn swap_out(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError>;
     fn can_swap_in(&self, seqs: &[SeqId]) -> Result<SwapInStatus, CoreError>;
     fn swap_in(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError>;
-    /// (device->host, host->device) copies produced by fine-grained eviction.
-    fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs);
+    /// Hands out this step's tier copies: `to_host` and `to_device` (the scheduler's
+    /// swaps) with the layout's own (evicted pages saved to the host, host prefix hits).
+    fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer>;
+    /// The runner finished these transfers; their host pins go (all-or-nothing).
+    fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError>;
+    /// Host blocks held by copies not yet completed.
+    fn num_pinned_host_blocks(&self) -> usize;
     fn block_manager_stats(&self) -> BlockManagerStats;
     /// Token slots held for live sequences (used blocks × block size, or reserved regions).
     fn reserved_slots(&self) -> usize;
@@ -96,8 +101,14 @@ impl KvSpace for BlockManager {
     fn swap_in(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError> {
         BlockManager::swap_in(self, seqs)
     }
-    fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs) {
-        BlockManager::take_pending_host_copies(self)
+    fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer> {
+        BlockManager::start_transfers(self, to_host, to_device)
+    }
+    fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError> {
+        BlockManager::complete_transfers(self, ids)
+    }
+    fn num_pinned_host_blocks(&self) -> usize {
+        BlockManager::num_pinned_host_blocks(self)
     }
     fn block_manager_stats(&self) -> BlockManagerStats {
         self.stats()

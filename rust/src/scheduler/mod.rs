@@ -22,9 +22,9 @@ pub mod sequence;
 
 use std::collections::HashMap;
 
-use crate::block_manager::{BlockManager, BlockManagerConfig, SeqId, TokenId};
+use crate::block_manager::{BlockManager, BlockManagerConfig, CopyPairs, SeqId, TokenId, TransferId};
 use crate::error::CoreError;
-pub use config::{PreemptionCost, PreemptionMode, SchedulerConfig};
+pub use config::{KvConfig, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, SchedulerConfig};
 pub use contiguous::ContiguousSpace;
 pub use kv_space::KvSpace;
 pub use output::SchedulerOutput;
@@ -61,6 +61,10 @@ pub struct Scheduler {
     swapped: Vec<SeqId>,
     /// Copies produced between steps (contiguous forks) that the next step must run.
     pending_copies: Vec<(u32, u32)>,
+    /// Scratch of the step being planned: swap-out (device→host) and swap-in
+    /// (host→device) pairs, handed out as transfers at the end of `schedule`.
+    to_host: CopyPairs,
+    to_device: CopyPairs,
     stats: SchedulerStats,
 }
 
@@ -75,18 +79,54 @@ impl Scheduler {
             running: Vec::new(),
             swapped: Vec::new(),
             pending_copies: Vec::new(),
+            to_host: Vec::new(),
+            to_device: Vec::new(),
             stats: SchedulerStats::default(),
         })
     }
 
+    /// The one constructor that applies the memory rules of `kv.layout` (see
+    /// [`KvLayout`]): the contiguous baseline gets no host tier, no prefix caching,
+    /// recompute preemption and no watermark; the paged layout gets what it asks for.
+    /// `sched.layout` and `sched.watermark_blocks` are derived here.
+    pub fn build(mut sched: SchedulerConfig, kv: KvConfig) -> Result<Self, CoreError> {
+        kv.validate()?;
+        sched.layout = kv.layout;
+        sched.watermark_blocks = kv.watermark_blocks();
+        match kv.layout {
+            KvLayout::Paged => {
+                let mut bm = BlockManager::new(BlockManagerConfig {
+                    num_gpu_blocks: kv.num_gpu_blocks,
+                    block_size: kv.block_size,
+                    num_cpu_blocks: kv.effective_cpu_blocks(),
+                    enable_prefix_caching: kv.enable_prefix_caching,
+                    host_cache_evicted: kv.host_cache_evicted,
+                    cache_salt: None,
+                })?;
+                bm.set_pin_swap_in_sources(true);
+                Self::new(sched, Box::new(bm))
+            }
+            KvLayout::Contiguous(_) => {
+                sched.preemption_mode = PreemptionMode::Recompute;
+                Self::new(sched, Box::new(ContiguousSpace::new(kv.num_gpu_blocks, kv.block_size)?))
+            }
+        }
+    }
+
     /// A scheduler over a paged [`BlockManager`].
     pub fn paged(config: SchedulerConfig, bm: BlockManagerConfig) -> Result<Self, CoreError> {
-        Self::new(config, Box::new(BlockManager::new(bm)?))
+        let mut manager = BlockManager::new(bm)?;
+        manager.set_pin_swap_in_sources(true);
+        Self::new(SchedulerConfig { layout: KvLayout::Paged, ..config }, Box::new(manager))
     }
 
     /// A scheduler over the contiguous reservation baseline.
     pub fn contiguous(config: SchedulerConfig, num_blocks: usize, block_size: usize) -> Result<Self, CoreError> {
-        Self::new(config, Box::new(ContiguousSpace::new(num_blocks, block_size)?))
+        let layout = match config.layout {
+            KvLayout::Contiguous(policy) => KvLayout::Contiguous(policy),
+            KvLayout::Paged => KvLayout::Contiguous(ReservePolicy::MaxModelLen),
+        };
+        Self::new(SchedulerConfig { layout, ..config }, Box::new(ContiguousSpace::new(num_blocks, block_size)?))
     }
 
     pub fn kv(&self) -> &dyn KvSpace {
@@ -107,14 +147,45 @@ impl Scheduler {
         blocks <= self.kv.num_blocks()
     }
 
-    /// Queues a new sequence; it is admitted by a later `schedule`.
+    /// What the layout reserves up front for a sequence of `prompt_len` tokens that may
+    /// grow to `longest` (0 for the paged layout, which takes pages on demand).
+    pub fn reserve_tokens(&self, longest: usize) -> usize {
+        match self.config.layout {
+            KvLayout::Paged => 0,
+            KvLayout::Contiguous(ReservePolicy::Request) => longest,
+            KvLayout::Contiguous(ReservePolicy::MaxModelLen) => self.config.max_model_len,
+        }
+    }
+
+    /// Device blocks a request of `num_samples` samples needs at worst, with the pool to
+    /// itself: the prompt's full blocks once (shared by forks), and for every sample the
+    /// rest of its longest possible sequence (its partly filled last prompt page is
+    /// copied on write). The contiguous layout copies whole regions per sample.
+    pub fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, num_samples: usize) -> usize {
+        let bs = self.kv.block_size();
+        let longest = prompt_len.saturating_add(max_tokens).min(self.config.max_model_len).max(prompt_len).max(1);
+        let samples = num_samples.max(1);
+        match self.config.layout {
+            KvLayout::Paged => {
+                let shared = prompt_len / bs;
+                shared.saturating_add(samples.saturating_mul(longest.div_ceil(bs) - shared))
+            }
+            KvLayout::Contiguous(_) => samples.saturating_mul(longest.max(self.reserve_tokens(longest)).div_ceil(bs)),
+        }
+    }
+
+    /// Queues a new sequence; it is admitted by a later `schedule`. It must be able to
+    /// run to `max_tokens` outputs with all of its `num_samples` samples (forked later)
+    /// holding their own pages, with the pool to itself; otherwise it is refused here,
+    /// so that no admitted request can wait forever.
     pub fn add_sequence(
         &mut self,
         id: SeqId,
         tokens: Vec<TokenId>,
         priority: i64,
         arrival: u64,
-        reserve_tokens: usize,
+        max_tokens: usize,
+        num_samples: usize,
     ) -> Result<(), CoreError> {
         if self.seqs.contains_key(&id) {
             return Err(CoreError::InvalidArgument(format!("sequence {id} already exists")));
@@ -129,22 +200,26 @@ impl Scheduler {
                 self.config.max_model_len
             )));
         }
-        if !self.fits_in_pool(tokens.len(), reserve_tokens) {
+        let needed = self.worst_case_blocks(tokens.len(), max_tokens, num_samples);
+        if needed > self.kv.num_blocks() {
+            let longest = tokens.len().saturating_add(max_tokens).min(self.config.max_model_len);
             return Err(CoreError::InvalidArgument(format!(
-                "sequence {id} needs {} tokens of KV space; the pool holds {} blocks of {} tokens",
-                tokens.len().max(reserve_tokens),
+                "the request needs up to {needed} blocks of KV cache (prompt {} + max_tokens {max_tokens} = {longest} tokens \
+                 x n = {num_samples} samples); the pool holds {} blocks of {} tokens",
+                tokens.len(),
                 self.kv.num_blocks(),
                 self.kv.block_size()
             )));
         }
+        let longest = tokens.len().saturating_add(max_tokens).min(self.config.max_model_len);
         let seq = Sequence {
             id,
             priority,
             arrival,
+            reserve_tokens: self.reserve_tokens(longest),
             tokens,
             kv_tokens: 0,
             num_computed: 0,
-            reserve_tokens,
             status: SeqStatus::Waiting,
             waiting_since: self.stats.num_steps,
         };
@@ -155,15 +230,34 @@ impl Scheduler {
 
     /// Records a token sampled for a running sequence; its page is taken at the next schedule.
     pub fn append_token(&mut self, id: SeqId, token: TokenId) -> Result<(), CoreError> {
-        let seq = self.seqs.get_mut(&id).ok_or(CoreError::UnknownSequence(id))?;
-        if seq.tokens.len() >= self.config.max_model_len {
-            return Err(CoreError::InvalidArgument(format!(
-                "sequence {id} already has max_model_len = {} tokens",
-                self.config.max_model_len
-            )));
+        self.append_tokens(&[(id, token)])
+    }
+
+    /// Records one sampled token per sequence, all or nothing: every id must be known,
+    /// listed once and below `max_model_len`, or no sequence changes.
+    pub fn append_tokens(&mut self, items: &[(SeqId, TokenId)]) -> Result<(), CoreError> {
+        let mut seen = std::collections::HashSet::with_capacity(items.len());
+        for &(id, _) in items {
+            let seq = self.seqs.get(&id).ok_or(CoreError::UnknownSequence(id))?;
+            if !seen.insert(id) {
+                return Err(CoreError::InvalidArgument(format!("sequence {id} is listed twice; one token per sequence per call")));
+            }
+            if seq.tokens.len() >= self.config.max_model_len {
+                return Err(CoreError::InvalidArgument(format!(
+                    "sequence {id} already has max_model_len = {} tokens",
+                    self.config.max_model_len
+                )));
+            }
         }
-        seq.tokens.push(token);
+        for &(id, token) in items {
+            self.seqs.get_mut(&id).expect("checked above").tokens.push(token);
+        }
         Ok(())
+    }
+
+    /// The runner finished these transfers (see [`crate::block_manager::Transfer`]).
+    pub fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError> {
+        self.kv.complete_transfers(ids)
     }
 
     /// `n > 1` sampling: the child shares every page of a running parent.
@@ -197,6 +291,11 @@ impl Scheduler {
         };
         queue.retain(|&s| s != id);
         Ok(())
+    }
+
+    /// Tokens recorded for a sequence (prompt + appended outputs).
+    pub fn num_tokens(&self, id: SeqId) -> Result<usize, CoreError> {
+        self.seqs.get(&id).map(|s| s.tokens.len()).ok_or(CoreError::UnknownSequence(id))
     }
 
     pub fn contains(&self, id: SeqId) -> bool {

@@ -1,6 +1,6 @@
 //! The one value a step hands the runner: what runs, where its K/V goes, what moves.
 
-use crate::block_manager::{BlockId, SeqId};
+use crate::block_manager::{BlockId, SeqId, Transfer};
 
 /// Everything the runner needs for one step, flattened for NumPy.
 #[derive(Debug, Default, Clone)]
@@ -24,11 +24,10 @@ pub struct SchedulerOutput {
     /// Row-major [S, max_blocks] block tables, padded with 0.
     pub block_tables: Vec<i32>,
     pub max_blocks: usize,
-    /// (device block, host block) copies to run first.
-    pub swap_out: Vec<(BlockId, BlockId)>,
-    /// (host block, device block) copies to run after swap-out.
-    pub swap_in: Vec<(BlockId, BlockId)>,
-    /// (src, dst) device copies (copy-on-write) to run after swap-in, before the forward.
+    /// Tier copies to run first, in order (device→host before host→device); report each
+    /// id back with `complete_transfers` once its copy has finished.
+    pub transfers: Vec<Transfer>,
+    /// (src, dst) device copies (copy-on-write) to run after the transfers, before the forward.
     pub copies: Vec<(BlockId, BlockId)>,
     /// Sequences preempted in this step (swapped out or dropped for recompute).
     pub preempted: Vec<SeqId>,

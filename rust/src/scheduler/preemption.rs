@@ -37,7 +37,8 @@ impl Scheduler {
         let now = self.stats.num_steps;
         let seq = self.seqs.get_mut(&id).expect("victim is a known sequence");
         if mode == PreemptionMode::Swap {
-            out.swap_out.extend(self.kv.swap_out(&[id])?);
+            let pairs = self.kv.swap_out(&[id])?;
+            self.to_host.extend(pairs);
             seq.status = SeqStatus::Swapped;
             self.swapped.push(id);
             self.stats.num_swap_preemptions += 1;

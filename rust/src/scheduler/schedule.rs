@@ -32,9 +32,8 @@ impl Scheduler {
             self.schedule_admissions(&mut budget, &mut scheduled)?;
         }
 
-        let (host_out, host_in) = self.kv.take_pending_host_copies();
-        out.swap_out.extend(host_out);
-        out.swap_in.extend(host_in);
+        let (to_host, to_device) = (std::mem::take(&mut self.to_host), std::mem::take(&mut self.to_device));
+        out.transfers = self.kv.start_transfers(to_host, to_device);
         self.fill_batch(&scheduled, &mut out)?;
         self.stats.num_steps += 1;
         Ok(out)
@@ -99,7 +98,8 @@ impl Scheduler {
             if self.kv.can_swap_in(&[id])? != SwapInStatus::Ok || !fits {
                 break;
             }
-            out.swap_in.extend(self.kv.swap_in(&[id])?);
+            let pairs = self.kv.swap_in(&[id])?;
+            self.to_device.extend(pairs);
             self.swapped.remove(0);
             self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
             self.running.push(id);

@@ -1,0 +1,111 @@
+"""Executors: where a step's copies and forward pass run, and who knows the device memory.
+
+The engine plans (through the Rust scheduler) and samples; an executor executes. It owns
+the model weights and the KV tensors, sizes the KV pools for the memory it has, runs each
+step's tier transfers and copy-on-write copies, then the forward pass, and returns the
+logits of the rows that sample. The engine never builds a runner or touches a KV tensor.
+
+    engine ──StepInput──► Executor.execute ──► logits [S, vocab]
+           ◄── completed transfer ids (take_completed_transfers) ── host pins released in the core
+
+``LocalExecutor`` runs everything in this process on one device (wrapping
+``ModelRunner``). A multi-process tensor-parallel executor implements the same
+protocol: it broadcasts each ``StepInput`` to its workers and gathers the logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from pagedrs.attention import AttentionBackend
+from pagedrs.engine_args import EngineArgs
+from pagedrs.memory import KvPlan, plan_kv_memory
+from pagedrs.model_runner import ModelRunner
+from pagedrs.models import LoadedModel, load_model
+from pagedrs.step_input import StepInput
+
+
+class Executor(Protocol):
+    """What the engine needs from whatever runs the model."""
+
+    loaded: LoadedModel  # config and tokenizer (and, for the local executor, the weights)
+
+    def plan_kv_memory(self) -> KvPlan:
+        """How many device and host pages fit, for the settings in EngineArgs."""
+        ...
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocates the pools the scheduler will manage (its numbers, after its layout rules)."""
+        ...
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        """Transfers, then copies, then the forward pass; float32 logits [S, vocab]."""
+        ...
+
+    def take_completed_transfers(self) -> list[int]:
+        """Ids of the transfers whose copies have finished since the last call."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """One process, one device: today's ``ModelRunner`` behind the ``Executor`` protocol."""
+
+    def __init__(self, args: EngineArgs, attention_backend: AttentionBackend | None = None) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.cpu_threads or 1)
+        self.loaded = load_model(args.model, dtype=args.dtype, device=self.device)
+        self._backend = attention_backend
+        self.runner: ModelRunner | None = None
+        self._completed: list[int] = []
+
+    def plan_kv_memory(self) -> KvPlan:
+        args = self.args
+        num_parameters = sum(p.numel() for p in self.loaded.model.parameters())
+        return plan_kv_memory(
+            bytes_per_token=self.loaded.config.kv_bytes_per_token(args.dtype),
+            block_size=args.block_size,
+            num_parameters=num_parameters,
+            device=self.device,
+            num_gpu_blocks=args.num_gpu_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            swap_space_gb=args.swap_space_gb,
+        )
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner = ModelRunner(
+            self.loaded,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            block_size=self.args.block_size,
+            backend=self._backend,
+        )
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        if self.runner is None:
+            raise RuntimeError("LocalExecutor.execute before init_kv_cache")
+        try:
+            return self.runner.execute(step)
+        finally:
+            # The runner's copies are synchronous with respect to later reads of the host
+            # pool (a device-to-host copy blocks), so every transfer is done by now, also
+            # when the forward pass failed after the copies.
+            self._completed.extend(t.id for t in step.transfers)
+
+    def take_completed_transfers(self) -> list[int]:
+        done, self._completed = self._completed, []
+        return done
+
+    def shutdown(self) -> None:
+        self.runner = None
+
+
+def make_executor(args: EngineArgs, **kwargs: Any) -> Executor:
+    """The executor for ``args`` (one process today; tensor parallelism adds another)."""
+    return LocalExecutor(args, **kwargs)

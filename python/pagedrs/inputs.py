@@ -1,0 +1,117 @@
+"""Input processing: a request's prompt and settings checked and tokenized, before any state changes.
+
+Everything that can reject a request happens here, on plain Python values, so the
+engine touches the core only with input already known to be valid (the hardening
+rule: validate and build first, touch the core last, roll back on any failure).
+Each error names the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from pagedrs.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+MAX_REQUEST_ID_CHARS = 512
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)  # lower runs first; the core keeps an i64 and ages it
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    request_id: str
+    prompt: Optional[str]  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+class InputProcessor:
+    """Turns (request_id, prompt, params, priority) into a ProcessedRequest or a ValueError."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, max_n: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_n = max_n
+
+    def process(self, request_id: Any, prompt: Any, params: Any, priority: Any) -> ProcessedRequest:
+        if not isinstance(request_id, str) or not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
+            raise ValueError(
+                f"request_id is {str(request_id)[:80]!r}; it must be a non-empty string of at most "
+                f"{MAX_REQUEST_ID_CHARS} characters"
+            )
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"request {request_id!r}: params must be SamplingParams, not {type(params).__name__}")
+        if params.n > self.max_n:
+            raise ValueError(
+                f"SamplingParams.n={params.n} is out of range: allowed 1 <= n <= {self.max_n} (EngineArgs.max_n)"
+            )
+        if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) or not (
+            PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]
+        ):
+            raise ValueError(
+                f"request {request_id!r}: priority is {priority!r}; it must be an int in "
+                f"[{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]"
+            )
+        text, token_ids = self._tokenize(request_id, prompt)
+        return ProcessedRequest(request_id, text, token_ids, params, int(priority))
+
+    def _tokenize(self, request_id: str, prompt: Any) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+                if isinstance(prompt, str):
+                    raise ValueError(f"request {request_id!r}: prompt_token_ids is a string; it must be a list of ints")
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError(
+                    f"request {request_id!r}: a dict prompt needs 'prompt_token_ids' or 'prompt'; got keys {sorted(map(str, prompt))}"
+                )
+        if isinstance(prompt, str):
+            if len(prompt) > 64 * self.max_model_len:  # no tokenizer packs 64 characters per token
+                raise ValueError(
+                    f"request {request_id!r}: the prompt has {len(prompt)} characters; it cannot fit "
+                    f"max_model_len = {self.max_model_len} tokens"
+                )
+            text, token_ids = prompt, list(self.tokenizer.encode(prompt))
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            text, token_ids = None, self._token_ids(request_id, prompt)
+        else:
+            raise ValueError(
+                f"request {request_id!r}: prompt must be a str, a list of token ids or a dict; got {type(prompt).__name__}"
+            )
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty; at least 1 token is needed")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}"
+            )
+        return text, token_ids
+
+    def _token_ids(self, request_id: str, prompt: Any) -> list[int]:
+        if len(prompt) > self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}"
+            )
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+                raise ValueError(
+                    f"request {request_id!r}: a token-id array must be 1-D of integers; got {prompt.dtype} {prompt.shape}"
+                )
+            token_ids = prompt.astype(np.int64).tolist()
+        else:
+            for t in prompt:  # bools are ints to Python, but never token ids
+                if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                    raise ValueError(f"request {request_id!r}: token id {t!r} is not an int")
+            token_ids = [int(t) for t in prompt]
+        for t in token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"request {request_id!r}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+        return token_ids
