@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test bench lint build clean test-rust test-python check-kernels
+.PHONY: demo test bench lint build clean test-rust test-python check-kernels fuzz
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -48,6 +48,10 @@ bench: build
 	cargo bench --bench allocator -- --noplot
 	$(PY) benches/bench_block_manager.py
 	$(VENV)/bin/pagedrs bench all --threads $(shell nproc) --out bench-out --plot bench-out
+
+# Longer fuzz runs than `make test` does (the engine state machine; the server schema fuzzer).
+fuzz: build
+	PAGEDRS_FUZZ_EXAMPLES=2000 $(PY) -m pytest -q tests/test_engine_hardening.py -k fuzzer
 
 lint: build
 	cargo clippy --all-targets -- -D warnings

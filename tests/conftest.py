@@ -138,3 +138,41 @@ def hf_smollm2(smollm2_path):
         str(smollm2_path.parent), gguf_file=smollm2_path.name, local_files_only=True, dtype=torch.float32
     )
     return model.eval()
+
+
+# ---- the structural leak check ---------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def no_leaked_pages(request, monkeypatch):
+    """Fails any test that leaves an engine holding pages, sequences or requests behind.
+
+    Every ``pagedrs.Engine`` built during the test is recorded; at teardown each must be
+    idle with every device page free (cached prefix pages count as free), no host page
+    pinned, no sequence in the scheduler, and its invariants intact. A test that leaves
+    requests on purpose says so with ``@pytest.mark.leaves_requests``.
+    """
+    from pagedrs import engine as engine_module
+
+    engines: list = []
+    original_init = engine_module.Engine.__init__
+
+    def recording_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        engines.append(self)
+
+    monkeypatch.setattr(engine_module.Engine, "__init__", recording_init)
+    yield engines
+    if request.node.get_closest_marker("leaves_requests"):
+        return
+    for engine in engines:
+        if engine.num_unfinished():
+            pytest.fail(f"the test left {engine.num_unfinished()} unfinished requests in an engine")
+        stats = engine.stats()
+        leaked = {k: stats[k] for k in ("num_running", "num_waiting", "num_swapped", "num_pinned_host_blocks") if stats[k]}
+        if stats["num_free_gpu_blocks"] != stats["num_gpu_blocks"]:
+            leaked["used_gpu_blocks"] = stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
+        if engine.scheduler.has_unfinished():
+            leaked["scheduler_sequences"] = True
+        if leaked:
+            pytest.fail(f"the test left an idle engine holding {leaked}")
+        engine.check_invariants()

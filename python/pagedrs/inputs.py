@@ -80,6 +80,13 @@ class InputProcessor:
                     f"request {request_id!r}: the prompt has {len(prompt)} characters; it cannot fit "
                     f"max_model_len = {self.max_model_len} tokens"
                 )
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800" from JSON
+                raise ValueError(
+                    f"request {request_id!r}: the prompt is not valid Unicode text: {exc.reason} "
+                    f"(character {exc.object[exc.start]!r} at index {exc.start})"
+                ) from None
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             text, token_ids = None, self._token_ids(request_id, prompt)
