@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
+
+CPU_THREADS_ENV = "PAGEDRS_CPU_THREADS"
 
 _LAYOUTS = ("paged", "contiguous")
 _PREEMPTION = ("swap", "recompute", "auto")
@@ -32,9 +35,10 @@ class EngineArgs:
     watermark: float = 0.01  # fraction of device blocks kept free at admission
     aging_steps: int = 100  # waiting steps per priority level gained (anti-starvation)
     host_cache_evicted: bool = False  # keep evicted prefix-cache pages on the host tier
-    # CPU only: torch intra-op threads. Default 1: on a small shared machine OpenMP's
-    # spinning workers stall 10-30x whenever another process holds a core (measured:
-    # the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy process).
+    # CPU only: torch intra-op threads. None: $PAGEDRS_CPU_THREADS, else 1 — on a small
+    # shared machine OpenMP's spinning workers stall 10-30x whenever another process holds
+    # a core (measured: the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy
+    # process). `pagedrs serve` defaults to every core it may use: a server owns its machine.
     cpu_threads: Optional[int] = None
     # Most samples (SamplingParams.n) one request may ask for: each sample holds its own
     # pages and sampling rows, so n is a multiplier a hostile client must not control.
@@ -67,3 +71,18 @@ class EngineArgs:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization!r}; it must be in (0, 1]")
+
+    def resolved_cpu_threads(self) -> int:
+        """cpu_threads, else $PAGEDRS_CPU_THREADS, else 1 (see the field's comment)."""
+        if self.cpu_threads is not None:
+            return int(self.cpu_threads)
+        env = os.environ.get(CPU_THREADS_ENV)
+        if env is None or env == "":
+            return 1
+        try:
+            value = int(env)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{CPU_THREADS_ENV} is {env!r}; it must be an integer >= 1")
+        return value

@@ -58,7 +58,7 @@ class LocalExecutor:
         self.args = args
         self.device = torch.device(args.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(args.cpu_threads or 1)
+            torch.set_num_threads(args.resolved_cpu_threads())
         self.loaded = load_model(args.model, dtype=args.dtype, device=self.device)
         self._backend = attention_backend
         self.runner: ModelRunner | None = None
