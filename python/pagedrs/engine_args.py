@@ -43,6 +43,9 @@ class EngineArgs:
     # Most samples (SamplingParams.n) one request may ask for: each sample holds its own
     # pages and sampling rows, so n is a multiplier a hostile client must not control.
     max_n: int = 128
+    # Ranks of tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA); rank 0
+    # is this process and owns the one scheduler.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -61,7 +64,7 @@ class EngineArgs:
         choice("preemption_mode", _PREEMPTION)
         choice("contiguous_reserve", _RESERVE)
         choice("dtype", _DTYPES)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):
             at_least(name, 1, optional=True)

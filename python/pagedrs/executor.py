@@ -54,11 +54,14 @@ class Executor(Protocol):
 class LocalExecutor:
     """One process, one device: today's ``ModelRunner`` behind the ``Executor`` protocol."""
 
-    def __init__(self, args: EngineArgs, attention_backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, attention_backend: AttentionBackend | None = None, *, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         self.args = args
         self.device = torch.device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(args.resolved_cpu_threads())
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.loaded = load_model(args.model, dtype=args.dtype, device=self.device)
         self._backend = attention_backend
         self.runner: ModelRunner | None = None
@@ -87,11 +90,11 @@ class LocalExecutor:
             backend=self._backend,
         )
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
         if self.runner is None:
             raise RuntimeError("LocalExecutor.execute before init_kv_cache")
         try:
-            return self.runner.execute(step)
+            return self.runner.execute(step, compute_logits=compute_logits)
         finally:
             # The runner's copies are synchronous with respect to later reads of the host
             # pool (a device-to-host copy blocks), so every transfer is done by now, also
@@ -107,5 +110,9 @@ class LocalExecutor:
 
 
 def make_executor(args: EngineArgs, **kwargs: Any) -> Executor:
-    """The executor for ``args`` (one process today; tensor parallelism adds another)."""
+    """One process, or ``args.tensor_parallel_size`` of them."""
+    if args.tensor_parallel_size > 1:
+        from pagedrs.distributed.tp_executor import TPExecutor
+
+        return TPExecutor(args, **kwargs)
     return LocalExecutor(args, **kwargs)
