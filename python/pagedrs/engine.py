@@ -319,6 +319,13 @@ class Engine:
         """``typed_stats()`` as a dict (the engine contract's string keys)."""
         return self.typed_stats().as_dict()
 
+    def shutdown(self) -> None:
+        """Aborts what is left and releases the executor (tensor-parallel workers exit)."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._pending_outputs.clear()
+        self.executor.shutdown()
+
     def check_invariants(self) -> None:
         """The core's invariants plus the engine's: every live sample's sequence is in the core."""
         self.scheduler.check_invariants()
