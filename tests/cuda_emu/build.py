@@ -42,12 +42,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDRS_EMU_CACHE") or Path(tempfile.gettempdir()) / f"pagedrs-cuda-emu-{os.getuid()}")
 
 
-def generate(name_expressions: Sequence[str], files: Mapping[str, str] | None = None) -> str:
-    """The C++ source of one library: the kernel TU plus a table of ``name_expressions``."""
+def generate(name_expressions: Sequence[str], unit: str) -> str:
+    """The C++ source of one library: the kernel translation unit plus a table of ``name_expressions``."""
     table = ",\n".join(f'  emu::kernel("{e}", &{e})' for e in name_expressions)
     return (
         '#include "cuda_emu.h"\n'
-        f"{sources.translation_unit(files)}\n"
+        f"{unit}\n"
         '#include "cuda_emu_launch.h"\n'
         f"const emu::KernelInfo kKernels[] = {{\n{table}\n}};\n"
         f"const int kNumKernels = {len(name_expressions)};\n"
@@ -62,11 +62,20 @@ def compile_check(text: str, name: str = "check.cpp") -> subprocess.CompletedPro
         return subprocess.run(["g++", "-fsyntax-only", *FLAGS[:1], "-I", str(HERE), str(src)], capture_output=True, text=True)
 
 
-def build(name_expressions: Sequence[str], files: Mapping[str, str] | None = None, asan: bool | None = None) -> Path:
-    """The shared library holding ``name_expressions``, compiled now or taken from the cache."""
+def build(
+    name_expressions: Sequence[str],
+    files: Mapping[str, str] | None = None,
+    asan: bool | None = None,
+    unit: str | None = None,
+) -> Path:
+    """The shared library holding ``name_expressions``, compiled now or taken from the cache.
+
+    The kernels come from ``unit`` when given (a test's own CUDA source), else from
+    ``sources.translation_unit(files)``: cuda/ itself, or ``files`` in its place.
+    """
     asan = sanitize() if asan is None else asan
     flags = ASAN_FLAGS if asan else FLAGS
-    source = generate(name_expressions, files)
+    source = generate(name_expressions, sources.translation_unit(files) if unit is None else unit)
     digest = hashlib.sha256()
     for part in (source, *((HERE / h).read_text() for h in HEADERS), " ".join(flags), _compiler_version()):
         digest.update(part.encode())

@@ -321,16 +321,16 @@ struct Block {
     if (barrier == nthreads) {
       for (int i = 0; i < nthreads; ++i)
         if (!(fibers[i].site == fibers[first_barrier].site)) {
-          fail("divergent __syncthreads (threads wait at different barriers): " + describe());
+          fail("deadlock: divergent __syncthreads (threads wait at different barriers): " + describe());
           return false;
         }
       for (int i = 0; i < nthreads; ++i) fibers[i].wait = Wait::kRunnable;
       return true;
     }
-    if (barrier > 0 && done > 0 && barrier + done == nthreads) {
-      fail("divergent __syncthreads (some threads exited, the others wait): " + describe());
+    if (barrier + done == nthreads) {
+      fail("deadlock: divergent __syncthreads (some threads exited, the others wait): " + describe());
     } else {
-      fail("deadlock (a warp shuffle some lanes never reach): " + describe());
+      fail("deadlock: divergent warp shuffle (some lanes of a warp never reach it): " + describe());
     }
     return false;
   }

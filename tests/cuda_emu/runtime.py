@@ -123,9 +123,11 @@ class EmulatedRuntime:
         return module
 
 
-def load(name_expressions: tuple[str, ...], files: Mapping[str, str] | None = None) -> dict[str, EmulatedKernel]:
-    """Name expression -> kernel of a library built (or cached) for ``name_expressions``."""
-    lib = ctypes.CDLL(str(build(name_expressions, files)))
+def load(
+    name_expressions: tuple[str, ...], files: Mapping[str, str] | None = None, unit: str | None = None
+) -> dict[str, EmulatedKernel]:
+    """Name expression -> kernel of a library built (or cached) for ``name_expressions`` (see build.build)."""
+    lib = ctypes.CDLL(str(build(name_expressions, files, unit=unit)))
     lib.emu_kernel_name.restype = ctypes.c_char_p
     lib.emu_shared_bytes.restype = ctypes.c_long
     lib.emu_launch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
@@ -160,7 +162,7 @@ def _arguments(fn: EmulatedKernel, args: Sequence[Any]) -> list[ctypes._SimpleCD
         if type(arg) is not want:
             cpp = {"p": "pointer", "i": "signed int", "u": "unsigned int", "f": "float"}[kind]
             raise TypeError(
-                f"{fn.name}: argument {i} is {type(arg).__name__} {arg!r}; the C++ parameter is a {size}-byte {cpp}, "
+                f"{fn.name}: argument {i} is {type(arg).__name__} {arg}; the C++ parameter is a {size}-byte {cpp}, "
                 f"which takes np.{want.__name__}"
             )
         if kind == "p" and int(arg) == 0:
