@@ -33,7 +33,7 @@ PromptType = Union[str, list[int], dict[str, Any]]
 
 
 class Engine:
-    def __init__(self, args: Optional[EngineArgs] = None, **kwargs: Any) -> None:
+    def __init__(self, args: Optional[EngineArgs] = None, *, attention_backend: Any = None, **kwargs: Any) -> None:
         args = args if args is not None else EngineArgs(**kwargs)
         self.args = args
         torch.manual_seed(args.seed)
@@ -80,6 +80,7 @@ class Engine:
             num_gpu_blocks=plan.num_gpu_blocks,
             num_cpu_blocks=plan.num_cpu_blocks,
             block_size=args.block_size,
+            backend=attention_backend,  # None: chosen for the device (pagedrs.attention.get_backend)
         )
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, SampleState]] = {}
