@@ -61,7 +61,7 @@ def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed):
     for i, n in enumerate(per_seq):
         tables[i, :n] = torch.tensor(perm[used : used + n], dtype=torch.int32)
         # after the used entries: poisoned pages and ids past the end of the cache
-        tables[i, n:] = torch.tensor([unused[(i + j) % len(unused)] if j % 2 else num_blocks + 7 for j in range(width - n)])
+        tables[i, n:] = torch.tensor([num_blocks + 7 if j % 2 else unused[(i + j) % len(unused)] for j in range(width - n)])
         used += n
     shape = (num_blocks, block, kv_heads, head)
     kc = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
@@ -92,13 +92,14 @@ def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed):
     return q, kc, vc, clean_k, clean_v, meta
 
 
-def _check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, num_sms, schedule, seed=0, parts=None):
+def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, num_sms, schedule, seed=0, parts=None, files=None):
+    """Backend output == float64 reference within the dtype's tolerance; ``files`` replaces cuda/."""
     dtype, tol = DTYPES[dtype_name]
     q, kc, vc, clean_k, clean_v, meta = _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed)
     assert not q.is_contiguous() and q.stride(0) == (kv_heads * group + 2 * kv_heads) * head
     scale = head**-0.5
     want = TorchAttentionBackend().forward(q.double(), clean_k.double(), clean_v.double(), meta, scale)
-    runtime = EmulatedRuntime(schedule=schedule, seed=seed)
+    runtime = EmulatedRuntime(schedule=schedule, seed=seed, files=files)
     backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     got = backend.forward(q, kc, vc, meta, scale, out=out)
@@ -121,7 +122,7 @@ def _check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block,
 @pytest.mark.parametrize("num_sms", [1, 1000], ids=["single-pass", "split-k"])
 def test_decode_matches_reference(dtype_name: str, group: int, num_sms: int, schedule: str) -> None:
     # num_sms=1: the grid always fills the "GPU" -> one pass; 1000: contexts over 1024 split
-    _check_attention(dtype_name, CONTEXTS, [1] * len(CONTEXTS), 2, group, 128, 16, num_sms, schedule,
+    check_attention(dtype_name, CONTEXTS, [1] * len(CONTEXTS), 2, group, 128, 16, num_sms, schedule,
                      parts="split" if num_sms == 1000 else "single")  # fmt: skip
 
 
@@ -131,28 +132,28 @@ def test_decode_matches_reference(dtype_name: str, group: int, num_sms: int, sch
 def test_prefill_chunks_and_decode_in_one_step(dtype_name: str, group: int, schedule: str) -> None:
     # a whole prompt, a chunk after a cached prefix, a decode token, a chunk at an odd offset
     seq_lens, q_lens = ([33, 1000, 17, 4097], [33, 70, 1, 15]) if LONG else ([33, 200, 17, 61], [33, 40, 1, 15])
-    _check_attention(dtype_name, seq_lens, q_lens, 2, group, 128, 16, 132, schedule, seed=group, parts="single")
+    check_attention(dtype_name, seq_lens, q_lens, 2, group, 128, 16, 132, schedule, seed=group, parts="single")
 
 
 @pytest.mark.parametrize(("head", "block"), [(64, 8), (80, 32), (96, 16), (256, 32)])
 def test_decode_and_prefill_other_geometries(head: int, block: int) -> None:
-    _check_attention("bfloat16", [1, 17, 1100], [1, 1, 1], 2, 4, head, block, num_sms=1000, schedule="forward",
+    check_attention("bfloat16", [1, 17, 1100], [1, 1, 1], 2, 4, head, block, num_sms=1000, schedule="forward",
                      seed=head + block, parts="split")  # fmt: skip
-    _check_attention("float16", [40, 9], [40, 3], 1, 4, head, block, num_sms=132, schedule="warp-random", seed=head)
+    check_attention("float16", [40, 9], [40, 3], 1, 4, head, block, num_sms=132, schedule="warp-random", seed=head)
 
 
 @long_only
 @pytest.mark.parametrize("head", HEAD_SIZES)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
 def test_decode_every_geometry(head: int, block: int) -> None:
-    _check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000,
+    check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000,
                      schedule="reverse", seed=head + block)  # fmt: skip
 
 
 @long_only
 @pytest.mark.parametrize("group", [2, 16, 32])
 def test_wide_groups_span_several_work_items(group: int) -> None:
-    _check_attention("float32", [5, 300], [5, 1], 1, group, 64, 16, num_sms=132, schedule="warp-random", seed=group)
+    check_attention("float32", [5, 300], [5, 1], 1, group, 64, 16, num_sms=132, schedule="warp-random", seed=group)
 
 
 # ---------------------------------------------------------------- cache writes and copies
@@ -160,11 +161,16 @@ def test_wide_groups_span_several_work_items(group: int) -> None:
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 def test_write_kv_touches_exactly_the_slots(dtype_name: str) -> None:
+    check_write_kv(dtype_name, "reverse")
+
+
+def check_write_kv(dtype_name: str, schedule: str, files=None) -> None:
     dtype, _ = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(7)
     num_blocks, block, kv_heads, head, tokens = 9, 16, 4, 128, 37
-    slots = torch.randperm(num_blocks * block, generator=gen)[:tokens]
+    slots = torch.randperm(num_blocks * block - 1, generator=gen)[:tokens] + 1  # distinct, and 0 is set below
     slots[5] = -1  # padding: skipped
+    slots[6] = 0  # the first slot is a slot like any other
     fused = torch.randn((tokens, 3 * kv_heads * head), generator=gen).to(dtype)  # strided views
     key = fused[:, : kv_heads * head].view(tokens, kv_heads, head)
     value = fused[:, kv_heads * head : 2 * kv_heads * head].view(tokens, kv_heads, head)
@@ -172,7 +178,7 @@ def test_write_kv_touches_exactly_the_slots(dtype_name: str) -> None:
     vc = kc.clone()
     meta = _case(dtype, [1], [1], kv_heads, 1, head, block, 0)[-1]
     meta.slot_mapping = slots
-    runtime = EmulatedRuntime(schedule="reverse")
+    runtime = EmulatedRuntime(schedule=schedule, files=files)
     CudaAttentionBackend(runtime=runtime).write_kv(key, value, kc, vc, meta)
     assert [name for name, _, _ in runtime.launches] == [f"pagedrs::reshape_and_cache_kernel<{_CPP[dtype_name]}>"]
     flat_k, flat_v = kc.view(-1, kv_heads, head), vc.view(-1, kv_heads, head)
@@ -189,12 +195,16 @@ _CPP = {"float32": "float", "bfloat16": "pagedrs::bf16_t", "float16": "pagedrs::
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_copy_blocks_all_layers_one_launch(schedule: str) -> None:
+    check_copy_blocks(schedule)
+
+
+def check_copy_blocks(schedule: str, files=None) -> None:
     gen = torch.Generator().manual_seed(3)
     cache = torch.randn((3, 2, 12, 16, 2, 64), generator=gen).to(torch.bfloat16)
     pairs = torch.tensor([[0, 5], [7, 1], [7, 11], [2, 3]], dtype=torch.int64)
     want = cache.clone()
     TorchAttentionBackend().copy_blocks(want, pairs)
-    runtime = EmulatedRuntime(schedule=schedule)
+    runtime = EmulatedRuntime(schedule=schedule, files=files)
     CudaAttentionBackend(runtime=runtime).copy_blocks(cache, pairs)
     assert runtime.launches == [("pagedrs::copy_blocks_kernel", (4, 6, 1), (256, 1, 1))]
     assert torch.equal(cache, want)
