@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from cuda_emu.build import compile_check
+from cuda_emu.build import compile_check, sanitize
 from cuda_emu.runtime import SCHEDULES, EmulatedRuntime, EmulationError, load
 
 from pagedrs.kernels import loader, lookup, sources
@@ -97,6 +97,7 @@ def convert():
 
 
 def _run(kernel, grid, block, *args, schedule="forward"):
+    """Launches with raw pointers: the caller keeps every tensor alive (ASan checks that it does)."""
     EmulatedRuntime(schedule=schedule).launch(kernel, grid, block, args, CPU)
 
 
@@ -114,18 +115,21 @@ def test_a_barrier_some_threads_skip_is_reported_with_where_everyone_is(toy):
 
 
 def test_two_different_barriers_do_not_release_each_other(toy):
+    out = torch.zeros(128)
     with pytest.raises(EmulationError, match=r"different barriers.*toy.cu:7.*toy.cu:9"):
-        _run(toy["two_barriers"], (1,), (128,), loader.ptr(torch.zeros(128)))
+        _run(toy["two_barriers"], (1,), (128,), loader.ptr(out))
 
 
 def test_a_shuffle_half_a_warp_skips_is_a_deadlock(toy):
+    out = torch.zeros(64)
     with pytest.raises(EmulationError, match=r"deadlock: divergent warp shuffle.*threads 0-15: __shfl_xor_sync at toy.cu:14; threads 16-31: exited"):
-        _run(toy["divergent_shuffle"], (1,), (64,), loader.ptr(torch.zeros(64)))
+        _run(toy["divergent_shuffle"], (1,), (64,), loader.ptr(out))
 
 
 def test_a_partial_mask_is_refused(toy):
+    out = torch.zeros(32)
     with pytest.raises(EmulationError, match=r"partial shuffle mask 0x0000ffff .* toy.cu:18"):
-        _run(toy["partial_mask"], (1,), (32,), loader.ptr(torch.zeros(32)))
+        _run(toy["partial_mask"], (1,), (32,), loader.ptr(out))
 
 
 @pytest.mark.parametrize(("delta", "width"), [(1, 32), (5, 32), (3, 8), (17, 16)])
@@ -308,3 +312,35 @@ def test_nvrtc_compiles_the_portable_conversions_too():
     result = nvrtc.compile_source(sources.translation_unit(), "pagedrs_kernels.cu", {}, [entry.attention, entry.reduce], options)
     assert result.ok, result.log
     assert "cvt.rn.f16.f32" in result.ptx or "cvt" in result.ptx
+
+
+# ---------------------------------------------------------------- AddressSanitizer (make test-kernels-asan)
+
+OOB = r"""
+#line 1 "oob.cu"
+__global__ void read_past_the_end(float* out, const float* in) {
+  out[threadIdx.x] = in[threadIdx.x + 1];
+}
+"""
+
+
+@pytest.mark.skipif(not sanitize(), reason="needs the ASan build: make test-kernels-asan")
+def test_asan_build_reports_a_read_past_a_tensor(tmp_path):
+    """In a child process (ASan aborts it): one element past a torch tensor is a heap-buffer-overflow."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "oob.py"
+    script.write_text(
+        "import sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from cuda_emu.runtime import EmulatedRuntime, load\n"
+        "from pagedrs.kernels import loader\n"
+        f"fn = load(('read_past_the_end',), unit={OOB!r})['read_past_the_end']\n"
+        "out, src = torch.zeros(64), torch.zeros(64)\n"
+        "EmulatedRuntime().launch(fn, (1,), (64,), (loader.ptr(out), loader.ptr(src)), torch.device('cpu'))\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "heap-buffer-overflow" in result.stderr and "oob.cu:2" in result.stderr, result.stderr[-3000:]
