@@ -20,7 +20,7 @@ from pathlib import Path
 from pagedrs.kernels import sources
 
 HERE = Path(__file__).resolve().parent
-HEADERS = ("cuda_emu.h", "cuda_emu_launch.h")
+HEADERS = ("cuda_emu.h", "cuda_emu_sched.h", "cuda_emu_launch.h")
 # -fno-strict-aliasing: the kernels read T rows as uint4 (fine in CUDA, undefined in ISO C++).
 FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
          "-Wno-unused-variable", "-Wno-unused-function")  # fmt: skip
