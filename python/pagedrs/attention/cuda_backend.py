@@ -15,6 +15,7 @@ this very class, its planning and ``ops`` on CPU tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ class CudaAttentionBackend(AttentionBackend):
         self._num_sms = num_sms  # None: read from the device on first use
         self._runtime = runtime if runtime is not None else loader.CUPY
         self._plan: _StepPlan | None = None
-        self._swap_streams: dict[object, object] = {}  # device -> the runtime's side stream for swaps
+        self._swap_streams: dict[torch.device, Any] = {}  # device -> the runtime's side stream for swaps
 
     def write_kv(
         self,

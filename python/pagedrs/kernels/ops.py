@@ -7,6 +7,8 @@ Every function launches on torch's current stream and returns without syncing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -144,7 +146,7 @@ def swap_blocks(
     src_cache: torch.Tensor,
     dst_cache: torch.Tensor,
     pairs: torch.Tensor,
-    side_stream: torch.cuda.Stream,
+    side_stream: Any,  # a torch.cuda.Stream, or the runtime's own (runtime.new_stream)
     runtime: loader.KernelRuntime = loader.CUPY,
 ) -> None:
     """Blocks between the device cache and its pinned host mirror, on the copy engines.
