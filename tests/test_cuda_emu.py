@@ -14,9 +14,9 @@ import re
 import numpy as np
 import pytest
 import torch
+
 from cuda_emu.build import compile_check, sanitize
 from cuda_emu.runtime import SCHEDULES, EmulatedRuntime, EmulationError, load
-
 from pagedrs.kernels import loader, lookup, sources
 
 torch.set_num_threads(1)

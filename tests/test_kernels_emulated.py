@@ -24,8 +24,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from cuda_emu.runtime import EmulatedRuntime
 
+from cuda_emu.runtime import EmulatedRuntime
 from pagedrs.attention import AttentionMetadata, TorchAttentionBackend
 from pagedrs.attention.cuda_backend import CudaAttentionBackend
 from pagedrs.kernels import BLOCK_SIZES, HEAD_SIZES

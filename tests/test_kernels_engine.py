@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import TINY_CONFIGS, make_tiny_tokenizer
 from cuda_emu.runtime import EmulatedRuntime
-
 from pagedrs import Engine, EngineArgs, SamplingParams
 from pagedrs.attention import TorchAttentionBackend
 from pagedrs.attention.cuda_backend import CudaAttentionBackend

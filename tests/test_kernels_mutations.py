@@ -10,14 +10,15 @@ passes first, so a failure is the mutation's doing. Part of ``make test-kernels`
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
+
 from cuda_emu.mutations import MUTATIONS, Mutation, mutated_files
 from cuda_emu.runtime import EmulationError
-from test_kernels_emulated import check_attention, check_copy_blocks, check_write_kv
-
 from pagedrs.kernels import sources
+from test_kernels_emulated import check_attention, check_copy_blocks, check_write_kv
 
 torch.set_num_threads(1)
 
@@ -26,16 +27,15 @@ pytestmark = pytest.mark.skipif(os.environ.get("PAGEDRS_KERNELS_LONG") != "1", r
 
 def battery(files, schedule: str):
     """The checks, cheapest first; each raises on a wrong kernel."""
-    yield lambda: check_write_kv("float16", schedule, files=files)
-    yield lambda: check_copy_blocks(schedule, files=files)
+    yield partial(check_write_kv, "float16", schedule, files=files)
+    yield partial(check_copy_blocks, schedule, files=files)
     for dtype in ("float32", "bfloat16"):
-        # single pass over several tiles, split-K + reduce, and prefill chunks with GQA
-        yield lambda: check_attention(dtype, [1, 17, 300], [1, 1, 1], 2, 4, 128, 16, 1, schedule, files=files)
-        yield lambda: check_attention(dtype, [1, 17, 1100], [1, 1, 1], 2, 4, 128, 16, 1000, schedule, files=files,
-                                      parts="split")  # fmt: skip
-        yield lambda: check_attention(dtype, [33, 200, 17, 61], [33, 40, 1, 15], 2, 4, 128, 16, 132, schedule,
-                                      seed=4, files=files)  # fmt: skip
-        yield lambda: check_attention(dtype, [3, 40], [3, 1], 1, 1, 64, 8, 132, schedule, files=files)
+        attention = partial(check_attention, dtype, schedule=schedule, files=files)
+        # single pass over several tiles, split-K + reduce, prefill chunks with GQA, a small head and block
+        yield partial(attention, [1, 17, 300], [1, 1, 1], 2, 4, 128, 16, num_sms=1)
+        yield partial(attention, [1, 17, 1100], [1, 1, 1], 2, 4, 128, 16, num_sms=1000, parts="split")
+        yield partial(attention, [33, 200, 17, 61], [33, 40, 1, 15], 2, 4, 128, 16, num_sms=132, seed=4)
+        yield partial(attention, [3, 40], [3, 1], 1, 1, 64, 8, num_sms=132)
 
 
 def first_failure(files) -> str | None:

@@ -13,7 +13,7 @@ unit and checks every launch's arguments against the kernels' C++ signatures.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,7 +34,7 @@ def _cupy() -> Any:
     return cupy
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module(name_expressions: tuple[str, ...], device_index: int) -> Any:
     cupy = _cupy()
     with cupy.cuda.Device(device_index):

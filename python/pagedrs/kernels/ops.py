@@ -78,8 +78,8 @@ def paged_attention(
     runtime.launch(fn, grid, (_ATTN_THREADS,), args, device)
     if plan.num_parts > 1:
         reduce = runtime.kernel(entry, entry.reduce, device)
-        args = (loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.i32(plan.num_parts), loader.i32(head_size))
-        runtime.launch(reduce, (num_heads, num_tokens), (128,), args, device)
+        reduce_args = (loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.i32(plan.num_parts), loader.i32(head_size))
+        runtime.launch(reduce, (num_heads, num_tokens), (128,), reduce_args, device)
 
 
 def reshape_and_cache(
