@@ -287,6 +287,21 @@ def _broken_unit() -> tuple[str, int]:
     return sources.translation_unit(files), at + 2
 
 
+def test_every_line_of_the_translation_unit_maps_back_to_its_source_line():
+    """Follows the #line directives as a preprocessor does: each line is the line it claims to be."""
+    files = sources.source_files()
+    file, line, checked = "", 0, 0
+    for text in sources.translation_unit().split("\n"):
+        if m := re.fullmatch(r'#line (\d+) "([^"]+)"', text):
+            file, line = m.group(2), int(m.group(1))
+            continue
+        original = files[file].split("\n")
+        assert text == (original[line - 1] if line <= len(original) else ""), f"{file}:{line}"
+        line += 1
+        checked += 1
+    assert checked >= sum(len(t.split("\n")) for t in files.values())
+
+
 def test_gcc_reports_the_kernel_file_and_line_after_an_inlined_header():
     unit, line = _broken_unit()
     result = compile_check('#include "cuda_emu.h"\n' + unit)
