@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from cuda_emu.build import compile_check, sanitize
+from cuda_emu.build import SUPPORTED_MACHINE, compile_check, sanitize
 from cuda_emu.runtime import SCHEDULES, EmulatedRuntime, EmulationError, load
 from pagedrs.kernels import loader, lookup, sources
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only")
 
 TOY = r"""
 #line 1 "toy.cu"

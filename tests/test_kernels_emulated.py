@@ -25,12 +25,14 @@ import numpy as np
 import pytest
 import torch
 
+from cuda_emu.build import SUPPORTED_MACHINE
 from cuda_emu.runtime import EmulatedRuntime
 from pagedrs.attention import AttentionMetadata, TorchAttentionBackend
 from pagedrs.attention.cuda_backend import CudaAttentionBackend
 from pagedrs.kernels import BLOCK_SIZES, HEAD_SIZES
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only")
 
 LONG = os.environ.get("PAGEDRS_KERNELS_LONG") == "1"
 long_only = pytest.mark.skipif(not LONG, reason="long kernel suite: make test-kernels")

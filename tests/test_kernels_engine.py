@@ -19,12 +19,14 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIGS, make_tiny_tokenizer
+from cuda_emu.build import SUPPORTED_MACHINE
 from cuda_emu.runtime import EmulatedRuntime
 from pagedrs import Engine, EngineArgs, SamplingParams
 from pagedrs.attention import TorchAttentionBackend
 from pagedrs.attention.cuda_backend import CudaAttentionBackend
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only")
 
 # One schedule per model: together they cover all three in `make test`.
 SCHEDULE = {"llama": "forward", "mistral": "warp-random", "qwen2": "reverse"}

@@ -15,6 +15,7 @@ from functools import partial
 import pytest
 import torch
 
+from cuda_emu.build import SUPPORTED_MACHINE
 from cuda_emu.mutations import MUTATIONS, Mutation, mutated_files
 from cuda_emu.runtime import EmulationError
 from pagedrs.kernels import sources
@@ -22,7 +23,10 @@ from test_kernels_emulated import check_attention, check_copy_blocks, check_writ
 
 torch.set_num_threads(1)
 
-pytestmark = pytest.mark.skipif(os.environ.get("PAGEDRS_KERNELS_LONG") != "1", reason="mutation check: make test-kernels")
+pytestmark = [
+    pytest.mark.skipif(os.environ.get("PAGEDRS_KERNELS_LONG") != "1", reason="mutation check: make test-kernels"),
+    pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only"),
+]
 
 
 def battery(files, schedule: str):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -27,6 +28,10 @@ FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-fno-strict-aliasing", "-Wall
 # ASan: also checks the fibers' stacks (cuda_emu.h annotates every switch).
 ASAN_FLAGS = ("-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-fno-strict-aliasing", "-fsanitize=address",
               "-fno-omit-frame-pointer", "-Wno-unknown-pragmas")  # fmt: skip
+
+
+# cuda_emu_sched.h switches fiber stacks with x86-64 assembly.
+SUPPORTED_MACHINE = platform.machine() in ("x86_64", "AMD64")
 
 
 class EmuCompileError(RuntimeError):
@@ -73,6 +78,8 @@ def build(
     The kernels come from ``unit`` when given (a test's own CUDA source), else from
     ``sources.translation_unit(files)``: cuda/ itself, or ``files`` in its place.
     """
+    if shutil.which("g++") is None:
+        raise EmuCompileError("the CUDA emulator compiles kernels with g++, which is not on PATH (apt-get install g++)")
     asan = sanitize() if asan is None else asan
     flags = ASAN_FLAGS if asan else FLAGS
     source = generate(name_expressions, sources.translation_unit(files) if unit is None else unit)
