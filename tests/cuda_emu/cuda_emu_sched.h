@@ -7,7 +7,10 @@
 // void emu_switch(void** save_sp, void* next_sp): pushes the callee-saved registers,
 // stores the stack pointer in *save_sp, loads next_sp and pops the other side's.
 // A new fiber's stack is laid out so that the first switch "returns" into
-// emu_fiber_entry (see Block::start).
+// emu_fiber_entry (see Block::start). Sound because it is an ordinary call for the
+// compiler: caller-saved registers are dead across it, memory is assumed clobbered,
+// and the callee-saved ones are restored. MXCSR and the x87 control word are not
+// switched: no kernel changes the rounding mode.
 extern "C" void emu_switch(void** save_sp, void* next_sp);
 asm(R"(
   .text
@@ -54,9 +57,8 @@ struct Fiber {
   char* stack = nullptr;  // lowest usable byte; a PROT_NONE guard page sits below it
   Wait wait = Wait::kRunnable;
   Site site;
-  uint64_t shfl_value = 0, shfl_result = 0;
-  unsigned shfl_mask = 0;
-  int shfl_src = 0;
+  uint64_t shfl_value = 0, shfl_result = 0;  // what this lane offers; what it receives
+  int shfl_src = 0;                           // lane (within the warp) it reads from
   uint3 idx{};
 #ifdef EMU_ASAN
   void* fake_stack = nullptr;
