@@ -1,4 +1,5 @@
-"""A deterministic stand-in for pagedrs.Engine, to test the server's plumbing without a model.
+"""A deterministic stand-in for pagedrs.Engine, to test the server's plumbing without a model,
+and the leak check every server test ends with (``assert_nothing_left``).
 
 It follows docs/ENGINE_API.md: one token per sample per step, token ``ord('a') + (k + index) % 26``
 for the k-th token of sample ``index``. Every call is recorded; with ``permits`` set, each step
@@ -8,7 +9,10 @@ records itself and then waits for one permit, so a test can hold the engine insi
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
+
+import pytest
 
 from pagedrs.outputs import CompletionOutput, RequestOutput
 
@@ -82,7 +86,7 @@ class FakeEngine:
 
     def stats(self) -> dict[str, Any]:
         return {"num_gpu_blocks": 8, "block_size": 4, "num_free_gpu_blocks": 8 - len(self._requests),
-                "num_running": len(self._requests), "num_waiting": 0}
+                "num_running": len(self._requests), "num_waiting": 0, "num_swapped": 0}
 
     def call_log(self) -> list[tuple[str, Any]]:
         with self._lock:
@@ -91,3 +95,26 @@ class FakeEngine:
     def _record(self, kind: str, arg: Any) -> None:
         with self._lock:
             self.calls.append((kind, arg))
+
+
+def assert_nothing_left(loop: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait (bounded) for the engine behind ``loop`` (an EngineLoop) to go idle; fail on anything left.
+
+    Left means: a page not free, a sequence running, waiting or swapped, or an add still queued
+    for the engine thread. The stats are the engine thread's own snapshot (the engine is not
+    thread-safe), refreshed after every step and command batch.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = loop.stats()
+        left = {
+            "pages in use": int(stats["num_gpu_blocks"]) - int(stats["num_free_gpu_blocks"]),
+            "running": int(stats.get("num_running", 0)),
+            "waiting": int(stats.get("num_waiting", 0)) + loop.num_waiting(),
+            "swapped": int(stats.get("num_swapped", 0)),
+        }
+        if not any(left.values()):
+            return stats
+        if time.monotonic() > deadline:
+            pytest.fail(f"the engine kept {left} for {timeout_s} s after the test (stats: {stats})")
+        time.sleep(0.02)

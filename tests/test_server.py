@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from pagedrs import LLM, Engine, EngineArgs, SamplingParams  # noqa: E402
 from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
 from pagedrs.server.background import free_port  # noqa: E402
+from server_fakes import assert_nothing_left  # noqa: E402
 
 MODEL = "tiny-llama"
 # A small pool (24 pages of 8 tokens) so that the load test runs out of pages and preempts.
@@ -92,6 +93,14 @@ def served(tiny_llama_dir: Path) -> Iterator[Served]:
     yield s
     s.http.stop()
     s.loop.stop()
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that used the live server leaves no page, sequence or queued add behind."""
+    yield
+    if "served" in request.fixturenames:
+        assert_nothing_left(request.getfixturevalue("served").loop)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from pagedrs.sampling_params import SamplingParams  # noqa: E402
 from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
-from server_fakes import FakeEngine  # noqa: E402
+from server_fakes import FakeEngine, assert_nothing_left  # noqa: E402
 
 MODEL = "fake"
 
@@ -68,8 +68,11 @@ def make_served() -> Iterator[Callable[..., Served]]:
     for served in started:
         if served.engine.permits is not None:
             served.engine.permits.release(10_000)  # never leave the engine thread parked in a step
-        served.http.stop()
-        served.loop.stop()
+        try:
+            assert_nothing_left(served.loop)
+        finally:
+            served.http.stop()
+            served.loop.stop()
 
 
 def test_abort_is_applied_before_the_next_step() -> None:
@@ -181,18 +184,17 @@ def test_streaming_client_that_disconnects_is_aborted(make_served: Callable[...,
 
 
 def _step_until_aborted(served: Served, permits: threading.Semaphore) -> None:
-    """Let the engine run one step at a time until the server aborts the abandoned request.
+    """The server aborts the abandoned request while the engine is still held in an early step.
 
-    The request asked for 50 tokens: it must be dropped before it gets them.
+    The request asked for 50 tokens and the engine has taken at most 3 steps: once the
+    HTTP handler is over (its abort is then queued), released steps end within one more
+    step. Conditions, not sleeps, order the two threads.
     """
-    for _ in range(45):
-        if served.count("abort"):
-            break
-        permits.release(1)
-        time.sleep(0.05)  # give the server time to notice the closed connection; no assertion on time
-    assert served.count("abort") == 1
+    wait_until(lambda: served.app.state.drain.active == 0, "the server to end the abandoned request")
+    permits.release(10_000)
+    wait_until(lambda: served.count("abort") == 1, "the abort to reach the engine")
     wait_until(lambda: not served.engine.has_unfinished(), "the engine to be idle")
-    assert served.count("step") < 50
+    assert served.count("step") <= 4
 
 
 def test_sampling_value_errors_become_400_naming_the_field(make_served: Callable[..., Served]) -> None:

@@ -255,6 +255,7 @@ class EngineLoop:
             # The engine's state is unknown; fail what is in flight rather than hang it.
             logger.error("engine.step() failed:\n%s", traceback.format_exc())
             self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            self._refresh_stats()  # the aborts changed them: /metrics must not show the failed requests
             return
         now = time.monotonic()
         for output in outputs:
