@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from pagedrs.outputs import CompletionOutput, RequestOutput
 
+MODEL = "fake"
+EXPLODE = "\U0001f4a5"  # text the fake tokenizer refuses with an unexpected exception (not a ValueError)
+POISON = "poison"  # a prompt whose request the fake engine fails on its own, mid-run
+
 
 class FakeTokenizer:
     """One token per character: id = ord(ch)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if EXPLODE in text:
+            raise ZeroDivisionError("the fake tokenizer exploded")
         return [ord(c) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -78,8 +85,12 @@ class FakeEngine:
                     CompletionOutput(index, self.tokenizer.decode(tokens), list(tokens), chr(token), [token],
                                      "length" if done else None)
                 )
+            error = None
+            if r["ids"] == self.tokenizer.encode(POISON) and len(r["samples"][0]) == 2:
+                error = "injected failure of this request"  # as the engine reports one request's failure
+                completions = [CompletionOutput(c.index, finish_reason="error") for c in completions]
             finished = all(c.finish_reason for c in completions)
-            outputs.append(RequestOutput(request_id, None, r["ids"], completions, finished))
+            outputs.append(RequestOutput(request_id, None, r["ids"], completions, finished, error=error))
             if finished:
                 del self._requests[request_id]
         return outputs
@@ -118,3 +129,59 @@ def assert_nothing_left(loop: Any, timeout_s: float = 60.0) -> dict[str, Any]:
         if time.monotonic() > deadline:
             pytest.fail(f"the engine kept {left} for {timeout_s} s after the test (stats: {stats})")
         time.sleep(0.02)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (bounded); fail naming ``what`` if it never holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Served:
+    """A live server (uvicorn on a thread) over a FakeEngine."""
+
+    def __init__(self, engine: FakeEngine, max_waiting: int = 8, options: Any = None) -> None:
+        from pagedrs.server import BackgroundServer, EngineLoop, build_app
+
+        self.engine = engine
+        self.loop = EngineLoop(engine)
+        self.app = build_app(self.loop, MODEL, max_waiting, options)
+        self.http = BackgroundServer(self.app)
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def client(self, api_key: str = "unused") -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k, _ in self.engine.call_log() if k == kind)
+
+
+@pytest.fixture
+def make_served() -> Iterator[Callable[..., Served]]:
+    """``make_served(engine, max_waiting=8, options=None)`` starts a server; each is checked for leaks and stopped."""
+    started: list[Served] = []
+
+    def make(engine: FakeEngine, max_waiting: int = 8, options: Any = None) -> Served:
+        served = Served(engine, max_waiting, options)
+        served.loop.start()
+        served.http.start()
+        started.append(served)
+        return served
+
+    yield make
+    for served in started:
+        if served.engine.permits is not None:
+            served.engine.permits.release(10_000)  # never leave the engine thread parked in a step
+        try:
+            assert_nothing_left(served.loop)
+        finally:
+            served.http.stop()
+            served.loop.stop()

@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,59 +19,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from pagedrs.sampling_params import SamplingParams  # noqa: E402
-from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
-from server_fakes import FakeEngine, assert_nothing_left  # noqa: E402
-
-MODEL = "fake"
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    """Poll ``condition`` (bounded); fail naming ``what`` if it never holds."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
-
-
-class Served:
-    def __init__(self, engine: FakeEngine, max_waiting: int = 8) -> None:
-        self.engine = engine
-        self.loop = EngineLoop(engine)
-        self.app = build_app(self.loop, MODEL, max_waiting)
-        self.http = BackgroundServer(self.app)
-
-    @property
-    def url(self) -> str:
-        return self.http.url
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def count(self, kind: str) -> int:
-        return sum(1 for k, _ in self.engine.call_log() if k == kind)
-
-
-@pytest.fixture
-def make_served() -> Iterator[Callable[..., Served]]:
-    started: list[Served] = []
-
-    def make(engine: FakeEngine, max_waiting: int = 8) -> Served:
-        served = Served(engine, max_waiting)
-        served.loop.start()
-        served.http.start()
-        started.append(served)
-        return served
-
-    yield make
-    for served in started:
-        if served.engine.permits is not None:
-            served.engine.permits.release(10_000)  # never leave the engine thread parked in a step
-        try:
-            assert_nothing_left(served.loop)
-        finally:
-            served.http.stop()
-            served.loop.stop()
+from pagedrs.server import EngineLoop  # noqa: E402
+from server_fakes import MODEL, FakeEngine, Served, make_served, wait_until  # noqa: E402, F401
 
 
 def test_abort_is_applied_before_the_next_step() -> None:
