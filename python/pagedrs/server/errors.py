@@ -81,6 +81,14 @@ def _printable(message: str) -> str:
     return message
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_branch(part: object) -> bool:
+    """pydantic names the union member in an error's location ("list[constrained-int]"): not a field."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS)
+
+
 def _short_repr(value: Any, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
@@ -95,8 +103,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts: list[str] = []
     first_param: str | None = None
     for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None  # the request field; deeper parts name union branches
+        loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_union_branch(p)]
+        param = loc[0] if loc else None  # the request field
         first_param = first_param or param
         value = err.get("input")
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} (got {_short_repr(value)})")

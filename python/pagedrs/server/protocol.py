@@ -71,7 +71,7 @@ def _valid_unicode(text: str) -> str:
 # Every string of a request body goes through this type.
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
-StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
 
 
 def random_id(prefix: str) -> str:

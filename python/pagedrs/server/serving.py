@@ -56,7 +56,7 @@ class ServerContext:
         if room < 1:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens (max_model_len is "
-                f"{self.max_model_len}); the {param} take {prompt_len} tokens, leaving no room for a completion",
+                f"{self.max_model_len}); {prompt_len} tokens are in the {param}, leaving no room for a completion",
                 param=param,
             )
         return room
