@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +23,6 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from pagedrs import LLM, Engine, EngineArgs, SamplingParams  # noqa: E402
 from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
-from pagedrs.server.background import free_port  # noqa: E402
 from server_fakes import assert_nothing_left  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -368,45 +363,6 @@ def test_metrics_expose_every_required_series(served: Served) -> None:
         "pagedrs_inter_token_latency_seconds_count",
     ):
         assert name in names, name
-
-
-def test_serve_cli_in_a_subprocess(tiny_llama_dir: Path, offline: LLM) -> None:
-    """`python -m pagedrs.server` binds 127.0.0.1, answers, and exits 0 on SIGTERM."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "pagedrs.server", "--model", str(tiny_llama_dir), "--served-model-name", MODEL,
-        "--port", str(port), "--block-size", "8", "--num-gpu-blocks", "32", "--max-model-len", "64",
-        "--log-level", "warning",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"the server exited early:\n{proc.stdout.read() if proc.stdout else ''}"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not answer /health within 180 s")
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        got = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY).choices[0].text
-        assert got == offline.generate(PROMPTS[0], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-    output = proc.stdout.read() if proc.stdout else ""
-    # uvicorn shuts down gracefully, then re-raises the signal: exit status 0 or "killed by SIGTERM"
-    assert proc.returncode in (0, -signal.SIGTERM), output
-    assert "Traceback" not in output, output
 
 
 def test_serve_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
