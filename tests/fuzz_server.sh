@@ -3,7 +3,8 @@
 #
 #   1. builds the tiny random llama of tests/conftest.py in a temporary folder;
 #   2. starts `python -m pagedrs.server` on it (64 KV pages) and reads its RSS (VmRSS);
-#   3. runs a load (tests/fuzz_load.py: concurrent streams, early disconnects), reads RSS;
+#   3. runs a load twice (tests/fuzz_load.py: concurrent streams, early disconnects), reads RSS
+#      after each (growth on the second pass would be a leak);
 #   4. runs the Schemathesis fuzzer (tests/test_server_fuzz.py) with PAGEDRS_FUZZ_EXAMPLES
 #      examples per operation and kind (default 300), randomized, reads RSS;
 #   5. sends SIGTERM and requires exit status 0.
@@ -41,6 +42,8 @@ rss_start=$(rss)
 
 "$PY" tests/fuzz_load.py "$url" >"$work/load.json"
 rss_after_load=$(rss)
+"$PY" tests/fuzz_load.py "$url" >"$work/load2.json"  # a second pass: growth here would be a leak
+rss_after_load2=$(rss)
 
 PAGEDRS_FUZZ_URL="$url" PAGEDRS_FUZZ_EXAMPLES="$EXAMPLES" PAGEDRS_FUZZ_RANDOM=1 \
     PAGEDRS_FUZZ_REPORT="$work/fuzz.json" "$PY" -m pytest -q -p no:cacheprovider tests/test_server_fuzz.py
@@ -52,13 +55,15 @@ wait "$server_pid" || status=$?
 server_pid=""
 if grep -q Traceback "$work/server.log"; then cat "$work/server.log"; exit 1; fi
 
-"$PY" - "$work/load.json" "$work/fuzz.json" "$rss_start" "$rss_after_load" "$rss_after_fuzz" "$status" "$OUT" <<'EOF'
+"$PY" - "$work/load.json" "$work/load2.json" "$work/fuzz.json" "$rss_start" "$rss_after_load" "$rss_after_load2" \
+    "$rss_after_fuzz" "$status" "$OUT" <<'EOF'
 import json, sys
-load, fuzz = (json.load(open(p)) for p in sys.argv[1:3])
-rss_start, rss_load, rss_fuzz, status = (int(v) for v in sys.argv[3:7])
-summary = {"load": load, "fuzz_requests": sum(fuzz.values()), "fuzz_counts": fuzz,
-           "rss_kb": {"start": rss_start, "after_load": rss_load, "after_fuzz": rss_fuzz}, "exit_status": status}
-open(sys.argv[7], "w").write(json.dumps(summary, indent=1))
+load, load2, fuzz = (json.load(open(p)) for p in sys.argv[1:4])
+rss_start, rss_load, rss_load2, rss_fuzz, status = (int(v) for v in sys.argv[4:9])
+summary = {"load": [load, load2], "fuzz_requests": sum(fuzz.values()), "fuzz_counts": fuzz,
+           "rss_kb": {"start": rss_start, "after_load": rss_load, "after_second_load": rss_load2,
+                      "after_fuzz": rss_fuzz}, "exit_status": status}
+open(sys.argv[9], "w").write(json.dumps(summary, indent=1))
 print(json.dumps({k: v for k, v in summary.items() if k != "fuzz_counts"}))
 sys.exit(0 if status == 0 else 1)
 EOF

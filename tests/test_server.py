@@ -296,7 +296,7 @@ def test_503_when_the_waiting_queue_would_exceed_max_waiting(served: Served, cli
             client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     finally:
         ctx.max_waiting = 64
-    assert rejected.value.status_code == 503
+    assert rejected.value.status_code == 503 and int(rejected.value.response.headers["retry-after"]) >= 1
     assert rejected.value.body["type"] == "server_overloaded_error"
     assert "--max-waiting is 0" in rejected.value.body["message"]
     assert served.metrics()['pagedrs_requests_rejected_total{status=503}'] == before + 1
@@ -372,3 +372,7 @@ def test_serve_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert "--max-waiting=-1 must be >= 0" in capsys.readouterr().err
     assert main(["--model", "/nonexistent/model/dir", "--port", "1"]) == 2
     assert "cannot start the engine" in capsys.readouterr().err
+    assert main(["--max-request-bytes", "10"]) == 2
+    assert "ServerOptions.max_request_bytes=10 is out of range: allowed >= 1024" in capsys.readouterr().err
+    assert main(["--read-timeout", "0"]) == 2
+    assert "read_timeout_s=0.0 is out of range" in capsys.readouterr().err

@@ -100,6 +100,8 @@ BAD_INPUTS = [
      f"at most {MAX_STOP_STRINGS} items"),
     ("a stop string too long", "/v1/completions", _completion(stop="x" * (MAX_STOP_CHARS + 1)), "stop",
      f"at most {MAX_STOP_CHARS} characters"),
+    ("more prompts than --max-waiting", "/v1/completions", _completion(prompt=["a"] * 65), "prompt",
+     "at most --max-waiting=64"),
     ("a text longer than any context", "/v1/completions", _completion(prompt="fox " * 300_000), "prompt",
      "more than the context can hold"),
 ]

@@ -32,8 +32,6 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
         raise bad_request("logit_bias is not supported", param="logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-    if not body.messages:
-        raise bad_request("messages is empty: send at least one message", param="messages")
     prompt_ids = await ctx.prompts.render_chat(body.messages, body.add_generation_prompt)
     room = ctx.room(len(prompt_ids), "messages")
     kwargs = body.sampling_kwargs()

@@ -31,6 +31,11 @@ async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
     prompts = _prompts(body.prompt)
+    if len(prompts) > max(1, ctx.max_waiting):  # 400, not 503: no amount of waiting would admit it
+        raise bad_request(
+            f"The request has {len(prompts)} prompts; a request may have at most --max-waiting={ctx.max_waiting}",
+            param="prompt",
+        )
     prompt_ids = [await ctx.prompts.encode(p, "prompt") if isinstance(p, str) else p for p in prompts]
     for ids in prompt_ids:
         if not ids:

@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 # Request fields that map one-to-one onto SamplingParams fields of the same name.
 SAMPLING_FIELDS = (
@@ -68,9 +68,18 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
-# Every string of a request body goes through this type.
+def _not_a_bool(value: Any) -> Any:
+    """JSON's true/false are not integers here (Python and pydantic's lax mode treat them as 1/0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got the boolean {str(value).lower()}")
+    return value
+
+
+# Every string of a request body goes through Text, every integer through Int: an integral
+# number (5 or 5.0, as JSON Schema's "integer"), never a boolean.
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
+TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
 
 
@@ -98,11 +107,11 @@ class _SamplingRequest(_Strict):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: Text
-    n: Annotated[StrictInt, Field(le=MAX_N)] = 1
-    max_tokens: StrictInt | None = None
+    n: Annotated[Int, Field(le=MAX_N)] = 1
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] | None = None
+    seed: Annotated[Int, Field(ge=0, le=INT64_MAX)] | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -111,15 +120,15 @@ class _SamplingRequest(_Strict):
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
     # extensions (vLLM's names)
-    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None
+    top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    min_tokens: StrictInt | None = None
+    min_tokens: Int | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
-    priority: Annotated[StrictInt, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    priority: Annotated[Int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams keyword arguments the client actually sent (None means 'default')."""
@@ -133,9 +142,9 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    logprobs: Int | None = None
     suffix: Text | None = None
-    best_of: StrictInt | None = None
+    best_of: Int | None = None
 
 
 class ChatContentPart(_Strict):
@@ -156,8 +165,8 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None  # the newer name of max_tokens; wins when both are set
+    top_logprobs: Int | None = None
+    max_completion_tokens: Int | None = None  # the newer name of max_tokens; wins when both are set
     add_generation_prompt: StrictBool = True
 
 
