@@ -164,9 +164,13 @@ class Served:
         return sum(1 for k, _ in self.engine.call_log() if k == kind)
 
 
-@pytest.fixture
-def make_served() -> Iterator[Callable[..., Served]]:
-    """``make_served(engine, max_waiting=8, options=None)`` starts a server; each is checked for leaks and stopped."""
+def served_factory() -> Iterator[Callable[..., Served]]:
+    """The body of a ``make_served`` fixture: ``make_served(engine, max_waiting=8, options=None)``
+    starts a server; at teardown each is checked for leaks and stopped.
+
+    A generator, not a fixture, so that test modules declare the fixture themselves
+    (``yield from served_factory()``) instead of importing a fixture by name.
+    """
     started: list[Served] = []
 
     def make(engine: FakeEngine, max_waiting: int = 8, options: Any = None) -> Served:

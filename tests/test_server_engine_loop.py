@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,7 +20,12 @@ openai = pytest.importorskip("openai")
 
 from pagedrs.sampling_params import SamplingParams  # noqa: E402
 from pagedrs.server import EngineLoop  # noqa: E402
-from server_fakes import MODEL, FakeEngine, Served, make_served, wait_until  # noqa: E402, F401
+from server_fakes import MODEL, FakeEngine, Served, served_factory, wait_until  # noqa: E402
+
+
+@pytest.fixture
+def make_served() -> Iterator[Callable[..., Served]]:
+    yield from served_factory()
 
 
 def test_abort_is_applied_before_the_next_step() -> None:

@@ -162,32 +162,36 @@ def _wait_idle(url: str, timeout_s: float = 120.0) -> dict[str, float]:
         time.sleep(0.05)
 
 
+def _fuzz(operation: Any, kind: str, url: str, counts: Counter[str]) -> None:
+    """EXAMPLES cases of one operation and kind, each sent and checked."""
+    mode = schemathesis.GenerationMode.NEGATIVE if kind == "negative" else schemathesis.GenerationMode.POSITIVE
+    name = f"{operation.method.upper()} {operation.path} {kind}"
+
+    @settings(
+        max_examples=EXAMPLES, deadline=None, database=None, derandomize=not RANDOMIZED,
+        suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate],
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def fuzz(case: Any) -> None:
+        _steer(case.body, kind)
+        response = case.call(base_url=url, timeout=120)
+        counts[f"{name} {response.status_code}"] += 1
+        _check(operation.path, response, case.body)
+
+    try:
+        fuzz()
+    except Unsatisfiable:  # nothing to violate: a GET without parameters has no negative cases
+        counts[f"{name} no-cases"] += 1
+
+
 def test_schema_fuzz_never_500s_and_leaks_nothing(target: tuple[str, dict[str, Any]]) -> None:
     url, openapi = target
     schema = schemathesis.openapi.from_dict(openapi)
     schema.config.max_stream_events = 1_000_000  # read every stream to its end ([DONE] is checked)
     counts: Counter[str] = Counter()
     for result in schema.get_all_operations():
-        operation = result.ok()
-        path = operation.path
         for kind in ("positive", "valid", "negative"):
-            mode = schemathesis.GenerationMode.NEGATIVE if kind == "negative" else schemathesis.GenerationMode.POSITIVE
-
-            @settings(
-                max_examples=EXAMPLES, deadline=None, database=None, derandomize=not RANDOMIZED,
-                suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate],
-            )
-            @given(case=operation.as_strategy(generation_mode=mode))
-            def fuzz(case: Any) -> None:
-                _steer(case.body, kind)
-                response = case.call(base_url=url, timeout=120)
-                counts[f"{operation.method.upper()} {path} {kind} {response.status_code}"] += 1
-                _check(path, response, case.body)
-
-            try:
-                fuzz()
-            except Unsatisfiable:  # nothing to violate: a GET without parameters has no negative cases
-                counts[f"{operation.method.upper()} {path} {kind} no-cases"] += 1
+            _fuzz(result.ok(), kind, url, counts)
     health = httpx.get(url + "/health", timeout=1.0)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     metrics = _wait_idle(url)

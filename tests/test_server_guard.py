@@ -22,7 +22,12 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from pagedrs.server.options import ServerOptions  # noqa: E402
-from server_fakes import EXPLODE, MODEL, POISON, FakeEngine, Served, make_served, wait_until  # noqa: E402, F401
+from server_fakes import EXPLODE, MODEL, POISON, FakeEngine, Served, served_factory, wait_until  # noqa: E402
+
+
+@pytest.fixture
+def make_served() -> Iterator[Callable[..., Served]]:
+    yield from served_factory()
 
 KEY = "sk-test-0123456789"
 SMALL_BODY_LIMIT = 64 * 1024

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from pagedrs.server.engine_loop import SampleDelta
 from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import (
     ChatChoice,
@@ -20,7 +21,6 @@ from pagedrs.server.protocol import (
     now_s,
     random_id,
 )
-from pagedrs.server.engine_loop import SampleDelta
 from pagedrs.server.serving import Generation, ServerContext, event_stream, sse
 from pagedrs.server.tokens import token_text, top_logprobs
 

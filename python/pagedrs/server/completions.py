@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+
+from pagedrs.server.engine_loop import SampleDelta
 from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -14,7 +16,6 @@ from pagedrs.server.protocol import (
     now_s,
     random_id,
 )
-from pagedrs.server.engine_loop import SampleDelta
 from pagedrs.server.serving import Generation, SampleState, ServerContext, event_stream, sse
 from pagedrs.server.tokens import token_text, top_logprobs
 
@@ -61,8 +62,8 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     if not prompt:
         raise bad_request("prompt is empty: send a string, a list of strings or token ids", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[union-attr]
+        return [[int(t) for t in prompt]]  # type: ignore[arg-type]
+    return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
 
 def _echo_text(ctx: ServerContext, gen: Generation, tag: int) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -35,6 +36,9 @@ logger = logging.getLogger("pagedrs.server")
 
 class EngineLike(Protocol):
     """The part of ``pagedrs.Engine`` the loop drives (see docs/ENGINE_API.md)."""
+
+    max_model_len: int
+    tokenizer: Any
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None: ...
     def step(self) -> list[Any]: ...
@@ -298,7 +302,7 @@ class EngineLoop:
     def _fail_all(self, message: str, status: int = 500) -> None:
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
-            _swallow(lambda rid=request_id: self.engine.abort(rid))
+            _swallow(functools.partial(self.engine.abort, request_id))
             _deliver(sink, RequestDelta(sink.tag, request_id, [], [], finished=True, error=message,
                                         error_status=status))
 
