@@ -1,5 +1,6 @@
-"""A deterministic stand-in for pagedrs.Engine, to test the server's plumbing without a model,
-and the leak check every server test ends with (``assert_nothing_left``).
+"""The server tests' harness: a deterministic stand-in for pagedrs.Engine (to test the server's
+plumbing without a model), live servers over it or over a real Engine, and the leak check every
+server test ends with (``assert_nothing_left``).
 
 It follows docs/ENGINE_API.md: one token per sample per step, token ``ord('a') + (k + index) % 26``
 for the k-th token of sample ``index``. Every call is recorded; with ``permits`` set, each step
@@ -8,9 +9,12 @@ records itself and then waits for one permit, so a test can hold the engine insi
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -189,3 +193,36 @@ def served_factory() -> Iterator[Callable[..., Served]]:
         finally:
             served.http.stop()
             served.loop.stop()
+
+
+@dataclass
+class LiveServer:
+    """A real Engine behind an EngineLoop and a BackgroundServer (``live_server``)."""
+
+    engine: Any
+    loop: Any
+    app: Any
+    http: Any
+
+    @property
+    def url(self) -> str:
+        return str(self.http.url)
+
+
+@contextlib.contextmanager
+def live_server(model_dir: Path, engine_kw: dict[str, Any], model_name: str, max_waiting: int = 64) -> Iterator[LiveServer]:
+    """Serve the model in ``model_dir`` on 127.0.0.1 for the duration of the block."""
+    from pagedrs import Engine, EngineArgs
+    from pagedrs.server import BackgroundServer, EngineLoop, build_app
+
+    engine = Engine(EngineArgs(model=str(model_dir), **engine_kw))
+    loop = EngineLoop(engine)
+    app = build_app(loop, model_name, max_waiting=max_waiting)
+    http = BackgroundServer(app)
+    loop.start()
+    http.start()
+    try:
+        yield LiveServer(engine, loop, app, http)
+    finally:
+        http.stop()
+        loop.stop()

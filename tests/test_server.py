@@ -21,9 +21,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pagedrs import LLM, Engine, EngineArgs, SamplingParams  # noqa: E402
-from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
-from server_fakes import assert_nothing_left  # noqa: E402
+from pagedrs import LLM, SamplingParams  # noqa: E402
+from server_fakes import LiveServer, assert_nothing_left, live_server  # noqa: E402
 
 MODEL = "tiny-llama"
 # A small pool (24 pages of 8 tokens) so that the load test runs out of pages and preempts.
@@ -44,12 +43,8 @@ GREEDY = dict(temperature=0.0, max_tokens=8)
 class Served:
     """A live server plus handles on its parts (the test reads metrics and changes max_waiting)."""
 
-    def __init__(self, model_dir: Path) -> None:
-        self.engine = Engine(EngineArgs(model=str(model_dir), **ENGINE_KW))
-        self.loop = EngineLoop(self.engine)
-        self.app = build_app(self.loop, MODEL, max_waiting=64)
-        self.http = BackgroundServer(self.app)
-        self.url = self.http.url
+    def __init__(self, live: LiveServer) -> None:
+        self.engine, self.loop, self.app, self.http, self.url = live.engine, live.loop, live.app, live.http, live.url
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -82,12 +77,8 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir: Path) -> Iterator[Served]:
-    s = Served(tiny_llama_dir)
-    s.loop.start()
-    s.http.start()
-    yield s
-    s.http.stop()
-    s.loop.stop()
+    with live_server(tiny_llama_dir, ENGINE_KW, MODEL) as live:
+        yield Served(live)
 
 
 @pytest.fixture(autouse=True)

@@ -33,8 +33,7 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pagedrs import Engine, EngineArgs  # noqa: E402
-from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
+from server_fakes import live_server  # noqa: E402
 
 MODEL = "tiny-llama"
 EXAMPLES = int(os.environ.get("PAGEDRS_FUZZ_EXAMPLES", "30"))  # per operation and mode
@@ -55,15 +54,8 @@ def target(tiny_llama_dir: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     if EXTERNAL_URL:
         yield EXTERNAL_URL, httpx.get(EXTERNAL_URL + "/openapi.json", timeout=30).json()
         return
-    engine = Engine(EngineArgs(model=str(tiny_llama_dir), **ENGINE_KW))
-    loop = EngineLoop(engine)
-    app = build_app(loop, MODEL, max_waiting=64)
-    http = BackgroundServer(app)
-    loop.start()
-    http.start()
-    yield http.url, app.openapi()
-    http.stop()
-    loop.stop()
+    with live_server(tiny_llama_dir, ENGINE_KW, MODEL) as live:
+        yield live.url, live.app.openapi()
 
 
 def _steer(body: Any, kind: str) -> None:

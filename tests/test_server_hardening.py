@@ -18,10 +18,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from pagedrs import Engine, EngineArgs  # noqa: E402
-from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
 from pagedrs.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS  # noqa: E402
-from server_fakes import assert_nothing_left  # noqa: E402
+from server_fakes import LiveServer, assert_nothing_left, live_server  # noqa: E402
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 256
@@ -33,32 +31,19 @@ ENGINE_KW: dict[str, Any] = dict(
 LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)
 
 
-class Live:
-    def __init__(self, model_dir: Path) -> None:
-        self.engine = Engine(EngineArgs(model=str(model_dir), **ENGINE_KW))
-        self.loop = EngineLoop(self.engine)
-        self.app = build_app(self.loop, MODEL, max_waiting=64)
-        self.http = BackgroundServer(self.app)
-        self.url = self.http.url
-
-    def post(self, path: str, body: dict[str, Any] | bytes, **kw: Any) -> httpx.Response:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()  # json.dumps writes NaN, \ud800
-        return httpx.post(self.url + path, content=content, headers={"content-type": "application/json"},
-                          timeout=120, **kw)
-
-
 @pytest.fixture(scope="module")
-def live(tiny_llama_dir: Path) -> Iterator[Live]:
-    server = Live(tiny_llama_dir)
-    server.loop.start()
-    server.http.start()
-    yield server
-    server.http.stop()
-    server.loop.stop()
+def live(tiny_llama_dir: Path) -> Iterator[LiveServer]:
+    with live_server(tiny_llama_dir, ENGINE_KW, MODEL) as server:
+        yield server
+
+
+def _post(live: LiveServer, path: str, body: dict[str, Any]) -> httpx.Response:
+    content = json.dumps(body).encode()  # json.dumps writes NaN, Infinity and lone surrogates (as \ud800)
+    return httpx.post(live.url + path, content=content, headers={"content-type": "application/json"}, timeout=120)
 
 
 @pytest.fixture(autouse=True)
-def nothing_left(live: Live) -> Iterator[None]:
+def nothing_left(live: LiveServer) -> Iterator[None]:
     yield
     stats = assert_nothing_left(live.loop)
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"] == ENGINE_KW["num_gpu_blocks"]
@@ -108,9 +93,9 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("path,body,param,text", [case[1:] for case in BAD_INPUTS], ids=[c[0] for c in BAD_INPUTS])
-def test_bad_input_is_a_400_naming_the_field(live: Live, path: str, body: dict[str, Any], param: str,
+def test_bad_input_is_a_400_naming_the_field(live: LiveServer, path: str, body: dict[str, Any], param: str,
                                               text: str) -> None:
-    response = live.post(path, body)
+    response = _post(live, path, body)
     assert response.status_code == 400, response.text
     assert response.headers["content-type"] == "application/json"
     error = response.json()["error"]
@@ -118,20 +103,20 @@ def test_bad_input_is_a_400_naming_the_field(live: Live, path: str, body: dict[s
     assert text in error["message"]
 
 
-def test_a_rejected_request_leaves_the_server_whole(live: Live) -> None:
+def test_a_rejected_request_leaves_the_server_whole(live: LiveServer) -> None:
     """The issue's sequence: a rejected seeded request, then a valid one that must not hang."""
-    bad = live.post("/v1/completions", _completion(seed=18446744073709551616, temperature=1.0))
+    bad = _post(live, "/v1/completions", _completion(seed=18446744073709551616, temperature=1.0))
     assert bad.status_code == 400
-    good = live.post("/v1/completions", _completion(seed=7, temperature=1.0))
+    good = _post(live, "/v1/completions", _completion(seed=7, temperature=1.0))
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_bad_request_does_not_end_anyone_elses(live: Live) -> None:
+def test_a_bad_request_does_not_end_anyone_elses(live: LiveServer) -> None:
     """top_k = 2**63 once ended every request in flight (the batched sampler overflowed)."""
     body = _completion(max_tokens=24, stream=True, temperature=0.0, ignore_eos=True)
     with ThreadPoolExecutor(1) as pool:
-        bystander = pool.submit(lambda: live.post("/v1/completions", body))
-        assert live.post("/v1/completions", _completion(top_k=2**63, temperature=1.0)).status_code == 400
+        bystander = pool.submit(lambda: _post(live, "/v1/completions", body))
+        assert _post(live, "/v1/completions", _completion(top_k=2**63, temperature=1.0)).status_code == 400
         events = [e for e in bystander.result(timeout=120).text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
@@ -139,13 +124,13 @@ def test_a_bad_request_does_not_end_anyone_elses(live: Live) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_20_mb_body_gets_413(live: Live) -> None:
-    response = live.post("/v1/chat/completions", _chat("fox " * 5_000_000))
+def test_a_20_mb_body_gets_413(live: LiveServer) -> None:
+    response = _post(live, "/v1/chat/completions", _chat("fox " * 5_000_000))
     assert response.status_code == 413 and response.headers["content-type"] == "application/json"
     assert "--max-request-bytes is 4194304" in response.json()["error"]["message"]
 
 
-def test_the_server_tokenizes_text_prompts_itself(live: Live) -> None:
+def test_the_server_tokenizes_text_prompts_itself(live: LiveServer) -> None:
     """The engine receives token ids only: tokenizing never runs on the engine thread."""
     seen: list[Any] = []
     add = live.engine.add_request
@@ -156,8 +141,8 @@ def test_the_server_tokenizes_text_prompts_itself(live: Live) -> None:
 
     live.engine.add_request = spy  # type: ignore[method-assign]
     try:
-        assert live.post("/v1/completions", _completion(prompt=["fox", "dog"])).status_code == 200
-        assert live.post("/v1/chat/completions", _chat("hi")).status_code == 200
+        assert _post(live, "/v1/completions", _completion(prompt=["fox", "dog"])).status_code == 200
+        assert _post(live, "/v1/chat/completions", _chat("hi")).status_code == 200
     finally:
         del live.engine.add_request
     tokenizer = live.engine.tokenizer
