@@ -99,16 +99,32 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line per pydantic error: the field path, the value sent and what was wrong."""
+    """One readable line per pydantic error: the field path, the value sent and what was wrong.
+
+    A field typed as a union (``prompt``: text, texts or token ids) fails once per member;
+    where some member failed on the value, the members that merely had another type are
+    left out: "[true, false]: expected an integer, got the boolean" says what to fix,
+    "Input should be a valid string" does not.
+    """
+    errors = exc.errors()
+    wrong_value = {_param(err) for err in errors if not str(err.get("type", "")).endswith("_type")}
     parts: list[str] = []
-    first_param: str | None = None
-    for err in exc.errors():
+    for err in errors:
+        if str(err.get("type", "")).endswith("_type") and _param(err) in wrong_value:
+            continue
         loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_union_branch(p)]
-        param = loc[0] if loc else None  # the request field
-        first_param = first_param or param
-        value = err.get("input")
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} (got {_short_repr(value)})")
-    return "; ".join(parts) or "invalid request body", first_param
+        message = str(err.get("msg", "")).removeprefix("Value error, ")
+        part = f"{'.'.join(loc) or 'body'}: {message} (got {_short_repr(err.get('input'))})"
+        if part not in parts:
+            parts.append(part)
+    params = [_param(err) for err in errors]
+    return "; ".join(parts) or "invalid request body", next((p for p in params if p), None)
+
+
+def _param(err: Any) -> str | None:
+    """The request field an error is about (the first part of its location)."""
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    return loc[0] if loc else None
 
 
 def install_error_handlers(app: FastAPI) -> None:
