@@ -5,7 +5,7 @@
 #   2. starts `python -m pagedrs.server` on it (64 KV pages) and reads its RSS (VmRSS);
 #   3. runs a load twice (tests/fuzz_load.py: concurrent streams, early disconnects), reads RSS
 #      after each (growth on the second pass would be a leak);
-#   4. runs the Schemathesis fuzzer (tests/test_server_fuzz.py) with PAGEDRS_FUZZ_EXAMPLES
+#   4. runs the Schemathesis fuzzer (tests/test_server_fuzz.py) with PAGEDRS_SERVER_FUZZ_EXAMPLES
 #      examples per operation and kind (default 300), randomized, reads RSS;
 #   5. sends SIGTERM and requires exit status 0.
 # Prints one JSON summary line (counts, RSS in kB) and writes it to $OUT (default fuzz-out.json).
@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-fuzz-out.json}
-EXAMPLES=${PAGEDRS_FUZZ_EXAMPLES:-300}
+EXAMPLES=${PAGEDRS_SERVER_FUZZ_EXAMPLES:-300}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONPATH=${PYTHONPATH:-python}
 
@@ -45,8 +45,8 @@ rss_after_load=$(rss)
 "$PY" tests/fuzz_load.py "$url" >"$work/load2.json"  # a second pass: growth here would be a leak
 rss_after_load2=$(rss)
 
-PAGEDRS_FUZZ_URL="$url" PAGEDRS_FUZZ_EXAMPLES="$EXAMPLES" PAGEDRS_FUZZ_RANDOM=1 \
-    PAGEDRS_FUZZ_REPORT="$work/fuzz.json" "$PY" -m pytest -q -p no:cacheprovider tests/test_server_fuzz.py
+PAGEDRS_SERVER_FUZZ_URL="$url" PAGEDRS_SERVER_FUZZ_EXAMPLES="$EXAMPLES" PAGEDRS_SERVER_FUZZ_RANDOM=1 \
+    PAGEDRS_SERVER_FUZZ_REPORT="$work/fuzz.json" "$PY" -m pytest -q -p no:cacheprovider tests/test_server_fuzz.py
 rss_after_fuzz=$(rss)
 
 kill -TERM "$server_pid"

@@ -11,7 +11,7 @@ the engine) and schema-violating ones ("negative"). The oracle:
 
 Generation is kept small (``max_tokens`` <= 8, ``n`` <= 2) so that `make test` spends its
 time on inputs, not tokens. `make fuzz` (tests/fuzz_server.sh) runs many more examples,
-randomized, optionally against a separate `pagedrs serve` process (PAGEDRS_FUZZ_URL).
+randomized, optionally against a separate `pagedrs serve` process (PAGEDRS_SERVER_FUZZ_URL).
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from server_fakes import live_server  # noqa: E402
 
 MODEL = "tiny-llama"
-EXAMPLES = int(os.environ.get("PAGEDRS_FUZZ_EXAMPLES", "30"))  # per operation and mode
-RANDOMIZED = os.environ.get("PAGEDRS_FUZZ_RANDOM") == "1"
-EXTERNAL_URL = os.environ.get("PAGEDRS_FUZZ_URL")  # fuzz a running server instead of an in-process one
-REPORT = os.environ.get("PAGEDRS_FUZZ_REPORT")  # write the counts here as JSON
+EXAMPLES = int(os.environ.get("PAGEDRS_SERVER_FUZZ_EXAMPLES", "30"))  # per operation and mode
+RANDOMIZED = os.environ.get("PAGEDRS_SERVER_FUZZ_RANDOM") == "1"
+EXTERNAL_URL = os.environ.get("PAGEDRS_SERVER_FUZZ_URL")  # fuzz a running server instead of an in-process one
+REPORT = os.environ.get("PAGEDRS_SERVER_FUZZ_REPORT")  # write the counts here as JSON
 ENGINE_KW: dict[str, Any] = dict(
     device="cpu", dtype="float32", block_size=16, num_gpu_blocks=64, max_num_seqs=8, max_model_len=256,
     swap_space_gb=0.01,
@@ -49,12 +49,12 @@ BODY_TYPES = ("application/json", "text/event-stream")
 
 
 @pytest.fixture(scope="module")
-def target(tiny_llama_dir: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def target(request: pytest.FixtureRequest) -> Iterator[tuple[str, dict[str, Any]]]:
     """(base url, OpenAPI schema) of the server under test."""
     if EXTERNAL_URL:
         yield EXTERNAL_URL, httpx.get(EXTERNAL_URL + "/openapi.json", timeout=30).json()
         return
-    with live_server(tiny_llama_dir, ENGINE_KW, MODEL) as live:
+    with live_server(request.getfixturevalue("tiny_llama_dir"), ENGINE_KW, MODEL) as live:
         yield live.url, live.app.openapi()
 
 
