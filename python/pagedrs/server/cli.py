@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
+from pagedrs.server.options import ServerOptions
+
 DEFAULT_MAX_WAITING = 1024
+API_KEY_ENV = "PAGEDRS_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer 503 to requests that would make the waiting queue longer than this (default: %(default)s)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_safety_arguments(p.add_argument_group("limits and access"))
     engine = p.add_argument_group("engine")
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -43,6 +48,44 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     engine.add_argument("--seed", type=int, default=0)
     return p
+
+
+def _add_safety_arguments(g: argparse._ArgumentGroup) -> None:
+    d = ServerOptions()
+    g.add_argument(
+        "--api-key", default=None,
+        help=f"require 'Authorization: Bearer <key>' on /v1/* and /metrics (default: ${API_KEY_ENV}, else none)",
+    )
+    g.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    g.add_argument(
+        "--max-request-bytes", type=int, default=d.max_request_bytes,
+        help="answer 413 to request bodies larger than this (default: %(default)s)",
+    )
+    g.add_argument(
+        "--read-timeout", type=float, default=d.read_timeout_s,
+        help="seconds a connection has to send a request head, and a request its body (default: %(default)s)",
+    )
+    g.add_argument(
+        "--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--tokenizer-threads", type=int, default=d.tokenizer_threads,
+        help="worker threads that tokenize prompts, off the event loop and the engine (default: %(default)s)",
+    )
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """ServerOptions from parsed arguments (ValueError names the bad one)."""
+    return ServerOptions(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        metrics_public=args.metrics_public,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout_s=args.read_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        tokenizer_threads=args.tokenizer_threads,
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,13 +115,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_waiting < 0:
         print(f"pagedrs serve: --max-waiting={args.max_waiting} must be >= 0", file=sys.stderr)
         return 2
+    try:
+        options = server_options(args)
+    except ValueError as exc:
+        print(f"pagedrs serve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    import uvicorn
 
     from pagedrs import Engine, EngineArgs
     from pagedrs.server.app import build_app
+    from pagedrs.server.connection import uvicorn_config
     from pagedrs.server.engine_loop import EngineLoop
+    from pagedrs.server.shutdown import draining_server
 
     try:
         engine = Engine(EngineArgs(**engine_kwargs(args)))
@@ -87,14 +135,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     loop = EngineLoop(engine)
     loop.start()
-    app = build_app(loop, args.served_model_name or args.model, args.max_waiting)
-    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so `finally` below may never
-    # run: stop the engine thread in the app's shutdown phase as well.
-    app.router.on_shutdown.append(loop.stop)
+    app = build_app(loop, args.served_model_name or args.model, args.max_waiting, options)
+    config = uvicorn_config(app, args.host, args.port, args.log_level, options)
+    server = draining_server(config, app.state.drain, loop, options.shutdown_timeout_s)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()  # returns after SIGTERM/SIGINT and the drain (shutdown.py)
     finally:
-        loop.stop()
+        loop.stop()  # anything still in the engine is aborted and its pages freed
+        app.state.ctx.prompts.close()
     return 0
 
 
