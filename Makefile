@@ -65,6 +65,7 @@ bench: build
 # Longer fuzz runs than `make test` does (the engine state machine; the server schema fuzzer).
 fuzz: build
 	PAGEDRS_FUZZ_EXAMPLES=2000 $(PY) -m pytest -q tests/test_engine_hardening.py -k fuzzer
+	PY=$(PY) PAGEDRS_SERVER_FUZZ_EXAMPLES=300 bash tests/fuzz_server.sh
 
 lint: build
 	cargo clippy --all-targets -- -D warnings

@@ -183,6 +183,11 @@ class Engine:
             for seq_id in step.seq_ids.tolist():
                 if seq_id in self._by_seq:
                     self._fail(self._by_seq[seq_id][0], exc, touched)
+            if getattr(exc, "fatal", False):  # the executor is gone for good: end everything, then say so
+                for request in list(self._requests.values()):
+                    self._fail(request, exc, touched)
+                self._collect(touched)
+                raise
             return outputs + self._collect(touched)
         finally:
             self.scheduler.complete_transfers(self.executor.take_completed_transfers())

@@ -47,6 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--cpu-threads", type=int, default=None,
+        help="torch threads of the engine on the CPU (default: $PAGEDRS_CPU_THREADS, else every core this "
+        "process may use: a server owns its machine)",
+    )
+    engine.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of tensor parallelism")
+    engine.add_argument(
+        "--engine-in-process", action="store_true",
+        help="run the engine in the API server's process (default: its own process, so HTTP, tokenization "
+        "and streaming never hold up a forward pass)",
+    )
     return p
 
 
@@ -106,7 +117,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_layout": args.kv_layout,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
+        "cpu_threads": args.cpu_threads if args.cpu_threads is not None else _serve_default_threads(),
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
+
+
+def _serve_default_threads() -> int | None:
+    """$PAGEDRS_CPU_THREADS when set (EngineArgs reads it), else every core this process may use."""
+    import os
+
+    from pagedrs.engine_args import CPU_THREADS_ENV
+
+    if os.environ.get(CPU_THREADS_ENV):
+        return None
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     from pagedrs.server.engine_loop import EngineLoop
     from pagedrs.server.shutdown import draining_server
 
+    from pagedrs.server.engine_core import EngineCoreError, RemoteEngine
+
     try:
-        engine = Engine(EngineArgs(**engine_kwargs(args)))
-    except (ValueError, OSError) as exc:
+        engine_args = EngineArgs(**engine_kwargs(args))
+        engine: Any = Engine(engine_args) if args.engine_in_process else RemoteEngine(engine_args)
+    except (ValueError, OSError, EngineCoreError) as exc:
         print(f"pagedrs serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
     loop = EngineLoop(engine)
@@ -143,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         loop.stop()  # anything still in the engine is aborted and its pages freed
         app.state.ctx.prompts.close()
+        engine.shutdown()  # the core process (and any tensor-parallel workers) exit
     return 0
 
 

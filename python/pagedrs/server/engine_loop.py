@@ -259,6 +259,8 @@ class EngineLoop:
             # The engine's state is unknown; fail what is in flight rather than hang it.
             logger.error("engine.step() failed:\n%s", traceback.format_exc())
             self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            if getattr(exc, "fatal", False):
+                raise  # the engine cannot step again (a dead core process or TP worker): the loop ends, /health says 503
             self._refresh_stats()  # the aborts changed them: /metrics must not show the failed requests
             return
         now = time.monotonic()
