@@ -250,7 +250,84 @@ fn bad_sequences_are_rejected_without_change() {
     s.add_sequence(1, tokens(0, 3), 0, 0, 0, 1).unwrap();
     assert!(s.add_sequence(1, tokens(0, 3), 0, 0, 0, 1).is_err());
     assert!(s.append_token(99, 1).is_err());
-    assert!(s.fork(1, 2).is_err()); // not running yet
+    assert!(s.fork(1, 1).is_err()); // the child id exists
+    assert!(s.fork(99, 2).is_err()); // unknown parent
     assert_eq!(s.num_waiting(), 1);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_waiting_parent_forks_into_a_waiting_child_that_prefills_its_own_tokens() {
+    // Seq 2 is preempted by recompute (no pages), then forked: the child waits too, and
+    // each comes back as one prefill of its own tokens (prompt, shared token, its token).
+    let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
+    fill_four_blocks_then_grow(&mut s);
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2]);
+    s.fork(2, 3).unwrap();
+    assert_eq!((s.num_waiting(), s.num_tokens(3).unwrap()), (2, 9));
+    s.check_invariants().unwrap();
+    s.append_tokens(&[(2, 100), (3, 101)]).unwrap();
+    s.finish(1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![2, 3]);
+    assert_eq!(out.do_sample, vec![true, true]);
+    let last: Vec<i64> = (1..=2).map(|i| out.input_ids[out.query_start_loc[i] as usize - 1]).collect();
+    assert_eq!(last, vec![100, 101]);
+    assert_eq!(out.seq_lens, vec![10, 10]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_swapped_parent_forks_into_a_swapped_child_sharing_its_host_pages() {
+    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    fill_four_blocks_then_grow(&mut s);
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2]);
+    let host_free = s.kv().num_free_host_blocks();
+    s.fork(2, 3).unwrap();
+    assert_eq!(s.num_swapped(), 2);
+    assert_eq!(s.kv().num_free_host_blocks(), host_free, "the child shares the parent's host pages");
+    s.check_invariants().unwrap();
+    s.append_tokens(&[(2, 100), (3, 101)]).unwrap();
+    s.finish(1).unwrap();
+    // One at a time (each needs 3 of the 4 blocks): each computes the shared token 28 and its own.
+    let mut transfers = Vec::new();
+    for (id, token) in [(2, 100), (3, 101)] {
+        let out = s.schedule().unwrap();
+        assert_eq!(out.seq_ids, vec![id]);
+        assert_eq!(out.input_ids, vec![28, token]);
+        assert_eq!(out.positions, vec![8, 9]);
+        s.finish(id).unwrap();
+        transfers.extend(out.transfers.iter().map(|t| t.id));
+    }
+    s.complete_transfers(&transfers).unwrap();
+    assert_eq!((s.kv().num_free_blocks(), s.kv().num_free_host_blocks()), (4, 8));
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_swapped_sequence_with_nothing_to_compute_stays_on_the_host_until_it_gets_a_token() {
+    // Seq 2's sampled token (28) is computed, then it is swapped out while idle (a beam
+    // waiting for its siblings): swap-in must not schedule an empty row for it.
+    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    fill_four_blocks_then_grow(&mut s);
+    s.finish(1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![2]);
+    s.add_sequence(5, tokens(40, 4), 0, 0, 4, 1).unwrap(); // earlier arrival: ranks first
+    s.schedule().unwrap(); // admits 5 (the last free block); 2 is idle
+    s.append_token(5, 52).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2], "5 needs a second block");
+    s.finish(5).unwrap();
+    let out = s.schedule().unwrap();
+    assert!(out.seq_ids.is_empty() && s.num_swapped() == 1, "nothing to compute: it stays swapped");
+    s.complete_transfers(&out.transfers.iter().map(|t| t.id).collect::<Vec<_>>()).unwrap();
+    s.append_token(2, 29).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.seq_ids.clone(), out.input_ids.clone(), out.positions.clone()), (vec![2], vec![29], vec![9]));
+    s.finish(2).unwrap();
+    s.complete_transfers(&out.transfers.iter().map(|t| t.id).collect::<Vec<_>>()).unwrap();
     s.check_invariants().unwrap();
 }

@@ -89,7 +89,10 @@ impl Scheduler {
     ) -> Result<(), CoreError> {
         let seqs = &self.seqs;
         self.swapped.sort_by_key(|id| seqs[id].rank());
-        while let Some(&id) = self.swapped.first() {
+        // A sequence with nothing to compute (a beam whose logits row is already taken,
+        // swapped out while it waits for its siblings' rows) stays on the host until it
+        // is given a token: bringing it back now would schedule an empty row.
+        while let Some(id) = self.swapped.iter().copied().find(|id| self.seqs[id].tokens.len() > self.seqs[id].kv_tokens) {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
@@ -100,7 +103,7 @@ impl Scheduler {
             }
             let pairs = self.kv.swap_in(&[id])?;
             self.to_device.extend(pairs);
-            self.swapped.remove(0);
+            self.swapped.retain(|&s| s != id);
             self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
             self.running.push(id);
             self.append_sampled(id, out)?;
@@ -136,8 +139,10 @@ impl Scheduler {
             }
             let seq = &self.seqs[&id];
             let needed = self.kv.blocks_to_admit(&seq.tokens, seq.reserve_tokens);
-            // An idle pool admits without the watermark, or a large prompt could never start.
-            let watermark = if self.running.is_empty() { 0 } else { self.config.watermark_blocks };
+            // A step that runs nothing else admits without the watermark, or a large prompt
+            // could never start (an idle pool), nor the waiting sibling of beams that wait
+            // for its logits row (running, but with nothing to compute).
+            let watermark = if scheduled.is_empty() { 0 } else { self.config.watermark_blocks };
             if needed == usize::MAX || needed + watermark > self.kv.num_free_blocks() {
                 break;
             }

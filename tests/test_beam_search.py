@@ -1,0 +1,191 @@
+"""Beam search on shared pages: exactly transformers' ``generate(num_beams=k)``, on the
+core's fork / append / finish, with and without preemption, and nothing leaks.
+
+The referee is transformers' own beam search on the same weights: the returned
+sequences must be equal and the scores (``sequences_scores``) equal up to float noise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedrs import LLM, BeamSearchParams, Engine, EngineArgs, SamplingParams
+
+torch.set_num_threads(1)
+
+PROMPTS = [[5, 9, 40, 41, 42], [100, 101, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3]]
+
+
+def hf_beam_search(model, prompt: list[int], params: BeamSearchParams, eos: set[int]):
+    """(sequences as token lists, scores) from transformers, best first."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        num_beams=params.beam_width,
+        num_return_sequences=params.beam_width,
+        do_sample=False,
+        max_new_tokens=params.max_tokens,
+        early_stopping=params.early_stopping,
+        length_penalty=params.length_penalty,
+        eos_token_id=sorted(eos) if not params.ignore_eos else None,
+        pad_token_id=0,
+        output_scores=True,
+        return_dict_in_generate=True,
+        temperature=None, top_p=None, top_k=None,
+    )
+    if params.beam_width == 1:  # transformers runs greedy search for num_beams=1; score it as beam search would
+        generated = out.sequences[0, len(prompt):].tolist()
+        logprob = sum(torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, generated))
+        return [out.sequences[0].tolist()], [logprob / len(generated) ** params.length_penalty]
+    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
+    sequences = [out.sequences[i, : len(prompt) + n].tolist() for i, n in enumerate(lengths)]
+    return sequences, out.sequences_scores.tolist()
+
+
+def assert_equal_to_hf(results, model, prompts, params, eos) -> None:
+    for prompt, result in zip(prompts, results):
+        sequences, scores = hf_beam_search(model, prompt, params, eos)
+        assert [s.tokens for s in result.sequences] == sequences
+        assert [s.score for s in result.sequences] == pytest.approx(scores, abs=1e-4, rel=1e-4)
+        for s in result.sequences:
+            assert s.tokens[: len(prompt)] == prompt and s.tokens[len(prompt):] == s.token_ids
+            assert s.score == pytest.approx(s.cum_logprob / len(s.token_ids) ** params.length_penalty, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+
+
+def eos_heavy_model(folder, tmp_path_factory):
+    """The tiny llama with its EOS logit lifted (through the tied embedding row), so that
+    hypotheses finish early and every stop rule and the length penalty get exercised."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-llama-eos")
+    for f in folder.iterdir():
+        shutil.copy(f, out / f.name)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        emb = model.get_output_embeddings().weight
+        emb[eos] = emb[eos] * 0.0 + emb.mean(dim=0) * 4.0
+    model.save_pretrained(str(out))
+    return out, model
+
+
+@pytest.fixture(scope="module")
+def eos_llama(tiny_llama_dir, tmp_path_factory):
+    return eos_heavy_model(tiny_llama_dir, tmp_path_factory)
+
+
+def make_llm(folder, **kw) -> LLM:
+    args = dict(block_size=4, num_gpu_blocks=256, max_model_len=128)
+    args.update(kw)
+    return LLM(model=str(folder), **args)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_beam_search_equals_transformers_on_the_tiny_llama(tiny_llama_dir, hf_llama, k):
+    llm = make_llm(tiny_llama_dir)
+    params = BeamSearchParams(beam_width=k, max_tokens=12)
+    results = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(r.sequences) == k for r in results)
+    assert_equal_to_hf(results, hf_llama, PROMPTS, params, llm.engine.tokenizer.eos_token_ids)
+
+
+@pytest.mark.parametrize(
+    "k, length_penalty, early_stopping",
+    [(2, 1.0, False), (4, 1.0, True), (4, 2.0, "never"), (8, 0.5, False), (4, -1.0, True)],
+)
+def test_eos_hypotheses_length_penalty_and_stop_rules_equal_transformers(eos_llama, k, length_penalty, early_stopping):
+    folder, model = eos_llama
+    llm = make_llm(folder)
+    params = BeamSearchParams(beam_width=k, max_tokens=16, length_penalty=length_penalty, early_stopping=early_stopping)
+    results = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    eos = llm.engine.tokenizer.eos_token_ids
+    assert any(r.sequences[0].finish_reason == "stop" for r in results), "the EOS-heavy model must end some hypotheses"
+    assert_equal_to_hf(results, model, PROMPTS, params, eos)
+
+
+def test_ignore_eos_runs_every_beam_to_max_tokens(eos_llama):
+    folder, model = eos_llama
+    llm = make_llm(folder)
+    params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True)
+    results = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert all(len(s.token_ids) == 8 and s.finish_reason == "length" for r in results for s in r.sequences)
+    assert_equal_to_hf(results, model, PROMPTS, params, set())
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_under_preemption_on_a_tiny_pool_equals_transformers(eos_llama, mode):
+    """Several beam requests and a sampling request on a pool that cannot hold them all:
+    beams of one request are preempted apart (rows kept until the rest arrive; forks of
+    waiting or swapped parents), and the results still equal transformers'."""
+    folder, model = eos_llama
+    prompts = PROMPTS + [list(range(20, 44))]
+    llm = make_llm(folder, num_gpu_blocks=40, preemption_mode=mode, swap_space_gb=0.01, max_num_batched_tokens=32)
+    params = BeamSearchParams(beam_width=4, max_tokens=16, length_penalty=1.0)
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
+    engine.add_request("s", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(n=3, max_tokens=16, temperature=0.0))
+    done = {}
+    for _ in range(2000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_invariants()
+    assert engine.stats()["num_preemptions"] > 0, "the pool must be too small for every beam at once"
+    eos = engine.tokenizer.eos_token_ids
+    for i, p in enumerate(prompts):
+        sequences, scores = hf_beam_search(model, p, params, eos)
+        out = done[f"b{i}"]
+        assert [p + c.token_ids for c in out.outputs] == sequences
+        assert [c.score for c in out.outputs] == pytest.approx(scores, abs=1e-4, rel=1e-4)
+
+
+def test_abort_mid_search_frees_every_beam(tiny_llama_dir):
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=128, max_model_len=128))
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, BeamSearchParams(beam_width=4, max_tokens=30))
+    for _ in range(5):
+        engine.step()
+    assert engine.scheduler.num_running == 4, "four live beams"
+    assert engine.abort("b")
+    out = engine.step()[0]
+    assert out.finished and [c.finish_reason for c in out.outputs] == ["abort"] * 4
+    assert engine.stats()["num_free_gpu_blocks"] == engine.stats()["num_gpu_blocks"]
+    assert not engine.scheduler.has_unfinished()
+
+
+def test_beams_share_pages(tiny_llama_dir):
+    """k beams over a 40-token prompt hold the prompt's pages once: far fewer pages than
+    k private copies."""
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=128, max_model_len=128))
+    prompt = list(range(10, 50))
+    engine.add_request("b", {"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        s = engine.stats()
+        peak = max(peak, s["num_gpu_blocks"] - s["num_free_gpu_blocks"])
+    private = 4 * ((len(prompt) + 8 + 3) // 4)
+    assert peak <= 10 + 4 * 3, (peak, private)
+
+
+def test_bad_beam_params_name_the_field():
+    with pytest.raises(ValueError, match="beam_width=0"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        BeamSearchParams(beam_width=2, max_tokens=0)
+    with pytest.raises(ValueError, match="early_stopping"):
+        BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+    with pytest.raises(ValueError, match="length_penalty"):
+        BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
