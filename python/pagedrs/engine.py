@@ -290,14 +290,19 @@ class Engine:
         return SamplingRow(request.params, s.generator, request.prompt_token_ids, s.token_ids, self._eos_ids)
 
     def _carry_out(self, decisions: list[tuple[Request, Decision]], touched: dict[str, Request]) -> None:
-        """Forks first (a parent that goes on more than once is forked before any append),
-        then one batched append, then the frees."""
+        """Frees of sequences no fork reads, then the forks (a parent that goes on more than
+        once is forked before any append), then one batched append, then the other frees.
+        Freeing early lets a pruned beam's pages serve this step's copies-on-write."""
         now = time.monotonic()
         appends: list[tuple[Request, Sample, int]] = []
         for request, decision in decisions:
             if request.first_token_time is None:
                 request.first_token_time = now
             self._num_generated += decision.num_tokens
+            parents = {c.parent.seq_id for c in decision.continuations if c.sample is not c.parent}
+            for s in decision.finished:
+                if s.seq_id not in parents:
+                    self._release(s.seq_id)
             try:
                 for c in decision.continuations:
                     if c.sample is not c.parent:

@@ -331,3 +331,34 @@ fn a_swapped_sequence_with_nothing_to_compute_stays_on_the_host_until_it_gets_a_
     s.complete_transfers(&out.transfers.iter().map(|t| t.id).collect::<Vec<_>>()).unwrap();
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn a_step_that_would_run_nothing_recomputes_idle_sequences_to_let_a_blocked_one_in() {
+    // Seq 1 (9 tokens, 3 of 4 blocks) is idle: its row is taken and no token follows yet
+    // (a beam waiting for its siblings). Seq 2 needs 2 blocks: without room made, no
+    // step would ever run anything again.
+    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 4, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.schedule().unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 0, 1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![1]);
+    assert_eq!(swapped(&out, "gpu"), 0, "recompute, not swap: a prefix hit shares its pages again");
+    assert_eq!(out.seq_ids, vec![2]);
+    assert_eq!(s.num_waiting(), 1);
+    s.check_invariants().unwrap();
+    // A sequence that waits but can never fit is not a reason to preempt anyone.
+    let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 4, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.schedule().unwrap();
+    s.fork(1, 3).unwrap();
+    s.append_tokens(&[(3, 9)]).unwrap(); // 3 has work, 1 stays idle
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![3]);
+    assert!(out.preempted.is_empty());
+    s.check_invariants().unwrap();
+}

@@ -31,6 +31,13 @@ impl Scheduler {
         if out.preempted.is_empty() {
             self.schedule_admissions(&mut budget, &mut scheduled)?;
         }
+        if scheduled.is_empty() && !self.running.is_empty() {
+            match self.make_room_for_blocked(&mut out)? {
+                Some((id, true)) => self.swap_in_one(id, &mut budget, &mut scheduled, &mut out)?,
+                Some((id, false)) => self.admit(id, &mut budget, &mut scheduled)?,
+                None => {}
+            }
+        }
 
         let (to_host, to_device) = (std::mem::take(&mut self.to_host), std::mem::take(&mut self.to_device));
         out.transfers = self.kv.start_transfers(to_host, to_device);
@@ -101,14 +108,19 @@ impl Scheduler {
             if self.kv.can_swap_in(&[id])? != SwapInStatus::Ok || !fits {
                 break;
             }
-            let pairs = self.kv.swap_in(&[id])?;
-            self.to_device.extend(pairs);
-            self.swapped.retain(|&s| s != id);
-            self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
-            self.running.push(id);
-            self.append_sampled(id, out)?;
-            self.stats.decode_tokens += self.take_tokens(id, budget, scheduled)? as u64;
+            self.swap_in_one(id, budget, scheduled, out)?;
         }
+        Ok(())
+    }
+
+    fn swap_in_one(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>, out: &mut SchedulerOutput) -> Result<(), CoreError> {
+        let pairs = self.kv.swap_in(&[id])?;
+        self.to_device.extend(pairs);
+        self.swapped.retain(|&s| s != id);
+        self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
+        self.running.push(id);
+        self.append_sampled(id, out)?;
+        self.stats.decode_tokens += self.take_tokens(id, budget, scheduled)? as u64;
         Ok(())
     }
 
@@ -146,16 +158,22 @@ impl Scheduler {
             if needed == usize::MAX || needed + watermark > self.kv.num_free_blocks() {
                 break;
             }
-            let cached = self.kv.admit(id, &seq.tokens, seq.reserve_tokens)?;
-            self.waiting.remove(0);
-            let seq = self.seqs.get_mut(&id).expect("waiting sequence");
-            seq.kv_tokens = seq.tokens.len();
-            seq.num_computed = cached;
-            seq.status = SeqStatus::Running;
-            self.running.push(id);
-            self.stats.cached_prompt_tokens += cached as u64;
-            self.stats.prompt_tokens_computed += self.take_tokens(id, budget, scheduled)? as u64;
+            self.admit(id, budget, scheduled)?;
         }
+        Ok(())
+    }
+
+    fn admit(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
+        let seq = &self.seqs[&id];
+        let cached = self.kv.admit(id, &seq.tokens, seq.reserve_tokens)?;
+        self.waiting.retain(|&s| s != id);
+        let seq = self.seqs.get_mut(&id).expect("waiting sequence");
+        seq.kv_tokens = seq.tokens.len();
+        seq.num_computed = cached;
+        seq.status = SeqStatus::Running;
+        self.running.push(id);
+        self.stats.cached_prompt_tokens += cached as u64;
+        self.stats.prompt_tokens_computed += self.take_tokens(id, budget, scheduled)? as u64;
         Ok(())
     }
 
