@@ -205,3 +205,17 @@ def test_bad_beam_params_name_the_field():
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
     with pytest.raises(ValueError, match="length_penalty"):
         BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=float("nan"))
+
+
+def test_bench_beam_reports_fewer_pages_with_sharing(tiny_llama_dir, tmp_path):
+    import json
+
+    import pagedrs.bench as bench
+
+    path = tmp_path / "beam.json"
+    assert bench.main(["beam", "--quick", "--model", str(tiny_llama_dir), "--block-size", "4", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["beam_width"] for r in rows] == [2, 4, 8]
+    for r in rows:
+        assert r["peak_pages_shared"] < r["peak_pages_private"] <= r["peak_pages_contiguous"]
+    assert next(r for r in rows if r["beam_width"] == 4)["saving_vs_private_pct"] >= 40.0

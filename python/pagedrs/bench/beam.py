@@ -55,7 +55,8 @@ def measure(model: str, k: int, prompt_tokens: int, max_tokens: int, *, device: 
     blocks_per_seq = -(-longest // block_size)
     engine = Engine(EngineArgs(
         model=model, device=device, dtype=dtype, block_size=block_size, max_model_len=longest + 1,
-        num_gpu_blocks=(k + 1) * blocks_per_seq + 2,  # k regions of the contiguous layout, and spare kv_layout=layout, contiguous_reserve="request",
+        num_gpu_blocks=(k + 1) * blocks_per_seq + 2,  # k regions of the contiguous layout, and spare
+        kv_layout=layout, contiguous_reserve="request",
         enable_prefix_caching=False,  # sharing by fork only: nothing is counted that a cache would hold
     ))
     rng = random.Random(k)
