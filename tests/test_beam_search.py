@@ -168,6 +168,17 @@ def test_beam_search_under_preemption_on_a_tiny_pool_equals_transformers(eos_lla
         assert [c.score for c in out.outputs] == pytest.approx(scores, abs=1e-4, rel=1e-4)
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_beam_search_equals_transformers_on_the_embedded_smollm2(hf_smollm2, k):
+    llm = LLM(model="smollm2-135m", block_size=16, num_gpu_blocks=64, max_model_len=256)
+    tok = llm.engine.tokenizer
+    prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
+    params = BeamSearchParams(beam_width=k, max_tokens=6)
+    results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    assert_equal_to_hf(results, hf_smollm2, prompts, params, tok.eos_token_ids)
+    assert results[0].sequences[0].text == tok.decode(results[0].sequences[0].token_ids)
+
+
 def test_abort_mid_search_frees_every_beam(tiny_llama_dir):
     engine = Engine(EngineArgs(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=128, max_model_len=128))
     engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, BeamSearchParams(beam_width=4, max_tokens=30))
