@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_engine_hardening import run_to_end
+
 from pagedrs import LLM, BeamSearchParams, Engine, EngineArgs, SamplingParams
 
 torch.set_num_threads(1)
@@ -149,14 +151,7 @@ def test_beam_search_under_preemption_on_a_tiny_pool_equals_transformers(eos_lla
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
     engine.add_request("s", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(n=3, max_tokens=40, temperature=0.0))
-    done = {}
-    for _ in range(2000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_invariants()
+    done = run_to_end(engine)  # checks the invariants after every step
     assert engine.stats()["num_preemptions"] > 0, "the pool must be too small for every beam at once"
     assert any(waits), "some beams must have waited for their siblings' rows"
     eos = set() if ignore_eos else engine.tokenizer.eos_token_ids
@@ -205,6 +200,37 @@ def test_beams_share_pages(tiny_llama_dir):
         peak = max(peak, s["num_gpu_blocks"] - s["num_free_gpu_blocks"])
     private = 4 * ((len(prompt) + 8 + 3) // 4)
     assert peak <= 10 + 4 * 3, (peak, private)
+
+
+class FailingFork:
+    """The engine's scheduler, with its ``fail_at``-th fork raising (as a full contiguous pool would)."""
+
+    def __init__(self, scheduler, fail_at: int) -> None:
+        self._scheduler, self._left = scheduler, fail_at
+
+    def fork(self, parent: int, child: int) -> None:
+        self._left -= 1
+        if self._left == 0:
+            raise RuntimeError("no room for the child")
+        self._scheduler.fork(parent, child)
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+
+def test_a_failing_fork_ends_that_beam_request_only_and_frees_every_beam(tiny_llama_dir, hf_llama):
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=128, max_model_len=128))
+    engine.scheduler = FailingFork(engine.scheduler, fail_at=5)
+    params = BeamSearchParams(beam_width=4, max_tokens=10)
+    engine.add_request("bad", {"prompt_token_ids": PROMPTS[1]}, params)
+    done = run_to_end(engine)
+    engine.scheduler = engine.scheduler._scheduler
+    assert done["bad"].error and "no room" in done["bad"].error
+    assert [c.finish_reason for c in done["bad"].outputs] == ["error"] * 4
+    engine.add_request("good", {"prompt_token_ids": PROMPTS[0]}, params)
+    done = run_to_end(engine)
+    sequences, _ = hf_beam_search(hf_llama, PROMPTS[0], params, engine.tokenizer.eos_token_ids)
+    assert [PROMPTS[0] + c.token_ids for c in done["good"].outputs] == sequences
 
 
 def test_bad_beam_params_name_the_field():

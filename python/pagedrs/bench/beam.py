@@ -24,8 +24,8 @@ from pagedrs.bench.config import BenchConfig
 from pagedrs.bench.model_spec import kv_geometry, resolve_model
 from pagedrs.bench.report import Column, markdown_table, render
 
-FULL_SETTINGS = {"prompt_tokens": 512, "max_tokens": 32, "widths": (2, 4, 8)}
-QUICK_SETTINGS = {"prompt_tokens": 128, "max_tokens": 16, "widths": (2, 4, 8)}
+FULL_SETTINGS: dict[str, Any] = {"prompt_tokens": 512, "max_tokens": 32, "widths": (2, 4, 8)}
+QUICK_SETTINGS: dict[str, Any] = {"prompt_tokens": 128, "max_tokens": 16, "widths": (2, 4, 8)}
 
 
 def _peaks(engine: Any, prompt: list[int], params: Any) -> tuple[int, int]:
