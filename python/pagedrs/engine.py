@@ -10,7 +10,9 @@ pass and reports the transfers done; the engine draws tokens for the rows whose 
 asks for draws, and each request's continuation policy (chosen by its params' type:
 independent samples or beam search) turns its rows into a decision — continuations,
 forked or in place, and sequences to free — which the engine carries out on the core:
-forks, then one batched append, then frees. The engine never decides about memory.
+frees no fork needs, forks, one batched append, the other frees. Beam search waits
+until every live beam of a request has its row (preemption may run them in different
+steps); the policy keeps the rows meanwhile. The engine never decides about memory.
 
 Hardening rule: everything that can reject a request is checked on plain values first
 (``InputProcessor``, object construction), the core is touched last, and a failure after
@@ -24,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -148,7 +151,7 @@ class Engine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=skip)
         return Sample(seq_id=seq_id, index=index, detokenizer=detok, generator=generator)
 
-    def _sample_factory(self, request: Request):
+    def _sample_factory(self, request: Request) -> Callable[[int], Sample]:
         """``new_sample(index)`` for the request's policy: a sample with a fresh sequence id,
         not yet in the core (``_fork`` puts it there)."""
         return lambda index: self._new_sample(next(self._seq_ids), index, request.prompt_token_ids, request.params)
@@ -212,23 +215,7 @@ class Engine:
         rows = self._rows(step)
         draws = self._draws(rows, touched)
         results = self._sample_attributed(logits, draws, touched) if draws else []
-        drawn: dict[int, list] = {}
-        for (row, _, s), result in zip(draws, results):
-            drawn.setdefault(row, []).append((s, result))
-        decisions = []
-        for request, request_rows in rows.values():
-            touched[request.request_id] = request
-            if request.error is not None:
-                continue  # this request already failed in this step
-            step_rows = [StepRow(s, logits[row], drawn.get(row, [])) for row, s in request_rows]
-            try:
-                decision = request.policy.on_step(request, step_rows, self._sample_factory(request))
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the engine down
-                self._fail(request, exc, touched)
-                continue
-            if decision is not None:
-                decisions.append((request, decision))
-        self._carry_out(decisions, touched)
+        self._carry_out(self._decide(rows, logits, draws, results, touched), touched)
         return outputs + self._collect(touched)
 
     def _rows(self, step: StepInput) -> dict[str, tuple[Request, list[tuple[int, Sample]]]]:
@@ -255,6 +242,34 @@ class Engine:
                     break
                 draws.extend((row, request, s) for s in samples)
         return draws
+
+    def _decide(
+        self,
+        rows: dict[str, tuple[Request, list[tuple[int, Sample]]]],
+        logits: torch.Tensor,
+        draws: list[tuple[int, Request, Sample]],
+        results: list[Optional[SampleResult]],
+        touched: dict[str, Request],
+    ) -> list[tuple[Request, Decision]]:
+        """Each request's policy turns its rows (and the tokens drawn from them) into a decision."""
+        drawn: dict[int, list[tuple[Sample, SampleResult]]] = {}
+        for (row, _, s), result in zip(draws, results):
+            if result is not None:
+                drawn.setdefault(row, []).append((s, result))
+        decisions = []
+        for request, request_rows in rows.values():
+            touched[request.request_id] = request
+            if request.error is not None:
+                continue  # this request already failed in this step
+            step_rows = [StepRow(s, logits[row], drawn.get(row, [])) for row, s in request_rows]
+            try:
+                decision = request.policy.on_step(request, step_rows, self._sample_factory(request))
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the engine down
+                self._fail(request, exc, touched)
+                continue
+            if decision is not None:
+                decisions.append((request, decision))
+        return decisions
 
     def _fork(self, request: Request, parent: Sample, child: Sample) -> None:
         with Rollback() as undo:
