@@ -362,3 +362,28 @@ fn a_step_that_would_run_nothing_recomputes_idle_sequences_to_let_a_blocked_one_
     assert!(out.preempted.is_empty());
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn a_sequence_preempted_while_idle_is_parked_until_it_gets_a_token() {
+    // As above: seq 1 is idle, seq 2 blocked; 1 is recomputed out to let 2 in. Then 2 is
+    // idle too, and 1 has nothing to compute: neither may push the other out again (they
+    // would take turns forever, each recomputing a row it already gave).
+    let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 4, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.schedule().unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 4, 1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.preempted.clone(), out.seq_ids.clone()), (vec![1], vec![2]));
+    let out = s.schedule().unwrap();
+    assert!(out.seq_ids.is_empty() && out.preempted.is_empty(), "1 is parked: nothing to do");
+    // A token for 1 ends its parking: now 2 (idle) makes room for it.
+    s.append_token(1, 9).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2]);
+    assert_eq!(out.seq_ids, vec![1]);
+    assert_eq!(*out.input_ids.last().unwrap(), 9);
+    assert_eq!(out.do_sample, vec![true]);
+    s.check_invariants().unwrap();
+}

@@ -222,6 +222,7 @@ impl Scheduler {
             num_computed: 0,
             status: SeqStatus::Waiting,
             waiting_since: self.stats.num_steps,
+            parked: false,
         };
         self.seqs.insert(id, seq);
         self.waiting.push(id);
@@ -250,7 +251,9 @@ impl Scheduler {
             }
         }
         for &(id, token) in items {
-            self.seqs.get_mut(&id).expect("checked above").tokens.push(token);
+            let seq = self.seqs.get_mut(&id).expect("checked above");
+            seq.tokens.push(token);
+            seq.parked = false;
         }
         Ok(())
     }

@@ -50,9 +50,12 @@ impl Scheduler {
     /// when nothing waits or it could never fit.
     pub(super) fn make_room_for_blocked(&mut self, out: &mut SchedulerOutput) -> Result<Option<(SeqId, bool)>, CoreError> {
         let seqs = &self.seqs;
-        let blocked = self.swapped.iter().copied().filter(|id| seqs[id].tokens.len() > seqs[id].kv_tokens).min_by_key(|id| seqs[id].rank());
+        let blocked = self.swapped.iter().copied().filter(|id| !seqs[id].waits_for_token()).min_by_key(|id| seqs[id].rank());
         let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
-        let blocked = blocked.map(|id| (id, true)).or_else(|| self.waiting.iter().copied().min_by_key(|id| seqs[id].waiting_rank(now, aging)).map(|id| (id, false)));
+        let first_waiting = || {
+            self.waiting.iter().copied().filter(|id| !seqs[id].waits_for_token()).min_by_key(|id| seqs[id].waiting_rank(now, aging))
+        };
+        let blocked = blocked.map(|id| (id, true)).or_else(|| first_waiting().map(|id| (id, false)));
         let Some((id, swapped)) = blocked else { return Ok(None) };
         loop {
             let need = if swapped {
@@ -83,6 +86,7 @@ impl Scheduler {
             self.swapped.push(id);
             self.stats.num_swap_preemptions += 1;
         } else {
+            seq.parked = seq.waits_for_token();
             self.kv.free(id)?;
             seq.kv_tokens = 0;
             seq.num_computed = 0;

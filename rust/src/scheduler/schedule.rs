@@ -99,7 +99,7 @@ impl Scheduler {
         // A sequence with nothing to compute (a beam whose logits row is already taken,
         // swapped out while it waits for its siblings' rows) stays on the host until it
         // is given a token: bringing it back now would schedule an empty row.
-        while let Some(id) = self.swapped.iter().copied().find(|id| self.seqs[id].tokens.len() > self.seqs[id].kv_tokens) {
+        while let Some(id) = self.swapped.iter().copied().find(|id| !self.seqs[id].waits_for_token()) {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
@@ -145,7 +145,8 @@ impl Scheduler {
         let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
         let seqs = &self.seqs;
         self.waiting.sort_by_key(|id| seqs[id].waiting_rank(now, aging));
-        while let Some(&id) = self.waiting.first() {
+        // Parked sequences (see `Sequence::parked`) stay out until they get a token.
+        while let Some(id) = self.waiting.iter().copied().find(|id| !self.seqs[id].parked) {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
