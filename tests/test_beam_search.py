@@ -104,6 +104,17 @@ def test_beam_search_equals_transformers_on_the_tiny_llama(tiny_llama_dir, hf_ll
     assert_equal_to_hf(results, hf_llama, PROMPTS, params, llm.engine.tokenizer.eos_token_ids)
 
 
+def test_beam_search_equals_transformers_on_every_tiny_model(tiny_model_dir):
+    """llama (GQA, tied, Llama 3 RoPE), mistral (MQA) and qwen2 (q/k/v bias, linear RoPE)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    llm = make_llm(tiny_model_dir)
+    params = BeamSearchParams(beam_width=4, max_tokens=10, length_penalty=0.8)
+    results = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert_equal_to_hf(results, model, PROMPTS, params, llm.engine.tokenizer.eos_token_ids)
+
+
 @pytest.mark.parametrize(
     "k, length_penalty, early_stopping",
     [(2, 1.0, False), (4, 1.0, True), (4, 2.0, "never"), (8, 0.5, False), (4, -1.0, True)],

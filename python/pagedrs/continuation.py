@@ -117,6 +117,8 @@ class BeamSearch:
     the core. Then each new beam continues its parent in place (the parent's first new
     beam) or as a fork of it; beams no new beam continues are freed. When the search
     ends every beam is freed and the samples become the finished hypotheses, best first.
+    Until then a request's outputs show its live beams (token ids, no text): only the
+    final output, with ``score`` set, is the result.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
