@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_engine_hardening import run_to_end
-
 from pagedrs import LLM, BeamSearchParams, Engine, EngineArgs, SamplingParams
+from test_engine_hardening import run_to_end
 
 torch.set_num_threads(1)
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional, Union
 
-from pagedrs.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedrs.beam_search import NEG, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedrs.engine import Engine, PromptType
 from pagedrs.engine_args import EngineArgs
 from pagedrs.outputs import RequestOutput
@@ -68,7 +69,10 @@ class LLM:
             BeamSearchOutput([
                 BeamSearchSequence(
                     tokens=list(out.prompt_token_ids) + list(c.token_ids), token_ids=list(c.token_ids), text=c.text,
-                    cum_logprob=c.cumulative_logprob, score=c.score, finish_reason=c.finish_reason,
+                    # None only for a hypothesis slot never filled (or an aborted search): HF's -1e9
+                    cum_logprob=c.cumulative_logprob if c.cumulative_logprob is not None else 0.0,
+                    score=c.score if c.score is not None else NEG,
+                    finish_reason=c.finish_reason or "length",
                 )
                 for c in out.outputs
             ])

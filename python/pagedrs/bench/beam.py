@@ -72,9 +72,12 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     settings["prompt_tokens"] = min(settings["prompt_tokens"], context - settings["max_tokens"] - 1)
     rows = []
     for k in settings["widths"]:
-        kw = dict(device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size)
-        shared, private = measure(str(cfg.model), k, settings["prompt_tokens"], settings["max_tokens"], **kw)
-        contiguous, _ = measure(str(cfg.model), k, settings["prompt_tokens"], settings["max_tokens"], layout="contiguous", **kw)
+        peaks = {
+            layout: measure(str(cfg.model), k, settings["prompt_tokens"], settings["max_tokens"], device=cfg.device,
+                            dtype=cfg.dtype, block_size=cfg.block_size, layout=layout)
+            for layout in ("paged", "contiguous")
+        }
+        (shared, private), contiguous = peaks["paged"], peaks["contiguous"][0]
         rows.append({
             "beam_width": k,
             "peak_pages_shared": shared,
