@@ -266,3 +266,14 @@ def test_bench_beam_reports_fewer_pages_with_sharing(tiny_llama_dir, tmp_path):
     for r in rows:
         assert r["peak_pages_shared"] < r["peak_pages_private"] <= r["peak_pages_contiguous"]
     assert next(r for r in rows if r["beam_width"] == 4)["saving_vs_private_pct"] >= 40.0
+
+
+def test_a_beam_request_is_checked_before_it_is_queued(tiny_llama_dir):
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=32, max_model_len=128, max_n=4))
+    with pytest.raises(ValueError, match=r"BeamSearchParams.beam_width=8 .*EngineArgs.max_n"):
+        engine.add_request("wide", [1, 2, 3], BeamSearchParams(beam_width=8, max_tokens=4))
+    with pytest.raises(ValueError, match="blocks"):  # 4 beams of up to 100 tokens can never fit 32 blocks
+        engine.add_request("long", [1, 2, 3], BeamSearchParams(beam_width=4, max_tokens=97))
+    with pytest.raises(TypeError, match="BeamSearchParams"):
+        LLM.beam_search(type("FakeLLM", (), {})(), [[1, 2]], SamplingParams())
+    assert engine.num_unfinished() == 0 and not engine.scheduler.has_unfinished()
