@@ -40,7 +40,7 @@ class Engine:
         self.device = torch.device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(args.cpu_threads or 1)
-        self.loaded = load_model(args.model, dtype=args.dtype, device=self.device)
+        self.loaded = load_model(args.model, dtype=args.dtype, device=self.device, weight_dtype=args.weight_dtype)
         self.tokenizer = self.loaded.tokenizer
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         self.model_name = self.loaded.name
