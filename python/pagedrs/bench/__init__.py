@@ -2,7 +2,9 @@
 
 Subcommands (one module each): ``throughput`` (paged vs contiguous vs transformers under
 one KV byte budget), ``prefix`` (prefix caching on vs off), ``preemption`` (swap vs
-recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``all``.
+recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``all`` (those four);
+and, run on their own, ``limits`` (the machine's read bandwidth and GEMM FLOP/s) and
+``decode`` (tokens/s per weight format and batch size, next to those limits).
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -19,6 +21,7 @@ from typing import Any, Callable
 from pagedrs.bench.config import BenchConfig
 
 BENCHES = ("throughput", "prefix", "preemption", "allocator")
+SPEED_BENCHES = ("limits", "decode")  # not in `all`: they measure the machine, not the KV manager
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:
@@ -29,7 +32,7 @@ def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedrs bench", description=__doc__.splitlines()[0])
-    p.add_argument("benchmark", choices=(*BENCHES, "all"))
+    p.add_argument("benchmark", choices=(*BENCHES, *SPEED_BENCHES, "all"))
     p.add_argument("--quick", action="store_true", help="small workloads (minutes on 2 CPU cores)")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write the JSON result here")
     p.add_argument("--out", dest="out_dir", metavar="DIR", help="write <bench>.json and <bench>.md here")
@@ -37,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, metavar="N", help="override the request count")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model folder or a .gguf file")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--weight-dtype", choices=("auto", "float32", "bfloat16", "int8", "int4"), default=None,
+                   help="decode: one weight format instead of the grid's (the other benches use float32)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -74,6 +79,7 @@ def main(argv: list[str]) -> int:
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
+        weight_dtype=args.weight_dtype,
     )
     from pagedrs.bench.machine import describe_machine
     from pagedrs.bench.plots import PLOTTERS
@@ -89,7 +95,7 @@ def main(argv: list[str]) -> int:
         print(markdown, flush=True)
         for path in write_outputs(cfg.out_dir, name, data, markdown):
             print(f"wrote {path}")
-        if cfg.plot_dir:
+        if cfg.plot_dir and name in PLOTTERS:
             for path in PLOTTERS[name](data, cfg.plot_dir):
                 print(f"wrote {path}")
         results[name] = data
