@@ -193,8 +193,11 @@ def test_auto_is_exact_for_hf_folders_and_nearest_for_quantized_gguf(monkeypatch
     assert resolve_weight_format("auto", F32, gguf_types=["Q8_0", "Q6_K"], device=cpu).name == "int8"
     assert resolve_weight_format("auto", F32, gguf_types=["F16", "F16", "Q8_0"], device=cpu).name == "float32"
     assert resolve_weight_format("float32", F32, gguf_types=["Q4_1"], device=cpu).name == "float32"
+    assert resolve_weight_format("bfloat16", F32, gguf_types=None, device=cpu).name == "bfloat16"
     monkeypatch.setattr(quant, "cpu_has_fast_bf16", lambda: False)  # emulated bf16: the exact path is faster
     assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"], device=cpu).name == "float32"
+    assert resolve_weight_format("bfloat16", F32, gguf_types=None, device=cpu).name == "float32"
+    assert resolve_weight_format("int8", F32, gguf_types=None, device=cpu).name == "int8"  # asked for: honoured
     assert nearest_format([]) == "float32"
     with pytest.raises(ValueError, match="weight_dtype 'int3' is not supported; allowed: auto, float32, bfloat16, int8"):
         resolve_weight_format("int3", F32, gguf_types=None, device=cpu)

@@ -3,7 +3,8 @@
 Workload: B requests of P random prompt tokens (seeded), 64 new tokens each, greedy with
 ignore_eos, all submitted at once; the prompt goes in one prefill step and the rest are
 decode steps. ``decode tok/s`` counts the tokens of the decode steps over their time;
-prefill is reported apart.
+prefill is reported apart. ``per CPU-s`` divides by this process's CPU time instead of
+the wall clock: on a shared machine it leaves out the time the process waited for a core.
 
 Bounds (measured in the same run by ``limits``, because the machine may be shared):
 ``stream`` = B * bandwidth / bytes of the linear weights (each decode step reads them once),
@@ -48,15 +49,18 @@ def decode_once(engine: Any, vocab: int, batch: int, prompt_len: int, new_tokens
         engine.add_request(f"d{seed}-{i}", {"prompt_token_ids": prompt}, greedy_params(new_tokens))
     start = time.perf_counter()
     engine.step()  # the whole prefill (max_num_batched_tokens covers B * P) and each first token
-    prefill_done = time.perf_counter()
+    prefill_done, cpu_start = time.perf_counter(), time.process_time()
     steps = 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    end = time.perf_counter()
+    end, cpu_end = time.perf_counter(), time.process_time()
     decode_tokens = batch * (new_tokens - 1)
     return {"prefill_tok_per_s": batch * prompt_len / (prefill_done - start),
             "decode_tok_per_s": decode_tokens / (end - prefill_done), "decode_steps": steps,
+            # per second of this process's CPU time: on a shared machine, the time it was not descheduled
+            # (meaningful with one thread; with N threads it sums their times)
+            "decode_tok_per_cpu_s": decode_tokens / max(cpu_end - cpu_start, 1e-9),
             "e2e_tok_per_s": batch * new_tokens / (end - start)}
 
 
@@ -102,6 +106,7 @@ _COLUMNS = [
     Column("batch", "batch"),
     Column("prompt", "prompt"),
     Column("decode tok/s", "decode_tok_per_s", "{:.1f}"),
+    Column("per CPU-s", "decode_tok_per_cpu_s", "{:.1f}"),
     Column("stream bound", "stream_bound", "{:.0f}"),
     Column("GEMM bound", "gemm_bound", "{:.0f}"),
     Column("of bound", "ratio_to_bound", "{:.0%}"),

@@ -144,6 +144,7 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
                           device: torch.device) -> WeightFormat:
     """``auto`` -> the exact dense path for Hugging Face folders; for a quantized GGUF the nearest
     format with a CPU kernel (Q4_* -> int4, other quantized types -> int8), on a CPU with fast bf16.
+    ``bfloat16`` on a CPU without AVX512-BF16 / AMX stays float32.
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype {weight_dtype!r} is not supported; allowed: {', '.join(WEIGHT_DTYPES)}")
@@ -151,6 +152,8 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
         if weight_dtype in ("int8", "int4") and device.type != "cpu":
             raise ValueError(f"weight_dtype {weight_dtype!r} runs on the CPU only (device {device.type!r}); "
                              "use float32 or bfloat16 there")
+        if weight_dtype == "bfloat16" and device.type == "cpu" and not cpu_has_fast_bf16():
+            return WeightFormat("float32", params_dtype)  # emulated bf16 GEMMs are slower than float32 ones
         return WeightFormat(weight_dtype, params_dtype)
     if gguf_types is None or device.type != "cpu" or params_dtype != torch.float32 or not cpu_has_fast_bf16():
         return WeightFormat("float32", params_dtype)
