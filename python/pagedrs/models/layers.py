@@ -261,7 +261,7 @@ def _copy_checked(
 ) -> None:
     """``dst.copy_(src)`` after checking that the checkpoint tensor has the shape this layer implies."""
     full = src if full is None else full
-    if full_rows is not None and full.shape[0] != full_rows or tuple(src.shape) != tuple(dst.shape):
+    if (full_rows is not None and full.shape[0] != full_rows) or tuple(src.shape) != tuple(dst.shape):
         shard = "" if shard_id is None else f" (shard {shard_id!r})"
         raise ValueError(
             f"{type(layer).__name__}{shard} got a tensor of shape {tuple(full.shape)}; this layer "

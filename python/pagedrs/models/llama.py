@@ -3,8 +3,12 @@
 The forward pass takes one flat batch of T tokens from many sequences (prompt
 chunks and decode tokens back to back, no padding) with their positions; each
 layer writes its new K/V into the paged cache and attends through the backend.
-Parameter names match transformers' ``LlamaForCausalLM`` so a checkpoint's
-state dict loads without renaming.
+
+Each layer runs few, large ops: one fused QKV GEMM and one fused gate/up GEMM (the
+checkpoint's separate projections land side by side through the layers'
+``weight_loader``, see ``STACKED_PARAMS``), the residual add folded into the RMSNorm
+that follows it, and rotary applied in place on the QKV output. In float32 with dense
+weights every op computes what transformers computes, so greedy output matches it.
 
 Attention is always full causal attention: a Mistral ``sliding_window`` is not
 applied, so results match transformers only while a context fits in the window.
