@@ -121,4 +121,5 @@ def test_limits_and_decode_quick_write_bounds_next_to_tokens_per_s(tiny_llama_di
         assert row["decode_steps"] == grid["new_tokens"] - 1  # one prefill step, then one token per step
         assert row["bound"] == min(row["stream_bound"], row["gemm_bound"])
         assert row["ratio_to_bound"] == pytest.approx(row["decode_tok_per_s"] / row["bound"])
+        assert row["cpu_ratio_to_bound"] == pytest.approx(row["decode_tok_per_cpu_s"] / row["bound"])
     assert "Machine:" in (out / "decode.md").read_text()
