@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import time
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -25,13 +26,20 @@ from pagedrs.bench.engine_runner import build_engine, greedy_params, progress
 from pagedrs.bench.limits import measure, model_shape
 from pagedrs.bench.report import Column, markdown_table, render
 
-FULL_GRID = {"batch_sizes": (1, 16, 32, 64), "prompt_lens": (32, 128), "new_tokens": 64,
-             "formats": ("float32", "bfloat16", "int8", "int4")}
-QUICK_GRID = {"batch_sizes": (1, 16), "prompt_lens": (32,), "new_tokens": 16, "formats": ("float32", "int8")}
+@dataclass(frozen=True)
+class Grid:
+    batch_sizes: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    new_tokens: int
+    formats: tuple[str, ...]  # weight_dtype values
+
+
+FULL_GRID = Grid((1, 16, 32, 64), (32, 128), 64, ("float32", "bfloat16", "int8", "int4"))
+QUICK_GRID = Grid((1, 16), (32,), 16, ("float32", "int8"))
 
 
 def batch_sizes(quick: bool) -> tuple[int, ...]:
-    return (QUICK_GRID if quick else FULL_GRID)["batch_sizes"]  # type: ignore[return-value]
+    return (QUICK_GRID if quick else FULL_GRID).batch_sizes
 
 
 def _linear_stats(model: Any) -> tuple[int, int]:
@@ -66,16 +74,16 @@ def decode_once(engine: Any, vocab: int, batch: int, prompt_len: int, new_tokens
 
 def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     grid = QUICK_GRID if cfg.quick else FULL_GRID
-    formats = grid["formats"] if cfg.weight_dtype is None else (cfg.weight_dtype,)
+    formats = grid.formats if cfg.weight_dtype is None else (cfg.weight_dtype,)
     hidden, intermediate = model_shape(cfg.model)
     progress("decode: measuring the machine's limits")
-    limits = measure(grid["batch_sizes"], tuple(f for f in formats if f != "auto") or ("float32",), hidden,
+    limits = measure(grid.batch_sizes, tuple(f for f in formats if f != "auto") or ("float32",), hidden,
                      intermediate, quick=cfg.quick)
     bandwidth = limits["read_bandwidth_bytes_per_s"]
     rows: list[dict[str, Any]] = []
-    max_batch, max_prompt = max(grid["batch_sizes"]), max(grid["prompt_lens"])
+    max_batch, max_prompt = max(grid.batch_sizes), max(grid.prompt_lens)
     for fmt in formats:
-        tokens = max_batch * (max_prompt + grid["new_tokens"])
+        tokens = max_batch * (max_prompt + grid.new_tokens)
         engine = build_engine(cfg.model, weight_dtype=fmt, num_gpu_blocks=tokens // cfg.block_size + 2 * max_batch,
                               block_size=cfg.block_size, enable_prefix_caching=False,
                               max_num_batched_tokens=max(2048, max_batch * max_prompt), max_num_seqs=max_batch)
@@ -83,10 +91,10 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
         weight_bytes, linear_params = _linear_stats(engine.loaded.model)
         vocab = engine.loaded.config.vocab_size
         decode_once(engine, vocab, 1, 8, 3, seed=0)  # warm-up
-        for batch in grid["batch_sizes"]:
-            for prompt_len in grid["prompt_lens"]:
+        for batch in grid.batch_sizes:
+            for prompt_len in grid.prompt_lens:
                 progress(f"decode: {resolved} batch {batch} prompt {prompt_len}")
-                r = decode_once(engine, vocab, batch, prompt_len, grid["new_tokens"], seed=batch * 1000 + prompt_len)
+                r = decode_once(engine, vocab, batch, prompt_len, grid.new_tokens, seed=batch * 1000 + prompt_len)
                 gemm = limits["gemm_flops"].get(resolved, {}).get(batch)
                 stream_bound = batch * bandwidth / weight_bytes
                 gemm_bound = gemm / (2 * linear_params) if gemm else None
@@ -97,8 +105,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
                              "cpu_ratio_to_bound": r["decode_tok_per_cpu_s"] / bound, "weight_bytes": weight_bytes})
         del engine
         gc.collect()
-    data = {"rows": rows, "limits": limits, "grid": {k: list(v) if isinstance(v, tuple) else v for k, v in grid.items()},
-            "model": cfg.model, "machine": machine}
+    data = {"rows": rows, "limits": limits, "grid": asdict(grid), "model": cfg.model, "machine": machine}
     return data, _markdown(data, machine)
 
 

@@ -88,6 +88,9 @@ class DenseLinearMethod(LinearMethod):
 class LinearBase(nn.Module):
     """A linear layer's shard on rank ``tp_rank`` of ``tp_size``; subclasses say how a tensor is sliced."""
 
+    weight: nn.Parameter  # what checkpoint tensors land in; a quantized method replaces it after loading
+    bias: nn.Parameter | None
+
     def __init__(
         self,
         in_features: int,  # of the whole (unsharded) layer
@@ -107,7 +110,7 @@ class LinearBase(nn.Module):
         self.method = method
         self.in_per_rank, self.out_per_rank = self.shard_sizes()
         method.create_weights(self, self.in_per_rank, self.out_per_rank, device)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # read by load_weights
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(self.bias_size(), dtype=method.params_dtype, device=device),

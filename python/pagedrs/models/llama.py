@@ -29,6 +29,7 @@ from pagedrs.models.layers import (
     DenseLinearMethod,
     LinearBase,
     MergedColumnParallelLinear,
+    ShardId,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -77,6 +78,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 class Rotary(nn.Module):
     """cos/sin at arbitrary positions (tokens of one step are not contiguous across sequences)."""
+
+    inv_freq: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -205,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
             isinstance(self.lm_head.method, DenseLinearMethod) and self.lm_head.weight.dtype == fmt.params_dtype
         )
         if self.shares_embedding:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]  # a Parameter
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a transformers checkpoint of this config holds, with its (unsharded) shape."""
@@ -232,10 +235,10 @@ class LlamaForCausalLM(nn.Module):
         """Route each checkpoint tensor to its parameter's ``weight_loader``, then let every layer convert."""
         params = dict(self.named_parameters(remove_duplicate=False))
         for name, tensor in weights:
-            targets = [(name, None)]
-            for ckpt, fused, shard in STACKED_PARAMS:
+            targets: list[tuple[str, ShardId]] = [(name, None)]
+            for ckpt, fused, fused_shard in STACKED_PARAMS:
                 if ckpt in name:
-                    targets = [(name.replace(ckpt, fused), shard)]
+                    targets = [(name.replace(ckpt, fused), fused_shard)]
                     break
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and not self.shares_embedding:
                 targets.append(("lm_head.weight", None))

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from pagedrs.models.config import ModelConfig, _as_dtype
 from pagedrs.models.llama import LlamaForCausalLM
@@ -44,7 +43,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class LoadedModel:
-    model: nn.Module  # LlamaForCausalLM, eval mode, on its device
+    model: LlamaForCausalLM  # eval mode, on its device
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
@@ -53,11 +52,11 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         """The activations' (and so the KV cache's) dtype, whatever the linear weights are stored in."""
-        return self.model.model.embed_tokens.weight.dtype  # type: ignore[no-any-return]
+        return self.model.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device  # type: ignore[no-any-return]
+        return self.model.model.embed_tokens.weight.device
 
 
 def embedded_model_path() -> Path:

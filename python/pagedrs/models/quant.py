@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -65,9 +65,10 @@ class Int8WeightOnlyMethod(_StagedDenseWeight):
         return dict(zip(("qweight", "scales"), quantize_int8(weight), strict=True))
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales)
         x2 = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
-        y = torch.ops.aten._weight_int8pack_mm(x2, layer.qweight, layer.scales)
-        return _finish(y, x, bias, layer.qweight.shape[0])
+        y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)
+        return _finish(y, x, bias, qweight.shape[0])
 
 
 class Int4WeightOnlyMethod(_StagedDenseWeight):
@@ -90,9 +91,10 @@ class Int4WeightOnlyMethod(_StagedDenseWeight):
         return {"qweight": packed, "scales_zeros": scales_zeros}
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales_zeros = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales_zeros)
         x2 = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, layer.qweight, self.group_size, layer.scales_zeros)
-        return _finish(y, x, bias, layer.qweight.shape[0])
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, self.group_size, scales_zeros)
+        return _finish(y, x, bias, qweight.shape[0])
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
