@@ -123,10 +123,10 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded SmolLM2-135M loaded once for the session (float32, CPU)."""
+    """The embedded SmolLM2-135M loaded once for the session (float32 weights and activations: the exact path)."""
     from pagedrs.models import load_model
 
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", weight_dtype="float32")
 
 
 @pytest.fixture(scope="session")

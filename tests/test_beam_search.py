@@ -175,7 +175,7 @@ def test_beam_search_under_preemption_on_a_tiny_pool_equals_transformers(eos_lla
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_beam_search_equals_transformers_on_the_embedded_smollm2(hf_smollm2, k):
-    llm = LLM(model="smollm2-135m", block_size=16, num_gpu_blocks=64, max_model_len=256)
+    llm = LLM(model="smollm2-135m", block_size=16, num_gpu_blocks=64, max_model_len=256, weight_dtype="float32")
     tok = llm.engine.tokenizer
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
     params = BeamSearchParams(beam_width=k, max_tokens=6)

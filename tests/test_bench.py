@@ -100,3 +100,26 @@ def test_python_block_managers_match_core_prefix_hits(make) -> None:
             ours.free(i - 1)
             core.free(i - 1)
         assert ours.num_free_gpu_blocks == core.num_free_gpu_blocks
+
+
+def test_limits_and_decode_quick_write_bounds_next_to_tokens_per_s(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    common = ["--quick", "--model", str(tiny_llama_dir), "--out", str(out)]
+    assert bench.main(["limits", *common]) == 0
+    limits = json.loads((out / "limits.json").read_text())
+    assert limits["read_bandwidth_bytes_per_s"] > 0
+    assert set(limits["gemm_flops"]) == {"float32", "bfloat16", "int8", "int4"}
+    assert "GB/s" in (out / "limits.md").read_text()
+
+    assert bench.main(["decode", *common, "--weight-dtype", "int8"]) == 0
+    decode = json.loads((out / "decode.json").read_text())
+    grid = decode["grid"]
+    assert [(r["weights"], r["batch"], r["prompt"]) for r in decode["rows"]] == [
+        ("int8", b, p) for b in grid["batch_sizes"] for p in grid["prompt_lens"]
+    ]
+    for row in decode["rows"]:
+        assert row["decode_steps"] == grid["new_tokens"] - 1  # one prefill step, then one token per step
+        assert row["bound"] == min(row["stream_bound"], row["gemm_bound"])
+        assert row["ratio_to_bound"] == pytest.approx(row["decode_tok_per_s"] / row["bound"])
+        assert row["cpu_ratio_to_bound"] == pytest.approx(row["decode_tok_per_cpu_s"] / row["bound"])
+    assert "Machine:" in (out / "decode.md").read_text()

@@ -286,7 +286,7 @@ def test_embedded_smollm2_engine_matches_transformers_with_sharing_chunking_and_
     caching on, prompts chunked under a small budget and a pool small enough to preempt."""
     from pagedrs.demo import QUESTIONS, SYSTEM_PROMPT
 
-    engine = Engine(EngineArgs(model="smollm2-135m", num_gpu_blocks=10, block_size=16, max_num_batched_tokens=48,
+    engine = Engine(EngineArgs(model="smollm2-135m", weight_dtype="float32", num_gpu_blocks=10, block_size=16, max_num_batched_tokens=48,
                                preemption_mode="auto", swap_space_gb=0.05, watermark=0.0))
     tok = engine.tokenizer
     prompts = [tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}])

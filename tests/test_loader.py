@@ -41,7 +41,7 @@ def test_gguf_logits_match_transformers_reading_the_same_file(tiny_gguf, cache_d
     from pagedrs.model_runner import ModelRunner
     from paged_driver import BlockPool, PagedSeq, build_step
 
-    loaded = load_model(tiny_gguf)
+    loaded = load_model(tiny_gguf, weight_dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).eval()
     prompt = [5, 9, 17, 33, 65, 129, 250]
     runner = ModelRunner(loaded, num_gpu_blocks=8, num_cpu_blocks=0, block_size=4)

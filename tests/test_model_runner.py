@@ -103,3 +103,60 @@ def test_zero_query_sequence_is_rejected(loaded):
     bad = StepInput(**{**step.__dict__, "query_start_loc": np.array([0, 3, 3], dtype=np.int32)})
     with pytest.raises(ValueError, match=r"at least one new token; query lengths \[3, 0\]"):
         r.execute(bad)
+
+
+def _reference_attention(query, key_cache, value_cache, meta, scale):
+    """One sequence at a time, unpadded: gather its pages, causal SDPA at its positions."""
+    out = torch.empty_like(query)
+    bs = key_cache.shape[1]
+    starts = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        q = query[starts[i] : starts[i + 1]]
+        blocks = meta.block_tables[i, : -(-seq_len // bs)].long()
+        k = key_cache[blocks].flatten(0, 1)[:seq_len]
+        v = value_cache[blocks].flatten(0, 1)[:seq_len]
+        q_pos = torch.arange(seq_len - len(q), seq_len)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
+    return out
+
+
+def test_torch_backend_buckets_match_per_sequence_attention():
+    """Decode rows and varlen prefill chunks of very different lengths (several buckets) in one step."""
+    from pagedrs.attention import AttentionMetadata
+
+    g = torch.Generator().manual_seed(0)
+    bs, kv_heads, heads, d, num_blocks = 4, 2, 6, 8, 64
+    q_lens = [1, 7, 1, 1, 30, 2, 1, 12]
+    seq_lens = [5, 7, 40, 3, 45, 9, 17, 12]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(q_lens), 12, dtype=torch.int32)
+    for i, n in enumerate(seq_lens):
+        for b in range(-(-n // bs)):
+            tables[i, b] = perm.pop()
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+    )
+    key_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
+    value_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
+    query = torch.randn(starts[-1], heads, d, generator=g)
+    backend = TorchAttentionBackend()
+    got = backend.forward(query, key_cache, value_cache, meta, 0.3)
+    assert len(backend.plan(meta, bs).buckets) >= 4  # the lengths above really spread over buckets
+    torch.testing.assert_close(got, _reference_attention(query, key_cache, value_cache, meta, 0.3))
+    decode_only = [i for i, q in enumerate(q_lens) if q == 1]  # the single-bucket fast path
+    dm = AttentionMetadata(
+        slot_mapping=meta.slot_mapping[:4], query_start_loc=torch.arange(5, dtype=torch.int32),
+        seq_lens=torch.tensor([5, 3, 6, 7], dtype=torch.int32), block_tables=tables[decode_only], max_query_len=1,
+        max_seq_len=7, query_start_loc_cpu=list(range(5)), seq_lens_cpu=[5, 3, 6, 7],
+    )
+    torch.testing.assert_close(backend.forward(query[:4], key_cache, value_cache, dm, 0.3),
+                               _reference_attention(query[:4], key_cache, value_cache, dm, 0.3))

@@ -12,6 +12,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="preset name, HF folder or .gguf file")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                   help="linear weights: auto = exact for HF folders, nearest quantized format for a quantized GGUF")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     _add_cpu_threads(p)
@@ -23,7 +25,7 @@ def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, device=args.device, dtype=args.dtype, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+    return dict(model=args.model, device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
                 cpu_threads=args.cpu_threads)
 
 

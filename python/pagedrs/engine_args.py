@@ -12,6 +12,7 @@ _LAYOUTS = ("paged", "contiguous")
 _PREEMPTION = ("swap", "recompute", "auto")
 _RESERVE = ("max_model_len", "request")
 _DTYPES = ("float32", "float16", "bfloat16")
+_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 
 
 @dataclass
@@ -19,6 +20,8 @@ class EngineArgs:
     model: Optional[str] = "smollm2-135m"  # a preset name, an HF folder, or a .gguf file
     device: str = "cpu"
     dtype: str = "float32"
+    # linear weights: auto = exact for HF folders, nearest quantized format for a quantized GGUF (CPU)
+    weight_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes for the device KV pool
     gpu_memory_utilization: float = 0.9  # CUDA, when neither num_gpu_blocks nor kv_cache_memory is set
@@ -64,6 +67,7 @@ class EngineArgs:
         choice("preemption_mode", _PREEMPTION)
         choice("contiguous_reserve", _RESERVE)
         choice("dtype", _DTYPES)
+        choice("weight_dtype", _WEIGHT_DTYPES)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):

@@ -62,7 +62,7 @@ class LocalExecutor:
         if self.device.type == "cpu":
             torch.set_num_threads(args.resolved_cpu_threads())
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.loaded = load_model(args.model, dtype=args.dtype, device=self.device)
+        self.loaded = load_model(args.model, dtype=args.dtype, device=self.device, weight_dtype=args.weight_dtype)
         self._backend = attention_backend
         self.runner: ModelRunner | None = None
         self._completed: list[int] = []

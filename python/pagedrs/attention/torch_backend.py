@@ -1,19 +1,46 @@
 """TorchAttentionBackend: paged attention in plain PyTorch, on the CPU and on CUDA.
 
-This is the reference the CUDA kernels are compared with, so it favours being
-obviously right over being fast: K/V are scattered into their slots with one
-``index_copy_``, and each sequence gathers its own pages through its block table
-before a causal ``scaled_dot_product_attention``. Steps made only of decode
-tokens take a batched path (pages of all sequences gathered at once, padded,
-masked by length), which is where a serving loop spends most of its steps.
+This is the reference the CUDA kernels are compared with, and the CPU path. K/V are
+scattered into their slots with one ``index_copy_``. Attention runs as a few padded,
+masked ``scaled_dot_product_attention`` calls per layer, never one per sequence: the
+step's sequences are grouped into buckets of similar query length and context length
+(within 2x), and each bucket gathers its queries into ``[S, max_q]`` and its pages into
+``[S, max_kv]`` and attends in one call. Decode tokens (q = 1) and prefill chunks
+(varlen q) go through the same code. Which rows go where, and the masks, depend only on
+the step, so they are planned once per step (``plan``) and reused by every layer.
+
+Bucket of S sequences, query rows padded to ``max_q`` by repeating the last real row
+(a padded row attends to something, so it never produces NaN; its output is dropped)::
+
+    rows  [S, max_q]   seq 0: q0 q1 q2 q2      keys [S, max_kv]: pages of each sequence, in order
+                       seq 1: q0 q0 q0 q0      mask [S, 1, max_q, max_kv]: causal at each row's position,
+                                                and nothing past the sequence's length
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    rows: torch.Tensor  # int64 [S, max_q]  query row of each (sequence, slot); padding repeats the last row
+    out_rows: torch.Tensor  # int64 [R]  rows of the step's output this bucket fills (R real rows)
+    keep: torch.Tensor | None  # int64 [R]  positions in the flattened [S * max_q] result to keep; None = all
+    tables: torch.Tensor  # int64 [S, num_blocks]  pages to gather
+    mask: torch.Tensor  # bool [S, 1, max_q, num_blocks * block_size]  True = may attend
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    meta: AttentionMetadata  # the step this plan belongs to (compared by identity)
+    block_size: int
+    buckets: list[_Bucket]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -32,6 +59,15 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(value_cache.dtype))
 
+    def __init__(self) -> None:
+        self._plan: _StepPlan | None = None
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
+        """Buckets, gather indices and masks of this step (made once; every layer reuses them)."""
+        if self._plan is None or self._plan.meta is not meta or self._plan.block_size != block_size:
+            self._plan = _StepPlan(meta, block_size, _plan_buckets(meta, block_size))
+        return self._plan
+
     def forward(
         self,
         query: torch.Tensor,
@@ -40,33 +76,14 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+        buckets = self.plan(meta, block_size).buckets
+        if len(buckets) == 1 and buckets[0].keep is None and buckets[0].rows.shape[0] == query.shape[0]:
+            return _attend_bucket(query, key_cache, value_cache, buckets[0], scale)  # all decode, one bucket
         out = torch.empty_like(query)
-        block_size = key_cache.shape[1]
-        starts = meta.query_start_loc_cpu
-        # One-token rows (decodes, resumed sequences) attend to their whole context: batch
-        # them, in buckets of similar length so that padding to the longest stays small.
-        single = [i for i in range(meta.num_seqs) if starts[i + 1] - starts[i] == 1]
-        for bucket in _length_buckets(single, meta.seq_lens_cpu, block_size):
-            rows = torch.tensor([starts[i] for i in bucket], device=query.device)
-            index = torch.tensor(bucket, device=meta.block_tables.device)
-            out[rows] = _attend_last_tokens(
-                query[rows], key_cache, value_cache, meta.block_tables[index], meta.seq_lens[index],
-                max(meta.seq_lens_cpu[i] for i in bucket), scale,
-            )
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            q = query[starts[i] : starts[i + 1]]  # [q_len, h, d]
-            q_len = q.shape[0]
-            if q_len <= 1:
-                continue  # empty, or done above
-            k, v = _gather_pages(key_cache, value_cache, meta.block_tables[i], seq_len, block_size)
-            # new tokens sit at positions seq_len - q_len .. seq_len - 1; token at p sees keys 0..p.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True
-            )
-            out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
+        for b in buckets:
+            o = _attend_bucket(query, key_cache, value_cache, b, scale)
+            out.index_copy_(0, b.out_rows, o if b.keep is None else o.index_select(0, b.keep))
         return out
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
@@ -86,55 +103,63 @@ class TorchAttentionBackend(AttentionBackend):
         dst_cache.index_copy_(2, pairs[:, 1].to(dst_cache.device), moved)
 
 
-def _length_buckets(seqs: list[int], seq_lens: list[int], block_size: int) -> list[list[int]]:
-    """Groups sequences whose context lengths are within 2x of each other (in blocks).
+def _plan_buckets(meta: AttentionMetadata, block_size: int) -> list[_Bucket]:
+    """Groups sequences whose query lengths and context lengths (in blocks) are within 2x of each other.
 
-    The batched path pads every sequence to its bucket's longest context; with long-tailed
-    lengths one bucket would gather and attend over mostly padding. Doubling buckets keep
-    the padded work under twice the real work for a handful of calls per layer.
+    Every sequence of a bucket is padded to the bucket's longest query and context; with
+    long-tailed lengths one bucket would gather and attend over mostly padding. Doubling
+    buckets keep the padded work under about four times the real work (2x in each
+    dimension), in a handful of calls per layer.
     """
-    buckets: dict[int, list[int]] = {}
-    for i in seqs:
-        blocks = -(-seq_lens[i] // block_size)
-        buckets.setdefault(blocks.bit_length(), []).append(i)
-    return [buckets[k] for k in sorted(buckets)]
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, seq_len in enumerate(seq_lens):
+        q_len = starts[i + 1] - starts[i]
+        blocks = -(-seq_len // block_size)
+        groups.setdefault((q_len.bit_length(), blocks.bit_length()), []).append(i)
+    device = meta.block_tables.device
+    buckets = []
+    for key in sorted(groups):
+        seqs = groups[key]
+        q_lens = [starts[i + 1] - starts[i] for i in seqs]
+        max_q = max(q_lens)
+        num_blocks = -(-max(seq_lens[i] for i in seqs) // block_size)
+        rows = [[starts[i] + min(j, q - 1) for j in range(max_q)] for i, q in zip(seqs, q_lens, strict=True)]
+        out_rows = [starts[i] + j for i, q in zip(seqs, q_lens, strict=True) for j in range(q)]
+        keep = None
+        if any(q != max_q for q in q_lens):
+            keep = torch.tensor([s * max_q + j for s, q in enumerate(q_lens) for j in range(q)], device=device)
+        index = torch.tensor(seqs, device=device)
+        lens = meta.seq_lens[index].long()[:, None, None]  # [S, 1, 1]
+        first_pos = lens - torch.tensor(q_lens, device=device)[:, None, None]  # position of each first new token
+        q_pos = first_pos + torch.arange(max_q, device=device)[None, :, None]  # [S, max_q, 1]
+        k_pos = torch.arange(num_blocks * block_size, device=device)[None, None, :]
+        mask = (k_pos <= q_pos) & (k_pos < lens)
+        buckets.append(_Bucket(
+            rows=torch.tensor(rows, device=device),
+            out_rows=torch.tensor(out_rows, device=device),
+            keep=keep,
+            tables=meta.block_tables[index, :num_blocks].long(),
+            mask=mask[:, None],
+        ))
+    return buckets
 
 
-def _attend_last_tokens(
-    query: torch.Tensor,  # [S, h, d]: the last token of each sequence
+def _attend_bucket(
+    query: torch.Tensor,  # [T, h, d]: the whole step's queries
     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, d]
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [S, >= ceil(max_seq_len / block_size)]
-    seq_lens: torch.Tensor,  # [S]
-    max_seq_len: int,
+    bucket: _Bucket,
     scale: float,
-) -> torch.Tensor:  # [S, h, d]
-    """One query per sequence, at its last position, over all its pages: one padded, masked SDPA."""
-    num_seqs = query.shape[0]
+) -> torch.Tensor:  # [S * max_q, h, d]: row s * max_q + j is slot j of the bucket's sequence s
+    """One padded, masked SDPA over the bucket's sequences and their pages."""
+    num_seqs, max_q = bucket.rows.shape
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-    num_blocks = -(-max_seq_len // block_size)
-    tables = block_tables[:, :num_blocks].long()  # [S, nb]
-    k = key_cache[tables].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    v = value_cache[tables].view(num_seqs, num_blocks * block_size, num_kv_heads, head_dim)
-    k_pos = torch.arange(num_blocks * block_size, device=query.device)
-    mask = k_pos[None, :] < seq_lens.to(query.device).long()[:, None]  # [S, L]; padding masked out
+    keys = bucket.tables.shape[1] * block_size
+    q = query[bucket.rows]  # [S, max_q, h, d]
+    k = key_cache[bucket.tables].view(num_seqs, keys, num_kv_heads, head_dim)
+    v = value_cache[bucket.tables].view(num_seqs, keys, num_kv_heads, head_dim)
     o = F.scaled_dot_product_attention(
-        query[:, :, None, :],  # [S, h, 1, d]
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return o[:, :, 0, :]
-
-
-def _gather_pages(
-    key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` keys and values of one sequence, in token order: [seq_len, kv_heads, d] each."""
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    num_kv_heads, head_dim = key_cache.shape[-2:]
-    k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    return k, v
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bucket.mask, scale=scale, enable_gqa=True
+    )  # [S, h, max_q, d]
+    return o.transpose(1, 2).reshape(num_seqs * max_q, *query.shape[1:])

@@ -2,9 +2,11 @@
 
 Subcommands (one module each): ``throughput`` (paged vs contiguous vs transformers under
 one KV byte budget), ``prefix`` (prefix caching on vs off), ``preemption`` (swap vs
-recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``all``; and, only
-when named, ``serve`` (HTTP through ``pagedrs serve`` vs the offline engine) and ``beam``
-(beam search pages, shared vs private copies).
+recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``all`` (those four);
+and, run on their own, ``serve`` (HTTP through ``pagedrs serve`` vs the offline engine),
+``beam`` (beam search pages, shared vs private copies), ``limits`` (the machine's read
+bandwidth and GEMM FLOP/s) and ``decode`` (tokens/s per weight format and batch size,
+next to those limits).
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -21,8 +23,8 @@ from typing import Any, Callable
 from pagedrs.bench.config import BenchConfig
 
 BENCHES = ("throughput", "prefix", "preemption", "allocator")
-# Run only when named: they start servers or take long.
-EXTRA_BENCHES = ("serve", "beam")
+# Run only when named: they start servers, take long, or measure the machine rather than the KV manager.
+EXTRA_BENCHES = ("serve", "beam", "limits", "decode")
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:
@@ -41,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, metavar="N", help="override the request count")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model folder or a .gguf file")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--weight-dtype", choices=("auto", "float32", "bfloat16", "int8", "int4"), default=None,
+                   help="decode: one weight format instead of the grid's (the other benches use float32)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
@@ -78,6 +82,7 @@ def main(argv: list[str]) -> int:
         dtype=args.dtype,
         device=args.device,
         block_size=args.block_size,
+        weight_dtype=args.weight_dtype,
     )
     from pagedrs.bench.machine import describe_machine
     from pagedrs.bench.plots import PLOTTERS

@@ -16,3 +16,4 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
+    weight_dtype: str | None = None  # decode bench: one format instead of its grid

@@ -193,6 +193,12 @@ def gguf_state_dict(reader: Any, config: dict[str, Any], path: Path) -> dict[str
     return state
 
 
+def linear_tensor_types(path: Path) -> list[str]:
+    """GGUF type names (``Q4_1``, ``Q8_0``, ``F16`` ...) of the file's 2-D layer weights: what "auto" matches."""
+    reader = open_gguf(path)
+    return [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+
+
 def _hf_name(gguf_name: str, path: Path) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]

@@ -3,8 +3,12 @@
 The forward pass takes one flat batch of T tokens from many sequences (prompt
 chunks and decode tokens back to back, no padding) with their positions; each
 layer writes its new K/V into the paged cache and attends through the backend.
-Parameter names match transformers' ``LlamaForCausalLM`` so a checkpoint's
-state dict loads without renaming.
+
+Each layer runs few, large ops: one fused QKV GEMM and one fused gate/up GEMM (the
+checkpoint's separate projections land side by side through the layers'
+``weight_loader``, see ``STACKED_PARAMS``), the residual add folded into the RMSNorm
+that follows it, and rotary applied in place on the QKV output. In float32 with dense
+weights every op computes what transformers computes, so greedy output matches it.
 
 Attention is always full causal attention: a Mistral ``sliding_window`` is not
 applied, so results match transformers only while a context fits in the window.
@@ -13,6 +17,7 @@ applied, so results match transformers only while a context fits in the window.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -20,20 +25,34 @@ from torch import nn
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.models.config import ModelConfig
+from pagedrs.models.layers import (
+    DenseLinearMethod,
+    LinearBase,
+    MergedColumnParallelLinear,
+    ShardId,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from pagedrs.models.quant import WeightFormat
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, device: torch.device | str | None = None) -> None:
+    def __init__(self, size: int, eps: float, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, device=device))
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add rides along with the norm that follows it."""
+        if residual is not None:
+            x = x + residual
         # in float32 like transformers, then back to the activation dtype before the weight
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.weight * h.to(dtype), x
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -60,34 +79,42 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin at arbitrary positions (tokens of one step are not contiguous across sequences)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim / 2]: one half, since rotate-half uses the same angle in both."""
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]  # [T, 1, d]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half RoPE in place on ``x`` [T, heads, d] (a view into the fused QKV output).
+
+    Same float operations as transformers' ``x * cos + rotate_half(x) * sin``:
+    first half ``x1 * cos - x2 * sin``, second half ``x2 * cos + x1 * sin``.
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    x1_old = x1.clone()
+    x1.mul_(cos).sub_(x2 * sin)
+    x2.mul_(cos).add_(x1_old * sin)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device | str | None) -> None:
+    def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
-        bias = config.attention_bias
-        h, q, kv = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(h, q, bias=bias, device=device)
-        self.k_proj = nn.Linear(h, kv, bias=bias, device=device)
-        self.v_proj = nn.Linear(h, kv, bias=bias, device=device)
-        self.o_proj = nn.Linear(q, h, bias=False, device=device)
+        h, q = config.hidden_size, self.num_heads * self.head_dim
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = QKVParallelLinear(h, self.head_dim, self.num_heads, self.num_kv_heads,
+                                          bias=config.attention_bias, method=fmt.method(h, qkv_out), device=device)
+        self.o_proj = RowParallelLinear(q, h, bias=False, method=fmt.method(q, h), device=device)
 
     def forward(
         self,
@@ -98,66 +125,133 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = cos_sin
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(t, -1, self.head_dim)
+        k = k.view(t, -1, self.head_dim)
+        v = v.view(t, -1, self.head_dim)
+        apply_rotary_(q, *cos_sin)
+        apply_rotary_(k, *cos_sin)
         key_cache, value_cache = layer_cache[0], layer_cache[1]
         backend.write_kv(k, v, key_cache, value_cache, meta)
         o = backend.forward(q, key_cache, value_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(t, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device | str | None) -> None:
+    def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False, device=device)
-        self.up_proj = nn.Linear(h, i, bias=False, device=device)
-        self.down_proj = nn.Linear(i, h, bias=False, device=device)
+        self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias=False, method=fmt.method(h, 2 * i),
+                                                       device=device)
+        self.down_proj = RowParallelLinear(i, h, bias=False, method=fmt.method(i, h), device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device | str | None) -> None:
+    def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        self.self_attn = Attention(config, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
-        self.mlp = MLP(config, device)
+        dtype = fmt.params_dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.self_attn = Attention(config, fmt, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+        self.mlp = MLP(config, fmt, device)
 
-    def forward(self, x, cos_sin, layer_cache, meta, backend):  # type: ignore[no-untyped-def]
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, layer_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos_sin, layer_cache, meta, backend):  # type: ignore[no-untyped-def]
+        """(this layer's MLP output, the residual stream before it): the next norm adds them."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos_sin, layer_cache, meta, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, config: ModelConfig, device: torch.device | str | None) -> None:
+    def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(config, device) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device)
+        dtype = fmt.params_dtype
+        # _weight skips the random init of a table that is about to be overwritten
+        table = torch.empty(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table, _freeze=True)
+        self.layers = nn.ModuleList(DecoderLayer(config, fmt, device) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
+
+
+# checkpoint (transformers) projection -> (fused parameter, shard id)
+STACKED_PARAMS: tuple[tuple[str, str, str | int], ...] = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Build with ``device="meta"`` and load weights with ``load_state_dict(assign=True)`` to skip random init."""
+    """Parameters are created empty; ``load_weights`` fills them from checkpoint tensors by their transformers
+    names, through each layer's ``weight_loader`` (so a fused or sharded layer takes its slice)."""
 
-    def __init__(self, config: ModelConfig, device: torch.device | str | None = None) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str | None = None,
+                 weight_format: WeightFormat | None = None) -> None:
         super().__init__()
+        fmt = weight_format or WeightFormat("float32", torch.float32)
         self.config = config
-        self.model = LlamaBody(config, device)
-        self.rotary = Rotary(config)  # always real: its buffer is computed, never loaded
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
-        self.tie_weights()
+        self.weight_format = fmt
+        self.model = LlamaBody(config, fmt, device)
+        self.rotary = Rotary(config).to(device)  # computed, never loaded
+        h, vocab = config.hidden_size, config.vocab_size
+        self.lm_head = ReplicatedLinear(h, vocab, bias=False, method=fmt.method(h, vocab, lm_head=True), device=device)
+        # dense and in the embedding's dtype: one tensor serves both (no copy of the largest matrix)
+        self.shares_embedding = config.tie_word_embeddings and (
+            isinstance(self.lm_head.method, DenseLinearMethod) and self.lm_head.weight.dtype == fmt.params_dtype
+        )
+        if self.shares_embedding:
+            self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]  # a Parameter
 
-    def tie_weights(self) -> None:
-        """Share the output projection with the embedding (call again after ``load_state_dict(assign=True)``)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a transformers checkpoint of this config holds, with its (unsharded) shape."""
+        c = self.config
+        h, q, kv, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+            c.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        per_layer: dict[str, tuple[int, ...]] = {
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q),
+            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+        }
+        if c.attention_bias:
+            per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                              "self_attn.v_proj.bias": (kv,)})
+        for layer in range(c.num_hidden_layers):
+            shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Route each checkpoint tensor to its parameter's ``weight_loader``, then let every layer convert."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        for name, tensor in weights:
+            targets: list[tuple[str, ShardId]] = [(name, None)]
+            for ckpt, fused, fused_shard in STACKED_PARAMS:
+                if ckpt in name:
+                    targets = [(name.replace(ckpt, fused), fused_shard)]
+                    break
+            if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and not self.shares_embedding:
+                targets.append(("lm_head.weight", None))
+            for target, shard in targets:
+                param = params[target]
+                loader = getattr(param, "weight_loader", None)
+                if loader is None:
+                    default_weight_loader(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+        for module in self.modules():
+            if isinstance(module, LinearBase):
+                module.process_weights_after_loading()
 
     def forward(
         self,
@@ -170,9 +264,20 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] (normed); ``compute_logits`` turns the rows you need into logits."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.rotary(positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos_sin, kv_cache[i], meta, backend)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv_cache[i], meta, backend)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every linear layer (the embedding is only indexed)."""
+        return sum(m.method.weight_bytes(m) for m in self.modules() if isinstance(m, LinearBase))
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"tensor of shape {tuple(loaded.shape)} cannot fill a parameter of shape {tuple(param.shape)}")
+    param.data.copy_(loaded)

@@ -9,8 +9,13 @@ Sources, in the order they are recognised:
   through ``model.safetensors.index.json``) and tokenizer files.
 
 GGUF files are converted once into a Hugging Face folder under the cache (see
-``gguf_loader``), so every source finally loads through ``load_hf_folder``.
+``gguf_loader``), so every source finally loads through ``load_hf_folder``, and every
+tensor lands through its layer's ``weight_loader`` (``models/layers.py``).
 Nothing here touches a model hub.
+
+``weight_dtype`` picks how linear weights are stored (``models/quant.py``): ``"float32"``
+is the transformers-exact path; ``"auto"`` is that path for Hugging Face folders and,
+for a quantized GGUF on a CPU with fast bfloat16, the nearest quantized format.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from pagedrs.models.config import ModelConfig, _as_dtype
 from pagedrs.models.llama import LlamaForCausalLM
+from pagedrs.models.quant import WeightFormat, resolve_weight_format
 from pagedrs.tokenizer import Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -38,18 +43,20 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @dataclass
 class LoadedModel:
-    model: nn.Module  # LlamaForCausalLM, eval mode, on its device
+    model: LlamaForCausalLM  # eval mode, on its device
     config: ModelConfig
     tokenizer: Tokenizer
     name: str
+    weight_format: WeightFormat | None = None  # how the linear weights are stored (None: dense, exact)
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        """The activations' (and so the KV cache's) dtype, whatever the linear weights are stored in."""
+        return self.model.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        return self.model.model.embed_tokens.weight.device
 
 
 def embedded_model_path() -> Path:
@@ -72,11 +79,13 @@ def load_model(
     *,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    weight_dtype: str = "auto",
 ) -> LoadedModel:
     torch_dtype = _as_dtype(dtype)
     device = torch.device(device)
+    resolve_weight_format(weight_dtype, torch_dtype, gguf_types=None, device=device)  # reject bad values first
     if name_or_path is None or str(name_or_path).lower() == EMBEDDED_MODEL_NAME:
-        return _load_gguf(embedded_model_path(), EMBEDDED_MODEL_NAME, torch_dtype, device)
+        return _load_gguf(embedded_model_path(), EMBEDDED_MODEL_NAME, torch_dtype, device, weight_dtype)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -86,23 +95,27 @@ def load_model(
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a Hugging Face folder or a GGUF file")
-        return _load_gguf(path, path.stem, torch_dtype, device)
+        return _load_gguf(path, path.stem, torch_dtype, device, weight_dtype)
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], ggufs[0].stem, torch_dtype, device)
+            return _load_gguf(ggufs[0], ggufs[0].stem, torch_dtype, device, weight_dtype)
         raise ValueError(f"model folder {str(path)!r} has no config.json (and not exactly one .gguf file)")
-    return load_hf_folder(path, torch_dtype, device, name=path.name)
+    fmt = resolve_weight_format(weight_dtype, torch_dtype, gguf_types=None, device=device)
+    return load_hf_folder(path, torch_dtype, device, name=path.name, weight_format=fmt)
 
 
-def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    from pagedrs.models.gguf_loader import convert_gguf_cached
+def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, weight_dtype: str) -> LoadedModel:
+    from pagedrs.models.gguf_loader import convert_gguf_cached, linear_tensor_types
 
     folder = convert_gguf_cached(path)
-    return load_hf_folder(folder, dtype, device, name=name)
+    types = linear_tensor_types(path) if weight_dtype == "auto" else None
+    fmt = resolve_weight_format(weight_dtype, dtype, gguf_types=types, device=device)
+    return load_hf_folder(folder, dtype, device, name=name, weight_format=fmt)
 
 
-def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, name: str) -> LoadedModel:
+def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, name: str,
+                   weight_format: WeightFormat | None = None) -> LoadedModel:
     folder = Path(folder)
     try:
         config_dict = json.loads((folder / "config.json").read_text())
@@ -110,11 +123,12 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, na
         raise ValueError(f"{folder / 'config.json'} is not valid JSON: {e}") from e
     config = ModelConfig.from_hf_dict(config_dict)
     state = read_safetensors_folder(folder)
-    model = LlamaForCausalLM(config, device="meta")
-    load_weights(model, state, dtype, where=str(folder))
-    model = model.to(device).eval()
+    fmt = weight_format or WeightFormat("float32", dtype)
+    model = LlamaForCausalLM(config, device=device, weight_format=fmt)
+    load_weights(model, state, where=str(folder))
+    model.eval()
     tokenizer = Tokenizer.from_folder(folder, eos_token_ids=set(config.eos_token_ids))
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name)
+    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, weight_format=fmt)
 
 
 def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
@@ -142,25 +156,21 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor], dtype: torch.dtype, *, where: str) -> None:
-    """Assign checkpoint tensors to the (meta) model, checking names and shapes against the config."""
+def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor], *, where: str) -> None:
+    """Check checkpoint names and shapes against the config, then load through the layers' weight loaders."""
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    expected = {k: v for k, v in model.state_dict().items() if not k.startswith("rotary.")}
-    if model.config.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+    expected = model.checkpoint_shapes()
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"weights in {where} lack {len(missing)} tensors required by the config, e.g. {missing[:3]}")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
         raise ValueError(f"weights in {where} hold tensors this architecture has no place for, e.g. {unexpected[:3]}")
-    for key, param in expected.items():
-        if tuple(state[key].shape) != tuple(param.shape):
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != shape:
             raise ValueError(
-                f"tensor {key!r} in {where} has shape {tuple(state[key].shape)}, but config.json implies "
-                f"{tuple(param.shape)}"
+                f"tensor {key!r} in {where} has shape {tuple(state[key].shape)}, but config.json implies {shape}"
             )
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    model.tie_weights()
+    model.load_weights(state.items())

@@ -1,0 +1,138 @@
+"""Decode speed next to the machine's limits: tokens/s per weight format, batch size and prompt length.
+
+Workload: B requests of P random prompt tokens (seeded), 64 new tokens each, greedy with
+ignore_eos, all submitted at once; the prompt goes in one prefill step and the rest are
+decode steps. ``decode tok/s`` counts the tokens of the decode steps over their time;
+prefill is reported apart. ``per CPU-s`` divides by this process's CPU time instead of
+the wall clock: on a shared machine it leaves out the time the process waited for a core.
+
+Bounds (measured in the same run by ``limits``, because the machine may be shared):
+``stream`` = B * bandwidth / bytes of the linear weights (each decode step reads them once),
+``gemm`` = GEMM FLOP/s at M=B for the format / (2 * linear parameters per token); the
+bound is the smaller. Attention and the Python around the step are what the ratio loses.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from pagedrs.bench.config import BenchConfig
+from pagedrs.bench.engine_runner import build_engine, greedy_params, progress
+from pagedrs.bench.limits import measure, model_shape
+from pagedrs.bench.report import Column, markdown_table, render
+
+@dataclass(frozen=True)
+class Grid:
+    batch_sizes: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    new_tokens: int
+    formats: tuple[str, ...]  # weight_dtype values
+
+
+FULL_GRID = Grid((1, 16, 32, 64), (32, 128), 64, ("float32", "bfloat16", "int8", "int4"))
+QUICK_GRID = Grid((1, 16), (32,), 16, ("float32", "int8"))
+
+
+def batch_sizes(quick: bool) -> tuple[int, ...]:
+    return (QUICK_GRID if quick else FULL_GRID).batch_sizes
+
+
+def _linear_stats(model: Any) -> tuple[int, int]:
+    """(bytes of linear weights read per step, linear parameters = multiply-adds per token)."""
+    from pagedrs.models.layers import LinearBase
+
+    layers = [m for m in model.modules() if isinstance(m, LinearBase)]
+    return model.weight_bytes(), sum(m.in_per_rank * m.out_per_rank for m in layers)
+
+
+def decode_once(engine: Any, vocab: int, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict[str, float]:
+    rng = np.random.default_rng(seed)
+    for i in range(batch):
+        prompt = rng.integers(vocab // 4, vocab - 1, size=prompt_len).tolist()
+        engine.add_request(f"d{seed}-{i}", {"prompt_token_ids": prompt}, greedy_params(new_tokens))
+    start = time.perf_counter()
+    engine.step()  # the whole prefill (max_num_batched_tokens covers B * P) and each first token
+    prefill_done, cpu_start = time.perf_counter(), time.process_time()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    end, cpu_end = time.perf_counter(), time.process_time()
+    decode_tokens = batch * (new_tokens - 1)
+    return {"prefill_tok_per_s": batch * prompt_len / (prefill_done - start),
+            "decode_tok_per_s": decode_tokens / (end - prefill_done), "decode_steps": steps,
+            # per second of this process's CPU time: on a shared machine, the time it was not descheduled
+            # (meaningful with one thread; with N threads it sums their times)
+            "decode_tok_per_cpu_s": decode_tokens / max(cpu_end - cpu_start, 1e-9),
+            "e2e_tok_per_s": batch * new_tokens / (end - start)}
+
+
+def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
+    grid = QUICK_GRID if cfg.quick else FULL_GRID
+    formats = grid.formats if cfg.weight_dtype is None else (cfg.weight_dtype,)
+    hidden, intermediate = model_shape(cfg.model)
+    progress("decode: measuring the machine's limits")
+    limits = measure(grid.batch_sizes, tuple(f for f in formats if f != "auto") or ("float32",), hidden,
+                     intermediate, quick=cfg.quick)
+    bandwidth = limits["read_bandwidth_bytes_per_s"]
+    rows: list[dict[str, Any]] = []
+    max_batch, max_prompt = max(grid.batch_sizes), max(grid.prompt_lens)
+    for fmt in formats:
+        tokens = max_batch * (max_prompt + grid.new_tokens)
+        engine = build_engine(cfg.model, weight_dtype=fmt, num_gpu_blocks=tokens // cfg.block_size + 2 * max_batch,
+                              block_size=cfg.block_size, enable_prefix_caching=False,
+                              max_num_batched_tokens=max(2048, max_batch * max_prompt), max_num_seqs=max_batch)
+        resolved = engine.loaded.weight_format.name
+        weight_bytes, linear_params = _linear_stats(engine.loaded.model)
+        vocab = engine.loaded.config.vocab_size
+        decode_once(engine, vocab, 1, 8, 3, seed=0)  # warm-up
+        for batch in grid.batch_sizes:
+            for prompt_len in grid.prompt_lens:
+                progress(f"decode: {resolved} batch {batch} prompt {prompt_len}")
+                r = decode_once(engine, vocab, batch, prompt_len, grid.new_tokens, seed=batch * 1000 + prompt_len)
+                gemm = limits["gemm_flops"].get(resolved, {}).get(batch)
+                stream_bound = batch * bandwidth / weight_bytes
+                gemm_bound = gemm / (2 * linear_params) if gemm else None
+                bound = min(stream_bound, gemm_bound) if gemm_bound else stream_bound
+                rows.append({"weights": resolved, "batch": batch, "prompt": prompt_len, **r,
+                             "stream_bound": stream_bound, "gemm_bound": gemm_bound, "bound": bound,
+                             "ratio_to_bound": r["decode_tok_per_s"] / bound,
+                             "cpu_ratio_to_bound": r["decode_tok_per_cpu_s"] / bound, "weight_bytes": weight_bytes})
+        del engine
+        gc.collect()
+    data = {"rows": rows, "limits": limits, "grid": asdict(grid), "model": cfg.model, "machine": machine}
+    return data, _markdown(data, machine)
+
+
+_COLUMNS = [
+    Column("weights", "weights"),
+    Column("batch", "batch"),
+    Column("prompt", "prompt"),
+    Column("decode tok/s", "decode_tok_per_s", "{:.1f}"),
+    Column("per CPU-s", "decode_tok_per_cpu_s", "{:.1f}"),
+    Column("stream bound", "stream_bound", "{:.0f}"),
+    Column("GEMM bound", "gemm_bound", "{:.0f}"),
+    Column("of bound", "ratio_to_bound", "{:.0%}"),
+    Column("of bound, CPU-s", "cpu_ratio_to_bound", "{:.0%}"),
+    Column("prefill tok/s", "prefill_tok_per_s", "{:.0f}"),
+    Column("end-to-end tok/s", "e2e_tok_per_s", "{:.1f}"),
+]
+
+
+def _markdown(data: dict[str, Any], machine: str) -> str:
+    lim = data["limits"]
+    weights = {r["weights"]: r["weight_bytes"] for r in data["rows"]}
+    notes = [
+        f"Limits measured in this run: read bandwidth {lim['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; GEMM "
+        + "; ".join(f"{f} " + ", ".join(f"M={m}: {v / 1e9:.0f}" for m, v in g.items()) + " GFLOP/s"
+                    for f, g in lim["gemm_flops"].items()) + ".",
+        "Linear weight bytes read per step: " + ", ".join(f"{w} {b / 1e6:.0f} MB" for w, b in weights.items()) + ".",
+        f"Model {data['model']}; {data['grid']['new_tokens']} new tokens per request, greedy, ignore_eos; "
+        "stream bound = B x bandwidth / weight bytes, GEMM bound = GEMM FLOP/s at M=B / (2 x linear params).",
+    ]
+    return render("Decode speed against the machine's bounds", markdown_table(data["rows"], _COLUMNS), notes, machine)

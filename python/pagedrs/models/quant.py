@@ -1,0 +1,172 @@
+"""Weight formats: which ``LinearMethod`` each linear layer gets for a ``weight_dtype``.
+
+The quantized methods are weight-only: activations stay in the model's dtype between
+layers, and only inside the GEMM are they cast to bfloat16, because PyTorch's packed
+CPU kernels (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``) take
+bfloat16 activations and scales (with float32 activations they fall back to a path
+measured 20-100x slower). Weights land dense through each layer's ``weight_loader``
+and are quantized once in ``process_weights_after_loading``, so every checkpoint source
+(safetensors, GGUF) feeds every format.
+
+- ``int8``: symmetric, one scale per output channel: ``W ≈ q * scale[n]``, q in [-127, 127].
+- ``int4``: asymmetric, one (scale, min) per group of ``group_size`` input features:
+  ``W ≈ q * scale + min``, q in [0, 15]. This is exactly GGUF's Q4_1 with group 32, so a
+  Q4_1 checkpoint re-quantizes to (nearly) its own values. Layers the kernel cannot
+  pack (output features not a multiple of 16, input not a multiple of the group) and
+  the LM head (its errors move every logit) fall back to int8.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from pagedrs.models.layers import DenseLinearMethod, LinearBase, LinearMethod
+
+WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4")
+COMPUTE_DTYPE = torch.bfloat16  # what the packed kernels multiply in
+INT4_GROUP_SIZE = 32  # GGUF Q4_1's block; every SmolLM2/Llama width is a multiple of it
+
+
+class _StagedDenseWeight(LinearMethod):
+    """Shared by the quantized methods: load into a dense float32 weight, quantize it afterwards."""
+
+    def create_weights(self, layer: LinearBase, in_features: int, out_features: int, device: Any) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32, device=device),
+                                    requires_grad=False)
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        weight = layer.weight.detach().float()
+        del layer.weight  # the dense copy is what the format exists to avoid reading
+        layer.register_parameter("weight", None)
+        for name, tensor in self.quantize(weight).items():
+            layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def weight_bytes(self, layer: LinearBase) -> int:
+        return sum(p.numel() * p.element_size() for n, p in layer.named_parameters(recurse=False) if n != "bias")
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, out: int) -> torch.Tensor:
+    y = y.to(x.dtype).view(*x.shape[:-1], out)
+    return y if bias is None else y + bias
+
+
+class Int8WeightOnlyMethod(_StagedDenseWeight):
+    name = "int8"
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        return dict(zip(("qweight", "scales"), quantize_int8(weight), strict=True))
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales)
+        x2 = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+        y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)
+        return _finish(y, x, bias, qweight.shape[0])
+
+
+class Int4WeightOnlyMethod(_StagedDenseWeight):
+    name = "int4"
+
+    def __init__(self, params_dtype: torch.dtype, group_size: int = INT4_GROUP_SIZE) -> None:
+        super().__init__(params_dtype)
+        self.group_size = group_size
+
+    @staticmethod
+    def can_pack(in_features: int, out_features: int, group_size: int = INT4_GROUP_SIZE) -> bool:
+        """The CPU kernel packs N in tiles of 16 and needs whole groups along K."""
+        return out_features % 16 == 0 and in_features % group_size == 0
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale, minimum = quantize_int4(weight, self.group_size)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale: [K / group, N, 2]
+        scales_zeros = torch.stack([scale.T, (minimum + 8 * scale).T], dim=-1).contiguous().to(COMPUTE_DTYPE)
+        return {"qweight": packed, "scales_zeros": scales_zeros}
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qweight, scales_zeros = cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.scales_zeros)
+        x2 = x.reshape(-1, x.shape[-1]).to(COMPUTE_DTYPE)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, self.group_size, scales_zeros)
+        return _finish(y, x, bias, qweight.shape[0])
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale bf16 [N]) with ``W ≈ q * scale``; the bf16 scale is the one the kernel uses."""
+    scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12).to(COMPUTE_DTYPE)
+    q = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q int32 [N, K] in 0..15, scale [N, K / g], min [N, K / g]) with ``W ≈ q * scale + min`` per group."""
+    n, k = weight.shape
+    groups = weight.reshape(n, k // group_size, group_size)
+    minimum = groups.amin(dim=-1)
+    scale = ((groups.amax(dim=-1) - minimum) / 15).clamp(min=1e-12)
+    q = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return q.reshape(n, k), scale, minimum
+
+
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """AVX512-BF16 or AMX: oneDNN then runs bf16 GEMMs natively (elsewhere bf16 is emulated, slower than fp32)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "avx512_bf16" in flags or "amx_bf16" in flags or torch.backends.cpu.get_cpu_capability() == "AVX512_AMX"
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A resolved ``weight_dtype`` (never "auto"): builds the linear method of each layer."""
+
+    name: str  # float32 | bfloat16 | int8 | int4 (float32 means "the activations' dtype", the exact path)
+    params_dtype: torch.dtype  # the model's activation dtype
+
+    def method(self, in_features: int, out_features: int, *, lm_head: bool = False) -> LinearMethod:
+        if self.name == "int4" and not lm_head and Int4WeightOnlyMethod.can_pack(in_features, out_features):
+            return Int4WeightOnlyMethod(self.params_dtype)
+        if self.name in ("int4", "int8"):
+            return Int8WeightOnlyMethod(self.params_dtype)
+        if self.name == "bfloat16":
+            return DenseLinearMethod(self.params_dtype, torch.bfloat16)
+        return DenseLinearMethod(self.params_dtype)
+
+
+def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_types: list[str] | None,
+                          device: torch.device) -> WeightFormat:
+    """``auto`` -> the exact dense path for Hugging Face folders; for a quantized GGUF the nearest
+    format with a CPU kernel (Q4_* -> int4, other quantized types -> int8), on a CPU with fast bf16.
+    ``bfloat16`` on a CPU without AVX512-BF16 / AMX stays float32.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype {weight_dtype!r} is not supported; allowed: {', '.join(WEIGHT_DTYPES)}")
+    if weight_dtype != "auto":
+        if weight_dtype in ("int8", "int4") and device.type != "cpu":
+            raise ValueError(f"weight_dtype {weight_dtype!r} runs on the CPU only (device {device.type!r}); "
+                             "use float32 or bfloat16 there")
+        if weight_dtype == "bfloat16" and device.type == "cpu" and not cpu_has_fast_bf16():
+            return WeightFormat("float32", params_dtype)  # emulated bf16 GEMMs are slower than float32 ones
+        return WeightFormat(weight_dtype, params_dtype)
+    if gguf_types is None or device.type != "cpu" or params_dtype != torch.float32 or not cpu_has_fast_bf16():
+        return WeightFormat("float32", params_dtype)
+    return WeightFormat(nearest_format(gguf_types), params_dtype)
+
+
+def nearest_format(gguf_types: list[str]) -> str:
+    """The format closest to a GGUF file's linear weights (the most common type among them)."""
+    if not gguf_types:
+        return "float32"
+    most = max(set(gguf_types), key=gguf_types.count)
+    if most in ("F32", "F16", "BF16", "F64"):
+        return "float32"
+    return "int4" if most.startswith(("Q4", "IQ4", "Q3", "Q2", "IQ3", "IQ2", "IQ1")) else "int8"
