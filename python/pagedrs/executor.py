@@ -61,6 +61,13 @@ class LocalExecutor:
         self.device = torch.device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(args.resolved_cpu_threads())
+        from pagedrs.distributed import parallel_state
+
+        if (parallel_state.tp_rank(), parallel_state.tp_size()) != (tp_rank, tp_size):
+            raise RuntimeError(
+                f"LocalExecutor for rank {tp_rank} of {tp_size}, but this process is rank "
+                f"{parallel_state.tp_rank()} of {parallel_state.tp_size()} (set_tensor_parallel first)"
+            )
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.loaded = load_model(args.model, dtype=args.dtype, device=self.device, weight_dtype=args.weight_dtype)
         self._backend = attention_backend
@@ -71,7 +78,8 @@ class LocalExecutor:
         args = self.args
         num_parameters = sum(p.numel() for p in self.loaded.model.parameters())
         return plan_kv_memory(
-            bytes_per_token=self.loaded.config.kv_bytes_per_token(args.dtype),
+            bytes_per_token=self.loaded.config.kv_bytes_per_token(
+                args.dtype, kv_heads=getattr(self.loaded.model, "kv_heads_per_rank", None)),
             block_size=args.block_size,
             num_parameters=num_parameters,
             device=self.device,

@@ -22,7 +22,11 @@ class KvGeometry:
     head_dim: int
 
     def bytes_per_token(self, dtype: str) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+        return self.bytes_per_element_token(DTYPE_BYTES[dtype])
+
+    def bytes_per_element_token(self, itemsize: int) -> int:
+        """The formula, once: K and V, every layer, every KV head, ``itemsize`` bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
 # Published architecture figures (config.json of each model).

@@ -42,7 +42,9 @@ class ModelRunner:
         self.backend = backend if backend is not None else get_backend(self.device)
         c = self.config
         per_block = (c.num_hidden_layers, 2)
-        block_shape = (block_size, c.num_key_value_heads, c.head_dim)
+        # a tensor-parallel rank stores only its KV heads
+        kv_heads = getattr(self.model, "kv_heads_per_rank", c.num_key_value_heads)
+        block_shape = (block_size, kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(per_block + (num_gpu_blocks,) + block_shape, dtype=self.dtype, device=self.device)
         self.cpu_cache = torch.zeros(
             per_block + (num_cpu_blocks,) + block_shape,

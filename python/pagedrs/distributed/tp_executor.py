@@ -13,7 +13,8 @@ copy-on-write and swap pairs) applies to all. The pool is what the smallest rank
 
 Processes: workers are started with ``torch.multiprocessing`` (spawn) and joined through
 ``torch.distributed`` (a TCP store on 127.0.0.1 with a free port; gloo on the CPU, NCCL on
-CUDA). Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) the existing group is used
+CUDA). One process hosts one tensor-parallel engine at a time (the group is the process's
+default ``torch.distributed`` group). Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) the existing group is used
 instead: rank 0 returns an executor and every other rank runs the worker loop and exits.
 
 Failures: a worker that dies makes rank 0's next collective fail (its sockets close) and
@@ -57,18 +58,6 @@ def _backend_name(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _check_layout(args: EngineArgs, num_heads: int, num_kv_heads: int, size: int) -> None:
-    if num_heads % size:
-        raise ValueError(
-            f"tensor_parallel_size={size} must divide the model's {num_heads} attention heads"
-        )
-    if num_kv_heads % size and size % num_kv_heads:
-        raise ValueError(
-            f"tensor_parallel_size={size} and the model's {num_kv_heads} KV heads: one must divide the other "
-            f"(KV heads are split, or replicated when there are fewer than ranks)"
-        )
-
-
 class _Shard:
     """What every rank holds: its weight shard and KV pools; runs a step on them."""
 
@@ -101,6 +90,7 @@ class TPExecutor:
         self.device = torch.device(args.device)
         self._workers: list[Any] = []
         self._dead: str | None = None
+        self._stopping = False
         self._completed: list[int] = []
         if self.device.type == "cuda" and torch.cuda.device_count() < self.size:
             raise ValueError(
@@ -156,7 +146,8 @@ class TPExecutor:
         while alive and self._dead is None:
             for sentinel in wait(list(alive), timeout=1.0):
                 p = alive.pop(sentinel)
-                if self._dead is None:
+                p.join(1.0)  # the exit code is set once the process is reaped
+                if self._dead is None and not self._stopping:
                     self._dead = f"tensor-parallel worker {p.name} exited with code {p.exitcode}"
                     logger.error("%s; the engine cannot run another step", self._dead)
 
@@ -225,6 +216,9 @@ class TPExecutor:
         return done
 
     def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
         if self._dead is None and dist.is_initialized() and not _launched_by_torchrun():
             try:
                 self._command(_STOP)
@@ -239,6 +233,7 @@ class TPExecutor:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        parallel_state.set_tensor_parallel(0, 1)  # this process may build a one-rank engine again
 
 
 def _launched_by_torchrun() -> bool:

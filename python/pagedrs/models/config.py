@@ -111,10 +111,13 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    def kv_bytes_per_token(self, dtype: str | torch.dtype) -> int:
-        """Bytes of K and V for one token across all layers: 2 * layers * kv_heads * head_dim * itemsize."""
-        itemsize = _as_dtype(dtype).itemsize
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+    def kv_bytes_per_token(self, dtype: str | torch.dtype, kv_heads: int | None = None) -> int:
+        """Bytes of K and V for one token across all layers (``pagedrs.kv_size``'s one formula);
+        ``kv_heads``: the heads one tensor-parallel rank holds (default: all)."""
+        from pagedrs.kv_size import KvGeometry
+
+        heads = self.num_key_value_heads if kv_heads is None else kv_heads
+        return KvGeometry(self.num_hidden_layers, heads, self.head_dim).bytes_per_element_token(_as_dtype(dtype).itemsize)
 
 
 _DTYPES: dict[str, torch.dtype] = {

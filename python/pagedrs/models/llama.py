@@ -25,6 +25,7 @@ from torch import nn
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.models.config import ModelConfig
+from pagedrs.distributed.parallel_state import all_reduce_, tp_rank, tp_size
 from pagedrs.models.layers import (
     DenseLinearMethod,
     LinearBase,
@@ -112,9 +113,11 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         h, q = config.hidden_size, self.num_heads * self.head_dim
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        tp = dict(tp_rank=tp_rank(), tp_size=tp_size())  # heads split across ranks; o_proj sums the parts
         self.qkv_proj = QKVParallelLinear(h, self.head_dim, self.num_heads, self.num_kv_heads,
-                                          bias=config.attention_bias, method=fmt.method(h, qkv_out), device=device)
-        self.o_proj = RowParallelLinear(q, h, bias=False, method=fmt.method(q, h), device=device)
+                                          bias=config.attention_bias, method=fmt.method(h, qkv_out), device=device,
+                                          **tp)
+        self.o_proj = RowParallelLinear(q, h, bias=False, method=fmt.method(q, h), device=device, **tp)
 
     def forward(
         self,
@@ -135,20 +138,21 @@ class Attention(nn.Module):
         key_cache, value_cache = layer_cache[0], layer_cache[1]
         backend.write_kv(k, v, key_cache, value_cache, meta)
         o = backend.forward(q, key_cache, value_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, -1))
+        return all_reduce_(self.o_proj(o.reshape(t, -1)))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
         super().__init__()
         h, i = config.hidden_size, config.intermediate_size
+        tp = dict(tp_rank=tp_rank(), tp_size=tp_size())
         self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias=False, method=fmt.method(h, 2 * i),
-                                                       device=device)
-        self.down_proj = RowParallelLinear(i, h, bias=False, method=fmt.method(i, h), device=device)
+                                                       device=device, **tp)
+        self.down_proj = RowParallelLinear(i, h, bias=False, method=fmt.method(i, h), device=device, **tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return all_reduce_(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -209,6 +213,11 @@ class LlamaForCausalLM(nn.Module):
         )
         if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]  # a Parameter
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads this tensor-parallel rank stores (all of them with one rank)."""
+        return self.model.layers[0].self_attn.qkv_proj.kv_heads_per_rank
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a transformers checkpoint of this config holds, with its (unsharded) shape."""
