@@ -216,6 +216,17 @@ impl BlockManager {
         Ok(count)
     }
 
+    /// The page disk slot `slot` caches (hash, parent, tokens), if any: what the runner
+    /// records in the slot when it writes it.
+    pub fn disk_page(&self, slot: BlockId) -> Option<DiskPage> {
+        let b = slot;
+        if b as usize >= self.cfg.num_disk_blocks {
+            return None;
+        }
+        let hash = self.disk.cache.hash_of(b)?;
+        Some(DiskPage { slot: b, hash, parent: self.disk.cache.parent_of(b), tokens: self.disk.cache.block_tokens(b).to_vec() })
+    }
+
     /// The pages the disk tier caches now, least recently used first, then pinned ones
     /// (what a persistent store holds, for tests and for checking a store's index).
     pub fn disk_pages(&self) -> Vec<DiskPage> {

@@ -283,6 +283,30 @@ impl PyScheduler {
         self.inner.seed_disk(&pages, invalidated.as_slice()?).map_err(to_py_err)
     }
 
+    /// What disk slots hold (the runner writes it beside each page): uint64 hashes [N],
+    /// uint64 parents [N], uint32 tokens [N, block_size]. ValueError for a slot that
+    /// caches no page.
+    #[allow(clippy::type_complexity)]
+    fn disk_pages<'py>(
+        &self,
+        py: Python<'py>,
+        slots: PyReadonlyArray1<'_, u32>,
+    ) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<u32>>)> {
+        let slots = slots.as_slice()?;
+        let bs = self.inner.kv().block_size();
+        let (mut hashes, mut parents, mut tokens) = (Vec::with_capacity(slots.len()), Vec::with_capacity(slots.len()), Vec::new());
+        for &slot in slots {
+            let page = self.inner.kv().disk_page(slot).ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err(format!("disk slot {slot} caches no page (or is out of range)"))
+            })?;
+            hashes.push(page.hash);
+            parents.push(page.parent);
+            tokens.extend(page.tokens);
+        }
+        let tokens = tokens.into_pyarray(py).reshape([slots.len(), bs])?;
+        Ok((hashes.into_pyarray(py), parents.into_pyarray(py), tokens))
+    }
+
     /// Clean shutdown: the transfers that copy every cached device and host page the disk
     /// tier lacks to it, as in `StepPlan.transfers`; report them with `complete_transfers`.
     fn flush_to_disk<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {

@@ -57,6 +57,10 @@ pub trait KvSpace: Send + Sync {
     fn num_disk_blocks(&self) -> usize {
         0
     }
+    /// The page a disk slot caches, if any.
+    fn disk_page(&self, _slot: BlockId) -> Option<DiskPage> {
+        None
+    }
     fn block_manager_stats(&self) -> BlockManagerStats;
     /// Token slots held for live sequences (used blocks × block size, or reserved regions).
     fn reserved_slots(&self) -> usize;
@@ -138,6 +142,9 @@ impl KvSpace for BlockManager {
     }
     fn num_disk_blocks(&self) -> usize {
         BlockManager::num_disk_blocks(self)
+    }
+    fn disk_page(&self, slot: BlockId) -> Option<DiskPage> {
+        BlockManager::disk_page(self, slot)
     }
     fn block_manager_stats(&self) -> BlockManagerStats {
         self.stats()
