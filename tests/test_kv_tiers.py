@@ -239,3 +239,21 @@ def test_a_second_engine_on_an_open_store_runs_without_the_disk_tier(tiny_llama_
     assert any("open in another engine" in r.getMessage() for r in caplog.records)
     first.shutdown()
     second.shutdown()
+
+
+def test_multiturn_bench_quick_smoke(tiny_llama_dir, tmp_path):
+    import json
+
+    import pagedrs.bench as bench
+
+    argv = ["multiturn", "--quick", "--num-requests", "8", "--model", str(tiny_llama_dir),
+            "--out", str(tmp_path / "out"), "--plot", str(tmp_path / "plots")]
+    assert bench.main(argv) == 0
+    data = json.loads((tmp_path / "out" / "multiturn.json").read_text())
+    assert (tmp_path / "plots" / "multiturn.png").stat().st_size > 0
+    dev, host, disk, warm = (data[n] for n in ("device", "host", "host_disk", "warm_restart"))
+    assert dev["output_tokens"] == host["output_tokens"] == disk["output_tokens"] == warm["output_tokens"]
+    assert dev["hit_host_pct"] == dev["hit_disk_pct"] == 0 and dev["bytes_moved"] == 0
+    assert host["prefill_tokens_computed"] < dev["prefill_tokens_computed"]
+    assert host["hit_host_pct"] > 0 and warm["hit_disk_pct"] > 0
+    assert warm["restart_hit_pct"] >= 90.0

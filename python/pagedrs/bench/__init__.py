@@ -2,7 +2,8 @@
 
 Subcommands (one module each): ``throughput`` (paged vs contiguous vs transformers under
 one KV byte budget), ``prefix`` (prefix caching on vs off), ``preemption`` (swap vs
-recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``all``.
+recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``multiturn``
+(device / host / disk page tiers on returning chat users), ``all``.
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -18,7 +19,7 @@ from typing import Any, Callable
 
 from pagedrs.bench.config import BenchConfig
 
-BENCHES = ("throughput", "prefix", "preemption", "allocator")
+BENCHES = ("throughput", "prefix", "preemption", "allocator", "multiturn")
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:
