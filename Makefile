@@ -55,6 +55,8 @@ fuzz: build
 
 lint: build
 	cargo clippy --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf target $(VENV) python/pagedrs/_core*.so

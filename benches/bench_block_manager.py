@@ -23,9 +23,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from py_block_pool import PyBlockPool, request_block_hashes  # noqa: E402
-
 from pagedrs import BlockManager  # noqa: E402
+from py_block_pool import PyBlockPool, request_block_hashes  # noqa: E402
 
 BS = 16
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedrs import Engine, EngineArgs, LLM, SamplingParams
+from pagedrs import LLM, Engine, EngineArgs, SamplingParams
 
 MAX_TOKENS = 12
 

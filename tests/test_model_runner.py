@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from paged_driver import BlockPool, PagedSeq, build_step, greedy_generate
 
+from paged_driver import BlockPool, PagedSeq, build_step, greedy_generate
 from pagedrs.attention import TorchAttentionBackend, get_backend
 from pagedrs.model_runner import ModelRunner
 from pagedrs.models import load_model

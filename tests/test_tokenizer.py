@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import TINY_CORPUS, make_tiny_tokenizer
 
+from conftest import TINY_CORPUS, make_tiny_tokenizer
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

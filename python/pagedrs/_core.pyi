@@ -94,12 +94,12 @@ class SchedulerConfig:
         block_size: int,
         num_cpu_blocks: int = 0,
         enable_prefix_caching: bool = True,
-        kv_layout: Literal["paged", "contiguous"] = "paged",
-        contiguous_reserve: Literal["max_model_len", "request"] = "max_model_len",
+        kv_layout: str = "paged",  # "paged" | "contiguous" (checked by the core)
+        contiguous_reserve: str = "max_model_len",  # "max_model_len" | "request"
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         max_model_len: int = 2048,
-        preemption_mode: Literal["swap", "recompute", "auto"] = "auto",
+        preemption_mode: str = "auto",  # "swap" | "recompute" | "auto"
         watermark: float = 0.0,
         aging_steps: int = 100,
         swap_cost_per_block: float = 1.0,

@@ -14,7 +14,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU (default 1)")
+    _add_cpu_threads(p)
+
+
+def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch threads on the CPU (default: $PAGEDRS_CPU_THREADS, else 1 for offline commands)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -64,7 +69,7 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pagedrs.demo import QUESTIONS, run_demo
 
-    run_demo(max_tokens=args.max_tokens, num_questions=args.num_questions or len(QUESTIONS))
+    run_demo(max_tokens=args.max_tokens, num_questions=args.num_questions or len(QUESTIONS), cpu_threads=args.cpu_threads)
     return 0
 
 
@@ -100,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the embedded model answers chats sharing a system prompt")
     d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--num-questions", type=int, default=None)
+    _add_cpu_threads(d)
     d.set_defaults(func=_cmd_demo)
 
     # bench and serve parse their own flags.

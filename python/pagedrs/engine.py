@@ -32,7 +32,7 @@ from pagedrs._core import Scheduler, SchedulerConfig
 from pagedrs.attention import AttentionBackend
 from pagedrs.continuation import FINISH, ContinuationPolicy, IndependentSamples
 from pagedrs.engine_args import EngineArgs
-from pagedrs.executor import Executor, make_executor
+from pagedrs.executor import LocalExecutor, make_executor, plan_tiers
 from pagedrs.inputs import InputProcessor, PromptType
 from pagedrs.outputs import RequestOutput
 from pagedrs.request import Request, Sample
@@ -65,7 +65,7 @@ class Engine:
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         self.kv_plan = self.executor.plan_kv_memory()
         plan = self.kv_plan
-        tiers = self.executor.plan_tiers(plan)
+        tiers = plan_tiers(self.executor, args, plan)
         self.num_host_cache_blocks = tiers.host_cache_blocks
         self.scheduler_config = SchedulerConfig(
             num_gpu_blocks=plan.num_gpu_blocks,
@@ -90,6 +90,7 @@ class Engine:
         if tiers.seed is not None:
             seed = tiers.seed
             self.scheduler.seed_disk(seed.slots, seed.hashes, seed.parents, seed.tokens, seed.invalidated)
+            assert isinstance(self.executor, LocalExecutor)  # plan_tiers opens a store for no other
             self.executor.set_page_meta(self.scheduler.disk_pages)
             # A clean shutdown flushes the cached pages to disk: on shutdown(), on garbage
             # collection, or at interpreter exit, whichever comes first.
@@ -333,9 +334,15 @@ class Engine:
         return self.typed_stats().as_dict()
 
     def shutdown(self) -> None:
-        """Flushes the cached KV pages to the disk tier (when on) and closes the executor's store."""
+        """Aborts what is left, flushes the cached KV pages to the disk tier (when on), and
+        releases the executor (its disk store closed, tensor-parallel workers exited)."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._pending_outputs.clear()
         if self._closer is not None:
             self._closer()
+        else:
+            self.executor.shutdown()
 
     def check_invariants(self) -> None:
         """The core's invariants plus the engine's: every live sample's sequence is in the core."""
@@ -347,7 +354,7 @@ class Engine:
                 raise AssertionError(f"sequence {seq_id} belongs to finished request {request.request_id!r}")
 
 
-def _flush_and_close(scheduler: Scheduler, executor: Executor) -> None:
+def _flush_and_close(scheduler: Scheduler, executor: LocalExecutor) -> None:
     """Clean shutdown of the disk tier: every cached page the disk lacks goes to it, then
     the store is made durable and closed. Takes no engine, so it can run at collection."""
     try:

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+CPU_THREADS_ENV = "PAGEDRS_CPU_THREADS"
+
 _LAYOUTS = ("paged", "contiguous")
 _PREEMPTION = ("swap", "recompute", "auto")
 _RESERVE = ("max_model_len", "request")
@@ -40,13 +42,17 @@ class EngineArgs:
     # (the file is preallocated). Pages survive a restart of an engine with the same model.
     kv_disk_path: Optional[str] = None
     kv_disk_gb: float = 8.0
-    # CPU only: torch intra-op threads. Default 1: on a small shared machine OpenMP's
-    # spinning workers stall 10-30x whenever another process holds a core (measured:
-    # the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy process).
+    # CPU only: torch intra-op threads. None: $PAGEDRS_CPU_THREADS, else 1 — on a small
+    # shared machine OpenMP's spinning workers stall 10-30x whenever another process holds
+    # a core (measured: the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy
+    # process). `pagedrs serve` defaults to every core it may use: a server owns its machine.
     cpu_threads: Optional[int] = None
     # Most samples (SamplingParams.n) one request may ask for: each sample holds its own
     # pages and sampling rows, so n is a multiplier a hostile client must not control.
     max_n: int = 128
+    # Ranks of tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA); rank 0
+    # is this process and owns the one scheduler.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -65,7 +71,7 @@ class EngineArgs:
         choice("preemption_mode", _PREEMPTION)
         choice("contiguous_reserve", _RESERVE)
         choice("dtype", _DTYPES)
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):
             at_least(name, 1, optional=True)
@@ -80,3 +86,18 @@ class EngineArgs:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization!r}; it must be in (0, 1]")
+
+    def resolved_cpu_threads(self) -> int:
+        """cpu_threads, else $PAGEDRS_CPU_THREADS, else 1 (see the field's comment)."""
+        if self.cpu_threads is not None:
+            return int(self.cpu_threads)
+        env = os.environ.get(CPU_THREADS_ENV)
+        if env is None or env == "":
+            return 1
+        try:
+            value = int(env)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{CPU_THREADS_ENV} is {env!r}; it must be an integer >= 1")
+        return value

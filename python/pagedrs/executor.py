@@ -64,25 +64,20 @@ class Executor(Protocol):
         """Ids of the transfers whose copies have finished since the last call."""
         ...
 
-    def plan_tiers(self, plan: KvPlan) -> TierPlan:
-        """Sizes the host cache and opens the disk store (when EngineArgs ask for them)."""
-        ...
-
-    def run_transfers(self, transfers: list[Transfer]) -> None:
-        """Runs tier copies outside a step (the shutdown flush), synchronously."""
-        ...
-
     def shutdown(self) -> None: ...
 
 
 class LocalExecutor:
     """One process, one device: today's ``ModelRunner`` behind the ``Executor`` protocol."""
 
-    def __init__(self, args: EngineArgs, attention_backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, args: EngineArgs, attention_backend: AttentionBackend | None = None, *, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
         self.args = args
         self.device = torch.device(args.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(args.cpu_threads or 1)
+            torch.set_num_threads(args.resolved_cpu_threads())
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.loaded = load_model(args.model, dtype=args.dtype, device=self.device)
         self._backend = attention_backend
         self.runner: ModelRunner | None = None
@@ -104,14 +99,11 @@ class LocalExecutor:
             swap_space_gb=args.swap_space_gb,
         )
 
-    def plan_tiers(self, plan: KvPlan) -> TierPlan:
+    def open_disk_store(self) -> tuple[int, SeedPages] | None:
+        """Opens (or creates) the disk page store of EngineArgs.kv_disk_path: (slots, the
+        pages it holds), or None with a warning when another engine holds it open."""
         args = self.args
-        if args.kv_layout != "paged":
-            return TierPlan(0, 0, None)  # the contiguous baseline caches nothing
-        host = host_cache_blocks(args.kv_host_cache_gb, plan.bytes_per_block, device_type=self.device.type,
-                                 num_gpu_blocks=plan.num_gpu_blocks)
-        if args.kv_disk_path is None:
-            return TierPlan(host, 0, None)
+        assert args.kv_disk_path is not None
         c = self.loaded.config
         geometry = StoreGeometry(
             fingerprint=model_fingerprint(self.loaded.model, c),
@@ -131,9 +123,9 @@ class LocalExecutor:
             seed = store.open()
         except (StoreBusyError, OSError) as exc:
             logger.warning("the KV disk tier is off: %s", exc)
-            return TierPlan(host, 0, None)
+            return None
         self._disk_store = store
-        return TierPlan(host, num_slots, seed)
+        return num_slots, seed
 
     def set_page_meta(self, page_meta: PageMeta) -> None:
         """Where disk writes get each slot's (hash, parent, tokens): the core, which assigned it."""
@@ -153,16 +145,17 @@ class LocalExecutor:
             self.runner.disk = DiskTier(self._disk_store, self._page_meta)
 
     def run_transfers(self, transfers: list[Transfer]) -> None:
+        """Runs tier copies outside a step (the shutdown flush), synchronously."""
         if self.runner is None:
             raise RuntimeError("LocalExecutor.run_transfers before init_kv_cache")
         with torch.inference_mode():
             self.runner.run_transfers(transfers)
 
-    def execute(self, step: StepInput) -> torch.Tensor:
+    def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
         if self.runner is None:
             raise RuntimeError("LocalExecutor.execute before init_kv_cache")
         try:
-            return self.runner.execute(step)
+            return self.runner.execute(step, compute_logits=compute_logits)
         finally:
             # The runner's copies are synchronous with respect to later reads of the host
             # pool (a device-to-host copy blocks), so every transfer is done by now, also
@@ -181,6 +174,26 @@ class LocalExecutor:
         self.runner = None
 
 
+def plan_tiers(executor: Executor, args: EngineArgs, plan: KvPlan) -> TierPlan:
+    """Sizes the host cache (any executor: each rank keeps its own host pool) and opens the
+    disk store (one process only: a tensor-parallel store would need a file per rank)."""
+    if args.kv_layout != "paged":
+        return TierPlan(0, 0, None)  # the contiguous baseline caches nothing
+    host = host_cache_blocks(args.kv_host_cache_gb, plan.bytes_per_block, device_type=torch.device(args.device).type,
+                             num_gpu_blocks=plan.num_gpu_blocks)
+    if args.kv_disk_path is None:
+        return TierPlan(host, 0, None)
+    if not isinstance(executor, LocalExecutor):
+        logger.warning("the KV disk tier is off: it needs tensor_parallel_size=1, got %d", args.tensor_parallel_size)
+        return TierPlan(host, 0, None)
+    opened = executor.open_disk_store()
+    return TierPlan(host, 0, None) if opened is None else TierPlan(host, *opened)
+
+
 def make_executor(args: EngineArgs, **kwargs: Any) -> Executor:
-    """The executor for ``args`` (one process today; tensor parallelism adds another)."""
+    """One process, or ``args.tensor_parallel_size`` of them."""
+    if args.tensor_parallel_size > 1:
+        from pagedrs.distributed.tp_executor import TPExecutor
+
+        return TPExecutor(args, **kwargs)
     return LocalExecutor(args, **kwargs)

@@ -12,16 +12,22 @@ only their ratio matters, and it makes short sequences recompute and long ones s
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger("pagedrs.engine")
 
 # Round figures: (host link bytes/s, sustained FLOP/s of the forward pass).
 _DEVICE_SPEEDS = {
     "cpu": (8e9, 5e10),  # a memcpy between two host buffers; a few cores of fp32 matmul
     "cuda": (2.5e10, 2e14),  # PCIe 4/5-class pinned copies; a tensor-core GPU at modest efficiency
 }
-DEFAULT_CPU_KV_BYTES = 512 * 2**20
+# The CPU pool by default: a tenth of the memory available now, within these bounds.
+CPU_KV_FRACTION = 0.10
+CPU_KV_MIN_BYTES = 256 * 2**20
+CPU_KV_MAX_BYTES = 8 * 2**30
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,11 @@ def plan_kv_memory(
             )
     num_cpu_blocks = int(swap_space_gb * 2**30) // bytes_per_block
     host_bw, flops = _DEVICE_SPEEDS["cuda" if device.type == "cuda" else "cpu"]
+    logger.info(
+        "KV pool on %s: %d pages x %d tokens = %d tokens (%.2f GB, %d bytes/token); host swap tier %d pages",
+        device, num_gpu_blocks, block_size, num_gpu_blocks * block_size, num_gpu_blocks * bytes_per_block / 1e9,
+        bytes_per_token, num_cpu_blocks,
+    )
     return KvPlan(
         bytes_per_token=bytes_per_token,
         bytes_per_block=bytes_per_block,
@@ -66,9 +77,29 @@ def plan_kv_memory(
     )
 
 
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def default_cpu_kv_bytes() -> int:
+    """A tenth of the host memory available now, between 256 MiB and 8 GiB (512 MiB if unknown)."""
+    available = available_host_bytes()
+    if available is None:
+        return 512 * 2**20
+    return int(min(max(available * CPU_KV_FRACTION, CPU_KV_MIN_BYTES), CPU_KV_MAX_BYTES))
+
+
 def _default_kv_bytes(device: torch.device, gpu_memory_utilization: float) -> int:
     if device.type != "cuda":
-        return DEFAULT_CPU_KV_BYTES
+        return default_cpu_kv_bytes()
     free, total = torch.cuda.mem_get_info(device)
     used_by_others = total - free
     return max(0, int(total * gpu_memory_utilization) - used_by_others)

@@ -55,8 +55,11 @@ class ModelRunner:
         self.disk: DiskTier | None = None  # set by the executor when a disk tier is on
 
     @torch.inference_mode()
-    def execute(self, step: StepInput) -> torch.Tensor:
-        """float32 logits [S, vocab]: row i for the last new token of scheduled sequence i."""
+    def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
+        """float32 logits [S, vocab]: row i for the last new token of scheduled sequence i.
+
+        ``compute_logits=False`` (tensor-parallel workers: rank 0 samples) skips the output
+        head and returns an empty tensor."""
         # block movement first, in the plan's order: swap-outs free blocks others may reuse now
         self.run_transfers(step.transfers)
         if len(step.copies):
@@ -68,6 +71,8 @@ class ModelRunner:
         input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
         positions = torch.from_numpy(step.positions).long().to(self.device)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        if not compute_logits:
+            return hidden.new_empty((0, vocab))
         last = meta.query_start_loc[1:].long() - 1
         return self.model.compute_logits(hidden[last])
 

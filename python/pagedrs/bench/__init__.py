@@ -2,8 +2,9 @@
 
 Subcommands (one module each): ``throughput`` (paged vs contiguous vs transformers under
 one KV byte budget), ``prefix`` (prefix caching on vs off), ``preemption`` (swap vs
-recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``multiturn``
-(device / host / disk page tiers on returning chat users), ``all``.
+recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``all``; and, only
+when named, ``serve`` (HTTP through ``pagedrs serve`` vs the offline engine) and
+``multiturn`` (device / host / disk page tiers on returning chat users).
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -19,7 +20,9 @@ from typing import Any, Callable
 
 from pagedrs.bench.config import BenchConfig
 
-BENCHES = ("throughput", "prefix", "preemption", "allocator", "multiturn")
+BENCHES = ("throughput", "prefix", "preemption", "allocator")
+# Run only when named: they start servers or take long.
+EXTRA_BENCHES = ("serve", "multiturn")
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:
@@ -30,7 +33,7 @@ def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedrs bench", description=__doc__.splitlines()[0])
-    p.add_argument("benchmark", choices=(*BENCHES, "all"))
+    p.add_argument("benchmark", choices=(*BENCHES, *EXTRA_BENCHES, "all"))
     p.add_argument("--quick", action="store_true", help="small workloads (minutes on 2 CPU cores)")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write the JSON result here")
     p.add_argument("--out", dest="out_dir", metavar="DIR", help="write <bench>.json and <bench>.md here")
@@ -90,7 +93,7 @@ def main(argv: list[str]) -> int:
         print(markdown, flush=True)
         for path in write_outputs(cfg.out_dir, name, data, markdown):
             print(f"wrote {path}")
-        if cfg.plot_dir:
+        if cfg.plot_dir and name in PLOTTERS:
             for path in PLOTTERS[name](data, cfg.plot_dir):
                 print(f"wrote {path}")
         results[name] = data

@@ -1,0 +1,261 @@
+"""``pagedrs bench serve``: the served path measured as users run it, beside the offline engine.
+
+Starts ``pagedrs serve`` (default settings: engine core in its own process, every core it
+may use) on 127.0.0.1, replays a seeded workload through HTTP with the official ``openai``
+client at a fixed concurrency (streaming, ``ignore_eos``, so every system generates the
+same tokens), and reports generated tokens/s, time to first token and request latency
+(p50 / p99), errors, the server's CPU use (its process tree, in cores) and RSS, and the
+share of the core's busy time spent inside ``Engine.step``. Then the offline engine
+(``LLM.generate``, same thread count) runs the same requests in the same process run.
+
+Two workloads: ShareGPT-like random lengths (mean ~120 prompt / ~120 generated tokens in
+the full run) and the same with every prompt behind one shared 600-token prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from pagedrs.bench.config import BenchConfig
+from pagedrs.bench.report import Column, markdown_table, render
+from pagedrs.bench.workloads import BenchRequest, LengthDistribution, Workload, WorkloadSpec, synthetic_workload
+
+SERVE_FULL = WorkloadSpec(
+    name="sharegpt-like-serve",
+    num_requests=96,
+    prompt=LengthDistribution(mean=120, sigma=0.9, minimum=4, maximum=768),
+    output=LengthDistribution(mean=120, sigma=0.8, minimum=4, maximum=512),
+    max_model_len=1024,
+)
+SERVE_QUICK = WorkloadSpec(
+    name="sharegpt-like-serve-quick",
+    num_requests=16,
+    prompt=LengthDistribution(mean=32, sigma=0.9, minimum=4, maximum=256),
+    output=LengthDistribution(mean=32, sigma=0.8, minimum=4, maximum=128),
+    max_model_len=512,
+)
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    concurrency: int
+    shared_prefix_tokens: int
+
+
+def _shared_prefix(workload: Workload, prefix_len: int, vocab_size: int) -> Workload:
+    rng = np.random.default_rng(12345)
+    prefix = rng.integers(vocab_size // 8, vocab_size, size=prefix_len).tolist()
+    room = workload.spec.max_model_len + prefix_len
+    requests = [replace(r, prompt_token_ids=prefix + r.prompt_token_ids) for r in workload.requests]
+    return Workload(spec=replace(workload.spec, name=workload.spec.name + "+prefix", max_model_len=room), requests=requests)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+async def _replay(url: str, model: str, requests: list[BenchRequest], concurrency: int) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key=os.environ.get("PAGEDRS_API_KEY", "unused"), max_retries=0,
+                         timeout=3600)
+    gate = asyncio.Semaphore(concurrency)
+    ttfts: list[float] = []
+    latencies: list[float] = []
+    generated = 0
+    errors: list[str] = []
+
+    async def one(req: BenchRequest) -> None:
+        nonlocal generated
+        async with gate:
+            start = time.perf_counter()
+            first = None
+            try:
+                stream = await client.completions.create(
+                    model=model, prompt=req.prompt_token_ids, max_tokens=req.max_tokens, temperature=0.0,
+                    stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                )
+                async for chunk in stream:
+                    if first is None and chunk.choices and chunk.choices[0].text is not None:
+                        first = time.perf_counter() - start
+                    if chunk.usage is not None:
+                        generated += chunk.usage.completion_tokens
+            except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                return
+            latencies.append(time.perf_counter() - start)
+            if first is not None:
+                ttfts.append(first)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(r) for r in requests))
+    wall = time.perf_counter() - start
+    await client.close()
+    return {
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "tokens_per_s": generated / wall if wall else 0.0,
+        "ttft_p50_s": _percentile(ttfts, 50),
+        "ttft_p99_s": _percentile(ttfts, 99),
+        "latency_p50_s": _percentile(latencies, 50),
+        "latency_p99_s": _percentile(latencies, 99),
+        "errors": len(errors),
+        "error_samples": errors[:3],
+    }
+
+
+class _Server:
+    """``pagedrs serve`` in a subprocess, with its process tree's CPU time and RSS."""
+
+    def __init__(self, cfg: BenchConfig, max_model_len: int) -> None:
+        from pagedrs.server.background import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagedrs.server", "--model", cfg.model, "--port", str(self.port),
+               "--dtype", cfg.dtype, "--block-size", str(cfg.block_size), "--max-model-len", str(max_model_len),
+               "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"pagedrs serve exited with {self.proc.returncode}: {err[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"pagedrs serve was not healthy within {timeout_s} s")
+
+    def _tree(self) -> list[Any]:
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children(recursive=True)]
+
+    def cpu_seconds(self) -> float:
+        total = 0.0
+        for p in self._tree():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except Exception:  # noqa: BLE001 - a process that just exited
+                pass
+        return total
+
+    def rss_bytes(self) -> int:
+        total = 0
+        for p in self._tree():
+            try:
+                total += p.memory_info().rss
+            except Exception:  # noqa: BLE001
+                pass
+        return total
+
+    def metric(self, name: str) -> float | None:
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as r:
+                for line in r.read().decode().splitlines():
+                    if line.startswith(name + " "):
+                        return float(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _serve_run(cfg: BenchConfig, workload: Workload, model_name: str, settings: ServeSettings) -> dict[str, Any]:
+    server = _Server(cfg, workload.spec.max_model_len)
+    try:
+        server.wait_ready()
+        warm = [BenchRequest("warm", workload.requests[0].prompt_token_ids, 4)]
+        asyncio.run(_replay(server.url, model_name, warm, 1))
+        unloaded = asyncio.run(_replay(server.url, model_name, [replace(workload.requests[1], max_tokens=4)], 1))
+        cpu0 = server.cpu_seconds()
+        result = asyncio.run(_replay(server.url, model_name, workload.requests, settings.concurrency))
+        result["server_cpu_cores"] = (server.cpu_seconds() - cpu0) / result["wall_s"]
+        result["server_rss_gb"] = server.rss_bytes() / 1e9
+        result["core_step_fraction"] = server.metric("pagedrs_core_step_fraction")
+        result["unloaded_ttft_s"] = unloaded["ttft_p50_s"]
+    finally:
+        server.stop()
+    return result
+
+
+def _offline_run(cfg: BenchConfig, workload: Workload, threads: int) -> dict[str, Any]:
+    from pagedrs import LLM, SamplingParams
+
+    llm = LLM(model=cfg.model, dtype=cfg.dtype, block_size=cfg.block_size, cpu_threads=threads,
+              max_model_len=workload.spec.max_model_len)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in workload.requests]
+    params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in workload.requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"wall_s": wall, "generated_tokens": generated, "tokens_per_s": generated / wall}
+
+
+def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
+    from pagedrs.models import load_model
+
+    spec = SERVE_QUICK if cfg.quick else SERVE_FULL
+    if cfg.num_requests:
+        spec = replace(spec, num_requests=cfg.num_requests)
+    settings = ServeSettings(concurrency=8 if cfg.quick else 32, shared_prefix_tokens=128 if cfg.quick else 600)
+    loaded = load_model(cfg.model)
+    vocab, name = loaded.config.vocab_size, loaded.name
+    del loaded
+    model_name = cfg.model  # the server serves --model under that name
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    random = synthetic_workload(spec, vocab)
+    workloads = [random, _shared_prefix(random, settings.shared_prefix_tokens, vocab)]
+    rows = []
+    for workload in workloads:
+        served = _serve_run(cfg, workload, model_name, settings)
+        offline = _offline_run(cfg, workload, threads)
+        rows.append({"workload": workload.spec.name, "system": f"pagedrs serve (default, {threads} threads)", **served})
+        rows.append({"workload": workload.spec.name, "system": f"offline LLM.generate ({threads} threads)", **offline})
+        served["served_over_offline"] = served["tokens_per_s"] / offline["tokens_per_s"] if offline["tokens_per_s"] else None
+    columns = [
+        Column("workload", "workload"), Column("system", "system"), Column("tok/s", "tokens_per_s", "{:.1f}"),
+        Column("TTFT p50 s", "ttft_p50_s", "{:.2f}"), Column("TTFT p99 s", "ttft_p99_s", "{:.2f}"),
+        Column("latency p50 s", "latency_p50_s", "{:.2f}"), Column("latency p99 s", "latency_p99_s", "{:.2f}"),
+        Column("errors", "errors"), Column("server CPU (cores)", "server_cpu_cores", "{:.2f}"),
+        Column("server RSS GB", "server_rss_gb", "{:.2f}"), Column("core in step", "core_step_fraction", "{:.0%}"),
+        Column("unloaded TTFT s", "unloaded_ttft_s", "{:.2f}"),
+    ]
+    notes = [
+        f"model {name}; {spec.num_requests} requests at concurrency {settings.concurrency}, streaming, ignore_eos; "
+        f"shared-prefix variant: {settings.shared_prefix_tokens}-token prefix",
+        "served/offline throughput: " + ", ".join(
+            f"{w.spec.name}: {rows[2 * i]['tokens_per_s'] / rows[2 * i + 1]['tokens_per_s']:.0%}"
+            for i, w in enumerate(workloads) if rows[2 * i + 1]["tokens_per_s"]
+        ),
+        "targets (issue 17): served >= 90% of offline; default serve >= 1.5x 61-66 tok/s on the random workload; "
+        "shared-prefix TTFT p99 under load <= 2x unloaded TTFT",
+    ]
+    data = {"workloads": [w.summary() for w in workloads], "rows": rows, "threads": threads,
+            "concurrency": settings.concurrency, "machine": machine}
+    return data, render("Served path: HTTP through pagedrs serve vs the offline engine", markdown_table(rows, columns),
+                        notes, machine)

@@ -1,0 +1,300 @@
+"""The tensor-parallel executor: one Rust scheduler on rank 0, sharded weights and KV on every rank.
+
+    rank 0 (the engine process)                     ranks 1..N-1 (workers)
+    ───────────────────────────                     ──────────────────────
+    Scheduler → StepInput ──broadcast(header, bytes)──► decode the same StepInput
+    transfers, copies, forward (its shard)           transfers, copies, forward (its shard)
+              └──────────── all-reduce after o_proj and down_proj ────────────┘
+    logits (lm_head replicated: no gather) → sample
+
+Memory decisions are made once, on rank 0: every rank has the same number of pages with
+the same block ids, holding only its own KV heads, so one plan (block tables, slots,
+copy-on-write and swap pairs) applies to all. The pool is what the smallest rank holds.
+
+Processes: workers are started with ``torch.multiprocessing`` (spawn) and joined through
+``torch.distributed`` (a TCP store on 127.0.0.1 with a free port; gloo on the CPU, NCCL on
+CUDA). Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) the existing group is used
+instead: rank 0 returns an executor and every other rank runs the worker loop and exits.
+
+Failures: a worker that dies makes rank 0's next collective fail (its sockets close) and
+a monitor thread notices its exit within a second; the executor is then dead for good
+(``ExecutorDeadError``), the engine fails the requests in flight, and shutdown kills the
+other workers. A worker whose parent (rank 0) dies exits at once: no orphans.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagedrs.attention import AttentionBackend
+from pagedrs.distributed import parallel_state
+from pagedrs.distributed.step_codec import decode, encode
+from pagedrs.engine_args import EngineArgs
+from pagedrs.memory import KvPlan
+from pagedrs.step_input import StepInput
+
+logger = logging.getLogger("pagedrs.engine")
+
+# Commands rank 0 broadcasts as an int64 header [command, payload bytes, a, b].
+_PLAN, _INIT, _STEP, _STOP = 1, 2, 3, 4
+_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+class ExecutorDeadError(RuntimeError):
+    """A tensor-parallel worker is gone; this executor cannot run another step."""
+
+    fatal = True  # the serving loop stops instead of failing request after request
+
+
+def _backend_name(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _check_layout(args: EngineArgs, num_heads: int, num_kv_heads: int, size: int) -> None:
+    if num_heads % size:
+        raise ValueError(
+            f"tensor_parallel_size={size} must divide the model's {num_heads} attention heads"
+        )
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={size} and the model's {num_kv_heads} KV heads: one must divide the other "
+            f"(KV heads are split, or replicated when there are fewer than ranks)"
+        )
+
+
+class _Shard:
+    """What every rank holds: its weight shard and KV pools; runs a step on them."""
+
+    def __init__(self, args: EngineArgs, rank: int, size: int, attention_backend: AttentionBackend | None) -> None:
+        from pagedrs.executor import LocalExecutor
+
+        device = torch.device(args.device)
+        if device.type == "cuda":
+            device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(device)
+            args = _replace_device(args, str(device))
+        self.local = LocalExecutor(args, attention_backend=attention_backend, tp_rank=rank, tp_size=size)
+
+    def plan(self) -> KvPlan:
+        return self.local.plan_kv_memory()
+
+
+def _replace_device(args: EngineArgs, device: str) -> EngineArgs:
+    from dataclasses import replace
+
+    return replace(args, device=device)
+
+
+class TPExecutor:
+    """``Executor`` over ``args.tensor_parallel_size`` processes (see the module docs)."""
+
+    def __init__(self, args: EngineArgs, attention_backend: AttentionBackend | None = None) -> None:
+        self.args = args
+        self.size = args.tensor_parallel_size
+        self.device = torch.device(args.device)
+        self._workers: list[Any] = []
+        self._dead: str | None = None
+        self._completed: list[int] = []
+        if self.device.type == "cuda" and torch.cuda.device_count() < self.size:
+            raise ValueError(
+                f"tensor_parallel_size={self.size} needs {self.size} CUDA devices; {torch.cuda.device_count()} visible"
+            )
+        if _launched_by_torchrun():
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            if world != self.size:
+                raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is {self.size}")
+            if not dist.is_initialized():
+                dist.init_process_group(_backend_name(self.device), timeout=_COLLECTIVE_TIMEOUT)
+            parallel_state.set_tensor_parallel(rank, world)
+            if rank != 0:
+                run_worker(args, rank, world, attention_backend)
+                raise SystemExit(0)
+        else:
+            self._spawn_workers()
+            parallel_state.set_tensor_parallel(0, self.size)
+        try:
+            self.shard = _Shard(args, 0, self.size, attention_backend)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.loaded = self.shard.local.loaded
+        self._monitor = threading.Thread(target=self._watch_workers, name="pagedrs-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    # ---- processes ----------------------------------------------------------------
+
+    def _spawn_workers(self) -> None:
+        import torch.multiprocessing as tmp
+
+        from pagedrs.server.background import free_port
+
+        port = free_port()
+        ctx = tmp.get_context("spawn")
+        for rank in range(1, self.size):
+            p = ctx.Process(target=_worker_entry, args=(self.args, rank, self.size, port, os.getpid()),
+                            name=f"pagedrs-tp-{rank}", daemon=True)
+            p.start()
+            self._workers.append(p)
+        try:
+            dist.init_process_group(_backend_name(self.device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                    world_size=self.size, timeout=_COLLECTIVE_TIMEOUT)
+        except BaseException:
+            self._kill_workers()
+            raise
+
+    def _watch_workers(self) -> None:
+        from multiprocessing.connection import wait
+
+        alive = {p.sentinel: p for p in self._workers}
+        while alive and self._dead is None:
+            for sentinel in wait(list(alive), timeout=1.0):
+                p = alive.pop(sentinel)
+                if self._dead is None:
+                    self._dead = f"tensor-parallel worker {p.name} exited with code {p.exitcode}"
+                    logger.error("%s; the engine cannot run another step", self._dead)
+
+    def _kill_workers(self) -> None:
+        for p in self._workers:
+            if p.is_alive():
+                p.kill()
+        for p in self._workers:
+            p.join(10)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
+
+    def _command(self, command: int, payload: bytes = b"", a: int = 0, b: int = 0) -> None:
+        header = torch.tensor([command, len(payload), a, b], dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        if payload:
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+
+    def _guarded(self, fn: Any) -> Any:
+        self._check_alive()
+        try:
+            return fn()
+        except Exception as exc:
+            if isinstance(exc, ExecutorDeadError):
+                raise
+            # A collective that fails means a peer is gone (or the group is broken): fatal.
+            self._dead = self._dead or f"a collective failed: {type(exc).__name__}: {exc}"
+            raise ExecutorDeadError(self._dead) from exc
+
+    # ---- Executor -----------------------------------------------------------------
+
+    def plan_kv_memory(self) -> KvPlan:
+        def plan() -> KvPlan:
+            self._command(_PLAN)
+            local = self.shard.plan()
+            counts = torch.tensor([local.num_gpu_blocks, local.num_cpu_blocks], dtype=torch.int64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+            from dataclasses import replace
+
+            return replace(local, num_gpu_blocks=int(counts[0]), num_cpu_blocks=int(counts[1]))
+
+        return self._guarded(plan)
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        def init() -> None:
+            self._command(_INIT, a=num_gpu_blocks, b=num_cpu_blocks)
+            self.shard.local.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
+            dist.barrier()
+
+        self._guarded(init)
+
+    def execute(self, step: StepInput) -> torch.Tensor:
+        def run() -> torch.Tensor:
+            self._command(_STEP, encode(step))
+            return self.shard.local.execute(step)
+
+        try:
+            return self._guarded(run)
+        finally:
+            self._completed.extend(self.shard.local.take_completed_transfers())
+
+    def take_completed_transfers(self) -> list[int]:
+        done, self._completed = self._completed, []
+        return done
+
+    def shutdown(self) -> None:
+        if self._dead is None and dist.is_initialized() and not _launched_by_torchrun():
+            try:
+                self._command(_STOP)
+            except Exception:  # noqa: BLE001 - a broken group: the workers are killed below
+                pass
+        for p in self._workers:
+            p.join(10)
+        self._kill_workers()
+        self._dead = self._dead or "shut down"
+        if dist.is_initialized() and not _launched_by_torchrun():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def _launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _worker_entry(args: EngineArgs, rank: int, size: int, port: int, parent_pid: int) -> None:
+    """A spawned worker: join the group, then serve rank 0's commands until STOP."""
+    _exit_with_parent(parent_pid)
+    device = torch.device(args.device)
+    dist.init_process_group(_backend_name(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=size, timeout=_COLLECTIVE_TIMEOUT)
+    parallel_state.set_tensor_parallel(rank, size)
+    try:
+        run_worker(args, rank, size, None)
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker must never outlive rank 0 (no orphans holding memory or devices)."""
+
+    def watch() -> None:
+        import time
+
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="pagedrs-tp-parent-watch", daemon=True).start()
+
+
+def run_worker(args: EngineArgs, rank: int, size: int, attention_backend: AttentionBackend | None) -> None:
+    """Ranks 1..N-1: hold a shard and run every command rank 0 broadcasts."""
+    shard = _Shard(args, rank, size, attention_backend)
+    while True:
+        header = torch.empty(4, dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        command, length, a, b = (int(x) for x in header)
+        if command == _PLAN:
+            local = shard.plan()
+            counts = torch.tensor([local.num_gpu_blocks, local.num_cpu_blocks], dtype=torch.int64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+        elif command == _INIT:
+            shard.local.init_kv_cache(a, b)
+            dist.barrier()
+        elif command == _STEP:
+            buf = torch.empty(length, dtype=torch.uint8)
+            dist.broadcast(buf, src=0)
+            shard.local.execute(decode(buf.numpy()), compute_logits=False)
+            shard.local.take_completed_transfers()
+        elif command == _STOP:
+            return
+        else:
+            raise RuntimeError(f"tensor-parallel worker {rank}: unknown command {command}")

@@ -1,0 +1,293 @@
+"""The engine core in its own process, and the proxy the API server drives it through.
+
+Why a process: the API server's event loop, tokenization, SSE formatting and the
+dispatch of deltas share one interpreter (and its GIL) with whatever else runs there.
+With the engine in the same process, forward passes wait on that Python work; in its own
+process the core only schedules, runs the model and samples, back to back (vLLM v1's
+EngineCore does the same behind its API server).
+
+    API process                                         core process
+    ───────────                                         ────────────
+    EngineLoop thread ──add/abort/stop (pickle)──►  apply commands between steps
+          ▲             ◄── step outputs (marshal) ──  Engine.step(), again and again
+          │                                            (busy while any request is unfinished)
+    asyncio handlers (HTTP, SSE)
+
+``RemoteEngine`` is an ``EngineLike`` (server/engine_loop.py), so the EngineLoop's
+command queue, back-pressure, abort-on-disconnect and shutdown work unchanged through
+it. Commands are rare and pickled; the per-step outputs are flat tuples of ints and
+strings encoded with ``marshal`` (no pickling per token, no code ever runs on decode).
+A prompt's token ids cross once, with the request's first output.
+
+The core process never outlives its parent: it ignores SIGINT/SIGTERM (the API process
+drains and then tells it to stop) and exits when the pipe reports end of file, which is
+what happens when the parent dies, even by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import marshal
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+logger = logging.getLogger("pagedrs.server")
+
+# Per-step message: (outputs, stats); each output is
+# (request_id, finished, error, prompt_token_ids or None, samples) and each sample is
+# (index, delta_text, delta_token_ids, delta_logprobs or None, finish_reason, stop_reason).
+_OUTPUTS, _ACK, _READY, _FATAL = "outputs", "ack", "ready", "fatal"
+
+
+@dataclass
+class _Completion:
+    """The part of CompletionOutput the EngineLoop reads (deltas only)."""
+
+    index: int
+    delta_text: str
+    delta_token_ids: list[int]
+    logprobs: Optional[list[dict[int, float]]]  # one dict per token of delta_token_ids
+    finish_reason: Optional[str]
+    stop_reason: int | str | None
+
+
+@dataclass
+class _Output:
+    """The part of RequestOutput the EngineLoop reads."""
+
+    request_id: str
+    finished: bool
+    error: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[_Completion] = field(default_factory=list)
+
+
+def _encode_outputs(outputs: list[Any], sent_prompts: set[str], stats: dict[str, Any]) -> bytes:
+    rows = []
+    for out in outputs:
+        prompt = None
+        if out.request_id not in sent_prompts:
+            prompt = list(out.prompt_token_ids)
+            sent_prompts.add(out.request_id)
+        if out.finished:
+            sent_prompts.discard(out.request_id)
+        samples = []
+        for c in out.outputs:
+            new = list(c.delta_token_ids)
+            logprobs = None
+            if c.logprobs is not None and new:
+                logprobs = [dict(d) for d in c.logprobs[-len(new):]]
+            samples.append((c.index, c.delta_text, new, logprobs, c.finish_reason, c.stop_reason))
+        rows.append((out.request_id, bool(out.finished), out.error, prompt, samples))
+    return b"M" + marshal.dumps((_OUTPUTS, rows, stats))
+
+
+def _send_reply(conn: Connection, message: tuple) -> None:
+    """Rare replies (ready, ack, fatal) are pickled; a one-byte tag tells them from outputs."""
+    conn.send_bytes(b"P" + pickle.dumps(message))
+
+
+def _core_main(conn: Connection, args: Any) -> None:
+    """The core process: build the engine, then apply commands and step until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process drains, then sends "stop"
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from pagedrs.engine import Engine
+
+    try:
+        engine = Engine(args)
+    except BaseException as exc:  # noqa: BLE001 - report why the core cannot start
+        _send_reply(conn, (_FATAL, f"{type(exc).__name__}: {exc}"))
+        return
+    tok = engine.tokenizer
+    _send_reply(conn, (_READY, {
+        "tokenizer_folder": str(tok.hf.name_or_path),
+        "eos_token_ids": sorted(tok.eos_token_ids),
+        "max_model_len": int(engine.max_model_len),
+        "model_name": engine.model_name,
+        "stats": engine.stats(),
+        "pid": os.getpid(),
+    }))
+    sent_prompts: set[str] = set()
+    # Time in engine.step() over the wall time of loop turns that had work: the share of a
+    # saturated core that goes to scheduling + the model + sampling rather than to I/O.
+    step_seconds = busy_seconds = 0.0
+    try:
+        while True:
+            turn_start = time.perf_counter()
+            busy = had_work = engine.has_unfinished()
+            # Commands first: an abort sent while the last step ran frees its pages before the next.
+            while conn.poll(0 if busy else 0.5):
+                command = conn.recv()
+                kind = command[0]
+                if kind == "add":
+                    _, request_id, prompt, params, priority = command
+                    try:
+                        engine.add_request(request_id, prompt, params, priority=priority)
+                        _send_reply(conn, (_ACK, request_id, None, None))
+                    except Exception as exc:  # noqa: BLE001 - the client's error, reported back
+                        _send_reply(conn, (_ACK, request_id, type(exc).__name__, str(exc)))
+                    busy = True
+                elif kind == "abort":
+                    engine.abort(command[1])
+                    busy = engine.has_unfinished()
+                elif kind == "stop":
+                    for request_id in list(engine._requests):
+                        engine.abort(request_id)
+                    return
+            if not engine.has_unfinished():
+                continue
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            if had_work:
+                step_seconds += time.perf_counter() - t0
+            stats = engine.stats()
+            stats["core_step_seconds"] = step_seconds
+            stats["core_busy_seconds"] = busy_seconds
+            conn.send_bytes(_encode_outputs(outputs, sent_prompts, stats))
+            if had_work:  # a turn that began idle includes the wait for its first command
+                busy_seconds += time.perf_counter() - turn_start
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the API process is gone: so is the core
+    except BaseException as exc:  # noqa: BLE001
+        logger.exception("engine core failed")
+        try:
+            _send_reply(conn, (_FATAL, f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+
+
+class EngineCoreError(RuntimeError):
+    """The engine core process failed or went away."""
+
+
+class RemoteEngine:
+    """An ``EngineLike`` whose engine runs in a child process (see the module docs).
+
+    Called from one thread only (the EngineLoop's), like the Engine itself.
+    """
+
+    def __init__(self, args: Any, *, start_timeout_s: float = 600.0) -> None:
+        from pagedrs.tokenizer import Tokenizer
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=_core_main, args=(child, args), name="pagedrs-engine-core", daemon=True)
+        self._process.start()
+        child.close()
+        if not self._conn.poll(start_timeout_s):
+            self.shutdown()
+            raise EngineCoreError(f"the engine core did not start within {start_timeout_s} s")
+        kind, info = self._recv_command_reply()
+        if kind == _FATAL:
+            self.shutdown()
+            raise ValueError(f"the engine core could not start: {info}")
+        self.tokenizer = Tokenizer.from_folder(info["tokenizer_folder"], set(info["eos_token_ids"]))
+        self.max_model_len: int = info["max_model_len"]
+        self.model_name: str = info["model_name"]
+        self.core_pid: int = info["pid"]
+        self._stats: dict[str, Any] = dict(info["stats"])
+        self._live: set[str] = set()  # added and not yet finished, as the core last reported
+        self._prompts: dict[str, list[int]] = {}
+        self._buffered: list[_Output] = []
+
+    # ---- EngineLike -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
+        self._send(("add", request_id, prompt, params, priority))
+        while True:  # outputs of earlier requests may come first
+            message = self._recv()
+            if message[0] == _ACK and message[1] == request_id:
+                _, _, error_type, error = message
+                if error_type is None:
+                    self._live.add(request_id)
+                    return
+                raise (TypeError if error_type == "TypeError" else ValueError)(error)
+            self._take(message)
+
+    def abort(self, request_id: str) -> bool:
+        """Fire and forget: the core frees the pages before its next step and reports the end."""
+        if request_id not in self._live:
+            return False
+        self._send(("abort", request_id))
+        return True
+
+    def step(self, timeout_s: float = 0.5) -> list[_Output]:
+        """The outputs of the core's steps since the last call; waits up to ``timeout_s`` for one."""
+        if not self._buffered and self._live and self._conn.poll(timeout_s):
+            self._take(self._recv())
+        while self._conn.poll(0):
+            self._take(self._recv())
+        outputs, self._buffered = self._buffered, []
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live) or bool(self._buffered)
+
+    def stats(self) -> dict[str, Any]:
+        stats = dict(self._stats)
+        busy = stats.get("core_busy_seconds", 0.0)
+        stats["core_step_fraction"] = stats.get("core_step_seconds", 0.0) / busy if busy else 0.0
+        return stats
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the core (its requests are aborted, its pages freed) and waits for it to exit."""
+        if self._process.is_alive():
+            try:
+                self._send(("stop",))
+            except EngineCoreError:
+                pass
+            self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(timeout_s)
+        self._conn.close()
+
+    # ---- the pipe -----------------------------------------------------------------------
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except (OSError, ValueError) as exc:
+            raise EngineCoreError(f"the engine core is gone (exit code {self._process.exitcode}): {exc}") from exc
+
+    def _recv(self) -> tuple:
+        try:
+            raw = self._conn.recv_bytes()
+        except (EOFError, OSError) as exc:
+            raise EngineCoreError(f"the engine core is gone (exit code {self._process.exitcode})") from exc
+        message = pickle.loads(raw[1:]) if raw[:1] == b"P" else marshal.loads(raw[1:])
+        if message[0] == _FATAL:
+            raise EngineCoreError(f"the engine core failed: {message[1]}")
+        return message
+
+    def _recv_command_reply(self) -> tuple:
+        try:
+            return pickle.loads(self._conn.recv_bytes()[1:])
+        except (EOFError, OSError) as exc:
+            raise EngineCoreError(f"the engine core exited during start-up (exit code {self._process.exitcode})") from exc
+
+    def _take(self, message: tuple) -> None:
+        if message[0] != _OUTPUTS:
+            return
+        _, rows, stats = message
+        self._stats = stats
+        for request_id, finished, error, prompt, samples in rows:
+            if prompt is not None:
+                self._prompts[request_id] = prompt
+            prompt_ids = self._prompts.get(request_id, [])
+            if finished:
+                self._live.discard(request_id)
+                self._prompts.pop(request_id, None)
+            self._buffered.append(_Output(
+                request_id=request_id, finished=finished, error=error, prompt_token_ids=prompt_ids,
+                outputs=[_Completion(*s) for s in samples],
+            ))

@@ -1,0 +1,141 @@
+"""The engine core in its own process: same outputs as in-process, errors cross the
+boundary as errors, and neither side outlives the other.
+
+Each RemoteEngine spawns a Python process that imports torch and loads the model, so
+these tests share one core where they can.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+psutil = pytest.importorskip("psutil")
+
+from pagedrs import LLM, EngineArgs, SamplingParams  # noqa: E402
+from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
+from pagedrs.server.engine_core import EngineCoreError, RemoteEngine  # noqa: E402
+
+ENGINE_KW = dict(block_size=4, num_gpu_blocks=48, max_model_len=96, swap_space_gb=0.001)
+PROMPTS = ["The quick brown fox", "Paged attention keeps", "def main():"]
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_llama_dir):
+    engine = RemoteEngine(EngineArgs(model=str(tiny_llama_dir), **ENGINE_KW))
+    yield engine
+    engine.shutdown()
+    assert not engine.is_alive()
+
+
+def test_outputs_equal_the_in_process_engine(remote, tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), **ENGINE_KW)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    for i, p in enumerate(PROMPTS):
+        remote.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    while remote.has_unfinished():
+        for out in remote.step():
+            got[out.request_id].extend(out.outputs[0].delta_token_ids)
+            assert out.prompt_token_ids  # the prompt crosses once, and is kept for every output
+    assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    stats = remote.stats()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    assert 0.0 < stats["core_step_fraction"] <= 1.0
+
+
+def test_invalid_input_raises_on_the_api_side_and_nothing_is_queued(remote):
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        remote.add_request("bad", [], SamplingParams())
+    with pytest.raises(TypeError, match="params must be SamplingParams"):
+        remote.add_request("bad2", "x", {"max_tokens": 3})
+    assert not remote.has_unfinished()
+
+
+def test_abort_frees_the_core_pages(remote):
+    remote.add_request("long", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True))
+    remote.step()
+    assert remote.abort("long")
+    finished = []
+    wait_until(lambda: finished.extend(o for o in remote.step() if o.finished) or finished, 30, "the abort")
+    assert finished[0].outputs[0].finish_reason == "abort"
+    stats = remote.stats()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"] and stats["num_running"] == 0
+
+
+def test_the_openai_client_through_the_core_process(remote):
+    loop = EngineLoop(remote)
+    loop.start()
+    try:
+        with BackgroundServer(build_app(loop, "tiny", max_waiting=16)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            done = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+            streamed = "".join(
+                c.choices[0].text for c in client.completions.create(
+                    model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, stream=True) if c.choices
+            )
+            assert done.choices[0].text == streamed and done.usage.completion_tokens == 6
+            with pytest.raises(openai.BadRequestError):
+                client.completions.create(model="tiny", prompt=[10**9], max_tokens=2)
+    finally:
+        loop.stop()
+
+
+def test_a_killed_core_fails_requests_instead_of_hanging(tiny_llama_dir):
+    engine = RemoteEngine(EngineArgs(model=str(tiny_llama_dir), **ENGINE_KW))
+    try:
+        engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=80, ignore_eos=True))
+        os.kill(engine.core_pid, signal.SIGKILL)
+        with pytest.raises(EngineCoreError, match="gone|failed"):
+            for _ in range(1000):
+                engine.step()
+    finally:
+        engine.shutdown()
+    assert not engine.is_alive()
+
+
+def test_the_core_exits_when_its_parent_is_killed(tiny_llama_dir, tmp_path: Path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        from pagedrs import EngineArgs
+        from pagedrs.server.engine_core import RemoteEngine
+        if __name__ == "__main__":
+            engine = RemoteEngine(EngineArgs(model={str(tiny_llama_dir)!r}, block_size=4, num_gpu_blocks=16))
+            print(engine.core_pid, flush=True)
+            time.sleep(600)
+    """))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        core_pid = int(parent.stdout.readline())
+        assert psutil.pid_exists(core_pid)
+        parent.kill()
+        parent.wait(30)
+
+        def core_gone() -> bool:
+            try:
+                return psutil.Process(core_pid).status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        wait_until(core_gone, 30, f"core process {core_pid} to exit after its parent was killed")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
