@@ -9,8 +9,9 @@ metric vanish.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)

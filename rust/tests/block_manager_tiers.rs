@@ -14,8 +14,11 @@ fn tiers(gpu: usize, cpu: usize, disk: usize) -> BlockManager {
     BlockManager::new(cfg).unwrap()
 }
 
-/// (src, dst, pairs) of every transfer planned since the last call.
-fn moves(bm: &mut BlockManager) -> Vec<(Tier, Tier, Vec<(u32, u32)>)> {
+/// One planned transfer: (src, dst, pairs).
+type Move = (Tier, Tier, Vec<(u32, u32)>);
+
+/// Every transfer planned since the last call.
+fn moves(bm: &mut BlockManager) -> Vec<Move> {
     bm.take_transfers().into_iter().map(|Transfer { src, dst, pairs, .. }| (src, dst, pairs)).collect()
 }
 

@@ -54,7 +54,9 @@ class Conversations:
     @classmethod
     def make(cls, s: dict[str, int], vocab: int, seed: int = 0) -> Conversations:
         rng = np.random.default_rng(seed)
-        draw = lambda n: rng.integers(100, vocab - 100, n).tolist()  # noqa: E731
+
+        def draw(n: int) -> list[int]:
+            return [int(t) for t in rng.integers(100, vocab - 100, n)]
         system = draw(s["system_tokens"])
         messages = [[draw(s["user_tokens"]) for _ in range(s["turns"])] for _ in range(s["users"])]
         return cls(system, messages, [list(system) for _ in range(s["users"])])

@@ -112,6 +112,13 @@ class DiskPageStore:
         self.bytes_written = 0
         self.bytes_read = 0
 
+    @property
+    def _f(self) -> int:
+        """The open file descriptor (the store is used only between open and close)."""
+        if self._fd is None:
+            raise RuntimeError(f"the KV disk store {self.path} is not open")
+        return self._fd
+
     # ---- open and close ------------------------------------------------------------
 
     def _header_fields(self) -> dict:
@@ -137,7 +144,7 @@ class DiskPageStore:
         else:
             invalidated = np.zeros(0, dtype=np.uint64)
             if header is not None:
-                problem = "it was written with another " + ", ".join(mismatch)
+                problem = "it was written with another " + ", ".join(mismatch or [])
                 invalidated = self._old_hashes(header, size)
             if size > 0:
                 logger.warning("ignoring the KV disk store %s: %s; starting it afresh", self.path, problem)
@@ -151,7 +158,7 @@ class DiskPageStore:
     def _read_header(self, size: int) -> tuple[Optional[dict], str]:
         if size < HEADER_BYTES:
             return None, f"the file is truncated ({size} bytes, header {HEADER_BYTES})"
-        raw = os.pread(self._fd, HEADER_BYTES, 0)
+        raw = os.pread(self._f, HEADER_BYTES, 0)
         if not raw.startswith(_FILE_MAGIC):
             return None, "it is not a pagedrs KV store (bad magic)"
         try:
@@ -170,17 +177,17 @@ class DiskPageStore:
         self._generation = 0
         body = json.dumps({**self._header_fields(), "epoch": self._epoch}, sort_keys=True).encode()
         header = _FILE_MAGIC + struct.pack("<I", len(body)) + body + struct.pack("<I", zlib.crc32(body))
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, header.ljust(HEADER_BYTES, b"\0"), 0)
-        os.fsync(self._fd)
+        os.ftruncate(self._f, 0)
+        os.pwrite(self._f, header.ljust(HEADER_BYTES, b"\0"), 0)
+        os.fsync(self._f)
 
     def _preallocate(self) -> None:
         total = HEADER_BYTES + self.num_slots * self.slot_bytes
-        if os.fstat(self._fd).st_size < total:
+        if os.fstat(self._f).st_size < total:
             try:
-                os.posix_fallocate(self._fd, 0, total)
+                os.posix_fallocate(self._f, 0, total)
             except OSError:  # a file system without fallocate: a sparse file is as good
-                os.ftruncate(self._fd, total)
+                os.ftruncate(self._f, total)
 
     def _empty_seed(self, invalidated: np.ndarray) -> SeedPages:
         bs = self.geometry.block_size
@@ -194,7 +201,7 @@ class DiskPageStore:
         batch = max(1, (64 << 20) // self.slot_bytes)
         for first in range(0, self.num_slots, batch):
             count = min(batch, self.num_slots - first)
-            raw = os.pread(self._fd, count * self.slot_bytes, HEADER_BYTES + first * self.slot_bytes)
+            raw = os.pread(self._f, count * self.slot_bytes, HEADER_BYTES + first * self.slot_bytes)
             for i in range(count):
                 record = raw[i * self.slot_bytes : (i + 1) * self.slot_bytes]
                 if len(record) < _META.size or record[:4] != _SLOT_MAGIC:
@@ -229,7 +236,7 @@ class DiskPageStore:
             return np.zeros(0, dtype=np.uint64)
         hashes = []
         for slot in range(min(num_slots, max(0, size - HEADER_BYTES) // max(1, slot_bytes))):
-            meta = os.pread(self._fd, _META.size, HEADER_BYTES + slot * slot_bytes)
+            meta = os.pread(self._f, _META.size, HEADER_BYTES + slot * slot_bytes)
             if len(meta) == _META.size and meta[:4] == _SLOT_MAGIC:
                 hashes.append(_META.unpack(meta)[2])
         return np.asarray(hashes, dtype=np.uint64)
@@ -239,7 +246,7 @@ class DiskPageStore:
         if self._fd is None:
             return
         self._queue.join()
-        os.fsync(self._fd)
+        os.fsync(self._f)
 
     def close(self) -> None:
         if self._fd is None:
@@ -312,7 +319,7 @@ class DiskPageStore:
             while end < len(from_disk) and from_disk[end][0] == from_disk[end - 1][0] + 1:
                 end += 1
             first = from_disk[start][0]
-            raw = os.pread(self._fd, (from_disk[end - 1][0] - first + 1) * self.slot_bytes,
+            raw = os.pread(self._f, (from_disk[end - 1][0] - first + 1) * self.slot_bytes,
                            HEADER_BYTES + first * self.slot_bytes)
             self.bytes_read += len(raw)
             for slot, i in from_disk[start:end]:
@@ -335,7 +342,7 @@ class DiskPageStore:
                 return
             slot, record = item
             try:
-                os.pwrite(self._fd, record, HEADER_BYTES + slot * self.slot_bytes)
+                os.pwrite(self._f, record, HEADER_BYTES + slot * self.slot_bytes)
                 self.bytes_written += len(record)
             except OSError:  # a full or failing disk: the page is lost, never wrong
                 logger.exception("writing page slot %d of %s failed", slot, self.path)

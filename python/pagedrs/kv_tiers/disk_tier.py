@@ -10,7 +10,7 @@ assigned the slots; reads scatter them back in one indexed copy.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
