@@ -257,3 +257,85 @@ def test_multiturn_bench_quick_smoke(tiny_llama_dir, tmp_path):
     assert host["prefill_tokens_computed"] < dev["prefill_tokens_computed"]
     assert host["hit_host_pct"] > 0 and warm["hit_disk_pct"] > 0
     assert warm["restart_hit_pct"] >= 90.0
+
+
+def _tier_fuzzer(model_dir, hf_model, store_dir):
+    """Random interleavings of greedy requests over shared prefixes, aborts, steps and
+    engine restarts on the same disk store, with tiny device, host and disk tiers: every
+    finished output equals transformers', and the invariants hold after every operation."""
+    from hypothesis import strategies as st
+    from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+    reference: dict[tuple[int, ...], list[int]] = {}
+    hits = {"prefix_hits_host": 0, "prefix_hits_disk": 0}
+    families = [[7 + f] * 9 + [40 + f, 41, 42] for f in range(3)]
+
+    class Machine(RuleBasedStateMachine):
+        @initialize(blocks=st.integers(14, 22), host=st.sampled_from([0, 3, 8]), disk=st.sampled_from([6, 40]),
+                    run=st.integers(0, 10**6))
+        def build(self, blocks, host, disk, run):
+            self.kw = dict(num_gpu_blocks=blocks, kv_host_cache_gb=gib(host), kv_disk_gb=gib(disk),
+                           kv_disk_path=str(store_dir / f"run{run}"), max_num_seqs=3)
+            self.engine = engine(model_dir, **self.kw)
+            self.live: dict[str, list[int]] = {}
+            self.next_id = 0
+
+        @rule(family=st.integers(0, 2), extra=st.integers(0, 9))
+        def add(self, family, extra):
+            prompt = families[family] + [60 + (family * 13 + i * 7) % 90 for i in range(extra)]
+            self.next_id += 1
+            rid = f"r{self.next_id}"
+            self.engine.add_request(rid, prompt, greedy(3))
+            self.live[rid] = prompt
+
+        @precondition(lambda self: self.live)
+        @rule(data=st.data())
+        def abort(self, data):
+            rid = data.draw(st.sampled_from(sorted(self.live)))
+            self.engine.abort(rid)
+            del self.live[rid]
+
+        @rule()
+        def step(self):
+            for out in self.engine.step():
+                if out.finished and out.request_id in self.live:
+                    prompt = self.live.pop(out.request_id)
+                    key = tuple(prompt)
+                    if key not in reference:
+                        reference[key] = hf_greedy(hf_model, prompt, 3)
+                    assert out.outputs[0].token_ids == reference[key], f"prompt {prompt}"
+
+        def _close(self):
+            while self.live:
+                self.step()
+            stats = self.engine.stats()
+            for k in hits:
+                hits[k] += stats[k]
+            self.engine.shutdown()
+
+        @rule()
+        def restart(self):
+            self._close()
+            self.engine = engine(model_dir, **self.kw)
+
+        @invariant()
+        def consistent(self):
+            if hasattr(self, "engine"):
+                self.engine.check_invariants()
+
+        def teardown(self):
+            if hasattr(self, "engine"):
+                self._close()
+
+    return Machine, hits
+
+
+def test_tier_fuzzer(tiny_llama_dir, hf_model, tmp_path):
+    from hypothesis import HealthCheck, settings
+
+    machine, hits = _tier_fuzzer(tiny_llama_dir, hf_model, tmp_path)
+    examples = int(os.environ.get("PAGEDRS_FUZZ_EXAMPLES", "15"))
+    run = settings(max_examples=examples, stateful_step_count=25, deadline=None,
+                   suppress_health_check=list(HealthCheck))(machine)
+    run.TestCase().runTest()
+    assert hits["prefix_hits_host"] > 0 and hits["prefix_hits_disk"] > 0, f"the fuzzer never reached a tier: {hits}"
