@@ -52,6 +52,9 @@ impl BlockManager {
     /// Moves the group to the host. Returns (gpu, cpu) copies, each device block once.
     /// A device block also used outside the group is copied and stays on the device for
     /// its other users; a cached one nobody uses any more stays cached and evictable.
+    /// Host-cached pages the swap reclaims move on to the disk tier first: with a disk
+    /// tier, run [`take_transfers`](Self::take_transfers) (or hand the pairs to
+    /// `start_transfers`, as the scheduler does) before these copies.
     pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>, CoreError> {
         self.check_group(seqs, false)?;
         let blocks = self.group_blocks(seqs);
