@@ -44,6 +44,19 @@ test-python: build
 check-kernels: build
 	$(PY) -m pagedrs.kernels --check
 
+# The kernels of cuda/ executed on the CPU (tests/cuda_emu; docs/kernels_emulation.md). `make test`
+# already runs the fast selection; this adds every geometry, contexts up to 4097, the third
+# schedule and the mutation check. The ASan run rebuilds the emulated kernels with
+# -fsanitize=address and preloads the runtime into python.
+.PHONY: test-kernels test-kernels-asan
+KERNEL_TESTS := tests/test_cuda_emu.py tests/test_kernels_emulated.py tests/test_kernels_engine.py
+test-kernels: build
+	PAGEDRS_KERNELS_LONG=1 $(PY) -m pytest -q $(KERNEL_TESTS) tests/test_kernels_mutations.py
+
+test-kernels-asan: build
+	PAGEDRS_EMU_ASAN=1 ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD=$$(g++ -print-file-name=libasan.so) \
+		$(PY) -m pytest -q --capture=sys $(KERNEL_TESTS)
+
 bench: build
 	cargo bench --bench allocator -- --noplot
 	$(PY) benches/bench_block_manager.py
@@ -52,6 +65,7 @@ bench: build
 # Longer fuzz runs than `make test` does (the engine state machine; the server schema fuzzer).
 fuzz: build
 	PAGEDRS_FUZZ_EXAMPLES=2000 $(PY) -m pytest -q tests/test_engine_hardening.py -k fuzzer
+	PY=$(PY) PAGEDRS_SERVER_FUZZ_EXAMPLES=300 bash tests/fuzz_server.sh
 
 lint: build
 	cargo clippy --all-targets -- -D warnings

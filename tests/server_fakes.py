@@ -1,4 +1,6 @@
-"""A deterministic stand-in for pagedrs.Engine, to test the server's plumbing without a model.
+"""The server tests' harness: a deterministic stand-in for pagedrs.Engine (to test the server's
+plumbing without a model), live servers over it or over a real Engine, and the leak check every
+server test ends with (``assert_nothing_left``).
 
 It follows docs/ENGINE_API.md: one token per sample per step, token ``ord('a') + (k + index) % 26``
 for the k-th token of sample ``index``. Every call is recorded; with ``permits`` set, each step
@@ -7,16 +9,29 @@ records itself and then waits for one permit, so a test can hold the engine insi
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pagedrs.outputs import CompletionOutput, RequestOutput
+
+MODEL = "fake"
+EXPLODE = "\U0001f4a5"  # text the fake tokenizer refuses with an unexpected exception (not a ValueError)
+POISON = "poison"  # a prompt whose request the fake engine fails on its own, mid-run
 
 
 class FakeTokenizer:
     """One token per character: id = ord(ch)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if EXPLODE in text:
+            raise ZeroDivisionError("the fake tokenizer exploded")
         return [ord(c) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -74,15 +89,19 @@ class FakeEngine:
                     CompletionOutput(index, self.tokenizer.decode(tokens), list(tokens), chr(token), [token],
                                      "length" if done else None)
                 )
+            error = None
+            if r["ids"] == self.tokenizer.encode(POISON) and len(r["samples"][0]) == 2:
+                error = "injected failure of this request"  # as the engine reports one request's failure
+                completions = [CompletionOutput(c.index, finish_reason="error") for c in completions]
             finished = all(c.finish_reason for c in completions)
-            outputs.append(RequestOutput(request_id, None, r["ids"], completions, finished))
+            outputs.append(RequestOutput(request_id, None, r["ids"], completions, finished, error=error))
             if finished:
                 del self._requests[request_id]
         return outputs
 
     def stats(self) -> dict[str, Any]:
         return {"num_gpu_blocks": 8, "block_size": 4, "num_free_gpu_blocks": 8 - len(self._requests),
-                "num_running": len(self._requests), "num_waiting": 0}
+                "num_running": len(self._requests), "num_waiting": 0, "num_swapped": 0}
 
     def call_log(self) -> list[tuple[str, Any]]:
         with self._lock:
@@ -91,3 +110,119 @@ class FakeEngine:
     def _record(self, kind: str, arg: Any) -> None:
         with self._lock:
             self.calls.append((kind, arg))
+
+
+def assert_nothing_left(loop: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """Wait (bounded) for the engine behind ``loop`` (an EngineLoop) to go idle; fail on anything left.
+
+    Left means: a page not free, a sequence running, waiting or swapped, or an add still queued
+    for the engine thread. The stats are the engine thread's own snapshot (the engine is not
+    thread-safe), refreshed after every step and command batch.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = loop.stats()
+        left = {
+            "pages in use": int(stats["num_gpu_blocks"]) - int(stats["num_free_gpu_blocks"]),
+            "running": int(stats.get("num_running", 0)),
+            "waiting": int(stats.get("num_waiting", 0)) + loop.num_waiting(),
+            "swapped": int(stats.get("num_swapped", 0)),
+        }
+        if not any(left.values()):
+            return stats
+        if time.monotonic() > deadline:
+            pytest.fail(f"the engine kept {left} for {timeout_s} s after the test (stats: {stats})")
+        time.sleep(0.02)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (bounded); fail naming ``what`` if it never holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Served:
+    """A live server (uvicorn on a thread) over a FakeEngine."""
+
+    def __init__(self, engine: FakeEngine, max_waiting: int = 8, options: Any = None) -> None:
+        from pagedrs.server import BackgroundServer, EngineLoop, build_app
+
+        self.engine = engine
+        self.loop = EngineLoop(engine)
+        self.app = build_app(self.loop, MODEL, max_waiting, options)
+        self.http = BackgroundServer(self.app)
+
+    @property
+    def url(self) -> str:
+        return self.http.url
+
+    def client(self, api_key: str = "unused") -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+
+    def count(self, kind: str) -> int:
+        return sum(1 for k, _ in self.engine.call_log() if k == kind)
+
+
+def served_factory() -> Iterator[Callable[..., Served]]:
+    """The body of a ``make_served`` fixture: ``make_served(engine, max_waiting=8, options=None)``
+    starts a server; at teardown each is checked for leaks and stopped.
+
+    A generator, not a fixture, so that test modules declare the fixture themselves
+    (``yield from served_factory()``) instead of importing a fixture by name.
+    """
+    started: list[Served] = []
+
+    def make(engine: FakeEngine, max_waiting: int = 8, options: Any = None) -> Served:
+        served = Served(engine, max_waiting, options)
+        served.loop.start()
+        served.http.start()
+        started.append(served)
+        return served
+
+    yield make
+    for served in started:
+        if served.engine.permits is not None:
+            served.engine.permits.release(10_000)  # never leave the engine thread parked in a step
+        try:
+            assert_nothing_left(served.loop)
+        finally:
+            served.http.stop()
+            served.loop.stop()
+
+
+@dataclass
+class LiveServer:
+    """A real Engine behind an EngineLoop and a BackgroundServer (``live_server``)."""
+
+    engine: Any
+    loop: Any
+    app: Any
+    http: Any
+
+    @property
+    def url(self) -> str:
+        return str(self.http.url)
+
+
+@contextlib.contextmanager
+def live_server(model_dir: Path, engine_kw: dict[str, Any], model_name: str, max_waiting: int = 64) -> Iterator[LiveServer]:
+    """Serve the model in ``model_dir`` on 127.0.0.1 for the duration of the block."""
+    from pagedrs import Engine, EngineArgs
+    from pagedrs.server import BackgroundServer, EngineLoop, build_app
+
+    engine = Engine(EngineArgs(model=str(model_dir), **engine_kw))
+    loop = EngineLoop(engine)
+    app = build_app(loop, model_name, max_waiting=max_waiting)
+    http = BackgroundServer(app)
+    loop.start()
+    http.start()
+    try:
+        yield LiveServer(engine, loop, app, http)
+    finally:
+        http.stop()
+        loop.stop()

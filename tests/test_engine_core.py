@@ -139,3 +139,27 @@ def test_the_core_exits_when_its_parent_is_killed(tiny_llama_dir, tmp_path: Path
     finally:
         if parent.poll() is None:
             parent.kill()
+
+
+def test_a_killed_core_under_the_server_ends_streams_and_health_says_503(tiny_llama_dir):
+    import httpx
+
+    engine = RemoteEngine(EngineArgs(model=str(tiny_llama_dir), **ENGINE_KW))
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        with BackgroundServer(build_app(loop, "tiny", max_waiting=16)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            stream = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=80, stream=True,
+                                               extra_body={"ignore_eos": True})
+            next(iter(stream))  # the request is running
+            os.kill(engine.core_pid, signal.SIGKILL)
+            with pytest.raises(openai.APIError):
+                for _ in stream:
+                    pass
+            wait_until(lambda: httpx.get(server.url + "/health", timeout=5).status_code == 503, 30,
+                       "/health to report the dead engine")
+            assert httpx.get(server.url + "/health", timeout=5).json()["error"]["message"]
+    finally:
+        loop.stop()
+        engine.shutdown()

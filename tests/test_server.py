@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +21,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from pagedrs import LLM, Engine, EngineArgs, SamplingParams  # noqa: E402
-from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
-from pagedrs.server.background import free_port  # noqa: E402
+from pagedrs import LLM, SamplingParams  # noqa: E402
+from server_fakes import LiveServer, assert_nothing_left, live_server  # noqa: E402
 
 MODEL = "tiny-llama"
 # A small pool (24 pages of 8 tokens) so that the load test runs out of pages and preempts.
@@ -48,12 +43,8 @@ GREEDY = dict(temperature=0.0, max_tokens=8)
 class Served:
     """A live server plus handles on its parts (the test reads metrics and changes max_waiting)."""
 
-    def __init__(self, model_dir: Path) -> None:
-        self.engine = Engine(EngineArgs(model=str(model_dir), **ENGINE_KW))
-        self.loop = EngineLoop(self.engine)
-        self.app = build_app(self.loop, MODEL, max_waiting=64)
-        self.http = BackgroundServer(self.app)
-        self.url = self.http.url
+    def __init__(self, live: LiveServer) -> None:
+        self.engine, self.loop, self.app, self.http, self.url = live.engine, live.loop, live.app, live.http, live.url
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -86,12 +77,16 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_llama_dir: Path) -> Iterator[Served]:
-    s = Served(tiny_llama_dir)
-    s.loop.start()
-    s.http.start()
-    yield s
-    s.http.stop()
-    s.loop.stop()
+    with live_server(tiny_llama_dir, ENGINE_KW, MODEL) as live:
+        yield Served(live)
+
+
+@pytest.fixture(autouse=True)
+def nothing_left(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that used the live server leaves no page, sequence or queued add behind."""
+    yield
+    if "served" in request.fixturenames:
+        assert_nothing_left(request.getfixturevalue("served").loop)
 
 
 @pytest.fixture(scope="module")
@@ -247,8 +242,8 @@ ERROR_CASES = [
     ("completions", {"model": MODEL, "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty",
      "-2 <= value <= 2"),
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "logprobs=21"),
-    ("completions", {"model": MODEL, "prompt": TOO_LONG}, 400, None, f"max_model_len is {MAX_MODEL_LEN}"),
-    ("completions", {"model": MODEL, "prompt": ""}, 400, None, "the prompt is empty"),
+    ("completions", {"model": MODEL, "prompt": TOO_LONG}, 400, "prompt", f"max_model_len is {MAX_MODEL_LEN}"),
+    ("completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "the prompt is empty"),
     ("completions", {"model": MODEL, "prompt": 5}, 400, "prompt", "Input should be"),
     ("completions", {"model": MODEL}, 400, "prompt", "Field required"),
     ("completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
@@ -292,7 +287,7 @@ def test_503_when_the_waiting_queue_would_exceed_max_waiting(served: Served, cli
             client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     finally:
         ctx.max_waiting = 64
-    assert rejected.value.status_code == 503
+    assert rejected.value.status_code == 503 and int(rejected.value.response.headers["retry-after"]) >= 1
     assert rejected.value.body["type"] == "server_overloaded_error"
     assert "--max-waiting is 0" in rejected.value.body["message"]
     assert served.metrics()['pagedrs_requests_rejected_total{status=503}'] == before + 1
@@ -361,45 +356,6 @@ def test_metrics_expose_every_required_series(served: Served) -> None:
         assert name in names, name
 
 
-def test_serve_cli_in_a_subprocess(tiny_llama_dir: Path, offline: LLM) -> None:
-    """`python -m pagedrs.server` binds 127.0.0.1, answers, and exits 0 on SIGTERM."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "pagedrs.server", "--model", str(tiny_llama_dir), "--served-model-name", MODEL,
-        "--port", str(port), "--block-size", "8", "--num-gpu-blocks", "32", "--max-model-len", "64",
-        "--log-level", "warning",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, f"the server exited early:\n{proc.stdout.read() if proc.stdout else ''}"
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not answer /health within 180 s")
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        got = client.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY).choices[0].text
-        assert got == offline.generate(PROMPTS[0], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].text
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-    output = proc.stdout.read() if proc.stdout else ""
-    # uvicorn shuts down gracefully, then re-raises the signal: exit status 0 or "killed by SIGTERM"
-    assert proc.returncode in (0, -signal.SIGTERM), output
-    assert "Traceback" not in output, output
-
-
 def test_serve_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     from pagedrs.server import main
 
@@ -407,3 +363,7 @@ def test_serve_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert "--max-waiting=-1 must be >= 0" in capsys.readouterr().err
     assert main(["--model", "/nonexistent/model/dir", "--port", "1"]) == 2
     assert "cannot start the engine" in capsys.readouterr().err
+    assert main(["--max-request-bytes", "10"]) == 2
+    assert "ServerOptions.max_request_bytes=10 is out of range: allowed >= 1024" in capsys.readouterr().err
+    assert main(["--read-timeout", "0"]) == 2
+    assert "read_timeout_s=0.0 is out of range" in capsys.readouterr().err

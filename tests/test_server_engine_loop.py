@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,56 +19,13 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from pagedrs.sampling_params import SamplingParams  # noqa: E402
-from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
-from server_fakes import FakeEngine  # noqa: E402
-
-MODEL = "fake"
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    """Poll ``condition`` (bounded); fail naming ``what`` if it never holds."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
-
-
-class Served:
-    def __init__(self, engine: FakeEngine, max_waiting: int = 8) -> None:
-        self.engine = engine
-        self.loop = EngineLoop(engine)
-        self.app = build_app(self.loop, MODEL, max_waiting)
-        self.http = BackgroundServer(self.app)
-
-    @property
-    def url(self) -> str:
-        return self.http.url
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def count(self, kind: str) -> int:
-        return sum(1 for k, _ in self.engine.call_log() if k == kind)
+from pagedrs.server import EngineLoop  # noqa: E402
+from server_fakes import MODEL, FakeEngine, Served, served_factory, wait_until  # noqa: E402
 
 
 @pytest.fixture
 def make_served() -> Iterator[Callable[..., Served]]:
-    started: list[Served] = []
-
-    def make(engine: FakeEngine, max_waiting: int = 8) -> Served:
-        served = Served(engine, max_waiting)
-        served.loop.start()
-        served.http.start()
-        started.append(served)
-        return served
-
-    yield make
-    for served in started:
-        if served.engine.permits is not None:
-            served.engine.permits.release(10_000)  # never leave the engine thread parked in a step
-        served.http.stop()
-        served.loop.stop()
+    yield from served_factory()
 
 
 def test_abort_is_applied_before_the_next_step() -> None:
@@ -181,18 +137,17 @@ def test_streaming_client_that_disconnects_is_aborted(make_served: Callable[...,
 
 
 def _step_until_aborted(served: Served, permits: threading.Semaphore) -> None:
-    """Let the engine run one step at a time until the server aborts the abandoned request.
+    """The server aborts the abandoned request while the engine is still held in an early step.
 
-    The request asked for 50 tokens: it must be dropped before it gets them.
+    The request asked for 50 tokens and the engine has taken at most 3 steps: once the
+    HTTP handler is over (its abort is then queued), released steps end within one more
+    step. Conditions, not sleeps, order the two threads.
     """
-    for _ in range(45):
-        if served.count("abort"):
-            break
-        permits.release(1)
-        time.sleep(0.05)  # give the server time to notice the closed connection; no assertion on time
-    assert served.count("abort") == 1
+    wait_until(lambda: served.app.state.drain.active == 0, "the server to end the abandoned request")
+    permits.release(10_000)
+    wait_until(lambda: served.count("abort") == 1, "the abort to reach the engine")
     wait_until(lambda: not served.engine.has_unfinished(), "the engine to be idle")
-    assert served.count("step") < 50
+    assert served.count("step") <= 4
 
 
 def test_sampling_value_errors_become_400_naming_the_field(make_served: Callable[..., Served]) -> None:

@@ -21,6 +21,9 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "RequestOutput",
     "CompletionOutput",
     "__version__",
@@ -32,11 +35,15 @@ _LAZY = {
     "Engine": "pagedrs.engine",
     "EngineArgs": "pagedrs.engine_args",
     "SamplingParams": "pagedrs.sampling_params",
+    "BeamSearchParams": "pagedrs.beam_search",
+    "BeamSearchOutput": "pagedrs.beam_search",
+    "BeamSearchSequence": "pagedrs.beam_search",
     "RequestOutput": "pagedrs.outputs",
     "CompletionOutput": "pagedrs.outputs",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from pagedrs.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from pagedrs.engine import Engine
     from pagedrs.engine_args import EngineArgs
     from pagedrs.llm import LLM

@@ -1,59 +1,198 @@
-"""Continuation policies: what a request does with the tokens drawn for its samples.
+"""Continuation policies: what a request does with the logits rows of its sequences.
 
-After each step the engine asks the request's policy two things:
+Each request has a policy, chosen by the type of its params (``SamplingParams`` ->
+``IndependentSamples``, ``BeamSearchParams`` -> ``BeamSearch``). After each step the
+engine asks the request's policy two things:
 
-- ``forks(request, sample)``: before drawing from a sample's logits row, which new
-  samples (by index) fork from it in the core — pages shared, copy-on-write later;
-- ``on_sampled(request, sample, result)``: after the draw, ``APPEND`` (the token joins
-  the sequence in the core) or ``FINISH`` (the sample's sequence is freed).
+- ``draws(request, sample, new_sample)``: which samples draw a token from ``sample``'s
+  logits row with the sampler (the sample itself, children created now with
+  ``new_sample(index)``, or none when the policy reads the row itself);
+- ``on_step(request, rows, new_sample)``: given this step's rows of the request (each
+  with the tokens drawn from it), a ``Decision`` or ``None`` (not yet: the policy keeps
+  the rows until the ones it waits for arrive).
 
-The engine carries out those decisions on the core's fork / append / finish and never
-branches on the kind of request. ``IndependentSamples`` is the policy of plain sampling
-with ``n`` samples (forks at the first token, then each sample runs alone); beam search
-is a second policy on the same primitives.
+A ``Decision`` lists continuations ``(parent, sample, token)`` — ``sample`` is ``parent``
+(the token joins the parent's sequence) or a new sample forked from ``parent`` first —
+and the samples whose sequences end. The engine carries it out on the core generically:
+every fork first (pages shared; a parent that goes on more than once is forked before
+any token is appended), then one batched append, then the frees. It never branches on
+the kind of request.
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
 
+import torch
+
+from pagedrs.beam_search import BeamSearchParams, BeamState, beam_step
 from pagedrs.request import Request, Sample, record_token
 from pagedrs.sampling import SampleResult
 from pagedrs.tokenizer import Tokenizer
 
-Action = Literal["append", "finish"]
-APPEND: Action = "append"
-FINISH: Action = "finish"
+NewSample = Callable[[int], Sample]  # index -> a new sample with its own (not yet forked) sequence id
+
+
+@dataclass
+class StepRow:
+    sample: Sample  # whose sequence produced the row
+    logits: torch.Tensor  # float32 [V], the row's raw logits
+    drawn: list[tuple[Sample, SampleResult]] = field(default_factory=list)  # the sampler's tokens for ``draws``
+
+
+@dataclass
+class Continuation:
+    parent: Sample  # the sequence continued
+    sample: Sample  # ``parent`` itself, or a new sample forked from it before any append
+    token_id: int
+
+
+@dataclass
+class Decision:
+    continuations: list[Continuation] = field(default_factory=list)
+    finished: list[Sample] = field(default_factory=list)  # sequences freed after the forks
+    num_tokens: int = 0  # tokens this step produced for the request (for the engine's counters)
 
 
 class ContinuationPolicy(Protocol):
-    def forks(self, request: Request, sample: Sample) -> list[int]:
-        """Indices of the samples to fork from ``sample`` before this step's draw."""
+    def num_samples(self, params: Any) -> int:
+        """How many outputs a finished request reports (and forks it may hold at once)."""
         ...
 
-    def on_sampled(self, request: Request, sample: Sample, result: SampleResult) -> Action:
-        """Records the drawn token and says whether the sample goes on."""
+    def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
+        """The samples that draw a token from ``sample``'s row with the sampler."""
+        ...
+
+    def on_step(self, request: Request, rows: list[StepRow], new_sample: NewSample) -> Optional[Decision]:
+        """This step's continuations of the request, or None while rows are still missing."""
         ...
 
 
 class IndependentSamples:
     """``n`` independent samples: the prompt's logits give every sample its first token.
 
-    The first row that samples forks ``n - 1`` children (they share every prompt page);
-    afterwards each sample appends until its stop rule (EOS, stop token or string,
-    max_tokens, the context length) finishes it.
+    The first row forks ``n - 1`` children (they share every prompt page); afterwards
+    each sample appends until its stop rule (EOS, stop token or string, max_tokens, the
+    context length) finishes it.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def forks(self, request: Request, sample: Sample) -> list[int]:
-        if request.params.n == 1 or request.forked:
-            return []
-        return list(range(1, request.params.n))
+    def num_samples(self, params: Any) -> int:
+        return params.n
 
-    def on_sampled(self, request: Request, sample: Sample, result: SampleResult) -> Action:
-        record_token(sample, result.token_id, result.logprob, result.top_logprobs, request, self.tokenizer,
-                     self.max_model_len)
-        return FINISH if sample.finished else APPEND
+    def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
+        if request.params.n == 1 or request.forked:
+            return [sample]
+        children = [new_sample(index) for index in range(1, request.params.n)]
+        request.samples.extend(children)
+        request.forked = True
+        return [sample, *children]
+
+    def on_step(self, request: Request, rows: list[StepRow], new_sample: NewSample) -> Decision:
+        decision = Decision()
+        for row in rows:
+            for s, result in row.drawn:
+                record_token(s, result.token_id, result.logprob, result.top_logprobs, request, self.tokenizer,
+                             self.max_model_len)
+                decision.num_tokens += 1
+                if s.finished:
+                    decision.finished.append(s)
+                else:
+                    decision.continuations.append(Continuation(row.sample, s, result.token_id))
+        return decision
+
+
+class BeamSearch:
+    """Beam search (``beam_search.beam_step``) on the core's fork / append / finish.
+
+    The live beams are the request's samples, best first. A step decides only when every
+    live beam has its logits row: under preemption the beams of one request may run in
+    different steps, so the rows of those that ran are kept (as log-probabilities) until
+    the rest arrive; a beam whose row is kept has nothing to compute and stays idle in
+    the core. Then each new beam continues its parent in place (the parent's first new
+    beam) or as a fork of it; beams no new beam continues are freed. When the search
+    ends every beam is freed and the samples become the finished hypotheses, best first.
+    Until then a request's outputs show its live beams (token ids, no text): only the
+    final output, with ``score`` set, is the result.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+
+    def num_samples(self, params: Any) -> int:
+        return params.beam_width
+
+    def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
+        return []
+
+    def on_step(self, request: Request, rows: list[StepRow], new_sample: NewSample) -> Optional[Decision]:
+        params: BeamSearchParams = request.params
+        if request.policy_state is None:
+            request.policy_state = _BeamRequest(BeamState.start(params.beam_width))
+        search: _BeamRequest = request.policy_state
+        for row in rows:
+            logits = row.logits.float()
+            if params.temperature > 0:
+                logits = logits / params.temperature
+            # the first row of a beam stays: one that ran again after a recompute preemption
+            # is for the same tokens (a beam gets no token before the decision)
+            search.rows.setdefault(row.sample.seq_id, torch.log_softmax(logits, dim=-1).cpu())
+        beams = request.samples
+        if any(b.seq_id not in search.rows for b in beams):
+            return None  # wait for the other beams' rows
+        logprobs = torch.stack([search.rows[b.seq_id] for b in beams])
+        search.rows.clear()
+        max_generated = min(params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
+        choice = beam_step(search.state, logprobs, [b.token_ids for b in beams], params, self.eos_token_ids,
+                           max_generated)
+        if choice.done:
+            request.samples = self._hypotheses(request, search)
+            return Decision(finished=beams, num_tokens=len(choice.continuing))
+        return self._continue(request, beams, choice.continuing, search, new_sample)
+
+    def _continue(self, request: Request, beams: list[Sample], continuing: list[tuple[int, int]],
+                  search: _BeamRequest, new_sample: NewSample) -> Decision:
+        decision = Decision(num_tokens=len(continuing))
+        used: set[int] = set()
+        scores = search.state.running_scores.tolist()
+        new_beams = []
+        for position, (parent_index, token) in enumerate(continuing):
+            parent = beams[parent_index]
+            child = parent if parent_index not in used else new_sample(position)
+            used.add(parent_index)
+            new_beams.append((parent, child, parent.token_ids + [token], scores[position]))
+            decision.continuations.append(Continuation(parent, child, token))
+        for index, (_, beam, tokens, score) in enumerate(new_beams):
+            beam.index, beam.token_ids, beam.cumulative_logprob = index, tokens, score
+        decision.finished = [b for i, b in enumerate(beams) if i not in used]
+        request.samples = [beam for _, beam, _, _ in new_beams]
+        return decision
+
+    def _hypotheses(self, request: Request, search: _BeamRequest) -> list[Sample]:
+        out = []
+        template = request.samples[0]
+        for index, hyp in enumerate(search.state.finished):
+            generated = hyp.generated if hyp is not None else []
+            ended_by_eos = bool(generated) and generated[-1] in self.eos_token_ids and not request.params.ignore_eos
+            out.append(Sample(
+                seq_id=-1, index=index, detokenizer=template.detokenizer, generator=None,
+                token_ids=list(generated),
+                text=self.tokenizer.decode(generated, skip_special_tokens=True),
+                finish_reason="stop" if ended_by_eos else "length",
+                cumulative_logprob=hyp.cum_logprob if hyp is not None else None,
+                score=hyp.score if hyp is not None else None,
+            ))
+        return out
+
+
+@dataclass
+class _BeamRequest:
+    state: BeamState
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> its log-probabilities, until all arrive

@@ -6,9 +6,13 @@
 
 How a step flows: the core plans (which sequences run, their pages, the tier transfers
 and copy-on-write copies); the executor runs the transfers, the copies and the forward
-pass and reports the transfers done; the engine draws tokens for the rows that sample,
-and each request's continuation policy decides per sample to append, fork or finish,
-which the engine carries out on the core. The engine never decides about memory.
+pass and reports the transfers done; the engine draws tokens for the rows whose policy
+asks for draws, and each request's continuation policy (chosen by its params' type:
+independent samples or beam search) turns its rows into a decision — continuations,
+forked or in place, and sequences to free — which the engine carries out on the core:
+frees no fork needs, forks, one batched append, the other frees. Beam search waits
+until every live beam of a request has its row (preemption may run them in different
+steps); the policy keeps the rows meanwhile. The engine never decides about memory.
 
 Hardening rule: everything that can reject a request is checked on plain values first
 (``InputProcessor``, object construction), the core is touched last, and a failure after
@@ -23,6 +27,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -30,7 +35,8 @@ import torch
 
 from pagedrs._core import Scheduler, SchedulerConfig
 from pagedrs.attention import AttentionBackend
-from pagedrs.continuation import FINISH, ContinuationPolicy, IndependentSamples
+from pagedrs.beam_search import BeamSearchParams
+from pagedrs.continuation import BeamSearch, ContinuationPolicy, Decision, IndependentSamples, StepRow
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor import LocalExecutor, make_executor, plan_tiers
 from pagedrs.inputs import InputProcessor, PromptType
@@ -98,7 +104,11 @@ class Engine:
         # The layout's rules decide the host pool (none for the contiguous baseline).
         self.executor.init_kv_cache(self.scheduler_config.num_gpu_blocks, self.scheduler_config.num_cpu_blocks)
         self.inputs = InputProcessor(self.tokenizer, config.vocab_size, self.max_model_len, args.max_n)
-        self.policy: ContinuationPolicy = IndependentSamples(self.tokenizer, self.max_model_len)
+        # The request's params type chooses its continuation policy.
+        self.policies: dict[type, ContinuationPolicy] = {
+            SamplingParams: IndependentSamples(self.tokenizer, self.max_model_len),
+            BeamSearchParams: BeamSearch(self.tokenizer, self.max_model_len),
+        }
         self._requests: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Sample]] = {}
         self._seq_ids = itertools.count(1)
@@ -113,19 +123,23 @@ class Engine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: Optional[SamplingParams] = None,
+        params: Optional[SamplingParams | BeamSearchParams] = None,
         priority: int = 0,
     ) -> None:
-        """Validates and queues a request; raises ValueError (or TypeError) with nothing changed."""
+        """Validates and queues a request; raises ValueError (or TypeError) with nothing changed.
+
+        ``params`` is SamplingParams (``n`` samples) or BeamSearchParams (beam search)."""
         processed = self.inputs.process(request_id, prompt, params, priority)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists; request ids must be unique among unfinished requests")
         params = processed.params
+        policy = self.policies[type(params)]
+        num_samples = policy.num_samples(params)
         seq_id = next(self._seq_ids)
         first = self._new_sample(seq_id, 0, processed.prompt_token_ids, params)
         arrival = next(self._arrivals)
         request = Request(request_id, processed.prompt, processed.prompt_token_ids, params, processed.priority,
-                          arrival, [first])
+                          arrival, [first], policy=policy, num_samples=num_samples)
         with Rollback() as undo:
             self.scheduler.add_sequence(
                 seq_id,
@@ -133,20 +147,27 @@ class Engine:
                 priority=processed.priority,
                 arrival=arrival,
                 max_tokens=min(params.max_tokens, self.max_model_len),
-                num_samples=params.n,
+                num_samples=num_samples,
             )
             undo(lambda: self.scheduler.finish(seq_id))
             self._requests[request_id] = request
             undo(lambda: self._requests.pop(request_id, None))
             self._by_seq[seq_id] = (request, first)
 
-    def _new_sample(self, seq_id: int, index: int, prompt_ids: list[int], params: SamplingParams) -> Sample:
+    def _new_sample(self, seq_id: int, index: int, prompt_ids: list[int], params: Any) -> Sample:
         generator = None
-        if params.seed is not None:
+        seed = getattr(params, "seed", None)
+        if seed is not None:
             # Sample k of a seeded request uses seed + k, wrapped into the generator's 64 bits.
-            generator = torch.Generator(device=self.device).manual_seed((params.seed + index) % 2**64)
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens)
+            generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**64)
+        skip = getattr(params, "skip_special_tokens", True)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=skip)
         return Sample(seq_id=seq_id, index=index, detokenizer=detok, generator=generator)
+
+    def _sample_factory(self, request: Request) -> Callable[[int], Sample]:
+        """``new_sample(index)`` for the request's policy: a sample with a fresh sequence id,
+        not yet in the core (``_fork`` puts it there)."""
+        return lambda index: self._new_sample(next(self._seq_ids), index, request.prompt_token_ids, request.params)
 
     def abort(self, request_id: str) -> bool:
         """Ends a request now and frees its pages; its final output comes with the next step."""
@@ -162,7 +183,7 @@ class Engine:
             if not s.finished:
                 s.finish_reason = reason
             self._release(s.seq_id)
-        while len(request.samples) < request.params.n:  # samples never forked
+        while len(request.samples) < request.num_samples:  # samples never forked
             request.samples.append(
                 Sample(seq_id=-1, index=len(request.samples), detokenizer=request.samples[0].detokenizer,
                        generator=None, finish_reason=reason)
@@ -196,40 +217,78 @@ class Engine:
             for seq_id in step.seq_ids.tolist():
                 if seq_id in self._by_seq:
                     self._fail(self._by_seq[seq_id][0], exc, touched)
+            if getattr(exc, "fatal", False):  # the executor is gone for good: end everything, then say so
+                for request in list(self._requests.values()):
+                    self._fail(request, exc, touched)
+                self._collect(touched)
+                raise
             return outputs + self._collect(touched)
         finally:
             self.scheduler.complete_transfers(self.executor.take_completed_transfers())
-        draws = self._draws(step, touched)
-        if draws:
-            results = self._sample_attributed(logits, draws, touched)
-            self._apply(draws, results, touched)
+        rows = self._rows(step)
+        draws = self._draws(rows, touched)
+        results = self._sample_attributed(logits, draws, touched) if draws else []
+        self._carry_out(self._decide(rows, logits, draws, results, touched), touched)
         return outputs + self._collect(touched)
 
-    def _draws(self, step: StepInput, touched: dict[str, Request]) -> list[tuple[int, Request, Sample]]:
-        """(logits row, request, sample) for every token to draw; forks new samples first."""
-        draws: list[tuple[int, Request, Sample]] = []
+    def _rows(self, step: StepInput) -> dict[str, tuple[Request, list[tuple[int, Sample]]]]:
+        """The step's sampling rows, by request: (logits row, sample)."""
+        rows: dict[str, tuple[Request, list[tuple[int, Sample]]]] = {}
         for row, (seq_id, sampled) in enumerate(zip(step.seq_ids.tolist(), step.do_sample.tolist())):
-            if not sampled or seq_id not in self._by_seq:
-                continue
-            request, state = self._by_seq[seq_id]
-            try:
-                children = [self._fork(request, state, index) for index in self.policy.forks(request, state)]
-            except Exception as exc:  # noqa: BLE001 - e.g. the contiguous layout has no room for a child
-                self._fail(request, exc, touched)
-                continue
-            request.forked = request.forked or bool(children)
-            draws.extend((row, request, s) for s in [state, *children])
+            if sampled and seq_id in self._by_seq:
+                request, state = self._by_seq[seq_id]
+                rows.setdefault(request.request_id, (request, []))[1].append((row, state))
+        return rows
+
+    def _draws(
+        self, rows: dict[str, tuple[Request, list[tuple[int, Sample]]]], touched: dict[str, Request]
+    ) -> list[tuple[int, Request, Sample]]:
+        """(logits row, request, sample) for every token the sampler draws."""
+        draws: list[tuple[int, Request, Sample]] = []
+        for request, request_rows in rows.values():
+            new_sample = self._sample_factory(request)
+            for row, state in request_rows:
+                try:
+                    samples = request.policy.draws(request, state, new_sample)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(request, exc, touched)
+                    break
+                draws.extend((row, request, s) for s in samples)
         return draws
 
-    def _fork(self, request: Request, parent: Sample, index: int) -> Sample:
-        seq_id = next(self._seq_ids)
-        child = self._new_sample(seq_id, index, request.prompt_token_ids, request.params)
+    def _decide(
+        self,
+        rows: dict[str, tuple[Request, list[tuple[int, Sample]]]],
+        logits: torch.Tensor,
+        draws: list[tuple[int, Request, Sample]],
+        results: list[Optional[SampleResult]],
+        touched: dict[str, Request],
+    ) -> list[tuple[Request, Decision]]:
+        """Each request's policy turns its rows (and the tokens drawn from them) into a decision."""
+        drawn: dict[int, list[tuple[Sample, SampleResult]]] = {}
+        for (row, _, s), result in zip(draws, results):
+            if result is not None:
+                drawn.setdefault(row, []).append((s, result))
+        decisions = []
+        for request, request_rows in rows.values():
+            touched[request.request_id] = request
+            if request.error is not None:
+                continue  # this request already failed in this step
+            step_rows = [StepRow(s, logits[row], drawn.get(row, [])) for row, s in request_rows]
+            try:
+                decision = request.policy.on_step(request, step_rows, self._sample_factory(request))
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the engine down
+                self._fail(request, exc, touched)
+                continue
+            if decision is not None:
+                decisions.append((request, decision))
+        return decisions
+
+    def _fork(self, request: Request, parent: Sample, child: Sample) -> None:
         with Rollback() as undo:
-            self.scheduler.fork(parent.seq_id, seq_id)
-            undo(lambda: self.scheduler.finish(seq_id))
-            request.samples.append(child)
-            self._by_seq[seq_id] = (request, child)
-        return child
+            self.scheduler.fork(parent.seq_id, child.seq_id)
+            undo(lambda: self.scheduler.finish(child.seq_id))
+            self._by_seq[child.seq_id] = (request, child)
 
     def _sample_attributed(
         self, logits: torch.Tensor, draws: list[tuple[int, Request, Sample]], touched: dict[str, Request]
@@ -258,33 +317,35 @@ class Engine:
     def _sampling_row(self, request: Request, s: Sample) -> SamplingRow:
         return SamplingRow(request.params, s.generator, request.prompt_token_ids, s.token_ids, self._eos_ids)
 
-    def _apply(
-        self, draws: list[tuple[int, Request, Sample]], results: list[Optional[SampleResult]], touched: dict[str, Request]
-    ) -> None:
-        """Carries out each sample's decision: finish frees its sequence, append joins the core in one batch."""
+    def _carry_out(self, decisions: list[tuple[Request, Decision]], touched: dict[str, Request]) -> None:
+        """Frees of sequences no fork reads, then the forks (a parent that goes on more than
+        once is forked before any append), then one batched append, then the other frees.
+        Freeing early lets a pruned beam's pages serve this step's copies-on-write."""
         now = time.monotonic()
         appends: list[tuple[Request, Sample, int]] = []
-        for (_, request, state), result in zip(draws, results):
-            touched[request.request_id] = request
-            if result is None or request.error is not None:
-                continue  # this request already failed in this step
+        for request, decision in decisions:
             if request.first_token_time is None:
                 request.first_token_time = now
+            self._num_generated += decision.num_tokens
+            parents = {c.parent.seq_id for c in decision.continuations if c.sample is not c.parent}
+            for s in decision.finished:
+                if s.seq_id not in parents:
+                    self._release(s.seq_id)
             try:
-                action = self.policy.on_sampled(request, state, result)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not take the engine down
+                for c in decision.continuations:
+                    if c.sample is not c.parent:
+                        self._fork(request, c.parent, c.sample)
+            except Exception as exc:  # noqa: BLE001 - e.g. the contiguous layout has no room for a child
                 self._fail(request, exc, touched)
-                continue
-            self._num_generated += 1
-            if action == FINISH:
-                self._release(state.seq_id)
-                if request.finished:
-                    request.finished_time = now
-            else:
-                appends.append((request, state, result.token_id))
+            appends.extend((request, c.sample, c.token_id) for c in decision.continuations)
         appends = [a for a in appends if a[0].error is None]
         if appends:
             self._append(appends, touched)
+        for request, decision in decisions:
+            for s in decision.finished:  # also after a failure: a policy may have dropped them from samples
+                self._release(s.seq_id)
+            if request.finished and request.finished_time is None:
+                request.finished_time = now
 
     def _append(self, appends: list[tuple[Request, Sample, int]], touched: dict[str, Request]) -> None:
         ids = np.asarray([s.seq_id for _, s, _ in appends], dtype=np.uint64)
@@ -293,6 +354,8 @@ class Engine:
             self.scheduler.append_tokens(ids, tokens)  # all or nothing
         except Exception:  # noqa: BLE001 - find the sequence(s) the core refuses
             for request, s, token in appends:
+                if request.error is not None:
+                    continue
                 try:
                     self.scheduler.append_tokens(np.asarray([s.seq_id], dtype=np.uint64),
                                                  np.asarray([token], dtype=np.uint32))

@@ -13,6 +13,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from pagedrs.beam_search import BeamSearchParams
 from pagedrs.sampling_params import SamplingParams
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -26,7 +27,7 @@ class ProcessedRequest:
     request_id: str
     prompt: Optional[str]  # the text, when the prompt was text
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: Union[SamplingParams, BeamSearchParams]
     priority: int
 
 
@@ -46,11 +47,15 @@ class InputProcessor:
                 f"{MAX_REQUEST_ID_CHARS} characters"
             )
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"request {request_id!r}: params must be SamplingParams, not {type(params).__name__}")
-        if params.n > self.max_n:
+        if type(params) not in (SamplingParams, BeamSearchParams):
+            raise TypeError(
+                f"request {request_id!r}: params must be SamplingParams or BeamSearchParams, not {type(params).__name__}"
+            )
+        field, width = ("n", params.n) if isinstance(params, SamplingParams) else ("beam_width", params.beam_width)
+        if width > self.max_n:
             raise ValueError(
-                f"SamplingParams.n={params.n} is out of range: allowed 1 <= n <= {self.max_n} (EngineArgs.max_n)"
+                f"{type(params).__name__}.{field}={width} is out of range: allowed 1 <= {field} <= {self.max_n} "
+                "(EngineArgs.max_n)"
             )
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) or not (
             PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional, Union
 
+from pagedrs.beam_search import NEG, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedrs.engine import Engine, PromptType
 from pagedrs.engine_args import EngineArgs
 from pagedrs.outputs import RequestOutput
@@ -24,7 +26,7 @@ class LLM:
     def generate(
         self,
         prompts: Union[PromptType, Sequence[PromptType]],
-        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        params: Union[SamplingParams, BeamSearchParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Runs every prompt to completion; outputs come back in input order.
@@ -35,7 +37,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text, a dict, or token ids
         prompts = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
+        if params is None or isinstance(params, (SamplingParams, BeamSearchParams)):
             params_list = [params or SamplingParams()] * len(prompts)
         else:
             params_list = list(params)
@@ -52,6 +54,30 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``); hypotheses best first.
+
+        The search runs inside the engine beside other requests, its beams sharing pages.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"beam_search needs BeamSearchParams, not {type(params).__name__}")
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        return [
+            BeamSearchOutput([
+                BeamSearchSequence(
+                    tokens=list(out.prompt_token_ids) + list(c.token_ids), token_ids=list(c.token_ids), text=c.text,
+                    # None only for a hypothesis slot never filled (or an aborted search): HF's -1e9
+                    cum_logprob=c.cumulative_logprob if c.cumulative_logprob is not None else 0.0,
+                    score=c.score if c.score is not None else NEG,
+                    finish_reason=c.finish_reason or "length",
+                )
+                for c in out.outputs
+            ])
+            for out in outs
+        ]
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

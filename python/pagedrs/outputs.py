@@ -17,6 +17,7 @@ class CompletionOutput:
     stop_reason: Union[int, str, None] = None  # the stop token id or stop string that ended it
     logprobs: Optional[list[dict[int, float]]] = None  # per generated token, when requested
     cumulative_logprob: Optional[float] = None
+    score: Optional[float] = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
 
     @property
     def finished(self) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ class Sample:
     stop_reason: int | str | None = None
     logprobs: Optional[list[dict[int, float]]] = None
     cumulative_logprob: Optional[float] = None
+    score: Optional[float] = None  # beam search: the hypothesis' length-penalized score
     sent_tokens: int = 0  # tokens already reported in an output
     sent_chars: int = 0  # characters of text already reported
 
@@ -44,7 +45,7 @@ class Request:
     request_id: str
     prompt: Optional[str]
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: Any  # SamplingParams, or BeamSearchParams for beam search
     priority: int
     arrival: int  # engine-wide arrival counter
     samples: list[Sample]
@@ -53,17 +54,20 @@ class Request:
     finished_time: Optional[float] = None
     error: Optional[str] = None
     forked: bool = False  # n > 1: children created after the first sample
+    policy: Any = None  # the ContinuationPolicy its params chose (pagedrs.continuation)
+    policy_state: Any = None  # what the policy keeps between steps (beam search: scores, pending rows)
+    num_samples: int = 1  # outputs of the finished request: n, or the beam width
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples) and len(self.samples) == self.params.n
+        return all(s.finished for s in self.samples) and len(self.samples) == self.num_samples
 
     def to_output(self) -> RequestOutput:
         """The output since the last call: cumulative fields plus deltas."""
         outs = []
         for s in self.samples:
             # Hold back text that might still turn out to be the start of a stop string.
-            hold = 0 if s.finished else max((len(x) for x in self.params.stop), default=1) - 1
+            hold = 0 if s.finished else max((len(x) for x in getattr(self.params, "stop", ())), default=1) - 1
             visible = max(len(s.text) - hold, s.sent_chars)
             outs.append(
                 CompletionOutput(
@@ -78,6 +82,7 @@ class Request:
                     # the output length); a consumer that keeps it past the next step copies it
                     logprobs=s.logprobs,
                     cumulative_logprob=s.cumulative_logprob,
+                    score=s.score,
                 )
             )
             s.sent_tokens = len(s.token_ids)

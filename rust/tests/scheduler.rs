@@ -250,7 +250,140 @@ fn bad_sequences_are_rejected_without_change() {
     s.add_sequence(1, tokens(0, 3), 0, 0, 0, 1).unwrap();
     assert!(s.add_sequence(1, tokens(0, 3), 0, 0, 0, 1).is_err());
     assert!(s.append_token(99, 1).is_err());
-    assert!(s.fork(1, 2).is_err()); // not running yet
+    assert!(s.fork(1, 1).is_err()); // the child id exists
+    assert!(s.fork(99, 2).is_err()); // unknown parent
     assert_eq!(s.num_waiting(), 1);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_waiting_parent_forks_into_a_waiting_child_that_prefills_its_own_tokens() {
+    // Seq 2 is preempted by recompute (no pages), then forked: the child waits too, and
+    // each comes back as one prefill of its own tokens (prompt, shared token, its token).
+    let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
+    fill_four_blocks_then_grow(&mut s);
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2]);
+    s.fork(2, 3).unwrap();
+    assert_eq!((s.num_waiting(), s.num_tokens(3).unwrap()), (2, 9));
+    s.check_invariants().unwrap();
+    s.append_tokens(&[(2, 100), (3, 101)]).unwrap();
+    s.finish(1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![2, 3]);
+    assert_eq!(out.do_sample, vec![true, true]);
+    let last: Vec<i64> = (1..=2).map(|i| out.input_ids[out.query_start_loc[i] as usize - 1]).collect();
+    assert_eq!(last, vec![100, 101]);
+    assert_eq!(out.seq_lens, vec![10, 10]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_swapped_parent_forks_into_a_swapped_child_sharing_its_host_pages() {
+    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    fill_four_blocks_then_grow(&mut s);
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2]);
+    let host_free = s.kv().num_free_host_blocks();
+    s.fork(2, 3).unwrap();
+    assert_eq!(s.num_swapped(), 2);
+    assert_eq!(s.kv().num_free_host_blocks(), host_free, "the child shares the parent's host pages");
+    s.check_invariants().unwrap();
+    s.append_tokens(&[(2, 100), (3, 101)]).unwrap();
+    s.finish(1).unwrap();
+    // One at a time (each needs 3 of the 4 blocks): each computes the shared token 28 and its own.
+    let mut transfers = Vec::new();
+    for (id, token) in [(2, 100), (3, 101)] {
+        let out = s.schedule().unwrap();
+        assert_eq!(out.seq_ids, vec![id]);
+        assert_eq!(out.input_ids, vec![28, token]);
+        assert_eq!(out.positions, vec![8, 9]);
+        s.finish(id).unwrap();
+        transfers.extend(out.transfers.iter().map(|t| t.id));
+    }
+    s.complete_transfers(&transfers).unwrap();
+    assert_eq!((s.kv().num_free_blocks(), s.kv().num_free_host_blocks()), (4, 8));
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_swapped_sequence_with_nothing_to_compute_stays_on_the_host_until_it_gets_a_token() {
+    // Seq 2's sampled token (28) is computed, then it is swapped out while idle (a beam
+    // waiting for its siblings): swap-in must not schedule an empty row for it.
+    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    fill_four_blocks_then_grow(&mut s);
+    s.finish(1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![2]);
+    s.add_sequence(5, tokens(40, 4), 0, 0, 4, 1).unwrap(); // earlier arrival: ranks first
+    s.schedule().unwrap(); // admits 5 (the last free block); 2 is idle
+    s.append_token(5, 52).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2], "5 needs a second block");
+    s.finish(5).unwrap();
+    let out = s.schedule().unwrap();
+    assert!(out.seq_ids.is_empty() && s.num_swapped() == 1, "nothing to compute: it stays swapped");
+    s.complete_transfers(&out.transfers.iter().map(|t| t.id).collect::<Vec<_>>()).unwrap();
+    s.append_token(2, 29).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.seq_ids.clone(), out.input_ids.clone(), out.positions.clone()), (vec![2], vec![29], vec![9]));
+    s.finish(2).unwrap();
+    s.complete_transfers(&out.transfers.iter().map(|t| t.id).collect::<Vec<_>>()).unwrap();
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_step_that_would_run_nothing_recomputes_idle_sequences_to_let_a_blocked_one_in() {
+    // Seq 1 (9 tokens, 3 of 4 blocks) is idle: its row is taken and no token follows yet
+    // (a beam waiting for its siblings). Seq 2 needs 2 blocks: without room made, no
+    // step would ever run anything again.
+    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 4, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.schedule().unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 0, 1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![1]);
+    assert_eq!(swapped(&out, "gpu"), 0, "recompute, not swap: a prefix hit shares its pages again");
+    assert_eq!(out.seq_ids, vec![2]);
+    assert_eq!(s.num_waiting(), 1);
+    s.check_invariants().unwrap();
+    // A sequence that waits but can never fit is not a reason to preempt anyone.
+    let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 4, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.schedule().unwrap();
+    s.fork(1, 3).unwrap();
+    s.append_tokens(&[(3, 9)]).unwrap(); // 3 has work, 1 stays idle
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![3]);
+    assert!(out.preempted.is_empty());
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_sequence_preempted_while_idle_is_parked_until_it_gets_a_token() {
+    // As above: seq 1 is idle, seq 2 blocked; 1 is recomputed out to let 2 in. Then 2 is
+    // idle too, and 1 has nothing to compute: neither may push the other out again (they
+    // would take turns forever, each recomputing a row it already gave).
+    let mut s = paged(4, 0, 64, PreemptionMode::Recompute);
+    s.add_sequence(1, tokens(0, 8), 0, 0, 4, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 8).unwrap();
+    s.schedule().unwrap();
+    s.add_sequence(2, tokens(20, 8), 0, 1, 4, 1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!((out.preempted.clone(), out.seq_ids.clone()), (vec![1], vec![2]));
+    let out = s.schedule().unwrap();
+    assert!(out.seq_ids.is_empty() && out.preempted.is_empty(), "1 is parked: nothing to do");
+    // A token for 1 ends its parking: now 2 (idle) makes room for it.
+    s.append_token(1, 9).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.preempted, vec![2]);
+    assert_eq!(out.seq_ids, vec![1]);
+    assert_eq!(*out.input_ids.last().unwrap(), 9);
+    assert_eq!(out.do_sample, vec![true]);
     s.check_invariants().unwrap();
 }

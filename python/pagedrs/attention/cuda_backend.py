@@ -6,16 +6,21 @@ long contexts (split-K + reduce, by ``pagedrs.kernels.planning.plan_split``); a
 step with prefill chunks gives each chunk ``q_len × group`` causal rows over its
 cached prefix pages plus itself. The plan is made once per step (the metadata
 object is shared by every layer) and reused by each layer.
+
+``runtime`` (``pagedrs.kernels.loader.KernelRuntime``) runs the kernels: CuPy on a
+GPU by default; the tests pass the CPU emulator of ``tests/cuda_emu``, which runs
+this very class, its planning and ``ops`` on CPU tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
-from pagedrs.kernels import ops
+from pagedrs.kernels import loader, ops
 from pagedrs.kernels.planning import SplitPlan, plan_split, work_items
 
 
@@ -30,10 +35,11 @@ class _StepPlan:
 class CudaAttentionBackend(AttentionBackend):
     name = "cuda"
 
-    def __init__(self, num_sms: int | None = None) -> None:
+    def __init__(self, num_sms: int | None = None, runtime: loader.KernelRuntime | None = None) -> None:
         self._num_sms = num_sms  # None: read from the device on first use
+        self._runtime = runtime if runtime is not None else loader.CUPY
         self._plan: _StepPlan | None = None
-        self._swap_streams: dict[int, torch.cuda.Stream] = {}
+        self._swap_streams: dict[torch.device, Any] = {}  # device -> the runtime's side stream for swaps
 
     def write_kv(
         self,
@@ -43,7 +49,7 @@ class CudaAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, self._runtime)
 
     def forward(
         self,
@@ -60,7 +66,7 @@ class CudaAttentionBackend(AttentionBackend):
             out = torch.empty(query.shape, dtype=key_cache.dtype, device=query.device)
         ops.paged_attention(
             out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            plan.work_items, scale, plan.split,
+            plan.work_items, scale, plan.split, self._runtime,
         )  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
@@ -70,7 +76,7 @@ class CudaAttentionBackend(AttentionBackend):
         starts = meta.query_start_loc_cpu
         items = work_items([starts[i + 1] - starts[i] for i in range(meta.num_seqs)], group)
         if self._num_sms is None:
-            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self._num_sms = self._runtime.num_sms(device)
         # Split-K only pays off for decode; prefill chunks already bring many rows per sequence.
         split = (
             plan_split(len(items) * num_kv_heads, meta.max_seq_len, self._num_sms)
@@ -81,12 +87,13 @@ class CudaAttentionBackend(AttentionBackend):
         return self._plan
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
-        ops.copy_blocks(kv_cache, pairs)
+        ops.copy_blocks(kv_cache, pairs, self._runtime)
 
     def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         device = src_cache.device if src_cache.is_cuda else dst_cache.device
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        stream = self._swap_streams.get(index)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        stream = self._swap_streams.get(device)
         if stream is None:
-            stream = self._swap_streams[index] = torch.cuda.Stream(device)
-        ops.swap_blocks(src_cache, dst_cache, pairs, stream)
+            stream = self._swap_streams[device] = self._runtime.new_stream(device)
+        ops.swap_blocks(src_cache, dst_cache, pairs, stream, self._runtime)

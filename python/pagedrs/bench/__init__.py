@@ -3,8 +3,9 @@
 Subcommands (one module each): ``throughput`` (paged vs contiguous vs transformers under
 one KV byte budget), ``prefix`` (prefix caching on vs off), ``preemption`` (swap vs
 recompute vs auto), ``allocator`` (Rust BlockManager vs pure Python), ``all``; and, only
-when named, ``serve`` (HTTP through ``pagedrs serve`` vs the offline engine) and
-``multiturn`` (device / host / disk page tiers on returning chat users).
+when named, ``serve`` (HTTP through ``pagedrs serve`` vs the offline engine), ``beam``
+(beam search pages, shared vs private copies) and ``multiturn`` (device / host / disk page
+tiers on returning chat users).
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -22,7 +23,7 @@ from pagedrs.bench.config import BenchConfig
 
 BENCHES = ("throughput", "prefix", "preemption", "allocator")
 # Run only when named: they start servers or take long.
-EXTRA_BENCHES = ("serve", "multiturn")
+EXTRA_BENCHES = ("serve", "beam", "multiturn")
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:

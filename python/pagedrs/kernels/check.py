@@ -56,14 +56,17 @@ def compile_arch(arch: str, name_expressions: list[str]) -> tuple[list[KernelRep
             stats[current] = (regs, smem, int(m.group(1)) + int(m.group(2)))
         elif m := _USED.search(line):
             _, _, spill = stats.get(current, (0, 0, 0))
-            smem = _SMEM.search(line)
-            stats[current] = (int(m.group(1)), int(smem.group(1)) if smem else 0, spill)
+            smem_match = _SMEM.search(line)
+            stats[current] = (int(m.group(1)), int(smem_match.group(1)) if smem_match else 0, spill)
     reports = []
     for expr in name_expressions:
         mangled = result.lowered_names.get(expr, "")
-        regs, smem, spill = stats.get(mangled, (None, 0, 0))
-        status = "ok" if regs is not None else "missing from ptxas output"
-        reports.append(KernelReport(expr, arch, regs, smem, spill, status if not warnings else "warning"))
+        found = stats.get(mangled)
+        if found is None:
+            reports.append(KernelReport(expr, arch, None, 0, 0, "missing from ptxas output"))
+        else:
+            regs, smem, spill = found
+            reports.append(KernelReport(expr, arch, regs, smem, spill, "ok" if not warnings else "warning"))
     return reports, warnings
 
 

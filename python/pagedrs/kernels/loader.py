@@ -3,13 +3,18 @@
 CuPy is imported here and only here, on first use. Each dispatch entry compiles
 its own small module (4 template instances, about 1-2 s the first time; CuPy
 also keeps its on-disk kernel cache), so a process only pays for the geometry it runs.
+
+``KernelRuntime`` is the seam between the host code (``ops``) and whatever runs
+the kernels: ``CUPY`` (the module functions below, on a GPU) in production, the
+CPU emulator of ``tests/cuda_emu`` in tests, which executes the same translation
+unit and checks every launch's arguments against the kernels' C++ signatures.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import lru_cache
-from typing import Any
+from functools import cache, lru_cache
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -29,7 +34,7 @@ def _cupy() -> Any:
     return cupy
 
 
-@lru_cache(maxsize=None)
+@cache
 def _module(name_expressions: tuple[str, ...], device_index: int) -> Any:
     cupy = _cupy()
     with cupy.cuda.Device(device_index):
@@ -93,3 +98,49 @@ def memcpy_2d_async(
     """cudaMemcpy2DAsync with cudaMemcpyDefault (UVA works out the direction) on a torch stream."""
     runtime = _cupy().cuda.runtime
     runtime.memcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, runtime.memcpyDefault, stream.cuda_stream)
+
+
+class KernelRuntime(Protocol):
+    """What ``ops`` needs to run kernels: compiled functions, launches, copies and streams."""
+
+    def kernel(self, entry: KernelEntry, name_expression: str, device: torch.device) -> Any: ...
+
+    def standalone_kernel(self, name_expression: str, device: torch.device) -> Any: ...
+
+    def launch(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence[Any], device: torch.device) -> None: ...
+
+    def memcpy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: Any) -> None: ...
+
+    def current_stream(self, device: torch.device) -> Any: ...
+
+    def new_stream(self, device: torch.device) -> Any: ...
+
+    def num_sms(self, device: torch.device) -> int: ...
+
+
+class CupyRuntime:
+    """The production runtime: this module's CuPy functions and torch's CUDA streams."""
+
+    def kernel(self, entry: KernelEntry, name_expression: str, device: torch.device) -> Any:
+        return kernel(entry, name_expression, device)
+
+    def standalone_kernel(self, name_expression: str, device: torch.device) -> Any:
+        return standalone_kernel(name_expression, device)
+
+    def launch(self, fn: Any, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence[Any], device: torch.device) -> None:
+        launch(fn, grid, block, args, device)
+
+    def memcpy_2d_async(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int, stream: Any) -> None:
+        memcpy_2d_async(dst, dst_pitch, src, src_pitch, width, height, stream)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def num_sms(self, device: torch.device) -> int:
+        return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+CUPY = CupyRuntime()

@@ -2,9 +2,12 @@
 
 Host code plans (work items, split-K) and checks shapes; the kernels compute.
 Every function launches on torch's current stream and returns without syncing.
+``runtime`` runs the kernels (``loader.CUPY`` on a GPU; the tests pass the CPU emulator).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +43,7 @@ def paged_attention(
     work_items: torch.Tensor,  # int32 [num_items, 2] from planning.work_items, on the device
     scale: float,
     plan: SplitPlan,
+    runtime: loader.KernelRuntime = loader.CUPY,
 ) -> None:
     """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``."""
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
@@ -63,7 +67,7 @@ def paged_attention(
         part_ml = torch.empty((num_tokens, num_heads, plan.num_parts, 2), dtype=torch.float32, device=device)
     else:
         part_out = part_ml = out  # never touched by the single-pass kernel
-    fn = loader.kernel(entry, entry.attention, device)
+    fn = runtime.kernel(entry, entry.attention, device)
     args = (
         loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.ptr(query),
         loader.ptr(key_cache), loader.ptr(value_cache), loader.ptr(block_tables), loader.ptr(seq_lens),
@@ -71,11 +75,11 @@ def paged_attention(
         loader.i32(num_kv_heads), loader.i32(group), loader.i64(query.stride(0)), loader.f32(scale),
         loader.i32(plan.part_tokens if plan.num_parts > 1 else 2**31 - 1),
     )  # fmt: skip
-    loader.launch(fn, grid, (_ATTN_THREADS,), args, device)
+    runtime.launch(fn, grid, (_ATTN_THREADS,), args, device)
     if plan.num_parts > 1:
-        reduce = loader.kernel(entry, entry.reduce, device)
-        args = (loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.i32(plan.num_parts), loader.i32(head_size))
-        loader.launch(reduce, (num_heads, num_tokens), (128,), args, device)
+        reduce = runtime.kernel(entry, entry.reduce, device)
+        reduce_args = (loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.i32(plan.num_parts), loader.i32(head_size))
+        runtime.launch(reduce, (num_heads, num_tokens), (128,), reduce_args, device)
 
 
 def reshape_and_cache(
@@ -84,6 +88,7 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative slots are skipped
+    runtime: loader.KernelRuntime = loader.CUPY,
 ) -> None:
     """Scatters the step's new K/V rows into their cache slots."""
     if key.shape[0] == 0:
@@ -95,12 +100,12 @@ def reshape_and_cache(
     slot_mapping = slot_mapping.to(device=key.device, dtype=torch.int64).contiguous()
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache and value_cache must be contiguous")
-    fn = loader.kernel(entry, entry.reshape_and_cache, key.device)
+    fn = runtime.kernel(entry, entry.reshape_and_cache, key.device)
     args = (
         loader.ptr(key_cache), loader.ptr(value_cache), loader.ptr(key), loader.ptr(value), loader.ptr(slot_mapping),
         loader.i64(key.stride(0)), loader.i64(value.stride(0)), loader.i32(num_kv_heads * head_size),
     )  # fmt: skip
-    loader.launch(fn, (key.shape[0],), (128,), args, key.device)
+    runtime.launch(fn, (key.shape[0],), (128,), args, key.device)
 
 
 def _block_geometry(cache: torch.Tensor) -> tuple[int, int, int]:
@@ -111,7 +116,7 @@ def _block_geometry(cache: torch.Tensor) -> tuple[int, int, int]:
     return cache.shape[0] * 2, cache.shape[2], block_bytes
 
 
-def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor, runtime: loader.KernelRuntime = loader.CUPY) -> None:
     """``kv_cache[:, :, dst] = kv_cache[:, :, src]`` for every (src, dst) pair, all layers in one launch."""
     if pairs.numel() == 0:
         return
@@ -119,10 +124,10 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
     if block_bytes % 16:
         raise ValueError(f"a cache block is {block_bytes} bytes; copy_blocks needs a multiple of 16")
     pairs = pairs.to(device=kv_cache.device, dtype=torch.int64).contiguous()
-    fn = loader.standalone_kernel(COPY_BLOCKS, kv_cache.device)
+    fn = runtime.standalone_kernel(COPY_BLOCKS, kv_cache.device)
     args = (loader.ptr(kv_cache), loader.ptr(kv_cache), loader.ptr(pairs), loader.i64(block_bytes // 16),
             loader.i64(num_blocks), loader.i64(num_blocks))  # fmt: skip
-    loader.launch(fn, (pairs.shape[0], planes), (256,), args, kv_cache.device)
+    runtime.launch(fn, (pairs.shape[0], planes), (256,), args, kv_cache.device)
 
 
 def contiguous_runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:
@@ -137,7 +142,13 @@ def contiguous_runs(pairs: np.ndarray) -> list[tuple[int, int, int]]:
     return runs
 
 
-def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.Tensor, side_stream: torch.cuda.Stream) -> None:
+def swap_blocks(
+    src_cache: torch.Tensor,
+    dst_cache: torch.Tensor,
+    pairs: torch.Tensor,
+    side_stream: Any,  # a torch.cuda.Stream, or the runtime's own (runtime.new_stream)
+    runtime: loader.KernelRuntime = loader.CUPY,
+) -> None:
     """Blocks between the device cache and its pinned host mirror, on the copy engines.
 
     One cudaMemcpy2DAsync per run of consecutive blocks moves that run for every
@@ -152,14 +163,14 @@ def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: torch.T
     if (s_planes, block_bytes) != (d_planes, d_block_bytes) or src_cache.dtype != dst_cache.dtype:
         raise ValueError(f"swap between mismatched caches {tuple(src_cache.shape)} {src_cache.dtype} and {tuple(dst_cache.shape)} {dst_cache.dtype}")
     device = src_cache.device if src_cache.is_cuda else dst_cache.device
-    compute = torch.cuda.current_stream(device)
+    compute = runtime.current_stream(device)
     side_stream.wait_stream(compute)
     s_pitch, d_pitch = s_blocks * block_bytes, d_blocks * block_bytes
     for src, dst, n in contiguous_runs(pairs.cpu().numpy()):
         s_ptr, d_ptr = src_cache.data_ptr() + src * block_bytes, dst_cache.data_ptr() + dst * block_bytes
         if max(s_pitch, d_pitch) <= _MAX_PITCH:
-            loader.memcpy_2d_async(d_ptr, d_pitch, s_ptr, s_pitch, n * block_bytes, s_planes, side_stream)
+            runtime.memcpy_2d_async(d_ptr, d_pitch, s_ptr, s_pitch, n * block_bytes, s_planes, side_stream)
         else:  # one plane at a time
             for plane in range(s_planes):
-                loader.memcpy_2d_async(d_ptr + plane * d_pitch, n * block_bytes, s_ptr + plane * s_pitch, n * block_bytes, n * block_bytes, 1, side_stream)
+                runtime.memcpy_2d_async(d_ptr + plane * d_pitch, n * block_bytes, s_ptr + plane * s_pitch, n * block_bytes, n * block_bytes, 1, side_stream)
     compute.wait_stream(side_stream)

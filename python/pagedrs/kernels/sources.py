@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 
@@ -51,26 +52,46 @@ def _files() -> dict[str, str]:
     return {name: (root / name).read_text() for name in names}
 
 
+def source_files() -> dict[str, str]:
+    """File name -> text of every kernel and header file (a copy; edit it freely)."""
+    return dict(_files())
+
+
 def headers() -> dict[str, str]:
     """Include name -> text (for NVRTC's in-memory headers)."""
     files = _files()
     return {name: files[name] for name in HEADER_FILES}
 
 
-_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.MULTILINE)
 
 
-def translation_unit() -> str:
-    """All kernel files as one source, with their headers inlined."""
-    files = _files()
+def translation_unit(files: Mapping[str, str] | None = None) -> str:
+    """All kernel files as one source, with their headers inlined.
 
-    def inline(match: re.Match) -> str:
-        name = match.group(1)
-        if name not in HEADER_FILES:
-            raise ValueError(f"cuda source includes {name!r}; known headers: {list(HEADER_FILES)}")
-        return f'#line 1 "{name}"\n{files[name]}\n'
+    ``files`` (file name -> text) replaces the sources on disk; tests use it to
+    compile deliberately changed kernels without touching ``cuda/``.
 
-    return "\n".join(f'#line 1 "{name}"\n' + _INCLUDE.sub(inline, files[name]) for name in KERNEL_FILES)
+    ``#line`` directives keep every diagnostic (compiler, ptxas, debugger) pointing at
+    the real file and line: one before each file and header, and one after each
+    inlined header that switches back to the line following the ``#include``.
+    """
+    files = _files() if files is None else files
+
+    def inline_headers(name: str) -> str:
+        text = files[name]
+
+        def inline(match: re.Match) -> str:
+            header = match.group(1)
+            if header not in HEADER_FILES:
+                raise ValueError(f"cuda source {name} includes {header!r}; known headers: {list(HEADER_FILES)}")
+            next_line = text.count("\n", 0, match.start()) + 2  # the line after the #include
+            # the match stops before the include line's newline, which ends the last directive
+            return f'#line 1 "{header}"\n{files[header]}\n#line {next_line} "{name}"'
+
+        return _INCLUDE.sub(inline, text)
+
+    return "\n".join(f'#line 1 "{name}"\n' + inline_headers(name) for name in KERNEL_FILES)
 
 
 def arch_option(arch: str) -> str:

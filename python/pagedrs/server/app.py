@@ -12,10 +12,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 import pagedrs
 from pagedrs.server import chat, completions
 from pagedrs.server.engine_loop import EngineLoop
-from pagedrs.server.errors import error_body, install_error_handlers
+from pagedrs.server.errors import APIError, install_error_handlers
+from pagedrs.server.guard import Gate
 from pagedrs.server.metrics import CONTENT_TYPE_LATEST
+from pagedrs.server.options import ServerOptions
+from pagedrs.server.prompts import PromptTokenizer
 from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
 from pagedrs.server.serving import Generation, ServerContext, unless_disconnected
+from pagedrs.server.shutdown import DrainState
 
 # Not an HTTP status anyone reads: the client is gone (nginx's "client closed request").
 _CLIENT_CLOSED = 499
@@ -39,28 +43,40 @@ class _EventStream(StreamingResponse):
             self._on_close()
 
 
-def build_app(engine_loop: EngineLoop, model_name: str, max_waiting: int) -> FastAPI:
-    """The OpenAI-compatible app over a started ``engine_loop``; the caller starts and stops the loop."""
+def build_app(
+    engine_loop: EngineLoop, model_name: str, max_waiting: int, options: ServerOptions | None = None
+) -> FastAPI:
+    """The OpenAI-compatible app over a started ``engine_loop``; the caller starts and stops the loop.
+
+    ``app.state.ctx`` is the ServerContext, ``app.state.drain`` the DrainState that a
+    draining server (``shutdown.draining_server``) flips, ``app.state.options`` the limits.
+    """
+    options = options or ServerOptions()
     engine = engine_loop.engine
     stats = engine_loop.stats()
+    max_model_len = int(engine.max_model_len)
     ctx = ServerContext(
         engine_loop=engine_loop,
         model_name=model_name,
         max_waiting=max_waiting,
-        max_model_len=int(engine.max_model_len),
-        kv_pool_tokens=int(stats.get("num_gpu_blocks", 0)) * int(stats.get("block_size", 0))
-        or int(engine.max_model_len),
+        max_model_len=max_model_len,
+        kv_pool_tokens=int(stats.get("num_gpu_blocks", 0)) * int(stats.get("block_size", 0)) or max_model_len,
         tokenizer=engine.tokenizer,
+        prompts=PromptTokenizer(engine.tokenizer, max_model_len, options.tokenizer_threads),
     )
+    drain = DrainState()
     app = FastAPI(title="pagedrs", version=pagedrs.__version__)
-    app.state.ctx = ctx
+    app.state.ctx, app.state.drain, app.state.options = ctx, drain, options
     install_error_handlers(app)
+    app.add_middleware(Gate, options=options, drain=drain)
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:
+            return APIError(503, "the server is shutting down", code="server_shutting_down").response()
         if not engine_loop.is_alive():
             reason = engine_loop.fatal_error or "the engine loop is not running"
-            return JSONResponse(error_body(503, reason), status_code=503)
+            return APIError(503, reason, code="engine_not_running").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
@@ -84,7 +100,7 @@ def build_app(engine_loop: EngineLoop, model_name: str, max_waiting: int) -> Fas
 
 async def _serve(endpoint: ModuleType, ctx: ServerContext, body: Any, request: Request) -> Response | Any:
     """Submit, then stream or answer at the end. ``endpoint`` is the chat or completions module."""
-    gen: Generation = endpoint.prepare(ctx, body)
+    gen: Generation = await endpoint.prepare(ctx, body)
     await gen.submit()
     if body.stream:
         return _EventStream(endpoint.stream(ctx, body, gen), gen.abort)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from pagedrs.server.engine_loop import SampleDelta
 from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import (
     ChatChoice,
@@ -20,37 +21,32 @@ from pagedrs.server.protocol import (
     now_s,
     random_id,
 )
-from pagedrs.server.engine_loop import SampleDelta
 from pagedrs.server.serving import Generation, ServerContext, event_stream, sse
-from pagedrs.server.tokens import render_chat, token_text, top_logprobs
+from pagedrs.server.tokens import token_text, top_logprobs
 
 
-def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation:
+async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation:
     """Check the request, render the conversation and build its engine request (not yet submitted)."""
     ctx.check_model(body.model)
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-    prompt_ids = render_chat(ctx.tokenizer, body.messages, body.add_generation_prompt)
-    room = ctx.max_model_len - len(prompt_ids)
-    if room < 1:
-        raise bad_request(
-            f"This model's maximum context length is {ctx.max_model_len} tokens; the messages take "
-            f"{len(prompt_ids)} tokens, leaving no room for a completion",
-            param="messages",
-        )
+    prompt_ids = await ctx.prompts.render_chat(body.messages, body.add_generation_prompt)
+    room = ctx.room(len(prompt_ids), "messages")
     kwargs = body.sampling_kwargs()
     if body.max_completion_tokens is not None:
         kwargs["max_tokens"] = body.max_completion_tokens
-    elif body.max_tokens is None:
+    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    ctx.check_max_tokens(kwargs.get("max_tokens"), room, len(prompt_ids), name)
+    if "max_tokens" not in kwargs:
         # Unset: until the context is full, as OpenAI does for chat, but never more than the
         # KV pool can hold next to the prompt (the engine refuses a request that can never fit).
         kwargs["max_tokens"] = max(1, min(room, ctx.kv_pool_tokens - len(prompt_ids)))
     if body.logprobs:
         kwargs["logprobs"] = body.top_logprobs or 0
     params = ctx.make_params(kwargs)
-    return Generation(ctx, [{"prompt_token_ids": prompt_ids}], params, priority=body.priority)
+    return Generation(ctx, [prompt_ids], params, priority=body.priority)
 
 
 def _logprobs(ctx: ServerContext, k: int, token_ids: list[int], entries: list[dict[int, float]]) -> ChatLogprobs:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
+from pagedrs.server.options import ServerOptions
+
 DEFAULT_MAX_WAITING = 1024
+API_KEY_ENV = "PAGEDRS_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer 503 to requests that would make the waiting queue longer than this (default: %(default)s)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_safety_arguments(p.add_argument_group("limits and access"))
     engine = p.add_argument_group("engine")
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -42,7 +47,56 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--cpu-threads", type=int, default=None,
+        help="torch threads of the engine on the CPU (default: $PAGEDRS_CPU_THREADS, else every core this "
+        "process may use: a server owns its machine)",
+    )
+    engine.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of tensor parallelism")
+    engine.add_argument(
+        "--engine-in-process", action="store_true",
+        help="run the engine in the API server's process (default: its own process, so HTTP, tokenization "
+        "and streaming never hold up a forward pass)",
+    )
     return p
+
+
+def _add_safety_arguments(g: argparse._ArgumentGroup) -> None:
+    d = ServerOptions()
+    g.add_argument(
+        "--api-key", default=None,
+        help=f"require 'Authorization: Bearer <key>' on /v1/* and /metrics (default: ${API_KEY_ENV}, else none)",
+    )
+    g.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
+    g.add_argument(
+        "--max-request-bytes", type=int, default=d.max_request_bytes,
+        help="answer 413 to request bodies larger than this (default: %(default)s)",
+    )
+    g.add_argument(
+        "--read-timeout", type=float, default=d.read_timeout_s,
+        help="seconds a connection has to send a request head, and a request its body (default: %(default)s)",
+    )
+    g.add_argument(
+        "--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+        help="on SIGTERM/SIGINT, seconds in-flight requests get to finish before they are aborted "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--tokenizer-threads", type=int, default=d.tokenizer_threads,
+        help="worker threads that tokenize prompts, off the event loop and the engine (default: %(default)s)",
+    )
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    """ServerOptions from parsed arguments (ValueError names the bad one)."""
+    return ServerOptions(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        metrics_public=args.metrics_public,
+        max_request_bytes=args.max_request_bytes,
+        read_timeout_s=args.read_timeout,
+        shutdown_timeout_s=args.shutdown_timeout,
+        tokenizer_threads=args.tokenizer_threads,
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,7 +117,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "kv_layout": args.kv_layout,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
+        "cpu_threads": args.cpu_threads if args.cpu_threads is not None else _serve_default_threads(),
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
+
+
+def _serve_default_threads() -> int | None:
+    """$PAGEDRS_CPU_THREADS when set (EngineArgs reads it), else every core this process may use."""
+    import os
+
+    from pagedrs.engine_args import CPU_THREADS_ENV
+
+    if os.environ.get(CPU_THREADS_ENV):
+        return None
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,29 +139,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_waiting < 0:
         print(f"pagedrs serve: --max-waiting={args.max_waiting} must be >= 0", file=sys.stderr)
         return 2
+    try:
+        options = server_options(args)
+    except ValueError as exc:
+        print(f"pagedrs serve: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    import uvicorn
 
     from pagedrs import Engine, EngineArgs
     from pagedrs.server.app import build_app
+    from pagedrs.server.connection import uvicorn_config
     from pagedrs.server.engine_loop import EngineLoop
+    from pagedrs.server.shutdown import draining_server
+
+    from pagedrs.server.engine_core import EngineCoreError, RemoteEngine
 
     try:
-        engine = Engine(EngineArgs(**engine_kwargs(args)))
-    except (ValueError, OSError) as exc:
+        engine_args = EngineArgs(**engine_kwargs(args))
+        engine: Any = Engine(engine_args) if args.engine_in_process else RemoteEngine(engine_args)
+    except (ValueError, OSError, EngineCoreError) as exc:
         print(f"pagedrs serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
     loop = EngineLoop(engine)
     loop.start()
-    app = build_app(loop, args.served_model_name or args.model, args.max_waiting)
-    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, so `finally` below may never
-    # run: stop the engine thread in the app's shutdown phase as well.
-    app.router.on_shutdown.append(loop.stop)
+    app = build_app(loop, args.served_model_name or args.model, args.max_waiting, options)
+    config = uvicorn_config(app, args.host, args.port, args.log_level, options)
+    server = draining_server(config, app.state.drain, loop, options.shutdown_timeout_s)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()  # returns after SIGTERM/SIGINT and the drain (shutdown.py)
     finally:
-        loop.stop()
+        loop.stop()  # anything still in the engine is aborted and its pages freed
+        app.state.ctx.prompts.close()
+        engine.shutdown()  # the core process (and any tensor-parallel workers) exit
     return 0
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
+from pagedrs.server.engine_loop import SampleDelta
 from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -16,13 +16,12 @@ from pagedrs.server.protocol import (
     now_s,
     random_id,
 )
-from pagedrs.server.engine_loop import SampleDelta
 from pagedrs.server.serving import Generation, SampleState, ServerContext, event_stream, sse
 from pagedrs.server.tokens import token_text, top_logprobs
 
 
-def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
-    """Check the request and build its engine requests (not yet submitted)."""
+async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
+    """Check the request, tokenize its prompts and build its engine requests (not yet submitted)."""
     ctx.check_model(body.model)
     if body.suffix:
         raise bad_request("suffix is not supported", param="suffix")
@@ -32,27 +31,44 @@ def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
         raise bad_request(f"best_of={body.best_of} is not supported: only best_of == n (n={body.n})", "best_of")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
+    prompts = _prompts(body.prompt)
+    if len(prompts) > max(1, ctx.max_waiting):  # 400, not 503: no amount of waiting would admit it
+        raise bad_request(
+            f"The request has {len(prompts)} prompts; a request may have at most --max-waiting={ctx.max_waiting}",
+            param="prompt",
+        )
+    prompt_ids = [await ctx.prompts.encode(p, "prompt") if isinstance(p, str) else p for p in prompts]
+    for ids in prompt_ids:
+        if not ids:
+            raise bad_request("the prompt is empty; at least 1 token is needed", param="prompt")
+    longest = max(len(ids) for ids in prompt_ids)
+    room = ctx.room(longest, "prompt")
     kwargs = body.sampling_kwargs()
-    kwargs.setdefault("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    ctx.check_max_tokens(kwargs.get("max_tokens"), room, longest, "max_tokens")
+    # OpenAI's default of 16, shortened where the context has less room.
+    kwargs.setdefault("max_tokens", min(DEFAULT_COMPLETION_MAX_TOKENS, room))
     if body.logprobs is not None:
         kwargs["logprobs"] = body.logprobs
     params = ctx.make_params(kwargs)
-    return Generation(ctx, _prompts(body.prompt), params, priority=body.priority)
+    gen = Generation(ctx, prompt_ids, params, priority=body.priority)
+    gen.echo_texts = [p if isinstance(p, str) else None for p in prompts]
+    return gen
 
 
-def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
-    """Normalize OpenAI's four prompt forms into a list of engine prompts (text or token ids)."""
+def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """Normalize OpenAI's four prompt forms into a list of prompts (text or token ids)."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise bad_request("prompt is empty: send a string, a list of strings or token ids", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [{"prompt_token_ids": list(prompt)}]
-    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
+        return [[int(t) for t in prompt]]  # type: ignore[arg-type]
+    return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
 
-def _echo_text(ctx: ServerContext, prompt: Any) -> str:
-    return prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt["prompt_token_ids"])
+def _echo_text(ctx: ServerContext, gen: Generation, tag: int) -> str:
+    text = gen.echo_texts[tag]
+    return text if text is not None else str(ctx.tokenizer.decode(gen.prompts[tag]))
 
 
 class _LogprobBuilder:
@@ -83,7 +99,7 @@ async def complete(ctx: ServerContext, body: CompletionRequest, gen: Generation)
     states = await gen.collect()
     choices: list[CompletionChoice] = []
     for index, state in states.items():
-        prefix = _echo_text(ctx, gen.prompts[index // gen.n]) if body.echo else ""
+        prefix = _echo_text(ctx, gen, index // gen.n) if body.echo else ""
         logprobs = None
         if body.logprobs is not None:
             logprobs = _LogprobBuilder(ctx, body.logprobs, len(prefix)).add(state.token_ids, state.logprobs)
@@ -122,8 +138,8 @@ def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> Asyn
 
     prologue = []
     if body.echo:
-        for tag, prompt in enumerate(gen.prompts):
-            text = _echo_text(ctx, prompt)
+        for tag in range(len(gen.prompts)):
+            text = _echo_text(ctx, gen, tag)
             prologue += [event([CompletionChoice(index=gen.choice_index(tag, i), text=text)]) for i in range(gen.n)]
     usage_event = (lambda usage: event([], usage)) if body.include_usage else None
     return event_stream(gen, prologue, render, usage_event)

@@ -165,6 +165,8 @@ def _core_main(conn: Connection, args: Any) -> None:
 class EngineCoreError(RuntimeError):
     """The engine core process failed or went away."""
 
+    fatal = True  # the serving loop stops instead of failing request after request
+
 
 class RemoteEngine:
     """An ``EngineLike`` whose engine runs in a child process (see the module docs).
@@ -237,6 +239,10 @@ class RemoteEngine:
 
     def is_alive(self) -> bool:
         return self._process.is_alive()
+
+    @property
+    def pid(self) -> int:
+        return self.core_pid
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stops the core (its requests are aborted, its pages freed) and waits for it to exit."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import queue
 import threading
@@ -35,6 +36,9 @@ logger = logging.getLogger("pagedrs.server")
 
 class EngineLike(Protocol):
     """The part of ``pagedrs.Engine`` the loop drives (see docs/ENGINE_API.md)."""
+
+    max_model_len: int
+    tokenizer: Any
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None: ...
     def step(self) -> list[Any]: ...
@@ -65,6 +69,7 @@ class RequestDelta:
     samples: list[SampleDelta]
     finished: bool
     error: str | None = None
+    error_status: int = 500  # the HTTP status the error maps to (503: the server is shutting down)
 
 
 @dataclass
@@ -93,8 +98,19 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _FailAll:
+    """Abort everything in flight with ``message``, and refuse later adds (the drain deadline)."""
+
+    message: str
+    status: int
+
+
 class _Stop:
     pass
+
+
+_Command = _Add | _Abort | _FailAll | _Stop
 
 
 class EngineLoop:
@@ -104,13 +120,14 @@ class EngineLoop:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         self._idle_poll_s = idle_poll_s
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._lock = threading.Lock()  # guards _pending_adds and _stats
         self._pending_adds = 0
         self._stats: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
         self.fatal_error: str | None = None
+        self._closed: str | None = None  # engine thread only: why adds are refused (after fail_all)
         self._refresh_stats()  # the engine thread does not exist yet: safe to call from here
 
     # --- any thread ------------------------------------------------------------------
@@ -158,6 +175,10 @@ class EngineLoop:
         """Ask the engine to drop the request (no-op if it already finished). Does not wait."""
         self._commands.put(_Abort(request_id))
 
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """Abort every request in flight (each gets an error delta) and refuse new ones. Does not wait."""
+        self._commands.put(_FailAll(message, status))
+
     def num_waiting(self) -> int:
         """Requests not yet scheduled: queued commands plus the engine's waiting queue."""
         with self._lock:
@@ -185,11 +206,11 @@ class EngineLoop:
             self.fatal_error = f"{type(exc).__name__}: {exc}"
             logger.error("engine loop died:\n%s", traceback.format_exc())
         finally:
-            self._fail_all(self.fatal_error or "the server is shutting down")
+            self._fail_all(self.fatal_error or "the server is shutting down", 500 if self.fatal_error else 503)
             self._fail_queued_commands()
 
-    def _take_commands(self, block: bool) -> list[_Add | _Abort | _Stop]:
-        commands: list[_Add | _Abort | _Stop] = []
+    def _take_commands(self, block: bool) -> list[_Command]:
+        commands: list[_Command] = []
         if block:
             try:
                 commands.append(self._commands.get(timeout=self._idle_poll_s))
@@ -201,7 +222,7 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _apply(self, commands: list[_Add | _Abort | _Stop]) -> None:
+    def _apply(self, commands: list[_Command]) -> None:
         if not commands:
             return
         for command in commands:
@@ -210,10 +231,15 @@ class EngineLoop:
             elif isinstance(command, _Abort):
                 self._sinks.pop(command.request_id, None)
                 self.engine.abort(command.request_id)
+            elif isinstance(command, _FailAll):
+                self._closed = command.message
+                self._fail_all(command.message, command.status)
         self._refresh_stats()
 
     def _apply_add(self, command: _Add) -> None:
         try:
+            if self._closed is not None:
+                raise RuntimeError(self._closed)
             self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
         except Exception as exc:  # ValueError for bad input; anything else is reported the same way
             with self._lock:
@@ -233,6 +259,9 @@ class EngineLoop:
             # The engine's state is unknown; fail what is in flight rather than hang it.
             logger.error("engine.step() failed:\n%s", traceback.format_exc())
             self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            if getattr(exc, "fatal", False):
+                raise  # the engine cannot step again (a dead core process or TP worker): the loop ends, /health says 503
+            self._refresh_stats()  # the aborts changed them: /metrics must not show the failed requests
             return
         now = time.monotonic()
         for output in outputs:
@@ -272,11 +301,12 @@ class EngineLoop:
         with self._lock:
             self._stats = stats
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, status: int = 500) -> None:
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
-            _swallow(lambda rid=request_id: self.engine.abort(rid))
-            _deliver(sink, RequestDelta(sink.tag, request_id, [], [], finished=True, error=message))
+            _swallow(functools.partial(self.engine.abort, request_id))
+            _deliver(sink, RequestDelta(sink.tag, request_id, [], [], finished=True, error=message,
+                                        error_status=status))
 
     def _fail_queued_commands(self) -> None:
         for command in self._take_commands(block=False):

@@ -19,29 +19,79 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 # OpenAI's error `type` for each status the server uses.
 _ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
     404: "not_found_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "server_overloaded_error",
 }
+
+# Seconds a client should wait before retrying a 503 (sent as `Retry-After`).
+RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
     """A failure to report to the client with `status` and an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = {**default_headers(status), **(headers or {})}
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param, self.code)
 
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def default_headers(status: int) -> dict[str, str]:
+    """Every 503 says when to come back; every 401 names the scheme it wants."""
+    if status == 503:
+        return {"Retry-After": str(RETRY_AFTER_S)}
+    if status == 401:
+        return {"WWW-Authenticate": "Bearer"}
+    return {}
+
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     error_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return {"error": {"message": _printable(message), "type": error_type, "param": param, "code": code}}
+
+
+_MAX_MESSAGE_CHARS = 2000
+
+
+def _printable(message: str) -> str:
+    """A message that can always be sent: no lone surrogates (UTF-8 cannot carry them), bounded length."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(message) > _MAX_MESSAGE_CHARS:
+        message = message[:_MAX_MESSAGE_CHARS] + f"... ({len(message) - _MAX_MESSAGE_CHARS} more characters)"
+    return message
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_union_branch(part: object) -> bool:
+    """pydantic names the union member in an error's location ("list[constrained-int]"): not a field."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS)
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -49,16 +99,32 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """One readable line per pydantic error: the field path, the value sent and what was wrong."""
+    """One readable line per pydantic error: the field path, the value sent and what was wrong.
+
+    A field typed as a union (``prompt``: text, texts or token ids) fails once per member;
+    where some member failed on the value, the members that merely had another type are
+    left out: "[true, false]: expected an integer, got the boolean" says what to fix,
+    "Input should be a valid string" does not.
+    """
+    errors = exc.errors()
+    wrong_value = {_param(err) for err in errors if not str(err.get("type", "")).endswith("_type")}
     parts: list[str] = []
-    first_param: str | None = None
-    for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None  # the request field; deeper parts name union branches
-        first_param = first_param or param
-        value = err.get("input")
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} (got {value!r})")
-    return "; ".join(parts) or "invalid request body", first_param
+    for err in errors:
+        if str(err.get("type", "")).endswith("_type") and _param(err) in wrong_value:
+            continue
+        loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_union_branch(p)]
+        message = str(err.get("msg", "")).removeprefix("Value error, ")
+        part = f"{'.'.join(loc) or 'body'}: {message} (got {_short_repr(err.get('input'))})"
+        if part not in parts:
+            parts.append(part)
+    params = [_param(err) for err in errors]
+    return "; ".join(parts) or "invalid request body", next((p for p in params if p), None)
+
+
+def _param(err: Any) -> str | None:
+    """The request field an error is about (the first part of its location)."""
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    return loc[0] if loc else None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -66,7 +132,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -75,4 +141,5 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+        headers = {**default_headers(exc.status_code), **(exc.headers or {})}
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code, headers=headers)

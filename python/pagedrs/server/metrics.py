@@ -30,7 +30,13 @@ _GAUGES: dict[str, tuple[str, str]] = {
     "pagedrs_requests_running": ("num_running", "Requests in the running batch."),
     "pagedrs_requests_waiting": ("num_waiting", "Requests admitted but not yet scheduled."),
     "pagedrs_requests_swapped": ("num_swapped", "Requests whose pages are on the host tier."),
+    "pagedrs_core_step_fraction": (
+        "core_step_fraction", "Share of the engine core's busy time spent in Engine.step (engine in its own process)."
+    ),
 }
+# Keys that only some engines report (the engine core process); every other key must be a
+# field of pagedrs.stats.EngineStats (tests/test_stats.py), so a renamed field fails loudly.
+OPTIONAL_KEYS = frozenset({"core_step_fraction"})
 
 # counter name (without _total) -> Engine.stats() keys summed
 _COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {

@@ -1,8 +1,14 @@
 """Request and response bodies of the OpenAI-compatible endpoints, as pydantic models.
 
-Only shape is checked here (types, required fields). Value ranges are checked in
-one place, ``pagedrs.SamplingParams``, whose ValueError the server turns into a
-400 — so the HTTP API and the Python API accept exactly the same values.
+Shape is checked here, strictly: integers are JSON integers (``true`` is not a token
+id), floats are finite (Python's json reads ``NaN`` and ``Infinity``), and text is
+valid Unicode (JSON can spell a lone surrogate, ``"\ud800"``, which no tokenizer can
+encode). Besides shape, this layer bounds only what must fit a machine type or a
+server resource — ``priority`` (int32), ``seed`` (int64), ``top_k`` (int32), ``n``,
+token ids, the stop list — so that a hostile number is a 400 here and never an
+overflow inside a batched step. Sampling ranges proper are checked in one place,
+``pagedrs.SamplingParams``, whose ValueError the server turns into a 400, so the HTTP
+API and the Python API accept the same values.
 Fields OpenAI defines but pagedrs cannot honour (``suffix``, ``logit_bias``,
 ``best_of`` other than ``n``) are rejected with a 400 instead of silently ignored.
 """
@@ -11,9 +17,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 # Request fields that map one-to-one onto SamplingParams fields of the same name.
 SAMPLING_FIELDS = (
@@ -39,6 +45,44 @@ SAMPLING_FIELDS = (
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
+# --- wire limits (see docs/limits_and_safety.md) ----------------------------------------
+
+MAX_N = 128  # samples per prompt; SamplingParams bounds n as well
+MAX_STOP_STRINGS = 16  # entries in `stop`
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_STOP_TOKEN_IDS = 64  # entries in `stop_token_ids`
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1  # seeds: the engine seeds sample i with seed + i, inside torch's 64-bit range
+MAX_PRIORITY = 2**31  # |priority| <= 2**31: the scheduler keeps priorities in 64-bit integers
+
+
+def _valid_unicode(text: str) -> str:
+    """Reject lone surrogates: JSON can spell them, UTF-8 (and so every tokenizer) cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"the text has a lone surrogate {text[exc.start]!r} at character {exc.start}; "
+            "text must be valid Unicode (surrogates only in pairs)"
+        ) from None
+    return text
+
+
+def _not_a_bool(value: Any) -> Any:
+    """JSON's true/false are not integers here (Python and pydantic's lax mode treat them as 1/0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got the boolean {str(value).lower()}")
+    return value
+
+
+# Every string of a request body goes through Text, every integer through Int: an integral
+# number (5 or 5.0, as JSON Schema's "integer"), never a boolean.
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Int = Annotated[int, BeforeValidator(_not_a_bool)]
+TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -47,38 +91,44 @@ def now_s() -> int:
     return int(time.time())
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class _Strict(BaseModel):
+    """Finite floats everywhere (no NaN / Infinity)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
 
-class _SamplingRequest(BaseModel):
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(_Strict):
     """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI's server does."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str
-    n: int = 1
-    max_tokens: int | None = None
+    model: Text
+    n: Annotated[Int, Field(le=MAX_N)] = 1
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Annotated[Int, Field(ge=0, le=INT64_MAX)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
     # extensions (vLLM's names)
-    top_k: int | None = None
+    top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
-    priority: int = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    min_tokens: Int | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    priority: Annotated[Int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams keyword arguments the client actually sent (None means 'default')."""
@@ -90,34 +140,34 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    echo: StrictBool = False
+    logprobs: Int | None = None
+    suffix: Text | None = None
+    best_of: Int | None = None
 
 
-class ChatContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatContentPart(_Strict):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ChatMessage(_Strict):
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
-    role: str
-    content: str | list[ChatContentPart] | None = None
-    name: str | None = None
+    role: Text
+    content: Text | list[ChatContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both are set
-    add_generation_prompt: bool = True
+    logprobs: StrictBool = False
+    top_logprobs: Int | None = None
+    max_completion_tokens: Int | None = None  # the newer name of max_tokens; wins when both are set
+    add_generation_prompt: StrictBool = True
 
 
 # --- responses -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -21,9 +22,11 @@ from fastapi import Request
 
 from pagedrs.server.engine_loop import EngineLoop, RequestDelta, SampleDelta
 from pagedrs.server.errors import APIError, bad_request
+from pagedrs.server.prompts import PromptTokenizer
 from pagedrs.server.protocol import Usage, random_id
 
 T = TypeVar("T")
+logger = logging.getLogger("pagedrs.server")
 
 
 @dataclass
@@ -36,6 +39,7 @@ class ServerContext:
     max_model_len: int
     kv_pool_tokens: int  # token slots in the device KV pool: no request can grow past this
     tokenizer: Any
+    prompts: PromptTokenizer  # text -> token ids, off the event loop and off the engine thread
 
     def check_model(self, requested: str) -> None:
         if requested != self.model_name:
@@ -44,6 +48,26 @@ class ServerContext:
                 f"The model {requested!r} does not exist: this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
+            )
+
+    def room(self, prompt_len: int, param: str) -> int:
+        """Tokens a prompt of ``prompt_len`` tokens leaves for the completion; 400 when none."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens (max_model_len is "
+                f"{self.max_model_len}); {prompt_len} tokens are in the {param}, leaving no room for a completion",
+                param=param,
+            )
+        return room
+
+    def check_max_tokens(self, max_tokens: int | None, room: int, prompt_len: int, param: str) -> None:
+        """A requested completion length must fit the context next to the prompt (vLLM also answers 400)."""
+        if max_tokens is not None and max_tokens > room:
+            raise bad_request(
+                f"{param}={max_tokens} is too large: the prompt has {prompt_len} tokens and max_model_len is "
+                f"{self.max_model_len}, so at most {room} tokens can be generated",
+                param=param,
             )
 
     def make_params(self, kwargs: dict[str, Any]) -> Any:
@@ -69,14 +93,18 @@ class SampleState:
 
 
 class Generation:
-    """The engine requests behind one HTTP request: submitted together, aborted together."""
+    """The engine requests behind one HTTP request: submitted together, aborted together.
 
-    def __init__(self, ctx: ServerContext, prompts: list[Any], params: Any, priority: int = 0) -> None:
+    ``prompts`` are token ids: the server tokenizes text itself (``PromptTokenizer``).
+    """
+
+    def __init__(self, ctx: ServerContext, prompts: list[list[int]], params: Any, priority: int = 0) -> None:
         self.ctx = ctx
         self.prompts = prompts
         self.params = params
         self.priority = priority
         self.n: int = params.n
+        self.echo_texts: list[str | None] = [None] * len(prompts)  # the text of text prompts, for echo
         self.id_base = random_id("req")
         self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self.prompt_token_ids: dict[int, list[int]] = {}
@@ -98,14 +126,16 @@ class Generation:
             for tag, prompt in enumerate(self.prompts):
                 request_id = f"{self.id_base}-{tag}"
                 self._unfinished.add(request_id)
-                await loop.add(request_id, prompt, self.params, self.queue, tag=tag, priority=self.priority)
+                await loop.add(request_id, {"prompt_token_ids": prompt}, self.params, self.queue, tag=tag,
+                               priority=self.priority)
         except ValueError as exc:
             self.abort()
             loop.metrics.rejected.labels(status="400").inc()
             raise bad_request(str(exc)) from exc
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # the engine loop stopped or refuses adds (shutting down)
             self.abort()
-            raise APIError(503, str(exc)) from exc
+            loop.metrics.rejected.labels(status="503").inc()
+            raise APIError(503, str(exc), code="server_unavailable") from exc
         except BaseException:  # cancelled while submitting: the client is gone
             self.abort()
             raise
@@ -118,7 +148,8 @@ class Generation:
                 if delta.finished:
                     self._unfinished.discard(delta.request_id)
                 if delta.error is not None:
-                    raise APIError(500, f"request {delta.request_id} failed: {delta.error}")
+                    code = "server_shutting_down" if delta.error_status == 503 else None
+                    raise APIError(delta.error_status, f"request {delta.request_id} failed: {delta.error}", code=code)
                 if delta.prompt_token_ids:
                     self.prompt_token_ids[delta.tag] = delta.prompt_token_ids
                 yield delta
@@ -218,6 +249,9 @@ async def event_stream(
             yield usage_event(gen.usage(completion_tokens))
     except APIError as exc:
         yield sse_error(exc)
+    except Exception as exc:  # noqa: BLE001 - the 200 is sent: end the stream in the OpenAI shape
+        logger.exception("error while streaming %s", gen.id_base)
+        yield sse_error(APIError(500, f"internal error while streaming: {type(exc).__name__}"))
     finally:
         gen.abort()
     yield SSE_DONE

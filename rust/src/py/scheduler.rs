@@ -318,7 +318,7 @@ impl PyScheduler {
         self.inner.num_tokens(seq_id).map_err(to_py_err)
     }
 
-    /// Child shares the running parent's pages. Fork before appending the step's sampled tokens.
+    /// Child shares every page of the parent (running, waiting or swapped; it starts in the parent's state). Fork before appending the step's sampled tokens.
     fn fork(&mut self, parent_id: SeqId, child_id: SeqId) -> PyResult<()> {
         self.inner.fork(parent_id, child_id).map_err(to_py_err)
     }

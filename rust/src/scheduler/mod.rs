@@ -223,6 +223,7 @@ impl Scheduler {
             num_computed: 0,
             status: SeqStatus::Waiting,
             waiting_since: self.stats.num_steps,
+            parked: false,
         };
         self.seqs.insert(id, seq);
         self.waiting.push(id);
@@ -251,7 +252,9 @@ impl Scheduler {
             }
         }
         for &(id, token) in items {
-            self.seqs.get_mut(&id).expect("checked above").tokens.push(token);
+            let seq = self.seqs.get_mut(&id).expect("checked above");
+            seq.tokens.push(token);
+            seq.parked = false;
         }
         Ok(())
     }
@@ -272,21 +275,36 @@ impl Scheduler {
         self.kv.complete_transfers(ids)
     }
 
-    /// `n > 1` sampling: the child shares every page of a running parent.
+    /// `n > 1` sampling and beam search: the child continues the parent's tokens and
+    /// shares its pages (copy-on-write later), in whatever state the parent is in:
+    ///
+    /// - running: the child runs too, on the parent's pages;
+    /// - swapped out: the child shares its host pages and comes back with a later swap-in;
+    /// - waiting (never admitted, or preempted by recompute): it holds no pages, so the
+    ///   child is a waiting copy that is prefilled on admission (a prefix hit on the
+    ///   parent's cached blocks where there are any).
+    ///
+    /// Beam search needs the last two: a beam whose logits row is buffered until its
+    /// siblings' rows arrive may be preempted meanwhile and still be the parent of the
+    /// next beams.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), CoreError> {
         if self.seqs.contains_key(&child) {
             return Err(CoreError::InvalidArgument(format!("sequence {child} already exists")));
         }
         let parent_seq = self.seqs.get(&parent).ok_or(CoreError::UnknownSequence(parent))?;
-        if parent_seq.status != SeqStatus::Running {
-            return Err(CoreError::InvalidArgument(format!("sequence {parent} is not running; only a running sequence can fork")));
-        }
         let mut child_seq = parent_seq.clone();
         child_seq.id = child;
-        let copies = self.kv.fork(parent, child)?;
-        self.pending_copies.extend(copies);
+        if parent_seq.has_pages() {
+            let copies = self.kv.fork(parent, child)?;
+            self.pending_copies.extend(copies);
+        }
+        let queue = match child_seq.status {
+            SeqStatus::Waiting => &mut self.waiting,
+            SeqStatus::Running => &mut self.running,
+            SeqStatus::Swapped => &mut self.swapped,
+        };
+        queue.push(child);
         self.seqs.insert(child, child_seq);
-        self.running.push(child);
         Ok(())
     }
 

@@ -33,6 +33,49 @@ impl Scheduler {
     /// Takes `id` out of the running set, by swap or by dropping its pages.
     pub(super) fn preempt(&mut self, id: SeqId, out: &mut SchedulerOutput) -> Result<(), CoreError> {
         let mode = self.preemption_mode_for(id)?;
+        self.preempt_as(id, mode, out)
+    }
+
+    /// Breaks the one stall that sequences with nothing to compute can cause.
+    ///
+    /// Beam search keeps a beam's logits row until its siblings' rows arrive; meanwhile
+    /// the beam is running but idle, holding pages. When a step schedules nothing at
+    /// all, every running sequence is such an idle one, and the best sequence that
+    /// waits (swapped out, or waiting) cannot come in: nothing would ever change. Idle
+    /// ones are then preempted by recompute, from the back of the running order, until
+    /// the blocked one fits (recompute, not swap: a prefix hit shares their pages
+    /// again when they return, a swap-in would bring back private copies). Returns the
+    /// blocked one (and whether it is swapped), to be brought in at once, before the
+    /// idle ones just preempted (which may rank before it); None (nothing changed)
+    /// when nothing waits or it could never fit.
+    pub(super) fn make_room_for_blocked(&mut self, out: &mut SchedulerOutput) -> Result<Option<(SeqId, bool)>, CoreError> {
+        let seqs = &self.seqs;
+        let blocked = self.swapped.iter().copied().filter(|id| !seqs[id].waits_for_token()).min_by_key(|id| seqs[id].rank());
+        let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
+        let first_waiting = || {
+            self.waiting.iter().copied().filter(|id| !seqs[id].waits_for_token()).min_by_key(|id| seqs[id].waiting_rank(now, aging))
+        };
+        let blocked = blocked.map(|id| (id, true)).or_else(|| first_waiting().map(|id| (id, false)));
+        let Some((id, swapped)) = blocked else { return Ok(None) };
+        loop {
+            let need = if swapped {
+                self.kv.block_table(id)?.len() + 1 + self.config.watermark_blocks
+            } else {
+                let seq = &self.seqs[&id];
+                self.kv.blocks_to_admit(&seq.tokens, seq.reserve_tokens)
+            };
+            if need == usize::MAX || need > self.kv.num_blocks() {
+                return Ok(None);
+            }
+            if need <= self.kv.num_free_blocks() && self.running.len() < self.config.max_num_seqs {
+                return Ok(Some((id, swapped)));
+            }
+            let Some(&victim) = self.running.last() else { return Ok(None) };
+            self.preempt_as(victim, PreemptionMode::Recompute, out)?;
+        }
+    }
+
+    fn preempt_as(&mut self, id: SeqId, mode: PreemptionMode, out: &mut SchedulerOutput) -> Result<(), CoreError> {
         self.running.retain(|&s| s != id);
         let now = self.stats.num_steps;
         let seq = self.seqs.get_mut(&id).expect("victim is a known sequence");
@@ -43,6 +86,7 @@ impl Scheduler {
             self.swapped.push(id);
             self.stats.num_swap_preemptions += 1;
         } else {
+            seq.parked = seq.waits_for_token();
             self.kv.free(id)?;
             seq.kv_tokens = 0;
             seq.num_computed = 0;

@@ -31,6 +31,13 @@ impl Scheduler {
         if out.preempted.is_empty() {
             self.schedule_admissions(&mut budget, &mut scheduled)?;
         }
+        if scheduled.is_empty() && !self.running.is_empty() {
+            match self.make_room_for_blocked(&mut out)? {
+                Some((id, true)) => self.swap_in_one(id, &mut budget, &mut scheduled, &mut out)?,
+                Some((id, false)) => self.admit(id, &mut budget, &mut scheduled)?,
+                None => {}
+            }
+        }
 
         let (to_host, to_device) = (std::mem::take(&mut self.to_host), std::mem::take(&mut self.to_device));
         out.transfers = self.kv.start_transfers(to_host, to_device);
@@ -89,7 +96,10 @@ impl Scheduler {
     ) -> Result<(), CoreError> {
         let seqs = &self.seqs;
         self.swapped.sort_by_key(|id| seqs[id].rank());
-        while let Some(&id) = self.swapped.first() {
+        // A sequence with nothing to compute (a beam whose logits row is already taken,
+        // swapped out while it waits for its siblings' rows) stays on the host until it
+        // is given a token: bringing it back now would schedule an empty row.
+        while let Some(id) = self.swapped.iter().copied().find(|id| !self.seqs[id].waits_for_token()) {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
@@ -98,14 +108,19 @@ impl Scheduler {
             if self.kv.can_swap_in(&[id])? != SwapInStatus::Ok || !fits {
                 break;
             }
-            let pairs = self.kv.swap_in(&[id])?;
-            self.to_device.extend(pairs);
-            self.swapped.remove(0);
-            self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
-            self.running.push(id);
-            self.append_sampled(id, out)?;
-            self.stats.decode_tokens += self.take_tokens(id, budget, scheduled)? as u64;
+            self.swap_in_one(id, budget, scheduled, out)?;
         }
+        Ok(())
+    }
+
+    fn swap_in_one(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>, out: &mut SchedulerOutput) -> Result<(), CoreError> {
+        let pairs = self.kv.swap_in(&[id])?;
+        self.to_device.extend(pairs);
+        self.swapped.retain(|&s| s != id);
+        self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
+        self.running.push(id);
+        self.append_sampled(id, out)?;
+        self.stats.decode_tokens += self.take_tokens(id, budget, scheduled)? as u64;
         Ok(())
     }
 
@@ -130,27 +145,36 @@ impl Scheduler {
         let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
         let seqs = &self.seqs;
         self.waiting.sort_by_key(|id| seqs[id].waiting_rank(now, aging));
-        while let Some(&id) = self.waiting.first() {
+        // Parked sequences (see `Sequence::parked`) stay out until they get a token.
+        while let Some(id) = self.waiting.iter().copied().find(|id| !self.seqs[id].parked) {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
             let seq = &self.seqs[&id];
             let needed = self.kv.blocks_to_admit(&seq.tokens, seq.reserve_tokens);
-            // An idle pool admits without the watermark, or a large prompt could never start.
-            let watermark = if self.running.is_empty() { 0 } else { self.config.watermark_blocks };
+            // A step that runs nothing else admits without the watermark, or a large prompt
+            // could never start (an idle pool), nor the waiting sibling of beams that wait
+            // for its logits row (running, but with nothing to compute).
+            let watermark = if scheduled.is_empty() { 0 } else { self.config.watermark_blocks };
             if needed == usize::MAX || needed + watermark > self.kv.num_free_blocks() {
                 break;
             }
-            let cached = self.kv.admit(id, &seq.tokens, seq.reserve_tokens)?;
-            self.waiting.remove(0);
-            let seq = self.seqs.get_mut(&id).expect("waiting sequence");
-            seq.kv_tokens = seq.tokens.len();
-            seq.num_computed = cached;
-            seq.status = SeqStatus::Running;
-            self.running.push(id);
-            self.stats.cached_prompt_tokens += cached as u64;
-            self.stats.prompt_tokens_computed += self.take_tokens(id, budget, scheduled)? as u64;
+            self.admit(id, budget, scheduled)?;
         }
+        Ok(())
+    }
+
+    fn admit(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
+        let seq = &self.seqs[&id];
+        let cached = self.kv.admit(id, &seq.tokens, seq.reserve_tokens)?;
+        self.waiting.retain(|&s| s != id);
+        let seq = self.seqs.get_mut(&id).expect("waiting sequence");
+        seq.kv_tokens = seq.tokens.len();
+        seq.num_computed = cached;
+        seq.status = SeqStatus::Running;
+        self.running.push(id);
+        self.stats.cached_prompt_tokens += cached as u64;
+        self.stats.prompt_tokens_computed += self.take_tokens(id, budget, scheduled)? as u64;
         Ok(())
     }
 

@@ -34,6 +34,10 @@ pub struct Sequence {
     pub status: SeqStatus,
     /// Step at which it last entered the waiting queue, for aging.
     pub waiting_since: u64,
+    /// Preempted by recompute while it had nothing to compute (its logits row taken, its
+    /// next token not given yet: a beam waiting for its siblings' rows). It is not
+    /// admitted again until a token is appended: it would only compute the same row.
+    pub parked: bool,
 }
 
 impl Sequence {
@@ -50,5 +54,15 @@ impl Sequence {
 
     pub fn has_pages(&self) -> bool {
         self.kv_tokens > 0
+    }
+
+    /// Nothing to compute until a token is appended: idle while running, parked while
+    /// waiting, every token's K/V already on the host while swapped out.
+    pub fn waits_for_token(&self) -> bool {
+        match self.status {
+            SeqStatus::Running => self.num_computed == self.kv_tokens && self.kv_tokens == self.tokens.len(),
+            SeqStatus::Waiting => self.parked,
+            SeqStatus::Swapped => self.kv_tokens == self.tokens.len(),
+        }
     }
 }

@@ -1,0 +1,67 @@
+"""Planted one-line kernel bugs: each must make the emulated kernel suite fail.
+
+A harness that passes correct kernels proves little until it is seen failing
+wrong ones. Every mutation replaces one exact line fragment (present once) of one
+file, in memory (``pagedrs.kernels.sources.translation_unit(files)``); cuda/ is
+never touched. The kinds are the ones a kernel author actually writes: a missing
+barrier, an off-by-one in the causal mask or a split bound, a shuffle only part
+of a warp reaches, a dropped rescale, a stride assumed instead of passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedrs.kernels import sources
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    old: str
+    new: str
+
+    def apply(self, files: dict[str, str]) -> dict[str, str]:
+        text = files[self.file]
+        count = text.count(self.old)
+        if count != 1:
+            raise ValueError(f"mutation {self.name!r}: {self.old!r} occurs {count} times in {self.file}; expected once")
+        return {**files, self.file: text.replace(self.old, self.new)}
+
+
+PA, CO = "paged_attention.cu", "cache_ops.cu"
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation("missing barrier before the scores", PA,
+             "__syncthreads();  // the previous tile is done", "//__syncthreads();  // the previous tile is done"),
+    Mutation("missing barrier after staging V", PA,
+             "    __syncthreads();\n    for (int r = warp; r < nrows; r += kWarps) {",
+             "    for (int r = warp; r < nrows; r += kWarps) {"),
+    Mutation("missing barrier before p @ V", PA,
+             "    __syncthreads();\n\n    // 4. acc = acc * alpha + p @ V", "\n    // 4. acc = acc * alpha + p @ V"),
+    Mutation("missing barrier before the slice reduction", PA,
+             "    __syncthreads();\n    if (tid < items) {", "    if (tid < items) {"),
+    Mutation("causal mask off by one", PA, "t <= last_s[r]", "t < last_s[r]"),
+    Mutation("causal limit one too far", PA,
+             "last_s[r] = ctx - q_len + (row0 + r) / group;", "last_s[r] = ctx - q_len + (row0 + r) / group + 1;"),
+    Mutation("split bound one short", PA,
+             "const int kend = min(kbeg + part_tokens, key_end);", "const int kend = min(kbeg + part_tokens - 1, key_end);"),
+    Mutation("divergent shuffle in the softmax max", PA,
+             "for (int off = 16; off > 0; off /= 2) mx = fmaxf", "for (int off = 16; off > 0 && lane < 31; off /= 2) mx = fmaxf"),
+    Mutation("q.k reduction stops one step early", PA,
+             "for (int off = TPT / 2; off > 0; off /= 2)", "for (int off = TPT / 2; off > 1; off /= 2)"),
+    Mutation("running sum not rescaled", PA, "l_s[r] = l_s[r] * alpha + sum;", "l_s[r] = l_s[r] + sum;"),
+    Mutation("query token stride ignored", PA,
+             "(q_begin + grow / group) * q_token_stride", "(q_begin + grow / group) * num_heads * HEAD"),
+    Mutation("reduce weights with the sign flipped", PA,
+             "ml[2 * p + 1] * expf(ml[2 * p] - m)", "ml[2 * p + 1] * expf(m - ml[2 * p])"),
+    Mutation("reduce reads the total before it is written", PA,
+             "  __syncthreads();\n  const float* po", "  const float* po"),
+    Mutation("slot 0 treated as padding", CO, "if (slot < 0) return;", "if (slot <= 0) return;"),
+    Mutation("copy_blocks copies onto the source", CO,
+             "pairs[2 * blockIdx.x + 1]) * block_words", "pairs[2 * blockIdx.x]) * block_words"),
+)
+
+
+def mutated_files(mutation: Mutation) -> dict[str, str]:
+    return mutation.apply(sources.source_files())

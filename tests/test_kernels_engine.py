@@ -1,0 +1,142 @@
+"""The engine end to end with ``CudaAttentionBackend``, its kernels executed by the CPU emulator.
+
+This is the path a GPU takes, minus the GPU: the runner builds the step's
+metadata, the backend plans work items and split-K, ``ops`` launches
+reshape_and_cache, paged attention, copy_blocks and the swap copies -- and the
+greedy tokens must equal transformers' on the tiny models of conftest.py (llama
+with GQA, mistral with MQA, qwen2 with q/k/v bias), with prefix caching, chunked
+prefill and preemption by swapping all happening in the same run.
+
+The tiny models here have head_dim 64 (conftest's use 16, which the kernels'
+dispatch table does not list); everything else is conftest's configuration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY_CONFIGS, make_tiny_tokenizer
+from cuda_emu.build import SUPPORTED_MACHINE
+from cuda_emu.runtime import EmulatedRuntime
+from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs.attention import TorchAttentionBackend
+from pagedrs.attention.cuda_backend import CudaAttentionBackend
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only")
+
+# One schedule per model: together they cover all three in `make test`.
+SCHEDULE = {"llama": "forward", "mistral": "warp-random", "qwen2": "reverse"}
+
+
+def make_head64_model(model_type: str, folder: Path, seed: int = 0):
+    """conftest.make_tiny_model with 4 heads of 64 (hidden 256), a size the kernels are built for."""
+    import transformers
+
+    tokenizer = make_tiny_tokenizer(folder)
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[model_type]
+    config = getattr(transformers, cls)(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        initializer_range=0.2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        **TINY_CONFIGS[model_type],
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if model_type == "qwen2":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.2)
+    model.save_pretrained(str(folder))
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def head64(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"head64-{request.param}")
+    model = make_head64_model(request.param, folder)
+    return request.param, folder, model
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            ids.append(int(torch.argmax(model(torch.tensor([ids])).logits[0, -1])))
+    return ids[len(prompt_ids) :]
+
+
+def emulated_engine(folder: Path, runtime: EmulatedRuntime, **kw) -> Engine:
+    args = dict(model=str(folder), block_size=8, num_gpu_blocks=64, swap_space_gb=0.01, max_model_len=256, watermark=0.0)
+    args.update(kw)
+    return Engine(EngineArgs(**args), attention_backend=CudaAttentionBackend(runtime=runtime))
+
+
+def run_all(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[list[int]]]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [o.token_ids for o in out.outputs]
+        engine.scheduler.check_invariants()
+    return done
+
+
+def prompts(vocab: int, count: int, shared: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, vocab, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(3, vocab, (3 + (7 * i + 5) % 23,), generator=g).tolist() for i in range(count)]
+
+
+def test_greedy_equals_transformers_with_prefix_caching_chunked_prefill_and_swapping(head64):
+    model_type, folder, hf = head64
+    runtime = EmulatedRuntime(schedule=SCHEDULE[model_type])
+    # 10 pages of 8 tokens for 8 requests of up to ~60 tokens: preemption by swapping;
+    # a 24-token budget cuts prompts into chunks; a 17-token shared prefix gives prefix hits.
+    engine = emulated_engine(folder, runtime, num_gpu_blocks=10, max_num_batched_tokens=24, max_num_seqs=6,
+                             preemption_mode="swap", enable_prefix_caching=True)  # fmt: skip
+    ps = prompts(engine.loaded.config.vocab_size, 8, shared=17, seed=1)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    done = run_all(engine, {f"r{i}": (p, params) for i, p in enumerate(ps)})
+    for i, p in enumerate(ps):
+        assert done[f"r{i}"] == [hf_greedy(hf, p, 16)], f"request r{i} ({model_type}, {runtime.schedule})"
+    stats = engine.stats()
+    assert stats["prefix_hits"] > 0
+    assert stats["num_swap_preemptions"] > 0 and stats["swap_in_blocks"] == stats["swap_out_blocks"] > 0
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    kernels = {name.split("<")[0] for name, _, _ in runtime.launches}
+    assert kernels == {"pagedrs::paged_attention_kernel", "pagedrs::reshape_and_cache_kernel"}
+    chunks = [grid for name, grid, _ in runtime.launches if "paged_attention" in name and grid[1] > 1]
+    assert chunks, "no step attended with more than one work item"
+
+
+def test_forked_samples_copy_on_write_through_the_kernels(tiny_head64_llama):
+    """n = 3 seeded samples share the prompt's pages and copy the partly filled last one
+    (copy_blocks); they must equal the same run on the PyTorch reference backend."""
+    folder = tiny_head64_llama
+    runtime = EmulatedRuntime(schedule="warp-random", seed=3)
+    engine = emulated_engine(folder, runtime)
+    prompt = prompts(engine.loaded.config.vocab_size, 2, shared=0, seed=4)[1]
+    assert len(prompt) % 8 != 0
+    params = SamplingParams(n=3, seed=123, max_tokens=10, temperature=1.0, ignore_eos=True)
+    got = run_all(engine, {"n3": (prompt, params)})["n3"]
+    assert engine.stats()["cow_copies"] >= 2
+    assert any(name == "pagedrs::copy_blocks_kernel" for name, _, _ in runtime.launches)
+    ref_engine = Engine(EngineArgs(model=str(folder), block_size=8, num_gpu_blocks=64, max_model_len=256),
+                        attention_backend=TorchAttentionBackend())  # fmt: skip
+    want = run_all(ref_engine, {"n3": (prompt, params)})["n3"]
+    assert got == want
+    assert len({tuple(t) for t in got}) > 1  # the samples really differ
+
+
+@pytest.fixture(scope="module")
+def tiny_head64_llama(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("head64-llama-fork")
+    make_head64_model("llama", folder)
+    return folder
