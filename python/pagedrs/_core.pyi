@@ -23,6 +23,7 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         cache_salt: int | None = None,
         host_cache_evicted: bool = False,
+        num_disk_blocks: int = 0,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
@@ -60,6 +61,8 @@ class BlockManager:
     def is_swapped(self, seq_id: int) -> bool: ...
     def take_pending_host_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """(gpu->cpu evict-to-host copies, cpu->gpu host-hit copies) since the last call."""
+    def take_transfers(self) -> list[tuple[str, str, list[tuple[int, int]]]]:
+        """Every copy planned since the last call, disk tier included, in the order to run them."""
     def stats(self) -> dict[str, int]: ...
     def check_invariants(self) -> None:
         """Raises AssertionError naming the first broken invariant."""
@@ -102,6 +105,7 @@ class SchedulerConfig:
         swap_cost_per_block: float = 1.0,
         recompute_cost_per_token: float = 1.0,
         host_cache_evicted: bool = False,
+        num_disk_blocks: int = 0,
     ) -> None: ...
     @property
     def num_gpu_blocks(self) -> int: ...
@@ -112,6 +116,11 @@ class SchedulerConfig:
     def block_size(self) -> int: ...
     @property
     def watermark_blocks(self) -> int: ...
+    @property
+    def num_disk_blocks(self) -> int:
+        """Disk page slots the layout uses (0 when off, and for the contiguous baseline)."""
+    @property
+    def host_cache_evicted(self) -> bool: ...
 
 class Scheduler:
     """The continuous-batching scheduler over a paged (or contiguous) KV space."""
@@ -144,6 +153,21 @@ class Scheduler:
         """One token per sequence, all or nothing."""
     def complete_transfers(self, ids: Sequence[int]) -> None:
         """The runner finished these transfers; their host pins are released (all or nothing)."""
+    def seed_disk(
+        self,
+        slots: npt.NDArray[np.uint32],
+        hashes: npt.NDArray[np.uint64],
+        parents: npt.NDArray[np.uint64],
+        tokens: npt.NDArray[np.uint32],
+        invalidated: npt.NDArray[np.uint64],
+    ) -> int:
+        """Seeds the disk tier at startup with the store's pages (oldest first); returns how many were taken."""
+    def disk_pages(
+        self, slots: npt.NDArray[np.uint32]
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.uint32]]:
+        """(hashes, parents, tokens [N, block_size]) of the pages disk slots cache."""
+    def flush_to_disk(self) -> list[tuple[int, str, str, npt.NDArray[np.int64]]]:
+        """Clean shutdown: transfers copying every cached page the disk lacks to it."""
     def num_tokens(self, seq_id: int) -> int: ...
     def fork(self, parent_id: int, child_id: int) -> None:
         """Child shares every page of the parent (running, waiting or swapped; it starts in the parent's state). Fork before appending the step's sampled tokens."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -37,7 +38,7 @@ from pagedrs.attention import AttentionBackend
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.continuation import BeamSearch, ContinuationPolicy, Decision, IndependentSamples, StepRow
 from pagedrs.engine_args import EngineArgs
-from pagedrs.executor import make_executor
+from pagedrs.executor import LocalExecutor, make_executor, plan_tiers
 from pagedrs.inputs import InputProcessor, PromptType
 from pagedrs.outputs import RequestOutput
 from pagedrs.request import Request, Sample
@@ -45,7 +46,7 @@ from pagedrs.rollback import Rollback
 from pagedrs.sampling import SampleResult, SamplingRow, sample
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.stats import EngineStats
-from pagedrs.step_input import StepInput
+from pagedrs.step_input import StepInput, Transfer
 from pagedrs.tokenizer import IncrementalDetokenizer
 
 __all__ = ["Engine", "PromptType"]
@@ -70,10 +71,12 @@ class Engine:
         self.max_model_len = args.max_model_len or config.max_position_embeddings
         self.kv_plan = self.executor.plan_kv_memory()
         plan = self.kv_plan
+        tiers = plan_tiers(self.executor, args, plan)
+        self.num_host_cache_blocks = tiers.host_cache_blocks
         self.scheduler_config = SchedulerConfig(
             num_gpu_blocks=plan.num_gpu_blocks,
             block_size=args.block_size,
-            num_cpu_blocks=plan.num_cpu_blocks,
+            num_cpu_blocks=plan.num_cpu_blocks + tiers.host_cache_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
             kv_layout=args.kv_layout,
             contiguous_reserve=args.contiguous_reserve,
@@ -85,9 +88,19 @@ class Engine:
             aging_steps=args.aging_steps,
             swap_cost_per_block=plan.swap_cost_per_block,
             recompute_cost_per_token=plan.recompute_cost_per_token,
-            host_cache_evicted=args.host_cache_evicted,
+            host_cache_evicted=args.host_cache_evicted or tiers.host_cache_blocks > 0,
+            num_disk_blocks=tiers.disk_blocks,
         )
         self.scheduler = Scheduler(self.scheduler_config)
+        self._closer = None
+        if tiers.seed is not None:
+            seed = tiers.seed
+            self.scheduler.seed_disk(seed.slots, seed.hashes, seed.parents, seed.tokens, seed.invalidated)
+            assert isinstance(self.executor, LocalExecutor)  # plan_tiers opens a store for no other
+            self.executor.set_page_meta(self.scheduler.disk_pages)
+            # A clean shutdown flushes the cached pages to disk: on shutdown(), on garbage
+            # collection, or at interpreter exit, whichever comes first.
+            self._closer = weakref.finalize(self, _flush_and_close, self.scheduler, self.executor)
         # The layout's rules decide the host pool (none for the contiguous baseline).
         self.executor.init_kv_cache(self.scheduler_config.num_gpu_blocks, self.scheduler_config.num_cpu_blocks)
         self.inputs = InputProcessor(self.tokenizer, config.vocab_size, self.max_model_len, args.max_n)
@@ -375,6 +388,7 @@ class Engine:
             num_generated_tokens=self._num_generated,
             peak_running=self._peak_running,
             kv_bytes_per_block=self.kv_plan.bytes_per_block,
+            num_host_cache_blocks=self.num_host_cache_blocks,
             num_unfinished_requests=len(self._requests),
         )
 
@@ -383,11 +397,15 @@ class Engine:
         return self.typed_stats().as_dict()
 
     def shutdown(self) -> None:
-        """Aborts what is left and releases the executor (tensor-parallel workers exit)."""
+        """Aborts what is left, flushes the cached KV pages to the disk tier (when on), and
+        releases the executor (its disk store closed, tensor-parallel workers exited)."""
         for request_id in list(self._requests):
             self.abort(request_id)
         self._pending_outputs.clear()
-        self.executor.shutdown()
+        if self._closer is not None:
+            self._closer()
+        else:
+            self.executor.shutdown()
 
     def check_invariants(self) -> None:
         """The core's invariants plus the engine's: every live sample's sequence is in the core."""
@@ -397,3 +415,14 @@ class Engine:
                 raise AssertionError(f"request {request.request_id!r} sample {s.index}: sequence {seq_id} is not in the core")
             if request.request_id not in self._requests:
                 raise AssertionError(f"sequence {seq_id} belongs to finished request {request.request_id!r}")
+
+
+def _flush_and_close(scheduler: Scheduler, executor: LocalExecutor) -> None:
+    """Clean shutdown of the disk tier: every cached page the disk lacks goes to it, then
+    the store is made durable and closed. Takes no engine, so it can run at collection."""
+    try:
+        transfers = [Transfer(int(i), str(s), str(d), p) for i, s, d, p in scheduler.flush_to_disk()]
+        executor.run_transfers(transfers)
+        scheduler.complete_transfers([t.id for t in transfers])
+    finally:
+        executor.shutdown()

@@ -37,7 +37,14 @@ class EngineArgs:
     seed: int = 0
     watermark: float = 0.01  # fraction of device blocks kept free at admission
     aging_steps: int = 100  # waiting steps per priority level gained (anti-starvation)
-    host_cache_evicted: bool = False  # keep evicted prefix-cache pages on the host tier
+    host_cache_evicted: bool = False  # legacy switch: host-cache evicted pages in the swap pool's free blocks
+    # Host tier for evicted prefix pages, added to the swap pool (GiB; 0 = off).
+    # None = min(4 GiB, 10% of MemAvailable), and on a CPU device at most the device pool's size.
+    kv_host_cache_gb: Optional[float] = None
+    # Persistent disk tier: a directory for the page store (None = off), and its size
+    # (the file is preallocated). Pages survive a restart of an engine with the same model.
+    kv_disk_path: Optional[str] = None
+    kv_disk_gb: float = 8.0
     # CPU only: torch intra-op threads. None: $PAGEDRS_CPU_THREADS, else 1 — on a small
     # shared machine OpenMP's spinning workers stall 10-30x whenever another process holds
     # a core (measured: the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy
@@ -73,6 +80,11 @@ class EngineArgs:
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):
             at_least(name, 1, optional=True)
         at_least("swap_space_gb", 0)
+        at_least("kv_host_cache_gb", 0, optional=True)
+        if isinstance(self.kv_disk_gb, bool) or not isinstance(self.kv_disk_gb, (int, float)) or not self.kv_disk_gb > 0:
+            raise ValueError(f"kv_disk_gb is {self.kv_disk_gb!r}; it must be a number > 0")
+        if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
+            raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
         at_least("aging_steps", 0)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")

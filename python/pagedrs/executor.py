@@ -15,16 +15,32 @@ protocol: it broadcasts each ``StepInput`` to its workers and gathers the logits
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
 
 import torch
 
 from pagedrs.attention import AttentionBackend
 from pagedrs.engine_args import EngineArgs
+from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, host_cache_blocks, model_fingerprint
+from pagedrs.kv_tiers.disk_store import SeedPages, StoreBusyError
+from pagedrs.kv_tiers.disk_tier import DiskTier, PageMeta
 from pagedrs.memory import KvPlan, plan_kv_memory
 from pagedrs.model_runner import ModelRunner
 from pagedrs.models import LoadedModel, load_model
-from pagedrs.step_input import StepInput
+from pagedrs.step_input import StepInput, Transfer
+
+logger = logging.getLogger("pagedrs.executor")
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """The page-cache tiers below the device, in blocks."""
+
+    host_cache_blocks: int  # host blocks for evicted prefix pages (added to the swap pool)
+    disk_blocks: int  # slots of the disk store that opened (0 = off)
+    seed: Optional[SeedPages]  # the pages the disk store already holds
 
 
 class Executor(Protocol):
@@ -73,6 +89,8 @@ class LocalExecutor:
         self._backend = attention_backend
         self.runner: ModelRunner | None = None
         self._completed: list[int] = []
+        self._disk_store: DiskPageStore | None = None
+        self._page_meta: PageMeta | None = None
 
     def plan_kv_memory(self) -> KvPlan:
         args = self.args
@@ -89,6 +107,38 @@ class LocalExecutor:
             swap_space_gb=args.swap_space_gb,
         )
 
+    def open_disk_store(self) -> tuple[int, SeedPages] | None:
+        """Opens (or creates) the disk page store of EngineArgs.kv_disk_path: (slots, the
+        pages it holds), or None with a warning when another engine holds it open."""
+        args = self.args
+        assert args.kv_disk_path is not None
+        c = self.loaded.config
+        geometry = StoreGeometry(
+            fingerprint=model_fingerprint(self.loaded.model, c),
+            dtype=args.dtype,
+            block_size=args.block_size,
+            num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            itemsize=torch.empty(0, dtype=self.loaded.dtype).element_size(),
+        )
+        slot_bytes = DiskPageStore(args.kv_disk_path, num_slots=1, geometry=geometry).slot_bytes
+        num_slots = int(args.kv_disk_gb * 2**30) // slot_bytes
+        if num_slots < 1:
+            raise ValueError(f"kv_disk_gb is {args.kv_disk_gb}; one page slot needs {slot_bytes} bytes")
+        store = DiskPageStore(args.kv_disk_path, num_slots=num_slots, geometry=geometry)
+        try:
+            seed = store.open()
+        except (StoreBusyError, OSError) as exc:
+            logger.warning("the KV disk tier is off: %s", exc)
+            return None
+        self._disk_store = store
+        return num_slots, seed
+
+    def set_page_meta(self, page_meta: PageMeta) -> None:
+        """Where disk writes get each slot's (hash, parent, tokens): the core, which assigned it."""
+        self._page_meta = page_meta
+
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.runner = ModelRunner(
             self.loaded,
@@ -97,6 +147,17 @@ class LocalExecutor:
             block_size=self.args.block_size,
             backend=self._backend,
         )
+        if self._disk_store is not None:
+            if self._page_meta is None:
+                raise RuntimeError("LocalExecutor.init_kv_cache with a disk store needs set_page_meta first")
+            self.runner.disk = DiskTier(self._disk_store, self._page_meta)
+
+    def run_transfers(self, transfers: list[Transfer]) -> None:
+        """Runs tier copies outside a step (the shutdown flush), synchronously."""
+        if self.runner is None:
+            raise RuntimeError("LocalExecutor.run_transfers before init_kv_cache")
+        with torch.inference_mode():
+            self.runner.run_transfers(transfers)
 
     def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
         if self.runner is None:
@@ -114,7 +175,27 @@ class LocalExecutor:
         return done
 
     def shutdown(self) -> None:
+        """Makes the disk store's pages durable and closes it, then drops the KV tensors."""
+        if self._disk_store is not None:
+            self._disk_store.close()
+            self._disk_store = None
         self.runner = None
+
+
+def plan_tiers(executor: Executor, args: EngineArgs, plan: KvPlan) -> TierPlan:
+    """Sizes the host cache (any executor: each rank keeps its own host pool) and opens the
+    disk store (one process only: a tensor-parallel store would need a file per rank)."""
+    if args.kv_layout != "paged":
+        return TierPlan(0, 0, None)  # the contiguous baseline caches nothing
+    host = host_cache_blocks(args.kv_host_cache_gb, plan.bytes_per_block, device_type=torch.device(args.device).type,
+                             num_gpu_blocks=plan.num_gpu_blocks)
+    if args.kv_disk_path is None:
+        return TierPlan(host, 0, None)
+    if not isinstance(executor, LocalExecutor):
+        logger.warning("the KV disk tier is off: it needs tensor_parallel_size=1, got %d", args.tensor_parallel_size)
+        return TierPlan(host, 0, None)
+    opened = executor.open_disk_store()
+    return TierPlan(host, 0, None) if opened is None else TierPlan(host, *opened)
 
 
 def make_executor(args: EngineArgs, **kwargs: Any) -> Executor:

@@ -3,10 +3,11 @@
 It owns the KV tensors and never decides anything about memory: which block
 holds what, what to copy and what to swap all come in the ``StepInput``.
 
-KV layout (see ``pagedrs.attention.base``): one tensor per tier,
+KV layout (see ``pagedrs.attention.base``): one tensor per memory tier,
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so that a
 copy or a swap of a block across every layer and both K and V is a single
-indexed copy along dim 2.
+indexed copy along dim 2. The disk tier, when there is one, is a ``DiskTier``
+(pagedrs.kv_tiers) that gathers and scatters the same slices to a page store.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from pagedrs.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedrs.kv_tiers.disk_tier import DiskTier
 from pagedrs.models import LoadedModel
-from pagedrs.step_input import StepInput
+from pagedrs.step_input import StepInput, Transfer
 
 
 class ModelRunner:
@@ -52,6 +54,7 @@ class ModelRunner:
             device="cpu",
             pin_memory=self.device.type == "cuda" and torch.cuda.is_available(),
         )
+        self.disk: DiskTier | None = None  # set by the executor when a disk tier is on
 
     @torch.inference_mode()
     def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
@@ -60,10 +63,7 @@ class ModelRunner:
         ``compute_logits=False`` (tensor-parallel workers: rank 0 samples) skips the output
         head and returns an empty tensor."""
         # block movement first, in the plan's order: swap-outs free blocks others may reuse now
-        caches = {"gpu": self.kv_cache, "cpu": self.cpu_cache}
-        for transfer in step.transfers:
-            pairs = torch.from_numpy(transfer.pairs).long()
-            self.backend.swap_blocks(caches[transfer.src], caches[transfer.dst], pairs)
+        self.run_transfers(step.transfers)
         if len(step.copies):
             self.backend.copy_blocks(self.kv_cache, torch.from_numpy(step.copies).long().to(self.device))
         vocab = self.config.vocab_size
@@ -77,6 +77,21 @@ class ModelRunner:
             return hidden.new_empty((0, vocab))
         last = meta.query_start_loc[1:].long() - 1
         return self.model.compute_logits(hidden[last])
+
+    def run_transfers(self, transfers: tuple[Transfer, ...] | list[Transfer]) -> None:
+        """Runs tier copies in list order; the tier names map to storage here."""
+        caches = {"gpu": self.kv_cache, "cpu": self.cpu_cache}
+        for transfer in transfers:
+            if transfer.dst == "disk" or transfer.src == "disk":
+                if self.disk is None:
+                    raise RuntimeError(f"transfer {transfer.id} uses the disk tier, which this runner does not have")
+                if transfer.dst == "disk":
+                    self.disk.write(caches[transfer.src], transfer.pairs)
+                else:
+                    self.disk.read(transfer.pairs, caches[transfer.dst])
+                continue
+            pairs = torch.from_numpy(transfer.pairs).long()
+            self.backend.swap_blocks(caches[transfer.src], caches[transfer.dst], pairs)
 
     def build_metadata(self, step: StepInput) -> AttentionMetadata:
         q = step.query_start_loc.astype("int64")

@@ -9,8 +9,9 @@ metric vanish.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class EngineStats:
     num_cpu_blocks: int
     num_free_cpu_blocks: int
     num_pinned_host_blocks: int  # host pages held by copies not yet completed
+    num_host_cache_blocks: int  # of num_cpu_blocks, those added for evicted prefix pages
+    num_disk_blocks: int  # page slots of the persistent disk tier (0 = off)
+    num_cached_gpu_blocks: int  # pages the prefix cache holds on each tier now
+    num_cached_cpu_blocks: int
+    num_cached_disk_blocks: int
     block_size: int
     kv_bytes_per_block: int
     kv_layout: str
@@ -44,6 +50,15 @@ class EngineStats:
     prefix_queries: int
     prefix_hits: int
     host_cache_hits: int
+    prefix_hits_device: int  # prefix_hits by the tier that served them
+    prefix_hits_host: int
+    prefix_hits_disk: int
+    prefix_misses_never_seen: int  # prefix_queries - prefix_hits, by reason
+    prefix_misses_evicted: int  # evicted from device and host
+    prefix_misses_evicted_disk: int
+    prefix_misses_invalidated: int  # the disk store had it but was for another model / dtype / geometry
+    host_cache_saves: int  # evicted device pages kept on the host
+    disk_writes: int  # pages written to the disk tier
     evictions: int
     cow_copies: int
     swap_out_blocks: int
@@ -54,6 +69,10 @@ class EngineStats:
     kv_utilization: float
     kv_waste_pct: float
     prefix_hit_rate: float
+    kv_bytes_to_host: int  # swap-outs + evicted pages saved to the host
+    kv_bytes_from_host: int  # swap-ins + host prefix hits
+    kv_bytes_to_disk: int
+    kv_bytes_from_disk: int
 
     @classmethod
     def build(cls, core: Mapping[str, Any], **engine: Any) -> EngineStats:
@@ -66,6 +85,13 @@ class EngineStats:
             kv_utilization=utilization,
             kv_waste_pct=100.0 * (1.0 - utilization),
             prefix_hit_rate=(core["prefix_hits"] / core["prefix_queries"]) if core["prefix_queries"] else 0.0,
+        )
+        per_block = int(engine["kv_bytes_per_block"])
+        derived.update(
+            kv_bytes_to_host=per_block * (core["swap_out_blocks"] + core["host_cache_saves"]),
+            kv_bytes_from_host=per_block * (core["swap_in_blocks"] + core["prefix_hits_host"]),
+            kv_bytes_to_disk=per_block * core["disk_writes"],
+            kv_bytes_from_disk=per_block * core["prefix_hits_disk"],
         )
         values = {**derived, **engine}
         for f in fields(cls):

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-TIERS = ("gpu", "cpu")  # the tier names the core uses; the executor maps each to its storage
+TIERS = ("gpu", "cpu", "disk")  # the tier names the core uses; the executor maps each to its storage
 
 
 def _empty_pairs() -> np.ndarray:

@@ -1,4 +1,4 @@
-//! The one error type of the core, and the two memory tiers it names.
+//! The one error type of the core, and the memory tiers it names.
 //!
 //! Every fallible call of the core returns [`CoreError`]; a call that fails changes
 //! no state. The Python bindings map the variants onto `OutOfBlocksError`,
@@ -13,11 +13,13 @@ pub type BlockId = u32;
 /// A token id.
 pub type TokenId = u32;
 
-/// A memory tier: device (GPU) pages or host (CPU) pages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// A memory tier: device (GPU) pages, host (CPU) pages, or page slots of the
+/// persistent disk store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Tier {
     Gpu,
     Cpu,
+    Disk,
 }
 
 impl fmt::Display for Tier {
@@ -25,6 +27,7 @@ impl fmt::Display for Tier {
         f.write_str(match self {
             Tier::Gpu => "gpu",
             Tier::Cpu => "cpu",
+            Tier::Disk => "disk",
         })
     }
 }

@@ -8,7 +8,7 @@
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
-use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, SwapInStatus};
+use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, SwapInStatus, Tier};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -21,6 +21,8 @@ enum Op {
     Free { seq: u64 },
     SwapOut { seqs: Vec<u64> },
     SwapIn { seqs: Vec<u64> },
+    /// Clean shutdown's flush of cached pages to the disk tier.
+    FlushToDisk,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -33,20 +35,22 @@ fn op() -> impl Strategy<Value = Op> {
         1 => seq.clone().prop_map(|seq| Op::Free { seq }),
         1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapOut { seqs }),
         1 => proptest::collection::vec(seq, 1..3).prop_map(|seqs| Op::SwapIn { seqs }),
+        1 => Just(Op::FlushToDisk),
     ]
 }
 
 fn config() -> impl Strategy<Value = BlockManagerConfig> {
-    (4usize..16, 1usize..5, 0usize..10, any::<bool>(), any::<bool>()).prop_map(|(gpu, bs, cpu, prefix, host)| {
-        BlockManagerConfig {
+    (4usize..16, 1usize..5, 0usize..10, any::<bool>(), any::<bool>(), prop_oneof![Just(0usize), 1usize..8]).prop_map(
+        |(gpu, bs, cpu, prefix, host, disk)| BlockManagerConfig {
             num_gpu_blocks: gpu,
             block_size: bs,
             num_cpu_blocks: cpu,
             enable_prefix_caching: prefix,
             cache_salt: None,
             host_cache_evicted: host,
-        }
-    })
+            num_disk_blocks: disk,
+        },
+    )
 }
 
 /// Tokens from a tiny alphabet, so that equal blocks (and hash lookups on them) are common.
@@ -65,6 +69,7 @@ struct Sim {
     bs: usize,
     gpu: Vec<Option<u32>>,
     cpu: Vec<Option<u32>>,
+    disk: Vec<Option<u32>>,
     /// seq → (tokens, swapped)
     model: BTreeMap<u64, (Vec<u32>, bool)>,
 }
@@ -83,24 +88,29 @@ impl Sim {
         (self.bm.num_free_gpu_blocks(), self.bm.num_free_cpu_blocks(), seqs, self.bm.stats())
     }
 
-    fn copy(&mut self, pairs: &[(u32, u32)], from_gpu: bool, to_gpu: bool) {
+    fn mem(&mut self, tier: Tier) -> &mut Vec<Option<u32>> {
+        match tier {
+            Tier::Gpu => &mut self.gpu,
+            Tier::Cpu => &mut self.cpu,
+            Tier::Disk => &mut self.disk,
+        }
+    }
+
+    fn copy(&mut self, pairs: &[(u32, u32)], src: Tier, dst: Tier) {
         let bs = self.bs;
-        for &(src, dst) in pairs {
+        for &(s, d) in pairs {
             for off in 0..bs {
-                let v = if from_gpu { self.gpu[src as usize * bs + off] } else { self.cpu[src as usize * bs + off] };
-                if to_gpu {
-                    self.gpu[dst as usize * bs + off] = v;
-                } else {
-                    self.cpu[dst as usize * bs + off] = v;
-                }
+                let v = self.mem(src)[s as usize * bs + off];
+                self.mem(dst)[d as usize * bs + off] = v;
             }
         }
     }
 
+    /// Runs every planned tier copy in the order handed out.
     fn run_host_copies(&mut self) {
-        let (evict, hits) = self.bm.take_pending_host_copies();
-        self.copy(&evict, true, false);
-        self.copy(&hits, false, true);
+        for t in self.bm.take_transfers() {
+            self.copy(&t.pairs, t.src, t.dst);
+        }
     }
 
     /// Writes the K/V ("tokens") of positions `start..` of a device sequence.
@@ -121,6 +131,10 @@ impl Sim {
 
     fn check(&self) -> Result<(), TestCaseError> {
         self.bm.check_invariants().map_err(TestCaseError::fail)?;
+        let s = self.bm.stats();
+        let misses = s.prefix_misses_never_seen + s.prefix_misses_evicted + s.prefix_misses_evicted_disk + s.prefix_misses_invalidated;
+        prop_assert_eq!(misses, s.prefix_queries - s.prefix_hits, "every missed block has one reason");
+        prop_assert_eq!(self.bm.num_pinned_host_blocks() + self.bm.num_pinned_blocks(Tier::Disk), 0, "pins left after completion");
         prop_assert_eq!(self.bm.seq_ids().count(), self.model.len());
         for (&seq, (toks, swapped)) in &self.model {
             prop_assert_eq!(self.bm.tokens(seq).unwrap(), &toks[..]);
@@ -171,7 +185,7 @@ impl Sim {
                     toks.extend(&new);
                     assert_eq!(free - self.bm.num_free_gpu_blocks(), predicted.unwrap());
                     self.run_host_copies();
-                    self.copy(&cow, true, true);
+                    self.copy(&cow, Tier::Gpu, Tier::Gpu);
                     self.write(*seq, start);
                 })
             }
@@ -190,20 +204,29 @@ impl Sim {
                 let predicted = self.bm.num_blocks_to_swap_out(seqs);
                 self.bm.swap_out(seqs).map(|pairs| {
                     assert_eq!(pairs.len(), predicted.unwrap());
-                    self.copy(&pairs, true, false);
+                    self.run_host_copies(); // host pages reclaimed by the swap go to disk first
+                    self.copy(&pairs, Tier::Gpu, Tier::Cpu);
                     seqs.iter().for_each(|s| self.model.get_mut(s).unwrap().1 = true);
                 })
             }
             Op::SwapIn { seqs } => {
                 let status = self.bm.can_swap_in(seqs);
                 let r = self.bm.swap_in(seqs).map(|pairs| {
-                    self.copy(&pairs, false, true);
+                    self.run_host_copies();
+                    self.copy(&pairs, Tier::Cpu, Tier::Gpu);
                     seqs.iter().for_each(|s| self.model.get_mut(s).unwrap().1 = false);
                 });
                 if let Ok(status) = status {
                     prop_assert_eq!(r.is_ok(), status == SwapInStatus::Ok);
                 }
                 r
+            }
+            Op::FlushToDisk => {
+                for t in self.bm.flush_to_disk() {
+                    self.copy(&t.pairs, t.src, t.dst);
+                    self.bm.complete_transfers(&[t.id]).unwrap();
+                }
+                Ok(())
             }
         };
         if result.is_err() {
@@ -222,6 +245,7 @@ proptest! {
         let mut sim = Sim {
             gpu: vec![None; cfg.num_gpu_blocks * bs],
             cpu: vec![None; cfg.num_cpu_blocks * bs],
+            disk: vec![None; cfg.num_disk_blocks * bs],
             bm: BlockManager::new(cfg).unwrap(),
             bs,
             model: BTreeMap::new(),
@@ -236,5 +260,6 @@ proptest! {
         sim.bm.check_invariants().map_err(TestCaseError::fail)?;
         prop_assert_eq!(sim.bm.num_free_gpu_blocks(), sim.bm.num_gpu_blocks());
         prop_assert_eq!(sim.bm.num_free_cpu_blocks(), sim.bm.num_cpu_blocks());
+        prop_assert_eq!(sim.bm.num_free_disk_blocks(), sim.bm.num_disk_blocks());
     }
 }

@@ -106,9 +106,16 @@ def plot_allocator(data: dict[str, Any], plot_dir: str) -> list[str]:
     return [_save(plt, fig, plot_dir, "allocator.png")]
 
 
+def plot_multiturn(data: dict[str, Any], plot_dir: str) -> list[str]:
+    from pagedrs.bench.multiturn import plot
+
+    return plot(data, plot_dir)
+
+
 PLOTTERS = {
     "throughput": plot_throughput,
     "prefix": plot_prefix,
     "preemption": plot_preemption,
     "allocator": plot_allocator,
+    "multiturn": plot_multiturn,
 }

@@ -19,6 +19,8 @@ enum Hit {
     Gpu(BlockId),
     /// A host block holding an evicted device block's content.
     Host(BlockId),
+    /// A disk slot holding an evicted host (or device) block's content.
+    Disk(BlockId),
 }
 
 /// The outcome of a prefix lookup, before anything changes.
@@ -46,8 +48,10 @@ impl BlockManager {
                     plan.cost -= 1; // shared with a running sequence: costs no free block
                 }
                 Hit::Gpu(b)
-            } else if let Some(c) = self.host_lookup(h, parent, block) {
+            } else if let Some(c) = self.lower_lookup(Tier::Cpu, h, parent, block) {
                 Hit::Host(c)
+            } else if let Some(d) = self.lower_lookup(Tier::Disk, h, parent, block) {
+                Hit::Disk(d)
             } else {
                 break;
             };
@@ -58,11 +62,11 @@ impl BlockManager {
         plan
     }
 
-    fn host_lookup(&self, h: u64, parent: u64, block: &[TokenId]) -> Option<BlockId> {
-        if !self.cfg.host_cache_evicted {
+    fn lower_lookup(&self, tier: Tier, h: u64, parent: u64, block: &[TokenId]) -> Option<BlockId> {
+        if !self.caches_pages(tier) {
             return None;
         }
-        self.cpu.cache.lookup(h, parent, block)
+        self.pool(tier).cache.lookup(h, parent, block)
     }
 
     fn check_prompt(&self, seq: Option<SeqId>, tokens: &[TokenId]) -> Result<(), CoreError> {
@@ -103,31 +107,41 @@ impl BlockManager {
         }
         let bs = self.cfg.block_size;
         let num_blocks = tokens.len().div_ceil(bs);
-        // Hold device hits first, so that taking new blocks cannot evict them.
+        // Hold every hit first (a lower tier's hit as the pin of its copy back), so that
+        // the evictions of taking new blocks, which cascade down the tiers, cannot reuse them.
         let mut table = Vec::with_capacity(num_blocks);
-        let mut num_host_hits = 0;
+        let (mut num_host_hits, mut num_disk_hits) = (0, 0);
         for hit in &plan.hits {
             match *hit {
                 Hit::Gpu(b) => {
                     self.gpu.retain(b, 1);
                     table.push(b);
+                    continue;
                 }
-                Hit::Host(_) => {
+                Hit::Host(c) => {
                     num_host_hits += 1;
-                    table.push(BlockId::MAX); // filled below
+                    self.cpu.retain(c, 1);
+                }
+                Hit::Disk(d) => {
+                    num_disk_hits += 1;
+                    self.disk.retain(d, 1);
                 }
             }
+            table.push(BlockId::MAX); // filled below
         }
-        self.take_gpu(num_host_hits + num_blocks - plan.hits.len()).expect("cost was checked");
+        self.take_gpu(num_host_hits + num_disk_hits + num_blocks - plan.hits.len()).expect("cost was checked");
         let mut fresh = std::mem::take(&mut self.taken);
         let mut fresh_iter = fresh.iter().copied();
         for (i, hit) in plan.hits.iter().enumerate() {
-            if let Hit::Host(c) = *hit {
-                let g = fresh_iter.next().expect("took one per host hit");
-                table[i] = g;
-                let parent = if i == 0 { self.root } else { plan.hashes[i - 1] };
-                self.bring_back_host_hit(c, g, plan.hashes[i], parent, &tokens[i * bs..(i + 1) * bs]);
-            }
+            let (tier, src) = match *hit {
+                Hit::Gpu(_) => continue,
+                Hit::Host(c) => (Tier::Cpu, c),
+                Hit::Disk(d) => (Tier::Disk, d),
+            };
+            let g = fresh_iter.next().expect("took one per lower-tier hit");
+            table[i] = g;
+            let parent = if i == 0 { self.root } else { plan.hashes[i - 1] };
+            self.bring_back(tier, src, g, plan.hashes[i], parent, &tokens[i * bs..(i + 1) * bs]);
         }
         table.extend(fresh_iter);
         fresh.clear();
@@ -138,6 +152,9 @@ impl BlockManager {
             self.stats.prefix_queries += ((tokens.len() - 1) / bs) as u64;
             self.stats.prefix_hits += num_hits as u64;
             self.stats.host_cache_hits += num_host_hits as u64;
+            self.stats.disk_cache_hits += num_disk_hits as u64;
+            let parent = plan.hashes.last().copied().unwrap_or(self.root);
+            self.count_misses(tokens, num_hits, parent);
         }
         let seq_state = Sequence {
             table,

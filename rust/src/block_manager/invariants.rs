@@ -5,7 +5,7 @@
 use super::prefix_cache::block_hash;
 use super::tier::TierPool;
 use super::BlockManager;
-use crate::error::{BlockId, TokenId};
+use crate::error::{BlockId, Tier, TokenId};
 
 impl BlockManager {
     /// Ok, or a description of the first broken invariant found.
@@ -13,8 +13,14 @@ impl BlockManager {
         let bs = self.cfg.block_size;
         let mut gpu_users = vec![0u32; self.cfg.num_gpu_blocks];
         let mut cpu_users = vec![0u32; self.cfg.num_cpu_blocks];
-        for &c in self.host_pins.0.iter().chain(&self.host_pins.1).chain(self.inflight_pins.values().flatten()) {
-            *cpu_users.get_mut(c as usize).ok_or_else(|| format!("pinned host block {c} out of range"))? += 1;
+        let mut disk_users = vec![0u32; self.cfg.num_disk_blocks];
+        for &(tier, b) in self.pending.all_pins().chain(self.inflight_pins.values().flatten()) {
+            let users = match tier {
+                Tier::Cpu => &mut cpu_users,
+                Tier::Disk => &mut disk_users,
+                Tier::Gpu => return Err(format!("device block {b} is pinned; only host and disk blocks take pins")),
+            };
+            *users.get_mut(b as usize).ok_or_else(|| format!("pinned {tier} block {b} out of range"))? += 1;
         }
         for (&id, s) in &self.seqs {
             if s.table.len() != s.tokens.len().div_ceil(bs) {
@@ -47,6 +53,11 @@ impl BlockManager {
         }
         check_tier("gpu", &self.gpu, &gpu_users)?;
         check_tier("cpu", &self.cpu, &cpu_users)?;
+        check_tier("disk", &self.disk, &disk_users)?;
+        // A disk slot is only ever a cached page: in use means pinned by a copy.
+        if let Some(b) = (0..self.cfg.num_disk_blocks as BlockId).find(|&b| self.disk.refs.get(b) > 0 && self.disk.cache.hash_of(b).is_none()) {
+            return Err(format!("disk: block {b} is in use but caches no page"));
+        }
         if !self.cfg.host_cache_evicted && self.cpu.cache.num_cached() > 0 {
             return Err("host blocks are cached while host_cache_evicted is off".into());
         }

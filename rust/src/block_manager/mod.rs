@@ -10,7 +10,9 @@
 //!
 //! Files: [`tier`] (pool + refcounts + cache of one tier), [`prefix_cache`] (hashes,
 //! LRU), `allocate` (prefix lookup, allocate, commit), [`block_table`] (append, COW,
-//! fork, free), `swap` (swap tiers and host-cached evictions), `invariants`.
+//! fork, free), `swap` (swapping sequences to the host), `tiers` (evicted pages moving
+//! device → host → disk, miss reasons, the persistent disk tier's seeding and flush),
+//! [`transfer`] (copies between tiers as values), `invariants`.
 //!
 //! The manager is single-owner (`&mut self`); the page pool underneath is lock-free so
 //! that other components may take and return raw blocks concurrently.
@@ -22,6 +24,7 @@ mod lru;
 pub(crate) mod prefix_cache;
 mod swap;
 pub(crate) mod tier;
+mod tiers;
 mod transfer;
 
 use block_table::Sequence;
@@ -30,7 +33,10 @@ use tier::TierPool;
 
 use crate::error::invalid;
 pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
+pub use tiers::{DiskPage, MissReason};
 pub use transfer::{Transfer, TransferId};
+use tiers::MissLog;
+use transfer::{Pending, Pin};
 
 /// Block copies for the runner: (source, destination) pairs.
 pub type CopyPairs = Vec<(BlockId, BlockId)>;
@@ -51,6 +57,9 @@ pub struct BlockManagerConfig {
     /// When a cached device block is evicted and the host tier has a free block, keep its
     /// content there; a later prefix hit on it becomes a host→device copy, not a recompute.
     pub host_cache_evicted: bool,
+    /// Page slots of the persistent disk tier (0 = off): pages evicted from the host (or
+    /// from the device when the host keeps none) go there; a prefix hit reads them back.
+    pub num_disk_blocks: usize,
 }
 
 impl BlockManagerConfig {
@@ -63,6 +72,7 @@ impl BlockManagerConfig {
             enable_prefix_caching: true,
             cache_salt: None,
             host_cache_evicted: false,
+            num_disk_blocks: 0,
         }
     }
 }
@@ -83,7 +93,7 @@ pub enum SwapInStatus {
 pub struct BlockManagerStats {
     /// Full prompt blocks that could have been hits (all but the last token), per successful allocate.
     pub prefix_queries: u64,
-    /// Of those, blocks reused from the cache (device hits plus host hits).
+    /// Of those, blocks reused from the cache (device, host and disk hits).
     pub prefix_hits: u64,
     /// Cached device blocks whose content was dropped to reuse the block.
     pub evictions: u64,
@@ -97,28 +107,39 @@ pub struct BlockManagerStats {
     pub host_cache_hits: u64,
     /// Evicted device blocks whose content was kept on the host tier.
     pub host_cache_evictions_saved: u64,
+    /// Prefix hits served from the disk tier (a disk→device copy instead of a recompute).
+    pub disk_cache_hits: u64,
+    /// Pages copied to the disk tier (evicted from above, or flushed at shutdown).
+    pub disk_writes: u64,
+    /// Prompt blocks that missed, by reason (see [`MissReason`]); they add up to
+    /// `prefix_queries - prefix_hits`.
+    pub prefix_misses_never_seen: u64,
+    pub prefix_misses_evicted: u64,
+    pub prefix_misses_evicted_disk: u64,
+    pub prefix_misses_invalidated: u64,
 }
 
-/// The KV-cache memory of one model: both tiers and every sequence's block table.
+/// The KV-cache memory of one model: every tier and every sequence's block table.
 pub struct BlockManager {
     cfg: BlockManagerConfig,
     gpu: TierPool,
+    /// Swapped sequences' pages and host-cached evicted pages (evictable, so a swap-out may reclaim them).
     cpu: TierPool,
+    /// Slots of the persistent page store: cached pages only, never a sequence's table.
+    disk: TierPool,
     seqs: IdMap<SeqId, Sequence>,
     stats: BlockManagerStats,
     /// Seed of every chain's first block (folds in the cache salt).
     root: u64,
-    /// Evicted device blocks saved to the host, (gpu, cpu), not yet taken by the runner.
-    pending_evict_copies: Vec<(BlockId, BlockId)>,
-    /// Host hits brought back, (cpu, gpu), not yet taken by the runner.
-    pending_hit_copies: Vec<(BlockId, BlockId)>,
-    /// Host blocks read or written by a copy not yet handed out: each holds one refcount
-    /// until the copy completes (see `transfer`), so no swap or eviction reuses it.
-    /// `.0`: destinations of device→host copies; `.1`: sources of host→device copies.
-    host_pins: (Vec<BlockId>, Vec<BlockId>),
-    /// Host pins of copies handed out by [`start_transfers`](Self::start_transfers) and
+    /// Copies between tiers planned and not yet handed out, with their pins: each pinned
+    /// host or disk block holds one refcount until its copy completes (see `transfer`),
+    /// so no swap or eviction reuses it.
+    pending: Pending,
+    /// Pins of copies handed out by [`start_transfers`](Self::start_transfers) and
     /// not yet completed, by transfer id.
-    inflight_pins: std::collections::BTreeMap<TransferId, Vec<BlockId>>,
+    inflight_pins: std::collections::BTreeMap<TransferId, Vec<Pin>>,
+    /// Why pages that left every tier are gone (for miss reasons).
+    misses: MissLog,
     /// Id of the next transfer handed out.
     next_transfer_id: TransferId,
     /// When set (the scheduler's mode), `swap_in` keeps one pin on each host source block
@@ -143,6 +164,9 @@ impl BlockManager {
         if cfg.num_cpu_blocks > MAX_BLOCKS {
             return Err(invalid!("num_cpu_blocks must be in 0..={MAX_BLOCKS}, got {}", cfg.num_cpu_blocks));
         }
+        if cfg.num_disk_blocks > MAX_BLOCKS {
+            return Err(invalid!("num_disk_blocks must be in 0..={MAX_BLOCKS}, got {}", cfg.num_disk_blocks));
+        }
         if cfg.num_gpu_blocks.max(cfg.num_cpu_blocks).checked_mul(cfg.block_size).is_none_or(|n| n > i64::MAX as usize) {
             return Err(invalid!(
                 "num_blocks * block_size overflows slot ids: {} blocks of {} tokens",
@@ -153,13 +177,13 @@ impl BlockManager {
         Ok(BlockManager {
             gpu: TierPool::new(cfg.num_gpu_blocks, cfg.block_size),
             cpu: TierPool::new(cfg.num_cpu_blocks, cfg.block_size),
+            disk: TierPool::new(cfg.num_disk_blocks, cfg.block_size),
             seqs: IdMap::default(),
             stats: BlockManagerStats::default(),
             root: root_seed(cfg.cache_salt),
-            pending_evict_copies: Vec::new(),
-            pending_hit_copies: Vec::new(),
-            host_pins: (Vec::new(), Vec::new()),
+            pending: Pending::default(),
             inflight_pins: Default::default(),
+            misses: MissLog::new(4 * (cfg.num_gpu_blocks + cfg.num_cpu_blocks + cfg.num_disk_blocks) + 1024),
             next_transfer_id: 1,
             pin_swap_in_sources: false,
             taken: Vec::new(),
@@ -179,6 +203,21 @@ impl BlockManager {
     }
     pub fn num_cpu_blocks(&self) -> usize {
         self.cfg.num_cpu_blocks
+    }
+    pub fn num_disk_blocks(&self) -> usize {
+        self.cfg.num_disk_blocks
+    }
+    /// Disk slots usable now, counting evictable cached pages.
+    pub fn num_free_disk_blocks(&self) -> usize {
+        self.disk.num_free()
+    }
+    /// Pages cached on each tier now: (device, host, disk).
+    pub fn num_cached_blocks(&self) -> (usize, usize, usize) {
+        (self.gpu.cache.num_cached(), self.cpu.cache.num_cached(), self.disk.cache.num_cached())
+    }
+    /// The seed of every chain's first block hash (a persistent store records it per page).
+    pub fn root_hash(&self) -> u64 {
+        self.root
     }
     /// Device blocks allocatable now, counting evictable cached blocks.
     pub fn num_free_gpu_blocks(&self) -> usize {
@@ -259,8 +298,8 @@ impl BlockManager {
         Ok(s)
     }
 
-    /// Takes `n` device blocks into `self.taken` (cleared first), saving evicted cached
-    /// content to the host tier when that switch is on and a host block is free.
+    /// Takes `n` device blocks into `self.taken` (cleared first); the cached pages evicted
+    /// to make room move down the tiers (see `tiers`).
     /// Fails with nothing changed when fewer than `n` are free.
     fn take_gpu(&mut self, n: usize) -> Result<(), CoreError> {
         self.taken.clear();
@@ -269,9 +308,9 @@ impl BlockManager {
             return Err(CoreError::OutOfBlocks { tier: Tier::Gpu, needed: n, available: self.gpu.num_free() });
         }
         self.stats.evictions += self.evicted.len() as u64;
-        if self.cfg.host_cache_evicted {
-            self.save_evicted_to_host();
-        }
+        let evicted = std::mem::take(&mut self.evicted);
+        self.demote(Tier::Gpu, &evicted);
+        self.evicted = evicted;
         Ok(())
     }
 }

@@ -1,13 +1,8 @@
-//! The host tier: swapping sequences out and in, and keeping evicted cached device
-//! blocks on the host (the `host_cache_evicted` switch).
+//! The host tier as swap space: sequences swapped out and in as a whole.
 //!
-//! Copies the runner executes, per step, in this order before the forward pass:
-//! 1. device → host: `swap_out` pairs and pending evict-to-host pairs;
-//! 2. host → device: `swap_in` pairs and pending host-hit pairs;
-//! 3. copy-on-write pairs.
-//!
-//! Host blocks read or written by a pending host copy are pinned (one refcount each)
-//! until `take_pending_host_copies`, so no swap in the same step reuses them.
+//! Copies run in the order of `transfer::ORDER`, then copy-on-write pairs, then the
+//! forward pass. Host blocks read by a swap-in are pinned (one refcount each) until its
+//! transfer completes, so no swap in the same step reuses them.
 //! A step must not swap the same blocks both ways: the scheduler swaps in only in a
 //! step that preempted nothing (vLLM's rule).
 
@@ -57,6 +52,9 @@ impl BlockManager {
     /// Moves the group to the host. Returns (gpu, cpu) copies, each device block once.
     /// A device block also used outside the group is copied and stays on the device for
     /// its other users; a cached one nobody uses any more stays cached and evictable.
+    /// Host-cached pages the swap reclaims move on to the disk tier first: with a disk
+    /// tier, run [`take_transfers`](Self::take_transfers) (or hand the pairs to
+    /// `start_transfers`, as the scheduler does) before these copies.
     pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>, CoreError> {
         self.check_group(seqs, false)?;
         let blocks = self.group_blocks(seqs);
@@ -65,6 +63,8 @@ impl BlockManager {
         if !self.cpu.take(blocks.len(), &mut host, &mut dropped) {
             return Err(CoreError::OutOfBlocks { tier: Tier::Cpu, needed: blocks.len(), available: self.cpu.num_free() });
         }
+        // Host-cached pages reclaimed for the swap move on to the disk tier first.
+        self.demote(Tier::Cpu, &dropped);
         let mut copies = Vec::with_capacity(blocks.len());
         let mut to_host: HashMap<BlockId, BlockId> = HashMap::with_capacity(blocks.len());
         for (&(g, users), &c) in blocks.iter().zip(&host) {
@@ -111,7 +111,7 @@ impl BlockManager {
             if self.pin_swap_in_sources {
                 // One user stays as the pin of the copy that reads it (see `transfer`).
                 self.cpu.release(c, users - 1);
-                self.host_pins.1.push(c);
+                self.pending.pin(Tier::Cpu, Tier::Gpu, (Tier::Cpu, c));
             } else {
                 self.cpu.release(c, users);
             }
@@ -134,35 +134,11 @@ impl BlockManager {
         Ok(copies)
     }
 
-    /// Keeps the content of the device blocks just evicted (in `self.evicted`) on free
-    /// host blocks, while the host pool has some; records the (gpu, cpu) copies.
-    pub(super) fn save_evicted_to_host(&mut self) {
-        for &(g, hash) in &self.evicted {
-            if self.cpu.cache.contains_hash(hash) {
-                continue;
-            }
-            let Some(c) = self.cpu.pool.take() else { break };
-            let parent = self.gpu.cache.parent_of(g);
-            let inserted = self.cpu.cache.insert(c, hash, parent, self.gpu.cache.block_tokens(g));
-            debug_assert!(inserted);
-            self.cpu.refs.set_exclusive(c, 1); // the pin, until the copy completes
-            self.host_pins.0.push(c);
-            self.pending_evict_copies.push((g, c));
-            self.stats.host_cache_evictions_saved += 1;
-        }
-    }
-
-    /// A prefix hit on host block `c`: device block `g` (refcount 1, fresh) gets its
-    /// content by a pending (cpu, gpu) copy and joins the device cache.
-    pub(super) fn bring_back_host_hit(&mut self, c: BlockId, g: BlockId, hash: u64, parent: u64, tokens: &[u32]) {
-        self.cpu.retain(c, 1);
-        self.host_pins.1.push(c);
-        self.pending_hit_copies.push((c, g));
+    /// A prefix hit on block `src` of `tier` (host or disk; the caller holds one
+    /// refcount on it, the copy's pin): device block `g` (refcount 1, fresh) gets its
+    /// content by a pending copy and joins the device cache.
+    pub(super) fn bring_back(&mut self, tier: Tier, src: BlockId, g: BlockId, hash: u64, parent: u64, tokens: &[u32]) {
+        self.pending.push(tier, Tier::Gpu, (src, g), Some((tier, src)));
         self.gpu.cache.insert(g, hash, parent, tokens);
-    }
-
-    /// Host blocks pinned by copies not yet completed (handed out or not).
-    pub fn num_pinned_host_blocks(&self) -> usize {
-        self.host_pins.0.len() + self.host_pins.1.len() + self.inflight_pins.values().map(Vec::len).sum::<usize>()
     }
 }

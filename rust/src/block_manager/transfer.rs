@@ -1,9 +1,14 @@
 //! Page copies between tiers, as values: `Transfer { id, src, dst, pairs }`.
 //!
-//! A step hands the runner its transfers in order (every device→host copy before any
-//! host→device copy, so a block freed by a swap-out may be refilled in the same step).
-//! Host blocks that a transfer reads or writes hold one pin (a refcount) from the moment
-//! the copy is planned until the runner reports it finished with
+//! A step hands the runner its transfers in one fixed order of (src, dst) tier pairs,
+//! [`ORDER`]: every copy that reads a page out of a tier comes before any copy that
+//! overwrites a page of that tier, because a block whose content leaves in this step
+//! may be refilled in the same step (an evicted host page goes to disk before the host
+//! block takes a device page; a device page goes to the host before its block takes a
+//! host or disk hit).
+//!
+//! Host and disk blocks that a transfer reads or writes hold one pin (a refcount) from
+//! the moment the copy is planned until the runner reports it finished with
 //! [`BlockManager::complete_transfers`]: on a GPU the copy runs on a side stream and
 //! may still be in flight after the step that planned it, so a pin released when the
 //! copy is merely handed out (vLLM's `complete_load`/`complete_store` exist for the
@@ -11,14 +16,14 @@
 //!
 //! ```text
 //!   plan (schedule)          hand out (start_transfers)        runner done
-//!   pins in host_pins  ──►   pins in inflight_pins[id]   ──►   complete_transfers([id]) releases them
+//!   pins in pending     ──►  pins in inflight_pins[id]   ──►   complete_transfers([id]) releases them
 //! ```
 //!
-//! A new tier (disk) is one more `Tier` value and one more pair of pin lists; the
-//! runner maps a tier to its storage, not a code path per pair of tiers.
+//! A tier is a value: the runner maps a tier name to its storage, not a code path per
+//! pair of tiers.
 
 use super::{BlockManager, CopyPairs};
-use crate::error::{invalid, CoreError, Tier};
+use crate::error::{invalid, BlockId, CoreError, Tier};
 
 /// Identifies one handed-out transfer until it completes. Never reused.
 pub type TransferId = u64;
@@ -33,19 +38,57 @@ pub struct Transfer {
     pub pairs: CopyPairs,
 }
 
+/// The order in which a step's batches run (see the module docs).
+pub(crate) const ORDER: [(Tier, Tier); 5] =
+    [(Tier::Cpu, Tier::Disk), (Tier::Gpu, Tier::Disk), (Tier::Gpu, Tier::Cpu), (Tier::Cpu, Tier::Gpu), (Tier::Disk, Tier::Gpu)];
+
+/// A pinned block: one refcount held on `(tier, block)` until its copy completes.
+pub(crate) type Pin = (Tier, BlockId);
+
+/// Copies planned and not yet handed out, one batch per entry of [`ORDER`].
+#[derive(Default)]
+pub(crate) struct Pending {
+    pairs: [CopyPairs; 5],
+    pins: [Vec<Pin>; 5],
+}
+
+fn slot(src: Tier, dst: Tier) -> usize {
+    ORDER.iter().position(|&p| p == (src, dst)).unwrap_or_else(|| panic!("no transfer batch {src} -> {dst}"))
+}
+
+impl Pending {
+    /// Plans one copy `src_block → dst_block`, with an optional pin.
+    pub(crate) fn push(&mut self, src: Tier, dst: Tier, pair: (BlockId, BlockId), pin: Option<Pin>) {
+        let i = slot(src, dst);
+        self.pairs[i].push(pair);
+        self.pins[i].extend(pin);
+    }
+
+    /// A pin for a copy whose pair the caller hands in itself (the scheduler's swap-ins).
+    pub(crate) fn pin(&mut self, src: Tier, dst: Tier, pin: Pin) {
+        self.pins[slot(src, dst)].push(pin);
+    }
+
+    /// Every pin planned and not handed out.
+    pub(crate) fn all_pins(&self) -> impl Iterator<Item = &Pin> + '_ {
+        self.pins.iter().flatten()
+    }
+}
+
 impl BlockManager {
-    /// Hands out every copy planned since the last call: `to_host` (device→host, e.g.
-    /// swap-outs) merged with evicted pages saved to the host, then `to_device`
-    /// (host→device, e.g. swap-ins) merged with host prefix hits. Empty batches are
-    /// omitted. Their host pins stay until [`complete_transfers`](Self::complete_transfers).
-    pub fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer> {
-        let mut out_pairs = to_host;
-        out_pairs.append(&mut self.pending_evict_copies);
-        let mut in_pairs = to_device;
-        in_pairs.append(&mut self.pending_hit_copies);
-        let (out_pins, in_pins) = std::mem::take(&mut self.host_pins);
-        let mut transfers = Vec::with_capacity(2);
-        for (src, dst, pairs, pins) in [(Tier::Gpu, Tier::Cpu, out_pairs, out_pins), (Tier::Cpu, Tier::Gpu, in_pairs, in_pins)] {
+    /// Hands out every copy planned since the last call, in [`ORDER`]: `to_host`
+    /// (device→host, the scheduler's swap-outs) goes before the evicted pages saved to the
+    /// host, `to_device` (host→device, swap-ins) before the host prefix hits. Empty batches
+    /// are omitted. Their pins stay until [`complete_transfers`](Self::complete_transfers).
+    pub fn start_transfers(&mut self, mut to_host: CopyPairs, mut to_device: CopyPairs) -> Vec<Transfer> {
+        let mut pending = std::mem::take(&mut self.pending);
+        let (i_out, i_in) = (slot(Tier::Gpu, Tier::Cpu), slot(Tier::Cpu, Tier::Gpu));
+        to_host.append(&mut pending.pairs[i_out]);
+        pending.pairs[i_out] = to_host;
+        to_device.append(&mut pending.pairs[i_in]);
+        pending.pairs[i_in] = to_device;
+        let mut transfers = Vec::new();
+        for ((src, dst), (pairs, pins)) in ORDER.into_iter().zip(pending.pairs.into_iter().zip(pending.pins)) {
             if pairs.is_empty() {
                 debug_assert!(pins.is_empty(), "pins without copies");
                 continue;
@@ -58,8 +101,8 @@ impl BlockManager {
         transfers
     }
 
-    /// The runner finished these transfers: their host pins are released. All ids must
-    /// be in flight and distinct; otherwise nothing changes.
+    /// The runner finished these transfers: their pins are released. All ids must be in
+    /// flight and distinct; otherwise nothing changes.
     pub fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError> {
         for (i, id) in ids.iter().enumerate() {
             if !self.inflight_pins.contains_key(id) || ids[..i].contains(id) {
@@ -70,11 +113,12 @@ impl BlockManager {
             }
         }
         for id in ids {
-            for c in self.inflight_pins.remove(id).expect("checked above") {
-                self.cpu.release(c, 1);
+            for (tier, b) in self.inflight_pins.remove(id).expect("checked above") {
+                self.pool_mut(tier).release(b, 1);
             }
         }
         self.cpu.flush();
+        self.disk.flush();
         Ok(())
     }
 
@@ -88,16 +132,36 @@ impl BlockManager {
         self.pin_swap_in_sources = on;
     }
 
-    /// The plain API's view: (device→host, host→device) copies since the last call,
-    /// handed out and completed at once (the caller runs them synchronously).
-    pub fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs) {
+    /// Every copy planned since the last call, handed out and completed at once (the
+    /// caller runs them synchronously, in the order returned).
+    pub fn take_transfers(&mut self) -> Vec<Transfer> {
         let transfers = self.start_transfers(Vec::new(), Vec::new());
         let ids: Vec<TransferId> = transfers.iter().map(|t| t.id).collect();
         self.complete_transfers(&ids).expect("just started");
+        transfers
+    }
+
+    /// The plain API's view of [`take_transfers`](Self::take_transfers) without a disk
+    /// tier: (device→host, host→device) copies since the last call.
+    pub fn take_pending_host_copies(&mut self) -> (CopyPairs, CopyPairs) {
         let (mut evict, mut hits) = (Vec::new(), Vec::new());
-        for t in transfers {
-            if t.src == Tier::Gpu { evict = t.pairs } else { hits = t.pairs }
+        for t in self.take_transfers() {
+            match (t.src, t.dst) {
+                (Tier::Gpu, Tier::Cpu) => evict = t.pairs,
+                (Tier::Cpu, Tier::Gpu) => hits = t.pairs,
+                (src, dst) => debug_assert!(false, "take_pending_host_copies dropped {src} -> {dst} copies; use take_transfers"),
+            }
         }
         (evict, hits)
+    }
+
+    /// Blocks of `tier` pinned by copies not yet completed (handed out or not).
+    pub fn num_pinned_blocks(&self, tier: Tier) -> usize {
+        self.pending.all_pins().chain(self.inflight_pins.values().flatten()).filter(|p| p.0 == tier).count()
+    }
+
+    /// Host blocks pinned by copies not yet completed (handed out or not).
+    pub fn num_pinned_host_blocks(&self) -> usize {
+        self.num_pinned_blocks(Tier::Cpu)
     }
 }

@@ -21,7 +21,7 @@ pub struct PyBlockManager {
 #[pymethods]
 impl PyBlockManager {
     #[new]
-    #[pyo3(signature = (num_gpu_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=true, cache_salt=None, host_cache_evicted=false))]
+    #[pyo3(signature = (num_gpu_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=true, cache_salt=None, host_cache_evicted=false, num_disk_blocks=0))]
     fn new(
         num_gpu_blocks: usize,
         block_size: usize,
@@ -29,6 +29,7 @@ impl PyBlockManager {
         enable_prefix_caching: bool,
         cache_salt: Option<u64>,
         host_cache_evicted: bool,
+        num_disk_blocks: usize,
     ) -> PyResult<Self> {
         let cfg = BlockManagerConfig {
             num_gpu_blocks,
@@ -37,6 +38,7 @@ impl PyBlockManager {
             enable_prefix_caching,
             cache_salt,
             host_cache_evicted,
+            num_disk_blocks,
         };
         Ok(PyBlockManager { inner: BlockManager::new(cfg).map_err(core_err)?, scratch: Vec::new() })
     }
@@ -181,6 +183,12 @@ impl PyBlockManager {
         self.inner.take_pending_host_copies()
     }
 
+    /// Every copy planned since the last call, as [(src tier, dst tier, [(src, dst)])] in
+    /// the order to run them (disk tier included), handed out and completed at once.
+    fn take_transfers(&mut self) -> Vec<(String, String, Pairs)> {
+        self.inner.take_transfers().into_iter().map(|t| (t.src.to_string(), t.dst.to_string(), t.pairs)).collect()
+    }
+
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -192,6 +200,14 @@ impl PyBlockManager {
         d.set_item("swap_in_blocks", s.swap_in_blocks)?;
         d.set_item("host_cache_hits", s.host_cache_hits)?;
         d.set_item("host_cache_evictions_saved", s.host_cache_evictions_saved)?;
+        d.set_item("prefix_hits_device", s.prefix_hits - s.host_cache_hits - s.disk_cache_hits)?;
+        d.set_item("prefix_hits_host", s.host_cache_hits)?;
+        d.set_item("prefix_hits_disk", s.disk_cache_hits)?;
+        d.set_item("disk_writes", s.disk_writes)?;
+        d.set_item("prefix_misses_never_seen", s.prefix_misses_never_seen)?;
+        d.set_item("prefix_misses_evicted", s.prefix_misses_evicted)?;
+        d.set_item("prefix_misses_evicted_disk", s.prefix_misses_evicted_disk)?;
+        d.set_item("prefix_misses_invalidated", s.prefix_misses_invalidated)?;
         Ok(d)
     }
 

@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert::core_err as to_py_err;
-use crate::block_manager::SeqId;
+use crate::block_manager::{DiskPage, SeqId, Transfer};
 use crate::scheduler::{KvConfig, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -19,6 +19,15 @@ fn pairs_to_array<'py>(py: Python<'py>, pairs: &[(u32, u32)]) -> Bound<'py, PyAr
     let flat: Vec<i64> = pairs.iter().flat_map(|&(a, b)| [a as i64, b as i64]).collect();
     let rows = pairs.len();
     flat.into_pyarray(py).reshape([rows, 2]).expect("a [rows * 2] vector reshapes to [rows, 2]")
+}
+
+/// Transfers as `[(id, src tier, dst tier, int64 [N, 2] pairs)]`.
+fn transfers_to_list<'py>(py: Python<'py>, transfers: &[Transfer]) -> PyResult<Bound<'py, PyList>> {
+    let list = PyList::empty(py);
+    for t in transfers {
+        list.append((t.id, t.src.to_string(), t.dst.to_string(), pairs_to_array(py, &t.pairs)))?;
+    }
+    Ok(list)
 }
 
 /// One step's plan, as NumPy arrays ready for the runner. Its Python twin is
@@ -62,11 +71,7 @@ impl PyStepPlan {
     fn from_output(py: Python<'_>, out: SchedulerOutput) -> PyResult<Self> {
         let rows = out.seq_ids.len();
         let block_tables = out.block_tables.into_pyarray(py).reshape([rows, out.max_blocks])?;
-        let transfers = PyList::empty(py);
-        for t in &out.transfers {
-            let item = (t.id, t.src.to_string(), t.dst.to_string(), pairs_to_array(py, &t.pairs));
-            transfers.append(item)?;
-        }
+        let transfers = transfers_to_list(py, &out.transfers)?;
         Ok(Self {
             transfers: transfers.unbind(),
             copies: pairs_to_array(py, &out.copies).unbind(),
@@ -108,7 +113,7 @@ impl PySchedulerConfig {
         kv_layout = "paged", contiguous_reserve = "max_model_len", max_num_seqs = 256,
         max_num_batched_tokens = 2048, max_model_len = 2048, preemption_mode = "auto",
         watermark = 0.0, aging_steps = 100, swap_cost_per_block = 1.0,
-        recompute_cost_per_token = 1.0, host_cache_evicted = false
+        recompute_cost_per_token = 1.0, host_cache_evicted = false, num_disk_blocks = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -127,6 +132,7 @@ impl PySchedulerConfig {
         swap_cost_per_block: f64,
         recompute_cost_per_token: f64,
         host_cache_evicted: bool,
+        num_disk_blocks: usize,
     ) -> PyResult<Self> {
         let layout = KvLayout::parse(kv_layout, contiguous_reserve).map_err(to_py_err)?;
         let sched = SchedulerConfig {
@@ -139,7 +145,16 @@ impl PySchedulerConfig {
             cost: PreemptionCost { swap_cost_per_block, recompute_cost_per_token },
             layout,
         };
-        let kv = KvConfig { layout, num_gpu_blocks, block_size, num_cpu_blocks, enable_prefix_caching, host_cache_evicted, watermark };
+        let kv = KvConfig {
+            layout,
+            num_gpu_blocks,
+            block_size,
+            num_cpu_blocks,
+            enable_prefix_caching,
+            host_cache_evicted,
+            num_disk_blocks,
+            watermark,
+        };
         kv.validate().map_err(to_py_err)?;
         sched.validate().map_err(to_py_err)?;
         Ok(Self { sched, kv })
@@ -153,6 +168,16 @@ impl PySchedulerConfig {
     #[getter]
     fn num_gpu_blocks(&self) -> usize {
         self.kv.num_gpu_blocks
+    }
+    /// Disk page slots the layout uses (0 when off, and for the contiguous baseline).
+    #[getter]
+    fn num_disk_blocks(&self) -> usize {
+        self.kv.effective_disk_blocks()
+    }
+    /// Whether evicted prefix pages are kept on the host tier.
+    #[getter]
+    fn host_cache_evicted(&self) -> bool {
+        self.kv.host_cache_evicted
     }
     #[getter]
     fn block_size(&self) -> usize {
@@ -219,6 +244,73 @@ impl PyScheduler {
     /// Reports transfers (ids from `StepPlan.transfers`) finished: their host pins go.
     fn complete_transfers(&mut self, ids: Vec<u64>) -> PyResult<()> {
         self.inner.complete_transfers(&ids).map_err(to_py_err)
+    }
+
+    /// Seeds the persistent disk tier before the first step with the pages the store holds,
+    /// least recently used first: `slots` uint32 [N], `hashes` / `parents` uint64 [N],
+    /// `tokens` uint32 [N, block_size]. Pages whose tokens do not hash to their hash are
+    /// skipped. `invalidated` uint64 [M]: hashes of pages the store ignored (their later
+    /// misses count as invalidated). Returns how many pages were seeded.
+    fn seed_disk(
+        &mut self,
+        slots: PyReadonlyArray1<'_, u32>,
+        hashes: PyReadonlyArray1<'_, u64>,
+        parents: PyReadonlyArray1<'_, u64>,
+        tokens: numpy::PyReadonlyArray2<'_, u32>,
+        invalidated: PyReadonlyArray1<'_, u64>,
+    ) -> PyResult<usize> {
+        let (slots, hashes, parents) = (slots.as_slice()?, hashes.as_slice()?, parents.as_slice()?);
+        let shape = tokens.shape().to_vec();
+        let tokens = tokens.as_slice()?;
+        if hashes.len() != slots.len() || parents.len() != slots.len() || shape[0] != slots.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "seed_disk needs one entry per page: {} slots, {} hashes, {} parents, {} token rows",
+                slots.len(),
+                hashes.len(),
+                parents.len(),
+                shape[0]
+            )));
+        }
+        let width = shape[1];
+        let pages: Vec<DiskPage> = (0..slots.len())
+            .map(|i| DiskPage {
+                slot: slots[i],
+                hash: hashes[i],
+                parent: parents[i],
+                tokens: tokens[i * width..(i + 1) * width].to_vec(),
+            })
+            .collect();
+        self.inner.seed_disk(&pages, invalidated.as_slice()?).map_err(to_py_err)
+    }
+
+    /// What disk slots hold (the runner writes it beside each page): uint64 hashes [N],
+    /// uint64 parents [N], uint32 tokens [N, block_size]. ValueError for a slot that
+    /// caches no page.
+    #[allow(clippy::type_complexity)]
+    fn disk_pages<'py>(
+        &self,
+        py: Python<'py>,
+        slots: PyReadonlyArray1<'_, u32>,
+    ) -> PyResult<(Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<u64>>, Bound<'py, PyArray2<u32>>)> {
+        let slots = slots.as_slice()?;
+        let bs = self.inner.kv().block_size();
+        let (mut hashes, mut parents, mut tokens) = (Vec::with_capacity(slots.len()), Vec::with_capacity(slots.len()), Vec::new());
+        for &slot in slots {
+            let page = self.inner.kv().disk_page(slot).ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err(format!("disk slot {slot} caches no page (or is out of range)"))
+            })?;
+            hashes.push(page.hash);
+            parents.push(page.parent);
+            tokens.extend(page.tokens);
+        }
+        let tokens = tokens.into_pyarray(py).reshape([slots.len(), bs])?;
+        Ok((hashes.into_pyarray(py), parents.into_pyarray(py), tokens))
+    }
+
+    /// Clean shutdown: the transfers that copy every cached device and host page the disk
+    /// tier lacks to it, as in `StepPlan.transfers`; report them with `complete_transfers`.
+    fn flush_to_disk<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        transfers_to_list(py, &self.inner.flush_to_disk())
     }
 
     /// Tokens of the sequence as the scheduler records them (prompt + appended).
@@ -299,6 +391,21 @@ impl PyScheduler {
         d.set_item("swap_out_blocks", bm.swap_out_blocks)?;
         d.set_item("swap_in_blocks", bm.swap_in_blocks)?;
         d.set_item("host_cache_hits", bm.host_cache_hits)?;
+        let (cached_gpu, cached_cpu, cached_disk) = kv.num_cached_blocks();
+        let tier_hits = bm.host_cache_hits + bm.disk_cache_hits;
+        d.set_item("prefix_hits_device", bm.prefix_hits - tier_hits)?;
+        d.set_item("prefix_hits_host", bm.host_cache_hits)?;
+        d.set_item("prefix_hits_disk", bm.disk_cache_hits)?;
+        d.set_item("prefix_misses_never_seen", bm.prefix_misses_never_seen)?;
+        d.set_item("prefix_misses_evicted", bm.prefix_misses_evicted)?;
+        d.set_item("prefix_misses_evicted_disk", bm.prefix_misses_evicted_disk)?;
+        d.set_item("prefix_misses_invalidated", bm.prefix_misses_invalidated)?;
+        d.set_item("host_cache_saves", bm.host_cache_evictions_saved)?;
+        d.set_item("disk_writes", bm.disk_writes)?;
+        d.set_item("num_disk_blocks", kv.num_disk_blocks())?;
+        d.set_item("num_cached_gpu_blocks", cached_gpu)?;
+        d.set_item("num_cached_cpu_blocks", cached_cpu)?;
+        d.set_item("num_cached_disk_blocks", cached_disk)?;
         d.set_item("num_pinned_host_blocks", kv.num_pinned_host_blocks())?;
         d.set_item("reserved_slots", usage.reserved_slots)?;
         d.set_item("live_slots", usage.live_slots)?;

@@ -88,6 +88,8 @@ pub struct KvConfig {
     pub num_cpu_blocks: usize,
     pub enable_prefix_caching: bool,
     pub host_cache_evicted: bool,
+    /// Slots of the persistent disk page tier (0 = off; ignored by the contiguous layout).
+    pub num_disk_blocks: usize,
     /// Fraction of device blocks an admission must leave free, in `[0, 1)` (paged only).
     pub watermark: f64,
 }
@@ -104,6 +106,14 @@ impl KvConfig {
     pub fn effective_cpu_blocks(&self) -> usize {
         match self.layout {
             KvLayout::Paged => self.num_cpu_blocks,
+            KvLayout::Contiguous(_) => 0,
+        }
+    }
+
+    /// Disk slots this layout uses: none for the contiguous baseline (it caches nothing).
+    pub fn effective_disk_blocks(&self) -> usize {
+        match self.layout {
+            KvLayout::Paged => self.num_disk_blocks,
             KvLayout::Contiguous(_) => 0,
         }
     }

@@ -5,7 +5,7 @@
 //! scheduler; only this trait's implementation differs.
 
 pub use crate::block_manager::CopyPairs;
-use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
+use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, DiskPage, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
 use crate::error::CoreError;
 
 pub trait KvSpace: Send + Sync {
@@ -40,6 +40,27 @@ pub trait KvSpace: Send + Sync {
     fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError>;
     /// Host blocks held by copies not yet completed.
     fn num_pinned_host_blocks(&self) -> usize;
+    /// Seeds the persistent disk tier at startup (see [`BlockManager::seed_disk`]);
+    /// a layout without one seeds nothing.
+    fn seed_disk(&mut self, _pages: &[DiskPage], _invalidated: &[u64]) -> Result<usize, CoreError> {
+        Ok(0)
+    }
+    /// Clean shutdown: copies of the cached pages to the disk tier, handed out.
+    fn flush_to_disk(&mut self) -> Vec<Transfer> {
+        Vec::new()
+    }
+    /// Pages cached on (device, host, disk) now.
+    fn num_cached_blocks(&self) -> (usize, usize, usize) {
+        (0, 0, 0)
+    }
+    /// Disk slots of the persistent tier (0 when off).
+    fn num_disk_blocks(&self) -> usize {
+        0
+    }
+    /// The page a disk slot caches, if any.
+    fn disk_page(&self, _slot: BlockId) -> Option<DiskPage> {
+        None
+    }
     fn block_manager_stats(&self) -> BlockManagerStats;
     /// Token slots held for live sequences (used blocks × block size, or reserved regions).
     fn reserved_slots(&self) -> usize;
@@ -109,6 +130,21 @@ impl KvSpace for BlockManager {
     }
     fn num_pinned_host_blocks(&self) -> usize {
         BlockManager::num_pinned_host_blocks(self)
+    }
+    fn seed_disk(&mut self, pages: &[DiskPage], invalidated: &[u64]) -> Result<usize, CoreError> {
+        BlockManager::seed_disk(self, pages, invalidated)
+    }
+    fn flush_to_disk(&mut self) -> Vec<Transfer> {
+        BlockManager::flush_to_disk(self)
+    }
+    fn num_cached_blocks(&self) -> (usize, usize, usize) {
+        BlockManager::num_cached_blocks(self)
+    }
+    fn num_disk_blocks(&self) -> usize {
+        BlockManager::num_disk_blocks(self)
+    }
+    fn disk_page(&self, slot: BlockId) -> Option<DiskPage> {
+        BlockManager::disk_page(self, slot)
     }
     fn block_manager_stats(&self) -> BlockManagerStats {
         self.stats()

@@ -101,6 +101,7 @@ impl Scheduler {
                     num_cpu_blocks: kv.effective_cpu_blocks(),
                     enable_prefix_caching: kv.enable_prefix_caching,
                     host_cache_evicted: kv.host_cache_evicted,
+                    num_disk_blocks: kv.effective_disk_blocks(),
                     cache_salt: None,
                 })?;
                 bm.set_pin_swap_in_sources(true);
@@ -256,6 +257,17 @@ impl Scheduler {
             seq.parked = false;
         }
         Ok(())
+    }
+
+    /// Seeds the persistent disk tier at startup (see [`BlockManager::seed_disk`]).
+    pub fn seed_disk(&mut self, pages: &[crate::block_manager::DiskPage], invalidated: &[u64]) -> Result<usize, CoreError> {
+        self.kv.seed_disk(pages, invalidated)
+    }
+
+    /// Clean shutdown: the cached pages' copies to the disk tier, handed out as transfers
+    /// (report them with `complete_transfers` like a step's).
+    pub fn flush_to_disk(&mut self) -> Vec<crate::block_manager::Transfer> {
+        self.kv.flush_to_disk()
     }
 
     /// The runner finished these transfers (see [`crate::block_manager::Transfer`]).

@@ -1,0 +1,353 @@
+"""DiskPageStore: the persistent disk tier, one preallocated file of fixed-size page slots.
+
+    file   | header (4 KiB) | slot 0 | slot 1 | ... | slot N-1 |
+    slot   | meta: magic, generation, hash, parent, crc, n, tokens[block_size] | page | pad to 4 KiB |
+    page   K/V of one block across every layer: [num_layers, 2, block_size, num_kv_heads, head_dim]
+
+The core (Rust) decides which slot holds which page; the store keeps the bytes. Each slot
+is self-describing: its meta holds the page's chained prefix hash, its parent's hash and
+its token ids, so that the index can be rebuilt at startup and the core can check that
+the tokens hash to the hash (a hash alone is never trusted).
+
+Crash safety: every slot carries a crc32 over its meta and page, seeded with the store's
+epoch. A write that a crash tears damages its own slot only; at the next open that slot
+fails its checksum and is ignored. The header is written once when a store is created. A
+store whose header does not match this engine (format version, model fingerprint, dtype,
+block size, KV geometry, slot count) is started afresh under a new epoch, so that none of
+its old slots can validate again; one warning says why.
+
+Writes go through one background thread, in order. A page still waiting for it is read
+back from memory, so a transfer to disk is complete for the core once it is queued.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import queue
+import secrets
+import struct
+import threading
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+logger = logging.getLogger("pagedrs.kv_tiers")
+
+FORMAT_VERSION = 1
+FILE_NAME = "pages.kvstore"
+HEADER_BYTES = 4096
+_FILE_MAGIC = b"PAGEDRS-KVSTORE\n"
+_SLOT_MAGIC = b"PGSL"
+_META = struct.Struct("<4sQQQII")  # magic, generation, hash, parent, crc, num_tokens
+_ALIGN = 4096
+
+
+class StoreBusyError(RuntimeError):
+    """Another engine holds the store open (an exclusive lock on its file)."""
+
+
+class CorruptPageError(RuntimeError):
+    """A page read back from disk failed its checksum."""
+
+
+@dataclass(frozen=True)
+class StoreGeometry:
+    """What a page's bytes mean; any difference makes a store unreadable."""
+
+    fingerprint: str  # the model's (see fingerprint.py)
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    itemsize: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+
+@dataclass(frozen=True)
+class SeedPages:
+    """The valid pages found at open, oldest write first: what the core's seed_disk takes."""
+
+    slots: np.ndarray  # uint32 [N]
+    hashes: np.ndarray  # uint64 [N]
+    parents: np.ndarray  # uint64 [N]
+    tokens: np.ndarray  # uint32 [N, block_size]
+    invalidated: np.ndarray  # uint64 [M] hashes of pages a mismatched store held
+
+    def __len__(self) -> int:
+        return int(self.slots.shape[0])
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class DiskPageStore:
+    def __init__(self, directory: str | os.PathLike, *, num_slots: int, geometry: StoreGeometry) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots is {num_slots}; a disk store needs at least 1 slot")
+        self.path = Path(directory) / FILE_NAME
+        self.num_slots = num_slots
+        self.geometry = geometry
+        bs = geometry.block_size
+        self.meta_bytes = _round_up(_META.size + 4 * bs, 64)
+        self.page_bytes = geometry.page_bytes
+        self.slot_bytes = _round_up(self.meta_bytes + self.page_bytes, _ALIGN)
+        self._fd: Optional[int] = None
+        self._epoch = 0
+        self._generation = 0
+        self._pending: dict[int, bytes] = {}  # slot -> whole slot record waiting for the writer
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[Optional[tuple[int, bytes]]] = queue.Queue()
+        self._writer: Optional[threading.Thread] = None
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    @property
+    def _f(self) -> int:
+        """The open file descriptor (the store is used only between open and close)."""
+        if self._fd is None:
+            raise RuntimeError(f"the KV disk store {self.path} is not open")
+        return self._fd
+
+    # ---- open and close ------------------------------------------------------------
+
+    def _header_fields(self) -> dict:
+        return dict(format=FORMAT_VERSION, num_slots=self.num_slots, slot_bytes=self.slot_bytes, **asdict(self.geometry))
+
+    def open(self) -> SeedPages:
+        """Locks and opens (or creates) the store; returns the valid pages it holds."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StoreBusyError(f"the KV disk store {self.path} is open in another engine") from None
+        self._fd = fd
+        size = os.fstat(fd).st_size
+        header, problem = self._read_header(size)
+        expected = self._header_fields()
+        mismatch = None if header is None else [k for k in expected if header.get(k) != expected[k]]
+        if header is not None and not mismatch:
+            self._epoch = int(header["epoch"])
+            seed = self._scan(size)
+        else:
+            invalidated = np.zeros(0, dtype=np.uint64)
+            if header is not None:
+                problem = "it was written with another " + ", ".join(mismatch or [])
+                invalidated = self._old_hashes(header, size)
+            if size > 0:
+                logger.warning("ignoring the KV disk store %s: %s; starting it afresh", self.path, problem)
+            self._create()
+            seed = self._empty_seed(invalidated)
+        self._preallocate()
+        self._writer = threading.Thread(target=self._write_loop, name="pagedrs-kv-disk-writer", daemon=True)
+        self._writer.start()
+        return seed
+
+    def _read_header(self, size: int) -> tuple[Optional[dict], str]:
+        if size < HEADER_BYTES:
+            return None, f"the file is truncated ({size} bytes, header {HEADER_BYTES})"
+        raw = os.pread(self._f, HEADER_BYTES, 0)
+        if not raw.startswith(_FILE_MAGIC):
+            return None, "it is not a pagedrs KV store (bad magic)"
+        try:
+            (length,) = struct.unpack_from("<I", raw, len(_FILE_MAGIC))
+            start = len(_FILE_MAGIC) + 4
+            body = raw[start : start + length]
+            (crc,) = struct.unpack_from("<I", raw, start + length)
+            if zlib.crc32(body) != crc:
+                return None, "its header fails its checksum"
+            return json.loads(body), ""
+        except (struct.error, ValueError):
+            return None, "its header is unreadable"
+
+    def _create(self) -> None:
+        self._epoch = secrets.randbits(32)
+        self._generation = 0
+        body = json.dumps({**self._header_fields(), "epoch": self._epoch}, sort_keys=True).encode()
+        header = _FILE_MAGIC + struct.pack("<I", len(body)) + body + struct.pack("<I", zlib.crc32(body))
+        os.ftruncate(self._f, 0)
+        os.pwrite(self._f, header.ljust(HEADER_BYTES, b"\0"), 0)
+        os.fsync(self._f)
+
+    def _preallocate(self) -> None:
+        total = HEADER_BYTES + self.num_slots * self.slot_bytes
+        if os.fstat(self._f).st_size < total:
+            try:
+                os.posix_fallocate(self._f, 0, total)
+            except OSError:  # a file system without fallocate: a sparse file is as good
+                os.ftruncate(self._f, total)
+
+    def _empty_seed(self, invalidated: np.ndarray) -> SeedPages:
+        bs = self.geometry.block_size
+        return SeedPages(np.zeros(0, np.uint32), np.zeros(0, np.uint64), np.zeros(0, np.uint64),
+                         np.zeros((0, bs), np.uint32), invalidated)
+
+    def _scan(self, size: int) -> SeedPages:
+        """Every slot whose meta and checksum are intact, oldest write first."""
+        found: list[tuple[int, int, int, int, np.ndarray]] = []
+        bad = 0
+        batch = max(1, (64 << 20) // self.slot_bytes)
+        for first in range(0, self.num_slots, batch):
+            count = min(batch, self.num_slots - first)
+            raw = os.pread(self._f, count * self.slot_bytes, HEADER_BYTES + first * self.slot_bytes)
+            for i in range(count):
+                record = raw[i * self.slot_bytes : (i + 1) * self.slot_bytes]
+                if len(record) < _META.size or record[:4] != _SLOT_MAGIC:
+                    bad += len(record) >= 4 and record[:4] != b"\0\0\0\0"
+                    continue
+                parsed = self._parse(record)
+                if parsed is None:
+                    bad += 1
+                    continue
+                generation, page_hash, parent, tokens = parsed
+                found.append((generation, first + i, page_hash, parent, tokens))
+        expected = HEADER_BYTES + self.num_slots * self.slot_bytes
+        if size < expected or bad:
+            logger.warning("the KV disk store %s: %d damaged page(s) ignored%s", self.path, bad,
+                           f"; the file is truncated ({size} of {expected} bytes)" if size < expected else "")
+        found.sort(key=lambda f: f[0])
+        self._generation = found[-1][0] + 1 if found else 0
+        bs = self.geometry.block_size
+        return SeedPages(
+            slots=np.asarray([f[1] for f in found], dtype=np.uint32),
+            hashes=np.asarray([f[2] for f in found], dtype=np.uint64),
+            parents=np.asarray([f[3] for f in found], dtype=np.uint64),
+            tokens=np.asarray([f[4] for f in found], dtype=np.uint32).reshape(len(found), bs),
+            invalidated=np.zeros(0, dtype=np.uint64),
+        )
+
+    def _old_hashes(self, header: dict, size: int) -> np.ndarray:
+        """Page hashes a mismatched store held (for miss accounting), read from slot metas only."""
+        try:
+            slot_bytes, num_slots = int(header["slot_bytes"]), int(header["num_slots"])
+        except (KeyError, TypeError, ValueError):
+            return np.zeros(0, dtype=np.uint64)
+        hashes = []
+        for slot in range(min(num_slots, max(0, size - HEADER_BYTES) // max(1, slot_bytes))):
+            meta = os.pread(self._f, _META.size, HEADER_BYTES + slot * slot_bytes)
+            if len(meta) == _META.size and meta[:4] == _SLOT_MAGIC:
+                hashes.append(_META.unpack(meta)[2])
+        return np.asarray(hashes, dtype=np.uint64)
+
+    def flush(self) -> None:
+        """Waits until every queued page is written, then makes it durable."""
+        if self._fd is None:
+            return
+        self._queue.join()
+        os.fsync(self._f)
+
+    def close(self) -> None:
+        if self._fd is None:
+            return
+        self.flush()
+        self._queue.put(None)
+        if self._writer is not None:
+            self._writer.join()
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    # ---- pages ---------------------------------------------------------------------
+
+    def _checksum(self, head: bytes, tokens: bytes, page: bytes | memoryview) -> int:
+        return zlib.crc32(page, zlib.crc32(tokens, zlib.crc32(head, self._epoch)))
+
+    def _record(self, page_hash: int, parent: int, tokens: np.ndarray, page: bytes) -> bytes:
+        tok = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
+        generation = self._generation
+        self._generation += 1
+        head = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, 0, len(tokens))
+        crc = self._checksum(head, tok, page)
+        meta = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, crc, len(tokens)) + tok
+        return meta.ljust(self.meta_bytes, b"\0") + page
+
+    def _parse(self, record: bytes) -> Optional[tuple[int, int, int, np.ndarray]]:
+        """(generation, hash, parent, tokens) of an intact slot record, else None."""
+        magic, generation, page_hash, parent, crc, n = _META.unpack_from(record)
+        bs = self.geometry.block_size
+        if magic != _SLOT_MAGIC or n != bs or len(record) < self.meta_bytes + self.page_bytes:
+            return None
+        tok = record[_META.size : _META.size + 4 * bs]
+        head = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, 0, n)
+        page = memoryview(record)[self.meta_bytes : self.meta_bytes + self.page_bytes]
+        if self._checksum(head, tok, page) != crc:
+            return None
+        return generation, page_hash, parent, np.frombuffer(tok, dtype="<u4").astype(np.uint32)
+
+    def write(self, slots: np.ndarray, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray,
+              pages: np.ndarray) -> None:
+        """Queues pages [N, page_bytes] (uint8) for slots; the bytes are copied now."""
+        if pages.shape != (len(slots), self.page_bytes):
+            raise ValueError(f"pages has shape {pages.shape}; expected ({len(slots)}, {self.page_bytes})")
+        for i, slot in enumerate(slots.tolist()):
+            self._check_slot(slot)
+            record = self._record(int(hashes[i]), int(parents[i]), tokens[i], pages[i].tobytes())
+            with self._lock:
+                self._pending[slot] = record
+            self._queue.put((slot, record))
+
+    def read(self, slots: np.ndarray) -> np.ndarray:
+        """Pages [N, page_bytes] (uint8) of the slots: queued ones from memory, the rest
+        with one read per run of consecutive slots. Raises CorruptPageError on a bad checksum."""
+        out = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
+        wanted = slots.tolist()
+        from_disk = []
+        with self._lock:
+            for i, slot in enumerate(wanted):
+                self._check_slot(slot)
+                record = self._pending.get(slot)
+                if record is None:
+                    from_disk.append((slot, i))
+                else:
+                    out[i] = np.frombuffer(record, dtype=np.uint8, count=self.page_bytes, offset=self.meta_bytes)
+        from_disk.sort()
+        start = 0
+        while start < len(from_disk):
+            end = start + 1
+            while end < len(from_disk) and from_disk[end][0] == from_disk[end - 1][0] + 1:
+                end += 1
+            first = from_disk[start][0]
+            raw = os.pread(self._f, (from_disk[end - 1][0] - first + 1) * self.slot_bytes,
+                           HEADER_BYTES + first * self.slot_bytes)
+            self.bytes_read += len(raw)
+            for slot, i in from_disk[start:end]:
+                record = raw[(slot - first) * self.slot_bytes : (slot - first + 1) * self.slot_bytes]
+                if self._parse(record) is None:
+                    raise CorruptPageError(f"page in slot {slot} of {self.path} failed its checksum")
+                out[i] = np.frombuffer(record, dtype=np.uint8, count=self.page_bytes, offset=self.meta_bytes)
+            start = end
+        return out
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} is out of range; the store has {self.num_slots} slots")
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            slot, record = item
+            try:
+                os.pwrite(self._f, record, HEADER_BYTES + slot * self.slot_bytes)
+                self.bytes_written += len(record)
+            except OSError:  # a full or failing disk: the page is lost, never wrong
+                logger.exception("writing page slot %d of %s failed", slot, self.path)
+            finally:
+                with self._lock:
+                    if self._pending.get(slot) is record:
+                        del self._pending[slot]
+                self._queue.task_done()
