@@ -56,6 +56,9 @@ class EngineArgs:
     # Ranks of tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA); rank 0
     # is this process and owns the one scheduler.
     tensor_parallel_size: int = 1
+    # As in vLLM: build no tokenizer (a folder with config + safetensors only). Prompts must
+    # be token ids; outputs carry token ids and empty text.
+    skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:

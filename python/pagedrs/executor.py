@@ -85,7 +85,8 @@ class LocalExecutor:
                 f"{parallel_state.tp_rank()} of {parallel_state.tp_size()} (set_tensor_parallel first)"
             )
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.loaded = load_model(args.model, dtype=args.dtype, device=self.device, weight_dtype=args.weight_dtype)
+        self.loaded = load_model(args.model, dtype=args.dtype, device=self.device, weight_dtype=args.weight_dtype,
+                                 skip_tokenizer_init=args.skip_tokenizer_init)
         self._backend = attention_backend
         self.runner: ModelRunner | None = None
         self._completed: list[int] = []

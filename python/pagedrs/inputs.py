@@ -15,6 +15,7 @@ import numpy as np
 
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.sampling_params import SamplingParams
+from pagedrs.tokenizer import TokenIdsOnly
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -63,6 +64,11 @@ class InputProcessor:
             raise ValueError(
                 f"request {request_id!r}: priority is {priority!r}; it must be an int in "
                 f"[{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]"
+            )
+        if getattr(params, "stop", None) and isinstance(self.tokenizer, TokenIdsOnly):
+            raise ValueError(
+                f"request {request_id!r}: stop strings need a tokenizer, but the engine was built with "
+                "skip_tokenizer_init=True; use stop_token_ids instead"
             )
         text, token_ids = self._tokenize(request_id, prompt)
         return ProcessedRequest(request_id, text, token_ids, params, int(priority))

@@ -16,6 +16,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 _REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
+# Files from which transformers can build a tokenizer; a folder with none of them has no tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "spiece.model")
+SKIP_TOKENIZER_HINT = "pass EngineArgs(skip_tokenizer_init=True) (--skip-tokenizer-init) and give prompts as token ids"
+
 
 class Tokenizer:
     def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None) -> None:
@@ -29,10 +33,17 @@ class Tokenizer:
     def from_folder(cls, folder: str | Path, eos_token_ids: set[int] | None = None) -> Tokenizer:
         from transformers import AutoTokenizer
 
+        if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(
+                f"model folder {str(folder)!r} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); "
+                f"to run it without a tokenizer, {SKIP_TOKENIZER_HINT}"
+            )
         try:
             tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ValueError(f"cannot load a tokenizer from folder {str(folder)!r}: {e}") from e
+            raise ValueError(
+                f"cannot load a tokenizer from folder {str(folder)!r}: {e}; to run it without one, {SKIP_TOKENIZER_HINT}"
+            ) from e
         return cls(tok, eos_token_ids)
 
     @classmethod
@@ -60,6 +71,37 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt instead")
         text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+class TokenIdsOnly:
+    """The tokenizer of an engine built with ``skip_tokenizer_init=True``, as in vLLM.
+
+    Token-id prompts need nothing from a tokenizer, and outputs carry token ids with
+    empty text; every use that needs text (a text prompt, a chat template, stop
+    strings) raises a ValueError that names the option. EOS ids come from the config,
+    so generation still stops where the model says.
+    """
+
+    hf = None
+
+    def __init__(self, eos_token_ids: set[int] | None = None) -> None:
+        self.eos_token_ids: set[int] = set(eos_token_ids or ())
+
+    @staticmethod
+    def refuse(what: str) -> ValueError:
+        return ValueError(
+            f"{what} needs a tokenizer, but the engine was built with skip_tokenizer_init=True; "
+            "give prompts as token ids ({'prompt_token_ids': [...]})"
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise self.refuse("a text prompt")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        raise self.refuse("a chat conversation")
 
 
 class IncrementalDetokenizer:

@@ -31,7 +31,7 @@ import torch
 from pagedrs.models.config import ModelConfig, _as_dtype
 from pagedrs.models.llama import LlamaForCausalLM
 from pagedrs.models.quant import WeightFormat, resolve_weight_format
-from pagedrs.tokenizer import Tokenizer
+from pagedrs.tokenizer import TokenIdsOnly, Tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -45,7 +45,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     model: LlamaForCausalLM  # eval mode, on its device
     config: ModelConfig
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | TokenIdsOnly  # TokenIdsOnly when loaded with skip_tokenizer_init
     name: str
     weight_format: WeightFormat | None = None  # how the linear weights are stored (None: dense, exact)
 
@@ -80,12 +80,14 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     weight_dtype: str = "auto",
+    skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
+    """``skip_tokenizer_init``: build no tokenizer (token-id prompts only; see ``TokenIdsOnly``)."""
     torch_dtype = _as_dtype(dtype)
     device = torch.device(device)
     resolve_weight_format(weight_dtype, torch_dtype, gguf_types=None, device=device)  # reject bad values first
     if name_or_path is None or str(name_or_path).lower() == EMBEDDED_MODEL_NAME:
-        return _load_gguf(embedded_model_path(), EMBEDDED_MODEL_NAME, torch_dtype, device, weight_dtype)
+        return _load_gguf(embedded_model_path(), EMBEDDED_MODEL_NAME, torch_dtype, device, weight_dtype, skip_tokenizer_init)
     path = Path(name_or_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -95,27 +97,29 @@ def load_model(
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a Hugging Face folder or a GGUF file")
-        return _load_gguf(path, path.stem, torch_dtype, device, weight_dtype)
+        return _load_gguf(path, path.stem, torch_dtype, device, weight_dtype, skip_tokenizer_init)
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _load_gguf(ggufs[0], ggufs[0].stem, torch_dtype, device, weight_dtype)
+            return _load_gguf(ggufs[0], ggufs[0].stem, torch_dtype, device, weight_dtype, skip_tokenizer_init)
         raise ValueError(f"model folder {str(path)!r} has no config.json (and not exactly one .gguf file)")
     fmt = resolve_weight_format(weight_dtype, torch_dtype, gguf_types=None, device=device)
-    return load_hf_folder(path, torch_dtype, device, name=path.name, weight_format=fmt)
+    return load_hf_folder(path, torch_dtype, device, name=path.name, weight_format=fmt,
+                          skip_tokenizer_init=skip_tokenizer_init)
 
 
-def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, weight_dtype: str) -> LoadedModel:
+def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, weight_dtype: str,
+               skip_tokenizer_init: bool) -> LoadedModel:
     from pagedrs.models.gguf_loader import convert_gguf_cached, linear_tensor_types
 
     folder = convert_gguf_cached(path)
     types = linear_tensor_types(path) if weight_dtype == "auto" else None
     fmt = resolve_weight_format(weight_dtype, dtype, gguf_types=types, device=device)
-    return load_hf_folder(folder, dtype, device, name=name, weight_format=fmt)
+    return load_hf_folder(folder, dtype, device, name=name, weight_format=fmt, skip_tokenizer_init=skip_tokenizer_init)
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, name: str,
-                   weight_format: WeightFormat | None = None) -> LoadedModel:
+                   weight_format: WeightFormat | None = None, skip_tokenizer_init: bool = False) -> LoadedModel:
     folder = Path(folder)
     try:
         config_dict = json.loads((folder / "config.json").read_text())
@@ -127,7 +131,8 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, na
     model = LlamaForCausalLM(config, device=device, weight_format=fmt)
     load_weights(model, state, where=str(folder))
     model.eval()
-    tokenizer = Tokenizer.from_folder(folder, eos_token_ids=set(config.eos_token_ids))
+    eos = set(config.eos_token_ids)
+    tokenizer = TokenIdsOnly(eos) if skip_tokenizer_init else Tokenizer.from_folder(folder, eos_token_ids=eos)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, weight_format=fmt)
 
 

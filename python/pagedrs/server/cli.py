@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of tensor parallelism")
     engine.add_argument(
+        "--skip-tokenizer-init", action="store_true",
+        help="load no tokenizer (a folder without tokenizer files): prompts must be token ids, texts come back empty",
+    )
+    engine.add_argument(
         "--engine-in-process", action="store_true",
         help="run the engine in the API server's process (default: its own process, so HTTP, tokenization "
         "and streaming never hold up a forward pass)",
@@ -119,6 +123,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "cpu_threads": args.cpu_threads if args.cpu_threads is not None else _serve_default_threads(),
         "tensor_parallel_size": args.tensor_parallel_size,
+        "skip_tokenizer_init": args.skip_tokenizer_init,
     }
 
 

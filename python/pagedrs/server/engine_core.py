@@ -106,7 +106,7 @@ def _core_main(conn: Connection, args: Any) -> None:
         return
     tok = engine.tokenizer
     _send_reply(conn, (_READY, {
-        "tokenizer_folder": str(tok.hf.name_or_path),
+        "tokenizer_folder": None if tok.hf is None else str(tok.hf.name_or_path),  # None: skip_tokenizer_init
         "eos_token_ids": sorted(tok.eos_token_ids),
         "max_model_len": int(engine.max_model_len),
         "model_name": engine.model_name,
@@ -175,7 +175,7 @@ class RemoteEngine:
     """
 
     def __init__(self, args: Any, *, start_timeout_s: float = 600.0) -> None:
-        from pagedrs.tokenizer import Tokenizer
+        from pagedrs.tokenizer import TokenIdsOnly, Tokenizer
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
@@ -189,7 +189,8 @@ class RemoteEngine:
         if kind == _FATAL:
             self.shutdown()
             raise ValueError(f"the engine core could not start: {info}")
-        self.tokenizer = Tokenizer.from_folder(info["tokenizer_folder"], set(info["eos_token_ids"]))
+        eos, folder = set(info["eos_token_ids"]), info["tokenizer_folder"]
+        self.tokenizer = TokenIdsOnly(eos) if folder is None else Tokenizer.from_folder(folder, eos)
         self.max_model_len: int = info["max_model_len"]
         self.model_name: str = info["model_name"]
         self.core_pid: int = info["pid"]

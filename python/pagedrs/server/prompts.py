@@ -26,6 +26,7 @@ from pagedrs.server.errors import bad_request
 from pagedrs.server.options import MIN_CHARS_PER_TOKEN_BOUND
 from pagedrs.server.protocol import ChatMessage
 from pagedrs.server.tokens import render_chat
+from pagedrs.tokenizer import TokenIdsOnly
 
 T = TypeVar("T")
 
@@ -48,16 +49,22 @@ class PromptTokenizer:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pagedrs-tokenize")
 
     async def encode(self, text: str, param: str) -> list[int]:
+        self._check_has_tokenizer("a text prompt", param)
         self._check_chars(len(text), param)
         return await self._run(self.tokenizer.encode, text)
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        self._check_has_tokenizer("a chat conversation", "messages")
         chars = sum(_content_chars(m) for m in messages)
         self._check_chars(chars, "messages")
         return await self._run(render_chat, self.tokenizer, messages, add_generation_prompt)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _check_has_tokenizer(self, what: str, param: str) -> None:
+        if isinstance(self.tokenizer, TokenIdsOnly):
+            raise bad_request(str(TokenIdsOnly.refuse(what)), param=param)
 
     def _check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_chars:
