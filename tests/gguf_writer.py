@@ -30,7 +30,10 @@ _HF_TO_GGUF = {
 }
 
 
-def write_gguf(model, tokenizer_dir: Path, out: Path) -> None:
+def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | None = None,
+               quantized: bool = True) -> None:
+    """``quantized=False`` writes every tensor as F32 (a GGUF equal to the HF weights). ``rope_freqs``: Llama 3 frequency factors to store as llama.cpp's converter does (see
+    ``llama3_rope_freqs``); the model's own rope_scaling is otherwise not written."""
     cfg = model.config
     w = gguf.GGUFWriter(str(out), arch="llama")
     w.add_block_count(cfg.num_hidden_layers)
@@ -43,6 +46,8 @@ def write_gguf(model, tokenizer_dir: Path, out: Path) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     _add_tokenizer(w, tokenizer_dir)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for name, t in model.state_dict().items():
         arr = t.detach().float().numpy()
         if name == "model.embed_tokens.weight":
@@ -58,7 +63,7 @@ def write_gguf(model, tokenizer_dir: Path, out: Path) -> None:
                 arr = permute_qk(torch.from_numpy(arr), cfg.num_attention_heads).numpy()
             elif kind == "attn_k":
                 arr = permute_qk(torch.from_numpy(arr), cfg.num_key_value_heads).numpy()
-            qtype = QTYPES.get(kind, gguf.GGMLQuantizationType.F32)
+            qtype = QTYPES.get(kind, gguf.GGMLQuantizationType.F32) if quantized else gguf.GGMLQuantizationType.F32
             gname = f"blk.{layer}.{kind}.{rest[-1]}"
             if qtype == gguf.GGMLQuantizationType.F32:
                 w.add_tensor(gname, arr)
@@ -86,3 +91,25 @@ def _add_tokenizer(w, folder: Path) -> None:
     w.add_token_merges(merges)
     w.add_bos_token_id(vocab["<|endoftext|>"])
     w.add_eos_token_id(vocab["<|im_end|>"])
+
+
+def llama3_rope_freqs(head_dim: int, rope_theta: float, scaling: dict) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors), written out again:
+    per rotary frequency, the divisor that turns plain RoPE into Llama 3 RoPE."""
+    import math
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    freqs = 1.0 / (rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            out.append(1.0)
+        elif wavelen > low_wavelen:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import make_tiny_model
+from conftest import TINY_CONFIGS, make_tiny_model
 
 from pagedrs import LLM, SamplingParams
 from pagedrs.tokenizer import TOKENIZER_FILES
@@ -102,3 +102,73 @@ def test_server_without_tokenizer_takes_token_ids_and_refuses_text(bare_dir: Pat
                                                             "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
         assert chat.status_code == 400, chat.text
         assert "skip_tokenizer_init" in chat.json()["error"]["message"]
+
+
+# ---- Llama 3 GGUF (rope_freqs) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama3_gguf(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny Llama with Llama 3 RoPE scaling: its HF folder, and the same weights (F32) as a GGUF
+    carrying rope_freqs the way llama.cpp's converter writes it."""
+    from gguf_writer import llama3_rope_freqs, write_gguf
+
+    d = tmp_path_factory.mktemp("llama3-gguf")
+    # original length 64: the 8 rotary frequencies (wavelengths 6.3 ... 2e4) fall in all three
+    # bands (kept, smoothed, divided by the factor), not only the last two as in TINY_CONFIGS
+    llama = TINY_CONFIGS["llama"]
+    scaling = dict(llama["rope_scaling"], original_max_position_embeddings=64)
+    TINY_CONFIGS["llama"] = dict(llama, rope_scaling=scaling)
+    try:
+        model = make_tiny_model("llama", d / "hf")
+    finally:
+        TINY_CONFIGS["llama"] = llama
+    cfg = model.config
+    scaling = dict(cfg.rope_parameters)
+    assert scaling["rope_type"] == "llama3"
+    freqs = llama3_rope_freqs(cfg.head_dim, scaling["rope_theta"], scaling)
+    assert freqs[0] == 1.0 and freqs[-1] == 8.0 and 1.0 < freqs[1] < 8.0  # all three bands
+    write_gguf(model, d / "hf", d / "llama3.gguf", rope_freqs=freqs, quantized=False)
+    return d / "hf", d / "llama3.gguf"
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_llama3_gguf_greedy_equals_transformers(llama3_gguf, cache_dir) -> None:
+    hf_dir, gguf_path = llama3_gguf
+    llm = LLM(model=str(gguf_path), weight_dtype="float32", **ENGINE_KW)
+    assert llm.engine.loaded.config.rope_type == "freq_factors"
+    prompts = _prompts(llm.engine.loaded.config.vocab_size, [7, 30, 90], seed=1)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == _hf_greedy(hf_dir, prompts, 40)
+
+
+def test_llama3_gguf_rope_matches_the_hf_formula_and_not_plain_rope(llama3_gguf, cache_dir) -> None:
+    """The factors reproduce transformers' llama3 inverse frequencies (to float32 rounding); plain
+    RoPE would be far off, so the greedy test above cannot pass by ignoring them."""
+    from pagedrs.models import load_model
+    from pagedrs.models.config import ModelConfig
+    from pagedrs.models.llama import rope_inv_freq
+
+    hf_dir, gguf_path = llama3_gguf
+    loaded = load_model(gguf_path, weight_dtype="float32")
+    hf_cfg = ModelConfig.from_hf_dict(__import__("json").loads((hf_dir / "config.json").read_text()))
+    got, want = rope_inv_freq(loaded.config), rope_inv_freq(hf_cfg)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    plain = rope_inv_freq(ModelConfig(**{**hf_cfg.__dict__, "rope_scaling": None}))
+    assert (plain / want).max() > 7.9  # the lowest frequencies are divided by factor 8
+
+
+def test_gguf_rope_freqs_of_the_wrong_length_is_refused(tmp_path, cache_dir) -> None:
+    from gguf_writer import write_gguf
+
+    model = make_tiny_model("llama", tmp_path / "hf")
+    write_gguf(model, tmp_path / "hf", tmp_path / "bad.gguf", rope_freqs=[1.0, 2.0, 3.0], quantized=False)
+    with pytest.raises(ValueError, match="rope_freqs has 3 entries; head_dim 16 needs 8"):
+        LLM(model=str(tmp_path / "bad.gguf"), **ENGINE_KW)

@@ -15,7 +15,9 @@ import torch
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 
 # rope_scaling types we implement; None / "default" means plain RoPE.
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+# "freq_factors" is llama.cpp's form of Llama 3 scaling (a GGUF's rope_freqs tensor): one divisor
+# per rotary frequency, kept as rope_scaling["freq_factors"] in a converted GGUF's config.json.
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "freq_factors")
 
 
 @dataclass
@@ -57,6 +59,16 @@ class ModelConfig:
             raise ValueError(
                 f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if rope_type == "freq_factors":
+            factors = (self.rope_scaling or {}).get("freq_factors")
+            if not isinstance(factors, list) or len(factors) != self.head_dim // 2 or not all(
+                isinstance(f, (int, float)) and f > 0 for f in factors
+            ):
+                shown = factors if not isinstance(factors, list) else f"a list of {len(factors)}"
+                raise ValueError(
+                    f"rope_scaling freq_factors is {shown!r}; it must be a list of head_dim / 2 = "
+                    f"{self.head_dim // 2} positive numbers"
+                )
 
     @property
     def rope_type(self) -> str:

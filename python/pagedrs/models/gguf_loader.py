@@ -164,8 +164,23 @@ def gguf_config(reader: Any, path: Path) -> dict[str, Any]:
     if _field(reader, f"{arch}.rope.scaling.type") == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
     if "rope_freqs.weight" in names:
-        raise ValueError(f"GGUF file {str(path)!r} uses rope_freqs (Llama 3 frequency factors), not supported yet")
+        # Llama 3 RoPE scaling as llama.cpp's converter writes it: the divisor of each rotary
+        # frequency (llama.cpp rotates by theta / freq_factor), with no scaling metadata.
+        factors = _rope_freqs(reader, path)
+        if len(factors) != config["head_dim"] // 2:
+            raise ValueError(
+                f"GGUF file {str(path)!r}: rope_freqs has {len(factors)} entries; head_dim {config['head_dim']} "
+                f"needs {config['head_dim'] // 2}"
+            )
+        config["rope_scaling"] = {"rope_type": "freq_factors", "freq_factors": factors}
     return config
+
+
+def _rope_freqs(reader: Any, path: Path) -> list[float]:
+    from gguf.quants import dequantize
+
+    (tensor,) = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    return [float(x) for x in np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)]
 
 
 def gguf_state_dict(reader: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
@@ -175,6 +190,8 @@ def gguf_state_dict(reader: Any, config: dict[str, Any], path: Path) -> dict[str
     permuted = _ARCHITECTURES[_field(reader, "general.architecture")][1]
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # a config value (gguf_config), not a weight
+            continue
         name = _hf_name(t.name, path)
         try:
             array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)

@@ -57,7 +57,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] for plain, linear-scaled or Llama 3 RoPE (transformers' formulas)."""
+    """Inverse frequencies [head_dim / 2] for plain, linear-scaled or Llama 3 RoPE (transformers' formulas),
+    or Llama 3 RoPE as llama.cpp stores it (a divisor per frequency, from a GGUF's rope_freqs)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
@@ -74,6 +75,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if config.rope_type == "freq_factors":
+        return inv_freq / torch.tensor(scaling["freq_factors"], dtype=torch.float32)
     return inv_freq
 
 
