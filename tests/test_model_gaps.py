@@ -172,3 +172,94 @@ def test_gguf_rope_freqs_of_the_wrong_length_is_refused(tmp_path, cache_dir) -> 
     write_gguf(model, tmp_path / "hf", tmp_path / "bad.gguf", rope_freqs=[1.0, 2.0, 3.0], quantized=False)
     with pytest.raises(ValueError, match="rope_freqs has 3 entries; head_dim 16 needs 8"):
         LLM(model=str(tmp_path / "bad.gguf"), **ENGINE_KW)
+
+
+# ---- sliding window (Mistral) -----------------------------------------------------------
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def mistral_window_dir(tmp_path_factory) -> Path:
+    """A tiny Mistral whose window (16) is much shorter than its contexts (~120 tokens)."""
+    folder = tmp_path_factory.mktemp("mistral-window")
+    mistral = TINY_CONFIGS["mistral"]
+    TINY_CONFIGS["mistral"] = dict(mistral, sliding_window=WINDOW)
+    try:
+        make_tiny_model("mistral", folder)
+    finally:
+        TINY_CONFIGS["mistral"] = mistral
+    return folder
+
+
+@pytest.mark.parametrize("chunk", [2048, 12], ids=["whole-prefill", "chunked-prefill"])
+def test_sliding_window_greedy_equals_transformers(mistral_window_dir: Path, chunk: int) -> None:
+    """Prompts of 5..60 tokens and 100 new ones (contexts up to 160, ten windows), block size 4
+    (windows start mid-page), chunked or whole prefill; a shared 40-token prefix run twice
+    so the second request reads its first pages from the prefix cache."""
+    llm = LLM(model=str(mistral_window_dir), **dict(ENGINE_KW, max_num_batched_tokens=chunk))
+    assert llm.engine.loaded.config.sliding_window == WINDOW
+    vocab = llm.engine.loaded.config.vocab_size
+    prefix = _prompts(vocab, [40], seed=5)[0]
+    prompts = _prompts(vocab, [5, 17, 60], seed=3) + [prefix + [7, 8, 9], prefix + [10, 11]]
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params,
+                                                         use_tqdm=False)]
+    got += [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": prompts[4]}], params, use_tqdm=False)]
+    assert llm.engine.stats()["prefix_hits"] >= 40 // ENGINE_KW["block_size"] - 1
+    want = _hf_greedy(mistral_window_dir, prompts, 100)
+    assert got == want
+
+
+def test_sliding_window_changes_the_output(mistral_window_dir: Path) -> None:
+    """The window matters for this model: full attention would generate other tokens, so the
+    test above cannot pass by ignoring it."""
+    want = _hf_greedy(mistral_window_dir, _prompts(300, [60], seed=3), 100)
+    full = _hf_greedy(mistral_window_dir, _prompts(300, [60], seed=3), 100, sliding_window=None)
+    assert want != full
+
+
+def test_torch_backend_window_mask_matches_a_dense_reference() -> None:
+    """Random pages and mixed decode/prefill rows against a dense per-sequence softmax with
+    transformers' window rule (q - W < k <= q)."""
+    from pagedrs.attention import AttentionMetadata, TorchAttentionBackend
+
+    g = torch.Generator().manual_seed(0)
+    bs, heads, kv_heads, d, window = 4, 4, 2, 8, 5
+    seq_lens, q_lens = [23, 9, 2, 40], [1, 9, 2, 3]
+    num_blocks = sum(-(-n // bs) for n in seq_lens) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in seq_lens:
+        k = -(-n // bs)
+        tables.append(perm[at:at + k] + [0] * (10 - k))
+        at += k
+    kc = torch.randn(num_blocks, bs, kv_heads, d, generator=g, dtype=torch.float64)
+    vc = torch.randn(num_blocks, bs, kv_heads, d, generator=g, dtype=torch.float64)
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1], heads, d, generator=g, dtype=torch.float64)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.long), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=starts, seq_lens_cpu=seq_lens,
+    )
+    got = TorchAttentionBackend().forward(query, kc, vc, meta, 0.5, sliding_window=window)
+    for i, (n, q) in enumerate(zip(seq_lens, q_lens)):
+        keys = torch.cat([kc[b] for b in tables[i][: -(-n // bs)]])[:n].repeat_interleave(heads // kv_heads, 1)
+        vals = torch.cat([vc[b] for b in tables[i][: -(-n // bs)]])[:n].repeat_interleave(heads // kv_heads, 1)
+        for j in range(q):
+            pos = n - q + j
+            lo = max(pos - window + 1, 0)
+            scores = torch.einsum("hd,khd->hk", query[starts[i] + j], keys[lo:pos + 1]) * 0.5
+            want = torch.einsum("hk,khd->hd", scores.softmax(-1), vals[lo:pos + 1])
+            torch.testing.assert_close(got[starts[i] + j], want)
+
+
+def test_cuda_backend_refuses_a_window() -> None:
+    from pagedrs.attention.cuda_backend import CudaAttentionBackend
+
+    with pytest.raises(ValueError, match="do not apply a sliding window.*sliding_window=16.*PAGEDRS_ATTENTION_BACKEND=torch"):
+        CudaAttentionBackend(num_sms=1).forward(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1),
+                                                None, 1.0, sliding_window=16)  # type: ignore[arg-type]

@@ -71,8 +71,10 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Causal attention of each new token over its sequence's pages (written first by write_kv)."""
+        """Causal attention of each new token over its sequence's pages (written first by write_kv);
+        with ``sliding_window`` W, over its last W positions only (its own included), as transformers."""
 
     @abstractmethod
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:

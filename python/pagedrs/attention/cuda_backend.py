@@ -59,7 +59,14 @@ class CudaAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,  # [T, num_heads, head_dim] of the cache dtype; allocated when None
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
+        if sliding_window is not None:
+            # the kernels attend to every key of the context; a window needs a mask in the kernel
+            raise ValueError(
+                f"the CUDA attention kernels do not apply a sliding window (this model has sliding_window="
+                f"{sliding_window}); set PAGEDRS_ATTENTION_BACKEND=torch to run it with the PyTorch backend"
+            )
         group = query.shape[1] // key_cache.shape[2]
         plan = self._step_plan(meta, group, key_cache.shape[2], query.device)
         if out is None:

@@ -15,6 +15,10 @@ Bucket of S sequences, query rows padded to ``max_q`` by repeating the last real
     rows  [S, max_q]   seq 0: q0 q1 q2 q2      keys [S, max_kv]: pages of each sequence, in order
                        seq 1: q0 q0 q0 q0      mask [S, 1, max_q, max_kv]: causal at each row's position,
                                                 and nothing past the sequence's length
+
+A sliding window ``W`` (Mistral) narrows each row to transformers' rule, the last
+``W`` positions including its own: key ``k`` is visible to query ``q`` when
+``q - W < k <= q``. Pages wholly before every row's window are not gathered.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ class _Bucket:
 class _StepPlan:
     meta: AttentionMetadata  # the step this plan belongs to (compared by identity)
     block_size: int
+    sliding_window: int | None  # None = full causal
     buckets: list[_Bucket]
 
 
@@ -60,13 +65,19 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(value_cache.dtype))
 
     def __init__(self) -> None:
-        self._plan: _StepPlan | None = None
+        self._plans: dict[int | None, _StepPlan] = {}  # this step's plans, per sliding window
 
-    def plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
-        """Buckets, gather indices and masks of this step (made once; every layer reuses them)."""
-        if self._plan is None or self._plan.meta is not meta or self._plan.block_size != block_size:
-            self._plan = _StepPlan(meta, block_size, _plan_buckets(meta, block_size))
-        return self._plan
+    def plan(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None = None) -> _StepPlan:
+        """Buckets, gather indices and masks of this step (made once per window; every layer reuses them)."""
+        plans = self._plans
+        if plans and next(iter(plans.values())).meta is not meta:
+            plans.clear()  # a new step
+        plan = plans.get(sliding_window)
+        if plan is None or plan.block_size != block_size:
+            plan = plans[sliding_window] = _StepPlan(
+                meta, block_size, sliding_window, _plan_buckets(meta, block_size, sliding_window)
+            )
+        return plan
 
     def forward(
         self,
@@ -75,9 +86,10 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # attend to the last W positions only (Mistral); None = all
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        buckets = self.plan(meta, block_size).buckets
+        buckets = self.plan(meta, block_size, sliding_window).buckets
         if len(buckets) == 1 and buckets[0].keep is None and buckets[0].rows.shape[0] == query.shape[0]:
             return _attend_bucket(query, key_cache, value_cache, buckets[0], scale)  # all decode, one bucket
         out = torch.empty_like(query)
@@ -103,7 +115,7 @@ class TorchAttentionBackend(AttentionBackend):
         dst_cache.index_copy_(2, pairs[:, 1].to(dst_cache.device), moved)
 
 
-def _plan_buckets(meta: AttentionMetadata, block_size: int) -> list[_Bucket]:
+def _plan_buckets(meta: AttentionMetadata, block_size: int, sliding_window: int | None = None) -> list[_Bucket]:
     """Groups sequences whose query lengths and context lengths (in blocks) are within 2x of each other.
 
     Every sequence of a bucket is padded to the bucket's longest query and context; with
@@ -124,6 +136,12 @@ def _plan_buckets(meta: AttentionMetadata, block_size: int) -> list[_Bucket]:
         q_lens = [starts[i + 1] - starts[i] for i in seqs]
         max_q = max(q_lens)
         num_blocks = -(-max(seq_lens[i] for i in seqs) // block_size)
+        # with a window, pages before the earliest visible key of every sequence are not gathered:
+        # gathering starts at page `skip` of each table (the same count for the whole bucket)
+        skip = 0
+        if sliding_window is not None:
+            first_visible = [seq_lens[i] - q - sliding_window + 1 for i, q in zip(seqs, q_lens, strict=True)]
+            skip = max(min(first_visible), 0) // block_size
         rows = [[starts[i] + min(j, q - 1) for j in range(max_q)] for i, q in zip(seqs, q_lens, strict=True)]
         out_rows = [starts[i] + j for i, q in zip(seqs, q_lens, strict=True) for j in range(q)]
         keep = None
@@ -133,13 +151,15 @@ def _plan_buckets(meta: AttentionMetadata, block_size: int) -> list[_Bucket]:
         lens = meta.seq_lens[index].long()[:, None, None]  # [S, 1, 1]
         first_pos = lens - torch.tensor(q_lens, device=device)[:, None, None]  # position of each first new token
         q_pos = first_pos + torch.arange(max_q, device=device)[None, :, None]  # [S, max_q, 1]
-        k_pos = torch.arange(num_blocks * block_size, device=device)[None, None, :]
+        k_pos = torch.arange(skip * block_size, num_blocks * block_size, device=device)[None, None, :]
         mask = (k_pos <= q_pos) & (k_pos < lens)
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window  # transformers' sliding_window_overlay
         buckets.append(_Bucket(
             rows=torch.tensor(rows, device=device),
             out_rows=torch.tensor(out_rows, device=device),
             keep=keep,
-            tables=meta.block_tables[index, :num_blocks].long(),
+            tables=meta.block_tables[index, skip:num_blocks].long(),
             mask=mask[:, None],
         ))
     return buckets

@@ -38,6 +38,10 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sliding-window attention: each token sees the last `sliding_window` positions (its own
+    # included), on the layers `layer_types` marks "sliding_attention" (None: every layer).
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -59,6 +63,18 @@ class ModelConfig:
             raise ValueError(
                 f"rope_scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int) or self.sliding_window < 1
+        ):
+            raise ValueError(f"config field sliding_window={self.sliding_window!r} must be a positive integer or null")
+        if self.layer_types is not None and (
+            len(self.layer_types) != self.num_hidden_layers
+            or not set(self.layer_types) <= {"full_attention", "sliding_attention"}
+        ):
+            raise ValueError(
+                f"config field layer_types={self.layer_types!r} must list 'full_attention' or 'sliding_attention' "
+                f"for each of the {self.num_hidden_layers} layers"
+            )
         if rope_type == "freq_factors":
             factors = (self.rope_scaling or {}).get("freq_factors")
             if not isinstance(factors, list) or len(factors) != self.head_dim // 2 or not all(
@@ -69,6 +85,12 @@ class ModelConfig:
                     f"rope_scaling freq_factors is {shown!r}; it must be a list of head_dim / 2 = "
                     f"{self.head_dim // 2} positive numbers"
                 )
+
+    def layer_sliding_window(self, layer: int) -> int | None:
+        """The window of layer ``layer``, or None for full causal attention."""
+        if self.sliding_window is None or (self.layer_types is not None and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     @property
     def rope_type(self) -> str:
@@ -121,6 +143,7 @@ class ModelConfig:
             attention_bias=bias,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_sliding_window_fields(model_type, d, layers),
         )
 
     def kv_bytes_per_token(self, dtype: str | torch.dtype, kv_heads: int | None = None) -> int:
@@ -130,6 +153,21 @@ class ModelConfig:
 
         heads = self.num_key_value_heads if kv_heads is None else kv_heads
         return KvGeometry(self.num_hidden_layers, heads, self.head_dim).bytes_per_element_token(_as_dtype(dtype).itemsize)
+
+
+def _sliding_window_fields(model_type: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
+    """transformers' reading of the window: Mistral applies ``sliding_window`` on every layer
+    (it ignores ``layer_types``); Qwen2 only with ``use_sliding_window``, on the layers its
+    ``layer_types`` name (by default the layers from ``max_window_layers`` on); Llama has none."""
+    window = d.get("sliding_window")
+    if model_type == "llama" or window is None or (model_type == "qwen2" and not d.get("use_sliding_window", False)):
+        return {}
+    if model_type == "mistral":
+        return {"sliding_window": window}
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention" for i in range(layers)
+    ]
+    return {"sliding_window": window, "layer_types": list(layer_types)}
 
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -10,8 +10,9 @@ checkpoint's separate projections land side by side through the layers'
 that follows it, and rotary applied in place on the QKV output. In float32 with dense
 weights every op computes what transformers computes, so greedy output matches it.
 
-Attention is always full causal attention: a Mistral ``sliding_window`` is not
-applied, so results match transformers only while a context fits in the window.
+Attention is causal; a layer with a sliding window (Mistral's ``sliding_window``,
+Qwen2's sliding layers) passes it to the backend, which lets each token see only the
+last ``sliding_window`` positions, as transformers does.
 """
 
 from __future__ import annotations
@@ -108,8 +109,10 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
+    def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        self.sliding_window = sliding_window
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -140,7 +143,10 @@ class Attention(nn.Module):
         apply_rotary_(k, *cos_sin)
         key_cache, value_cache = layer_cache[0], layer_cache[1]
         backend.write_kv(k, v, key_cache, value_cache, meta)
-        o = backend.forward(q, key_cache, value_cache, meta, self.scale)
+        if self.sliding_window is None:
+            o = backend.forward(q, key_cache, value_cache, meta, self.scale)
+        else:
+            o = backend.forward(q, key_cache, value_cache, meta, self.scale, sliding_window=self.sliding_window)
         return all_reduce_(self.o_proj(o.reshape(t, -1)))
 
 
@@ -159,11 +165,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
+    def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None,
+                 layer: int = 0) -> None:
         super().__init__()
         dtype = fmt.params_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
-        self.self_attn = Attention(config, fmt, device)
+        self.self_attn = Attention(config, fmt, device, config.layer_sliding_window(layer))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = MLP(config, fmt, device)
 
@@ -182,7 +189,7 @@ class LlamaBody(nn.Module):
         # _weight skips the random init of a table that is about to be overwritten
         table = torch.empty(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table, _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(config, fmt, device) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, fmt, device, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
 
 
