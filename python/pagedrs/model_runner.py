@@ -42,6 +42,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.block_size = block_size
         self.backend = backend if backend is not None else get_backend(self.device)
+        self.backend.check_model(self.config)
         c = self.config
         per_block = (c.num_hidden_layers, 2)
         # a tensor-parallel rank stores only its KV heads

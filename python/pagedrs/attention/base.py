@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,6 +76,10 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Causal attention of each new token over its sequence's pages (written first by write_kv);
         with ``sliding_window`` W, over its last W positions only (its own included), as transformers."""
+
+    def check_model(self, config: Any) -> None:
+        """Raises ValueError when this backend cannot run a model of ``config`` (a ModelConfig);
+        called when a runner is built, so that a model is refused before any request."""
 
     @abstractmethod
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:

@@ -62,11 +62,7 @@ class CudaAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
     ) -> torch.Tensor:
         if sliding_window is not None:
-            # the kernels attend to every key of the context; a window needs a mask in the kernel
-            raise ValueError(
-                f"the CUDA attention kernels do not apply a sliding window (this model has sliding_window="
-                f"{sliding_window}); set PAGEDRS_ATTENTION_BACKEND=torch to run it with the PyTorch backend"
-            )
+            raise _no_window(sliding_window)
         group = query.shape[1] // key_cache.shape[2]
         plan = self._step_plan(meta, group, key_cache.shape[2], query.device)
         if out is None:
@@ -76,6 +72,11 @@ class CudaAttentionBackend(AttentionBackend):
             plan.work_items, scale, plan.split, self._runtime,
         )  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+    def check_model(self, config: Any) -> None:
+        window = config.sliding_window if config.layer_types is None or "sliding_attention" in config.layer_types else None
+        if window is not None:
+            raise _no_window(window)
 
     def _step_plan(self, meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device) -> _StepPlan:
         if self._plan is not None and self._plan.meta is meta and self._plan.group == group:
@@ -104,3 +105,12 @@ class CudaAttentionBackend(AttentionBackend):
         if stream is None:
             stream = self._swap_streams[device] = self._runtime.new_stream(device)
         ops.swap_blocks(src_cache, dst_cache, pairs, stream, self._runtime)
+
+
+def _no_window(window: int) -> ValueError:
+    # The kernels attend to every key of the context; a window needs a mask in the kernel
+    # (and then its planning could skip the pages before the window).
+    return ValueError(
+        f"the CUDA attention kernels do not apply a sliding window (this model has sliding_window={window}); "
+        "set PAGEDRS_ATTENTION_BACKEND=torch to run it with the PyTorch backend"
+    )
