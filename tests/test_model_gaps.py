@@ -104,6 +104,29 @@ def test_server_without_tokenizer_takes_token_ids_and_refuses_text(bare_dir: Pat
         assert "skip_tokenizer_init" in chat.json()["error"]["message"]
 
 
+def test_engine_core_process_without_tokenizer(bare_dir: Path, tiny_llama_dir: Path) -> None:
+    """`pagedrs serve` runs the engine in its own process; the API side then has no tokenizer either."""
+    pytest.importorskip("fastapi")
+    from pagedrs import EngineArgs
+    from pagedrs.server.engine_core import RemoteEngine
+    from pagedrs.tokenizer import TokenIdsOnly
+
+    remote = RemoteEngine(EngineArgs(model=str(bare_dir), skip_tokenizer_init=True, **ENGINE_KW))
+    try:
+        assert isinstance(remote.tokenizer, TokenIdsOnly)
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        remote.add_request("r", {"prompt_token_ids": [5, 6, 7]}, params)
+        got: list[int] = []
+        while remote.has_unfinished():
+            for out in remote.step():
+                got.extend(out.outputs[0].delta_token_ids)
+                assert out.outputs[0].delta_text == ""
+    finally:
+        remote.shutdown()
+    want = LLM(model=str(tiny_llama_dir), **ENGINE_KW).generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)
+    assert got == want[0].outputs[0].token_ids
+
+
 # ---- Llama 3 GGUF (rope_freqs) ----------------------------------------------------------
 
 
