@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import TINY_CONFIGS, make_tiny_model
 
+from conftest import TINY_CONFIGS, make_tiny_model
 from pagedrs import LLM, SamplingParams
 from pagedrs.tokenizer import TOKENIZER_FILES
 

@@ -73,19 +73,23 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-class TokenIdsOnly:
+class TokenIdsOnly(Tokenizer):
     """The tokenizer of an engine built with ``skip_tokenizer_init=True``, as in vLLM.
 
     Token-id prompts need nothing from a tokenizer, and outputs carry token ids with
     empty text; every use that needs text (a text prompt, a chat template, stop
     strings) raises a ValueError that names the option. EOS ids come from the config,
-    so generation still stops where the model says.
+    so generation still stops where the model says. A subclass so that every consumer of
+    a Tokenizer takes it as one.
     """
 
-    hf = None
+    def __init__(self, eos_token_ids: set[int] | None = None) -> None:  # no super().__init__: no hf tokenizer to wrap
+        self.hf = None
+        self.eos_token_ids = set(eos_token_ids or ())
 
-    def __init__(self, eos_token_ids: set[int] | None = None) -> None:
-        self.eos_token_ids: set[int] = set(eos_token_ids or ())
+    @property
+    def vocab_size(self) -> int:
+        raise self.refuse("the tokenizer's vocabulary size")
 
     @staticmethod
     def refuse(what: str) -> ValueError:

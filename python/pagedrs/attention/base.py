@@ -80,6 +80,7 @@ class AttentionBackend(ABC):
     def check_model(self, config: Any) -> None:
         """Raises ValueError when this backend cannot run a model of ``config`` (a ModelConfig);
         called when a runner is built, so that a model is refused before any request."""
+        return None
 
     @abstractmethod
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:

@@ -58,8 +58,8 @@ class CudaAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,  # refused: the kernels have no window mask
         out: torch.Tensor | None = None,  # [T, num_heads, head_dim] of the cache dtype; allocated when None
-        sliding_window: int | None = None,
     ) -> torch.Tensor:
         if sliding_window is not None:
             raise _no_window(sliding_window)

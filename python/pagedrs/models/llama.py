@@ -25,16 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
-from pagedrs.models.config import ModelConfig
 from pagedrs.distributed.parallel_state import all_reduce_, tp_rank, tp_size
+from pagedrs.models.config import ModelConfig
 from pagedrs.models.layers import (
     DenseLinearMethod,
     LinearBase,
     MergedColumnParallelLinear,
-    ShardId,
     QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    ShardId,
 )
 from pagedrs.models.quant import WeightFormat
 

@@ -45,7 +45,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     model: LlamaForCausalLM  # eval mode, on its device
     config: ModelConfig
-    tokenizer: Tokenizer | TokenIdsOnly  # TokenIdsOnly when loaded with skip_tokenizer_init
+    tokenizer: Tokenizer  # a TokenIdsOnly when loaded with skip_tokenizer_init
     name: str
     weight_format: WeightFormat | None = None  # how the linear weights are stored (None: dense, exact)
 
@@ -132,7 +132,7 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, na
     load_weights(model, state, where=str(folder))
     model.eval()
     eos = set(config.eos_token_ids)
-    tokenizer = TokenIdsOnly(eos) if skip_tokenizer_init else Tokenizer.from_folder(folder, eos_token_ids=eos)
+    tokenizer: Tokenizer = TokenIdsOnly(eos) if skip_tokenizer_init else Tokenizer.from_folder(folder, eos_token_ids=eos)
     return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, weight_format=fmt)
 
 
