@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+
+from pagedrs.cli_args import add_parallel_and_tier_args, parallel_and_tier_kwargs
 import logging
 import os
 import sys
@@ -52,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads of the engine on the CPU (default: $PAGEDRS_CPU_THREADS, else every core this "
         "process may use: a server owns its machine)",
     )
-    engine.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of tensor parallelism")
+    add_parallel_and_tier_args(engine)
+    engine.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                        help="linear weights: auto = exact for HF folders, nearest quantized format for a quantized GGUF")
     engine.add_argument(
         "--engine-in-process", action="store_true",
         help="run the engine in the API server's process (default: its own process, so HTTP, tokenization "
@@ -118,7 +122,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
         "cpu_threads": args.cpu_threads if args.cpu_threads is not None else _serve_default_threads(),
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "weight_dtype": args.weight_dtype,
+        **parallel_and_tier_kwargs(args),
     }
 
 
