@@ -38,7 +38,7 @@ class _Bucket:
 
 @dataclass(frozen=True)
 class _StepPlan:
-    meta: AttentionMetadata  # the step this plan belongs to (compared by identity)
+    meta: AttentionMetadata  # the step this plan belongs to
     block_size: int
     buckets: list[_Bucket]
 
@@ -59,14 +59,11 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(value_cache.dtype))
 
-    def __init__(self) -> None:
-        self._plan: _StepPlan | None = None
-
-    def plan(self, meta: AttentionMetadata, block_size: int) -> _StepPlan:
-        """Buckets, gather indices and masks of this step (made once; every layer reuses them)."""
-        if self._plan is None or self._plan.meta is not meta or self._plan.block_size != block_size:
-            self._plan = _StepPlan(meta, block_size, _plan_buckets(meta, block_size))
-        return self._plan
+    def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int = 0, num_kv_heads: int = 0) -> _StepPlan:
+        """Buckets, gather indices and masks of this step (made once, kept on ``meta.plan``; every layer reuses them)."""
+        if not (isinstance(meta.plan, _StepPlan) and meta.plan.block_size == block_size):
+            meta.plan = _StepPlan(meta, block_size, _plan_buckets(meta, block_size))
+        return meta.plan
 
     def forward(
         self,
