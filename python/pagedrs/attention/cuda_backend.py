@@ -60,7 +60,10 @@ class CudaAttentionBackend(AttentionBackend):
         scale: float,
         out: torch.Tensor | None = None,  # [T, num_heads, head_dim] of the cache dtype; allocated when None
     ) -> torch.Tensor:
-        plan = self.plan(meta, key_cache.shape[1], query.shape[1], key_cache.shape[2])
+        group = query.shape[1] // key_cache.shape[2]
+        plan = meta.plan  # planned once by the runner; direct callers plan here
+        if not (isinstance(plan, _StepPlan) and plan.group == group and plan.owner is self):
+            plan = self.plan(meta, key_cache.shape[1], query.shape[1], key_cache.shape[2])
         if out is None:
             out = torch.empty(query.shape, dtype=key_cache.dtype, device=query.device)
         ops.paged_attention(

@@ -74,7 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        buckets = self.plan(meta, block_size).buckets
+        planned = meta.plan if isinstance(meta.plan, _StepPlan) and meta.plan.block_size == block_size else None
+        buckets = (planned or self.plan(meta, block_size)).buckets  # planned by the runner; direct callers plan here
         if len(buckets) == 1 and buckets[0].keep is None and buckets[0].rows.shape[0] == query.shape[0]:
             return _attend_bucket(query, key_cache, value_cache, buckets[0], scale)  # all decode, one bucket
         out = torch.empty_like(query)
