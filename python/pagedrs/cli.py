@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from pagedrs.cli_args import add_parallel_and_tier_args, parallel_and_tier_kwargs
 
@@ -57,7 +57,7 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
     from pagedrs.kv_size import kv_size, tp_layout
 
     try:
-        result = kv_size(args.model, args.tokens, args.seqs, args.dtype)
+        result: dict[str, Any] = dict(kv_size(args.model, args.tokens, args.seqs, args.dtype))
         if args.tensor_parallel_size is not None:
             result["tensor_parallel"] = tp_layout(
                 args.model, args.tokens, args.seqs, args.dtype, args.tensor_parallel_size, args.device_memory_gb,

@@ -24,8 +24,8 @@ forward pass ends every request that was in it.
 from __future__ import annotations
 
 import itertools
-import os
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-
-from pagedrs.cli_args import add_parallel_and_tier_args, parallel_and_tier_kwargs
 import logging
 import os
 import sys
 from typing import Any
 
+from pagedrs.cli_args import add_parallel_and_tier_args, parallel_and_tier_kwargs
 from pagedrs.server.options import ServerOptions
 
 DEFAULT_MAX_WAITING = 1024
@@ -154,10 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     from pagedrs import Engine, EngineArgs
     from pagedrs.server.app import build_app
     from pagedrs.server.connection import uvicorn_config
+    from pagedrs.server.engine_core import EngineCoreError, RemoteEngine
     from pagedrs.server.engine_loop import EngineLoop
     from pagedrs.server.shutdown import draining_server
-
-    from pagedrs.server.engine_core import EngineCoreError, RemoteEngine
 
     try:
         engine_args = EngineArgs(**engine_kwargs(args))

@@ -123,9 +123,9 @@ class ServerMetrics:
                 if key in stats:
                     self._advance(name + ":" + value, self._labeled_counters[name].labels(**{label: value}),
                                   float(stats[key]))
-        for name, (keys, _) in _COUNTERS.items():
-            if all(k in stats for k in keys):
-                self._advance(name, self._counters[name], float(sum(stats[k] for k in keys)))
+        for name, (summed, _) in _COUNTERS.items():
+            if all(k in stats for k in summed):
+                self._advance(name, self._counters[name], float(sum(stats[k] for k in summed)))
 
     def _advance(self, key: str, counter: Any, total: float) -> None:
         """Moves a counter to the engine's cumulative ``total`` (never backwards)."""
