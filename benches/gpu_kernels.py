@@ -90,7 +90,7 @@ def main() -> None:
             q4 = q[:, :, None, :]
             sdpa = median_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=scale, enable_gqa=True))
             results[(batch, ctx)] = (paged, sdpa)
-            print(f"{batch:>5} {ctx:>7} {backend._plan.split.num_parts:>5} {paged:>9.3f} {gbs:>6.0f} "
+            print(f"{batch:>5} {ctx:>7} {meta.plan.split.num_parts:>5} {paged:>9.3f} {gbs:>6.0f} "
                   f"{100 * gbs / copy_gbs:>5.0f}% {sdpa:>8.3f} {sdpa / paged:>6.2f}x")  # fmt: skip
             del k, v, kc, vc
 
@@ -101,7 +101,7 @@ def main() -> None:
         out = torch.empty_like(q)
         t1 = median_ms(lambda: single.forward(q, kc, vc, meta, scale, out=out))
         t2 = median_ms(lambda: split.forward(q, kc, vc, meta, scale, out=out))
-        print(f"{ctx:>7} {t1:>9.3f} {t2:>10.3f} {split._plan.split.num_parts:>5} {t1 / t2:>6.2f}x")
+        print(f"{ctx:>7} {t1:>9.3f} {t2:>10.3f} {meta.plan.split.num_parts:>5} {t1 / t2:>6.2f}x")
         if ctx == 16384:
             split_speedup = t1 / t2
 

@@ -90,3 +90,17 @@ def test_generate_command_prints_the_greedy_completion(tiny_llama_dir, capsys):
     expected = LLM(model=str(tiny_llama_dir)).generate("The quick brown fox", SamplingParams(max_tokens=5, temperature=0.0),
                                                       use_tqdm=False)[0].outputs[0].text
     assert code == 0 and printed == expected
+
+
+def test_kv_size_per_device_under_tensor_parallelism(capsys):
+    """The seeds' scenario: Llama 3.1 70B in float16 on four 80 GB A100s, 256 users of 4096 tokens."""
+    code, out, _ = run(capsys, ["kv-size", "--model", "llama-3.1-70b", "--tokens", "4096", "--seqs", "256",
+                                "--tensor-parallel-size", "4", "--json"])
+    assert code == 0
+    t = json.loads(out)["tensor_parallel"]
+    assert t["weights_bytes_per_device"] == int(70.6e9 * 2 / 4)  # 35.3 GB
+    assert t["kv_bytes_per_token_per_device"] == 327_680 // 4  # 8 KV heads split 2 per device
+    slots = int((80e9 * 0.9 - 70.6e9 * 2 / 4) // 81_920)
+    assert t["token_slots"] == slots and t["sequences_paged"] == slots // 4096 == 109
+    assert t["sequences_contiguous"] == slots // 8192
+    assert t["kv_bytes_wanted"] > t["kv_bytes_available"]  # 344 GB wanted, 147 GB held: the host tier's job

@@ -144,7 +144,7 @@ def _check_attention(dtype_name: str, seq_lens, q_lens, kv_heads, group, head, b
     torch.cuda.synchronize()
     assert not got.isnan().any(), "output not fully written"
     err = _rel_err(got, want)
-    assert err <= tol, f"rel err {err:.3g} > {tol} ({dtype_name}, split={backend._plan.split})"
+    assert err <= tol, f"rel err {err:.3g} > {tol} ({dtype_name}, split={meta.plan.split})"
 
 
 @gpu

@@ -105,7 +105,7 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
     backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     got = backend.forward(q, kc, vc, meta, scale, out=out)
-    split = backend._plan.split
+    split = meta.plan.split
     if parts is not None:
         assert (split.num_parts > 1) == (parts == "split"), split
     assert not got.isnan().any(), f"output not fully written, or a poisoned page was read (split={split})"

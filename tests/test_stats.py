@@ -16,6 +16,7 @@ def test_every_metric_reads_a_field_of_engine_stats():
     names = {f.name for f in fields(EngineStats)}
     keys = {key for key, _ in metrics._GAUGES.values()}
     keys |= {k for ks, _ in metrics._COUNTERS.values() for k in ks}
+    keys |= {k for _, ks, _ in [*metrics._LABELED_GAUGES.values(), *metrics._LABELED_COUNTERS.values()] for k in ks.values()}
     assert keys - names <= metrics.OPTIONAL_KEYS, f"metrics read keys EngineStats lacks: {sorted(keys - names)}"
     assert CONTRACT_KEYS <= names
 
@@ -25,3 +26,26 @@ def test_stats_is_the_dict_view_of_typed_stats(tiny_llama_dir):
     typed = engine.typed_stats()
     assert engine.stats() == typed.as_dict()
     assert typed.num_gpu_blocks == typed.num_free_gpu_blocks == 16 and typed.kv_layout == "paged"
+
+
+def test_metrics_export_tiers_and_the_memory_breakdown(tiny_llama_dir):
+    from pagedrs import SamplingParams
+
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=16, max_model_len=32))
+    for i in range(2):  # the second request hits the first one's prefix pages
+        engine.add_request(f"r{i}", list(range(5, 17)), SamplingParams(max_tokens=2))
+        while engine.has_unfinished():
+            engine.step()
+    m = metrics.ServerMetrics()
+    m.update_from_stats(engine.stats())
+    text = m.render().decode()
+    stats = engine.stats()
+    assert f'pagedrs_prefix_tier_hits_total{{tier="device"}} {float(stats["prefix_hits_device"])}' in text
+    assert stats["prefix_hits_device"] > 0
+    weights = stats["memory_weights_bytes"]
+    model = engine.loaded.model
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # tied embeddings counted once
+    assert weights == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert f'pagedrs_memory_bytes{{part="weights"}} {float(weights)}' in text
+    assert stats["memory_kv_pool_bytes"] == 16 * stats["kv_bytes_per_block"]
+    assert stats["memory_rss_bytes"] > weights

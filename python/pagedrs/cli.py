@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Optional
+from typing import Any, Optional
+
+from pagedrs.cli_args import add_parallel_and_tier_args, parallel_and_tier_kwargs
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -17,6 +19,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     _add_cpu_threads(p)
+    add_parallel_and_tier_args(p)
 
 
 def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
@@ -26,7 +29,7 @@ def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
-                cpu_threads=args.cpu_threads)
+                cpu_threads=args.cpu_threads, **parallel_and_tier_kwargs(args))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -51,13 +54,29 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_size(args: argparse.Namespace) -> int:
-    from pagedrs.kv_size import kv_size
+    from pagedrs.kv_size import kv_size, tp_layout
 
     try:
-        result = kv_size(args.model, args.tokens, args.seqs, args.dtype)
+        result: dict[str, Any] = dict(kv_size(args.model, args.tokens, args.seqs, args.dtype))
+        if args.tensor_parallel_size is not None:
+            result["tensor_parallel"] = tp_layout(
+                args.model, args.tokens, args.seqs, args.dtype, args.tensor_parallel_size, args.device_memory_gb,
+                args.memory_utilization, args.block_size, args.max_model_len)
     except (ValueError, KeyError) as exc:
         print(f"pagedrs kv-size: error: {exc}", file=sys.stderr)
         return 2
+    if args.tensor_parallel_size is not None and not args.json:
+        t = result["tensor_parallel"]
+        gb = 1e9
+        print(f"{args.model} ({args.dtype}) on {t['tensor_parallel_size']} devices of {args.device_memory_gb:g} GB "
+              f"(using {args.memory_utilization:.0%}): weights {t['weights_bytes_per_device'] / gb:.1f} GB per device, "
+              f"KV {t['kv_bytes_per_token_per_device']:,} bytes/token per device, "
+              f"{t['kv_budget_bytes_per_device'] / gb:.1f} GB of KV per device = {t['token_slots']:,} tokens; "
+              f"{args.tokens}-token sequences admitted: paged {t['sequences_paged']}, "
+              f"contiguous (max_model_len {args.max_model_len}) {t['sequences_contiguous']}; "
+              f"{args.seqs} sequences want {t['kv_bytes_wanted'] / gb:.0f} GB of KV, the devices hold "
+              f"{t['kv_bytes_available'] / gb:.0f} GB")
+        return 0
     if args.json:
         print(json.dumps(result))
     else:
@@ -71,7 +90,8 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from pagedrs.demo import QUESTIONS, run_demo
 
-    run_demo(max_tokens=args.max_tokens, num_questions=args.num_questions or len(QUESTIONS), cpu_threads=args.cpu_threads)
+    run_demo(max_tokens=args.max_tokens, num_questions=args.num_questions or len(QUESTIONS), cpu_threads=args.cpu_threads,
+             tensor_parallel_size=args.tensor_parallel_size)
     return 0
 
 
@@ -102,12 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--seqs", type=int, default=1)
     k.add_argument("--dtype", default="float16")
     k.add_argument("--json", action="store_true")
+    k.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="also print weights and KV per device and the sequences each layout admits")
+    k.add_argument("--device-memory-gb", type=float, default=80.0, help="memory of one device (default: an 80 GB A100)")
+    k.add_argument("--memory-utilization", type=float, default=0.9)
+    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--max-model-len", type=int, default=8192, help="what the contiguous layout reserves per sequence")
     k.set_defaults(func=_cmd_kv_size)
 
     d = sub.add_parser("demo", help="the embedded model answers chats sharing a system prompt")
     d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--num-questions", type=int, default=None)
     _add_cpu_threads(d)
+    d.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of tensor parallelism")
     d.set_defaults(func=_cmd_demo)
 
     # bench and serve parse their own flags.

@@ -31,12 +31,13 @@ QUESTIONS = [
 
 
 def run_demo(
-    max_tokens: int = 48, num_questions: int = len(QUESTIONS), out: TextIO = sys.stdout, cpu_threads: int | None = None
+    max_tokens: int = 48, num_questions: int = len(QUESTIONS), out: TextIO = sys.stdout, cpu_threads: int | None = None,
+    tensor_parallel_size: int = 1,
 ) -> dict:
     from pagedrs import Engine, EngineArgs, SamplingParams
 
     engine = Engine(EngineArgs(model="smollm2-135m", num_gpu_blocks=256, max_num_batched_tokens=1024,
-                               cpu_threads=cpu_threads))
+                               cpu_threads=cpu_threads, tensor_parallel_size=tensor_parallel_size))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     questions = QUESTIONS[:num_questions]
     for i, q in enumerate(questions):
@@ -87,4 +88,5 @@ def run_demo(
         f"preemptions {stats['num_preemptions']}",
         file=out,
     )
+    engine.shutdown()
     return report

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -390,7 +391,17 @@ class Engine:
             kv_bytes_per_block=self.kv_plan.bytes_per_block,
             num_host_cache_blocks=self.num_host_cache_blocks,
             num_unfinished_requests=len(self._requests),
+            **self._memory_stats(),
         )
+
+    def _memory_stats(self) -> dict[str, int]:
+        memory = self.executor.memory_bytes()
+        return {
+            "memory_weights_bytes": memory["weights"],
+            "memory_kv_pool_bytes": memory["kv_pool"],
+            "memory_host_pool_bytes": memory["host_pool"],
+            "memory_rss_bytes": _rss_bytes(),
+        }
 
     def stats(self) -> dict[str, Any]:
         """``typed_stats()`` as a dict (the engine contract's string keys)."""
@@ -426,3 +437,12 @@ def _flush_and_close(scheduler: Scheduler, executor: LocalExecutor) -> None:
         scheduler.complete_transfers([t.id for t in transfers])
     finally:
         executor.shutdown()
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process from /proc/self/statm (0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -64,6 +64,10 @@ class Executor(Protocol):
         """Ids of the transfers whose copies have finished since the last call."""
         ...
 
+    def memory_bytes(self) -> dict[str, int]:
+        """{"weights", "kv_pool", "host_pool"}: what this process holds (rank 0's share under TP)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -174,6 +178,14 @@ class LocalExecutor:
     def take_completed_transfers(self) -> list[int]:
         done, self._completed = self._completed, []
         return done
+
+    def memory_bytes(self) -> dict[str, int]:
+        model = self.loaded.model
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # packed int4/int8 weights are buffers
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() if self.runner else 0
+        host = self.runner.cpu_cache.numel() * self.runner.cpu_cache.element_size() if self.runner else 0
+        return {"weights": int(weights), "kv_pool": int(kv), "host_pool": int(host)}
 
     def shutdown(self) -> None:
         """Makes the disk store's pages durable and closes it, then drops the KV tensors."""

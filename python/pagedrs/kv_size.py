@@ -61,6 +61,17 @@ def geometry_from_config(path: Path) -> KvGeometry:
         raise ValueError(f"{path} lacks the field {exc.args[0]!r} needed for the KV size") from exc
 
 
+# Published parameter counts, for the weights' share of each device under tensor parallelism.
+PARAMETERS: dict[str, float] = {
+    "llama-3.1-8b": 8.03e9,
+    "llama-3.1-70b": 70.6e9,
+    "llama-3.1-405b": 405.9e9,
+    "mistral-7b": 7.24e9,
+    "qwen2.5-7b": 7.62e9,
+    "smollm2-135m": 134.5e6,
+}
+
+
 def resolve(model: str) -> KvGeometry:
     return PRESETS[model.lower()] if model.lower() in PRESETS else geometry_from_config(Path(model))
 
@@ -75,4 +86,49 @@ def kv_size(model: str, tokens: int, seqs: int = 1, dtype: str = "float16") -> d
         "bytes_per_token": per_token,
         "bytes_per_sequence": per_token * tokens,
         "total_bytes": per_token * tokens * seqs,
+    }
+
+
+def tp_layout(
+    model: str,
+    tokens: int,
+    seqs: int,
+    dtype: str,
+    tensor_parallel_size: int,
+    device_memory_gb: float,
+    memory_utilization: float,
+    block_size: int,
+    max_model_len: int,
+) -> dict[str, float | int]:
+    """Weights and KV per device under tensor parallelism, and the sequences each layout admits.
+
+    Each rank holds 1/tp of the weights and the KV heads of its shard (a KV head is
+    replicated when there are fewer KV heads than ranks), so every device holds the same
+    number of token slots: the pool is what one device's leftover memory holds. The paged
+    layout stores a sequence in whole pages of ``block_size``; the contiguous one reserves
+    ``max_model_len`` slots per sequence up front.
+    """
+    geometry = resolve(model)
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size is {tensor_parallel_size}; it must be >= 1")
+    if model.lower() not in PARAMETERS:
+        raise ValueError(f"no parameter count for {model!r}; presets with one: {', '.join(PARAMETERS)}")
+    itemsize = DTYPE_BYTES[dtype]
+    kv_heads_per_device = max(1, geometry.num_kv_heads // tensor_parallel_size)
+    per_token_device = KvGeometry(geometry.num_layers, kv_heads_per_device, geometry.head_dim).bytes_per_element_token(itemsize)
+    weights_device = PARAMETERS[model.lower()] * itemsize / tensor_parallel_size
+    kv_budget = device_memory_gb * 1e9 * memory_utilization - weights_device
+    slots = max(0, int(kv_budget // per_token_device))
+    paged_seq_slots = -(-tokens // block_size) * block_size
+    total_kv = geometry.bytes_per_token(dtype) * tokens * seqs
+    return {
+        "tensor_parallel_size": tensor_parallel_size,
+        "weights_bytes_per_device": int(weights_device),
+        "kv_bytes_per_token_per_device": per_token_device,
+        "kv_budget_bytes_per_device": int(max(0.0, kv_budget)),
+        "token_slots": slots,
+        "sequences_paged": slots // paged_seq_slots,
+        "sequences_contiguous": slots // max(max_model_len, tokens),
+        "kv_bytes_wanted": total_kv,
+        "kv_bytes_available": int(max(0.0, kv_budget)) * tensor_parallel_size,
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any, Optional, Union
 
 from pagedrs.beam_search import NEG, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
@@ -36,16 +36,16 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text, a dict, or token ids
-        prompts = list(prompts)
+        prompt_list: list[Any] = list(prompts)
         if params is None or isinstance(params, (SamplingParams, BeamSearchParams)):
-            params_list = [params or SamplingParams()] * len(prompts)
+            params_list = [params or SamplingParams()] * len(prompt_list)
         else:
             params_list = list(params)
-            if len(params_list) != len(prompts):
-                raise ValueError(f"params has {len(params_list)} entries but there are {len(prompts)} prompts; they must match")
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"params has {len(params_list)} entries but there are {len(prompt_list)} prompts; they must match")
         ids = []
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p in zip(prompt_list, params_list):
                 request_id = self._next_id()
                 self.engine.add_request(request_id, prompt, p)
                 ids.append(request_id)
@@ -106,11 +106,11 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations: list[Any] = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.engine.tokenizer.apply_chat_template(c)} for c in conversations]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
-    def stream(self, prompt: PromptType, params: Optional[SamplingParams] = None) -> Iterator[str]:
+    def stream(self, prompt: PromptType, params: Optional[SamplingParams] = None) -> Generator[str, None, None]:
         """Yields the text of one prompt's first sample as it is generated."""
         request_id = self._next_id()
         self.engine.add_request(request_id, prompt, params or SamplingParams())

@@ -71,6 +71,10 @@ class ModelRunner:
         if step.num_tokens == 0:
             return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
         meta = self.build_metadata(step)
+        # The attention plan of the step, once, before any layer reads it (not inside forward).
+        c = self.config
+        self.backend.plan(meta, self.block_size, getattr(self.model, "heads_per_rank", c.num_attention_heads),
+                          getattr(self.model, "kv_heads_per_rank", c.num_key_value_heads))
         input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
         positions = torch.from_numpy(step.positions).long().to(self.device)
         hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)

@@ -143,10 +143,11 @@ def record_token(
 
 def _apply_stop_strings(sample: Sample, params: SamplingParams, previous: int) -> bool:
     """Finds a stop string that ends in the newest text; cuts the text at it."""
-    longest = max(len(s) for s in params.stop)
+    stops: list[str] = params.stop  # type: ignore[assignment]  # normalized to a list by SamplingParams
+    longest = max(len(s) for s in stops)
     search_from = max(0, previous - longest + 1)
     best: Optional[tuple[int, str]] = None
-    for stop in params.stop:
+    for stop in stops:
         at = sample.text.find(stop, search_from)
         if at != -1 and (best is None or at < best[0]):
             best = (at, stop)

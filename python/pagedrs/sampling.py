@@ -167,7 +167,7 @@ def _results(token_ids: torch.Tensor, logprobs: torch.Tensor, rows: list[Samplin
         if r.params.logprobs is not None:
             k = r.params.logprobs
             top = {}
-            if k and top_ids is not None:
+            if k and top_ids is not None and top_vals is not None:
                 top = dict(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
             top[ids[i]] = chosen[i]
         results.append(SampleResult(token_id=ids[i], logprob=chosen[i], top_logprobs=top))

@@ -73,6 +73,11 @@ class EngineStats:
     kv_bytes_from_host: int  # swap-ins + host prefix hits
     kv_bytes_to_disk: int
     kv_bytes_from_disk: int
+    # memory of this process (rank 0 under tensor parallelism), bytes
+    memory_weights_bytes: int  # model parameters (this rank's shard)
+    memory_kv_pool_bytes: int  # the device KV pool
+    memory_host_pool_bytes: int  # the host tier: swap space and evicted prefix pages
+    memory_rss_bytes: int  # resident set of the process now (0 where /proc is missing)
 
     @classmethod
     def build(cls, core: Mapping[str, Any], **engine: Any) -> EngineStats:

@@ -38,6 +38,9 @@ class AttentionMetadata:
     max_seq_len: int  # largest context length
     query_start_loc_cpu: list[int]  # host copy, for loops that plan on the host
     seq_lens_cpu: list[int]  # host copy
+    # The backend's plan of this step (work lists, buckets, masks), made once by
+    # AttentionBackend.plan before the forward pass and read by every layer.
+    plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -52,6 +55,14 @@ class AttentionBackend(ABC):
     """What a model layer needs from attention; one instance per runner."""
 
     name: str
+
+    def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int) -> Any:
+        """Plans the step once, before the forward pass, and keeps the plan on ``meta.plan``.
+
+        The executor calls it once per step with the KV geometry of this rank; backends
+        that need no plan keep the default.
+        """
+        return None
 
     @abstractmethod
     def write_kv(

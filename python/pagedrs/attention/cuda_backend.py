@@ -26,7 +26,8 @@ from pagedrs.kernels.planning import SplitPlan, plan_split, work_items
 
 @dataclass(frozen=True)
 class _StepPlan:
-    meta: AttentionMetadata  # the step this plan belongs to (compared by identity)
+    meta: AttentionMetadata  # the step this plan belongs to
+    owner: Any  # the backend that made it (plans depend on its SM count)
     group: int
     work_items: torch.Tensor  # int32 [num_items, 2] on the device
     split: SplitPlan
@@ -38,7 +39,6 @@ class CudaAttentionBackend(AttentionBackend):
     def __init__(self, num_sms: int | None = None, runtime: loader.KernelRuntime | None = None) -> None:
         self._num_sms = num_sms  # None: read from the device on first use
         self._runtime = runtime if runtime is not None else loader.CUPY
-        self._plan: _StepPlan | None = None
         self._swap_streams: dict[torch.device, Any] = {}  # device -> the runtime's side stream for swaps
 
     def write_kv(
@@ -64,7 +64,9 @@ class CudaAttentionBackend(AttentionBackend):
         if sliding_window is not None:
             raise _no_window(sliding_window)
         group = query.shape[1] // key_cache.shape[2]
-        plan = self._step_plan(meta, group, key_cache.shape[2], query.device)
+        plan = meta.plan  # planned once by the runner; direct callers plan here
+        if not (isinstance(plan, _StepPlan) and plan.group == group and plan.owner is self):
+            plan = self.plan(meta, key_cache.shape[1], query.shape[1], key_cache.shape[2])
         if out is None:
             out = torch.empty(query.shape, dtype=key_cache.dtype, device=query.device)
         ops.paged_attention(
@@ -78,9 +80,12 @@ class CudaAttentionBackend(AttentionBackend):
         if window is not None:
             raise _no_window(window)
 
-    def _step_plan(self, meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device) -> _StepPlan:
-        if self._plan is not None and self._plan.meta is meta and self._plan.group == group:
-            return self._plan
+    def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int) -> _StepPlan:
+        """The step's work items and split-K plan, made once and kept on ``meta.plan``."""
+        group = num_heads // num_kv_heads
+        if isinstance(meta.plan, _StepPlan) and meta.plan.group == group and meta.plan.owner is self:
+            return meta.plan
+        device = meta.block_tables.device
         starts = meta.query_start_loc_cpu
         items = work_items([starts[i + 1] - starts[i] for i in range(meta.num_seqs)], group)
         if self._num_sms is None:
@@ -91,8 +96,8 @@ class CudaAttentionBackend(AttentionBackend):
             if meta.is_decode_only
             else SplitPlan(num_parts=1, part_tokens=meta.max_seq_len)
         )
-        self._plan = _StepPlan(meta, group, torch.from_numpy(items).to(device), split)
-        return self._plan
+        meta.plan = _StepPlan(meta, self, group, torch.from_numpy(items).to(device), split)
+        return meta.plan
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         ops.copy_blocks(kv_cache, pairs, self._runtime)

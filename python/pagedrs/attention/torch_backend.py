@@ -23,7 +23,7 @@ A sliding window ``W`` (Mistral) narrows each row to transformers' rule, the las
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +42,17 @@ class _Bucket:
 
 @dataclass(frozen=True)
 class _StepPlan:
-    meta: AttentionMetadata  # the step this plan belongs to (compared by identity)
+    meta: AttentionMetadata  # the step this plan belongs to
     block_size: int
-    sliding_window: int | None  # None = full causal
-    buckets: list[_Bucket]
+    buckets: list[_Bucket]  # full causal attention
+    # per sliding window: made by the first layer of the step that attends with it
+    by_window: dict[int, list[_Bucket]] = field(default_factory=dict)
+
+    def windowed(self, sliding_window: int) -> list[_Bucket]:
+        buckets = self.by_window.get(sliding_window)
+        if buckets is None:
+            buckets = self.by_window[sliding_window] = _plan_buckets(self.meta, self.block_size, sliding_window)
+        return buckets
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -64,20 +71,11 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value.to(value_cache.dtype))
 
-    def __init__(self) -> None:
-        self._plans: dict[int | None, _StepPlan] = {}  # this step's plans, per sliding window
-
-    def plan(self, meta: AttentionMetadata, block_size: int, sliding_window: int | None = None) -> _StepPlan:
-        """Buckets, gather indices and masks of this step (made once per window; every layer reuses them)."""
-        plans = self._plans
-        if plans and next(iter(plans.values())).meta is not meta:
-            plans.clear()  # a new step
-        plan = plans.get(sliding_window)
-        if plan is None or plan.block_size != block_size:
-            plan = plans[sliding_window] = _StepPlan(
-                meta, block_size, sliding_window, _plan_buckets(meta, block_size, sliding_window)
-            )
-        return plan
+    def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int = 0, num_kv_heads: int = 0) -> _StepPlan:
+        """Buckets, gather indices and masks of this step (made once, kept on ``meta.plan``; every layer reuses them)."""
+        if not (isinstance(meta.plan, _StepPlan) and meta.plan.block_size == block_size):
+            meta.plan = _StepPlan(meta, block_size, _plan_buckets(meta, block_size))
+        return meta.plan
 
     def forward(
         self,
@@ -89,7 +87,9 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,  # attend to the last W positions only (Mistral); None = all
     ) -> torch.Tensor:
         block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        buckets = self.plan(meta, block_size, sliding_window).buckets
+        planned = meta.plan if isinstance(meta.plan, _StepPlan) and meta.plan.block_size == block_size else None
+        plan = planned or self.plan(meta, block_size)  # planned by the runner; direct callers plan here
+        buckets = plan.buckets if sliding_window is None else plan.windowed(sliding_window)
         if len(buckets) == 1 and buckets[0].keep is None and buckets[0].rows.shape[0] == query.shape[0]:
             return _attend_bucket(query, key_cache, value_cache, buckets[0], scale)  # all decode, one bucket
         out = torch.empty_like(query)

@@ -18,9 +18,10 @@ import importlib.util
 import statistics
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class SimpleBlockManager:
             block = self.free_blocks.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
-            del self.cached[self.block_hash[block]]  # type: ignore[index]
+            del self.cached[self.block_hash[block]]  # type: ignore[index,arg-type]
             self.block_hash[block] = None
         else:
             raise MemoryError("out of blocks")

@@ -26,6 +26,7 @@ from pagedrs.bench.engine_runner import build_engine, greedy_params, progress
 from pagedrs.bench.limits import measure, model_shape
 from pagedrs.bench.report import Column, markdown_table, render
 
+
 @dataclass(frozen=True)
 class Grid:
     batch_sizes: tuple[int, ...]

@@ -58,9 +58,9 @@ class EngineRun:
 
 def build_engine(model: str, **overrides: Any) -> Any:
     """An Engine on the CPU in float32 (activations and weights) unless ``overrides`` say otherwise."""
-    from pagedrs import Engine, EngineArgs
-
     import torch
+
+    from pagedrs import Engine, EngineArgs
 
     # Keep the thread count `--threads` set for every system (the engine would reset it to 1).
     # float32 weights: the throughput, prefix and preemption benches compare with transformers in float32.

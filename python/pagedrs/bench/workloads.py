@@ -27,8 +27,9 @@ each system generates exactly ``max_tokens`` tokens: the same work for everyone.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

@@ -7,6 +7,7 @@ touches ``torch.distributed``, so single-process runs need no process group.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ class TensorParallel:
 
 
 _STATE = TensorParallel()
+_COLLECTIVE_SECONDS = [0.0]  # wall time this process spent inside all_reduce_ (benchmarks read it)
 
 
 def set_tensor_parallel(rank: int, size: int) -> None:
@@ -40,5 +42,12 @@ def tp_size() -> int:
 def all_reduce_(tensor: torch.Tensor) -> torch.Tensor:
     """Sums ``tensor`` over the group in place (a no-op with one rank)."""
     if _STATE.size > 1:
+        start = time.perf_counter()
         torch.distributed.all_reduce(tensor)
+        _COLLECTIVE_SECONDS[0] += time.perf_counter() - start
     return tensor
+
+
+def collective_seconds() -> float:
+    """Wall time this process has spent in the model's all-reduces so far."""
+    return _COLLECTIVE_SECONDS[0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import fields
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ def encode(step: StepInput) -> bytes:
     return bytes(out)
 
 
-def decode(buf: bytes | bytearray | memoryview | np.ndarray) -> StepInput:
+def decode(buf: Any) -> StepInput:
     """The StepInput ``encode`` wrote; arrays are copies (the buffer may be reused)."""
     view = memoryview(buf).cast("B")
     magic, version, num_arrays, num_transfers = _HEADER.unpack_from(view, 0)
@@ -77,7 +78,7 @@ def decode(buf: bytes | bytearray | memoryview | np.ndarray) -> StepInput:
         dtype = _DTYPES[code]
         count = int(np.prod(shape)) if ndim else 1
         arrays.append(np.frombuffer(view, dtype=dtype, count=count, offset=offset).reshape(shape).copy())
-    values = dict(zip(_ARRAY_FIELDS, arrays[: len(_ARRAY_FIELDS)]))
+    values: dict[str, Any] = dict(zip(_ARRAY_FIELDS, arrays[: len(_ARRAY_FIELDS)]))
     values["transfers"] = tuple(
         Transfer(int(tid), TIERS[src], TIERS[dst], arrays[index]) for tid, src, dst, _pad, index in transfers
     )

@@ -215,6 +215,9 @@ class TPExecutor:
         done, self._completed = self._completed, []
         return done
 
+    def memory_bytes(self) -> dict[str, int]:
+        return self.shard.local.memory_bytes()
+
     def shutdown(self) -> None:
         if self._stopping:
             return

@@ -225,6 +225,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]  # a Parameter
 
     @property
+    def heads_per_rank(self) -> int:
+        """Attention (query) heads this tensor-parallel rank computes."""
+        return self.model.layers[0].self_attn.qkv_proj.heads_per_rank
+
+    @property
     def kv_heads_per_rank(self) -> int:
         """KV heads this tensor-parallel rank stores (all of them with one rank)."""
         return self.model.layers[0].self_attn.qkv_proj.kv_heads_per_rank

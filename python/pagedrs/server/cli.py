@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from pagedrs.cli_args import add_parallel_and_tier_args, parallel_and_tier_kwargs
 from pagedrs.server.options import ServerOptions
 
 DEFAULT_MAX_WAITING = 1024
@@ -52,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads of the engine on the CPU (default: $PAGEDRS_CPU_THREADS, else every core this "
         "process may use: a server owns its machine)",
     )
-    engine.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of tensor parallelism")
+    add_parallel_and_tier_args(engine)
+    engine.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                        help="linear weights: auto = exact for HF folders, nearest quantized format for a quantized GGUF")
     engine.add_argument(
         "--skip-tokenizer-init", action="store_true",
         help="load no tokenizer (a folder without tokenizer files): prompts must be token ids, texts come back empty",
@@ -122,8 +125,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
         "cpu_threads": args.cpu_threads if args.cpu_threads is not None else _serve_default_threads(),
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "weight_dtype": args.weight_dtype,
         "skip_tokenizer_init": args.skip_tokenizer_init,
+        **parallel_and_tier_kwargs(args),
     }
 
 
@@ -154,10 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     from pagedrs import Engine, EngineArgs
     from pagedrs.server.app import build_app
     from pagedrs.server.connection import uvicorn_config
+    from pagedrs.server.engine_core import EngineCoreError, RemoteEngine
     from pagedrs.server.engine_loop import EngineLoop
     from pagedrs.server.shutdown import draining_server
-
-    from pagedrs.server.engine_core import EngineCoreError, RemoteEngine
 
     try:
         engine_args = EngineArgs(**engine_kwargs(args))

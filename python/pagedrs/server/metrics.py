@@ -34,6 +34,37 @@ _GAUGES: dict[str, tuple[str, str]] = {
         "core_step_fraction", "Share of the engine core's busy time spent in Engine.step (engine in its own process)."
     ),
 }
+# labeled gauge name -> (label, {label value: Engine.stats() key}, help)
+_LABELED_GAUGES: dict[str, tuple[str, dict[str, str], str]] = {
+    "pagedrs_cached_blocks": (
+        "tier", {"device": "num_cached_gpu_blocks", "host": "num_cached_cpu_blocks", "disk": "num_cached_disk_blocks"},
+        "Prefix-cache pages held on each tier now.",
+    ),
+    "pagedrs_memory_bytes": (
+        "part", {"weights": "memory_weights_bytes", "kv_pool": "memory_kv_pool_bytes",
+                 "host_tier": "memory_host_pool_bytes", "resident": "memory_rss_bytes"},
+        "Memory of the engine process: weights, the device KV pool, the host tier, and the whole resident set.",
+    ),
+}
+
+# labeled counter name (without _total) -> (label, {label value: Engine.stats() key}, help)
+_LABELED_COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
+    "pagedrs_prefix_tier_hits": (
+        "tier", {"device": "prefix_hits_device", "host": "prefix_hits_host", "disk": "prefix_hits_disk"},
+        "Prefix-cache hits (blocks) by the tier that served them.",
+    ),
+    "pagedrs_prefix_misses": (
+        "reason", {"never_seen": "prefix_misses_never_seen", "evicted": "prefix_misses_evicted",
+                   "evicted_disk": "prefix_misses_evicted_disk", "invalidated": "prefix_misses_invalidated"},
+        "Prefix-cache misses (blocks) by reason.",
+    ),
+    "pagedrs_kv_bytes_moved": (
+        "direction", {"to_host": "kv_bytes_to_host", "from_host": "kv_bytes_from_host", "to_disk": "kv_bytes_to_disk",
+                      "from_disk": "kv_bytes_from_disk"},
+        "KV bytes copied between tiers.",
+    ),
+}
+
 # Keys that only some engines report (the engine core process); every other key must be a
 # field of pagedrs.stats.EngineStats (tests/test_stats.py), so a renamed field fails loudly.
 OPTIONAL_KEYS = frozenset({"core_step_fraction"})
@@ -59,6 +90,10 @@ class ServerMetrics:
         self._gauges = {name: Gauge(name, doc, registry=self.registry) for name, (_, doc) in _GAUGES.items()}
         self._counters = {name: Counter(name, doc, registry=self.registry) for name, (_, doc) in _COUNTERS.items()}
         self._last_totals: dict[str, float] = {name: 0.0 for name in _COUNTERS}
+        self._labeled_gauges = {name: Gauge(name, doc, [label], registry=self.registry)
+                                for name, (label, _, doc) in _LABELED_GAUGES.items()}
+        self._labeled_counters = {name: Counter(name, doc, [label], registry=self.registry)
+                                  for name, (label, _, doc) in _LABELED_COUNTERS.items()}
         self.requests = Counter(
             "pagedrs_requests_finished", "Requests finished, by reason.", ["finish_reason"], registry=self.registry
         )
@@ -79,14 +114,25 @@ class ServerMetrics:
         for name, (key, _) in _GAUGES.items():
             if key in stats:
                 self._gauges[name].set(float(stats[key]))
-        for name, (keys, _) in _COUNTERS.items():
-            if not all(k in stats for k in keys):
-                continue
-            total = float(sum(stats[k] for k in keys))
-            delta = total - self._last_totals[name]
-            if delta > 0:
-                self._counters[name].inc(delta)
-            self._last_totals[name] = total
+        for name, (label, keys, _) in _LABELED_GAUGES.items():
+            for value, key in keys.items():
+                if key in stats:
+                    self._labeled_gauges[name].labels(**{label: value}).set(float(stats[key]))
+        for name, (label, keys, _) in _LABELED_COUNTERS.items():
+            for value, key in keys.items():
+                if key in stats:
+                    self._advance(name + ":" + value, self._labeled_counters[name].labels(**{label: value}),
+                                  float(stats[key]))
+        for name, (summed, _) in _COUNTERS.items():
+            if all(k in stats for k in summed):
+                self._advance(name, self._counters[name], float(sum(stats[k] for k in summed)))
+
+    def _advance(self, key: str, counter: Any, total: float) -> None:
+        """Moves a counter to the engine's cumulative ``total`` (never backwards)."""
+        delta = total - self._last_totals.get(key, 0.0)
+        if delta > 0:
+            counter.inc(delta)
+        self._last_totals[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
