@@ -227,12 +227,17 @@ class LlamaForCausalLM(nn.Module):
     @property
     def heads_per_rank(self) -> int:
         """Attention (query) heads this tensor-parallel rank computes."""
-        return self.model.layers[0].self_attn.qkv_proj.heads_per_rank
+        return self._first_qkv().heads_per_rank
 
     @property
     def kv_heads_per_rank(self) -> int:
         """KV heads this tensor-parallel rank stores (all of them with one rank)."""
-        return self.model.layers[0].self_attn.qkv_proj.kv_heads_per_rank
+        return self._first_qkv().kv_heads_per_rank
+
+    def _first_qkv(self) -> QKVParallelLinear:
+        layer = self.model.layers[0]
+        assert isinstance(layer, DecoderLayer)  # for the type checker: ModuleList items are Modules
+        return layer.self_attn.qkv_proj
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a transformers checkpoint of this config holds, with its (unsharded) shape."""
