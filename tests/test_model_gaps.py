@@ -311,3 +311,22 @@ def test_qwen2_sliding_layers_equal_transformers(tmp_path: Path) -> None:
     want = _hf_greedy(tmp_path, prompts, 60)
     assert [o.outputs[0].token_ids for o in got] == want
     assert want != _hf_greedy(tmp_path, prompts, 60, layer_types=["full_attention"] * 2)
+
+
+def test_gguf_rope_scaling_it_cannot_apply_is_refused(tmp_path, cache_dir, monkeypatch) -> None:
+    """A YaRN file must not load as plain RoPE (it would run, with wrong results)."""
+    import gguf
+    from gguf_writer import write_gguf
+
+    model = make_tiny_model("llama", tmp_path / "hf")
+    add_head_count = gguf.GGUFWriter.add_head_count
+
+    def with_yarn(self, count):  # the header gets the scaling keys next to the head count
+        add_head_count(self, count)
+        self.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        self.add_rope_scaling_factor(4.0)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", with_yarn)
+    write_gguf(model, tmp_path / "hf", tmp_path / "yarn.gguf", quantized=False)
+    with pytest.raises(ValueError, match="uses RoPE scaling 'yarn'; supported: 'none', 'linear'"):
+        LLM(model=str(tmp_path / "yarn.gguf"), **ENGINE_KW)

@@ -161,8 +161,14 @@ def gguf_config(reader: Any, path: Path) -> dict[str, Any]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
-    if _field(reader, f"{arch}.rope.scaling.type") == "linear":
+    scaling_type = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling_type == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ValueError(
+            f"GGUF file {str(path)!r} uses RoPE scaling {scaling_type!r}; supported: 'none', 'linear', and Llama 3 "
+            "scaling through a rope_freqs tensor"
+        )
     if "rope_freqs.weight" in names:
         # Llama 3 RoPE scaling as llama.cpp's converter writes it: the divisor of each rotary
         # frequency (llama.cpp rotates by theta / freq_factor), with no scaling metadata.
