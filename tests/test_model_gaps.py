@@ -316,6 +316,7 @@ def test_qwen2_sliding_layers_equal_transformers(tmp_path: Path) -> None:
 def test_gguf_rope_scaling_it_cannot_apply_is_refused(tmp_path, cache_dir, monkeypatch) -> None:
     """A YaRN file must not load as plain RoPE (it would run, with wrong results)."""
     import gguf
+
     from gguf_writer import write_gguf
 
     model = make_tiny_model("llama", tmp_path / "hf")

@@ -50,6 +50,7 @@ class LinearMethod(ABC):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Convert the loaded dense weight into the stored format (quantize, pack); dense keeps it."""
+        return None
 
     @abstractmethod
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
