@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import make_tiny_model
 from gguf_writer import write_gguf
-
-from pagedrs.models import ModelConfig, load_model
-from pagedrs.models import gguf_loader
+from pagedrs.models import ModelConfig, gguf_loader, load_model
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +37,8 @@ def _copy_folder(src: Path, dst: Path) -> Path:
 def test_gguf_logits_match_transformers_reading_the_same_file(tiny_gguf, cache_dir):
     from transformers import AutoModelForCausalLM
 
-    from pagedrs.model_runner import ModelRunner
     from paged_driver import BlockPool, PagedSeq, build_step
+    from pagedrs.model_runner import ModelRunner
 
     loaded = load_model(tiny_gguf, weight_dtype="float32")
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name).eval()
