@@ -1,7 +1,8 @@
 """``pagedrs bench tp``: tensor parallelism against one rank, same machine, same threads per rank.
 
 Runs the throughput benchmark's ShareGPT-like workload (``--quick``: its quick preset)
-through ``LLM.generate`` with ``tensor_parallel_size`` 1 and 2 (gloo on the CPU), greedy
+through the engine with ``tensor_parallel_size`` 1 and the smallest size above 1 that splits
+the model's heads (3 for SmolLM2's 9 heads; gloo on the CPU), greedy
 and ``ignore_eos`` so both generate the same tokens, and reports tokens/s and the share of
 rank 0's step time spent in the model's all-reduces. On a 2-core CPU no speed-up is
 expected: each rank gets one core, and every layer adds two all-reduces through loopback
@@ -48,22 +49,28 @@ def _one(cfg: BenchConfig, tp: int, workload: Any) -> dict[str, Any]:
             "collective_share": collectives / step_seconds if step_seconds else 0.0, "outputs": outputs}
 
 
+def _smallest_split(heads: int, kv_heads: int) -> int:
+    """The smallest rank count above 1 that splits the heads (SmolLM2's 9 heads: 3)."""
+    return next(d for d in range(2, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0))
+
+
 def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     from pagedrs.models import load_model
 
     spec = QUICK if cfg.quick else FULL
     if cfg.num_requests:
         spec = replace(spec, num_requests=cfg.num_requests)
-    vocab = load_model(cfg.model, weight_dtype="float32").config.vocab_size
-    workload = synthetic_workload(spec, vocab)
-    rows = [_one(cfg, tp, workload) for tp in (1, 2)]
+    config = load_model(cfg.model, weight_dtype="float32").config
+    workload = synthetic_workload(spec, config.vocab_size)
+    tp = _smallest_split(config.num_attention_heads, config.num_key_value_heads)
+    rows = [_one(cfg, 1, workload), _one(cfg, tp, workload)]
     same = rows[0]["outputs"] == rows[1]["outputs"]
     for row in rows:
         del row["outputs"]
     columns = [Column("tensor parallel size", "tensor_parallel_size"), Column("tok/s", "tokens_per_s", "{:.1f}"),
                Column("wall s", "wall_s", "{:.1f}"), Column("rank 0 step time in all-reduce", "collective_share", "{:.0%}")]
     notes = [f"workload {spec.name}: {spec.num_requests} requests; 1 torch thread per rank; gloo over loopback",
-             f"greedy outputs identical between tp=1 and tp=2: {same}",
+             f"greedy outputs identical between tp=1 and tp={tp}: {same}",
              "on 2 CPU cores each rank has one core: no speed-up is expected (see the module docstring)"]
     data = {"rows": rows, "identical_outputs": same, "workload": workload.summary(), "machine": machine}
-    return data, render("Tensor parallelism: 2 ranks vs 1", markdown_table(rows, columns), notes, machine)
+    return data, render(f"Tensor parallelism: {tp} ranks vs 1", markdown_table(rows, columns), notes, machine)
