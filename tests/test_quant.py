@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_driver import BlockPool, PagedSeq, build_step, greedy_generate
 
+from paged_driver import BlockPool, PagedSeq, build_step, greedy_generate
 from pagedrs.model_runner import ModelRunner
 from pagedrs.models import load_model
 
