@@ -105,32 +105,32 @@ def test_tp2_n_samples_with_copy_on_write_equal_tp1(tiny_llama_dir, tp2):
 
 def test_heads_not_divisible_by_tp_are_refused_before_serving(tiny_llama_dir):
     """The tiny llama has 4 attention heads: 3 ranks cannot split them."""
+    before = {p.pid for p in _live_children()}
     with pytest.raises(ValueError, match="num_heads"):
         Engine(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=3, **BASE))
-    deadline = time.monotonic() + 30
-    while _live_children():
+    deadline = time.monotonic() + 60
+    while {p.pid for p in _live_children()} - before:
         assert time.monotonic() < deadline, "worker processes left behind after a refused start"
         time.sleep(0.1)
 
 
 def test_a_killed_worker_fails_requests_and_leaves_no_orphans(tiny_llama_dir):
+    before = {p.pid for p in _live_children()}
     engine = Engine(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, **BASE))
     workers = engine.executor._workers
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
     engine.step()
     os.kill(workers[0].pid, signal.SIGKILL)
-    start = time.monotonic()
-    failed = None
     with pytest.raises(ExecutorDeadError):
-        for _ in range(1000):
-            for o in engine.step():
-                failed = o
-    assert time.monotonic() - start < 30
+        for _ in range(1000):  # a dead worker is noticed at the next collective: never 1000 steps
+            engine.step()
     assert engine.num_unfinished() == 0
     engine.shutdown()
     assert all(not p.is_alive() for p in workers)
-    assert not _live_children(), "orphan processes left behind"
-    del failed
+    deadline = time.monotonic() + 60
+    while {p.pid for p in _live_children()} - before:  # reaping may take a moment on a busy machine
+        assert time.monotonic() < deadline, f"orphan processes left behind: {_live_children()}"
+        time.sleep(0.1)
 
 
 def _live_children() -> list:
