@@ -5,6 +5,7 @@
 #     bash benches/gpu_check.sh dist/pagedrs-*.whl   # installs the wheel with --no-deps into a temp dir
 # 1. pytest -m gpu tests/test_kernels.py   (every kernel vs the float64 PyTorch reference)
 # 2. benches/gpu_kernels.py                (decode time and GB/s vs SDPA and copy bandwidth; split-K; e2e)
+# 3. pytest -m gpu tests/test_tensor_parallel.py tests/test_engine.py (NCCL ranks; the engine on CUDA)
 # Budget: about 8 minutes in all (each step has its own timeout).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,4 +28,9 @@ status=0
 # --noconftest: tests/conftest.py builds tiny transformers models this check does not need.
 timeout 300 "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider tests/test_kernels.py || status=$?
 timeout 240 "$PY" benches/gpu_kernels.py || status=$?
+# 3. tensor parallelism over NCCL (min(2, visible GPUs) ranks) against one rank; needs transformers
+#    for the tiny test model, and skips without it.
+if "$PY" -c "import transformers" 2>/dev/null; then
+    timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_engine.py || status=$?
+fi
 exit $status

@@ -159,3 +159,63 @@ def test_the_embedded_smollm2_runs_on_three_ranks_and_refuses_two():
         assert run(engine, prompts, params) == expected
     finally:
         engine.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tp_on_cuda_equals_one_rank(tiny_llama_dir):
+    """NCCL across min(2, visible GPUs) ranks against the one-rank CUDA engine."""
+    tp = min(2, torch.cuda.device_count())
+    kw = dict(BASE, device="cuda")
+    prompts = prompts_for(shared=9)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = Engine(EngineArgs(model=str(tiny_llama_dir), **kw))
+    expected = run(one, prompts, params)
+    one.shutdown()
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=tp, **kw))
+    try:
+        assert run(engine, prompts, params) == expected
+    finally:
+        engine.shutdown()
+
+
+def test_serve_with_two_ranks_answers_the_openai_client_and_sigterm_stops_every_rank(tiny_llama_dir):
+    """`pagedrs serve --tensor-parallel-size 2`: the API process, its engine core process and the
+    core's worker rank; SIGTERM drains and every process exits."""
+    import subprocess
+    import sys
+
+    openai = pytest.importorskip("openai")
+    from pagedrs.server.background import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedrs.server", "--model", str(tiny_llama_dir), "--port", str(port),
+         "--tensor-parallel-size", "2", "--block-size", "4", "--num-gpu-blocks", "64", "--max-model-len", "128",
+         "--cpu-threads", "1", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=120)
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                out = client.completions.create(model=str(tiny_llama_dir), prompt=[5, 6, 7], max_tokens=6,
+                                                temperature=0, extra_body={"ignore_eos": True})
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        assert out.usage.completion_tokens == 6
+        tree = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert len(tree) >= 3  # API process, engine core, worker rank (and the resource tracker)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0
+        deadline = time.monotonic() + 60
+        while [pid for pid in tree if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]:
+            assert time.monotonic() < deadline, "a rank outlived the server"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -33,6 +33,7 @@ import os
 import pickle
 import signal
 import time
+import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
@@ -162,6 +163,20 @@ def _core_main(conn: Connection, args: Any) -> None:
             pass
 
 
+def _stop_core(conn: Connection, process: Any, timeout_s: float = 10.0) -> None:
+    """Asks the core to stop, waits, kills it if it does not; runs once (shutdown, collection or exit)."""
+    if process.is_alive():
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+        process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout_s)
+    conn.close()
+
+
 class EngineCoreError(RuntimeError):
     """The engine core process failed or went away."""
 
@@ -179,9 +194,12 @@ class RemoteEngine:
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=_core_main, args=(child, args), name="pagedrs-engine-core", daemon=True)
+        # Not a daemon: the core may start tensor-parallel workers of its own. It still never
+        # outlives this process: it exits on end of file, and the finalizer stops it at exit.
+        self._process = ctx.Process(target=_core_main, args=(child, args), name="pagedrs-engine-core", daemon=False)
         self._process.start()
         child.close()
+        self._finalizer = weakref.finalize(self, _stop_core, self._conn, self._process)
         if not self._conn.poll(start_timeout_s):
             self.shutdown()
             raise EngineCoreError(f"the engine core did not start within {start_timeout_s} s")
@@ -247,16 +265,7 @@ class RemoteEngine:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stops the core (its requests are aborted, its pages freed) and waits for it to exit."""
-        if self._process.is_alive():
-            try:
-                self._send(("stop",))
-            except EngineCoreError:
-                pass
-            self._process.join(timeout_s)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(timeout_s)
-        self._conn.close()
+        self._finalizer()
 
     # ---- the pipe -----------------------------------------------------------------------
 
