@@ -85,10 +85,9 @@ class FakeEngine:
                 token = ord("a") + (len(tokens) + index) % 26
                 tokens.append(token)
                 done = len(tokens) >= r["params"].max_tokens
-                completions.append(
-                    CompletionOutput(index, self.tokenizer.decode(tokens), list(tokens), chr(token), [token],
-                                     "length" if done else None)
-                )
+                # Cumulative fields by reference, not rebuilt: the server reads only the deltas, and an
+                # endless request rebuilt every step made each step O(tokens so far) (a quadratic flood).
+                completions.append(CompletionOutput(index, "", tokens, chr(token), [token], "length" if done else None))
             error = None
             if r["ids"] == self.tokenizer.encode(POISON) and len(r["samples"][0]) == 2:
                 error = "injected failure of this request"  # as the engine reports one request's failure
