@@ -66,13 +66,14 @@ def make_tiny_tokenizer(folder: Path):
     return fast
 
 
-def make_tiny_model(model_type: str, folder: Path, seed: int = 0):
-    """A random transformers model of ``model_type`` (hidden 64, 2 layers) saved to ``folder``."""
+def make_tiny_model(model_type: str, folder: Path, seed: int = 0, **sizes):
+    """A random transformers model of ``model_type`` (hidden 64, 2 layers) saved to ``folder``;
+    ``sizes`` override config fields (e.g. head_dim=64 for the CUDA kernels' dispatch table)."""
     import transformers
 
     tokenizer = make_tiny_tokenizer(folder)
     cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[model_type]
-    config = getattr(transformers, cls)(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -87,6 +88,7 @@ def make_tiny_model(model_type: str, folder: Path, seed: int = 0):
         eos_token_id=tokenizer.eos_token_id,
         **TINY_CONFIGS[model_type],
     )
+    config = getattr(transformers, cls)(**{**fields, **sizes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     if model_type == "qwen2":  # transformers initializes biases to zero: make them matter

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_CONFIGS, make_tiny_tokenizer
+from conftest import TINY_CONFIGS, make_tiny_model
 from cuda_emu.build import SUPPORTED_MACHINE
 from cuda_emu.runtime import EmulatedRuntime
 from pagedrs import Engine, EngineArgs, SamplingParams
@@ -34,25 +34,7 @@ SCHEDULE = {"llama": "forward", "mistral": "warp-random", "qwen2": "reverse"}
 
 def make_head64_model(model_type: str, folder: Path, seed: int = 0):
     """conftest.make_tiny_model with 4 heads of 64 (hidden 256), a size the kernels are built for."""
-    import transformers
-
-    tokenizer = make_tiny_tokenizer(folder)
-    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[model_type]
-    config = getattr(transformers, cls)(
-        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-        initializer_range=0.2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        **TINY_CONFIGS[model_type],
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    if model_type == "qwen2":
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.2)
-    model.save_pretrained(str(folder))
-    return model
+    return make_tiny_model(model_type, folder, seed, hidden_size=256, intermediate_size=256, head_dim=64)
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))

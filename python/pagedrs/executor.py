@@ -15,6 +15,8 @@ protocol: it broadcasts each ``StepInput`` to its workers and gathers the logits
 
 from __future__ import annotations
 
+import functools
+
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
@@ -179,10 +181,16 @@ class LocalExecutor:
         done, self._completed = self._completed, []
         return done
 
-    def memory_bytes(self) -> dict[str, int]:
+    @functools.cached_property
+    def _weights_bytes(self) -> int:
+        """Parameters and buffers (packed int4/int8 weights are buffers), each tensor once; fixed after load,
+        so counted once rather than on every stats() call (the serving loop asks every step)."""
         model = self.loaded.model
-        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}  # packed int4/int8 weights are buffers
-        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        return int(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def memory_bytes(self) -> dict[str, int]:
+        weights = self._weights_bytes
         kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() if self.runner else 0
         host = self.runner.cpu_cache.numel() * self.runner.cpu_cache.element_size() if self.runner else 0
         return {"weights": int(weights), "kv_pool": int(kv), "host_pool": int(host)}

@@ -142,12 +142,6 @@ impl Scheduler {
         self.stats
     }
 
-    /// Whether a sequence of `num_tokens` tokens could run with the whole pool to itself.
-    pub fn fits_in_pool(&self, num_tokens: usize, reserve_tokens: usize) -> bool {
-        let blocks = num_tokens.max(reserve_tokens).max(1).div_ceil(self.kv.block_size());
-        blocks <= self.kv.num_blocks()
-    }
-
     /// What the layout reserves up front for a sequence of `prompt_len` tokens that may
     /// grow to `longest` (0 for the paged layout, which takes pages on demand).
     pub fn reserve_tokens(&self, longest: usize) -> usize {
