@@ -16,7 +16,6 @@ protocol: it broadcasts each ``StepInput`` to its workers and gathers the logits
 from __future__ import annotations
 
 import functools
-
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol
