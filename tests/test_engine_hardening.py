@@ -312,3 +312,13 @@ def test_engine_fuzzer(tiny_llama_dir):
     run = settings(max_examples=examples, stateful_step_count=30, deadline=None,
                    suppress_health_check=list(HealthCheck))(EngineFuzzer)
     run.TestCase().runTest()
+
+
+@pytest.mark.parametrize("field", ["swap_space_gb", "kv_host_cache_gb", "kv_disk_gb", "kv_cache_memory"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), -1.0])
+def test_memory_sizes_must_be_finite(field, value):
+    """An infinite size used to reach int(size * 2**30) and raise OverflowError deep in start-up."""
+    from pagedrs import EngineArgs
+
+    with pytest.raises(ValueError, match=f"{field} is"):
+        EngineArgs(**{field: value})

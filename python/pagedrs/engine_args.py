@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -70,8 +71,8 @@ class EngineArgs:
             value = getattr(self, name)
             if optional and value is None:
                 return
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
-                raise ValueError(f"{name} is {value!r}; it must be a number >= {low}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
+                raise ValueError(f"{name} is {value!r}; it must be a finite number >= {low}")
 
         choice("kv_layout", _LAYOUTS)
         choice("preemption_mode", _PREEMPTION)
@@ -84,8 +85,8 @@ class EngineArgs:
             at_least(name, 1, optional=True)
         at_least("swap_space_gb", 0)
         at_least("kv_host_cache_gb", 0, optional=True)
-        if isinstance(self.kv_disk_gb, bool) or not isinstance(self.kv_disk_gb, (int, float)) or not self.kv_disk_gb > 0:
-            raise ValueError(f"kv_disk_gb is {self.kv_disk_gb!r}; it must be a number > 0")
+        if isinstance(self.kv_disk_gb, bool) or not isinstance(self.kv_disk_gb, (int, float)) or not 0 < self.kv_disk_gb < math.inf:
+            raise ValueError(f"kv_disk_gb is {self.kv_disk_gb!r}; it must be a finite number > 0")
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
         at_least("aging_steps", 0)
