@@ -31,9 +31,11 @@ QUESTIONS = [
 
 
 def run_demo(
-    max_tokens: int = 48, num_questions: int = len(QUESTIONS), out: TextIO = sys.stdout, cpu_threads: int | None = None,
+    max_tokens: int = 48, num_questions: int = len(QUESTIONS), out: TextIO | None = None, cpu_threads: int | None = None,
     tensor_parallel_size: int = 1,
 ) -> dict:
+    # sys.stdout now, not when this module was imported (a default bound at import kept a stale stream)
+    out = out if out is not None else sys.stdout
     from pagedrs import Engine, EngineArgs, SamplingParams
 
     engine = Engine(EngineArgs(model="smollm2-135m", num_gpu_blocks=256, max_num_batched_tokens=1024,
