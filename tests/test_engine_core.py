@@ -48,15 +48,18 @@ def remote(tiny_llama_dir):
 def test_outputs_equal_the_in_process_engine(remote, tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), **ENGINE_KW)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    expected = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
     for i, p in enumerate(PROMPTS):
         remote.add_request(f"r{i}", p, params)
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+    got: dict[str, tuple[list[int], list[str]]] = {f"r{i}": ([], []) for i in range(len(PROMPTS))}
     while remote.has_unfinished():
         for out in remote.step():
-            got[out.request_id].extend(out.outputs[0].delta_token_ids)
+            got[out.request_id][0].extend(out.outputs[0].delta_token_ids)
+            got[out.request_id][1].append(out.outputs[0].delta_text)  # made in this process (api_text)
             assert out.prompt_token_ids  # the prompt crosses once, and is kept for every output
-    assert [got[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert [(ids, "".join(text)) for ids, text in got.values()] == expected
+    assert all(text for _, text in expected)
     stats = remote.stats()
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
     assert 0.0 < stats["core_step_fraction"] <= 1.0

@@ -126,18 +126,22 @@ def record_token(
     num_out = len(sample.token_ids)
     is_eos = token in tokenizer.eos_token_ids and not params.ignore_eos
     is_stop_token = token in params.stop_token_ids
+    detokenize = params.detokenize
     if (is_eos or is_stop_token) and num_out > params.min_tokens:
         # The stop token itself is not part of the text.
-        sample.text += sample.detokenizer.flush()
+        if detokenize:
+            sample.text += sample.detokenizer.flush()
         sample.finish_reason, sample.stop_reason = "stop", (token if is_stop_token else None)
         return
-    delta = sample.detokenizer.step([token])
-    previous = len(sample.text)
-    sample.text += delta
-    if params.stop and num_out > params.min_tokens and _apply_stop_strings(sample, params, previous):
-        return
+    if detokenize:
+        delta = sample.detokenizer.step([token])
+        previous = len(sample.text)
+        sample.text += delta
+        if params.stop and num_out > params.min_tokens and _apply_stop_strings(sample, params, previous):
+            return
     if num_out >= params.max_tokens or len(request.prompt_token_ids) + num_out >= max_model_len:
-        sample.text += sample.detokenizer.flush()
+        if detokenize:
+            sample.text += sample.detokenizer.flush()
         sample.finish_reason = "length"
 
 

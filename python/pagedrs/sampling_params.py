@@ -59,6 +59,9 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k = sampled token's logprob plus top-k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: the engine makes no text (outputs carry token ids, text ""), as in vLLM. The
+    # served path uses it: its API process makes the text, so the core only runs the model.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -94,9 +97,11 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             _fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
+        if self.stop and not self.detokenize:
+            _fail("detokenize", self.detokenize, f"true when stop strings are set (stop={self.stop!r} needs the text)")
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:

@@ -8,16 +8,21 @@ EngineCore does the same behind its API server).
 
     API process                                         core process
     ───────────                                         ────────────
-    EngineLoop thread ──add/abort/stop (pickle)──►  apply commands between steps
-          ▲             ◄── step outputs (marshal) ──  Engine.step(), again and again
-          │                                            (busy while any request is unfinished)
+    asyncio handlers ─add─► sender thread ─(pickle)─►  apply commands between steps
+    EngineLoop thread ─abort/stop─┘                   Engine.step(), again and again
+          ▲  text made here (api_text)  ◄── token ids (marshal) ──  (busy while any request is unfinished)
+          │
     asyncio handlers (HTTP, SSE)
 
 ``RemoteEngine`` is an ``EngineLike`` (server/engine_loop.py), so the EngineLoop's
 command queue, back-pressure, abort-on-disconnect and shutdown work unchanged through
 it. Commands are rare and pickled; the per-step outputs are flat tuples of ints and
 strings encoded with ``marshal`` (no pickling per token, no code ever runs on decode).
-A prompt's token ids cross once, with the request's first output.
+A prompt's token ids cross once, with the request's first output. Adds go out as they
+arrive (the core admits a burst at one step boundary), and their answers come back on the
+same stream as the outputs. The core streams token ids and the API process makes the text
+(``api_text``), except for requests whose stopping depends on text (stop strings) or
+whose final text a policy builds (beam search, best_of): those keep their text in the core.
 
 The core process never outlives its parent: it ignores SIGINT/SIGTERM (the API process
 drains and then tells it to stop) and exits when the pipe reports end of file, which is
@@ -26,6 +31,7 @@ what happens when the parent dies, even by SIGKILL.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import marshal
 import multiprocessing as mp
@@ -40,6 +46,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
+
+from pagedrs.server.api_text import RequestText, text_made_here
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -255,6 +263,7 @@ class RemoteEngine:
         self._live: set[str] = set()  # added and not yet finished, as the core last reported
         self._prompts: dict[str, list[int]] = {}
         self._buffered: list[_Output] = []
+        self._texts: dict[str, RequestText] = {}  # requests whose text this process makes
 
     # ---- EngineLike -------------------------------------------------------------------
 
@@ -271,6 +280,9 @@ class RemoteEngine:
             if request_id in self._acks or request_id in self._live:
                 raise ValueError(f"request_id={request_id!r} is already in flight; request ids must be unique")
             self._acks[request_id] = on_ack
+        if text_made_here(params, self.tokenizer):  # the core streams token ids; the text is made here
+            self._texts[request_id] = RequestText(self.tokenizer, params.skip_special_tokens)
+            params = dataclasses.replace(params, detokenize=False)
         self._outbox.put(("add", request_id, prompt, params, priority))
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
@@ -360,6 +372,8 @@ class RemoteEngine:
                 on_ack = self._acks.pop(request_id, None)
             if error_type is None:
                 self._live.add(request_id)
+            else:
+                self._texts.pop(request_id, None)
             if on_ack is not None:
                 on_ack(None if error_type is None else (TypeError if error_type == "TypeError" else ValueError)(error))
             return
@@ -371,10 +385,15 @@ class RemoteEngine:
             if prompt is not None:
                 self._prompts[request_id] = prompt
             prompt_ids = self._prompts.get(request_id, [])
+            text = self._texts.pop(request_id, None) if finished else self._texts.get(request_id)
             if finished:
                 self._live.discard(request_id)
                 self._prompts.pop(request_id, None)
+            completions = [_Completion(*s) for s in samples]
+            if text is not None:
+                for c in completions:
+                    c.delta_text = text.delta(prompt_ids, c.index, c.delta_token_ids, c.finish_reason, c.stop_reason)
             self._buffered.append(_Output(
                 request_id=request_id, finished=finished, error=error, prompt_token_ids=prompt_ids,
-                outputs=[_Completion(*s) for s in samples],
+                outputs=completions,
             ))
