@@ -136,10 +136,10 @@ def _plan_buckets(meta: AttentionMetadata, block_size: int, sliding_window: int 
         tables = [host_tables[i][: -(-seq_lens[i] // block_size)] for i in decode]
         cascade = plan_cascade(tables, [seq_lens[i] for i in decode], block_size, device)
         if cascade is not None:
-            rows = torch.tensor([starts[i] for i in decode], device=device)
+            decode_rows = torch.tensor([starts[i] for i in decode], device=device)
             nothing = torch.empty(0, device=device)
-            buckets.append(_Bucket(rows=rows[:, None], out_rows=rows, keep=None, tables=nothing, mask=nothing,
-                                   cascade=cascade))
+            buckets.append(_Bucket(rows=decode_rows[:, None], out_rows=decode_rows, keep=None, tables=nothing,
+                                   mask=nothing, cascade=cascade))
     planned = set(decode) if buckets else set()
     groups: dict[tuple[int, int], list[int]] = {}
     for i, seq_len in enumerate(seq_lens):
