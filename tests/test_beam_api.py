@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedrs import LLM, BeamSearchParams, Engine, EngineArgs, SamplingParams
-from test_beam_search import PROMPTS
+from test_beam_search import PROMPTS, eos_heavy_model, hf_beam_search
 from test_engine_hardening import run_to_end
 
 torch.set_num_threads(1)
@@ -27,19 +27,9 @@ ENGINE_KW: dict[str, Any] = dict(block_size=4, num_gpu_blocks=256, max_model_len
 
 def hf_beams(model, prompt: list[int], k: int, n: int, max_tokens: int, eos: set[int], **kw):
     """(generated token lists, scores) of transformers' beam search, best first."""
-    out = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), num_beams=k,
-        num_return_sequences=n, do_sample=False, max_new_tokens=max_tokens, eos_token_id=sorted(eos) or None,
-        pad_token_id=0, output_scores=True, return_dict_in_generate=True, temperature=None, top_p=None, top_k=None,
-        **kw,
-    )
-    if k == 1:  # transformers runs greedy search for num_beams=1; score it as beam search would
-        generated = out.sequences[0, len(prompt):].tolist()
-        logprob = sum(torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, generated))
-        return [generated], [logprob / len(generated)]
-    lengths = (out.beam_indices >= 0).sum(dim=1).tolist()
-    return [out.sequences[i, len(prompt): len(prompt) + m].tolist() for i, m in enumerate(lengths)], \
-        out.sequences_scores.tolist()
+    params = BeamSearchParams(beam_width=k, max_tokens=max_tokens, n=n)
+    sequences, scores = hf_beam_search(model, prompt, params, eos, **kw)
+    return [s[len(prompt):] for s in sequences], scores
 
 
 def assert_outputs_equal_hf(out, model, prompt, k, n, max_tokens, eos, **kw) -> None:
@@ -105,6 +95,31 @@ def test_n_best_of_a_wider_beam_with_stop_token_ids_and_min_tokens_equal_transfo
                 assert c.stop_reason == c.token_ids[-1]
                 assert c.text == llm.engine.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=True)
     assert stopped, "some hypotheses must end at a stop token id"
+
+
+@pytest.fixture(scope="module")
+def eos_llm(tiny_llama_dir, hf_llama, tmp_path_factory) -> LLM:
+    folder, _ = eos_heavy_model(tiny_llama_dir, hf_llama, tmp_path_factory)
+    return LLM(model=str(folder), **ENGINE_KW)
+
+
+@pytest.mark.parametrize("ignore_eos, early_stopping, length_penalty",
+                         [(False, True, 1.0), (False, "never", 0.5), (True, "never", 2.0)])
+def test_every_search_setting_reaches_the_search(eos_llm, ignore_eos, early_stopping, length_penalty):
+    """ignore_eos, early_stopping, length_penalty and max_tokens mean what they mean in
+    BeamSearchParams (whose search equals transformers', tests/test_beam_search.py), on a
+    model whose beams often end in EOS."""
+    common = dict(max_tokens=16, ignore_eos=ignore_eos, early_stopping=early_stopping, length_penalty=length_penalty)
+    outs = eos_llm.generate(prompts_of(PROMPTS), SamplingParams(use_beam_search=True, beam_width=4, n=4, **common),
+                            use_tqdm=False)
+    refs = eos_llm.beam_search(prompts_of(PROMPTS), BeamSearchParams(beam_width=4, **common))
+    reasons = set()
+    for out, ref in zip(outs, refs):
+        assert [c.token_ids for c in out.outputs] == [s.token_ids for s in ref.sequences]
+        assert [c.score for c in out.outputs] == pytest.approx([s.score for s in ref.sequences], abs=1e-5)
+        assert [c.finish_reason for c in out.outputs] == [s.finish_reason for s in ref.sequences]
+        reasons |= {c.finish_reason for c in out.outputs}
+    assert reasons == ({"length"} if ignore_eos else {"stop", "length"})
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,11 @@
 (``vllm.sampling_params.BeamSearchParams``, ``vllm.beam_search.BeamSearchOutput``): vLLM
 moved beam search out of ``SamplingParams`` into its own class and ``LLM.beam_search``,
 so code written for vLLM runs unchanged, and a beam request cannot carry sampling
-settings (top_p, n, stop strings) that beam search would silently ignore.
+settings (top_p, n, stop strings) that beam search would silently ignore. vLLM v0's
+other shape, ``SamplingParams(use_beam_search=True, ...)``, is turned into one by
+``BeamSearchParams.from_sampling_params`` (which is why the class also carries ``n``,
+``stop_token_ids``, ``min_tokens`` and ``skip_special_tokens``), so that both run the
+one search.
 
 ``beam_step`` is transformers 5's ``_beam_search`` loop body for one request, on the
 same float32 tensors laid out the same way (so that ``torch.topk`` breaks ties the same
