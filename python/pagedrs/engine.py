@@ -206,7 +206,8 @@ class Engine:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns an output for every request that progressed."""
+        """Runs one scheduler step; returns an output for every request that progressed
+        (a beam search, or ``best_of > n``, only once it finished: see ``Request.streams``)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self._requests:
             return outputs
