@@ -265,9 +265,10 @@ from server_fakes import assert_nothing_left, live_server  # noqa: E402
 MODEL = "tiny-llama"
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama_dir: Path):
-    with live_server(tiny_llama_dir, ENGINE_KW, MODEL) as live:
+@pytest.fixture(scope="module", params=["in-process", "core-process"])
+def served(request: pytest.FixtureRequest, tiny_llama_dir: Path):
+    """Both placements of the engine: the params and the final-only outputs cross the core's pipe."""
+    with live_server(tiny_llama_dir, ENGINE_KW, MODEL, core_process=request.param == "core-process") as live:
         yield live
 
 
