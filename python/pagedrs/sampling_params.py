@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Union
+from typing import Literal
 
 # Bounds that keep every value inside the tensor or core type it ends up in, and a
 # hostile request from costing more than its share (see README, "Limits and safety").
@@ -73,11 +73,11 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k = sampled token's logprob plus top-k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    best_of: Optional[int] = None  # None = n; > n: draw best_of, return the n of highest cumulative logprob
+    best_of: int | None = None  # None = n; > n: draw best_of, return the n of highest cumulative logprob
     use_beam_search: bool = False
-    beam_width: Optional[int] = None  # beam search only; None = best_of, else n
+    beam_width: int | None = None  # beam search only; None = best_of, else n
     length_penalty: float = 1.0  # beam search only: score = cumulative logprob / length ** length_penalty
-    early_stopping: Union[bool, Literal["never"]] = False  # beam search only: transformers' meanings
+    early_stopping: bool | Literal["never"] = False  # beam search only: transformers' meanings
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -173,11 +173,6 @@ class SamplingParams:
     def beam_search_width(self) -> int:
         """The beam width of a beam search request: beam_width, else best_of, else n (vLLM v0)."""
         return self.beam_width or self.best_of or self.n
-
-    @property
-    def num_samples(self) -> int:
-        """Sequences the request may hold at once: best_of (or n), or the beam width."""
-        return self.beam_search_width if self.use_beam_search else (self.best_of or self.n)
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:
