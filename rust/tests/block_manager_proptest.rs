@@ -49,6 +49,7 @@ fn config() -> impl Strategy<Value = BlockManagerConfig> {
             cache_salt: None,
             host_cache_evicted: host,
             num_disk_blocks: disk,
+            sliding_window: None,
         },
     )
 }

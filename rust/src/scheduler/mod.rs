@@ -103,6 +103,7 @@ impl Scheduler {
                     host_cache_evicted: kv.host_cache_evicted,
                     num_disk_blocks: kv.effective_disk_blocks(),
                     cache_salt: None,
+                    sliding_window: sched.sliding_window,
                 })?;
                 bm.set_pin_swap_in_sources(true);
                 Self::new(sched, Box::new(bm))
@@ -114,9 +115,9 @@ impl Scheduler {
         }
     }
 
-    /// A scheduler over a paged [`BlockManager`].
+    /// A scheduler over a paged [`BlockManager`] (its window is the scheduler's).
     pub fn paged(config: SchedulerConfig, bm: BlockManagerConfig) -> Result<Self, CoreError> {
-        let mut manager = BlockManager::new(bm)?;
+        let mut manager = BlockManager::new(BlockManagerConfig { sliding_window: config.sliding_window, ..bm })?;
         manager.set_pin_swap_in_sources(true);
         Self::new(SchedulerConfig { layout: KvLayout::Paged, ..config }, Box::new(manager))
     }
@@ -347,7 +348,7 @@ impl Scheduler {
         for id in &self.running {
             let seq = &self.seqs[id];
             if let Ok(table) = self.kv.block_table(*id) {
-                for (i, &block) in table.iter().enumerate() {
+                for (i, &block) in table.iter().enumerate().filter(|(_, &b)| b != crate::block_manager::NULL_BLOCK) {
                     let filled = seq.kv_tokens.saturating_sub(i * block_size).min(block_size);
                     let entry = fill.entry(block).or_insert(0);
                     *entry = (*entry).max(filled);

@@ -59,7 +59,7 @@ impl Scheduler {
         let Some((id, swapped)) = blocked else { return Ok(None) };
         loop {
             let need = if swapped {
-                self.kv.block_table(id)?.len() + 1 + self.config.watermark_blocks
+                self.kv.num_held_blocks(id)? + 1 + self.config.watermark_blocks
             } else {
                 let seq = &self.seqs[&id];
                 self.kv.blocks_to_admit(&seq.tokens, seq.reserve_tokens)

@@ -103,7 +103,7 @@ impl Scheduler {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
-            let table_len = self.kv.block_table(id)?.len();
+            let table_len = self.kv.num_held_blocks(id)?;
             let fits = table_len + 1 + self.config.watermark_blocks <= self.kv.num_free_blocks();
             if self.kv.can_swap_in(&[id])? != SwapInStatus::Ok || !fits {
                 break;
@@ -192,8 +192,13 @@ impl Scheduler {
     fn take_tokens(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<usize, CoreError> {
         let seq = self.seqs.get_mut(&id).expect("known sequence");
         let n = (seq.kv_tokens - seq.num_computed).min(budget.tokens);
+        let first_query = seq.num_computed;
         seq.num_computed += n;
         self.kv.commit(id, seq.num_computed)?;
+        if let Some(window) = self.config.sliding_window {
+            // No query of this step or a later one reads before the window of this step's first.
+            self.kv.release_outside_window(id, crate::block_manager::window::first_needed_pos(first_query, window))?;
+        }
         budget.tokens -= n;
         budget.seqs -= 1;
         scheduled.push((id, n));
