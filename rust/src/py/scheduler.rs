@@ -340,6 +340,15 @@ impl PyScheduler {
         self.inner.contains(seq_id)
     }
 
+    /// Pages the sequence's table holds now (host pages while swapped out, 0 while
+    /// waiting); pages released out of the sliding window are not counted.
+    fn num_held_blocks(&self, seq_id: SeqId) -> PyResult<usize> {
+        if !self.inner.contains(seq_id) {
+            return Err(to_py_err(crate::error::CoreError::UnknownSequence(seq_id)));
+        }
+        Ok(self.inner.kv().num_held_blocks(seq_id).unwrap_or(0))
+    }
+
     /// Device blocks a request needs at worst with the pool to itself (see `add_sequence`).
     #[pyo3(signature = (prompt_len, max_tokens, num_samples = 1))]
     fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, num_samples: usize) -> usize {
