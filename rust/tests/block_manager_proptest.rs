@@ -39,9 +39,9 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (seq.clone(), seq.clone()).prop_map(|(parent, child)| Op::Fork { parent, child }),
         1 => seq.clone().prop_map(|seq| Op::Free { seq }),
         1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapOut { seqs }),
-        1 => proptest::collection::vec(seq, 1..3).prop_map(|seqs| Op::SwapIn { seqs }),
+        1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapIn { seqs }),
         1 => Just(Op::FlushToDisk),
-        2 => (seq.clone(), 0u8..=4).prop_map(|(seq, frac)| Op::ReleaseWindow { seq, frac }),
+        2 => (seq, 0u8..=4).prop_map(|(seq, frac)| Op::ReleaseWindow { seq, frac }),
     ]
 }
 
