@@ -16,7 +16,7 @@ import torch
 
 from conftest import TINY_CONFIGS, make_tiny_model
 from pagedrs import Engine, EngineArgs, SamplingParams
-from pagedrs._core import NULL_BLOCK, BlockManager
+from pagedrs._core import BlockManager
 
 WINDOW = 32
 
@@ -163,6 +163,8 @@ def test_mixed_full_and_window_layers_keep_every_page(tmp_path: Path) -> None:
 
 def test_block_manager_release_swap_and_slots() -> None:
     """Placeholders read as NULL_BLOCK, have no slots, are never swapped, and count in stats."""
+    NULL_BLOCK = BlockManager.NULL_BLOCK
+    assert NULL_BLOCK == 2**32 - 1
     bm = BlockManager(16, 4, num_cpu_blocks=16, sliding_window=6)
     assert bm.sliding_window == 6
     bm.allocate(1, list(range(100, 118)))

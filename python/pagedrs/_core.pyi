@@ -9,14 +9,14 @@ import numpy.typing as npt
 TokenIds = Sequence[int] | npt.NDArray[np.uint32] | npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.NDArray[np.uint64]
 """A list of ints, or a 1-D NumPy array (uint32/int32 read zero-copy; int64/uint64 converted)."""
 
-NULL_BLOCK: int
-"""The block-table entry of a page released out of the sliding window (2**32 - 1; -1 in int32 tables)."""
-
 class OutOfBlocksError(RuntimeError):
     """The KV-cache pool cannot serve the request now; nothing was changed."""
 
 class BlockManager:
     """Paged KV-cache memory: block tables, refcounts, copy-on-write, prefix cache, swap tiers."""
+
+    NULL_BLOCK: int
+    """The block-table entry of a page released out of the sliding window (2**32 - 1; -1 in int32 tables)."""
 
     def __init__(
         self,

@@ -20,6 +20,11 @@ pub struct PyBlockManager {
 
 #[pymethods]
 impl PyBlockManager {
+    /// The block-table entry of a page released out of the sliding window (2**32 - 1;
+    /// -1 in the scheduler's int32 block tables).
+    #[classattr]
+    const NULL_BLOCK: BlockId = crate::block_manager::NULL_BLOCK;
+
     #[new]
     #[pyo3(signature = (num_gpu_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=true, cache_salt=None, host_cache_evicted=false, num_disk_blocks=0, sliding_window=None))]
     fn new(

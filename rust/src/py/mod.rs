@@ -12,8 +12,6 @@ pub(crate) use convert::OutOfBlocksError;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutOfBlocksError", m.py().get_type::<OutOfBlocksError>())?;
-    // The block-table entry of a page released out of the sliding window (-1 in int32 tables).
-    m.add("NULL_BLOCK", crate::block_manager::NULL_BLOCK)?;
     m.add_class::<block_manager::PyBlockManager>()?;
     scheduler::register(m)?;
     cuda_sources::register(m)?;
