@@ -8,58 +8,39 @@ sharing pages, chunked prefill, and preemption by swap and by recompute on a sma
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import TINY_CONFIGS, make_tiny_model
 from pagedrs import Engine, EngineArgs, SamplingParams
 from pagedrs._core import BlockManager
+from test_model_gaps import _hf_greedy, _prompts
 
 WINDOW = 32
 
 
-def _tiny_mistral(folder: Path, window: int | None) -> Path:
-    mistral = TINY_CONFIGS["mistral"]
-    TINY_CONFIGS["mistral"] = dict(mistral, sliding_window=window)
+def _tiny(model_type: str, folder: Path, **config) -> Path:
+    """The conftest's tiny model of ``model_type`` with ``config`` fields overridden."""
+    default = TINY_CONFIGS[model_type]
+    TINY_CONFIGS[model_type] = dict(default, **config)
     try:
-        make_tiny_model("mistral", folder)
+        make_tiny_model(model_type, folder)
     finally:
-        TINY_CONFIGS["mistral"] = mistral
+        TINY_CONFIGS[model_type] = default
     return folder
 
 
 @pytest.fixture(scope="module")
 def window_dir(tmp_path_factory) -> Path:
     """A tiny Mistral with a window of 32, contexts up to ~200 tokens."""
-    return _tiny_mistral(tmp_path_factory.mktemp("mistral-w32"), WINDOW)
+    return _tiny("mistral", tmp_path_factory.mktemp("mistral-w32"), sliding_window=WINDOW)
 
 
 @pytest.fixture(scope="module")
 def full_dir(tmp_path_factory) -> Path:
     """The same shape with full attention."""
-    return _tiny_mistral(tmp_path_factory.mktemp("mistral-full"), None)
-
-
-def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
-
-
-def _hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=0)
-        outs.append(out[0, len(p):].tolist())
-    return outs
+    return _tiny("mistral", tmp_path_factory.mktemp("mistral-full"), sliding_window=None)
 
 
 def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict[str, list[list[int]]], int]:
@@ -143,13 +124,7 @@ def test_window_release_under_preemption_on_a_small_pool(window_dir: Path, mode:
 
 def test_mixed_full_and_window_layers_keep_every_page(tmp_path: Path) -> None:
     """Qwen2 with its window on layer 1 only: layer 0 reads every page, so none is released."""
-    qwen2 = TINY_CONFIGS["qwen2"]
-    TINY_CONFIGS["qwen2"] = dict(qwen2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
-    try:
-        make_tiny_model("qwen2", tmp_path)
-    finally:
-        TINY_CONFIGS["qwen2"] = qwen2
-    engine = _engine(tmp_path)
+    engine = _engine(_tiny("qwen2", tmp_path, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     assert engine.loaded.config.layer_sliding_window(1) == 8
     assert engine.scheduler_config.sliding_window is None
     engine.add_request("r", {"prompt_token_ids": list(range(3, 43))}, SamplingParams(max_tokens=4, temperature=0.0))
