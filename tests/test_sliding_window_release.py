@@ -11,10 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import TINY_CONFIGS, make_tiny_model
-from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs import LLM, BeamSearchParams, Engine, EngineArgs, SamplingParams
 from pagedrs._core import BlockManager
+from test_beam_search import assert_equal_to_hf
 from test_model_gaps import _hf_greedy, _prompts
 
 WINDOW = 32
@@ -120,6 +122,20 @@ def test_window_release_under_preemption_on_a_small_pool(window_dir: Path, mode:
     stats = engine.stats()
     assert stats[f"num_{mode}_preemptions"] > 0, stats
     assert stats["window_released_blocks"] > 0
+
+
+def test_beam_search_on_released_pages_equals_transformers(window_dir: Path) -> None:
+    """Beams fork and die every step on pages shared with released placeholders: 4 beams over
+    70-token prompts grown by 40 (three windows) equal transformers' num_beams=4."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(model=str(window_dir), device="cpu", dtype="float32", block_size=4, num_gpu_blocks=256)
+    prompts = _prompts(llm.engine.loaded.config.vocab_size, [70, 66], seed=2)
+    params = BeamSearchParams(beam_width=4, max_tokens=40, ignore_eos=True)
+    results = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    model = AutoModelForCausalLM.from_pretrained(str(window_dir), dtype=torch.float32).eval()
+    assert_equal_to_hf(results, model, prompts, params, set())
+    assert llm.engine.stats()["window_released_blocks"] > 0
 
 
 def test_mixed_full_and_window_layers_keep_every_page(tmp_path: Path) -> None:
