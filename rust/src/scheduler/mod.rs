@@ -10,7 +10,10 @@
 //!
 //! A prompt's cached prefix is skipped, and a block is committed when it is
 //! scheduled, so a later request in the same step already hits it: within one
-//! layer every K/V write happens before any attention read.
+//! layer every K/V write happens before any attention read. With a sliding window
+//! (`SchedulerConfig::sliding_window`), a scheduled sequence's pages wholly before the
+//! window of its first query in the step are released right after that commit (see
+//! `block_manager::window`).
 
 pub mod config;
 pub mod contiguous;

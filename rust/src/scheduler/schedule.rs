@@ -103,8 +103,8 @@ impl Scheduler {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
-            let table_len = self.kv.num_held_blocks(id)?;
-            let fits = table_len + 1 + self.config.watermark_blocks <= self.kv.num_free_blocks();
+            let held = self.kv.num_held_blocks(id)?;
+            let fits = held + 1 + self.config.watermark_blocks <= self.kv.num_free_blocks();
             if self.kv.can_swap_in(&[id])? != SwapInStatus::Ok || !fits {
                 break;
             }
