@@ -45,24 +45,26 @@ def full_dir(tmp_path_factory) -> Path:
     return _tiny("mistral", tmp_path_factory.mktemp("mistral-full"), sliding_window=None)
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict[str, list[list[int]]], int]:
+def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[dict[str, list[list[int]]], int, int]:
     """Runs every prompt to the end, checking the core's invariants after every step.
-    Returns each request's samples and the most pages a decoding sequence held: one with
-    two tokens past its prompt, whose latest step was a decode (not its last prompt
-    chunk), unless it was preempted by recompute and is prefilling again."""
+    Returns each request's samples, the most pages a decoding sequence held (one with two
+    tokens past its prompt, whose latest step was a decode, unless it was preempted by
+    recompute and is prefilling again), and the most any sequence held."""
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
     outs: dict[str, list[list[int]]] = {}
-    peak = 0
+    peak = peak_any = 0
     while engine.has_unfinished():
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = [c.token_ids for c in o.outputs]
         engine.check_invariants()
         for seq_id, (request, _) in engine._by_seq.items():
+            held = engine.scheduler.num_held_blocks(seq_id)
+            peak_any = max(peak_any, held)
             if engine.scheduler.num_tokens(seq_id) > len(request.prompt_token_ids) + 1:
-                peak = max(peak, engine.scheduler.num_held_blocks(seq_id))
-    return outs, peak
+                peak = max(peak, held)
+    return outs, peak, peak_any
 
 
 def _engine(folder: Path, **kw) -> Engine:
@@ -78,20 +80,24 @@ def test_window_release_is_exact_and_bounded(window_dir: Path, block_size: int, 
                                              n: int) -> None:
     """Contexts of ~120..200 tokens (up to six windows): greedy equals transformers, pages held
     by a decoding sequence stay within ceil((W + 1) / bs) + 1 (all ~50 of a 200-token context
-    without the release), and released pages are counted. With caching, a second request
-    sharing an 80-token prefix hits the cache though that prefix's first pages were released."""
+    without the release), and with chunked prefill by any sequence within two chunks and the
+    window: a prompt's pages are taken chunk by chunk. Released pages are counted. With
+    caching, a second request sharing an 80-token prefix hits the cache though that
+    prefix's first pages were released."""
     engine = _engine(window_dir, block_size=block_size, enable_prefix_caching=caching, max_num_batched_tokens=chunk)
     vocab = engine.loaded.config.vocab_size
     prefix = _prompts(vocab, [80], seed=11)[0]
     prompts = _prompts(vocab, [60, 140], seed=7) + [prefix + [5, 6, 7]]
     params = SamplingParams(n=n, max_tokens=60, temperature=0.0, ignore_eos=True)
-    got, peak = _run(engine, prompts, params)
+    got, peak, peak_any = _run(engine, prompts, params)
     later = prefix + [8, 9]
-    got_later, _ = _run(engine, [later], params)
+    got_later, _, _ = _run(engine, [later], params)
     want = _hf_greedy(window_dir, prompts + [later], 60)
     assert [got[f"r{i}"] for i in range(3)] + [got_later["r0"]] == [[w] * n for w in want]
     bound = -(-(WINDOW + 1) // block_size) + 1
     assert 0 < peak <= bound, (peak, bound)
+    if chunk < 60:
+        assert peak_any <= -(-(WINDOW + 2 * chunk) // block_size) + 2, peak_any
     stats = engine.stats()
     # the last query of a context of L = prompt + 59 computed tokens reads from L - W on
     assert stats["window_released_blocks"] >= sum((len(p) + 59 - WINDOW) // block_size for p in prompts)
@@ -103,7 +109,7 @@ def test_a_full_attention_model_of_the_same_shape_keeps_every_page(full_dir: Pat
     engine = _engine(full_dir)
     assert engine.scheduler_config.sliding_window is None
     prompt = _prompts(engine.loaded.config.vocab_size, [140], seed=7)[0]
-    _, peak = _run(engine, [prompt], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    _, peak, _ = _run(engine, [prompt], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     assert peak == -(-(140 + 59) // 4), peak  # the last sampled token is never written
     assert engine.stats()["window_released_blocks"] == 0
 
@@ -117,11 +123,26 @@ def test_window_release_under_preemption_on_a_small_pool(window_dir: Path, mode:
     vocab = engine.loaded.config.vocab_size
     prompts = _prompts(vocab, [40, 44, 36, 40, 48, 40], seed=3)
     params = SamplingParams(max_tokens=140, temperature=0.0, ignore_eos=True)
-    got, _ = _run(engine, prompts, params)
+    got, _, _ = _run(engine, prompts, params)
     assert [got[f"r{i}"][0] for i in range(len(prompts))] == _hf_greedy(window_dir, prompts, 140)
     stats = engine.stats()
     assert stats[f"num_{mode}_preemptions"] > 0, stats
     assert stats["window_released_blocks"] > 0
+
+
+def test_a_windowed_prompt_longer_than_the_pool(window_dir: Path, full_dir: Path) -> None:
+    """24 pages of 4 tokens hold 96; a 150-token prompt in 16-token chunks needs at most
+    ceil((32 + 2 * 16) / 4) + 2 = 18 at a time with the window, so it is admitted and
+    matches transformers; the full-attention model refuses it before anything runs."""
+    kw = dict(num_gpu_blocks=24, max_num_batched_tokens=16)
+    prompt = _prompts(300, [150], seed=9)[0]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    with pytest.raises(ValueError, match="needs up to 48 blocks"):
+        _engine(full_dir, **kw).add_request("r", {"prompt_token_ids": prompt}, params)
+    engine = _engine(window_dir, **kw)
+    got, _, peak_any = _run(engine, [prompt], params)
+    assert got["r0"] == [_hf_greedy(window_dir, [prompt], 40)[0]]
+    assert peak_any <= 18
 
 
 def test_beam_search_on_released_pages_equals_transformers(window_dir: Path) -> None:

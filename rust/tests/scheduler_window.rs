@@ -29,16 +29,19 @@ fn table(out: &SchedulerOutput, row: usize, num_tokens: usize) -> Vec<i32> {
 fn chunked_prefill_then_decode_releases_what_left_the_window() {
     let mut s = windowed(Some(6), 32, 0, 8);
     s.add_sequence(1, (0..20).collect(), 0, 0, 8, 1).unwrap();
-    // Chunks 0..8, 8..16, 16..20: the first query of each reads from 0, 3 and 11.
-    for (first, released) in [(0, 0), (8, 0), (16, 2)] {
+    // Chunks 0..8, 8..16, 16..20, each appended (its pages taken) when it is scheduled:
+    // the first query of each reads from 0, 3 and 11.
+    for (first, released, recorded) in [(0, 0, 8), (8, 0, 16), (16, 2, 20)] {
         let out = s.schedule().unwrap();
         assert_eq!(out.positions[0], first);
-        let row = table(&out, 0, 20);
+        assert_eq!(out.do_sample, vec![recorded == 20]);
+        let row = table(&out, 0, recorded);
         assert!(row[..released].iter().all(|&b| b == -1) && row[released..].iter().all(|&b| b >= 0), "{row:?}");
         assert!(out.slot_mapping.iter().all(|&slot| row.contains(&((slot / 4) as i32))));
-        assert_eq!(s.kv().num_held_blocks(1).unwrap(), 5 - released);
+        assert_eq!(s.kv().num_held_blocks(1).unwrap(), recorded.div_ceil(4) - released);
         s.check_invariants().unwrap();
     }
+    assert_eq!((s.stats().prompt_tokens_computed, s.stats().decode_tokens), (20, 0));
     // Decodes at 20, 21, ...: a page goes each time the window passes its end.
     for (i, pos) in (20..28).enumerate() {
         s.append_token(1, 100 + i as u32).unwrap();
@@ -50,8 +53,39 @@ fn chunked_prefill_then_decode_releases_what_left_the_window() {
         s.check_invariants().unwrap();
     }
     assert_eq!(s.kv().block_manager_stats().window_released_blocks, 5);
+    assert_eq!((s.stats().prompt_tokens_computed, s.stats().decode_tokens), (20, 8));
     s.finish(1).unwrap();
     assert_eq!(s.kv().num_free_blocks(), 32);
+}
+
+#[test]
+fn a_windowed_prompt_longer_than_the_pool_runs_in_its_window() {
+    // 6 pages of 4 tokens hold 24 tokens; a window of 6 with 4-token chunks needs at most
+    // ceil((6 + 2 * 4) / 4) + 2 = 6 pages at any time, so a 40-token prompt is admitted.
+    let mut full = windowed(None, 6, 0, 4);
+    let err = full.add_sequence(1, (0..40).collect(), 0, 0, 8, 1).unwrap_err().to_string();
+    assert!(err.contains("needs up to 12 blocks"), "{err}");
+    let mut s = windowed(Some(6), 6, 0, 4);
+    assert_eq!(s.worst_case_blocks(40, 8, 1), 6);
+    s.add_sequence(1, (0..40).collect(), 0, 0, 8, 1).unwrap();
+    let mut computed = Vec::new();
+    for _ in 0..100 {
+        if s.num_tokens(1).unwrap() == 48 {
+            break;
+        }
+        let out = s.schedule().unwrap();
+        s.check_invariants().unwrap();
+        assert!(s.kv().num_held_blocks(1).unwrap() <= 4, "a chunk and the window before it");
+        computed.extend(out.positions.iter().copied());
+        if out.do_sample == [true] {
+            s.append_token(1, 1000).unwrap();
+        }
+    }
+    assert_eq!(s.num_tokens(1).unwrap(), 48);
+    assert_eq!(computed, (0..47).collect::<Vec<i64>>(), "every token computed once, in order");
+    assert_eq!(s.stats().num_recompute_preemptions, 0);
+    s.finish(1).unwrap();
+    assert_eq!(s.kv().num_free_blocks(), 6);
 }
 
 #[test]

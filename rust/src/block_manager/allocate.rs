@@ -98,6 +98,15 @@ impl BlockManager {
         self.plan(tokens).cost
     }
 
+    /// Leading tokens `allocate(_, tokens)` would find cached (its return value).
+    pub fn num_cached_tokens(&self, tokens: &[TokenId]) -> usize {
+        if tokens.is_empty() {
+            return 0;
+        }
+        let plan = self.plan(tokens);
+        (plan.skipped + plan.hits.len()) * self.cfg.block_size
+    }
+
     /// Whether `allocate(_, tokens)` would succeed now.
     pub fn can_allocate(&self, tokens: &[TokenId]) -> bool {
         !tokens.is_empty() && self.plan(tokens).cost <= self.gpu.num_free()

@@ -70,6 +70,11 @@ pub trait KvSpace: Send + Sync {
     fn release_outside_window(&mut self, _seq: SeqId, _first_needed_pos: usize) -> Result<usize, CoreError> {
         Ok(0)
     }
+    /// Leading tokens of `tokens` an admission would find cached (what `admit` would
+    /// return), nothing changed.
+    fn num_cached_tokens(&self, _tokens: &[TokenId]) -> usize {
+        0
+    }
     /// Device pages the sequence holds (its table less window placeholders).
     fn num_held_blocks(&self, seq: SeqId) -> Result<usize, CoreError> {
         Ok(self.block_table(seq)?.iter().filter(|&&b| b != NULL_BLOCK).count())
@@ -173,5 +178,8 @@ impl KvSpace for BlockManager {
     }
     fn num_held_blocks(&self, seq: SeqId) -> Result<usize, CoreError> {
         BlockManager::num_held_blocks(self, seq)
+    }
+    fn num_cached_tokens(&self, tokens: &[TokenId]) -> usize {
+        BlockManager::num_cached_tokens(self, tokens)
     }
 }

@@ -167,7 +167,13 @@ impl Scheduler {
         match self.config.layout {
             KvLayout::Paged => {
                 let shared = prompt_len / bs;
-                shared.saturating_add(samples.saturating_mul(longest.div_ceil(bs) - shared))
+                let all = shared.saturating_add(samples.saturating_mul(longest.div_ceil(bs) - shared));
+                // A windowed sequence holds at most its window plus two steps' chunks (the
+                // last one before its release, the new one), prompt chunks included.
+                let window = self.config.sliding_window.map(|w| {
+                    samples.saturating_mul((w.saturating_add(2 * self.config.max_num_batched_tokens)).div_ceil(bs) + 2)
+                });
+                window.map_or(all, |w| w.min(all))
             }
             KvLayout::Contiguous(_) => samples.saturating_mul(longest.max(self.reserve_tokens(longest)).div_ceil(bs)),
         }
@@ -218,6 +224,7 @@ impl Scheduler {
             reserve_tokens: self.reserve_tokens(longest),
             tokens,
             kv_tokens: 0,
+            prefill_left: 0,
             num_computed: 0,
             status: SeqStatus::Waiting,
             waiting_since: self.stats.num_steps,
