@@ -13,7 +13,8 @@
 //! layer every K/V write happens before any attention read. With a sliding window
 //! (`SchedulerConfig::sliding_window`), a scheduled sequence's pages wholly before the
 //! window of its first query in the step are released right after that commit (see
-//! `block_manager::window`).
+//! `block_manager::window`), and a prompt is admitted chunk by chunk: its later chunks
+//! join the KV space in phase 1, as sampled tokens do, when they are scheduled.
 
 pub mod config;
 pub mod contiguous;
