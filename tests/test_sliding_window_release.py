@@ -54,7 +54,9 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tu
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
     outs: dict[str, list[list[int]]] = {}
     peak = peak_any = 0
-    while engine.has_unfinished():
+    for _ in range(5000):  # a stalled scheduler fails here instead of hanging
+        if not engine.has_unfinished():
+            break
         for o in engine.step():
             if o.finished:
                 outs[o.request_id] = [c.token_ids for c in o.outputs]
@@ -64,6 +66,7 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tu
             peak_any = max(peak_any, held)
             if engine.scheduler.num_tokens(seq_id) > len(request.prompt_token_ids) + 1:
                 peak = max(peak, held)
+    assert not engine.has_unfinished(), "no progress in 5000 steps"
     return outs, peak, peak_any
 
 
