@@ -41,6 +41,7 @@ from pagedrs.continuation import BeamSearch, ContinuationPolicy, Decision, Indep
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor import LocalExecutor, make_executor, plan_tiers
 from pagedrs.inputs import InputProcessor, PromptType
+from pagedrs.models.config import ModelConfig
 from pagedrs.outputs import RequestOutput
 from pagedrs.request import Request, Sample
 from pagedrs.rollback import Rollback
@@ -91,6 +92,7 @@ class Engine:
             recompute_cost_per_token=plan.recompute_cost_per_token,
             host_cache_evicted=args.host_cache_evicted or tiers.host_cache_blocks > 0,
             num_disk_blocks=tiers.disk_blocks,
+            sliding_window=_uniform_sliding_window(config) if args.kv_layout == "paged" else None,
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self._closer = None
@@ -441,6 +443,14 @@ def _flush_and_close(scheduler: Scheduler, executor: LocalExecutor) -> None:
         scheduler.complete_transfers([t.id for t in transfers])
     finally:
         executor.shutdown()
+
+
+def _uniform_sliding_window(config: ModelConfig) -> int | None:
+    """The window the core may release pages outside of: only when every layer attends with
+    it. A model mixing full and windowed layers (Gemma 2, Qwen2's max_window_layers) keeps
+    every page, since its full layers read them all."""
+    windows = {config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else None
 
 
 def _rss_bytes() -> int:

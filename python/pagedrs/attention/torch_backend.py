@@ -176,7 +176,8 @@ def _plan_buckets(meta: AttentionMetadata, block_size: int, sliding_window: int 
             rows=torch.tensor(rows, device=device),
             out_rows=torch.tensor(out_rows, device=device),
             keep=keep,
-            tables=meta.block_tables[index, skip:num_blocks].long(),
+            # -1 marks a page the core released out of the window (fully masked here): read page 0
+            tables=meta.block_tables[index, skip:num_blocks].long().clamp_min(0),
             mask=mask[:, None],
         ))
     return buckets
