@@ -44,8 +44,16 @@ def paged_attention(
     scale: float,
     plan: SplitPlan,
     runtime: loader.KernelRuntime = loader.CUPY,
+    sliding_window: int | None = None,  # the token at position p sees keys (p - W, p]; None: all
 ) -> None:
-    """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``."""
+    """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``.
+
+    With ``sliding_window`` the kernel reads no page wholly before the window of a
+    thread block's first row, so ``plan`` must come from ``planning.visible_keys`` of the
+    same window (its partitions count keys from there, not from position 0).
+    """
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int (positions a token sees) or None")
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     num_tokens, num_heads, _ = query.shape
     if num_heads % num_kv_heads:
@@ -74,6 +82,7 @@ def paged_attention(
         loader.ptr(query_start_loc), loader.ptr(work_items), loader.i32(block_tables.shape[1]),
         loader.i32(num_kv_heads), loader.i32(group), loader.i64(query.stride(0)), loader.f32(scale),
         loader.i32(plan.part_tokens if plan.num_parts > 1 else 2**31 - 1),
+        loader.i32(0 if sliding_window is None else min(sliding_window, 2**31 - 1)),  # 0: no window
     )  # fmt: skip
     runtime.launch(fn, grid, (_ATTN_THREADS,), args, device)
     if plan.num_parts > 1:
