@@ -245,6 +245,16 @@ def test_window_other_geometries(head: int, block: int) -> None:
                          seed=head + window, window=window)  # fmt: skip
 
 
+@long_only
+@pytest.mark.parametrize("head", HEAD_SIZES)
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+def test_window_every_geometry(head: int, block: int) -> None:
+    check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000, schedule="reverse",
+                     seed=head + block, parts="split", window=1100)  # fmt: skip
+    check_attention("float16", [40, 300], [40, 7], 1, 4, head, block, num_sms=132, schedule="warp-random",
+                     seed=head, window=2 * block + 3)  # fmt: skip
+
+
 # ---------------------------------------------------------------- cache writes and copies
 
 

@@ -105,7 +105,8 @@ class CudaAttentionBackend(AttentionBackend):
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int) -> _StepPlan:
-        """The step's work items and split-K plan, made once and kept on ``meta.plan``."""
+        """The step's work items, made once and kept on ``meta.plan`` (its split-K plan for
+        each window is made by the first layer that attends with it: ``split_for``)."""
         group = num_heads // num_kv_heads
         if isinstance(meta.plan, _StepPlan) and meta.plan.group == group and meta.plan.owner is self:
             return meta.plan
