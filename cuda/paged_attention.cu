@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
     const int* __restrict__ query_start_loc,  // [num_seqs + 1] seq i owns tokens [q[i], q[i+1])
     const int* __restrict__ work_items,       // [num_work_items, 2] (seq, first row of the block)
     int max_blocks_per_seq, int num_kv_heads, int group, long long q_token_stride, float scale,
-    int part_tokens,                          // keys per split-K partition (any value >= the span when one pass)
+    int part_tokens,                          // keys per split-K partition; one pass: 2^30 (any value >= the span)
     int window) {                             // row at position p sees keys (p - window, p]; <= 0: all (causal)
   using S = AttnShape<T, HEAD>;
   constexpr int VEC = S::VEC, NVEC = S::NVEC, TPT = S::TPT, TILE = S::TILE;
@@ -113,12 +113,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
 
   // Key range of this block: from the first row's first visible key to the last row's
-  // causal limit; a partition is `part_tokens` of it (no int overflow when part_tokens is huge).
+  // causal limit; a partition is `part_tokens` of it (contexts < 2^30: no int overflow).
   const int pos0 = ctx - q_len;  // position of the sequence's first new token
   const int key_begin = window > 0 ? max(0, pos0 + row0 / group - window + 1) : 0;
   const int key_end = pos0 + (row0 + nrows - 1) / group + 1;
   const int kbeg = key_begin + part * part_tokens;
-  const int kend = kbeg + min(part_tokens, max(0, key_end - kbeg));
+  const int kend = min(kbeg + part_tokens, key_end);
   if (kbeg >= kend) {  // no key here for any row: tell the reduce kernel (uniform branch)
     for (int r = tid; r < nrows; r += kThreads) {
       const int grow = row0 + r;
@@ -140,8 +140,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
   for (int r = tid; r < nrows; r += kThreads) {
     m_s[r] = kNegInf();
     l_s[r] = 0.f;
-    last_s[r] = pos0 + (row0 + r) / group;
-    first_s[r] = window > 0 ? max(0, last_s[r] - window + 1) : 0;
+    const int last = pos0 + (row0 + r) / group;
+    first_s[r] = window > 0 ? max(0, last - window + 1) : 0;
+    last_s[r] = min(last, kend - 1);  // causal, and within the partition
   }
 
   // Accumulator ownership: item = (row, vector of head_dim); with few items,
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
         }
 #pragma unroll
         for (int off = TPT / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        if (glane == 0) p_s[r][tl] = (t < kend && t >= first_s[r] && t <= last_s[r]) ? dot : kNegInf();
+        if (glane == 0) p_s[r][tl] = (t >= first_s[r] && t <= last_s[r]) ? dot : kNegInf();
       }
     }
     // 3. stage V, then online softmax, one warp per row
