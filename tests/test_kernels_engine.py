@@ -177,3 +177,23 @@ def test_sliding_window_on_the_gpu_equals_transformers(head64_mistral_window):
     engine = Engine(args, attention_backend=CudaAttentionBackend())
     requests = window_requests(engine.loaded.config.vocab_size)
     assert run_all(engine, requests) == {rid: [hf_greedy(hf, p, 40)] for rid, (p, _) in requests.items()}
+
+
+def test_window_on_some_layers_only_equals_transformers(tmp_path):
+    """Qwen2 slides from layer max_window_layers on: each step attends with the window on
+    layer 1 and without on layer 0, each with its own split plan (decode steps split here)."""
+    hf = make_head64_model("qwen2", tmp_path, seed=3, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                           max_position_embeddings=2048)  # fmt: skip
+    runtime = EmulatedRuntime(schedule="forward", sms=10_000)  # many "SMs": decode contexts over 1024 split
+    engine = emulated_engine(tmp_path, runtime, max_model_len=1100, num_gpu_blocks=140, max_num_batched_tokens=2048)
+    config = engine.loaded.config
+    assert [config.layer_sliding_window(i) for i in range(2)] == [None, 8]
+    long_prompt = prompts(config.vocab_size, 1, shared=0, seed=8)[0] * 150  # 8 tokens, repeated
+    requests = {"long": (long_prompt[:1030], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)),
+                "short": (long_prompt[:30], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))}  # fmt: skip
+    done = run_all(engine, requests)
+    assert done == {rid: [hf_greedy(hf, p, sp.max_tokens)] for rid, (p, sp) in requests.items()}
+    grids = [grid for name, grid, _ in runtime.launches if "paged_attention" in name]
+    split_at = [i for i, grid in enumerate(grids) if grid[2] > 1]
+    assert split_at, "layer 0 never split the long context"
+    assert all(grids[i + 1][2] == 1 for i in split_at), "layer 1 split its 8-key window"
