@@ -63,6 +63,7 @@ class EngineStats:
     cow_copies: int
     swap_out_blocks: int
     swap_in_blocks: int
+    window_released_blocks: int  # pages given back because they fell out of the sliding window
     # utilization now
     kv_reserved_slots: int
     kv_live_slots: int

@@ -2,7 +2,8 @@
 //! append (with copy-on-write), fork and free.
 //!
 //! Block tables are append-only except for copy-on-write, which replaces the last
-//! entry, and swapping, which maps every entry to the other tier.
+//! entry, swapping, which maps every entry to the other tier, and the sliding window,
+//! which turns leading entries into placeholders (`window::NULL_BLOCK`, no page).
 
 use super::BlockManager;
 use crate::error::{invalid, BlockId, CoreError, SeqId, TokenId};
@@ -21,6 +22,9 @@ pub(crate) struct Sequence {
     pub(crate) committed: usize,
     /// The table holds host block ids.
     pub(crate) swapped: bool,
+    /// Leading entries released out of the sliding window: each is `NULL_BLOCK`, uses no
+    /// page, and lies wholly before `committed` (see `window`).
+    pub(crate) released: usize,
 }
 
 impl BlockManager {
@@ -78,7 +82,7 @@ impl BlockManager {
         }
         let copy = self.seq(parent)?.clone();
         let tier = if copy.swapped { &mut self.cpu } else { &mut self.gpu };
-        for &b in &copy.table {
+        for &b in &copy.table[copy.released..] {
             tier.retain(b, 1);
         }
         self.seqs.insert(child, copy);
@@ -90,7 +94,7 @@ impl BlockManager {
     pub fn free(&mut self, seq: SeqId) -> Result<(), CoreError> {
         let s = self.seqs.remove(&seq).ok_or(CoreError::UnknownSequence(seq))?;
         let tier = if s.swapped { &mut self.cpu } else { &mut self.gpu };
-        for &b in s.table.iter().rev() {
+        for &b in s.table[s.released..].iter().rev() {
             tier.release(b, 1);
         }
         tier.flush();

@@ -4,6 +4,7 @@
 
 use super::prefix_cache::block_hash;
 use super::tier::TierPool;
+use super::window::NULL_BLOCK;
 use super::BlockManager;
 use crate::error::{BlockId, Tier, TokenId};
 
@@ -34,14 +35,22 @@ impl BlockManager {
                     s.tokens.len()
                 ));
             }
+            // Placeholders (released out of the sliding window) lead the table, wholly
+            // before the committed tokens, and use no page.
+            if s.released * bs > s.committed || s.table[..s.released].iter().any(|&b| b != NULL_BLOCK) {
+                return Err(format!("seq {id}: {} released entries, committed {}: {:?}", s.released, s.committed, &s.table[..s.released]));
+            }
+            if s.released > 0 && self.cfg.sliding_window.is_none() {
+                return Err(format!("seq {id}: {} entries released without a sliding window", s.released));
+            }
             let users = if s.swapped { &mut cpu_users } else { &mut gpu_users };
-            for &b in &s.table {
+            for &b in &s.table[s.released..] {
                 *users.get_mut(b as usize).ok_or_else(|| format!("seq {id}: block {b} out of range"))? += 1;
             }
             if s.swapped {
                 continue;
             }
-            for (i, &h) in s.hashes.iter().enumerate() {
+            for (i, &h) in s.hashes.iter().enumerate().skip(s.released) {
                 let b = s.table[i];
                 // Invariant 4: a block that holds a hash holds this block's content.
                 if let Some(bh) = self.gpu.cache.hash_of(b) {

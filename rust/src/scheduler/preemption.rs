@@ -59,10 +59,11 @@ impl Scheduler {
         let Some((id, swapped)) = blocked else { return Ok(None) };
         loop {
             let need = if swapped {
-                self.kv.block_table(id)?.len() + 1 + self.config.watermark_blocks
+                self.swap_in_need(id, self.config.max_num_batched_tokens)? + self.config.watermark_blocks
             } else {
                 let seq = &self.seqs[&id];
-                self.kv.blocks_to_admit(&seq.tokens, seq.reserve_tokens)
+                let end = self.admission_end(seq, self.config.max_num_batched_tokens);
+                self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens)
             };
             if need == usize::MAX || need > self.kv.num_blocks() {
                 return Ok(None);
@@ -89,6 +90,7 @@ impl Scheduler {
             seq.parked = seq.waits_for_token();
             self.kv.free(id)?;
             seq.kv_tokens = 0;
+            seq.prefill_left = 0;
             seq.num_computed = 0;
             seq.status = SeqStatus::Waiting;
             seq.waiting_since = now;
