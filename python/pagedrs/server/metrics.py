@@ -45,6 +45,10 @@ _LABELED_GAUGES: dict[str, tuple[str, dict[str, str], str]] = {
                  "host_tier": "memory_host_pool_bytes", "resident": "memory_rss_bytes"},
         "Memory of the engine process: weights, the device KV pool, the host tier, and the whole resident set.",
     ),
+    "pagedrs_step_preemption_bytes": (
+        "direction", {"out": "step_swap_bytes_out", "in": "step_swap_bytes_in"},
+        "KV bytes the last step's preemption swap-outs / swap-ins copied.",
+    ),
 }
 
 # labeled counter name (without _total) -> (label, {label value: Engine.stats() key}, help)
@@ -62,6 +66,14 @@ _LABELED_COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
         "direction", {"to_host": "kv_bytes_to_host", "from_host": "kv_bytes_from_host", "to_disk": "kv_bytes_to_disk",
                       "from_disk": "kv_bytes_from_disk"},
         "KV bytes copied between tiers.",
+    ),
+    "pagedrs_preemption_pages": (
+        "direction", {"out": "num_pages_swapped_out", "in": "num_pages_swapped_in"},
+        "KV pages copied by preemption (page-granular swap-outs, swap-ins).",
+    ),
+    "pagedrs_preemption_bytes": (
+        "direction", {"out": "swap_bytes_out", "in": "swap_bytes_in"},
+        "KV bytes copied by preemption (page-granular swap-outs, swap-ins).",
     ),
 }
 

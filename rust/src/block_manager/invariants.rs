@@ -34,15 +34,25 @@ impl BlockManager {
                     s.tokens.len()
                 ));
             }
-            let users = if s.swapped { &mut cpu_users } else { &mut gpu_users };
-            for &b in &s.table {
-                *users.get_mut(b as usize).ok_or_else(|| format!("seq {id}: block {b} out of range"))? += 1;
+            // Each entry is on exactly one tier: the one `on_host` names.
+            if s.on_host.len() != s.table.len() || s.num_host != s.on_host.iter().filter(|&&h| h).count() {
+                return Err(format!(
+                    "seq {id}: {} tier flags ({} on the host, counted {}) for {} table entries",
+                    s.on_host.len(),
+                    s.on_host.iter().filter(|&&h| h).count(),
+                    s.num_host,
+                    s.table.len()
+                ));
             }
-            if s.swapped {
-                continue;
+            for (&b, &host) in s.table.iter().zip(&s.on_host) {
+                let (users, tier) = if host { (&mut cpu_users, "host") } else { (&mut gpu_users, "device") };
+                *users.get_mut(b as usize).ok_or_else(|| format!("seq {id}: {tier} block {b} out of range"))? += 1;
             }
             for (i, &h) in s.hashes.iter().enumerate() {
                 let b = s.table[i];
+                if s.on_host[i] {
+                    continue;
+                }
                 // Invariant 4: a block that holds a hash holds this block's content.
                 if let Some(bh) = self.gpu.cache.hash_of(b) {
                     if bh != h || self.gpu.cache.block_tokens(b) != &s.tokens[i * bs..(i + 1) * bs] {

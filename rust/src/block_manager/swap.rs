@@ -1,4 +1,5 @@
-//! The host tier as swap space: sequences swapped out and in as a whole.
+//! The host tier as swap space: sequences swapped out as a whole, and swapped in
+//! (every host entry of their tables, whether they left whole or page by page).
 //!
 //! Copies run in the order of `transfer::ORDER`, then copy-on-write pairs, then the
 //! forward pass. Host blocks read by a swap-in are pinned (one refcount each) until its
@@ -11,11 +12,11 @@ use crate::error::{invalid, BlockId, CoreError, SeqId, Tier};
 use std::collections::HashMap;
 
 impl BlockManager {
-    /// Checks that `seqs` are distinct live sequences, all on the device (`swapped` false)
-    /// or all on the host (`swapped` true).
+    /// Checks that `seqs` are distinct live sequences, all wholly on the device (`swapped`
+    /// false) or all with host pages (`swapped` true).
     fn check_group(&self, seqs: &[SeqId], swapped: bool) -> Result<(), CoreError> {
         for (i, &id) in seqs.iter().enumerate() {
-            if self.seq(id)?.swapped != swapped {
+            if self.seq(id)?.swapped() != swapped {
                 let (is, op) = if swapped { ("on the device", "swap in") } else { ("already swapped out", "swap out") };
                 return Err(invalid!("cannot {op} sequence {id}: it is {is}"));
             }
@@ -26,13 +27,14 @@ impl BlockManager {
         Ok(())
     }
 
-    /// The distinct blocks of the group's tables, in first-use order, with how many of the
-    /// group's table entries point at each.
-    fn group_blocks(&self, seqs: &[SeqId]) -> Vec<(BlockId, u32)> {
+    /// The distinct blocks of the group's tables on one tier (host entries when `host`),
+    /// in first-use order, with how many of the group's table entries point at each.
+    fn group_blocks(&self, seqs: &[SeqId], host: bool) -> Vec<(BlockId, u32)> {
         let mut index: HashMap<BlockId, usize> = HashMap::new();
         let mut blocks: Vec<(BlockId, u32)> = Vec::new();
         for id in seqs {
-            for &b in &self.seqs[id].table {
+            let s = &self.seqs[id];
+            for (&b, _) in s.table.iter().zip(&s.on_host).filter(|(_, &h)| h == host) {
                 let i = *index.entry(b).or_insert_with(|| {
                     blocks.push((b, 0));
                     blocks.len() - 1
@@ -46,7 +48,7 @@ impl BlockManager {
     /// Host blocks `swap_out(seqs)` would take: one per distinct device block of the group.
     pub fn num_blocks_to_swap_out(&self, seqs: &[SeqId]) -> Result<usize, CoreError> {
         self.check_group(seqs, false)?;
-        Ok(self.group_blocks(seqs).len())
+        Ok(self.group_blocks(seqs, false).len())
     }
 
     /// Moves the group to the host. Returns (gpu, cpu) copies, each device block once.
@@ -57,7 +59,7 @@ impl BlockManager {
     /// `start_transfers`, as the scheduler does) before these copies.
     pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>, CoreError> {
         self.check_group(seqs, false)?;
-        let blocks = self.group_blocks(seqs);
+        let blocks = self.group_blocks(seqs, false);
         let mut host = Vec::with_capacity(blocks.len());
         let mut dropped = Vec::new();
         if !self.cpu.take(blocks.len(), &mut host, &mut dropped) {
@@ -77,7 +79,8 @@ impl BlockManager {
         for id in seqs {
             let s = self.seqs.get_mut(id).expect("checked");
             s.table.iter_mut().for_each(|b| *b = to_host[b]);
-            s.swapped = true;
+            s.on_host.fill(true);
+            s.num_host = s.table.len();
         }
         self.stats.swap_out_blocks += copies.len() as u64;
         Ok(copies)
@@ -86,7 +89,7 @@ impl BlockManager {
     /// Whether the group fits on the device now, later, or never.
     pub fn can_swap_in(&self, seqs: &[SeqId]) -> Result<SwapInStatus, CoreError> {
         self.check_group(seqs, true)?;
-        let needed = self.group_blocks(seqs).len();
+        let needed = self.group_blocks(seqs, true).len();
         Ok(if needed > self.cfg.num_gpu_blocks {
             SwapInStatus::Never
         } else if needed <= self.gpu.num_free() {
@@ -96,12 +99,12 @@ impl BlockManager {
         })
     }
 
-    /// Brings the group back to the device. Returns (cpu, gpu) copies, each host block
-    /// once. Committed full blocks rejoin the device prefix cache where no other block
-    /// caches their content.
+    /// Brings the group's host pages back to the device (entries already there stay).
+    /// Returns (cpu, gpu) copies, each host block once. Committed full blocks rejoin the
+    /// device prefix cache where no other block caches their content.
     pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>, CoreError> {
         self.check_group(seqs, true)?;
-        let blocks = self.group_blocks(seqs);
+        let blocks = self.group_blocks(seqs, true);
         self.take_gpu(blocks.len())?;
         let device = std::mem::take(&mut self.taken);
         let mut copies = Vec::with_capacity(blocks.len());
@@ -123,8 +126,11 @@ impl BlockManager {
         let bs = self.cfg.block_size;
         for id in seqs {
             let s = self.seqs.get_mut(id).expect("checked");
-            s.table.iter_mut().for_each(|b| *b = to_device[b]);
-            s.swapped = false;
+            for (b, host) in s.table.iter_mut().zip(s.on_host.iter_mut()).filter(|(_, h)| **h) {
+                *b = to_device[b];
+                *host = false;
+            }
+            s.num_host = 0;
             for (i, &h) in s.hashes.iter().enumerate() {
                 let parent = if i == 0 { self.root } else { s.hashes[i - 1] };
                 self.gpu.cache.insert(s.table[i], h, parent, &s.tokens[i * bs..(i + 1) * bs]);

@@ -31,7 +31,8 @@ impl Scheduler {
         if out.preempted.is_empty() {
             self.schedule_admissions(&mut budget, &mut scheduled)?;
         }
-        if scheduled.is_empty() && !self.running.is_empty() {
+        // Paused sequences hold device pages too (page-granular preemption).
+        if scheduled.is_empty() && (!self.running.is_empty() || !self.swapped.is_empty()) {
             match self.make_room_for_blocked(&mut out)? {
                 Some((id, true)) => self.swap_in_one(id, &mut budget, &mut scheduled, &mut out)?,
                 Some((id, false)) => self.admit(id, &mut budget, &mut scheduled)?,
@@ -40,6 +41,10 @@ impl Scheduler {
         }
 
         let (to_host, to_device) = (std::mem::take(&mut self.to_host), std::mem::take(&mut self.to_device));
+        self.stats.last_step_pages_swapped_out = to_host.len() as u64;
+        self.stats.last_step_pages_swapped_in = to_device.len() as u64;
+        self.stats.pages_swapped_out += to_host.len() as u64;
+        self.stats.pages_swapped_in += to_device.len() as u64;
         out.transfers = self.kv.start_transfers(to_host, to_device);
         self.fill_batch(&scheduled, &mut out)?;
         self.stats.num_steps += 1;
@@ -67,6 +72,15 @@ impl Scheduler {
             let pending = seq.tokens.len() - seq.kv_tokens;
             let mut preempted_self = false;
             while self.kv.blocks_to_append(id, pending)? > self.kv.num_free_blocks() {
+                if self.page_granular() {
+                    // Paused sequences give pages first (and the watermark with them, so
+                    // the next steps' decodes do not each move one more page).
+                    let need = self.kv.blocks_to_append(id, pending)?;
+                    self.take_pages_from_paused(need + self.config.watermark_blocks, None, out)?;
+                    if need <= self.kv.num_free_blocks() {
+                        break;
+                    }
+                }
                 let victim = self.running.iter().rev().copied().find(|v| *v != id && !done.contains(v));
                 match victim {
                     Some(v) => self.preempt(v, out)?,
@@ -103,9 +117,15 @@ impl Scheduler {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
-            let table_len = self.kv.block_table(id)?.len();
-            let fits = table_len + 1 + self.config.watermark_blocks <= self.kv.num_free_blocks();
-            if self.kv.can_swap_in(&[id])? != SwapInStatus::Ok || !fits {
+            // Its device pages are still there (page-granular preemption); only the host
+            // ones need room, and paused sequences ranked after it may give it.
+            let host_pages = self.kv.num_host_pages(id)?;
+            let need = host_pages + 1 + self.config.watermark_blocks;
+            if self.page_granular() && need > self.kv.num_free_blocks() && need <= self.kv.num_free_blocks() + self.swappable_from_paused(Some(id))? {
+                self.take_pages_from_paused(need, Some(id), out)?;
+            }
+            let fits = need <= self.kv.num_free_blocks();
+            if !fits || (host_pages > 0 && self.kv.can_swap_in(&[id])? != SwapInStatus::Ok) {
                 break;
             }
             self.swap_in_one(id, budget, scheduled, out)?;
@@ -114,8 +134,10 @@ impl Scheduler {
     }
 
     fn swap_in_one(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>, out: &mut SchedulerOutput) -> Result<(), CoreError> {
-        let pairs = self.kv.swap_in(&[id])?;
-        self.to_device.extend(pairs);
+        if self.kv.num_host_pages(id)? > 0 {
+            let pairs = self.kv.swap_in(&[id])?;
+            self.to_device.extend(pairs);
+        }
         self.swapped.retain(|&s| s != id);
         self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
         self.running.push(id);
