@@ -416,6 +416,12 @@ impl PyScheduler {
         Ok(d)
     }
 
+    /// (device pages, host pages) of the sequence's block table: a paused sequence may
+    /// hold both (page-granular preemption). KeyError for an unknown id.
+    fn page_tiers(&self, seq_id: SeqId) -> PyResult<(usize, usize)> {
+        self.inner.page_tiers(seq_id).map_err(to_py_err)
+    }
+
     /// Baseline for comparisons: swap preemption moves every page of the victim at once
     /// (vLLM v0) instead of pausing it and moving pages only as they are needed.
     fn set_whole_sequence_swap(&mut self, on: bool) {

@@ -33,6 +33,16 @@ impl Scheduler {
         self.whole_sequence_swap = on;
     }
 
+    /// (device pages, host pages) of a sequence's block table now; (0, 0) while it holds none.
+    pub fn page_tiers(&self, id: SeqId) -> Result<(usize, usize), CoreError> {
+        let seq = self.seqs.get(&id).ok_or(CoreError::UnknownSequence(id))?;
+        if !seq.has_pages() {
+            return Ok((0, 0));
+        }
+        let (total, host) = (self.kv.block_table(id)?.len(), self.kv.num_host_pages(id)?);
+        Ok((total - host, host))
+    }
+
     /// Paused sequences ranked after `after` (all of them when None), worst first.
     fn paused_victims(&self, after: Option<SeqId>) -> Vec<SeqId> {
         let seqs = &self.seqs;
