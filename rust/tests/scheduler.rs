@@ -2,6 +2,10 @@
 //! prefix sharing, preemption victims and modes, aging, and the contiguous baseline.
 
 use pagedrs::block_manager::BlockManagerConfig;
+
+/// Page-granular preemption under a simulated runner (its own file: a bigger harness).
+#[path = "scheduler_page_preemption.rs"]
+mod page_preemption;
 use pagedrs::scheduler::{KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, Scheduler, SchedulerConfig};
 
 fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
