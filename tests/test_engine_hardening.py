@@ -305,6 +305,34 @@ class EngineFuzzer(RuleBasedStateMachine):
         assert_idle_and_free(self.engine)
 
 
+class PagePreemptionFuzzer(EngineFuzzer):
+    """The same machine on pools of 10-14 blocks with swap preemption: sequences are paused
+    with their pages split between device and host (page-granular preemption), or, when
+    ``whole`` is drawn, swapped out whole (the baseline), and a tiny host tier makes some
+    paused victims fall back to recompute."""
+
+    @initialize(blocks=st.integers(10, 14), caching=st.booleans(), budget=st.sampled_from([3, 16, 64]),
+                whole=st.booleans(), host_gb=st.sampled_from([0.00005, 0.0005]))
+    def build(self, blocks, caching, budget, whole, host_gb):
+        self.engine = make_engine(
+            self.model_dir, num_gpu_blocks=blocks, preemption_mode="swap", enable_prefix_caching=caching,
+            max_num_batched_tokens=budget, max_model_len=40, swap_space_gb=host_gb,
+        )
+        self.engine.scheduler.set_whole_sequence_swap(whole)
+        self.next_id = 0
+        self.live: set[str] = set()
+        self.errors = 0
+
+
+def test_page_preemption_fuzzer(tiny_llama_dir):
+    """``make fuzz`` runs it longer (PAGEDRS_FUZZ_EXAMPLES)."""
+    PagePreemptionFuzzer.model_dir = tiny_llama_dir
+    examples = int(os.environ.get("PAGEDRS_FUZZ_EXAMPLES", "15"))
+    run = settings(max_examples=examples, stateful_step_count=30, deadline=None,
+                   suppress_health_check=list(HealthCheck))(PagePreemptionFuzzer)
+    run.TestCase().runTest()
+
+
 def test_engine_fuzzer(tiny_llama_dir):
     """``make fuzz`` runs it longer (PAGEDRS_FUZZ_EXAMPLES)."""
     EngineFuzzer.model_dir = tiny_llama_dir
