@@ -24,7 +24,9 @@ impl Scheduler {
         let seqs = &self.seqs;
         self.running.sort_by_key(|id| seqs[id].rank());
         self.schedule_decodes(&mut budget, &mut scheduled, &mut out)?;
-        if out.preempted.is_empty() {
+        // No swap-in in a step that preempted or took pages from paused sequences: it
+        // would bring back what the step just sent out.
+        if out.preempted.is_empty() && self.to_host.is_empty() {
             self.schedule_swap_ins(&mut budget, &mut scheduled, &mut out)?;
         }
         self.schedule_prefill_chunks(&mut budget, &mut scheduled)?;
