@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedrs import BeamSearchParams, Engine, SamplingParams
+from pagedrs import BeamSearchParams, BlockManager, Engine, OutOfBlocksError, SamplingParams
 from test_beam_search import PROMPTS, hf_beam_search, make_llm
 from test_engine import greedy, hf_greedy, make_engine, make_prompts
 from test_engine_hardening import run_to_end
@@ -43,6 +43,41 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tup
                 mixed |= device > 0 and host > 0
     assert not engine.has_unfinished()
     return done, mixed
+
+
+def test_block_manager_swaps_out_only_exclusive_pages_and_swaps_them_back():
+    bm = BlockManager(8, 2, num_cpu_blocks=4)
+    bm.allocate(1, [1, 2, 3, 4, 5])
+    bm.fork(1, 2)
+    assert bm.num_swappable_pages(1) == 0  # every page shared with the fork: moving one frees nothing
+    assert bm.append_tokens(2, [6]) == [(2, 3)]  # the fork copies the shared partial page on write
+    assert bm.num_swappable_pages(1) == 1
+    free = bm.num_free_gpu_blocks
+    assert bm.swap_out_pages(1, 3) == [(2, 0)]  # only the exclusive page, however many are asked for
+    assert bm.num_free_gpu_blocks == free + 1
+    assert bm.block_table(1) == [0, 1, 0] and bm.host_entries(1) == [False, False, True]
+    assert bm.is_swapped(1) and not bm.is_swapped(2)
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="swapped out"):
+        bm.append_tokens(1, [7])
+    with pytest.raises(ValueError, match="n is 0"):
+        bm.swap_out_pages(2, 0)
+    with pytest.raises(ValueError, match="already swapped out"):
+        bm.swap_out([1])  # the whole-sequence call keeps its meaning
+    assert bm.can_swap_in([1]) == "ok"
+    assert bm.swap_in([1]) == [(0, 2)]  # only the host page comes back
+    assert bm.block_table(1) == [0, 1, 2] and not bm.is_swapped(1)
+    bm.free(1)
+    bm.free(2)
+    assert (bm.num_free_gpu_blocks, bm.num_free_cpu_blocks) == (8, 4)
+    bm.check_invariants()
+
+    no_host = BlockManager(4, 2)
+    no_host.allocate(1, [1, 2, 3])
+    with pytest.raises(OutOfBlocksError):
+        no_host.swap_out_pages(1, 1)
+    assert no_host.block_table(1) == [0, 1] and not no_host.is_swapped(1)
+    no_host.free(1)
 
 
 def tiny_pool_engine(model_dir, *, whole_sequence_swap: bool = False, **kw) -> Engine:
