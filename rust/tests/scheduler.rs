@@ -156,8 +156,10 @@ fn a_paused_sequence_with_no_host_pages_resumes_without_copies() {
 
 #[test]
 fn whole_sequence_swap_moves_every_page_and_swap_brings_it_back() {
-    // 4 blocks of 4 tokens: two 8-token sequences fill the pool exactly.
-    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    // 4 blocks of 4 tokens: two 8-token sequences fill the pool exactly. No prefix
+    // caching: a swapped page still cached on the device would come back without a copy.
+    let bm = BlockManagerConfig { num_cpu_blocks: 8, enable_prefix_caching: false, ..BlockManagerConfig::new(4, 4) };
+    let mut s = Scheduler::paged(config(64, PreemptionMode::Swap), bm).unwrap();
     s.set_whole_sequence_swap(true);
     fill_four_blocks_then_grow(&mut s);
     let out = s.schedule().unwrap();
@@ -184,6 +186,32 @@ fn whole_sequence_swap_moves_every_page_and_swap_brings_it_back() {
     assert_eq!(s.kv().num_free_host_blocks(), 8);
     assert!(s.complete_transfers(&ids).is_err(), "completed twice");
     s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_swapped_page_still_cached_on_the_device_comes_back_without_a_copy() {
+    for whole in [true, false] {
+        let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+        s.set_whole_sequence_swap(whole);
+        fill_four_blocks_then_grow(&mut s);
+        let table2 = s.kv().block_table(2).unwrap().to_vec();
+        s.schedule().unwrap();
+        // Whole: both committed pages of seq 2 went out and stayed cached on the device;
+        // seq 1's fifth block evicted the least recently released one (its first).
+        // Page-granular: only its last page went out, and seq 1 took the free block it left.
+        s.finish(1).unwrap();
+        let out = s.schedule().unwrap();
+        assert_eq!(out.seq_ids, vec![2]);
+        let table = s.kv().block_table(2).unwrap().to_vec();
+        if whole {
+            assert_eq!(swapped(&out, "cpu"), 1, "the page still cached comes back by reference");
+            assert_eq!(table[1], table2[1]);
+        } else {
+            assert_eq!(table[0], table2[0], "the page that never left");
+            assert_eq!(swapped(&out, "cpu"), 1);
+        }
+        s.check_invariants().unwrap();
+    }
 }
 
 #[test]

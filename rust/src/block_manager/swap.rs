@@ -89,7 +89,7 @@ impl BlockManager {
     /// Whether the group fits on the device now, later, or never.
     pub fn can_swap_in(&self, seqs: &[SeqId]) -> Result<SwapInStatus, CoreError> {
         self.check_group(seqs, true)?;
-        let needed = self.group_blocks(seqs, true).len();
+        let needed = self.swap_in_plan(seqs).2;
         Ok(if needed > self.cfg.num_gpu_blocks {
             SwapInStatus::Never
         } else if needed <= self.gpu.num_free() {
@@ -99,16 +99,55 @@ impl BlockManager {
         })
     }
 
+    /// The group's host blocks (with their users), those whose content the device prefix
+    /// cache still holds (host block → device block), and the device blocks a swap-in
+    /// takes from the free count: one per other host block, plus each reused block that is
+    /// evictable now.
+    fn swap_in_plan(&self, seqs: &[SeqId]) -> (Vec<(BlockId, u32)>, HashMap<BlockId, BlockId>, usize) {
+        let blocks = self.group_blocks(seqs, true);
+        let bs = self.cfg.block_size;
+        let mut reuse: HashMap<BlockId, BlockId> = HashMap::new();
+        for id in seqs {
+            let s = &self.seqs[id];
+            for (i, &h) in s.hashes.iter().enumerate() {
+                if !s.on_host[i] || reuse.contains_key(&s.table[i]) {
+                    continue;
+                }
+                let parent = if i == 0 { self.root } else { s.hashes[i - 1] };
+                if let Some(g) = self.gpu.cache.lookup(h, parent, &s.tokens[i * bs..(i + 1) * bs]) {
+                    reuse.insert(s.table[i], g);
+                }
+            }
+        }
+        let mut evictable: Vec<BlockId> = reuse.values().copied().filter(|&g| self.gpu.refs.get(g) == 0).collect();
+        evictable.sort_unstable();
+        evictable.dedup();
+        let needed = blocks.len() - reuse.len() + evictable.len();
+        (blocks, reuse, needed)
+    }
+
     /// Brings the group's host pages back to the device (entries already there stay).
-    /// Returns (cpu, gpu) copies, each host block once. Committed full blocks rejoin the
-    /// device prefix cache where no other block caches their content.
+    /// Returns (cpu, gpu) copies, each host block once. A committed page whose content
+    /// the device prefix cache still holds (a paused sequence's page swapped out and not
+    /// reclaimed since) comes back by reference, without a copy. Committed full blocks
+    /// rejoin the device prefix cache where no other block caches their content.
     pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>, CoreError> {
         self.check_group(seqs, true)?;
-        let blocks = self.group_blocks(seqs, true);
-        self.take_gpu(blocks.len())?;
+        let (blocks, reuse, needed) = self.swap_in_plan(seqs);
+        if needed > self.gpu.num_free() {
+            return Err(CoreError::OutOfBlocks { tier: Tier::Gpu, needed, available: self.gpu.num_free() });
+        }
+        let mut to_device: HashMap<BlockId, BlockId> = HashMap::with_capacity(blocks.len());
+        // Reused blocks are retained first, so that taking the fresh ones cannot evict them.
+        for &(c, users) in blocks.iter().filter(|(c, _)| reuse.contains_key(c)) {
+            self.gpu.retain(reuse[&c], users);
+            self.cpu.release(c, users);
+            to_device.insert(c, reuse[&c]);
+        }
+        let blocks: Vec<(BlockId, u32)> = blocks.into_iter().filter(|(c, _)| !reuse.contains_key(c)).collect();
+        self.take_gpu(blocks.len()).expect("counted above");
         let device = std::mem::take(&mut self.taken);
         let mut copies = Vec::with_capacity(blocks.len());
-        let mut to_device: HashMap<BlockId, BlockId> = HashMap::with_capacity(blocks.len());
         for (&(c, users), &g) in blocks.iter().zip(&device) {
             self.gpu.refs.set_exclusive(g, users);
             if self.pin_swap_in_sources {
@@ -122,6 +161,7 @@ impl BlockManager {
             to_device.insert(c, g);
         }
         self.cpu.flush();
+        self.gpu.flush();
         self.taken = device;
         let bs = self.cfg.block_size;
         for id in seqs {
