@@ -322,14 +322,20 @@ class PagePreemptionFuzzer(EngineFuzzer):
     paused victims fall back to recompute."""
 
     @initialize(blocks=st.integers(10, 14), caching=st.booleans(), budget=st.sampled_from([3, 16, 64]),
-                whole=st.booleans(), host_gb=st.sampled_from([0.00005, 0.0005]))
-    def build(self, blocks, caching, budget, whole, host_gb):
+                whole=st.booleans(), host_gb=st.sampled_from([0.00005, 0.0005]), preload=st.integers(3, 6))
+    def build(self, blocks, caching, budget, whole, host_gb, preload):
         engine = make_engine(
             self.model_dir, num_gpu_blocks=blocks, preemption_mode="swap", enable_prefix_caching=caching,
             max_num_batched_tokens=budget, max_model_len=40, swap_space_gb=host_gb,
         )
         engine.scheduler.set_whole_sequence_swap(whole)
         self._start(engine)
+        # Long greedy requests from the start: together they outgrow the pool, so every
+        # example preempts (the random rules alone rarely build that much pressure).
+        for i in range(preload):
+            rid = self._id()
+            engine.add_request(rid, [30 + i] * (4 + 2 * i), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+            self.live.add(rid)
 
 
 def run_machine(machine: type[EngineFuzzer], model_dir, examples: int) -> None:
