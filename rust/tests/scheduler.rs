@@ -45,6 +45,17 @@ fn fill_four_blocks_then_grow(s: &mut Scheduler) {
     s.append_token(2, 28).unwrap();
 }
 
+/// Appends `tokens` to `seq` one per step (the schedules in between run the decodes);
+/// the last one is appended but not scheduled.
+fn decode(s: &mut Scheduler, seq: u64, tokens: std::ops::Range<u32>) {
+    for (i, t) in tokens.enumerate() {
+        if i > 0 {
+            s.schedule().unwrap();
+        }
+        s.append_token(seq, t).unwrap();
+    }
+}
+
 #[test]
 fn chunked_prefill_splits_a_prompt_under_the_budget_and_decodes_go_first() {
     let mut s = paged(32, 0, 6, PreemptionMode::Recompute);
@@ -120,11 +131,7 @@ fn a_missing_page_pauses_the_latest_arrival_and_moves_only_the_page_needed() {
     assert_eq!((s.stats().pages_swapped_out, s.stats().last_step_pages_swapped_out), (1, 1));
     s.check_invariants().unwrap();
     // Seq 1 grows into a sixth block: seq 2 gives its other page.
-    s.append_token(1, 9).unwrap();
-    for t in 10..13 {
-        s.schedule().unwrap();
-        s.append_token(1, t).unwrap();
-    }
+    decode(&mut s, 1, 9..13);
     let out = s.schedule().unwrap();
     assert_eq!(swapped(&out, "gpu"), 1);
     assert_eq!(s.kv().num_host_pages(2).unwrap(), 2);
@@ -292,11 +299,7 @@ fn a_full_host_tier_falls_back_to_recompute() {
     assert_eq!((s.stats().num_swap_preemptions, s.stats().num_recompute_preemptions), (1, 0));
     // ...and when seq 1 grows into its fourth block the host is full: the paused
     // victim is recomputed, and no page is copied for it.
-    s.append_token(1, 8).unwrap();
-    for t in 9..12 {
-        s.schedule().unwrap();
-        s.append_token(1, t).unwrap();
-    }
+    decode(&mut s, 1, 8..12);
     let out = s.schedule().unwrap();
     assert_eq!(swapped(&out, "gpu"), 0);
     assert_eq!(out.preempted, vec![2]);
