@@ -15,6 +15,9 @@ class OutOfBlocksError(RuntimeError):
 class BlockManager:
     """Paged KV-cache memory: block tables, refcounts, copy-on-write, prefix cache, swap tiers."""
 
+    NULL_BLOCK: int
+    """The block-table entry of a page released out of the sliding window (2**32 - 1; -1 in int32 tables)."""
+
     def __init__(
         self,
         num_gpu_blocks: int,
@@ -24,6 +27,7 @@ class BlockManager:
         cache_salt: int | None = None,
         host_cache_evicted: bool = False,
         num_disk_blocks: int = 0,
+        sliding_window: int | None = None,
     ) -> None: ...
     @property
     def block_size(self) -> int: ...
@@ -31,6 +35,9 @@ class BlockManager:
     def num_gpu_blocks(self) -> int: ...
     @property
     def num_cpu_blocks(self) -> int: ...
+    @property
+    def sliding_window(self) -> int | None:
+        """The attention window of every layer; None keeps every page."""
     @property
     def num_free_gpu_blocks(self) -> int:
         """Allocatable now, counting evictable cached blocks."""
@@ -48,6 +55,10 @@ class BlockManager:
     def commit(self, seq_id: int, num_computed_tokens: int) -> None: ...
     def fork(self, parent_id: int, child_id: int) -> None: ...
     def free(self, seq_id: int) -> None: ...
+    def release_outside_window(self, seq_id: int, first_needed_pos: int) -> int:
+        """Releases the pages wholly before token ``first_needed_pos`` (entries become NULL_BLOCK); returns how many."""
+    def num_held_blocks(self, seq_id: int) -> int:
+        """Device pages the sequence holds: its table less NULL_BLOCK placeholders."""
     def block_table(self, seq_id: int) -> list[int]: ...
     def num_tokens(self, seq_id: int) -> int: ...
     def num_committed_tokens(self, seq_id: int) -> int: ...
@@ -109,9 +120,12 @@ class SchedulerConfig:
         recompute_cost_per_token: float = 1.0,
         host_cache_evicted: bool = False,
         num_disk_blocks: int = 0,
+        sliding_window: int | None = None,  # every layer's window: pages outside it are released
     ) -> None: ...
     @property
     def num_gpu_blocks(self) -> int: ...
+    @property
+    def sliding_window(self) -> int | None: ...
     @property
     def num_cpu_blocks(self) -> int:
         """Host blocks the layout uses (0 for the contiguous baseline)."""
@@ -176,6 +190,8 @@ class Scheduler:
         """Child shares every page of the parent (running, waiting or swapped; it starts in the parent's state). Fork before appending the step's sampled tokens."""
     def finish(self, seq_id: int) -> None: ...
     def contains(self, seq_id: int) -> bool: ...
+    def num_held_blocks(self, seq_id: int) -> int:
+        """Pages the sequence's table holds (host ones while swapped, 0 while waiting), placeholders excluded."""
     def worst_case_blocks(self, prompt_len: int, max_tokens: int, num_samples: int = 1) -> int: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> dict[str, int]: ...

@@ -41,6 +41,7 @@ from pagedrs.continuation import BeamSearch, ContinuationPolicy, Decision, Indep
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor import LocalExecutor, make_executor, plan_tiers
 from pagedrs.inputs import InputProcessor, PromptType
+from pagedrs.models.config import ModelConfig
 from pagedrs.outputs import RequestOutput
 from pagedrs.request import Request, Sample
 from pagedrs.rollback import Rollback
@@ -91,6 +92,7 @@ class Engine:
             recompute_cost_per_token=plan.recompute_cost_per_token,
             host_cache_evicted=args.host_cache_evicted or tiers.host_cache_blocks > 0,
             num_disk_blocks=tiers.disk_blocks,
+            sliding_window=_uniform_sliding_window(config) if args.kv_layout == "paged" else None,
         )
         self.scheduler = Scheduler(self.scheduler_config)
         self._closer = None
@@ -129,7 +131,8 @@ class Engine:
     ) -> None:
         """Validates and queues a request; raises ValueError (or TypeError) with nothing changed.
 
-        ``params`` is SamplingParams (``n`` samples) or BeamSearchParams (beam search)."""
+        ``params`` is SamplingParams (``n`` samples, the best ``n`` of ``best_of``, or beam
+        search with ``use_beam_search=True``) or BeamSearchParams (beam search)."""
         processed = self.inputs.process(request_id, prompt, params, priority)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists; request ids must be unique among unfinished requests")
@@ -140,7 +143,8 @@ class Engine:
         first = self._new_sample(seq_id, 0, processed.prompt_token_ids, params)
         arrival = next(self._arrivals)
         request = Request(request_id, processed.prompt, processed.prompt_token_ids, params, processed.priority,
-                          arrival, [first], policy=policy, num_samples=num_samples)
+                          arrival, [first], policy=policy, num_samples=num_samples,
+                          num_outputs=policy.num_outputs(params), streams=policy.streams(params))
         with Rollback() as undo:
             self.scheduler.add_sequence(
                 seq_id,
@@ -204,7 +208,8 @@ class Engine:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns an output for every request that progressed."""
+        """Runs one scheduler step; returns an output for every request that progressed
+        (a beam search, or ``best_of > n``, only once it finished: see ``Request.streams``)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self._requests:
             return outputs
@@ -373,7 +378,8 @@ class Engine:
     def _collect(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
-            outputs.append(request.to_output())
+            if request.streams or request.finished:  # beam search, best_of > n: the final output only
+                outputs.append(request.to_output())
             if request.finished:
                 self._requests.pop(request.request_id, None)
         return outputs
@@ -437,6 +443,14 @@ def _flush_and_close(scheduler: Scheduler, executor: LocalExecutor) -> None:
         scheduler.complete_transfers([t.id for t in transfers])
     finally:
         executor.shutdown()
+
+
+def _uniform_sliding_window(config: ModelConfig) -> int | None:
+    """The window the core may release pages outside of: only when every layer attends with
+    it. A model mixing full and windowed layers (Gemma 2, Qwen2's max_window_layers) keeps
+    every page, since its full layers read them all."""
+    windows = {config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else None
 
 
 def _rss_bytes() -> int:

@@ -73,6 +73,7 @@ class EngineStats:
     step_pages_swapped_in: int
     step_swap_bytes_out: int
     step_swap_bytes_in: int
+    window_released_blocks: int  # pages given back because they fell out of the sliding window
     # utilization now
     kv_reserved_slots: int
     kv_live_slots: int

@@ -3,12 +3,15 @@
 //! copies are applied to that memory and the new tokens written to their slots, then:
 //! every invariant holds, every live sequence reads back exactly its tokens through its
 //! table, prefix hits read back the right tokens, predicted block costs are exact, and a
-//! failed call changed nothing.
+//! failed call changed nothing. With a sliding window, positions before a sequence's
+//! released pages (`NULL_BLOCK` entries) are exempt from reading back, and those
+//! placeholders may only lie before the first position the sequence still needs.
 
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 
-use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, SwapInStatus, Tier};
+use pagedrs::block_manager::window::first_needed_pos;
+use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, SwapInStatus, Tier, NULL_BLOCK};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -24,6 +27,8 @@ enum Op {
     SwapOutPages { seq: u64, n: usize },
     /// Clean shutdown's flush of cached pages to the disk tier.
     FlushToDisk,
+    /// Sliding window: release the pages before `frac / 4` of the committed tokens.
+    ReleaseWindow { seq: u64, frac: u8 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -36,14 +41,16 @@ fn op() -> impl Strategy<Value = Op> {
         1 => seq.clone().prop_map(|seq| Op::Free { seq }),
         1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapOut { seqs }),
         1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapIn { seqs }),
-        2 => (seq, 0usize..4).prop_map(|(seq, n)| Op::SwapOutPages { seq, n }),
+        2 => (seq.clone(), 0usize..4).prop_map(|(seq, n)| Op::SwapOutPages { seq, n }),
         1 => Just(Op::FlushToDisk),
+        2 => (seq, 0u8..=4).prop_map(|(seq, frac)| Op::ReleaseWindow { seq, frac }),
     ]
 }
 
 fn config() -> impl Strategy<Value = BlockManagerConfig> {
-    (4usize..16, 1usize..5, 0usize..10, any::<bool>(), any::<bool>(), prop_oneof![Just(0usize), 1usize..8]).prop_map(
-        |(gpu, bs, cpu, prefix, host, disk)| BlockManagerConfig {
+    let window = prop_oneof![Just(None), (1usize..10).prop_map(Some)];
+    (4usize..16, 1usize..5, 0usize..10, any::<bool>(), any::<bool>(), prop_oneof![Just(0usize), 1usize..8], window).prop_map(
+        |(gpu, bs, cpu, prefix, host, disk, window)| BlockManagerConfig {
             num_gpu_blocks: gpu,
             block_size: bs,
             num_cpu_blocks: cpu,
@@ -51,6 +58,7 @@ fn config() -> impl Strategy<Value = BlockManagerConfig> {
             cache_salt: None,
             host_cache_evicted: host,
             num_disk_blocks: disk,
+            sliding_window: window,
         },
     )
 }
@@ -74,6 +82,8 @@ struct Sim {
     disk: Vec<Option<u32>>,
     /// seq → (tokens, swapped)
     model: BTreeMap<u64, (Vec<u32>, bool)>,
+    /// seq → the first position it still needs (sliding window; 0 without one).
+    needed_from: BTreeMap<u64, usize>,
 }
 
 type Snapshot = (usize, usize, Vec<(u64, Vec<u32>, Vec<bool>, Vec<u32>, bool)>, pagedrs::block_manager::BlockManagerStats);
@@ -127,16 +137,22 @@ impl Sim {
         }
     }
 
+    /// Tokens read through the table, from the first one after its placeholders.
     fn read_back(&self, seq: u64) -> Vec<Option<u32>> {
         // Each entry on its own tier: a paused sequence may hold device and host pages at once.
         let table = self.bm.block_table(seq).unwrap();
         let host = self.bm.host_entries(seq).unwrap();
-        (0..self.bm.num_tokens(seq).unwrap())
+        (self.readable_from(seq)..self.bm.num_tokens(seq).unwrap())
             .map(|p| {
                 let mem = if host[p / self.bs] { &self.cpu } else { &self.gpu };
                 mem[table[p / self.bs] as usize * self.bs + p % self.bs]
             })
             .collect()
+    }
+
+    /// The first position whose page was not released out of the window.
+    fn readable_from(&self, seq: u64) -> usize {
+        self.bm.block_table(seq).unwrap().iter().take_while(|&&b| b == NULL_BLOCK).count() * self.bs
     }
 
     fn check(&self) -> Result<(), TestCaseError> {
@@ -149,7 +165,9 @@ impl Sim {
         for (&seq, (toks, swapped)) in &self.model {
             prop_assert_eq!(self.bm.tokens(seq).unwrap(), &toks[..]);
             prop_assert_eq!(self.bm.is_swapped(seq).unwrap(), *swapped);
-            let expected: Vec<Option<u32>> = toks.iter().map(|&t| Some(t)).collect();
+            let from = self.readable_from(seq);
+            prop_assert!(from <= self.needed_from[&seq], "seq {} released pages it still needs", seq);
+            let expected: Vec<Option<u32>> = toks[from..].iter().map(|&t| Some(t)).collect();
             prop_assert_eq!(self.read_back(seq), expected, "seq {} reads back wrong tokens", seq);
         }
         Ok(())
@@ -170,11 +188,16 @@ impl Sim {
                         prop_assert_eq!(free - self.bm.num_free_gpu_blocks(), cost);
                         prop_assert!(cached % self.bs == 0 && cached < prompt.len());
                         self.run_host_copies();
-                        // The cached prefix must already hold the right tokens.
-                        let head: Vec<Option<u32>> = self.read_back(*seq)[..cached].to_vec();
-                        prop_assert_eq!(head, prompt[..cached].iter().map(|&t| Some(t)).collect::<Vec<_>>());
+                        // The cached prefix must already hold the right tokens: with a window,
+                        // those the first computed token reads.
+                        let needed = self.bm.sliding_window().map_or(0, |w| first_needed_pos(cached, w));
+                        let from = self.readable_from(*seq);
+                        prop_assert!(from <= needed);
+                        let head: Vec<Option<u32>> = self.read_back(*seq)[..cached - from].to_vec();
+                        prop_assert_eq!(head, prompt[from..cached].iter().map(|&t| Some(t)).collect::<Vec<_>>());
                         self.write(*seq, cached);
                         self.model.insert(*seq, (prompt, false));
+                        self.needed_from.insert(*seq, needed);
                         Ok(())
                     }
                     Err(e) => {
@@ -206,10 +229,21 @@ impl Sim {
             Op::Fork { parent, child } => self.bm.fork(*parent, *child).map(|()| {
                 let copy = self.model[parent].clone();
                 self.model.insert(*child, copy);
+                self.needed_from.insert(*child, self.needed_from[parent]);
             }),
             Op::Free { seq } => self.bm.free(*seq).map(|()| {
                 self.model.remove(seq);
+                self.needed_from.remove(seq);
             }),
+            Op::ReleaseWindow { seq, frac } => {
+                let pos = self.bm.num_committed_tokens(*seq).unwrap_or(0) * *frac as usize / 4;
+                let held = self.bm.num_held_blocks(*seq);
+                self.bm.release_outside_window(*seq, pos).map(|n| {
+                    assert_eq!(held.unwrap() - n, self.bm.num_held_blocks(*seq).unwrap());
+                    let needed = self.needed_from.get_mut(seq).unwrap();
+                    *needed = (*needed).max(pos);
+                })
+            }
             Op::SwapOut { seqs } => {
                 let predicted = self.bm.num_blocks_to_swap_out(seqs);
                 self.bm.swap_out(seqs).map(|pairs| {
@@ -274,6 +308,7 @@ proptest! {
             bm: BlockManager::new(cfg).unwrap(),
             bs,
             model: BTreeMap::new(),
+            needed_from: BTreeMap::new(),
         };
         for op in &ops {
             sim.apply(op)?;

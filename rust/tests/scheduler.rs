@@ -18,6 +18,7 @@ fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
         aging_steps: 0,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
         layout: KvLayout::Paged,
+        sliding_window: None,
     }
 }
 

@@ -84,6 +84,7 @@ fn run(seed: u64, whole_sequence_swap: bool, prefix_caching: bool, host_blocks: 
         aging_steps: 0,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
         layout: KvLayout::Paged,
+        sliding_window: None,
     };
     let gpu_blocks = 14;
     let bm = BlockManagerConfig {

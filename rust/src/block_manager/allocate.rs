@@ -6,15 +6,18 @@
 //!  table       | h0 | h1 | n0 | n1 | n2 |   h = cached blocks (refcount + 1), n = new
 //! ```
 //! The lookup stops at the first miss. A hit on an evictable block costs one free
-//! block (it leaves the evictable set); a hit on a block in use costs none.
+//! block (it leaves the evictable set); a hit on a block in use costs none. A manager
+//! with a sliding window looks up differently (see `window`): leading blocks outside
+//! the window become placeholders.
 
 use super::prefix_cache::block_hash;
+use super::window::NULL_BLOCK;
 use super::{BlockManager, Sequence};
 use crate::error::{invalid, BlockId, CoreError, SeqId, Tier, TokenId};
 
 /// Where a leading prompt block's K/V already is.
 #[derive(Debug, Clone, Copy)]
-enum Hit {
+pub(super) enum Hit {
     /// A cached device block.
     Gpu(BlockId),
     /// A host block holding an evicted device block's content.
@@ -24,42 +27,52 @@ enum Hit {
 }
 
 /// The outcome of a prefix lookup, before anything changes.
-struct Plan {
-    hits: Vec<Hit>,
-    /// Chain hash of each hit block.
-    hashes: Vec<u64>,
+pub(super) struct Plan {
+    /// Leading blocks computed but outside the sliding window: placeholders (`NULL_BLOCK`).
+    pub(super) skipped: usize,
+    /// The blocks after the skipped ones whose K/V is cached.
+    pub(super) hits: Vec<Hit>,
+    /// Chain hash of each skipped and hit block.
+    pub(super) hashes: Vec<u64>,
     /// Free device blocks the allocation consumes.
-    cost: usize,
+    pub(super) cost: usize,
 }
 
 impl BlockManager {
     fn plan(&self, tokens: &[TokenId]) -> Plan {
         let bs = self.cfg.block_size;
         let num_blocks = tokens.len().div_ceil(bs);
-        let mut plan = Plan { hits: Vec::new(), hashes: Vec::new(), cost: num_blocks };
+        if let Some(window) = self.cfg.sliding_window {
+            return self.window_plan(tokens, window);
+        }
+        let mut plan = Plan { skipped: 0, hits: Vec::new(), hashes: Vec::new(), cost: num_blocks };
         if !self.cfg.enable_prefix_caching {
             return plan;
         }
         let mut parent = self.root;
         for block in tokens[..tokens.len() - 1].chunks_exact(bs) {
             let h = block_hash(parent, block);
-            let hit = if let Some(b) = self.gpu.cache.lookup(h, parent, block) {
-                if self.gpu.refs.get(b) > 0 {
-                    plan.cost -= 1; // shared with a running sequence: costs no free block
-                }
-                Hit::Gpu(b)
-            } else if let Some(c) = self.lower_lookup(Tier::Cpu, h, parent, block) {
-                Hit::Host(c)
-            } else if let Some(d) = self.lower_lookup(Tier::Disk, h, parent, block) {
-                Hit::Disk(d)
-            } else {
-                break;
-            };
+            let Some(hit) = self.find_hit(h, parent, block) else { break };
+            if matches!(hit, Hit::Gpu(b) if self.gpu.refs.get(b) > 0) {
+                plan.cost -= 1; // shared with a running sequence: costs no free block
+            }
             plan.hits.push(hit);
             plan.hashes.push(h);
             parent = h;
         }
         plan
+    }
+
+    /// Where the block hashed `h` (after `parent`, holding `block`) is cached: the device
+    /// first, then the host and disk tiers.
+    pub(super) fn find_hit(&self, h: u64, parent: u64, block: &[TokenId]) -> Option<Hit> {
+        if let Some(b) = self.gpu.cache.lookup(h, parent, block) {
+            Some(Hit::Gpu(b))
+        } else if let Some(c) = self.lower_lookup(Tier::Cpu, h, parent, block) {
+            Some(Hit::Host(c))
+        } else {
+            self.lower_lookup(Tier::Disk, h, parent, block).map(Hit::Disk)
+        }
     }
 
     fn lower_lookup(&self, tier: Tier, h: u64, parent: u64, block: &[TokenId]) -> Option<BlockId> {
@@ -83,6 +96,15 @@ impl BlockManager {
             return 0;
         }
         self.plan(tokens).cost
+    }
+
+    /// Leading tokens `allocate(_, tokens)` would find cached (its return value).
+    pub fn num_cached_tokens(&self, tokens: &[TokenId]) -> usize {
+        if tokens.is_empty() {
+            return 0;
+        }
+        let plan = self.plan(tokens);
+        (plan.skipped + plan.hits.len()) * self.cfg.block_size
     }
 
     /// Whether `allocate(_, tokens)` would succeed now.
@@ -109,7 +131,8 @@ impl BlockManager {
         let num_blocks = tokens.len().div_ceil(bs);
         // Hold every hit first (a lower tier's hit as the pin of its copy back), so that
         // the evictions of taking new blocks, which cascade down the tiers, cannot reuse them.
-        let mut table = Vec::with_capacity(num_blocks);
+        let mut table = vec![NULL_BLOCK; plan.skipped];
+        table.reserve(num_blocks - plan.skipped);
         let (mut num_host_hits, mut num_disk_hits) = (0, 0);
         for hit in &plan.hits {
             match *hit {
@@ -129,10 +152,11 @@ impl BlockManager {
             }
             table.push(BlockId::MAX); // filled below
         }
-        self.take_gpu(num_host_hits + num_disk_hits + num_blocks - plan.hits.len()).expect("cost was checked");
+        let num_hits = plan.skipped + plan.hits.len();
+        self.take_gpu(num_host_hits + num_disk_hits + num_blocks - num_hits).expect("cost was checked");
         let mut fresh = std::mem::take(&mut self.taken);
         let mut fresh_iter = fresh.iter().copied();
-        for (i, hit) in plan.hits.iter().enumerate() {
+        for (i, hit) in plan.hits.iter().enumerate().map(|(j, hit)| (plan.skipped + j, hit)) {
             let (tier, src) = match *hit {
                 Hit::Gpu(_) => continue,
                 Hit::Host(c) => (Tier::Cpu, c),
@@ -147,7 +171,6 @@ impl BlockManager {
         fresh.clear();
         self.taken = fresh;
 
-        let num_hits = plan.hits.len();
         if self.cfg.enable_prefix_caching {
             self.stats.prefix_queries += ((tokens.len() - 1) / bs) as u64;
             self.stats.prefix_hits += num_hits as u64;
@@ -156,7 +179,7 @@ impl BlockManager {
             let parent = plan.hashes.last().copied().unwrap_or(self.root);
             self.count_misses(tokens, num_hits, parent);
         }
-        let seq_state = Sequence::on_device(table, tokens.to_vec(), plan.hashes, num_hits * bs);
+        let seq_state = Sequence::on_device(table, tokens.to_vec(), plan.hashes, num_hits * bs, plan.skipped);
         self.seqs.insert(seq, seq_state);
         Ok(num_hits * bs)
     }
@@ -186,8 +209,11 @@ impl BlockManager {
             let block = &s.tokens[i * bs..(i + 1) * bs];
             let h = block_hash(parent, block);
             // Already hashed (shared with a fork that committed first) or the same content
-            // cached in another block: either way this block stays as it is.
-            self.gpu.cache.insert(s.table[i], h, parent, block);
+            // cached in another block: either way this block stays as it is. A placeholder
+            // (released out of the sliding window) has no page; its hash keeps the chain.
+            if s.table[i] != NULL_BLOCK {
+                self.gpu.cache.insert(s.table[i], h, parent, block);
+            }
             s.hashes.push(h);
         }
         Ok(())

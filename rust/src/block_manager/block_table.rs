@@ -2,9 +2,10 @@
 //! append (with copy-on-write), fork and free.
 //!
 //! Block tables are append-only except for copy-on-write, which replaces the last
-//! entry, and swapping, which maps entries to the other tier: all of them (whole
-//! sequence swap) or some (page-granular preemption, `page_swap`), so one table may
-//! point at device and host pages at once; `on_host` says which tier each entry is on.
+//! entry, swapping, which maps entries to the other tier (all of them: whole-sequence
+//! swap; some: page-granular preemption, `page_swap`, so that one table may point at
+//! device and host pages at once, `on_host` saying which), and the sliding window, which
+//! turns leading entries into placeholders (`window::NULL_BLOCK`, no page).
 
 use super::BlockManager;
 use crate::error::{invalid, BlockId, CoreError, SeqId, TokenId};
@@ -26,17 +27,25 @@ pub(crate) struct Sequence {
     pub(crate) hashes: Vec<u64>,
     /// Tokens whose K/V is written (or written this step before anything reads it).
     pub(crate) committed: usize,
+    /// Leading entries released out of the sliding window: each is `NULL_BLOCK`, uses no
+    /// page, and lies wholly before `committed` (see `window`); never on the host.
+    pub(crate) released: usize,
 }
 
 impl Sequence {
-    /// A sequence on the device: every entry a device block.
-    pub(crate) fn on_device(table: Vec<BlockId>, tokens: Vec<TokenId>, hashes: Vec<u64>, committed: usize) -> Self {
-        Sequence { on_host: vec![false; table.len()], num_host: 0, table, tokens, hashes, committed }
+    /// A sequence on the device: every entry a device block (or a released placeholder).
+    pub(crate) fn on_device(table: Vec<BlockId>, tokens: Vec<TokenId>, hashes: Vec<u64>, committed: usize, released: usize) -> Self {
+        Sequence { on_host: vec![false; table.len()], num_host: 0, table, tokens, hashes, committed, released }
     }
 
     /// Any entry on the host: the sequence cannot run until it is swapped in.
     pub(crate) fn swapped(&self) -> bool {
         self.num_host > 0
+    }
+
+    /// (block, on the host) of every entry that holds a page (released ones hold none).
+    pub(crate) fn pages(&self) -> impl DoubleEndedIterator<Item = (BlockId, bool)> + '_ {
+        self.table[self.released..].iter().copied().zip(self.on_host[self.released..].iter().copied())
     }
 }
 
@@ -95,7 +104,7 @@ impl BlockManager {
             return Err(invalid!("cannot fork {parent} into {child}: sequence {child} already exists"));
         }
         let copy = self.seq(parent)?.clone();
-        for (&b, &host) in copy.table.iter().zip(&copy.on_host) {
+        for (b, host) in copy.pages() {
             let tier = if host { &mut self.cpu } else { &mut self.gpu };
             tier.retain(b, 1);
         }
@@ -107,7 +116,7 @@ impl BlockManager {
     /// evictable, released last-block-first so that a prompt's tail is evicted first.
     pub fn free(&mut self, seq: SeqId) -> Result<(), CoreError> {
         let s = self.seqs.remove(&seq).ok_or(CoreError::UnknownSequence(seq))?;
-        for (&b, &host) in s.table.iter().zip(&s.on_host).rev() {
+        for (b, host) in s.pages().rev() {
             let tier = if host { &mut self.cpu } else { &mut self.gpu };
             tier.release(b, 1);
         }

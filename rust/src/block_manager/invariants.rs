@@ -4,6 +4,7 @@
 
 use super::prefix_cache::block_hash;
 use super::tier::TierPool;
+use super::window::NULL_BLOCK;
 use super::BlockManager;
 use crate::error::{BlockId, Tier, TokenId};
 
@@ -44,11 +45,22 @@ impl BlockManager {
                     s.table.len()
                 ));
             }
-            for (&b, &host) in s.table.iter().zip(&s.on_host) {
+            // Placeholders (released out of the sliding window) lead the table, wholly
+            // before the committed tokens, and use no page.
+            if s.released * bs > s.committed || s.table[..s.released].iter().any(|&b| b != NULL_BLOCK) {
+                return Err(format!("seq {id}: {} released entries, committed {}: {:?}", s.released, s.committed, &s.table[..s.released]));
+            }
+            if s.on_host[..s.released].iter().any(|&h| h) {
+                return Err(format!("seq {id}: a released entry is marked as on the host"));
+            }
+            if s.released > 0 && self.cfg.sliding_window.is_none() {
+                return Err(format!("seq {id}: {} entries released without a sliding window", s.released));
+            }
+            for (b, host) in s.pages() {
                 let (users, tier) = if host { (&mut cpu_users, "host") } else { (&mut gpu_users, "device") };
                 *users.get_mut(b as usize).ok_or_else(|| format!("seq {id}: {tier} block {b} out of range"))? += 1;
             }
-            for (i, &h) in s.hashes.iter().enumerate() {
+            for (i, &h) in s.hashes.iter().enumerate().skip(s.released) {
                 let b = s.table[i];
                 if s.on_host[i] {
                     continue;

@@ -13,7 +13,8 @@
 //! fork, free), `swap` (swapping sequences to the host), `tiers` (evicted pages moving
 //! device → host → disk, miss reasons, the persistent disk tier's seeding and flush),
 //! `page_swap` (a paused sequence's pages moved to the host one by one),
-//! [`transfer`] (copies between tiers as values), `invariants`.
+//! [`transfer`] (copies between tiers as values), [`window`] (pages released out of a
+//! sliding window), `invariants`.
 //!
 //! The manager is single-owner (`&mut self`); the page pool underneath is lock-free so
 //! that other components may take and return raw blocks concurrently.
@@ -28,6 +29,7 @@ mod swap;
 pub(crate) mod tier;
 mod tiers;
 mod transfer;
+pub mod window;
 
 use block_table::Sequence;
 use prefix_cache::{root_seed, IdMap};
@@ -37,6 +39,7 @@ use crate::error::invalid;
 pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
 pub use tiers::{DiskPage, MissReason};
 pub use transfer::{Transfer, TransferId};
+pub use window::NULL_BLOCK;
 use tiers::MissLog;
 use transfer::{Pending, Pin};
 
@@ -62,6 +65,10 @@ pub struct BlockManagerConfig {
     /// Page slots of the persistent disk tier (0 = off): pages evicted from the host (or
     /// from the device when the host keeps none) go there; a prefix hit reads them back.
     pub num_disk_blocks: usize,
+    /// The attention window of every layer (Mistral), ≥ 1: pages that fell out of it may
+    /// be released (see [`window`]) and prefix hits need only the window. `None` (full
+    /// attention, or a model that mixes full and windowed layers) keeps every page.
+    pub sliding_window: Option<usize>,
 }
 
 impl BlockManagerConfig {
@@ -75,6 +82,7 @@ impl BlockManagerConfig {
             cache_salt: None,
             host_cache_evicted: false,
             num_disk_blocks: 0,
+            sliding_window: None,
         }
     }
 }
@@ -119,6 +127,9 @@ pub struct BlockManagerStats {
     pub prefix_misses_evicted: u64,
     pub prefix_misses_evicted_disk: u64,
     pub prefix_misses_invalidated: u64,
+    /// Device pages released from block tables because they fell out of the sliding
+    /// window (one per table entry; a page shared by forks is counted per table).
+    pub window_released_blocks: u64,
 }
 
 /// The KV-cache memory of one model: every tier and every sequence's block table.
@@ -168,6 +179,9 @@ impl BlockManager {
         }
         if cfg.num_disk_blocks > MAX_BLOCKS {
             return Err(invalid!("num_disk_blocks must be in 0..={MAX_BLOCKS}, got {}", cfg.num_disk_blocks));
+        }
+        if cfg.sliding_window == Some(0) {
+            return Err(invalid!("sliding_window must be at least 1 token (or None for full attention), got 0"));
         }
         if cfg.num_gpu_blocks.max(cfg.num_cpu_blocks).checked_mul(cfg.block_size).is_none_or(|n| n > i64::MAX as usize) {
             return Err(invalid!(
@@ -241,7 +255,8 @@ impl BlockManager {
     }
 
     /// The sequence's block table: device block ids, or host ids for the entries that
-    /// are swapped out (see [`host_entries`](Self::host_entries)).
+    /// are swapped out (see [`host_entries`](Self::host_entries)); leading entries
+    /// released out of the sliding window are [`window::NULL_BLOCK`].
     pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId], CoreError> {
         Ok(&self.seq(seq)?.table)
     }
@@ -286,6 +301,13 @@ impl BlockManager {
             ));
         }
         let bs = self.cfg.block_size;
+        if start < end && start / bs < s.released {
+            return Err(invalid!(
+                "slot range {start}..{end} of sequence {seq} starts in a page released out of the sliding window; \
+                 its first {} tokens have none",
+                s.released * bs
+            ));
+        }
         out.reserve(end - start);
         let mut pos = start;
         while pos < end {

@@ -25,7 +25,7 @@ impl BlockManager {
     /// block has no other user, last entry first.
     fn exclusive_device_entries(&self, seq: SeqId) -> Result<Vec<usize>, CoreError> {
         let s = self.seq(seq)?;
-        Ok((0..s.table.len()).rev().filter(|&i| !s.on_host[i] && self.gpu.refs.get(s.table[i]) == 1).collect())
+        Ok((s.released..s.table.len()).rev().filter(|&i| !s.on_host[i] && self.gpu.refs.get(s.table[i]) == 1).collect())
     }
 
     /// How many device pages `swap_out_pages(seq, n)` could free at most.

@@ -5,7 +5,8 @@
 //! forward pass. Host blocks read by a swap-in are pinned (one refcount each) until its
 //! transfer completes, so no swap in the same step reuses them.
 //! A step must not swap the same blocks both ways: the scheduler swaps in only in a
-//! step that preempted nothing (vLLM's rule).
+//! step that preempted nothing (vLLM's rule). Placeholders (pages released out of the
+//! sliding window, `window::NULL_BLOCK`) are never copied and stay placeholders.
 
 use super::{BlockManager, SwapInStatus};
 use crate::error::{invalid, BlockId, CoreError, SeqId, Tier};
@@ -34,7 +35,7 @@ impl BlockManager {
         let mut blocks: Vec<(BlockId, u32)> = Vec::new();
         for id in seqs {
             let s = &self.seqs[id];
-            for (&b, _) in s.table.iter().zip(&s.on_host).filter(|(_, &h)| h == host) {
+            for (b, _) in s.pages().filter(|&(_, h)| h == host) {
                 let i = *index.entry(b).or_insert_with(|| {
                     blocks.push((b, 0));
                     blocks.len() - 1
@@ -78,9 +79,9 @@ impl BlockManager {
         self.gpu.flush();
         for id in seqs {
             let s = self.seqs.get_mut(id).expect("checked");
-            s.table.iter_mut().for_each(|b| *b = to_host[b]);
-            s.on_host.fill(true);
-            s.num_host = s.table.len();
+            s.table[s.released..].iter_mut().for_each(|b| *b = to_host[b]);
+            s.on_host[s.released..].fill(true);
+            s.num_host = s.table.len() - s.released;
         }
         self.stats.swap_out_blocks += copies.len() as u64;
         Ok(copies)
@@ -171,7 +172,7 @@ impl BlockManager {
                 *host = false;
             }
             s.num_host = 0;
-            for (i, &h) in s.hashes.iter().enumerate() {
+            for (i, &h) in s.hashes.iter().enumerate().skip(s.released) {
                 let parent = if i == 0 { self.root } else { s.hashes[i - 1] };
                 self.gpu.cache.insert(s.table[i], h, parent, &s.tokens[i * bs..(i + 1) * bs]);
             }

@@ -20,8 +20,13 @@ pub struct PyBlockManager {
 
 #[pymethods]
 impl PyBlockManager {
+    /// The block-table entry of a page released out of the sliding window (2**32 - 1;
+    /// -1 in the scheduler's int32 block tables).
+    #[classattr]
+    const NULL_BLOCK: BlockId = crate::block_manager::NULL_BLOCK;
+
     #[new]
-    #[pyo3(signature = (num_gpu_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=true, cache_salt=None, host_cache_evicted=false, num_disk_blocks=0))]
+    #[pyo3(signature = (num_gpu_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=true, cache_salt=None, host_cache_evicted=false, num_disk_blocks=0, sliding_window=None))]
     fn new(
         num_gpu_blocks: usize,
         block_size: usize,
@@ -30,6 +35,7 @@ impl PyBlockManager {
         cache_salt: Option<u64>,
         host_cache_evicted: bool,
         num_disk_blocks: usize,
+        sliding_window: Option<usize>,
     ) -> PyResult<Self> {
         let cfg = BlockManagerConfig {
             num_gpu_blocks,
@@ -39,6 +45,7 @@ impl PyBlockManager {
             cache_salt,
             host_cache_evicted,
             num_disk_blocks,
+            sliding_window,
         };
         Ok(PyBlockManager { inner: BlockManager::new(cfg).map_err(core_err)?, scratch: Vec::new() })
     }
@@ -117,6 +124,22 @@ impl PyBlockManager {
 
     fn free(&mut self, seq_id: SeqId) -> PyResult<()> {
         self.inner.free(seq_id).map_err(core_err)
+    }
+
+    /// Releases the pages wholly before token `first_needed_pos` (sliding window): their
+    /// entries become `NULL_BLOCK`; returns how many were released.
+    fn release_outside_window(&mut self, seq_id: SeqId, first_needed_pos: usize) -> PyResult<usize> {
+        self.inner.release_outside_window(seq_id, first_needed_pos).map_err(core_err)
+    }
+
+    /// Device pages the sequence holds (its table less `NULL_BLOCK` placeholders).
+    fn num_held_blocks(&self, seq_id: SeqId) -> PyResult<usize> {
+        self.inner.num_held_blocks(seq_id).map_err(core_err)
+    }
+
+    #[getter]
+    fn sliding_window(&self) -> Option<usize> {
+        self.inner.sliding_window()
     }
 
     fn block_table(&self, seq_id: SeqId) -> PyResult<Vec<BlockId>> {
@@ -225,6 +248,7 @@ impl PyBlockManager {
         d.set_item("prefix_misses_evicted", s.prefix_misses_evicted)?;
         d.set_item("prefix_misses_evicted_disk", s.prefix_misses_evicted_disk)?;
         d.set_item("prefix_misses_invalidated", s.prefix_misses_invalidated)?;
+        d.set_item("window_released_blocks", s.window_released_blocks)?;
         Ok(d)
     }
 

@@ -113,7 +113,8 @@ impl PySchedulerConfig {
         kv_layout = "paged", contiguous_reserve = "max_model_len", max_num_seqs = 256,
         max_num_batched_tokens = 2048, max_model_len = 2048, preemption_mode = "auto",
         watermark = 0.0, aging_steps = 100, swap_cost_per_block = 1.0,
-        recompute_cost_per_token = 1.0, host_cache_evicted = false, num_disk_blocks = 0
+        recompute_cost_per_token = 1.0, host_cache_evicted = false, num_disk_blocks = 0,
+        sliding_window = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -133,6 +134,7 @@ impl PySchedulerConfig {
         recompute_cost_per_token: f64,
         host_cache_evicted: bool,
         num_disk_blocks: usize,
+        sliding_window: Option<usize>,
     ) -> PyResult<Self> {
         let layout = KvLayout::parse(kv_layout, contiguous_reserve).map_err(to_py_err)?;
         let sched = SchedulerConfig {
@@ -144,6 +146,7 @@ impl PySchedulerConfig {
             aging_steps,
             cost: PreemptionCost { swap_cost_per_block, recompute_cost_per_token },
             layout,
+            sliding_window,
         };
         let kv = KvConfig {
             layout,
@@ -182,6 +185,11 @@ impl PySchedulerConfig {
     #[getter]
     fn block_size(&self) -> usize {
         self.kv.block_size
+    }
+    /// The attention window whose outside pages the core releases (None: every page kept).
+    #[getter]
+    fn sliding_window(&self) -> Option<usize> {
+        self.sched.sliding_window
     }
     /// Device blocks an admission leaves free (0 for the contiguous baseline).
     #[getter]
@@ -332,6 +340,15 @@ impl PyScheduler {
         self.inner.contains(seq_id)
     }
 
+    /// Pages the sequence's table holds now (host pages while swapped out, 0 while
+    /// waiting); pages released out of the sliding window are not counted.
+    fn num_held_blocks(&self, seq_id: SeqId) -> PyResult<usize> {
+        if !self.inner.contains(seq_id) {
+            return Err(to_py_err(crate::error::CoreError::UnknownSequence(seq_id)));
+        }
+        Ok(self.inner.kv().num_held_blocks(seq_id).unwrap_or(0))
+    }
+
     /// Device blocks a request needs at worst with the pool to itself (see `add_sequence`).
     #[pyo3(signature = (prompt_len, max_tokens, num_samples = 1))]
     fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, num_samples: usize) -> usize {
@@ -404,6 +421,7 @@ impl PyScheduler {
         d.set_item("prefix_misses_evicted", bm.prefix_misses_evicted)?;
         d.set_item("prefix_misses_evicted_disk", bm.prefix_misses_evicted_disk)?;
         d.set_item("prefix_misses_invalidated", bm.prefix_misses_invalidated)?;
+        d.set_item("window_released_blocks", bm.window_released_blocks)?;
         d.set_item("host_cache_saves", bm.host_cache_evictions_saved)?;
         d.set_item("disk_writes", bm.disk_writes)?;
         d.set_item("num_disk_blocks", kv.num_disk_blocks())?;

@@ -144,6 +144,11 @@ pub struct SchedulerConfig {
     pub cost: PreemptionCost,
     /// The layout, for the reservation rule of `add_sequence` (set by `Scheduler::build`).
     pub layout: KvLayout,
+    /// The attention window of every layer (Mistral): after each step's commit, pages
+    /// wholly before the window of the sequence's earliest next query are released (paged
+    /// layout; see `block_manager::window`). `None`, the default, keeps every page: full
+    /// attention, and models that mix full and windowed layers.
+    pub sliding_window: Option<usize>,
 }
 
 impl SchedulerConfig {
@@ -157,6 +162,9 @@ impl SchedulerConfig {
             if value == 0 {
                 return Err(CoreError::InvalidArgument(format!("{name} is 0; it must be at least 1")));
             }
+        }
+        if self.sliding_window == Some(0) {
+            return Err(CoreError::InvalidArgument("sliding_window is 0; it must be at least 1 token, or None".into()));
         }
         for (name, value) in [
             ("swap_cost_per_block", self.cost.swap_cost_per_block),

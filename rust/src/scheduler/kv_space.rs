@@ -5,7 +5,7 @@
 //! scheduler; only this trait's implementation differs.
 
 pub use crate::block_manager::CopyPairs;
-use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, DiskPage, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
+use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, DiskPage, SeqId, SwapInStatus, TokenId, Transfer, TransferId, NULL_BLOCK};
 use crate::error::CoreError;
 
 pub trait KvSpace: Send + Sync {
@@ -77,6 +77,20 @@ pub trait KvSpace: Send + Sync {
     /// Token slots held for live sequences (used blocks × block size, or reserved regions).
     fn reserved_slots(&self) -> usize;
     fn check_invariants(&self) -> Result<(), String>;
+    /// Releases the sequence's pages wholly before `first_needed_pos` (sliding window);
+    /// returns how many. A layout without window support keeps them all.
+    fn release_outside_window(&mut self, _seq: SeqId, _first_needed_pos: usize) -> Result<usize, CoreError> {
+        Ok(0)
+    }
+    /// Leading tokens of `tokens` an admission would find cached (what `admit` would
+    /// return), nothing changed.
+    fn num_cached_tokens(&self, _tokens: &[TokenId]) -> usize {
+        0
+    }
+    /// Device pages the sequence holds (its table less window placeholders).
+    fn num_held_blocks(&self, seq: SeqId) -> Result<usize, CoreError> {
+        Ok(self.block_table(seq)?.iter().filter(|&&b| b != NULL_BLOCK).count())
+    }
 }
 
 impl KvSpace for BlockManager {
@@ -176,5 +190,17 @@ impl KvSpace for BlockManager {
     }
     fn check_invariants(&self) -> Result<(), String> {
         BlockManager::check_invariants(self)
+    }
+    fn release_outside_window(&mut self, seq: SeqId, first_needed_pos: usize) -> Result<usize, CoreError> {
+        match self.sliding_window() {
+            Some(_) => BlockManager::release_outside_window(self, seq, first_needed_pos),
+            None => Ok(0),
+        }
+    }
+    fn num_held_blocks(&self, seq: SeqId) -> Result<usize, CoreError> {
+        BlockManager::num_held_blocks(self, seq)
+    }
+    fn num_cached_tokens(&self, tokens: &[TokenId]) -> usize {
+        BlockManager::num_cached_tokens(self, tokens)
     }
 }

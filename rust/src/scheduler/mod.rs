@@ -11,7 +11,11 @@
 //!
 //! A prompt's cached prefix is skipped, and a block is committed when it is
 //! scheduled, so a later request in the same step already hits it: within one
-//! layer every K/V write happens before any attention read.
+//! layer every K/V write happens before any attention read. With a sliding window
+//! (`SchedulerConfig::sliding_window`), a scheduled sequence's pages wholly before the
+//! window of its first query in the step are released right after that commit (see
+//! `block_manager::window`), and a prompt is admitted chunk by chunk: its later chunks
+//! join the KV space in phase 1, as sampled tokens do, when they are scheduled.
 
 pub mod config;
 pub mod contiguous;
@@ -115,6 +119,7 @@ impl Scheduler {
                     host_cache_evicted: kv.host_cache_evicted,
                     num_disk_blocks: kv.effective_disk_blocks(),
                     cache_salt: None,
+                    sliding_window: sched.sliding_window,
                 })?;
                 bm.set_pin_swap_in_sources(true);
                 Self::new(sched, Box::new(bm))
@@ -126,9 +131,9 @@ impl Scheduler {
         }
     }
 
-    /// A scheduler over a paged [`BlockManager`].
+    /// A scheduler over a paged [`BlockManager`] (its window is the scheduler's).
     pub fn paged(config: SchedulerConfig, bm: BlockManagerConfig) -> Result<Self, CoreError> {
-        let mut manager = BlockManager::new(bm)?;
+        let mut manager = BlockManager::new(BlockManagerConfig { sliding_window: config.sliding_window, ..bm })?;
         manager.set_pin_swap_in_sources(true);
         Self::new(SchedulerConfig { layout: KvLayout::Paged, ..config }, Box::new(manager))
     }
@@ -175,7 +180,13 @@ impl Scheduler {
         match self.config.layout {
             KvLayout::Paged => {
                 let shared = prompt_len / bs;
-                shared.saturating_add(samples.saturating_mul(longest.div_ceil(bs) - shared))
+                let all = shared.saturating_add(samples.saturating_mul(longest.div_ceil(bs) - shared));
+                // A windowed sequence holds at most its window plus two steps' chunks (the
+                // last one before its release, the new one), prompt chunks included.
+                let window = self.config.sliding_window.map(|w| {
+                    samples.saturating_mul((w.saturating_add(2 * self.config.max_num_batched_tokens)).div_ceil(bs) + 2)
+                });
+                window.map_or(all, |w| w.min(all))
             }
             KvLayout::Contiguous(_) => samples.saturating_mul(longest.max(self.reserve_tokens(longest)).div_ceil(bs)),
         }
@@ -226,6 +237,7 @@ impl Scheduler {
             reserve_tokens: self.reserve_tokens(longest),
             tokens,
             kv_tokens: 0,
+            prefill_left: 0,
             num_computed: 0,
             status: SeqStatus::Waiting,
             waiting_since: self.stats.num_steps,
@@ -359,7 +371,7 @@ impl Scheduler {
         for id in &self.running {
             let seq = &self.seqs[id];
             if let Ok(table) = self.kv.block_table(*id) {
-                for (i, &block) in table.iter().enumerate() {
+                for (i, &block) in table.iter().enumerate().filter(|(_, &b)| b != crate::block_manager::NULL_BLOCK) {
                     let filled = seq.kv_tokens.saturating_sub(i * block_size).min(block_size);
                     let entry = fill.entry(block).or_insert(0);
                     *entry = (*entry).max(filled);

@@ -65,12 +65,14 @@ impl Scheduler {
         let after = swapped.then_some(id);
         loop {
             let (need, never) = if swapped {
-                let table_len = self.kv.block_table(id)?.len();
-                let need = self.kv.num_host_pages(id)? + 1 + self.config.watermark_blocks;
-                (need, table_len + 1 + self.config.watermark_blocks > self.kv.num_blocks())
+                // Room for its host pages (its device pages are still there); it could never
+                // fit when every page it would hold exceeds the pool.
+                let need = self.swap_in_need(id, self.config.max_num_batched_tokens)? + self.config.watermark_blocks;
+                (need, need - self.kv.num_host_pages(id)? + self.kv.num_held_blocks(id)? > self.kv.num_blocks())
             } else {
                 let seq = &self.seqs[&id];
-                let need = self.kv.blocks_to_admit(&seq.tokens, seq.reserve_tokens);
+                let end = self.admission_end(seq, self.config.max_num_batched_tokens);
+                let need = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens);
                 (need, need == usize::MAX || need > self.kv.num_blocks())
             };
             if never {
@@ -116,6 +118,7 @@ impl Scheduler {
         seq.parked = seq.waits_for_token();
         self.kv.free(id)?;
         seq.kv_tokens = 0;
+        seq.prefill_left = 0;
         seq.num_computed = 0;
         seq.status = SeqStatus::Waiting;
         seq.waiting_since = now;

@@ -71,7 +71,8 @@ impl Scheduler {
             if seq.status != SeqStatus::Running || seq.num_computed < seq.kv_tokens || seq.kv_tokens == seq.tokens.len() {
                 continue; // preempted above, still in prefill (phase 3), or nothing to do
             }
-            let pending = seq.tokens.len() - seq.kv_tokens;
+            let pending = self.num_to_append(seq, budget.tokens);
+            let in_prefill = seq.prefill_left > 0;
             let mut preempted_self = false;
             while self.kv.blocks_to_append(id, pending)? > self.kv.num_free_blocks() {
                 if self.page_granular() {
@@ -96,8 +97,10 @@ impl Scheduler {
             if preempted_self {
                 continue;
             }
-            self.append_sampled(id, out)?;
-            self.stats.decode_tokens += self.take_tokens(id, budget, scheduled)? as u64;
+            self.append_sampled(id, pending, out)?;
+            let n = self.take_tokens(id, budget, scheduled)? as u64;
+            // A windowed prompt's later chunks come this way too (appended as they go).
+            *if in_prefill { &mut self.stats.prompt_tokens_computed } else { &mut self.stats.decode_tokens } += n;
             done.insert(id);
         }
         Ok(())
@@ -122,7 +125,7 @@ impl Scheduler {
             // Its device pages are still there (page-granular preemption); only the host
             // ones need room, and paused sequences ranked after it may give it.
             let host_pages = self.kv.num_host_pages(id)?;
-            let need = host_pages + 1 + self.config.watermark_blocks;
+            let need = self.swap_in_need(id, budget.tokens)? + self.config.watermark_blocks;
             if self.page_granular() && need > self.kv.num_free_blocks() && need <= self.kv.num_free_blocks() + self.swappable_from_paused(Some(id))? {
                 self.take_pages_from_paused(need, Some(id), out)?;
             }
@@ -135,6 +138,19 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Device pages a paused sequence needs to come back and record its next tokens: its
+    /// pages on the host (those still on the device stay) and one more (a new page or a
+    /// copy on write), plus a windowed prompt's next chunk.
+    pub(super) fn swap_in_need(&self, id: SeqId, budget_tokens: usize) -> Result<usize, CoreError> {
+        let seq = &self.seqs[&id];
+        let held = self.kv.num_host_pages(id)?;
+        if seq.prefill_left == 0 {
+            return Ok(held + 1);
+        }
+        let (bs, n) = (self.kv.block_size(), self.num_to_append(seq, budget_tokens));
+        Ok(held + (seq.kv_tokens + n).div_ceil(bs) - seq.kv_tokens.div_ceil(bs) + 1)
+    }
+
     fn swap_in_one(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>, out: &mut SchedulerOutput) -> Result<(), CoreError> {
         if self.kv.num_host_pages(id)? > 0 {
             let pairs = self.kv.swap_in(&[id])?;
@@ -143,8 +159,11 @@ impl Scheduler {
         self.swapped.retain(|&s| s != id);
         self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
         self.running.push(id);
-        self.append_sampled(id, out)?;
-        self.stats.decode_tokens += self.take_tokens(id, budget, scheduled)? as u64;
+        let seq = &self.seqs[&id];
+        let (pending, in_prefill) = (self.num_to_append(seq, budget.tokens), seq.prefill_left > 0);
+        self.append_sampled(id, pending, out)?;
+        let n = self.take_tokens(id, budget, scheduled)? as u64;
+        *if in_prefill { &mut self.stats.prompt_tokens_computed } else { &mut self.stats.decode_tokens } += n;
         Ok(())
     }
 
@@ -175,7 +194,8 @@ impl Scheduler {
                 break;
             }
             let seq = &self.seqs[&id];
-            let needed = self.kv.blocks_to_admit(&seq.tokens, seq.reserve_tokens);
+            let end = self.admission_end(seq, budget.tokens);
+            let needed = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens);
             // A step that runs nothing else admits without the watermark, or a large prompt
             // could never start (an idle pool), nor the waiting sibling of beams that wait
             // for its logits row (running, but with nothing to compute).
@@ -188,12 +208,35 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Tokens an admission records in the KV space: the whole prompt, or with a sliding
+    /// window only its cached prefix and the first chunk the budget allows (the rest is
+    /// appended chunk by chunk, its pages taken as it goes, like a decode's).
+    pub(super) fn admission_end(&self, seq: &super::sequence::Sequence, budget_tokens: usize) -> usize {
+        match self.config.sliding_window {
+            Some(_) => (self.kv.num_cached_tokens(&seq.tokens) + budget_tokens.max(1)).min(seq.tokens.len()),
+            None => seq.tokens.len(),
+        }
+    }
+
+    /// Tokens past `kv_tokens` to record now: every sampled one, or the next prompt chunk
+    /// of a windowed prompt admitted in part (at most the budget).
+    fn num_to_append(&self, seq: &super::sequence::Sequence, budget_tokens: usize) -> usize {
+        let pending = seq.tokens.len() - seq.kv_tokens;
+        if seq.prefill_left > 0 {
+            pending.min(budget_tokens)
+        } else {
+            pending
+        }
+    }
+
     fn admit(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
         let seq = &self.seqs[&id];
-        let cached = self.kv.admit(id, &seq.tokens, seq.reserve_tokens)?;
+        let end = self.admission_end(seq, budget.tokens);
+        let cached = self.kv.admit(id, &seq.tokens[..end], seq.reserve_tokens)?;
         self.waiting.retain(|&s| s != id);
         let seq = self.seqs.get_mut(&id).expect("waiting sequence");
-        seq.kv_tokens = seq.tokens.len();
+        seq.kv_tokens = end;
+        seq.prefill_left = seq.tokens.len() - end;
         seq.num_computed = cached;
         seq.status = SeqStatus::Running;
         self.running.push(id);
@@ -202,12 +245,14 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Records a running sequence's sampled tokens in the KV space: pages are taken
-    /// (and a shared, partly filled last page copied on write) only now.
-    fn append_sampled(&mut self, id: SeqId, out: &mut SchedulerOutput) -> Result<(), CoreError> {
+    /// Records a running sequence's next `n` tokens (sampled ones, or a windowed prompt's
+    /// next chunk) in the KV space: pages are taken (and a shared, partly filled last page
+    /// copied on write) only now.
+    fn append_sampled(&mut self, id: SeqId, n: usize, out: &mut SchedulerOutput) -> Result<(), CoreError> {
         let seq = self.seqs.get_mut(&id).expect("known sequence");
-        out.copies.extend(self.kv.append(id, &seq.tokens[seq.kv_tokens..])?);
-        seq.kv_tokens = seq.tokens.len();
+        out.copies.extend(self.kv.append(id, &seq.tokens[seq.kv_tokens..seq.kv_tokens + n])?);
+        seq.kv_tokens += n;
+        seq.prefill_left = seq.prefill_left.saturating_sub(n);
         Ok(())
     }
 
@@ -216,8 +261,13 @@ impl Scheduler {
     fn take_tokens(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<usize, CoreError> {
         let seq = self.seqs.get_mut(&id).expect("known sequence");
         let n = (seq.kv_tokens - seq.num_computed).min(budget.tokens);
+        let first_query = seq.num_computed;
         seq.num_computed += n;
         self.kv.commit(id, seq.num_computed)?;
+        if let Some(window) = self.config.sliding_window {
+            // No query of this step or a later one reads before the window of this step's first.
+            self.kv.release_outside_window(id, crate::block_manager::window::first_needed_pos(first_query, window))?;
+        }
         budget.tokens -= n;
         budget.seqs -= 1;
         scheduled.push((id, n));

@@ -27,6 +27,10 @@ pub struct Sequence {
     pub tokens: Vec<TokenId>,
     /// Tokens recorded in the KV space; 0 while it holds no pages.
     pub kv_tokens: usize,
+    /// Of the tokens past `kv_tokens`, those still to prefill (not freshly sampled): a
+    /// sliding-window model admits a prompt one chunk at a time (see `Scheduler::admit`),
+    /// so its pages never cover much more than its window. 0 otherwise.
+    pub prefill_left: usize,
     /// Leading tokens whose K/V is written (or scheduled in the current step).
     pub num_computed: usize,
     /// Length the contiguous layout reserves up front.
