@@ -29,7 +29,7 @@ _GAUGES: dict[str, tuple[str, str]] = {
     "pagedrs_kv_utilization": ("kv_utilization", "Live token slots over reserved slots, 0..1."),
     "pagedrs_requests_running": ("num_running", "Requests in the running batch."),
     "pagedrs_requests_waiting": ("num_waiting", "Requests admitted but not yet scheduled."),
-    "pagedrs_requests_swapped": ("num_swapped", "Requests whose pages are on the host tier."),
+    "pagedrs_requests_swapped": ("num_swapped", "Sequences paused by preemption (pages on the host tier, or some still on the device)."),
     "pagedrs_core_step_fraction": (
         "core_step_fraction", "Share of the engine core's busy time spent in Engine.step (engine in its own process)."
     ),
