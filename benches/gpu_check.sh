@@ -3,9 +3,10 @@
 # (no Rust, no network). Run from anywhere:
 #     bash benches/gpu_check.sh                      # pagedrs already pip-installed (abi3 wheel)
 #     bash benches/gpu_check.sh dist/pagedrs-*.whl   # installs the wheel with --no-deps into a temp dir
-# 1. pytest -m gpu tests/test_kernels.py   (every kernel vs the float64 PyTorch reference)
-# 2. benches/gpu_kernels.py                (decode time and GB/s vs SDPA and copy bandwidth; split-K; e2e)
-# 3. pytest -m gpu tests/test_tensor_parallel.py tests/test_engine.py (NCCL ranks; the engine on CUDA)
+# 1. pytest -m gpu tests/test_kernels.py   (every kernel vs the float64 PyTorch reference, sliding windows too)
+# 2. benches/gpu_kernels.py                (decode time and GB/s vs SDPA and copy bandwidth; split-K; window; e2e)
+# 3. pytest -m gpu tests/test_tensor_parallel.py tests/test_engine.py tests/test_kernels_engine.py
+#    (NCCL ranks; the engine on CUDA; a sliding-window Mistral against transformers)
 # Budget: about 8 minutes in all (each step has its own timeout).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,7 @@ timeout 240 "$PY" benches/gpu_kernels.py || status=$?
 # 3. tensor parallelism over NCCL (min(2, visible GPUs) ranks) against one rank; needs transformers
 #    for the tiny test model, and skips without it.
 if "$PY" -c "import transformers" 2>/dev/null; then
-    timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_engine.py || status=$?
+    timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_engine.py \
+        tests/test_kernels_engine.py || status=$?
 fi
 exit $status

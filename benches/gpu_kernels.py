@@ -104,6 +104,8 @@ def main() -> None:
         print(f"{ctx:>7} {t1:>9.3f} {t2:>10.3f} {meta.plan.split.num_parts:>5} {t1 / t2:>6.2f}x")
         if ctx == 16384:
             split_speedup = t1 / t2
+            t3 = median_ms(lambda: split.forward(q, kc, vc, meta, scale, sliding_window=4096, out=out))  # 1/4 of the keys
+            print(f"{'':>7} sliding window 4096: {t3:.3f} ms split-K, {t2 / t3:.2f}x faster than the whole context")
 
     paged, sdpa = results[(64, 4096)]
     bw = 2 * 64 * 4096 * KV_HEADS * HEAD * 2 / paged / 1e6

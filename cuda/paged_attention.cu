@@ -1,4 +1,5 @@
-// Paged attention over a block table: decode, chunked prefill and split-K in one kernel.
+// Paged attention over a block table: decode, chunked prefill and split-K in one kernel,
+// causal or with a sliding window.
 //
 // The work of one thread block is a set of query "rows" that share one KV head:
 // row = new_token * group + head_in_group, where group = num_heads / num_kv_heads.
@@ -8,14 +9,25 @@
 // position (causal), i.e. the cached prefix pages plus the chunk itself, read
 // straight from the pages (no gather into a contiguous tensor).
 //
+// Sliding window W (transformers' rule): the row at position p sees keys k with
+// p - W < k <= p. A block starts at the first key its first row sees, so it never
+// reads a block-table entry of a page wholly before that position (the core may
+// release such pages and leave a placeholder id there), and its keys per row are
+// bounded by W (plus the block's own rows for a prefill chunk), not by the context:
+//
+//   key position   0 ........ p0-W+1 ............ p0 ........ p_last
+//   first row p0   [never read][------ W keys ------]
+//   last row       [never read][ masked ][------ W keys -------]
+//
 // Per tile of TILE tokens (about 16 KiB of K and 16 KiB of V for one KV head):
 //   1. every thread issues its 16-byte K and V loads (K to registers, V to registers)
 //   2. groups of TPT lanes reduce q.k for every row        -> p_s[row][token]
 //   3. V goes to shared memory; one warp per row updates the running max and sum
 //      (online softmax) and turns scores into probabilities
 //   4. threads own (row, 16-byte slice of head_dim) accumulators in fp32 and add p * v
-// Split-K: gridDim.z partitions of `part_tokens` keys each write a normalized
-// partial output and (max, sum); attention_reduce_kernel merges them.
+// Split-K: gridDim.z partitions of `part_tokens` keys each (counted from the block's
+// first key) write a normalized partial output and (max, sum); attention_reduce_kernel
+// merges them.
 #include "dtype.cuh"
 
 namespace pagedrs {
@@ -77,7 +89,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
     const int* __restrict__ query_start_loc,  // [num_seqs + 1] seq i owns tokens [q[i], q[i+1])
     const int* __restrict__ work_items,       // [num_work_items, 2] (seq, first row of the block)
     int max_blocks_per_seq, int num_kv_heads, int group, long long q_token_stride, float scale,
-    int part_tokens) {
+    int part_tokens,                          // keys per split-K partition; one pass: 2^30 (any value >= the span)
+    int window) {                             // row at position p sees keys (p - window, p]; <= 0: all (causal)
   using S = AttnShape<T, HEAD>;
   constexpr int VEC = S::VEC, NVEC = S::NVEC, TPT = S::TPT, TILE = S::TILE;
 
@@ -85,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
   __shared__ float p_s[kMaxRows][TILE];    // scores, then probabilities, of the current tile
   __shared__ __align__(16) T v_s[TILE * HEAD];  // V of the current tile; reused for the slice reduction
   __shared__ float m_s[kMaxRows], l_s[kMaxRows], alpha_s[kMaxRows];
-  __shared__ int last_s[kMaxRows];         // last key position each row may see (causal)
+  __shared__ int first_s[kMaxRows], last_s[kMaxRows];  // key positions each row may see: [first, last]
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int kv_head = blockIdx.x;
@@ -99,9 +112,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
   const int num_heads = num_kv_heads * group;
   const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
 
-  // Key range of this block: the partition, cut at the last row's causal limit.
-  const int key_end = ctx - q_len + (row0 + nrows - 1) / group + 1;
-  const int kbeg = part * part_tokens;
+  // Key range of this block: from the first row's first visible key to the last row's
+  // causal limit; a partition is `part_tokens` of it (contexts < 2^30: no int overflow).
+  const int pos0 = ctx - q_len;  // position of the sequence's first new token
+  const int key_begin = window > 0 ? max(0, pos0 + row0 / group - window + 1) : 0;
+  const int key_end = pos0 + (row0 + nrows - 1) / group + 1;
+  const int kbeg = key_begin + part * part_tokens;
   const int kend = min(kbeg + part_tokens, key_end);
   if (kbeg >= kend) {  // no key here for any row: tell the reduce kernel (uniform branch)
     for (int r = tid; r < nrows; r += kThreads) {
@@ -124,7 +140,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
   for (int r = tid; r < nrows; r += kThreads) {
     m_s[r] = kNegInf();
     l_s[r] = 0.f;
-    last_s[r] = ctx - q_len + (row0 + r) / group;
+    const int last = pos0 + (row0 + r) / group;
+    first_s[r] = window > 0 ? max(0, last - window + 1) : 0;
+    last_s[r] = min(last, kend - 1);  // causal, and within the partition
   }
 
   // Accumulator ownership: item = (row, vector of head_dim); with few items,
@@ -161,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
                     ? reinterpret_cast<const uint4*>(kv_row<T, HEAD, BLOCK>(value_cache, table, t, num_kv_heads, kv_head))[idx % NVEC]
                     : make_uint4(0, 0, 0, 0);  // zeros, never garbage: p = 0 times NaN would poison the sum
     }
-    __syncthreads();  // the previous tile is done with p_s, v_s, alpha_s; q_s and last_s are ready
+    __syncthreads();  // the previous tile is done with p_s, v_s, alpha_s; q_s, first_s and last_s are ready
 
     // 2. scores
 #pragma unroll
@@ -182,7 +200,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
         }
 #pragma unroll
         for (int off = TPT / 2; off > 0; off /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, off);
-        if (glane == 0) p_s[r][tl] = (t < kend && t <= last_s[r]) ? dot : kNegInf();
+        if (glane == 0) p_s[r][tl] = (t >= first_s[r] && t <= last_s[r]) ? dot : kNegInf();
       }
     }
     // 3. stage V, then online softmax, one warp per row

@@ -130,21 +130,38 @@ def _case(dtype: torch.dtype, seq_lens: list[int], q_lens: list[int], kv_heads: 
     return q, kc, vc, meta
 
 
-def _check_attention(dtype_name: str, seq_lens, q_lens, kv_heads, group, head, block, num_sms, seed=0) -> None:
+def _release_before_window(kc, vc, meta, window: int, block: int):
+    """Caches with one more page, all NaN, that every table entry of a page wholly before its
+    sequence's window now points at (the core releases such pages): a kernel that reads one
+    writes NaN. Returns (key_cache, value_cache, meta)."""
+    import dataclasses
+
+    nan_page = torch.full((1, *kc.shape[1:]), float("nan"), dtype=kc.dtype, device=kc.device)
+    tables = meta.block_tables.clone()
+    starts = meta.query_start_loc_cpu
+    for i, n in enumerate(meta.seq_lens_cpu):
+        first = max(0, n - (starts[i + 1] - starts[i]) - window + 1)
+        tables[i, : first // block] = kc.shape[0]
+    return torch.cat([kc, nan_page]), torch.cat([vc, nan_page]), dataclasses.replace(meta, block_tables=tables, plan=None)
+
+
+def _check_attention(dtype_name: str, seq_lens, q_lens, kv_heads, group, head, block, num_sms, seed=0, window=None) -> None:
     from pagedrs.attention import TorchAttentionBackend
     from pagedrs.attention.cuda_backend import CudaAttentionBackend
 
     dtype, tol = DTYPES[dtype_name]
     q, kc, vc, meta = _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed)
     scale = head**-0.5
-    want = TorchAttentionBackend().forward(q.double(), kc.double(), vc.double(), meta, scale)
+    want = TorchAttentionBackend().forward(q.double(), kc.double(), vc.double(), meta, scale, sliding_window=window)
+    if window is not None:
+        kc, vc, meta = _release_before_window(kc, vc, meta, window, block)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
     backend = CudaAttentionBackend(num_sms=num_sms)
-    got = backend.forward(q, kc, vc, meta, scale, out=out)
+    got = backend.forward(q, kc, vc, meta, scale, sliding_window=window, out=out)
     torch.cuda.synchronize()
-    assert not got.isnan().any(), "output not fully written"
+    assert not got.isnan().any(), "output not fully written, or a released page was read"
     err = _rel_err(got, want)
-    assert err <= tol, f"rel err {err:.3g} > {tol} ({dtype_name}, split={meta.plan.split})"
+    assert err <= tol, f"rel err {err:.3g} > {tol} ({dtype_name}, split={meta.plan.split_for(window)})"
 
 
 @gpu
@@ -172,6 +189,16 @@ def test_decode_every_geometry(head: int, block: int) -> None:
 def test_prefill_chunks_and_decode_in_one_step(dtype_name: str, group: int) -> None:
     # a whole prompt, a chunk after a cached prefix, a decode token, a chunk at an odd offset
     _check_attention(dtype_name, [33, 1000, 17, 4097], [33, 70, 1, 15], 2, group, 128, 16, num_sms=132, seed=group)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("window", [1, 5, 16, 50, 1500, 5000])
+@pytest.mark.parametrize("num_sms", [1, 1000], ids=["single-pass", "split-k"])
+def test_sliding_window_matches_reference(window: int, num_sms: int) -> None:
+    # decode (split-K over the window when it exceeds 1024 keys), then prefill chunks with the decode token
+    _check_attention("bfloat16", CONTEXTS, [1] * len(CONTEXTS), 2, 4, 128, 16, num_sms, seed=window, window=window)
+    _check_attention("float32", [33, 1000, 17, 4097], [33, 70, 1, 15], 2, 1, 128, 16, num_sms, seed=window, window=window)
 
 
 @gpu

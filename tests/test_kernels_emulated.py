@@ -19,6 +19,7 @@ geometry of the dispatch table and the third schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -29,7 +30,8 @@ from cuda_emu.build import SUPPORTED_MACHINE
 from cuda_emu.runtime import EmulatedRuntime
 from pagedrs.attention import AttentionMetadata, TorchAttentionBackend
 from pagedrs.attention.cuda_backend import CudaAttentionBackend
-from pagedrs.kernels import BLOCK_SIZES, HEAD_SIZES
+from pagedrs.kernels import BLOCK_SIZES, HEAD_SIZES, SplitPlan
+from pagedrs.kernels.planning import visible_keys
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only")
@@ -46,11 +48,15 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30))
 
 
-def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed):
+def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed, window=None, placeholder=None):
     """Poisoned caches with shuffled pages, metadata, and queries as a strided view of fused qkv.
 
-    Returns (query, key_cache, value_cache, clean key_cache, clean value_cache, meta):
-    the clean caches hold zeros where the others hold NaN, for the reference.
+    Returns (query, key_cache, value_cache, clean key_cache, clean value_cache, clean
+    block tables, meta): the clean caches hold zeros where the others hold NaN, for the
+    reference. With a sliding ``window``, every slot before the window of a sequence's
+    first new token is NaN too, and the table entries of pages wholly before it are
+    replaced, as the core does when it releases them: by NaN pages, or by ``placeholder``
+    (an invalid id) when given. The clean tables keep the real pages.
     """
     gen = torch.Generator().manual_seed(seed)
     per_seq = [-(-n // block) for n in seq_lens]
@@ -72,6 +78,14 @@ def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed):
     for i, n in enumerate(seq_lens):
         slots = tables[i, : per_seq[i]].long()[:, None] * block + torch.arange(block)
         poison[slots.flatten()[:n]] = False  # written positions of sequence i
+    clean_tables = torch.where(tables < num_blocks, tables, unused[0])  # the reference may gather any entry
+    for i, (n, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        first = max(0, n - q_len - window + 1) if window is not None else 0
+        slots = tables[i, : per_seq[i]].long()[:, None] * block + torch.arange(block)
+        poison[slots.flatten()[:first]] = True  # before the window: never to be read
+        gone = first // block  # pages wholly before the window
+        tables[i, :gone] = torch.tensor([unused[j % len(unused)] if placeholder is None else placeholder for j in range(gone)],
+                                        dtype=torch.int32)  # fmt: skip
     clean_k, clean_v = kc.clone(), vc.clone()
     kc.view(-1, kv_heads, head)[poison] = float("nan")
     vc.view(-1, kv_heads, head)[poison] = float("nan")
@@ -91,21 +105,25 @@ def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed):
         query_start_loc_cpu=starts,
         seq_lens_cpu=list(seq_lens),
     )
-    return q, kc, vc, clean_k, clean_v, meta
+    return q, kc, vc, clean_k, clean_v, clean_tables, meta
 
 
-def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, num_sms, schedule, seed=0, parts=None, files=None):
-    """Backend output == float64 reference within the dtype's tolerance; ``files`` replaces cuda/."""
+def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, num_sms, schedule, seed=0, parts=None,
+                    files=None, window=None, placeholder=None):  # fmt: skip
+    """Backend output == float64 reference within the dtype's tolerance; ``files`` replaces cuda/;
+    ``window``: a sliding window, with the pages before it released (see ``_case``)."""
     dtype, tol = DTYPES[dtype_name]
-    q, kc, vc, clean_k, clean_v, meta = _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed)
+    q, kc, vc, clean_k, clean_v, clean_tables, meta = _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed,
+                                                            window, placeholder)  # fmt: skip
     assert not q.is_contiguous() and q.stride(0) == (kv_heads * group + 2 * kv_heads) * head
     scale = head**-0.5
-    want = TorchAttentionBackend().forward(q.double(), clean_k.double(), clean_v.double(), meta, scale)
+    ref_meta = dataclasses.replace(meta, block_tables=clean_tables)
+    want = TorchAttentionBackend().forward(q.double(), clean_k.double(), clean_v.double(), ref_meta, scale, sliding_window=window)
     runtime = EmulatedRuntime(schedule=schedule, seed=seed, files=files)
     backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
-    got = backend.forward(q, kc, vc, meta, scale, out=out)
-    split = meta.plan.split
+    got = backend.forward(q, kc, vc, meta, scale, sliding_window=window, out=out)
+    split = meta.plan.split_for(window)
     if parts is not None:
         assert (split.num_parts > 1) == (parts == "split"), split
     assert not got.isnan().any(), f"output not fully written, or a poisoned page was read (split={split})"
@@ -156,6 +174,85 @@ def test_decode_every_geometry(head: int, block: int) -> None:
 @pytest.mark.parametrize("group", [2, 16, 32])
 def test_wide_groups_span_several_work_items(group: int) -> None:
     check_attention("float32", [5, 300], [5, 1], 1, group, 64, 16, num_sms=132, schedule="warp-random", seed=group)
+
+
+# ---------------------------------------------------------------- sliding window
+# Windows 1, under a page (5), one page (16), several pages (50), and at least every
+# context (5000): the last must equal full causal attention. Every slot before a
+# sequence's window is NaN and its wholly-before pages are released (see _case).
+WINDOWS = [1, 5, 16, 50, 5000]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_window_decode_matches_reference(window: int, schedule: str) -> None:
+    check_attention("bfloat16", [1, 17, 1100], [1, 1, 1], 2, 4, 128, 16, num_sms=1, schedule=schedule, seed=window,
+                     window=window)  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("group", [1, 4])
+def test_window_prefill_chunks_and_decode_in_one_step(window: int, group: int, schedule: str) -> None:
+    # a whole prompt, a chunk after a cached prefix, a decode token, a chunk at an odd offset;
+    # group 1: a thread block's 16 rows are 16 positions, whose windows start at 16 places
+    check_attention("float32", [33, 200, 17, 61], [33, 40, 1, 15], 2, group, 64, 16, num_sms=132, schedule=schedule,
+                     seed=window + group, parts="single", window=window)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16"])
+def test_window_split_k_partitions_the_window_not_the_context(dtype_name: str) -> None:
+    """A 1500-key window over 2100- and 3000-token contexts: split-K cuts the window (six
+    partitions of 256), and the blocks start mid-page (positions 600 and 1500)."""
+    check_attention(dtype_name, [1, 17, 2100, 3000], [1, 1, 1, 1], 2, 4, 128, 16, num_sms=1000, schedule="warp-random",
+                     parts="split", window=1500)  # fmt: skip
+
+
+def test_window_planning_bounds_the_keys_by_the_window() -> None:
+    assert visible_keys([1, 17, 3000], [1, 1, 1], None) == 3000
+    assert visible_keys([1, 17, 3000], [1, 1, 1], 1500) == 1500
+    assert visible_keys([10, 300], [10, 40], 50) == 89  # a chunk's last row sees 39 keys past its first's window
+    assert visible_keys([10, 20], [10, 1], 5000) == 20
+    with pytest.raises(ValueError, match="sliding_window=0 must be a positive"):
+        visible_keys([5], [1], 0)
+    runtime = EmulatedRuntime()
+    _, kc, vc, _, _, _, meta = _case(torch.float32, [1, 17, 3000], [1, 1, 1], 2, 4, 64, 16, 0)
+    backend = CudaAttentionBackend(num_sms=1000, runtime=runtime)
+    plan = backend.plan(meta, 16, 8, 2)
+    assert plan.split_for(None) == SplitPlan(num_parts=12, part_tokens=256)
+    assert plan.split_for(1500) == SplitPlan(num_parts=6, part_tokens=256)
+    assert plan.split_for(300) == SplitPlan(num_parts=1, part_tokens=300)
+    with pytest.raises(ValueError, match="sliding_window=0 must be a positive"):
+        backend.forward(torch.zeros(3, 8, 64), kc, vc, meta, 1.0, sliding_window=0)
+
+
+@pytest.mark.parametrize("placeholder", [2**31 - 1, -1], ids=["int32-max", "minus-one"])
+def test_window_never_reads_released_table_entries(placeholder: int) -> None:
+    """The core may put any id in the entries of released pages: a read of 2**31 - 1 would
+    land about 2**45 bytes past the cache (a crash), -1 before it (ASan reports it)."""
+    check_attention("bfloat16", [200, 1100, 61], [40, 1, 15], 2, 4, 128, 16, num_sms=132, schedule="warp-random",
+                     window=50, placeholder=placeholder)  # fmt: skip
+    check_attention("bfloat16", [1, 2100], [1, 1], 2, 4, 128, 16, num_sms=1000, schedule="forward", parts="split",
+                     window=1100, placeholder=placeholder)  # fmt: skip
+
+
+@pytest.mark.parametrize(("head", "block"), [(64, 8), (96, 32)])
+def test_window_other_geometries(head: int, block: int) -> None:
+    for window in (block - 1, block, 3 * block + 1):
+        check_attention("bfloat16", [1, 17, 300], [1, 1, 1], 2, 4, head, block, num_sms=1, schedule="forward",
+                         seed=window, window=window)  # fmt: skip
+        check_attention("float16", [40, 90], [40, 3], 1, 4, head, block, num_sms=132, schedule="warp-random",
+                         seed=head + window, window=window)  # fmt: skip
+
+
+@long_only
+@pytest.mark.parametrize("head", HEAD_SIZES)
+@pytest.mark.parametrize("block", BLOCK_SIZES)
+def test_window_every_geometry(head: int, block: int) -> None:
+    check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000, schedule="reverse",
+                     seed=head + block, parts="split", window=1100)  # fmt: skip
+    check_attention("float16", [40, 300], [40, 7], 1, 4, head, block, num_sms=132, schedule="warp-random",
+                     seed=head, window=2 * block + 3)  # fmt: skip
 
 
 # ---------------------------------------------------------------- cache writes and copies

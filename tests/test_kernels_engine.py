@@ -5,7 +5,8 @@ metadata, the backend plans work items and split-K, ``ops`` launches
 reshape_and_cache, paged attention, copy_blocks and the swap copies -- and the
 greedy tokens must equal transformers' on the tiny models of conftest.py (llama
 with GQA, mistral with MQA, qwen2 with q/k/v bias), with prefix caching, chunked
-prefill and preemption by swapping all happening in the same run.
+prefill and preemption by swapping all happening in the same run; and on a tiny
+Mistral whose sliding window is much shorter than its contexts.
 
 The tiny models here have head_dim 64 (conftest's use 16, which the kernels'
 dispatch table does not list); everything else is conftest's configuration.
@@ -13,6 +14,7 @@ dispatch table does not list); everything else is conftest's configuration.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -32,9 +34,9 @@ pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator
 SCHEDULE = {"llama": "forward", "mistral": "warp-random", "qwen2": "reverse"}
 
 
-def make_head64_model(model_type: str, folder: Path, seed: int = 0):
+def make_head64_model(model_type: str, folder: Path, seed: int = 0, **sizes):
     """conftest.make_tiny_model with 4 heads of 64 (hidden 256), a size the kernels are built for."""
-    return make_tiny_model(model_type, folder, seed, hidden_size=256, intermediate_size=256, head_dim=64)
+    return make_tiny_model(model_type, folder, seed, **{"hidden_size": 256, "intermediate_size": 256, "head_dim": 64, **sizes})
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
@@ -122,3 +124,80 @@ def tiny_head64_llama(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("head64-llama-fork")
     make_head64_model("llama", folder)
     return folder
+
+
+# ---------------------------------------------------------------- sliding window
+
+WINDOW = 12  # positions each token sees; pages of 8, so windows start mid-page
+
+
+@pytest.fixture(scope="module")
+def head64_mistral_window(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("head64-mistral-window")
+    return folder, make_head64_model("mistral", folder, seed=2, sliding_window=WINDOW)
+
+
+def window_requests(vocab: int) -> dict[str, tuple[list[int], SamplingParams]]:
+    """Prompts of 3 to 64 tokens and 40 new ones (contexts up to 104: over eight windows), two
+    sharing a 24-token prefix; prompts longer than the 16-token step budget are chunked."""
+    ps = prompts(vocab, 4, shared=24, seed=6)[2:] + prompts(vocab, 3, shared=0, seed=7)
+    ps[-1] = ps[-1][:3]
+    ps[0] = ps[0] + ps[1][-10:] + ps[2][:16]  # 64 tokens
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    return {f"w{i}": (p, params) for i, p in enumerate(ps)}
+
+
+def test_sliding_window_greedy_equals_transformers(head64_mistral_window):
+    """The window reaches the kernels (per layer) and the result is transformers' greedy output;
+    the same model with full attention generates other tokens, so ignoring it cannot pass."""
+    folder, hf = head64_mistral_window
+    runtime = EmulatedRuntime(schedule="warp-random", seed=1)
+    engine = emulated_engine(folder, runtime, max_num_batched_tokens=16, enable_prefix_caching=True)
+    assert engine.loaded.config.sliding_window == WINDOW
+    requests = window_requests(engine.loaded.config.vocab_size)
+    done = run_all(engine, requests)
+    want = {rid: [hf_greedy(hf, p, 40)] for rid, (p, _) in requests.items()}
+    assert done == want
+    stats = engine.stats()
+    assert stats["prefix_hits"] > 0
+    # the core released pages that fell out of the window: their table entries hold its
+    # placeholder id, which the kernels must never have read
+    assert stats["window_released_blocks"] > 0
+    hf.config.sliding_window = None  # transformers without the window
+    try:
+        assert any(hf_greedy(hf, p, 40) != want[rid][0] for rid, (p, _) in requests.items())
+    finally:
+        hf.config.sliding_window = WINDOW
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
+                    reason="needs a CUDA device and CuPy")  # fmt: skip
+def test_sliding_window_on_the_gpu_equals_transformers(head64_mistral_window):
+    """The same run on a real GPU, the kernels compiled by NVRTC and launched by CuPy."""
+    folder, hf = head64_mistral_window
+    args = EngineArgs(model=str(folder), device="cuda", dtype="float32", block_size=8, num_gpu_blocks=64,
+                      max_model_len=256, max_num_batched_tokens=16, enable_prefix_caching=True)  # fmt: skip
+    engine = Engine(args, attention_backend=CudaAttentionBackend())
+    requests = window_requests(engine.loaded.config.vocab_size)
+    assert run_all(engine, requests) == {rid: [hf_greedy(hf, p, 40)] for rid, (p, _) in requests.items()}
+
+
+def test_window_on_some_layers_only_equals_transformers(tmp_path):
+    """Qwen2 slides from layer max_window_layers on: each step attends with the window on
+    layer 1 and without on layer 0, each with its own split plan (decode steps split here)."""
+    hf = make_head64_model("qwen2", tmp_path, seed=3, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                           max_position_embeddings=2048)  # fmt: skip
+    runtime = EmulatedRuntime(schedule="forward", sms=10_000)  # many "SMs": decode contexts over 1024 split
+    engine = emulated_engine(tmp_path, runtime, max_model_len=1100, num_gpu_blocks=140, max_num_batched_tokens=2048)
+    config = engine.loaded.config
+    assert [config.layer_sliding_window(i) for i in range(2)] == [None, 8]
+    long_prompt = prompts(config.vocab_size, 1, shared=0, seed=8)[0] * 150  # 8 tokens, repeated
+    requests = {"long": (long_prompt[:1030], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)),
+                "short": (long_prompt[:30], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))}  # fmt: skip
+    done = run_all(engine, requests)
+    assert done == {rid: [hf_greedy(hf, p, sp.max_tokens)] for rid, (p, sp) in requests.items()}
+    grids = [grid for name, grid, _ in runtime.launches if "paged_attention" in name]
+    split_at = [i for i, grid in enumerate(grids) if grid[2] > 1]
+    assert split_at, "layer 0 never split the long context"
+    assert all(grids[i + 1][2] == 1 for i in split_at), "layer 1 split its 8-key window"

@@ -40,6 +40,10 @@ def battery(files, schedule: str):
         yield partial(attention, [1, 17, 1100], [1, 1, 1], 2, 4, 128, 16, num_sms=1000, parts="split")
         yield partial(attention, [33, 200, 17, 61], [33, 40, 1, 15], 2, 4, 128, 16, num_sms=132, seed=4)
         yield partial(attention, [3, 40], [3, 1], 1, 1, 64, 8, num_sms=132)
+        # sliding windows: decode under a page, prefill rows with 16 window starts, split-K over the window
+        yield partial(attention, [1, 17, 300], [1, 1, 1], 2, 4, 128, 16, num_sms=1, window=5)
+        yield partial(attention, [33, 200, 17, 61], [33, 40, 1, 15], 2, 1, 64, 16, num_sms=132, window=50)
+        yield partial(attention, [1, 17, 2100], [1, 1, 1], 2, 4, 128, 16, num_sms=1000, parts="split", window=1500)
 
 
 def first_failure(files) -> str | None:

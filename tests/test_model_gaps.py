@@ -280,20 +280,6 @@ def test_torch_backend_window_mask_matches_a_dense_reference() -> None:
             torch.testing.assert_close(got[starts[i] + j], want)
 
 
-def test_cuda_backend_refuses_a_window_model_when_the_runner_is_built(mistral_window_dir: Path) -> None:
-    from pagedrs.attention.cuda_backend import CudaAttentionBackend
-    from pagedrs.model_runner import ModelRunner
-    from pagedrs.models import load_model
-
-    loaded = load_model(mistral_window_dir, skip_tokenizer_init=True)
-    with pytest.raises(ValueError, match="do not apply a sliding window.*sliding_window=16.*PAGEDRS_ATTENTION_BACKEND"):
-        ModelRunner(loaded, num_gpu_blocks=4, num_cpu_blocks=0, block_size=4, backend=CudaAttentionBackend(num_sms=1))
-
-    with pytest.raises(ValueError, match="do not apply a sliding window.*sliding_window=16.*PAGEDRS_ATTENTION_BACKEND=torch"):
-        CudaAttentionBackend(num_sms=1).forward(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1),
-                                                None, 1.0, sliding_window=16)  # type: ignore[arg-type]
-
-
 def test_qwen2_sliding_layers_equal_transformers(tmp_path: Path) -> None:
     """Qwen2 slides only on the layers from max_window_layers on (here: layer 1 of 0..1)."""
     qwen2 = TINY_CONFIGS["qwen2"]

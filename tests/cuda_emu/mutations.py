@@ -4,8 +4,9 @@ A harness that passes correct kernels proves little until it is seen failing
 wrong ones. Every mutation replaces one exact line fragment (present once) of one
 file, in memory (``pagedrs.kernels.sources.translation_unit(files)``); cuda/ is
 never touched. The kinds are the ones a kernel author actually writes: a missing
-barrier, an off-by-one in the causal mask or a split bound, a shuffle only part
-of a warp reaches, a dropped rescale, a stride assumed instead of passed.
+barrier, an off-by-one in the causal or window mask or a split bound, a shuffle
+only part of a warp reaches, a dropped rescale, a stride assumed instead of passed,
+a block that reads the pages before its window.
 """
 
 from __future__ import annotations
@@ -43,9 +44,18 @@ MUTATIONS: tuple[Mutation, ...] = (
              "    __syncthreads();\n    if (tid < items) {", "    if (tid < items) {"),
     Mutation("causal mask off by one", PA, "t <= last_s[r]", "t < last_s[r]"),
     Mutation("causal limit one too far", PA,
-             "last_s[r] = ctx - q_len + (row0 + r) / group;", "last_s[r] = ctx - q_len + (row0 + r) / group + 1;"),
+             "const int last = pos0 + (row0 + r) / group;", "const int last = pos0 + (row0 + r) / group + 1;"),
     Mutation("split bound one short", PA,
              "const int kend = min(kbeg + part_tokens, key_end);", "const int kend = min(kbeg + part_tokens - 1, key_end);"),
+    Mutation("window mask off by one (one key too few)", PA, "t >= first_s[r]", "t > first_s[r]"),
+    Mutation("window one key too wide for a chunk's later rows", PA,
+             "max(0, last - window + 1)", "max(0, last - window)"),
+    Mutation("block starts at position 0, reading the released pages", PA,
+             "const int key_begin = window > 0 ? max(0, pos0 + row0 / group - window + 1) : 0;", "const int key_begin = 0;"),
+    Mutation("block starts one key after its window", PA,
+             "pos0 + row0 / group - window + 1)", "pos0 + row0 / group - window + 2)"),
+    Mutation("split-K partitions counted from position 0", PA,
+             "const int kbeg = key_begin + part * part_tokens;", "const int kbeg = part * part_tokens;"),
     Mutation("divergent shuffle in the softmax max", PA,
              "for (int off = 16; off > 0; off /= 2) mx = fmaxf", "for (int off = 16; off > 0 && lane < 31; off /= 2) mx = fmaxf"),
     Mutation("q.k reduction stops one step early", PA,

@@ -66,7 +66,8 @@ def plan_cascade(tables: list[list[int]], seq_lens: list[int], block_size: int, 
     """
     by_first: dict[int, list[int]] = {}
     for s, table in enumerate(tables):
-        by_first.setdefault(table[0], []).append(s)
+        if table[0] >= 0:  # a window's released pages (-1) are never read here, nor shared
+            by_first.setdefault(table[0], []).append(s)
     shared_len = [0] * len(tables)
     groups: list[tuple[list[int], list[int]]] = []
     for members in by_first.values():

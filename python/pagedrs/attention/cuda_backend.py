@@ -7,6 +7,12 @@ step with prefill chunks gives each chunk ``q_len × group`` causal rows over it
 cached prefix pages plus itself. The plan is made once per step (the metadata
 object is shared by every layer) and reused by each layer.
 
+A layer with a sliding window passes it to the kernel, which starts each thread
+block at the first key its first row sees: pages wholly before a sequence's window
+are never read (the core may release them), and a decode token reads at most W
+keys. The split-K plan then covers ``planning.visible_keys``, not the context; it
+is made once per step for each window the layers use.
+
 ``runtime`` (``pagedrs.kernels.loader.KernelRuntime``) runs the kernels: CuPy on a
 GPU by default; the tests pass the CPU emulator of ``tests/cuda_emu``, which runs
 this very class, its planning and ``ops`` on CPU tensors.
@@ -14,14 +20,14 @@ this very class, its planning and ``ops`` on CPU tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.kernels import loader, ops
-from pagedrs.kernels.planning import SplitPlan, plan_split, work_items
+from pagedrs.kernels.planning import SplitPlan, plan_split, visible_keys, work_items
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,32 @@ class _StepPlan:
     owner: Any  # the backend that made it (plans depend on its SM count)
     group: int
     work_items: torch.Tensor  # int32 [num_items, 2] on the device
-    split: SplitPlan
+    num_blocks: int  # thread blocks of a single pass: work items x KV heads
+    num_sms: int
+    # sliding window (None: full causal) -> split-K plan over the keys a block reads;
+    # filled by the first layer of the step that attends with that window
+    splits: dict[int | None, SplitPlan] = field(default_factory=dict)
+
+    @property
+    def split(self) -> SplitPlan:
+        """The plan of full causal attention."""
+        return self.split_for(None)
+
+    def split_for(self, sliding_window: int | None) -> SplitPlan:
+        split = self.splits.get(sliding_window)
+        if split is None:
+            meta = self.meta
+            starts = meta.query_start_loc_cpu
+            q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
+            keys = visible_keys(meta.seq_lens_cpu, q_lens, sliding_window)
+            # Split-K only pays off for decode; prefill chunks already bring many rows per sequence.
+            split = (
+                plan_split(self.num_blocks, keys, self.num_sms)
+                if meta.is_decode_only
+                else SplitPlan(num_parts=1, part_tokens=keys)
+            )
+            self.splits[sliding_window] = split
+        return split
 
 
 class CudaAttentionBackend(AttentionBackend):
@@ -58,11 +89,9 @@ class CudaAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-        sliding_window: int | None = None,  # refused: the kernels have no window mask
+        sliding_window: int | None = None,  # attend to the last W positions only (Mistral); None = all
         out: torch.Tensor | None = None,  # [T, num_heads, head_dim] of the cache dtype; allocated when None
     ) -> torch.Tensor:
-        if sliding_window is not None:
-            raise _no_window(sliding_window)
         group = query.shape[1] // key_cache.shape[2]
         plan = meta.plan  # planned once by the runner; direct callers plan here
         if not (isinstance(plan, _StepPlan) and plan.group == group and plan.owner is self):
@@ -71,17 +100,13 @@ class CudaAttentionBackend(AttentionBackend):
             out = torch.empty(query.shape, dtype=key_cache.dtype, device=query.device)
         ops.paged_attention(
             out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            plan.work_items, scale, plan.split, self._runtime,
+            plan.work_items, scale, plan.split_for(sliding_window), self._runtime, sliding_window,
         )  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
-    def check_model(self, config: Any) -> None:
-        window = config.sliding_window if config.layer_types is None or "sliding_attention" in config.layer_types else None
-        if window is not None:
-            raise _no_window(window)
-
     def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int) -> _StepPlan:
-        """The step's work items and split-K plan, made once and kept on ``meta.plan``."""
+        """The step's work items, made once and kept on ``meta.plan`` (its split-K plan for
+        each window is made by the first layer that attends with it: ``split_for``)."""
         group = num_heads // num_kv_heads
         if isinstance(meta.plan, _StepPlan) and meta.plan.group == group and meta.plan.owner is self:
             return meta.plan
@@ -90,13 +115,7 @@ class CudaAttentionBackend(AttentionBackend):
         items = work_items([starts[i + 1] - starts[i] for i in range(meta.num_seqs)], group)
         if self._num_sms is None:
             self._num_sms = self._runtime.num_sms(device)
-        # Split-K only pays off for decode; prefill chunks already bring many rows per sequence.
-        split = (
-            plan_split(len(items) * num_kv_heads, meta.max_seq_len, self._num_sms)
-            if meta.is_decode_only
-            else SplitPlan(num_parts=1, part_tokens=meta.max_seq_len)
-        )
-        meta.plan = _StepPlan(meta, self, group, torch.from_numpy(items).to(device), split)
+        meta.plan = _StepPlan(meta, self, group, torch.from_numpy(items).to(device), len(items) * num_kv_heads, self._num_sms)
         return meta.plan
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
@@ -111,11 +130,3 @@ class CudaAttentionBackend(AttentionBackend):
             stream = self._swap_streams[device] = self._runtime.new_stream(device)
         ops.swap_blocks(src_cache, dst_cache, pairs, stream, self._runtime)
 
-
-def _no_window(window: int) -> ValueError:
-    # The kernels attend to every key of the context; a window needs a mask in the kernel
-    # (and then its planning could skip the pages before the window).
-    return ValueError(
-        f"the CUDA attention kernels do not apply a sliding window (this model has sliding_window={window}); "
-        "set PAGEDRS_ATTENTION_BACKEND=torch to run it with the PyTorch backend"
-    )

@@ -18,6 +18,9 @@ from pagedrs.kernels.planning import MAX_PARTS, SplitPlan
 
 _ATTN_THREADS = 128  # kThreads in cuda/paged_attention.cu
 _MAX_PITCH = 2**31 - 1  # conservative cudaMemcpy2D pitch limit
+# part_tokens of a single pass: more than any sequence's keys, and a block's first key
+# plus it still fits the kernel's int (its first key is a position below 2**30)
+_ONE_PASS_TOKENS = 2**30
 
 
 def _rows_ok(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -44,8 +47,16 @@ def paged_attention(
     scale: float,
     plan: SplitPlan,
     runtime: loader.KernelRuntime = loader.CUPY,
+    sliding_window: int | None = None,  # the token at position p sees keys (p - W, p]; None: all
 ) -> None:
-    """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``."""
+    """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``.
+
+    With ``sliding_window`` the kernel reads no page wholly before the window of a
+    thread block's first row, so ``plan`` must come from ``planning.visible_keys`` of the
+    same window (its partitions count keys from there, not from position 0).
+    """
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int (positions a token sees) or None")
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
     num_tokens, num_heads, _ = query.shape
     if num_heads % num_kv_heads:
@@ -57,6 +68,9 @@ def paged_attention(
             raise ValueError(f"{name} must be a contiguous int32 tensor, got {t.dtype} contiguous={t.is_contiguous()}")
     if not (out.is_contiguous() and out.shape == query.shape and out.dtype == key_cache.dtype):
         raise ValueError(f"out must be contiguous {tuple(query.shape)} {key_cache.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if block_tables.shape[1] * block_size > _ONE_PASS_TOKENS:
+        raise ValueError(f"block_tables of {block_tables.shape[1]} pages of {block_size} tokens exceed the kernels' "
+                         f"{_ONE_PASS_TOKENS} positions per sequence")  # fmt: skip
     entry = lookup(key_cache.dtype, head_size, block_size)
     device = query.device
     query = _rows_ok(query.to(key_cache.dtype), "query")
@@ -73,7 +87,8 @@ def paged_attention(
         loader.ptr(key_cache), loader.ptr(value_cache), loader.ptr(block_tables), loader.ptr(seq_lens),
         loader.ptr(query_start_loc), loader.ptr(work_items), loader.i32(block_tables.shape[1]),
         loader.i32(num_kv_heads), loader.i32(group), loader.i64(query.stride(0)), loader.f32(scale),
-        loader.i32(plan.part_tokens if plan.num_parts > 1 else 2**31 - 1),
+        loader.i32(plan.part_tokens if plan.num_parts > 1 else _ONE_PASS_TOKENS),
+        loader.i32(0 if sliding_window is None else min(sliding_window, 2**31 - 1)),  # 0: no window
     )  # fmt: skip
     runtime.launch(fn, grid, (_ATTN_THREADS,), args, device)
     if plan.num_parts > 1:

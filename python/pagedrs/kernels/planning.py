@@ -14,6 +14,11 @@ The rule (single pass or split-K):
 Example (H100, 132 SMs; Llama-3-8B: 8 KV heads): batch 1 × 16384 tokens has 8
 blocks -> split into 64 partitions of 256 tokens (512 blocks); batch 64 × 4096
 has 512 blocks -> one pass.
+
+With a sliding window W the kernel starts each block at the first key its first
+row sees, so the key range to split is not the context but ``visible_keys``: at
+most W for a decode token (Mistral's W = 4096 at 32k tokens of context: 4096
+keys in 16 partitions of 256, not 32768 in 64 of 512).
 """
 
 from __future__ import annotations
@@ -53,6 +58,16 @@ def plan_split(num_blocks: int, max_context: int, num_sms: int) -> SplitPlan:
     part_tokens = -(-max_context // parts)
     part_tokens = -(-part_tokens // MIN_PART_TOKENS) * MIN_PART_TOKENS
     return SplitPlan(num_parts=-(-max_context // part_tokens), part_tokens=part_tokens)
+
+
+def visible_keys(seq_lens: list[int], query_lens: list[int], sliding_window: int | None) -> int:
+    """The longest key range one thread block reads: the context, or with a window W, the
+    W keys of a sequence's first new token and the keys its later new tokens add."""
+    if sliding_window is None:
+        return max(seq_lens)
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be a positive number of positions or None")
+    return max(min(n, sliding_window + q - 1) for n, q in zip(seq_lens, query_lens, strict=True))
 
 
 def work_items(query_lens: list[int] | np.ndarray, group: int) -> np.ndarray:
