@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from pagedrs import Engine, EngineArgs, SamplingParams
 
@@ -244,10 +251,13 @@ class EngineFuzzer(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["swap", "recompute", "auto"]), blocks=st.integers(12, 24),
                 caching=st.booleans(), budget=st.sampled_from([3, 16, 64]))
     def build(self, mode, blocks, caching, budget):
-        self.engine = make_engine(
+        self._start(make_engine(
             self.model_dir, num_gpu_blocks=blocks, preemption_mode=mode, enable_prefix_caching=caching,
             max_num_batched_tokens=budget, max_model_len=40, swap_space_gb=0.0005,
-        )
+        ))
+
+    def _start(self, engine: Engine) -> None:
+        self.engine = engine
         self.next_id = 0
         self.live: set[str] = set()
         self.errors = 0
@@ -305,13 +315,43 @@ class EngineFuzzer(RuleBasedStateMachine):
         assert_idle_and_free(self.engine)
 
 
-def test_engine_fuzzer(tiny_llama_dir):
+class PagePreemptionFuzzer(EngineFuzzer):
+    """The same machine on pools of 10-14 blocks with swap preemption: sequences are paused
+    with their pages split between device and host (page-granular preemption), or, when
+    ``whole`` is drawn, swapped out whole (the baseline), and a tiny host tier makes some
+    paused victims fall back to recompute."""
+
+    @initialize(blocks=st.integers(10, 14), caching=st.booleans(), budget=st.sampled_from([3, 16, 64]),
+                whole=st.booleans(), host_gb=st.sampled_from([0.00005, 0.0005]), preload=st.integers(3, 6))
+    def build(self, blocks, caching, budget, whole, host_gb, preload):
+        engine = make_engine(
+            self.model_dir, num_gpu_blocks=blocks, preemption_mode="swap", enable_prefix_caching=caching,
+            max_num_batched_tokens=budget, max_model_len=40, swap_space_gb=host_gb,
+        )
+        engine.scheduler.set_whole_sequence_swap(whole)
+        self._start(engine)
+        # Long greedy requests from the start: together they outgrow the pool, so every
+        # example preempts (the random rules alone rarely build that much pressure).
+        for i in range(preload):
+            rid = self._id()
+            engine.add_request(rid, [30 + i] * (4 + 2 * i), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+            self.live.add(rid)
+
+
+def run_machine(machine: type[EngineFuzzer], model_dir, examples: int) -> None:
     """``make fuzz`` runs it longer (PAGEDRS_FUZZ_EXAMPLES)."""
-    EngineFuzzer.model_dir = tiny_llama_dir
-    examples = int(os.environ.get("PAGEDRS_FUZZ_EXAMPLES", "30"))
-    run = settings(max_examples=examples, stateful_step_count=30, deadline=None,
-                   suppress_health_check=list(HealthCheck))(EngineFuzzer)
-    run.TestCase().runTest()
+    machine.model_dir = model_dir
+    examples = int(os.environ.get("PAGEDRS_FUZZ_EXAMPLES", str(examples)))
+    run_state_machine_as_test(machine, settings=settings(max_examples=examples, stateful_step_count=30, deadline=None,
+                                                         suppress_health_check=list(HealthCheck)))
+
+
+def test_engine_fuzzer(tiny_llama_dir):
+    run_machine(EngineFuzzer, tiny_llama_dir, 30)
+
+
+def test_page_preemption_fuzzer(tiny_llama_dir):
+    run_machine(PagePreemptionFuzzer, tiny_llama_dir, 15)
 
 
 @pytest.mark.parametrize("field", ["swap_space_gb", "kv_host_cache_gb", "kv_disk_gb", "kv_cache_memory"])

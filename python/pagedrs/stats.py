@@ -63,6 +63,16 @@ class EngineStats:
     cow_copies: int
     swap_out_blocks: int
     swap_in_blocks: int
+    # preemption traffic: pages the scheduler's swap-outs / swap-ins copied (page-granular
+    # preemption moves only the pages a step needs), and those pages in bytes
+    num_pages_swapped_out: int
+    num_pages_swapped_in: int
+    swap_bytes_out: int
+    swap_bytes_in: int
+    step_pages_swapped_out: int  # in the last step only
+    step_pages_swapped_in: int
+    step_swap_bytes_out: int
+    step_swap_bytes_in: int
     window_released_blocks: int  # pages given back because they fell out of the sliding window
     # utilization now
     kv_reserved_slots: int
@@ -98,6 +108,10 @@ class EngineStats:
             kv_bytes_from_host=per_block * (core["swap_in_blocks"] + core["prefix_hits_host"]),
             kv_bytes_to_disk=per_block * core["disk_writes"],
             kv_bytes_from_disk=per_block * core["prefix_hits_disk"],
+            swap_bytes_out=per_block * core["num_pages_swapped_out"],
+            swap_bytes_in=per_block * core["num_pages_swapped_in"],
+            step_swap_bytes_out=per_block * core["step_pages_swapped_out"],
+            step_swap_bytes_in=per_block * core["step_pages_swapped_in"],
         )
         values = {**derived, **engine}
         for f in fields(cls):

@@ -24,6 +24,7 @@ enum Op {
     Free { seq: u64 },
     SwapOut { seqs: Vec<u64> },
     SwapIn { seqs: Vec<u64> },
+    SwapOutPages { seq: u64, n: usize },
     /// Clean shutdown's flush of cached pages to the disk tier.
     FlushToDisk,
     /// Sliding window: release the pages before `frac / 4` of the committed tokens.
@@ -40,6 +41,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => seq.clone().prop_map(|seq| Op::Free { seq }),
         1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapOut { seqs }),
         1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapIn { seqs }),
+        2 => (seq.clone(), 0usize..4).prop_map(|(seq, n)| Op::SwapOutPages { seq, n }),
         1 => Just(Op::FlushToDisk),
         2 => (seq, 0u8..=4).prop_map(|(seq, frac)| Op::ReleaseWindow { seq, frac }),
     ]
@@ -84,7 +86,7 @@ struct Sim {
     needed_from: BTreeMap<u64, usize>,
 }
 
-type Snapshot = (usize, usize, Vec<(u64, Vec<u32>, Vec<u32>, bool)>, pagedrs::block_manager::BlockManagerStats);
+type Snapshot = (usize, usize, Vec<(u64, Vec<u32>, Vec<bool>, Vec<u32>, bool)>, pagedrs::block_manager::BlockManagerStats);
 
 impl Sim {
     fn snapshot(&self) -> Snapshot {
@@ -92,7 +94,9 @@ impl Sim {
             .model
             .keys()
             .map(|&s| {
-                (s, self.bm.block_table(s).unwrap().to_vec(), self.bm.tokens(s).unwrap().to_vec(), self.bm.is_swapped(s).unwrap())
+                let table = self.bm.block_table(s).unwrap().to_vec();
+                let host = self.bm.host_entries(s).unwrap().to_vec();
+                (s, table, host, self.bm.tokens(s).unwrap().to_vec(), self.bm.is_swapped(s).unwrap())
             })
             .collect();
         (self.bm.num_free_gpu_blocks(), self.bm.num_free_cpu_blocks(), seqs, self.bm.stats())
@@ -135,10 +139,14 @@ impl Sim {
 
     /// Tokens read through the table, from the first one after its placeholders.
     fn read_back(&self, seq: u64) -> Vec<Option<u32>> {
+        // Each entry on its own tier: a paused sequence may hold device and host pages at once.
         let table = self.bm.block_table(seq).unwrap();
-        let mem = if self.bm.is_swapped(seq).unwrap() { &self.cpu } else { &self.gpu };
+        let host = self.bm.host_entries(seq).unwrap();
         (self.readable_from(seq)..self.bm.num_tokens(seq).unwrap())
-            .map(|p| mem[table[p / self.bs] as usize * self.bs + p % self.bs])
+            .map(|p| {
+                let mem = if host[p / self.bs] { &self.cpu } else { &self.gpu };
+                mem[table[p / self.bs] as usize * self.bs + p % self.bs]
+            })
             .collect()
     }
 
@@ -256,6 +264,21 @@ impl Sim {
                     prop_assert_eq!(r.is_ok(), status == SwapInStatus::Ok);
                 }
                 r
+            }
+            Op::SwapOutPages { seq, n } => {
+                let swappable = self.bm.num_swappable_pages(*seq);
+                let (free, host_pages) = (self.bm.num_free_gpu_blocks(), self.bm.num_host_pages(*seq));
+                self.bm.swap_out_pages(*seq, *n).map(|pairs| {
+                    // Exactly min(n, swappable) exclusive pages move, each freeing one device block.
+                    let moved = (*n).min(swappable.unwrap());
+                    assert_eq!(pairs.len(), moved);
+                    assert_eq!(self.bm.num_free_gpu_blocks() - free, moved);
+                    assert_eq!(self.bm.num_host_pages(*seq).unwrap(), host_pages.unwrap() + moved);
+                    self.run_host_copies(); // host pages reclaimed by the swap go to disk first
+                    self.copy(&pairs, Tier::Gpu, Tier::Cpu);
+                    let swapped = &mut self.model.get_mut(seq).unwrap().1;
+                    *swapped |= moved > 0;
+                })
             }
             Op::FlushToDisk => {
                 for t in self.bm.flush_to_disk() {

@@ -2,6 +2,10 @@
 //! prefix sharing, preemption victims and modes, aging, and the contiguous baseline.
 
 use pagedrs::block_manager::BlockManagerConfig;
+
+/// Page-granular preemption under a simulated runner (its own file: a bigger harness).
+#[path = "scheduler_page_preemption.rs"]
+mod page_preemption;
 use pagedrs::scheduler::{KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, Scheduler, SchedulerConfig};
 
 fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
@@ -40,6 +44,17 @@ fn fill_four_blocks_then_grow(s: &mut Scheduler) {
     s.schedule().unwrap();
     s.append_token(1, 8).unwrap();
     s.append_token(2, 28).unwrap();
+}
+
+/// Appends `tokens` to `seq` one per step (the schedules in between run the decodes);
+/// the last one is appended but not scheduled.
+fn decode(s: &mut Scheduler, seq: u64, tokens: std::ops::Range<u32>) {
+    for (i, t) in tokens.enumerate() {
+        if i > 0 {
+            s.schedule().unwrap();
+        }
+        s.append_token(seq, t).unwrap();
+    }
 }
 
 #[test]
@@ -98,9 +113,62 @@ fn requests_in_the_same_step_share_a_prefix() {
 }
 
 #[test]
-fn a_missing_page_preempts_the_latest_arrival_and_swap_brings_it_back() {
+fn a_missing_page_pauses_the_latest_arrival_and_moves_only_the_page_needed() {
     // 4 blocks of 4 tokens: two 8-token sequences fill the pool exactly.
     let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    fill_four_blocks_then_grow(&mut s);
+    let table2 = s.kv().block_table(2).unwrap().to_vec();
+    let out = s.schedule().unwrap();
+    // Seq 1 needs a fifth block: seq 2 (later arrival) is paused and gives exactly one
+    // page, its last; its first stays on the device.
+    assert_eq!(out.preempted, vec![2]);
+    let moved: Vec<(u32, u32)> = out.transfers.iter().filter(|t| t.src.to_string() == "gpu").flat_map(|t| t.pairs.clone()).collect();
+    assert_eq!(moved.len(), 1);
+    assert_eq!(moved[0].0, table2[1]);
+    assert_eq!(s.kv().block_table(2).unwrap()[0], table2[0]);
+    assert_eq!(s.kv().num_host_pages(2).unwrap(), 1);
+    assert_eq!(out.seq_ids, vec![1]);
+    assert_eq!(s.num_swapped(), 1);
+    assert_eq!((s.stats().pages_swapped_out, s.stats().last_step_pages_swapped_out), (1, 1));
+    s.check_invariants().unwrap();
+    // Seq 1 grows into a sixth block: seq 2 gives its other page.
+    decode(&mut s, 1, 9..13);
+    let out = s.schedule().unwrap();
+    assert_eq!(swapped(&out, "gpu"), 1);
+    assert_eq!(s.kv().num_host_pages(2).unwrap(), 2);
+    s.finish(1).unwrap();
+    let out = s.schedule().unwrap();
+    // Both host pages come back before the forward that reads them.
+    assert_eq!(swapped(&out, "cpu"), 2);
+    assert_eq!(out.seq_ids, vec![2]);
+    assert_eq!(out.input_ids, vec![28]);
+    assert_eq!((s.stats().pages_swapped_out, s.stats().pages_swapped_in, s.stats().last_step_pages_swapped_in), (2, 2, 2));
+    assert_eq!(s.kv().num_host_pages(2).unwrap(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_paused_sequence_with_no_host_pages_resumes_without_copies() {
+    let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+    fill_four_blocks_then_grow(&mut s);
+    s.schedule().unwrap(); // seq 2 paused, one page moved
+    s.append_token(1, 9).unwrap();
+    // Seq 1 ends: seq 2 needs its one host page back plus room for its new token.
+    s.finish(1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(swapped(&out, "gpu"), 0);
+    assert_eq!(swapped(&out, "cpu"), 1);
+    assert_eq!(out.seq_ids, vec![2]);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn whole_sequence_swap_moves_every_page_and_swap_brings_it_back() {
+    // 4 blocks of 4 tokens: two 8-token sequences fill the pool exactly. No prefix
+    // caching: a swapped page still cached on the device would come back without a copy.
+    let bm = BlockManagerConfig { num_cpu_blocks: 8, enable_prefix_caching: false, ..BlockManagerConfig::new(4, 4) };
+    let mut s = Scheduler::paged(config(64, PreemptionMode::Swap), bm).unwrap();
+    s.set_whole_sequence_swap(true);
     fill_four_blocks_then_grow(&mut s);
     let out = s.schedule().unwrap();
     // Seq 1 needs a fifth block: seq 2 (later arrival) is swapped out, its 2 blocks move.
@@ -126,6 +194,32 @@ fn a_missing_page_preempts_the_latest_arrival_and_swap_brings_it_back() {
     assert_eq!(s.kv().num_free_host_blocks(), 8);
     assert!(s.complete_transfers(&ids).is_err(), "completed twice");
     s.check_invariants().unwrap();
+}
+
+#[test]
+fn a_swapped_page_still_cached_on_the_device_comes_back_without_a_copy() {
+    for whole in [true, false] {
+        let mut s = paged(4, 8, 64, PreemptionMode::Swap);
+        s.set_whole_sequence_swap(whole);
+        fill_four_blocks_then_grow(&mut s);
+        let table2 = s.kv().block_table(2).unwrap().to_vec();
+        s.schedule().unwrap();
+        // Whole: both committed pages of seq 2 went out and stayed cached on the device;
+        // seq 1's fifth block evicted the least recently released one (its first).
+        // Page-granular: only its last page went out, and seq 1 took the free block it left.
+        s.finish(1).unwrap();
+        let out = s.schedule().unwrap();
+        assert_eq!(out.seq_ids, vec![2]);
+        let table = s.kv().block_table(2).unwrap().to_vec();
+        if whole {
+            assert_eq!(swapped(&out, "cpu"), 1, "the page still cached comes back by reference");
+            assert_eq!(table[1], table2[1]);
+        } else {
+            assert_eq!(table[0], table2[0], "the page that never left");
+            assert_eq!(swapped(&out, "cpu"), 1);
+        }
+        s.check_invariants().unwrap();
+    }
 }
 
 #[test]
@@ -184,18 +278,35 @@ fn auto_mode_weighs_swap_against_recompute() {
         let out = s.schedule().unwrap();
         (swapped(&out, "gpu"), s.stats().num_swap_preemptions, s.stats().num_recompute_preemptions)
     };
-    // Victim: 9 tokens, 2 blocks. Swap = 2 x 2 x cost; recompute = 9.
-    assert_eq!(run(1.0), (2, 1, 0));
+    // Victim: 9 tokens, 2 blocks. Swap = 2 x 2 x cost; recompute = 9. A swap pauses the
+    // victim and moves the one page the step needs.
+    assert_eq!(run(1.0), (1, 1, 0));
     assert_eq!(run(5.0), (0, 0, 1));
 }
 
 #[test]
 fn a_full_host_tier_falls_back_to_recompute() {
+    // Whole-sequence swap needs 2 host blocks for the victim; there is 1.
     let mut s = paged(4, 1, 64, PreemptionMode::Swap);
+    s.set_whole_sequence_swap(true);
     fill_four_blocks_then_grow(&mut s);
     s.schedule().unwrap();
     assert_eq!(s.stats().num_recompute_preemptions, 1);
     assert_eq!(s.num_waiting(), 1);
+    // Page-granular: one host block is enough for the one page a decode needs...
+    let mut s = paged(4, 1, 64, PreemptionMode::Swap);
+    fill_four_blocks_then_grow(&mut s);
+    s.schedule().unwrap();
+    assert_eq!((s.stats().num_swap_preemptions, s.stats().num_recompute_preemptions), (1, 0));
+    // ...and when seq 1 grows into its fourth block the host is full: the paused
+    // victim is recomputed, and no page is copied for it.
+    decode(&mut s, 1, 8..12);
+    let out = s.schedule().unwrap();
+    assert_eq!(swapped(&out, "gpu"), 0);
+    assert_eq!(out.preempted, vec![2]);
+    assert_eq!((s.stats().num_swap_preemptions, s.stats().num_recompute_preemptions), (1, 1));
+    assert_eq!(s.num_waiting(), 1);
+    s.check_invariants().unwrap();
 }
 
 #[test]

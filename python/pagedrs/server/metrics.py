@@ -29,7 +29,7 @@ _GAUGES: dict[str, tuple[str, str]] = {
     "pagedrs_kv_utilization": ("kv_utilization", "Live token slots over reserved slots, 0..1."),
     "pagedrs_requests_running": ("num_running", "Requests in the running batch."),
     "pagedrs_requests_waiting": ("num_waiting", "Requests admitted but not yet scheduled."),
-    "pagedrs_requests_swapped": ("num_swapped", "Requests whose pages are on the host tier."),
+    "pagedrs_requests_swapped": ("num_swapped", "Sequences paused by preemption (pages on the host tier, or some still on the device)."),
     "pagedrs_core_step_fraction": (
         "core_step_fraction", "Share of the engine core's busy time spent in Engine.step (engine in its own process)."
     ),
@@ -44,6 +44,10 @@ _LABELED_GAUGES: dict[str, tuple[str, dict[str, str], str]] = {
         "part", {"weights": "memory_weights_bytes", "kv_pool": "memory_kv_pool_bytes",
                  "host_tier": "memory_host_pool_bytes", "resident": "memory_rss_bytes"},
         "Memory of the engine process: weights, the device KV pool, the host tier, and the whole resident set.",
+    ),
+    "pagedrs_step_preemption_bytes": (
+        "direction", {"out": "step_swap_bytes_out", "in": "step_swap_bytes_in"},
+        "KV bytes the last step's preemption swap-outs / swap-ins copied.",
     ),
 }
 
@@ -62,6 +66,14 @@ _LABELED_COUNTERS: dict[str, tuple[str, dict[str, str], str]] = {
         "direction", {"to_host": "kv_bytes_to_host", "from_host": "kv_bytes_from_host", "to_disk": "kv_bytes_to_disk",
                       "from_disk": "kv_bytes_from_disk"},
         "KV bytes copied between tiers.",
+    ),
+    "pagedrs_preemption_pages": (
+        "direction", {"out": "num_pages_swapped_out", "in": "num_pages_swapped_in"},
+        "KV pages copied by preemption (page-granular swap-outs, swap-ins).",
+    ),
+    "pagedrs_preemption_bytes": (
+        "direction", {"out": "swap_bytes_out", "in": "swap_bytes_in"},
+        "KV bytes copied by preemption (page-granular swap-outs, swap-ins).",
     ),
 }
 

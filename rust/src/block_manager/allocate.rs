@@ -179,14 +179,7 @@ impl BlockManager {
             let parent = plan.hashes.last().copied().unwrap_or(self.root);
             self.count_misses(tokens, num_hits, parent);
         }
-        let seq_state = Sequence {
-            table,
-            tokens: tokens.to_vec(),
-            hashes: plan.hashes,
-            committed: num_hits * bs,
-            swapped: false,
-            released: plan.skipped,
-        };
+        let seq_state = Sequence::on_device(table, tokens.to_vec(), plan.hashes, num_hits * bs, plan.skipped);
         self.seqs.insert(seq, seq_state);
         Ok(num_hits * bs)
     }

@@ -2,8 +2,10 @@
 //! append (with copy-on-write), fork and free.
 //!
 //! Block tables are append-only except for copy-on-write, which replaces the last
-//! entry, swapping, which maps every entry to the other tier, and the sliding window,
-//! which turns leading entries into placeholders (`window::NULL_BLOCK`, no page).
+//! entry, swapping, which maps entries to the other tier (all of them: whole-sequence
+//! swap; some: page-granular preemption, `page_swap`, so that one table may point at
+//! device and host pages at once, `on_host` saying which), and the sliding window, which
+//! turns leading entries into placeholders (`window::NULL_BLOCK`, no page).
 
 use super::BlockManager;
 use crate::error::{invalid, BlockId, CoreError, SeqId, TokenId};
@@ -11,20 +13,40 @@ use crate::error::{invalid, BlockId, CoreError, SeqId, TokenId};
 /// One sequence's view of the cache.
 #[derive(Debug, Clone)]
 pub(crate) struct Sequence {
-    /// Logical block i → physical block (device, or host while `swapped`);
+    /// Logical block i → physical block, on the tier `on_host[i]` names;
     /// `table.len() == ceil(tokens.len() / block_size)`.
     pub(crate) table: Vec<BlockId>,
+    /// Whether entry i is a host block (else a device block); as long as `table`.
+    pub(crate) on_host: Vec<bool>,
+    /// How many entries of `on_host` are set: a sequence with any is *swapped* (paused:
+    /// no append, commit or slots until `swap_in` brings every host entry back).
+    pub(crate) num_host: usize,
     /// Every token recorded so far.
     pub(crate) tokens: Vec<TokenId>,
     /// Chain hashes of the leading full committed blocks (`hashes.len() * bs <= committed`).
     pub(crate) hashes: Vec<u64>,
     /// Tokens whose K/V is written (or written this step before anything reads it).
     pub(crate) committed: usize,
-    /// The table holds host block ids.
-    pub(crate) swapped: bool,
     /// Leading entries released out of the sliding window: each is `NULL_BLOCK`, uses no
-    /// page, and lies wholly before `committed` (see `window`).
+    /// page, and lies wholly before `committed` (see `window`); never on the host.
     pub(crate) released: usize,
+}
+
+impl Sequence {
+    /// A sequence on the device: every entry a device block (or a released placeholder).
+    pub(crate) fn on_device(table: Vec<BlockId>, tokens: Vec<TokenId>, hashes: Vec<u64>, committed: usize, released: usize) -> Self {
+        Sequence { on_host: vec![false; table.len()], num_host: 0, table, tokens, hashes, committed, released }
+    }
+
+    /// Any entry on the host: the sequence cannot run until it is swapped in.
+    pub(crate) fn swapped(&self) -> bool {
+        self.num_host > 0
+    }
+
+    /// (block, on the host) of every entry that holds a page (released ones hold none).
+    pub(crate) fn pages(&self) -> impl DoubleEndedIterator<Item = (BlockId, bool)> + '_ {
+        self.table[self.released..].iter().copied().zip(self.on_host[self.released..].iter().copied())
+    }
 }
 
 impl BlockManager {
@@ -67,6 +89,7 @@ impl BlockManager {
             self.stats.cow_copies += 1;
         }
         s.table.extend(fresh);
+        s.on_host.resize(s.table.len(), false);
         s.tokens.extend_from_slice(tokens);
         Ok(copies)
     }
@@ -81,8 +104,8 @@ impl BlockManager {
             return Err(invalid!("cannot fork {parent} into {child}: sequence {child} already exists"));
         }
         let copy = self.seq(parent)?.clone();
-        let tier = if copy.swapped { &mut self.cpu } else { &mut self.gpu };
-        for &b in &copy.table[copy.released..] {
+        for (b, host) in copy.pages() {
+            let tier = if host { &mut self.cpu } else { &mut self.gpu };
             tier.retain(b, 1);
         }
         self.seqs.insert(child, copy);
@@ -93,11 +116,12 @@ impl BlockManager {
     /// evictable, released last-block-first so that a prompt's tail is evicted first.
     pub fn free(&mut self, seq: SeqId) -> Result<(), CoreError> {
         let s = self.seqs.remove(&seq).ok_or(CoreError::UnknownSequence(seq))?;
-        let tier = if s.swapped { &mut self.cpu } else { &mut self.gpu };
-        for &b in s.table[s.released..].iter().rev() {
+        for (b, host) in s.pages().rev() {
+            let tier = if host { &mut self.cpu } else { &mut self.gpu };
             tier.release(b, 1);
         }
-        tier.flush();
+        self.gpu.flush();
+        self.cpu.flush();
         Ok(())
     }
 }

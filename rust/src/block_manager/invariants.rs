@@ -35,23 +35,36 @@ impl BlockManager {
                     s.tokens.len()
                 ));
             }
+            // Each entry is on exactly one tier: the one `on_host` names.
+            if s.on_host.len() != s.table.len() || s.num_host != s.on_host.iter().filter(|&&h| h).count() {
+                return Err(format!(
+                    "seq {id}: {} tier flags ({} on the host, counted {}) for {} table entries",
+                    s.on_host.len(),
+                    s.on_host.iter().filter(|&&h| h).count(),
+                    s.num_host,
+                    s.table.len()
+                ));
+            }
             // Placeholders (released out of the sliding window) lead the table, wholly
             // before the committed tokens, and use no page.
             if s.released * bs > s.committed || s.table[..s.released].iter().any(|&b| b != NULL_BLOCK) {
                 return Err(format!("seq {id}: {} released entries, committed {}: {:?}", s.released, s.committed, &s.table[..s.released]));
             }
+            if s.on_host[..s.released].iter().any(|&h| h) {
+                return Err(format!("seq {id}: a released entry is marked as on the host"));
+            }
             if s.released > 0 && self.cfg.sliding_window.is_none() {
                 return Err(format!("seq {id}: {} entries released without a sliding window", s.released));
             }
-            let users = if s.swapped { &mut cpu_users } else { &mut gpu_users };
-            for &b in &s.table[s.released..] {
-                *users.get_mut(b as usize).ok_or_else(|| format!("seq {id}: block {b} out of range"))? += 1;
-            }
-            if s.swapped {
-                continue;
+            for (b, host) in s.pages() {
+                let (users, tier) = if host { (&mut cpu_users, "host") } else { (&mut gpu_users, "device") };
+                *users.get_mut(b as usize).ok_or_else(|| format!("seq {id}: {tier} block {b} out of range"))? += 1;
             }
             for (i, &h) in s.hashes.iter().enumerate().skip(s.released) {
                 let b = s.table[i];
+                if s.on_host[i] {
+                    continue;
+                }
                 // Invariant 4: a block that holds a hash holds this block's content.
                 if let Some(bh) = self.gpu.cache.hash_of(b) {
                     if bh != h || self.gpu.cache.block_tokens(b) != &s.tokens[i * bs..(i + 1) * bs] {

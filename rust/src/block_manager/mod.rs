@@ -12,6 +12,7 @@
 //! LRU), `allocate` (prefix lookup, allocate, commit), [`block_table`] (append, COW,
 //! fork, free), `swap` (swapping sequences to the host), `tiers` (evicted pages moving
 //! device → host → disk, miss reasons, the persistent disk tier's seeding and flush),
+//! `page_swap` (a paused sequence's pages moved to the host one by one),
 //! [`transfer`] (copies between tiers as values), [`window`] (pages released out of a
 //! sliding window), `invariants`.
 //!
@@ -22,6 +23,7 @@ mod allocate;
 pub(crate) mod block_table;
 mod invariants;
 mod lru;
+mod page_swap;
 pub(crate) mod prefix_cache;
 mod swap;
 pub(crate) mod tier;
@@ -252,8 +254,9 @@ impl BlockManager {
         self.stats
     }
 
-    /// The sequence's block table: device block ids, or host ids while it is swapped out;
-    /// leading entries released out of the sliding window are [`window::NULL_BLOCK`].
+    /// The sequence's block table: device block ids, or host ids for the entries that
+    /// are swapped out (see [`host_entries`](Self::host_entries)); leading entries
+    /// released out of the sliding window are [`window::NULL_BLOCK`].
     pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId], CoreError> {
         Ok(&self.seq(seq)?.table)
     }
@@ -268,8 +271,17 @@ impl BlockManager {
     pub fn num_committed_tokens(&self, seq: SeqId) -> Result<usize, CoreError> {
         Ok(self.seq(seq)?.committed)
     }
+    /// Whether any of the sequence's pages is on the host (wholly or page by page).
     pub fn is_swapped(&self, seq: SeqId) -> Result<bool, CoreError> {
-        Ok(self.seq(seq)?.swapped)
+        Ok(self.seq(seq)?.swapped())
+    }
+    /// Per block-table entry, whether it is a host block (else a device block).
+    pub fn host_entries(&self, seq: SeqId) -> Result<&[bool], CoreError> {
+        Ok(&self.seq(seq)?.on_host)
+    }
+    /// How many of the sequence's block-table entries are host blocks.
+    pub fn num_host_pages(&self, seq: SeqId) -> Result<usize, CoreError> {
+        Ok(self.seq(seq)?.num_host)
     }
     /// Reference count of a device block (for tests and debugging).
     pub fn gpu_refcount(&self, block: BlockId) -> Option<u32> {
@@ -279,7 +291,7 @@ impl BlockManager {
     /// Appends the slots (`block * block_size + offset`) of token positions `start..end`.
     pub fn slot_mapping_into(&self, seq: SeqId, start: usize, end: usize, out: &mut Vec<i64>) -> Result<(), CoreError> {
         let s = self.seq(seq)?;
-        if s.swapped {
+        if s.swapped() {
             return Err(invalid!("sequence {seq} is swapped out; swap it in before asking for slots"));
         }
         if start > end || end > s.tokens.len() {
@@ -314,7 +326,7 @@ impl BlockManager {
     /// A live sequence that is on the device, for calls that need its device pages.
     fn seq_on_device(&self, seq: SeqId, what: &str) -> Result<&Sequence, CoreError> {
         let s = self.seq(seq)?;
-        if s.swapped {
+        if s.swapped() {
             return Err(invalid!("cannot {what} sequence {seq}: it is swapped out; swap it in first"));
         }
         Ok(s)

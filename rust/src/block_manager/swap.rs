@@ -1,4 +1,5 @@
-//! The host tier as swap space: sequences swapped out and in as a whole.
+//! The host tier as swap space: sequences swapped out as a whole, and swapped in
+//! (every host entry of their tables, whether they left whole or page by page).
 //!
 //! Copies run in the order of `transfer::ORDER`, then copy-on-write pairs, then the
 //! forward pass. Host blocks read by a swap-in are pinned (one refcount each) until its
@@ -12,11 +13,11 @@ use crate::error::{invalid, BlockId, CoreError, SeqId, Tier};
 use std::collections::HashMap;
 
 impl BlockManager {
-    /// Checks that `seqs` are distinct live sequences, all on the device (`swapped` false)
-    /// or all on the host (`swapped` true).
+    /// Checks that `seqs` are distinct live sequences, all wholly on the device (`swapped`
+    /// false) or all with host pages (`swapped` true).
     fn check_group(&self, seqs: &[SeqId], swapped: bool) -> Result<(), CoreError> {
         for (i, &id) in seqs.iter().enumerate() {
-            if self.seq(id)?.swapped != swapped {
+            if self.seq(id)?.swapped() != swapped {
                 let (is, op) = if swapped { ("on the device", "swap in") } else { ("already swapped out", "swap out") };
                 return Err(invalid!("cannot {op} sequence {id}: it is {is}"));
             }
@@ -27,14 +28,14 @@ impl BlockManager {
         Ok(())
     }
 
-    /// The distinct blocks of the group's tables, in first-use order, with how many of the
-    /// group's table entries point at each.
-    fn group_blocks(&self, seqs: &[SeqId]) -> Vec<(BlockId, u32)> {
+    /// The distinct blocks of the group's tables on one tier (host entries when `host`),
+    /// in first-use order, with how many of the group's table entries point at each.
+    fn group_blocks(&self, seqs: &[SeqId], host: bool) -> Vec<(BlockId, u32)> {
         let mut index: HashMap<BlockId, usize> = HashMap::new();
         let mut blocks: Vec<(BlockId, u32)> = Vec::new();
         for id in seqs {
             let s = &self.seqs[id];
-            for &b in &s.table[s.released..] {
+            for (b, _) in s.pages().filter(|&(_, h)| h == host) {
                 let i = *index.entry(b).or_insert_with(|| {
                     blocks.push((b, 0));
                     blocks.len() - 1
@@ -48,7 +49,7 @@ impl BlockManager {
     /// Host blocks `swap_out(seqs)` would take: one per distinct device block of the group.
     pub fn num_blocks_to_swap_out(&self, seqs: &[SeqId]) -> Result<usize, CoreError> {
         self.check_group(seqs, false)?;
-        Ok(self.group_blocks(seqs).len())
+        Ok(self.group_blocks(seqs, false).len())
     }
 
     /// Moves the group to the host. Returns (gpu, cpu) copies, each device block once.
@@ -59,7 +60,7 @@ impl BlockManager {
     /// `start_transfers`, as the scheduler does) before these copies.
     pub fn swap_out(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>, CoreError> {
         self.check_group(seqs, false)?;
-        let blocks = self.group_blocks(seqs);
+        let blocks = self.group_blocks(seqs, false);
         let mut host = Vec::with_capacity(blocks.len());
         let mut dropped = Vec::new();
         if !self.cpu.take(blocks.len(), &mut host, &mut dropped) {
@@ -79,7 +80,8 @@ impl BlockManager {
         for id in seqs {
             let s = self.seqs.get_mut(id).expect("checked");
             s.table[s.released..].iter_mut().for_each(|b| *b = to_host[b]);
-            s.swapped = true;
+            s.on_host[s.released..].fill(true);
+            s.num_host = s.table.len() - s.released;
         }
         self.stats.swap_out_blocks += copies.len() as u64;
         Ok(copies)
@@ -88,7 +90,7 @@ impl BlockManager {
     /// Whether the group fits on the device now, later, or never.
     pub fn can_swap_in(&self, seqs: &[SeqId]) -> Result<SwapInStatus, CoreError> {
         self.check_group(seqs, true)?;
-        let needed = self.group_blocks(seqs).len();
+        let needed = self.swap_in_plan(seqs).2;
         Ok(if needed > self.cfg.num_gpu_blocks {
             SwapInStatus::Never
         } else if needed <= self.gpu.num_free() {
@@ -98,16 +100,55 @@ impl BlockManager {
         })
     }
 
-    /// Brings the group back to the device. Returns (cpu, gpu) copies, each host block
-    /// once. Committed full blocks rejoin the device prefix cache where no other block
-    /// caches their content.
+    /// The group's host blocks (with their users), those whose content the device prefix
+    /// cache still holds (host block → device block), and the device blocks a swap-in
+    /// takes from the free count: one per other host block, plus each reused block that is
+    /// evictable now.
+    fn swap_in_plan(&self, seqs: &[SeqId]) -> (Vec<(BlockId, u32)>, HashMap<BlockId, BlockId>, usize) {
+        let blocks = self.group_blocks(seqs, true);
+        let bs = self.cfg.block_size;
+        let mut reuse: HashMap<BlockId, BlockId> = HashMap::new();
+        for id in seqs {
+            let s = &self.seqs[id];
+            for (i, &h) in s.hashes.iter().enumerate() {
+                if !s.on_host[i] || reuse.contains_key(&s.table[i]) {
+                    continue;
+                }
+                let parent = if i == 0 { self.root } else { s.hashes[i - 1] };
+                if let Some(g) = self.gpu.cache.lookup(h, parent, &s.tokens[i * bs..(i + 1) * bs]) {
+                    reuse.insert(s.table[i], g);
+                }
+            }
+        }
+        let mut evictable: Vec<BlockId> = reuse.values().copied().filter(|&g| self.gpu.refs.get(g) == 0).collect();
+        evictable.sort_unstable();
+        evictable.dedup();
+        let needed = blocks.len() - reuse.len() + evictable.len();
+        (blocks, reuse, needed)
+    }
+
+    /// Brings the group's host pages back to the device (entries already there stay).
+    /// Returns (cpu, gpu) copies, each host block once. A committed page whose content
+    /// the device prefix cache still holds (a paused sequence's page swapped out and not
+    /// reclaimed since) comes back by reference, without a copy. Committed full blocks
+    /// rejoin the device prefix cache where no other block caches their content.
     pub fn swap_in(&mut self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>, CoreError> {
         self.check_group(seqs, true)?;
-        let blocks = self.group_blocks(seqs);
-        self.take_gpu(blocks.len())?;
+        let (blocks, reuse, needed) = self.swap_in_plan(seqs);
+        if needed > self.gpu.num_free() {
+            return Err(CoreError::OutOfBlocks { tier: Tier::Gpu, needed, available: self.gpu.num_free() });
+        }
+        let mut to_device: HashMap<BlockId, BlockId> = HashMap::with_capacity(blocks.len());
+        // Reused blocks are retained first, so that taking the fresh ones cannot evict them.
+        for &(c, users) in blocks.iter().filter(|(c, _)| reuse.contains_key(c)) {
+            self.gpu.retain(reuse[&c], users);
+            self.cpu.release(c, users);
+            to_device.insert(c, reuse[&c]);
+        }
+        let blocks: Vec<(BlockId, u32)> = blocks.into_iter().filter(|(c, _)| !reuse.contains_key(c)).collect();
+        self.take_gpu(blocks.len()).expect("counted above");
         let device = std::mem::take(&mut self.taken);
         let mut copies = Vec::with_capacity(blocks.len());
-        let mut to_device: HashMap<BlockId, BlockId> = HashMap::with_capacity(blocks.len());
         for (&(c, users), &g) in blocks.iter().zip(&device) {
             self.gpu.refs.set_exclusive(g, users);
             if self.pin_swap_in_sources {
@@ -121,12 +162,16 @@ impl BlockManager {
             to_device.insert(c, g);
         }
         self.cpu.flush();
+        self.gpu.flush();
         self.taken = device;
         let bs = self.cfg.block_size;
         for id in seqs {
             let s = self.seqs.get_mut(id).expect("checked");
-            s.table[s.released..].iter_mut().for_each(|b| *b = to_device[b]);
-            s.swapped = false;
+            for (b, host) in s.table.iter_mut().zip(s.on_host.iter_mut()).filter(|(_, h)| **h) {
+                *b = to_device[b];
+                *host = false;
+            }
+            s.num_host = 0;
             for (i, &h) in s.hashes.iter().enumerate().skip(s.released) {
                 let parent = if i == 0 { self.root } else { s.hashes[i - 1] };
                 self.gpu.cache.insert(s.table[i], h, parent, &s.tokens[i * bs..(i + 1) * bs]);

@@ -201,6 +201,23 @@ impl PyBlockManager {
         self.inner.is_swapped(seq_id).map_err(core_err)
     }
 
+    /// Device pages of the sequence that no other sequence uses: what `swap_out_pages` can free.
+    fn num_swappable_pages(&self, seq_id: SeqId) -> PyResult<usize> {
+        self.inner.num_swappable_pages(seq_id).map_err(core_err)
+    }
+
+    /// Page-granular swap-out: up to `n` of the sequence's exclusive device pages go to the
+    /// host, last entries first; returns (gpu_block, cpu_block) copies. The sequence is
+    /// swapped until `swap_in([seq_id])` brings its host pages back.
+    fn swap_out_pages(&mut self, seq_id: SeqId, n: usize) -> PyResult<Pairs> {
+        self.inner.swap_out_pages(seq_id, n).map_err(core_err)
+    }
+
+    /// Per block-table entry, whether it is a host block (else a device block).
+    fn host_entries(&self, seq_id: SeqId) -> PyResult<Vec<bool>> {
+        self.inner.host_entries(seq_id).map(|h| h.to_vec()).map_err(core_err)
+    }
+
     /// (gpu→cpu evict-to-host copies, cpu→gpu host-hit copies) since the last call.
     fn take_pending_host_copies(&mut self) -> (Pairs, Pairs) {
         self.inner.take_pending_host_copies()

@@ -401,6 +401,10 @@ impl PyScheduler {
         d.set_item("num_prompt_tokens_computed", s.prompt_tokens_computed)?;
         d.set_item("num_cached_prompt_tokens", s.cached_prompt_tokens)?;
         d.set_item("num_decode_tokens", s.decode_tokens)?;
+        d.set_item("num_pages_swapped_out", s.pages_swapped_out)?;
+        d.set_item("num_pages_swapped_in", s.pages_swapped_in)?;
+        d.set_item("step_pages_swapped_out", s.last_step_pages_swapped_out)?;
+        d.set_item("step_pages_swapped_in", s.last_step_pages_swapped_in)?;
         d.set_item("prefix_queries", bm.prefix_queries)?;
         d.set_item("prefix_hits", bm.prefix_hits)?;
         d.set_item("evictions", bm.evictions)?;
@@ -428,6 +432,18 @@ impl PyScheduler {
         d.set_item("reserved_slots", usage.reserved_slots)?;
         d.set_item("live_slots", usage.live_slots)?;
         Ok(d)
+    }
+
+    /// (device pages, host pages) of the sequence's block table: a paused sequence may
+    /// hold both (page-granular preemption). KeyError for an unknown id.
+    fn page_tiers(&self, seq_id: SeqId) -> PyResult<(usize, usize)> {
+        self.inner.page_tiers(seq_id).map_err(to_py_err)
+    }
+
+    /// Baseline for comparisons: swap preemption moves every page of the victim at once
+    /// (vLLM v0) instead of pausing it and moving pages only as they are needed.
+    fn set_whole_sequence_swap(&mut self, on: bool) {
+        self.inner.set_whole_sequence_swap(on);
     }
 
     fn check_invariants(&self) -> PyResult<()> {

@@ -33,6 +33,18 @@ pub trait KvSpace: Send + Sync {
     fn swap_out(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError>;
     fn can_swap_in(&self, seqs: &[SeqId]) -> Result<SwapInStatus, CoreError>;
     fn swap_in(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError>;
+    /// Device pages of `seq` that `swap_out_pages` could free (no other user).
+    fn num_swappable_pages(&self, _seq: SeqId) -> Result<usize, CoreError> {
+        Ok(0)
+    }
+    /// Moves up to `n` of `seq`'s exclusive device pages to the host (page-granular preemption).
+    fn swap_out_pages(&mut self, seq: SeqId, _n: usize) -> Result<CopyPairs, CoreError> {
+        Err(CoreError::InvalidArgument(format!("cannot swap out pages of sequence {seq}: this KV layout has no host tier")))
+    }
+    /// Entries of `seq`'s block table that are on the host.
+    fn num_host_pages(&self, _seq: SeqId) -> Result<usize, CoreError> {
+        Ok(0)
+    }
     /// Hands out this step's tier copies: `to_host` and `to_device` (the scheduler's
     /// swaps) with the layout's own (evicted pages saved to the host, host prefix hits).
     fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer>;
@@ -135,6 +147,15 @@ impl KvSpace for BlockManager {
     }
     fn swap_in(&mut self, seqs: &[SeqId]) -> Result<CopyPairs, CoreError> {
         BlockManager::swap_in(self, seqs)
+    }
+    fn num_swappable_pages(&self, seq: SeqId) -> Result<usize, CoreError> {
+        BlockManager::num_swappable_pages(self, seq)
+    }
+    fn swap_out_pages(&mut self, seq: SeqId, n: usize) -> Result<CopyPairs, CoreError> {
+        BlockManager::swap_out_pages(self, seq, n)
+    }
+    fn num_host_pages(&self, seq: SeqId) -> Result<usize, CoreError> {
+        BlockManager::num_host_pages(self, seq)
     }
     fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer> {
         BlockManager::start_transfers(self, to_host, to_device)

@@ -2,9 +2,10 @@
 //! step, how many tokens each, and which pages move.
 //!
 //! Each step fills one batch under a token budget and a sequence cap, in this order:
-//! 1. running decodes (their sampled token joins the KV space now; a missing page
-//!    preempts the lowest-priority, latest-arrived running sequence);
-//! 2. swapped sequences coming back (none in a step that preempted);
+//! 1. running decodes (their sampled token joins the KV space now; a missing page is
+//!    taken from the worst paused sequence, else the lowest-priority, latest-arrived
+//!    running sequence is preempted: paused, or dropped for recompute);
+//! 2. paused (swapped) sequences coming back (none in a step that preempted);
 //! 3. prompt chunks of running sequences still in prefill (chunked prefill);
 //! 4. new admissions from the waiting queue, while free pages stay above a watermark.
 //!
@@ -20,6 +21,7 @@ pub mod config;
 pub mod contiguous;
 pub mod kv_space;
 pub mod output;
+mod page_preemption;
 mod preemption;
 mod schedule;
 pub mod sequence;
@@ -45,6 +47,13 @@ pub struct SchedulerStats {
     /// Prompt tokens skipped thanks to the prefix cache.
     pub cached_prompt_tokens: u64,
     pub decode_tokens: u64,
+    /// Pages the scheduler's preemptions copied device→host / host→device (swap-outs and
+    /// swap-ins; evicted prefix pages moving between tiers are counted by the KV space).
+    pub pages_swapped_out: u64,
+    pub pages_swapped_in: u64,
+    /// The same, in the last step only.
+    pub last_step_pages_swapped_out: u64,
+    pub last_step_pages_swapped_in: u64,
 }
 
 /// Snapshot of memory use for utilization reports.
@@ -70,6 +79,8 @@ pub struct Scheduler {
     to_host: CopyPairs,
     to_device: CopyPairs,
     stats: SchedulerStats,
+    /// Swap preemption moves whole sequences (the baseline) instead of pages on demand.
+    whole_sequence_swap: bool,
 }
 
 impl Scheduler {
@@ -86,6 +97,7 @@ impl Scheduler {
             to_host: Vec::new(),
             to_device: Vec::new(),
             stats: SchedulerStats::default(),
+            whole_sequence_swap: false,
         })
     }
 
@@ -383,6 +395,12 @@ impl Scheduler {
                 }
                 if status == SeqStatus::Running && !seq.has_pages() {
                     return Err(format!("running sequence {id} holds no pages"));
+                }
+                if status != SeqStatus::Swapped && seq.has_pages() && self.kv.num_host_pages(*id).map_err(|e| e.to_string())? > 0 {
+                    return Err(format!("sequence {id} is {status:?} but has pages on the host; only paused ones may"));
+                }
+                if status == SeqStatus::Swapped && !seq.has_pages() {
+                    return Err(format!("paused sequence {id} holds no pages"));
                 }
                 seen += 1;
             }

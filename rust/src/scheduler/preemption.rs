@@ -18,7 +18,10 @@ impl Scheduler {
             return Ok(PreemptionMode::Recompute);
         }
         let blocks = self.kv.blocks_to_swap_out(&[id])?;
-        if blocks > self.kv.num_free_host_blocks() {
+        // A paused victim moves pages one by one, only as many as needed: it needs
+        // room on the host for one page, a whole-sequence swap for all of them.
+        let host_needed = if self.page_granular() { blocks.min(1) } else { blocks };
+        if host_needed > self.kv.num_free_host_blocks() {
             return Ok(PreemptionMode::Recompute);
         }
         if self.config.preemption_mode == PreemptionMode::Swap {
@@ -57,19 +60,32 @@ impl Scheduler {
         };
         let blocked = blocked.map(|id| (id, true)).or_else(|| first_waiting().map(|id| (id, false)));
         let Some((id, swapped)) = blocked else { return Ok(None) };
+        // Paused sequences that may give pages: those ranked after a paused blocked one;
+        // any for a waiting one (paused beams waiting for its row hold pages it needs).
+        let after = swapped.then_some(id);
         loop {
-            let need = if swapped {
-                self.swap_in_need(id, self.config.max_num_batched_tokens)? + self.config.watermark_blocks
+            let (need, never) = if swapped {
+                // Room for its host pages (its device pages are still there); it could never
+                // fit when every page it would hold exceeds the pool.
+                let need = self.swap_in_need(id, self.config.max_num_batched_tokens)? + self.config.watermark_blocks;
+                (need, need - self.kv.num_host_pages(id)? + self.kv.num_held_blocks(id)? > self.kv.num_blocks())
             } else {
                 let seq = &self.seqs[&id];
                 let end = self.admission_end(seq, self.config.max_num_batched_tokens);
-                self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens)
+                let need = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens);
+                (need, need == usize::MAX || need > self.kv.num_blocks())
             };
-            if need == usize::MAX || need > self.kv.num_blocks() {
+            if never {
                 return Ok(None);
             }
             if need <= self.kv.num_free_blocks() && self.running.len() < self.config.max_num_seqs {
                 return Ok(Some((id, swapped)));
+            }
+            if self.page_granular() && need > self.kv.num_free_blocks() {
+                self.take_pages_from_paused(need, after, out)?;
+                if need <= self.kv.num_free_blocks() || self.recompute_worst_paused(after, out)? {
+                    continue;
+                }
             }
             let Some(&victim) = self.running.last() else { return Ok(None) };
             self.preempt_as(victim, PreemptionMode::Recompute, out)?;
@@ -77,27 +93,37 @@ impl Scheduler {
     }
 
     fn preempt_as(&mut self, id: SeqId, mode: PreemptionMode, out: &mut SchedulerOutput) -> Result<(), CoreError> {
-        self.running.retain(|&s| s != id);
-        let now = self.stats.num_steps;
-        let seq = self.seqs.get_mut(&id).expect("victim is a known sequence");
-        if mode == PreemptionMode::Swap {
+        if mode == PreemptionMode::Swap && self.page_granular() {
+            self.pause(id);
+        } else if mode == PreemptionMode::Swap {
+            self.running.retain(|&s| s != id);
             let pairs = self.kv.swap_out(&[id])?;
             self.to_host.extend(pairs);
-            seq.status = SeqStatus::Swapped;
+            self.seqs.get_mut(&id).expect("victim is a known sequence").status = SeqStatus::Swapped;
             self.swapped.push(id);
             self.stats.num_swap_preemptions += 1;
         } else {
-            seq.parked = seq.waits_for_token();
-            self.kv.free(id)?;
-            seq.kv_tokens = 0;
-            seq.prefill_left = 0;
-            seq.num_computed = 0;
-            seq.status = SeqStatus::Waiting;
-            seq.waiting_since = now;
-            self.waiting.push(id);
-            self.stats.num_recompute_preemptions += 1;
+            self.running.retain(|&s| s != id);
+            self.drop_for_recompute(id)?;
         }
         out.preempted.push(id);
+        Ok(())
+    }
+
+    /// Frees every page of `id` (out of every queue already) and queues it to be
+    /// prefilled again.
+    pub(super) fn drop_for_recompute(&mut self, id: SeqId) -> Result<(), CoreError> {
+        let now = self.stats.num_steps;
+        let seq = self.seqs.get_mut(&id).expect("victim is a known sequence");
+        seq.parked = seq.waits_for_token();
+        self.kv.free(id)?;
+        seq.kv_tokens = 0;
+        seq.prefill_left = 0;
+        seq.num_computed = 0;
+        seq.status = SeqStatus::Waiting;
+        seq.waiting_since = now;
+        self.waiting.push(id);
+        self.stats.num_recompute_preemptions += 1;
         Ok(())
     }
 }

@@ -24,14 +24,17 @@ impl Scheduler {
         let seqs = &self.seqs;
         self.running.sort_by_key(|id| seqs[id].rank());
         self.schedule_decodes(&mut budget, &mut scheduled, &mut out)?;
-        if out.preempted.is_empty() {
+        // No swap-in in a step that preempted or took pages from paused sequences: it
+        // would bring back what the step just sent out.
+        if out.preempted.is_empty() && self.to_host.is_empty() {
             self.schedule_swap_ins(&mut budget, &mut scheduled, &mut out)?;
         }
         self.schedule_prefill_chunks(&mut budget, &mut scheduled)?;
         if out.preempted.is_empty() {
             self.schedule_admissions(&mut budget, &mut scheduled)?;
         }
-        if scheduled.is_empty() && !self.running.is_empty() {
+        // Paused sequences hold device pages too (page-granular preemption).
+        if scheduled.is_empty() && (!self.running.is_empty() || !self.swapped.is_empty()) {
             match self.make_room_for_blocked(&mut out)? {
                 Some((id, true)) => self.swap_in_one(id, &mut budget, &mut scheduled, &mut out)?,
                 Some((id, false)) => self.admit(id, &mut budget, &mut scheduled)?,
@@ -40,6 +43,10 @@ impl Scheduler {
         }
 
         let (to_host, to_device) = (std::mem::take(&mut self.to_host), std::mem::take(&mut self.to_device));
+        self.stats.last_step_pages_swapped_out = to_host.len() as u64;
+        self.stats.last_step_pages_swapped_in = to_device.len() as u64;
+        self.stats.pages_swapped_out += to_host.len() as u64;
+        self.stats.pages_swapped_in += to_device.len() as u64;
         out.transfers = self.kv.start_transfers(to_host, to_device);
         self.fill_batch(&scheduled, &mut out)?;
         self.stats.num_steps += 1;
@@ -68,6 +75,15 @@ impl Scheduler {
             let in_prefill = seq.prefill_left > 0;
             let mut preempted_self = false;
             while self.kv.blocks_to_append(id, pending)? > self.kv.num_free_blocks() {
+                if self.page_granular() {
+                    // Paused sequences give pages first (and the watermark with them, so
+                    // the next steps' decodes do not each move one more page).
+                    let need = self.kv.blocks_to_append(id, pending)?;
+                    self.take_pages_from_paused(need + self.config.watermark_blocks, None, out)?;
+                    if need <= self.kv.num_free_blocks() {
+                        break;
+                    }
+                }
                 let victim = self.running.iter().rev().copied().find(|v| *v != id && !done.contains(v));
                 match victim {
                     Some(v) => self.preempt(v, out)?,
@@ -106,8 +122,15 @@ impl Scheduler {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }
-            let fits = self.swap_in_need(id, budget.tokens)? + self.config.watermark_blocks <= self.kv.num_free_blocks();
-            if self.kv.can_swap_in(&[id])? != SwapInStatus::Ok || !fits {
+            // Its device pages are still there (page-granular preemption); only the host
+            // ones need room, and paused sequences ranked after it may give it.
+            let host_pages = self.kv.num_host_pages(id)?;
+            let need = self.swap_in_need(id, budget.tokens)? + self.config.watermark_blocks;
+            if self.page_granular() && need > self.kv.num_free_blocks() && need <= self.kv.num_free_blocks() + self.swappable_from_paused(Some(id))? {
+                self.take_pages_from_paused(need, Some(id), out)?;
+            }
+            let fits = need <= self.kv.num_free_blocks();
+            if !fits || (host_pages > 0 && self.kv.can_swap_in(&[id])? != SwapInStatus::Ok) {
                 break;
             }
             self.swap_in_one(id, budget, scheduled, out)?;
@@ -115,12 +138,12 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Device pages a swapped sequence needs to come back and record its next tokens: its
-    /// held pages and one more (a new page or a copy on write), plus a windowed prompt's
-    /// next chunk.
+    /// Device pages a paused sequence needs to come back and record its next tokens: its
+    /// pages on the host (those still on the device stay) and one more (a new page or a
+    /// copy on write), plus a windowed prompt's next chunk.
     pub(super) fn swap_in_need(&self, id: SeqId, budget_tokens: usize) -> Result<usize, CoreError> {
         let seq = &self.seqs[&id];
-        let held = self.kv.num_held_blocks(id)?;
+        let held = self.kv.num_host_pages(id)?;
         if seq.prefill_left == 0 {
             return Ok(held + 1);
         }
@@ -129,8 +152,10 @@ impl Scheduler {
     }
 
     fn swap_in_one(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>, out: &mut SchedulerOutput) -> Result<(), CoreError> {
-        let pairs = self.kv.swap_in(&[id])?;
-        self.to_device.extend(pairs);
+        if self.kv.num_host_pages(id)? > 0 {
+            let pairs = self.kv.swap_in(&[id])?;
+            self.to_device.extend(pairs);
+        }
         self.swapped.retain(|&s| s != id);
         self.seqs.get_mut(&id).expect("swapped sequence").status = SeqStatus::Running;
         self.running.push(id);

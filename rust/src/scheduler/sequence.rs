@@ -14,6 +14,9 @@ use crate::block_manager::{SeqId, TokenId};
 pub enum SeqStatus {
     Waiting,
     Running,
+    /// Paused by a swap preemption: out of the running set, holding its pages, each on
+    /// the device or already moved to the host (page-granular preemption takes them one
+    /// by one as other sequences need them; whole-sequence swap moves all at once).
     Swapped,
 }
 
