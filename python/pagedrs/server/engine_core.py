@@ -163,7 +163,8 @@ def _core_main(conn: Connection, args: Any) -> None:
                 step_seconds += time.perf_counter() - t0
             stats = engine.stats()
             stats["core_step_seconds"] = step_seconds
-            stats["core_busy_seconds"] = busy_seconds
+            # this turn counts too, so far: the step just added to step_seconds is inside it
+            stats["core_busy_seconds"] = busy_seconds + (time.perf_counter() - turn_start if had_work else 0.0)
             conn.send_bytes(_encode_outputs(outputs, sent_prompts, stats))
             if had_work:  # a turn that began idle includes the wait for its first command
                 busy_seconds += time.perf_counter() - turn_start
