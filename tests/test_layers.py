@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from pagedrs.models import quant
-from pagedrs.models.llama import apply_rotary_, rms_norm
 from pagedrs.models.layers import (
     ColumnParallelLinear,
     DenseLinearMethod,
@@ -21,6 +20,7 @@ from pagedrs.models.layers import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from pagedrs.models.llama import apply_rotary_, rms_norm
 from pagedrs.models.quant import (
     Int4WeightOnlyMethod,
     Int8WeightOnlyMethod,
