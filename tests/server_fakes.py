@@ -209,12 +209,20 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def live_server(model_dir: Path, engine_kw: dict[str, Any], model_name: str, max_waiting: int = 64) -> Iterator[LiveServer]:
-    """Serve the model in ``model_dir`` on 127.0.0.1 for the duration of the block."""
+def live_server(
+    model_dir: Path, engine_kw: dict[str, Any], model_name: str, max_waiting: int = 64, *, core_process: bool = False,
+) -> Iterator[LiveServer]:
+    """Serve the model in ``model_dir`` on 127.0.0.1 for the duration of the block.
+
+    ``core_process``: the engine runs in its own process behind a RemoteEngine, as
+    ``pagedrs serve`` runs it by default.
+    """
     from pagedrs import Engine, EngineArgs
     from pagedrs.server import BackgroundServer, EngineLoop, build_app
+    from pagedrs.server.engine_core import RemoteEngine
 
-    engine = Engine(EngineArgs(model=str(model_dir), **engine_kw))
+    args = EngineArgs(model=str(model_dir), **engine_kw)
+    engine = RemoteEngine(args) if core_process else Engine(args)
     loop = EngineLoop(engine)
     app = build_app(loop, model_name, max_waiting=max_waiting)
     http = BackgroundServer(app)
@@ -225,3 +233,5 @@ def live_server(model_dir: Path, engine_kw: dict[str, Any], model_name: str, max
     finally:
         http.stop()
         loop.stop()
+        if core_process:
+            engine.shutdown()

@@ -18,13 +18,14 @@ torch.set_num_threads(1)
 PROMPTS = [[5, 9, 40, 41, 42], [100, 101, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3]]
 
 
-def hf_beam_search(model, prompt: list[int], params: BeamSearchParams, eos: set[int]):
-    """(sequences as token lists, scores) from transformers, best first."""
+def hf_beam_search(model, prompt: list[int], params: BeamSearchParams, eos: set[int], **kw):
+    """(sequences as token lists, scores) from transformers, best first; ``kw`` goes to
+    ``generate`` (e.g. min_new_tokens). ``params.n`` is HF's num_return_sequences."""
     out = model.generate(
         torch.tensor([prompt]),
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
         num_beams=params.beam_width,
-        num_return_sequences=params.beam_width,
+        num_return_sequences=params.num_returned,
         do_sample=False,
         max_new_tokens=params.max_tokens,
         early_stopping=params.early_stopping,
@@ -34,6 +35,7 @@ def hf_beam_search(model, prompt: list[int], params: BeamSearchParams, eos: set[
         output_scores=True,
         return_dict_in_generate=True,
         temperature=None, top_p=None, top_k=None,
+        **kw,
     )
     if params.beam_width == 1:  # transformers runs greedy search for num_beams=1; score it as beam search would
         generated = out.sequences[0, len(prompt):].tolist()

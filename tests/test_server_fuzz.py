@@ -86,10 +86,28 @@ def _steer(body: Any, kind: str) -> None:
                 body[key] = int(clamped) if isinstance(low, int) else float(clamped)
         if "best_of" in body:
             body["best_of"] = body.get("n", 1)
+        _steer_beam_search(body)
         if isinstance(body.get("prompt"), list):
             body["prompt"] = _token_ids_in_vocab(body["prompt"]) or "fox"
         if isinstance(body.get("stop_token_ids"), list):
             body["stop_token_ids"] = [abs(t) % VOCAB for t in body["stop_token_ids"] if _is_int(t)]
+
+
+BEAM_CONFLICTS = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "logprobs", "top_logprobs", "stop", "stream")
+
+
+def _steer_beam_search(body: dict[str, Any]) -> None:
+    """Beam-search fields are valid only with use_beam_search=true, which refuses sampling settings."""
+    if body.get("use_beam_search") is True:
+        for key in BEAM_CONFLICTS:
+            body.pop(key, None)
+        body["temperature"] = 0
+        if isinstance(body.get("length_penalty"), (int, float)):
+            body["length_penalty"] = min(max(body["length_penalty"], -100), 100)
+    else:
+        body.pop("length_penalty", None)
+        body.pop("early_stopping", None)
 
 
 # SamplingParams's ranges (ends included; an excluded end is approached from inside).

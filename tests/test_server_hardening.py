@@ -31,9 +31,10 @@ ENGINE_KW: dict[str, Any] = dict(
 LONG_PROMPT = " ".join(["The quick brown fox jumps over the lazy dog."] * 3)
 
 
-@pytest.fixture(scope="module")
-def live(tiny_llama_dir: Path) -> Iterator[LiveServer]:
-    with live_server(tiny_llama_dir, ENGINE_KW, MODEL) as server:
+@pytest.fixture(scope="module", params=["in-process", "core-process"])
+def live(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[LiveServer]:
+    """Every test runs against both placements of the engine (``pagedrs serve`` defaults to its own process)."""
+    with live_server(tiny_llama_dir, ENGINE_KW, MODEL, core_process=request.param == "core-process") as server:
         yield server
 
 
@@ -133,18 +134,19 @@ def test_a_20_mb_body_gets_413(live: LiveServer) -> None:
 def test_the_server_tokenizes_text_prompts_itself(live: LiveServer) -> None:
     """The engine receives token ids only: tokenizing never runs on the engine thread."""
     seen: list[Any] = []
-    add = live.engine.add_request
+    name = "submit" if hasattr(live.engine, "submit") else "add_request"  # the core process takes adds by submit
+    add = getattr(live.engine, name)
 
     def spy(request_id: str, prompt: Any, *args: Any, **kwargs: Any) -> None:
         seen.append(prompt)
         add(request_id, prompt, *args, **kwargs)
 
-    live.engine.add_request = spy  # type: ignore[method-assign]
+    setattr(live.engine, name, spy)
     try:
         assert _post(live, "/v1/completions", _completion(prompt=["fox", "dog"])).status_code == 200
         assert _post(live, "/v1/chat/completions", _chat("hi")).status_code == 200
     finally:
-        del live.engine.add_request
+        delattr(live.engine, name)
     tokenizer = live.engine.tokenizer
     assert seen[:2] == [{"prompt_token_ids": tokenizer.encode("fox")}, {"prompt_token_ids": tokenizer.encode("dog")}]
     assert list(seen[2]) == ["prompt_token_ids"]

@@ -4,7 +4,11 @@
 (``vllm.sampling_params.BeamSearchParams``, ``vllm.beam_search.BeamSearchOutput``): vLLM
 moved beam search out of ``SamplingParams`` into its own class and ``LLM.beam_search``,
 so code written for vLLM runs unchanged, and a beam request cannot carry sampling
-settings (top_p, n, stop strings) that beam search would silently ignore.
+settings (top_p, n, stop strings) that beam search would silently ignore. vLLM v0's
+other shape, ``SamplingParams(use_beam_search=True, ...)``, is turned into one by
+``BeamSearchParams.from_sampling_params`` (which is why the class also carries ``n``,
+``stop_token_ids``, ``min_tokens`` and ``skip_special_tokens``), so that both run the
+one search.
 
 ``beam_step`` is transformers 5's ``_beam_search`` loop body for one request, on the
 same float32 tensors laid out the same way (so that ``torch.topk`` breaks ties the same
@@ -26,10 +30,16 @@ from typing import Literal, Optional, Union
 
 import torch
 
-from pagedrs.sampling_params import MAX_TOKENS_LIMIT
+from pagedrs.sampling_params import (
+    EARLY_STOPPING,
+    MAX_BEAM_WIDTH,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID,
+    MAX_TOKENS_LIMIT,
+    SamplingParams,
+)
 
 NEG = -1.0e9  # HF's mask for candidates that must not be picked
-MAX_BEAM_WIDTH = 256  # the core forks up to 2k candidates' parents; this keeps one request's share bounded
 
 
 def _fail(name: str, value: object, allowed: str) -> None:
@@ -44,6 +54,11 @@ class BeamSearchParams:
     temperature: float = 0.0  # > 0 divides the logits before the log-softmax; 0 = HF's beam search
     length_penalty: float = 1.0  # score = cumulative logprob / generated_length ** length_penalty
     early_stopping: Union[bool, Literal["never"]] = False  # HF's meanings of True, False and "never"
+    # Beyond vLLM's BeamSearchParams, for SamplingParams(use_beam_search=True) (``from_sampling_params``):
+    n: Optional[int] = None  # hypotheses returned, best first (HF's num_return_sequences); None = beam_width
+    stop_token_ids: list[int] = field(default_factory=list)  # end a hypothesis as EOS does (HF: more eos_token_id)
+    min_tokens: int = 0  # EOS and stop_token_ids get -inf until this many tokens (HF: min_new_tokens)
+    skip_special_tokens: bool = True  # when decoding the hypotheses' text
 
     def __post_init__(self) -> None:
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
@@ -57,8 +72,42 @@ class BeamSearchParams:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok or (low is not None and value < low) or abs(value) > 100:
                 _fail(name, value, "a finite number >= 0 and <= 100" if low is not None else "a finite number in [-100, 100]")
-        if self.early_stopping not in (True, False, "never"):
+        if self.early_stopping not in EARLY_STOPPING or not isinstance(self.early_stopping, (bool, str)):
             _fail("early_stopping", self.early_stopping, 'true, false or "never"')
+        if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int)
+                                   or not 1 <= self.n <= self.beam_width):
+            _fail("n", self.n, f"None or an integer in [1, beam_width={self.beam_width}]")
+        self.stop_token_ids = list(self.stop_token_ids)
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids
+        ):
+            _fail("stop_token_ids", self.stop_token_ids, f"at most {MAX_STOP_TOKEN_IDS} token ids in [0, {MAX_TOKEN_ID}]")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (
+            0 <= self.min_tokens <= self.max_tokens
+        ):
+            _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.skip_special_tokens, bool):
+            _fail("skip_special_tokens", self.skip_special_tokens, "true or false")
+
+    @property
+    def num_returned(self) -> int:
+        return self.n or self.beam_width
+
+    @classmethod
+    def from_sampling_params(cls, params: SamplingParams) -> BeamSearchParams:
+        """The search a ``SamplingParams(use_beam_search=True)`` asks for (validated by it already).
+
+        Temperature is 0 here: SamplingParams allows only 0 and 1.0 with beam search,
+        and both leave the log-probabilities as transformers' beam search uses them.
+        """
+        if not params.use_beam_search:
+            raise ValueError("from_sampling_params needs SamplingParams(use_beam_search=True)")
+        return cls(
+            beam_width=params.beam_search_width, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
+            length_penalty=params.length_penalty, early_stopping=params.early_stopping, n=params.n,
+            stop_token_ids=list(params.stop_token_ids), min_tokens=params.min_tokens,
+            skip_special_tokens=params.skip_special_tokens,
+        )
 
 
 @dataclass
@@ -117,20 +166,21 @@ def beam_step(
     logprobs: torch.Tensor,
     generated: list[list[int]],
     params: BeamSearchParams,
-    eos_token_ids: frozenset[int],
+    stop_token_ids: frozenset[int],
     max_generated: int,
 ) -> StepChoice:
     """Advances ``state`` by one token.
 
     ``logprobs``: float32 [live, V], the log-softmax of each live beam's logits, best
-    beam first; ``generated[i]``: live beam i's generated tokens. ``max_generated`` is
-    HF's ``max_length - prompt_len``.
+    beam first; ``generated[i]``: live beam i's generated tokens. ``stop_token_ids``: the
+    tokens that end a hypothesis (HF's ``eos_token_id`` list: EOS unless ignored, plus
+    the request's stop token ids). ``max_generated`` is HF's ``max_length - prompt_len``.
     """
     k = params.beam_width
     live, vocab = logprobs.shape
     if live < k:  # the first step: HF's other beams are copies of the first one, at -1e9
         logprobs = torch.cat([logprobs, logprobs[:1].expand(k - live, vocab)])
-    eos = frozenset() if params.ignore_eos else eos_token_ids
+    eos = stop_token_ids
     beams_to_keep = max(2, 1 + len(eos)) * k
     accumulated = (logprobs + state.running_scores[:, None]).reshape(-1)
     topk_scores, topk_index = torch.topk(accumulated, k=beams_to_keep)

@@ -1,8 +1,12 @@
 """Continuation policies: what a request does with the logits rows of its sequences.
 
 Each request has a policy, chosen by the type of its params (``SamplingParams`` ->
-``IndependentSamples``, ``BeamSearchParams`` -> ``BeamSearch``). After each step the
-engine asks the request's policy two things:
+``IndependentSamples``, ``BeamSearchParams`` -> ``BeamSearch``; a
+``SamplingParams(use_beam_search=True)`` reaches the engine as ``BeamSearchParams``).
+When a request is added the policy says how many sequences it may hold at once
+(``num_samples``: the core's worst case), how many outputs it returns (``num_outputs``:
+its best ones, best first, once finished) and whether its outputs mean anything before
+it finishes (``streams``). After each step the engine asks the request's policy two things:
 
 - ``draws(request, sample, new_sample)``: which samples draw a token from ``sample``'s
   logits row with the sampler (the sample itself, children created now with
@@ -58,7 +62,16 @@ class Decision:
 
 class ContinuationPolicy(Protocol):
     def num_samples(self, params: Any) -> int:
-        """How many outputs a finished request reports (and forks it may hold at once)."""
+        """How many sequences the request may hold at once (forks included)."""
+        ...
+
+    def num_outputs(self, params: Any) -> int:
+        """How many of its samples a finished request reports: the first ones, which the
+        policy leaves best first."""
+        ...
+
+    def streams(self, params: Any) -> bool:
+        """Whether the request's outputs before it finishes are worth reporting."""
         ...
 
     def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
@@ -71,11 +84,15 @@ class ContinuationPolicy(Protocol):
 
 
 class IndependentSamples:
-    """``n`` independent samples: the prompt's logits give every sample its first token.
+    """``best_of`` (default ``n``) independent samples; the best ``n`` are returned.
 
-    The first row forks ``n - 1`` children (they share every prompt page); afterwards
-    each sample appends until its stop rule (EOS, stop token or string, max_tokens, the
-    context length) finishes it.
+    The prompt's logits give every sample its first token: the first row forks
+    ``best_of - 1`` children (they share every prompt page); afterwards each sample
+    appends until its stop rule (EOS, stop token or string, max_tokens, the context
+    length) finishes it. With ``best_of > n`` (vLLM v0's semantics) the samples are
+    ranked by cumulative log-probability once all have finished, and only the ``n``
+    best are returned; nothing is reported before that, since which ones those are is
+    not known until the end.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
@@ -83,12 +100,18 @@ class IndependentSamples:
         self.max_model_len = max_model_len
 
     def num_samples(self, params: Any) -> int:
+        return params.best_of or params.n
+
+    def num_outputs(self, params: Any) -> int:
         return params.n
 
+    def streams(self, params: Any) -> bool:
+        return self.num_samples(params) == params.n
+
     def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
-        if request.params.n == 1 or request.forked:
+        if request.num_samples == 1 or request.forked:
             return [sample]
-        children = [new_sample(index) for index in range(1, request.params.n)]
+        children = [new_sample(index) for index in range(1, request.num_samples)]
         request.samples.extend(children)
         request.forked = True
         return [sample, *children]
@@ -104,7 +127,17 @@ class IndependentSamples:
                     decision.finished.append(s)
                 else:
                     decision.continuations.append(Continuation(row.sample, s, result.token_id))
+        if request.num_outputs < request.num_samples and request.finished:
+            _rank_by_cumulative_logprob(request)
         return decision
+
+
+def _rank_by_cumulative_logprob(request: Request) -> None:
+    """Best first (ties: the lower index first), renumbered, so that the first n are the output."""
+    ranked = sorted(request.samples, key=lambda s: (-(s.cumulative_logprob or 0.0), s.index))
+    for index, s in enumerate(ranked):
+        s.index = index
+    request.samples = ranked
 
 
 class BeamSearch:
@@ -117,8 +150,14 @@ class BeamSearch:
     the core. Then each new beam continues its parent in place (the parent's first new
     beam) or as a fork of it; beams no new beam continues are freed. When the search
     ends every beam is freed and the samples become the finished hypotheses, best first.
-    Until then a request's outputs show its live beams (token ids, no text): only the
-    final output, with ``score`` set, is the result.
+    The engine reports nothing before that (vLLM v0 streamed nothing meaningful either:
+    the live beams change places every step); the one output is the best ``n``
+    hypotheses, with ``score`` set.
+
+    A hypothesis ends at EOS (unless ``ignore_eos``) or at one of ``stop_token_ids``:
+    together they are HF's ``eos_token_id`` list. Until ``min_tokens`` tokens exist
+    those tokens' log-probabilities are -inf, as HF's ``min_new_tokens`` processor sets
+    them (after the log-softmax, not renormalized).
     """
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
@@ -128,6 +167,15 @@ class BeamSearch:
 
     def num_samples(self, params: Any) -> int:
         return params.beam_width
+
+    def num_outputs(self, params: Any) -> int:
+        return params.num_returned
+
+    def streams(self, params: Any) -> bool:
+        return False
+
+    def stop_token_ids(self, params: BeamSearchParams) -> frozenset[int]:
+        return (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
 
     def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
         return []
@@ -149,9 +197,12 @@ class BeamSearch:
             return None  # wait for the other beams' rows
         logprobs = torch.stack([search.rows[b.seq_id] for b in beams])
         search.rows.clear()
+        stops = self.stop_token_ids(params)
+        if search.state.num_generated < params.min_tokens:
+            banned = [t for t in stops if t < logprobs.shape[1]]
+            logprobs[:, banned] = float("-inf")
         max_generated = min(params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
-        choice = beam_step(search.state, logprobs, [b.token_ids for b in beams], params, self.eos_token_ids,
-                           max_generated)
+        choice = beam_step(search.state, logprobs, [b.token_ids for b in beams], params, stops, max_generated)
         if choice.done:
             request.samples = self._hypotheses(request, search)
             return Decision(finished=beams, num_tokens=len(choice.continuing))
@@ -176,16 +227,22 @@ class BeamSearch:
         return decision
 
     def _hypotheses(self, request: Request, search: _BeamRequest) -> list[Sample]:
+        """The finished hypotheses as samples, best first. As for sampled outputs, a stop
+        token (EOS or a stop token id) is in ``token_ids`` but not in the text."""
+        params: BeamSearchParams = request.params
+        stops = self.stop_token_ids(params)
         out = []
         template = request.samples[0]
         for index, hyp in enumerate(search.state.finished):
             generated = hyp.generated if hyp is not None else []
-            ended_by_eos = bool(generated) and generated[-1] in self.eos_token_ids and not request.params.ignore_eos
+            stopped = bool(generated) and generated[-1] in stops
+            shown = generated[:-1] if stopped else generated
             out.append(Sample(
                 seq_id=-1, index=index, detokenizer=template.detokenizer, generator=None,
                 token_ids=list(generated),
-                text=self.tokenizer.decode(generated, skip_special_tokens=True),
-                finish_reason="stop" if ended_by_eos else "length",
+                text=self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens),
+                finish_reason="stop" if stopped else "length",
+                stop_reason=generated[-1] if stopped and generated[-1] in params.stop_token_ids else None,
                 cumulative_logprob=hyp.cum_logprob if hyp is not None else None,
                 score=hyp.score if hyp is not None else None,
             ))

@@ -129,7 +129,8 @@ class Engine:
     ) -> None:
         """Validates and queues a request; raises ValueError (or TypeError) with nothing changed.
 
-        ``params`` is SamplingParams (``n`` samples) or BeamSearchParams (beam search)."""
+        ``params`` is SamplingParams (``n`` samples, the best ``n`` of ``best_of``, or beam
+        search with ``use_beam_search=True``) or BeamSearchParams (beam search)."""
         processed = self.inputs.process(request_id, prompt, params, priority)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists; request ids must be unique among unfinished requests")
@@ -140,7 +141,8 @@ class Engine:
         first = self._new_sample(seq_id, 0, processed.prompt_token_ids, params)
         arrival = next(self._arrivals)
         request = Request(request_id, processed.prompt, processed.prompt_token_ids, params, processed.priority,
-                          arrival, [first], policy=policy, num_samples=num_samples)
+                          arrival, [first], policy=policy, num_samples=num_samples,
+                          num_outputs=policy.num_outputs(params), streams=policy.streams(params))
         with Rollback() as undo:
             self.scheduler.add_sequence(
                 seq_id,
@@ -204,7 +206,8 @@ class Engine:
     # ---- one step -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns an output for every request that progressed."""
+        """Runs one scheduler step; returns an output for every request that progressed
+        (a beam search, or ``best_of > n``, only once it finished: see ``Request.streams``)."""
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self._requests:
             return outputs
@@ -373,7 +376,8 @@ class Engine:
     def _collect(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = []
         for request in touched.values():
-            outputs.append(request.to_output())
+            if request.streams or request.finished:  # beam search, best_of > n: the final output only
+                outputs.append(request.to_output())
             if request.finished:
                 self._requests.pop(request.request_id, None)
         return outputs

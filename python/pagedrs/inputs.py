@@ -52,12 +52,14 @@ class InputProcessor:
             raise TypeError(
                 f"request {request_id!r}: params must be SamplingParams or BeamSearchParams, not {type(params).__name__}"
             )
-        field, width = ("n", params.n) if isinstance(params, SamplingParams) else ("beam_width", params.beam_width)
+        field, width = _width(params)
         if width > self.max_n:
             raise ValueError(
                 f"{type(params).__name__}.{field}={width} is out of range: allowed 1 <= {field} <= {self.max_n} "
                 "(EngineArgs.max_n)"
             )
+        if isinstance(params, SamplingParams) and params.use_beam_search:
+            params = BeamSearchParams.from_sampling_params(params)  # the engine runs one beam search
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) or not (
             PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]
         ):
@@ -133,3 +135,13 @@ class InputProcessor:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"request {request_id!r}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
         return token_ids
+
+
+def _width(params: Union[SamplingParams, BeamSearchParams]) -> tuple[str, int]:
+    """The field that sets how many sequences the request holds at once, and its value."""
+    if isinstance(params, BeamSearchParams):
+        return "beam_width", params.beam_width
+    if params.use_beam_search:
+        field = "beam_width" if params.beam_width is not None else "best_of" if params.best_of is not None else "n"
+        return field, params.beam_search_width
+    return ("best_of", params.best_of) if params.best_of is not None else ("n", params.n)

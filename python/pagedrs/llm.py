@@ -32,7 +32,9 @@ class LLM:
         """Runs every prompt to completion; outputs come back in input order.
 
         All prompts are queued before the first step, so prompts that share a prefix
-        (a system prompt) share its pages, stored once.
+        (a system prompt) share its pages, stored once. With
+        ``SamplingParams(use_beam_search=True, beam_width=k)`` (or BeamSearchParams) a
+        prompt's ``outputs`` are its best ``n`` hypotheses, best first.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text, a dict, or token ids
@@ -102,7 +104,7 @@ class LLM:
     def chat(
         self,
         messages: Union[Messages, Sequence[Messages]],
-        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        params: Union[SamplingParams, BeamSearchParams, Sequence[SamplingParams], None] = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Applies the model's chat template to one conversation or a list of them."""

@@ -56,7 +56,9 @@ class Request:
     forked: bool = False  # n > 1: children created after the first sample
     policy: Any = None  # the ContinuationPolicy its params chose (pagedrs.continuation)
     policy_state: Any = None  # what the policy keeps between steps (beam search: scores, pending rows)
-    num_samples: int = 1  # outputs of the finished request: n, or the beam width
+    num_samples: int = 1  # sequences it may hold at once: best_of (or n), or the beam width
+    num_outputs: int = 1  # a finished request reports its first num_outputs samples (its policy ranks them)
+    streams: bool = True  # False: only the finished output means anything (beam search, best_of > n)
 
     @property
     def finished(self) -> bool:
@@ -65,7 +67,7 @@ class Request:
     def to_output(self) -> RequestOutput:
         """The output since the last call: cumulative fields plus deltas."""
         outs = []
-        for s in self.samples:
+        for s in self.samples[: self.num_outputs] if self.finished else self.samples:
             # Hold back text that might still turn out to be the start of a stop string.
             hold = 0 if s.finished else max((len(x) for x in getattr(self.params, "stop", ())), default=1) - 1
             visible = max(len(s.text) - hold, s.sent_chars)
@@ -115,6 +117,8 @@ def record_token(
     """Appends one sampled token and decides whether the sample is finished."""
     params = request.params
     sample.token_ids.append(token)
+    # always (as vLLM v0): best_of ranks the samples by it
+    sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprob
     if params.logprobs is not None:
         entry = {token: logprob}
         if top_logprobs:
@@ -122,22 +126,25 @@ def record_token(
         if sample.logprobs is None:
             sample.logprobs = []
         sample.logprobs.append(entry)  # in place: a copy per token would be quadratic
-        sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprob
     num_out = len(sample.token_ids)
     is_eos = token in tokenizer.eos_token_ids and not params.ignore_eos
     is_stop_token = token in params.stop_token_ids
+    detokenize = params.detokenize
     if (is_eos or is_stop_token) and num_out > params.min_tokens:
         # The stop token itself is not part of the text.
-        sample.text += sample.detokenizer.flush()
+        if detokenize:
+            sample.text += sample.detokenizer.flush()
         sample.finish_reason, sample.stop_reason = "stop", (token if is_stop_token else None)
         return
-    delta = sample.detokenizer.step([token])
-    previous = len(sample.text)
-    sample.text += delta
-    if params.stop and num_out > params.min_tokens and _apply_stop_strings(sample, params, previous):
-        return
+    if detokenize:
+        delta = sample.detokenizer.step([token])
+        previous = len(sample.text)
+        sample.text += delta
+        if params.stop and num_out > params.min_tokens and _apply_stop_strings(sample, params, previous):
+            return
     if num_out >= params.max_tokens or len(request.prompt_token_ids) + num_out >= max_model_len:
-        sample.text += sample.detokenizer.flush()
+        if detokenize:
+            sample.text += sample.detokenizer.flush()
         sample.finish_reason = "length"
 
 

@@ -3,12 +3,20 @@
 Every field is checked in ``__post_init__`` so that a bad value fails at
 ``add_request`` time with a message naming the field, the value and the allowed
 range, before anything runs. Ranges follow vLLM and the OpenAI API.
+
+Two of vLLM v0's request shapes live here too. ``best_of``: draw ``best_of`` samples and
+return the ``n`` with the highest cumulative log-probability. ``use_beam_search``: beam
+search of width ``beam_width`` (default ``best_of``, else ``n``), returning its best ``n``
+hypotheses; the engine runs it as ``BeamSearchParams`` (``pagedrs.beam_search``), and
+settings beam search would silently ignore (top-p, top-k, min-p, seed, penalties, a
+sampling temperature, stop strings, logprobs) are refused here, as vLLM v0 refused them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 # Bounds that keep every value inside the tensor or core type it ends up in, and a
 # hostile request from costing more than its share (see README, "Limits and safety").
@@ -23,10 +31,16 @@ MAX_TOKENS_LIMIT = 2**31 - 1  # the context length caps generation far below thi
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40
 # overflows to inf and the softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5
+MAX_BEAM_WIDTH = 256  # the core forks up to k beams per step; this keeps one request's share bounded
+EARLY_STOPPING = (True, False, "never")  # transformers' meanings
 
 
 def _fail(name: str, value: object, allowed: str) -> None:
     raise ValueError(f"SamplingParams.{name}={value!r} is out of range: allowed {allowed}")
+
+
+def _conflict(name: str, value: object, allowed: str) -> None:
+    raise ValueError(f"SamplingParams.{name}={value!r} is not allowed with use_beam_search=True: {allowed}")
 
 
 def _is_int(value: object) -> bool:
@@ -59,6 +73,14 @@ class SamplingParams:
     logprobs: int | None = None  # None = none; k = sampled token's logprob plus top-k alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: the engine makes no text (outputs carry token ids, text ""), as in vLLM. The
+    # served path uses it: its API process makes the text, so the core only runs the model.
+    detokenize: bool = True
+    best_of: int | None = None  # None = n; > n: draw best_of, return the n of highest cumulative logprob
+    use_beam_search: bool = False
+    beam_width: int | None = None  # beam search only; None = best_of, else n
+    length_penalty: float = 1.0  # beam search only: score = cumulative logprob / length ** length_penalty
+    early_stopping: bool | Literal["never"] = False  # beam search only: transformers' meanings
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -94,9 +116,69 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             _fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search",
+                     "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "true or false")
+        if self.stop and not self.detokenize:
+            _fail("detokenize", self.detokenize, f"true when stop strings are set (stop={self.stop!r} needs the text)")
+        if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N):
+            _fail("best_of", self.best_of, f"None or an integer in [n={self.n}, {MAX_N}]")
+        if self.use_beam_search:
+            self._check_beam_search()
+        else:
+            self._check_no_beam_fields()
+
+    def _check_beam_search(self) -> None:
+        """vLLM v0's rules: beam search is deterministic, so no sampling setting may be set."""
+        if self.beam_width is not None and (not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH):
+            _fail("beam_width", self.beam_width, f"None or an integer in [1, {MAX_BEAM_WIDTH}]")
+        if self.beam_width is not None and self.best_of is not None and self.beam_width != self.best_of:
+            _conflict("best_of", self.best_of, f"it is the beam width, and beam_width={self.beam_width} differs; "
+                      "set one of them")
+        width = self.beam_search_width
+        if width > MAX_BEAM_WIDTH:  # beam_width is checked above: the width is best_of or n
+            name = "best_of" if self.best_of is not None else "n"
+            _fail(name, width, f"at most {MAX_BEAM_WIDTH} with use_beam_search=True (the largest beam width)")
+        if self.n > width:
+            _fail("n", self.n, f"n <= beam_width={width}: the best n of the beam_width hypotheses are returned")
+        if not _is_number(self.length_penalty) or abs(self.length_penalty) > 100:
+            _fail("length_penalty", self.length_penalty, "a finite number in [-100, 100]")
+        if self.early_stopping not in EARLY_STOPPING or not isinstance(self.early_stopping, (bool, str)):
+            _fail("early_stopping", self.early_stopping, 'true, false or "never"')
+        # Temperature 1.0 is the default and leaves the log-probabilities unchanged, so it
+        # means what 0 (vLLM v0's rule) means: transformers' beam search. Others would scale.
+        if not (self.is_greedy or self.temperature == 1.0):
+            _conflict("temperature", self.temperature, "allowed 0 (greedy) or the default 1.0; "
+                      "use BeamSearchParams(temperature=...) to search a scaled distribution")
+        defaults = {"top_p": 1.0, "min_p": 0.0, "seed": None, "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        for name, default in defaults.items():
+            if getattr(self, name) != default:
+                _conflict(name, getattr(self, name), f"allowed only {default!r} (beam search does not sample)")
+        if self.logprobs is not None:
+            _conflict("logprobs", self.logprobs, "allowed only None (a hypothesis reports its cumulative_logprob "
+                      "and score, not per-token logprobs)")
+        if self.top_k not in (0, -1):
+            _conflict("top_k", self.top_k, "allowed only 0 or -1 (beam search does not sample)")
+        if self.stop:
+            _conflict("stop", self.stop, "stop strings are not supported with beam search (transformers' beam "
+                      "search has no per-beam stop strings); use stop_token_ids")
+
+    def _check_no_beam_fields(self) -> None:
+        """Beam-search settings without beam search would be silently ignored: refuse them."""
+        for name, default in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
+            value = getattr(self, name)
+            if value != default:
+                raise ValueError(
+                    f"SamplingParams.{name}={value!r} is only used with use_beam_search=True: leave it "
+                    f"at {default!r} or set use_beam_search=True"
+                )
+
+    @property
+    def beam_search_width(self) -> int:
+        """The beam width of a beam search request: beam_width, else best_of, else n (vLLM v0)."""
+        return self.beam_width or self.best_of or self.n
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:

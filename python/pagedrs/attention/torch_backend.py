@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
+from pagedrs.attention.cascade import Cascade, attend_cascade, plan_cascade
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class _Bucket:
     keep: torch.Tensor | None  # int64 [R]  positions in the flattened [S * max_q] result to keep; None = all
     tables: torch.Tensor  # int64 [S, num_blocks]  pages to gather
     mask: torch.Tensor  # bool [S, 1, max_q, num_blocks * block_size]  True = may attend
+    cascade: Cascade | None = None  # decode buckets whose sequences share prefix pages (attention/cascade.py)
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,10 @@ class TorchAttentionBackend(AttentionBackend):
         plan = planned or self.plan(meta, block_size)  # planned by the runner; direct callers plan here
         buckets = plan.buckets if sliding_window is None else plan.windowed(sliding_window)
         if len(buckets) == 1 and buckets[0].keep is None and buckets[0].rows.shape[0] == query.shape[0]:
-            return _attend_bucket(query, key_cache, value_cache, buckets[0], scale)  # all decode, one bucket
+            return _attend(query, key_cache, value_cache, buckets[0], scale)  # all decode, one bucket
         out = torch.empty_like(query)
         for b in buckets:
-            o = _attend_bucket(query, key_cache, value_cache, b, scale)
+            o = _attend(query, key_cache, value_cache, b, scale)
             out.index_copy_(0, b.out_rows, o if b.keep is None else o.index_select(0, b.keep))
         return out
 
@@ -127,13 +129,28 @@ def _plan_buckets(meta: AttentionMetadata, block_size: int, sliding_window: int 
     dimension), in a handful of calls per layer.
     """
     starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    device = meta.block_tables.device
+    buckets: list[_Bucket] = []
+    decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    if sliding_window is None and device.type == "cpu" and len(decode) > 1:
+        # Decode rows whose pages are shared attend them once (attention/cascade.py): one
+        # bucket for all of them, its own pages bucketed inside by own length.
+        host_tables = meta.block_tables.tolist()
+        tables = [host_tables[i][: -(-seq_lens[i] // block_size)] for i in decode]
+        cascade = plan_cascade(tables, [seq_lens[i] for i in decode], block_size, device)
+        if cascade is not None:
+            decode_rows = torch.tensor([starts[i] for i in decode], device=device)
+            nothing = torch.empty(0, device=device)
+            buckets.append(_Bucket(rows=decode_rows[:, None], out_rows=decode_rows, keep=None, tables=nothing,
+                                   mask=nothing, cascade=cascade))
+    planned = set(decode) if buckets else set()
     groups: dict[tuple[int, int], list[int]] = {}
     for i, seq_len in enumerate(seq_lens):
+        if i in planned:
+            continue
         q_len = starts[i + 1] - starts[i]
         blocks = -(-seq_len // block_size)
         groups.setdefault((q_len.bit_length(), blocks.bit_length()), []).append(i)
-    device = meta.block_tables.device
-    buckets = []
     for key in sorted(groups):
         seqs = groups[key]
         q_lens = [starts[i + 1] - starts[i] for i in seqs]
@@ -167,6 +184,14 @@ def _plan_buckets(meta: AttentionMetadata, block_size: int, sliding_window: int 
             mask=mask[:, None],
         ))
     return buckets
+
+
+def _attend(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, bucket: _Bucket, scale: float
+) -> torch.Tensor:
+    if bucket.cascade is not None:
+        return attend_cascade(query, key_cache, value_cache, bucket.rows[:, 0], bucket.cascade, scale)
+    return _attend_bucket(query, key_cache, value_cache, bucket, scale)
 
 
 def _attend_bucket(

@@ -21,7 +21,7 @@ from pagedrs.server.protocol import (
     now_s,
     random_id,
 )
-from pagedrs.server.serving import Generation, ServerContext, event_stream, sse
+from pagedrs.server.serving import Generation, ServerContext, event_stream, refuse_unstreamable, sse
 from pagedrs.server.tokens import token_text, top_logprobs
 
 
@@ -46,6 +46,7 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
     if body.logprobs:
         kwargs["logprobs"] = body.top_logprobs or 0
     params = ctx.make_params(kwargs)
+    refuse_unstreamable(body.stream, params)
     return Generation(ctx, [prompt_ids], params, priority=body.priority)
 
 

@@ -1,4 +1,5 @@
-"""POST /v1/completions: prompts as text or token ids, streamed or not, with echo and logprobs."""
+"""POST /v1/completions: prompts as text or token ids, streamed or not, with echo and logprobs,
+best_of and beam search (``use_beam_search``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pagedrs.server.protocol import (
     now_s,
     random_id,
 )
-from pagedrs.server.serving import Generation, SampleState, ServerContext, event_stream, sse
+from pagedrs.server.serving import Generation, SampleState, ServerContext, event_stream, refuse_unstreamable, sse
 from pagedrs.server.tokens import token_text, top_logprobs
 
 
@@ -27,8 +28,6 @@ async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
         raise bad_request("suffix is not supported", param="suffix")
     if body.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
-    if body.best_of is not None and body.best_of != body.n:
-        raise bad_request(f"best_of={body.best_of} is not supported: only best_of == n (n={body.n})", "best_of")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
     prompts = _prompts(body.prompt)
@@ -50,6 +49,7 @@ async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
     if body.logprobs is not None:
         kwargs["logprobs"] = body.logprobs
     params = ctx.make_params(kwargs)
+    refuse_unstreamable(body.stream, params)
     gen = Generation(ctx, prompt_ids, params, priority=body.priority)
     gen.echo_texts = [p if isinstance(p, str) else None for p in prompts]
     return gen

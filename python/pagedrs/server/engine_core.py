@@ -8,16 +8,21 @@ EngineCore does the same behind its API server).
 
     API process                                         core process
     ───────────                                         ────────────
-    EngineLoop thread ──add/abort/stop (pickle)──►  apply commands between steps
-          ▲             ◄── step outputs (marshal) ──  Engine.step(), again and again
-          │                                            (busy while any request is unfinished)
+    asyncio handlers ─add─► sender thread ─(pickle)─►  apply commands between steps
+    EngineLoop thread ─abort/stop─┘                   Engine.step(), again and again
+          ▲  text made here (api_text)  ◄── token ids (marshal) ──  (busy while any request is unfinished)
+          │
     asyncio handlers (HTTP, SSE)
 
 ``RemoteEngine`` is an ``EngineLike`` (server/engine_loop.py), so the EngineLoop's
 command queue, back-pressure, abort-on-disconnect and shutdown work unchanged through
 it. Commands are rare and pickled; the per-step outputs are flat tuples of ints and
 strings encoded with ``marshal`` (no pickling per token, no code ever runs on decode).
-A prompt's token ids cross once, with the request's first output.
+A prompt's token ids cross once, with the request's first output. Adds go out as they
+arrive (the core admits a burst at one step boundary), and their answers come back on the
+same stream as the outputs. The core streams token ids and the API process makes the text
+(``api_text``), except for requests whose stopping depends on text (stop strings) or
+whose final text a policy builds (beam search, best_of): those keep their text in the core.
 
 The core process never outlives its parent: it ignores SIGINT/SIGTERM (the API process
 drains and then tells it to stop) and exits when the pipe reports end of file, which is
@@ -26,17 +31,23 @@ what happens when the parent dies, even by SIGKILL.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import marshal
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import signal
+import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
+
+from pagedrs.server.api_text import RequestText, text_made_here
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -44,6 +55,9 @@ logger = logging.getLogger("pagedrs.server")
 # (request_id, finished, error, prompt_token_ids or None, samples) and each sample is
 # (index, delta_text, delta_token_ids, delta_logprobs or None, finish_reason, stop_reason).
 _OUTPUTS, _ACK, _READY, _FATAL = "outputs", "ack", "ready", "fatal"
+
+# Called with None when the core accepted an add, or with the exception its refusal maps to.
+AckCallback = Callable[[Optional[BaseException]], None]
 
 
 @dataclass
@@ -163,8 +177,30 @@ def _core_main(conn: Connection, args: Any) -> None:
             pass
 
 
-def _stop_core(conn: Connection, process: Any, timeout_s: float = 10.0) -> None:
-    """Asks the core to stop, waits, kills it if it does not; runs once (shutdown, collection or exit)."""
+def _send_loop(conn: Connection, outbox: queue.SimpleQueue[Optional[tuple]], errors: list[BaseException]) -> None:
+    """The sender thread: forwards the outbox to the core, in order, until told to stop (None).
+
+    A function, not a method: a thread holding the RemoteEngine would keep it from ever
+    being collected, and its finalizer from stopping the core.
+    """
+    while (message := outbox.get()) is not None:
+        try:
+            conn.send(message)
+        except (OSError, ValueError) as exc:  # the core is gone: the next receive reports it
+            errors.append(exc)
+            return
+
+
+def _stop_core(
+    conn: Connection, process: Any, outbox: queue.SimpleQueue[Optional[tuple]], sender: threading.Thread,
+    timeout_s: float = 10.0,
+) -> None:
+    """Asks the core to stop, waits, kills it if it does not; runs once (shutdown, collection or exit).
+
+    The sender thread finishes what it holds first (one writer on the pipe at a time).
+    """
+    outbox.put(None)
+    sender.join(timeout_s)
     if process.is_alive():
         try:
             conn.send(("stop",))
@@ -186,7 +222,8 @@ class EngineCoreError(RuntimeError):
 class RemoteEngine:
     """An ``EngineLike`` whose engine runs in a child process (see the module docs).
 
-    Called from one thread only (the EngineLoop's), like the Engine itself.
+    Called from one thread (the EngineLoop's), like the Engine itself, except ``submit``,
+    which any thread may call.
     """
 
     def __init__(self, args: Any, *, start_timeout_s: float = 600.0) -> None:
@@ -199,7 +236,17 @@ class RemoteEngine:
         self._process = ctx.Process(target=_core_main, args=(child, args), name="pagedrs-engine-core", daemon=False)
         self._process.start()
         child.close()
-        self._finalizer = weakref.finalize(self, _stop_core, self._conn, self._process)
+        # Adds sent and not yet answered; written by submitting threads, popped by the stepping one.
+        self._acks: dict[str, AckCallback] = {}
+        self._acks_lock = threading.Lock()
+        # Every message to the core goes through one sender thread: in order, and a full pipe
+        # (the core mid-step) never blocks an HTTP handler's event loop.
+        self._outbox: queue.SimpleQueue[Optional[tuple]] = queue.SimpleQueue()
+        self._send_errors: list[BaseException] = []
+        self._sender = threading.Thread(target=_send_loop, args=(self._conn, self._outbox, self._send_errors),
+                                        name="pagedrs-core-sender", daemon=True)
+        self._sender.start()
+        self._finalizer = weakref.finalize(self, _stop_core, self._conn, self._process, self._outbox, self._sender)
         if not self._conn.poll(start_timeout_s):
             self.shutdown()
             raise EngineCoreError(f"the engine core did not start within {start_timeout_s} s")
@@ -216,31 +263,52 @@ class RemoteEngine:
         self._live: set[str] = set()  # added and not yet finished, as the core last reported
         self._prompts: dict[str, list[int]] = {}
         self._buffered: list[_Output] = []
+        self._texts: dict[str, RequestText] = {}  # requests whose text this process makes
 
     # ---- EngineLike -------------------------------------------------------------------
 
+    def submit(self, request_id: str, prompt: Any, params: Any, priority: int, on_ack: AckCallback) -> None:
+        """Sends an add without waiting; ``on_ack(error)`` runs on the stepping thread when the core answers.
+
+        Safe from any thread (the HTTP handlers call it): the message goes through the sender
+        thread, so it reaches the core's pipe at once, and the core admits it at its next step
+        boundary together with every other add that arrived during the step. Waiting for each
+        ack before sending the next add admitted one request per step: a burst of 32 arrivals
+        took 32 steps to enter the batch.
+        """
+        with self._acks_lock:
+            if request_id in self._acks or request_id in self._live:
+                raise ValueError(f"request_id={request_id!r} is already in flight; request ids must be unique")
+            self._acks[request_id] = on_ack
+        if text_made_here(params, self.tokenizer):  # the core streams token ids; the text is made here
+            self._texts[request_id] = RequestText(self.tokenizer, params.skip_special_tokens)
+            params = dataclasses.replace(params, detokenize=False)
+        self._outbox.put(("add", request_id, prompt, params, priority))
+
     def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
-        self._send(("add", request_id, prompt, params, priority))
-        while True:  # outputs of earlier requests may come first
-            message = self._recv()
-            if message[0] == _ACK and message[1] == request_id:
-                _, _, error_type, error = message
-                if error_type is None:
-                    self._live.add(request_id)
-                    return
-                raise (TypeError if error_type == "TypeError" else ValueError)(error)
-            self._take(message)
+        """The blocking form of ``submit``: returns once the core accepted the request, raises its error."""
+        result: list[Optional[BaseException]] = []
+        self.submit(request_id, prompt, params, priority, result.append)
+        while not result:
+            self._take(self._recv())  # outputs of earlier requests may come first: they are buffered
+        if result[0] is not None:
+            raise result[0]
 
     def abort(self, request_id: str) -> bool:
-        """Fire and forget: the core frees the pages before its next step and reports the end."""
-        if request_id not in self._live:
+        """Fire and forget: the core frees the pages before its next step and reports the end.
+
+        An add still on its way is aborted too: the abort follows it through the same pipe.
+        """
+        with self._acks_lock:
+            known = request_id in self._live or request_id in self._acks
+        if not known:
             return False
-        self._send(("abort", request_id))
+        self._outbox.put(("abort", request_id))
         return True
 
     def step(self, timeout_s: float = 0.5) -> list[_Output]:
         """The outputs of the core's steps since the last call; waits up to ``timeout_s`` for one."""
-        if not self._buffered and self._live and self._conn.poll(timeout_s):
+        if not self._buffered and (self._live or self._acks) and self._conn.poll(timeout_s):
             self._take(self._recv())
         while self._conn.poll(0):
             self._take(self._recv())
@@ -248,7 +316,8 @@ class RemoteEngine:
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self._live) or bool(self._buffered)
+        """Requests the core holds, outputs not yet handed out, or adds not yet answered."""
+        return bool(self._live) or bool(self._buffered) or bool(self._acks)
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self._stats)
@@ -269,21 +338,26 @@ class RemoteEngine:
 
     # ---- the pipe -----------------------------------------------------------------------
 
-    def _send(self, message: tuple) -> None:
-        try:
-            self._conn.send(message)
-        except (OSError, ValueError) as exc:
-            raise EngineCoreError(f"the engine core is gone (exit code {self._process.exitcode}): {exc}") from exc
-
     def _recv(self) -> tuple:
         try:
             raw = self._conn.recv_bytes()
         except (EOFError, OSError) as exc:
-            raise EngineCoreError(f"the engine core is gone (exit code {self._process.exitcode})") from exc
+            error = EngineCoreError(f"the engine core is gone (exit code {self._process.exitcode})")
+            self._fail_pending_acks(error)
+            raise error from exc
         message = pickle.loads(raw[1:]) if raw[:1] == b"P" else marshal.loads(raw[1:])
         if message[0] == _FATAL:
-            raise EngineCoreError(f"the engine core failed: {message[1]}")
+            error = EngineCoreError(f"the engine core failed: {message[1]}")
+            self._fail_pending_acks(error)
+            raise error
         return message
+
+    def _fail_pending_acks(self, error: BaseException) -> None:
+        """The core is gone: every add still waiting for its answer gets this error."""
+        with self._acks_lock:
+            pending, self._acks = self._acks, {}
+        for on_ack in pending.values():
+            on_ack(error)
 
     def _recv_command_reply(self) -> tuple:
         try:
@@ -292,6 +366,17 @@ class RemoteEngine:
             raise EngineCoreError(f"the engine core exited during start-up (exit code {self._process.exitcode})") from exc
 
     def _take(self, message: tuple) -> None:
+        if message[0] == _ACK:
+            _, request_id, error_type, error = message
+            with self._acks_lock:
+                on_ack = self._acks.pop(request_id, None)
+            if error_type is None:
+                self._live.add(request_id)
+            else:
+                self._texts.pop(request_id, None)
+            if on_ack is not None:
+                on_ack(None if error_type is None else (TypeError if error_type == "TypeError" else ValueError)(error))
+            return
         if message[0] != _OUTPUTS:
             return
         _, rows, stats = message
@@ -300,10 +385,15 @@ class RemoteEngine:
             if prompt is not None:
                 self._prompts[request_id] = prompt
             prompt_ids = self._prompts.get(request_id, [])
+            text = self._texts.pop(request_id, None) if finished else self._texts.get(request_id)
             if finished:
                 self._live.discard(request_id)
                 self._prompts.pop(request_id, None)
+            completions = [_Completion(*s) for s in samples]
+            if text is not None:
+                for c in completions:
+                    c.delta_text = text.delta(prompt_ids, c.index, c.delta_token_ids, c.finish_reason, c.stop_reason)
             self._buffered.append(_Output(
                 request_id=request_id, finished=finished, error=error, prompt_token_ids=prompt_ids,
-                outputs=[_Completion(*s) for s in samples],
+                outputs=completions,
             ))

@@ -110,7 +110,11 @@ class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _FailAll | _Stop
+class _Wake:
+    """Nothing to apply: wakes an idle loop so it reads the answer to an add sent straight to the engine."""
+
+
+_Command = _Add | _Abort | _FailAll | _Stop | _Wake
 
 
 class EngineLoop:
@@ -124,6 +128,7 @@ class EngineLoop:
         self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._lock = threading.Lock()  # guards _pending_adds and _stats
         self._pending_adds = 0
+        self._unacked: dict[str, _Add] = {}  # submitted straight to the engine, its answer not yet in
         self._stats: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
         self.fatal_error: str | None = None
@@ -168,7 +173,23 @@ class EngineLoop:
         command = _Add(request_id, prompt, params, priority, sink)
         with self._lock:
             self._pending_adds += 1
-        self._commands.put(command)
+        submit = getattr(self.engine, "submit", None)
+        if submit is None:
+            self._commands.put(command)
+        else:
+            # An engine in another process takes adds from any thread: this one reaches the
+            # core at once instead of after the step the loop thread is waiting on, and the
+            # core admits every add of a burst at the same step boundary.
+            with self._lock:
+                self._unacked[request_id] = command
+            try:
+                submit(request_id, prompt, params, priority, functools.partial(self._on_ack, command))
+            except Exception:
+                with self._lock:
+                    self._pending_adds -= 1
+                    self._unacked.pop(request_id, None)
+                raise
+            self._commands.put(_Wake())
         await asyncio.wrap_future(command.accepted)
 
     def abort(self, request_id: str) -> None:
@@ -252,6 +273,23 @@ class EngineLoop:
             self._stats["num_waiting"] = int(self._stats.get("num_waiting", 0)) + 1
         command.accepted.set_result(None)
 
+    def _on_ack(self, command: _Add, error: BaseException | None) -> None:
+        """The engine's answer to a submitted add (engine thread): register it, or hand back its error."""
+        if error is None and self._closed is not None:  # fail_all ran while it was on its way
+            self.engine.abort(command.request_id)
+            error = RuntimeError(self._closed)
+        with self._lock:
+            if self._unacked.pop(command.request_id, None) is None:
+                return  # already failed by _fail_queued_commands
+            self._pending_adds -= 1
+            if error is None:
+                self._stats["num_waiting"] = int(self._stats.get("num_waiting", 0)) + 1
+        if error is not None:
+            command.accepted.set_exception(error)
+            return
+        self._sinks[command.request_id] = command.sink
+        command.accepted.set_result(None)
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
@@ -309,7 +347,9 @@ class EngineLoop:
                                         error_status=status))
 
     def _fail_queued_commands(self) -> None:
-        for command in self._take_commands(block=False):
+        with self._lock:
+            unacked, self._unacked = list(self._unacked.values()), {}
+        for command in [*self._take_commands(block=False), *unacked]:
             if isinstance(command, _Add) and not command.accepted.done():
                 with self._lock:
                     self._pending_adds -= 1

@@ -9,8 +9,11 @@ token ids, the stop list — so that a hostile number is a 400 here and never an
 overflow inside a batched step. Sampling ranges proper are checked in one place,
 ``pagedrs.SamplingParams``, whose ValueError the server turns into a 400, so the HTTP
 API and the Python API accept the same values.
-Fields OpenAI defines but pagedrs cannot honour (``suffix``, ``logit_bias``,
-``best_of`` other than ``n``) are rejected with a 400 instead of silently ignored.
+Fields OpenAI defines but pagedrs cannot honour (``suffix``, ``logit_bias``) are
+rejected with a 400 instead of silently ignored. ``best_of`` is OpenAI's (draw best_of,
+return the n with the highest cumulative log-probability); ``use_beam_search``,
+``length_penalty`` and ``early_stopping`` are vLLM v0's extension (beam width = best_of,
+else n; the n best hypotheses are returned). Neither can be streamed.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ SAMPLING_FIELDS = (
     "ignore_eos",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "best_of",
+    "use_beam_search",
+    "length_penalty",
+    "early_stopping",
 )
 
 # OpenAI's legacy completions default; chat defaults to "until the context is full".
@@ -129,6 +136,10 @@ class _SamplingRequest(_Strict):
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
     priority: Annotated[Int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None  # OpenAI's completions field (vLLM v0: chat too)
+    use_beam_search: StrictBool | None = None
+    length_penalty: float | None = None
+    early_stopping: StrictBool | Literal["never"] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams keyword arguments the client actually sent (None means 'default')."""
@@ -144,7 +155,6 @@ class CompletionRequest(_SamplingRequest):
     echo: StrictBool = False
     logprobs: Int | None = None
     suffix: Text | None = None
-    best_of: Int | None = None
 
 
 class ChatContentPart(_Strict):

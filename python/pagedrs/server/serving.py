@@ -81,6 +81,18 @@ class ServerContext:
             raise bad_request(str(exc), param=field_name.group(1) if field_name else None) from exc
 
 
+def refuse_unstreamable(stream: bool, params: Any) -> None:
+    """Beam search and ``best_of > n`` know their choices only at the end: no stream (400, as vLLM and OpenAI)."""
+    if not stream:
+        return
+    if params.use_beam_search:
+        raise bad_request("use_beam_search=true cannot be streamed: the best hypotheses are known only when the "
+                          "search ends; set stream=false", param="use_beam_search")
+    if params.best_of is not None and params.best_of > params.n:
+        raise bad_request(f"best_of={params.best_of} > n={params.n} cannot be streamed: the best n are known only "
+                          "when every sample has finished; set stream=false or best_of=n", param="best_of")
+
+
 @dataclass
 class SampleState:
     """One choice accumulated from deltas (non-streaming responses)."""
