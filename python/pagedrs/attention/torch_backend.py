@@ -35,12 +35,12 @@ from pagedrs.attention.cascade import Cascade, attend_cascade, plan_cascade
 @dataclass(frozen=True)
 class _Bucket:
     rows: torch.Tensor  # int64 [S, max_q]  query row of each (sequence, slot); padding repeats the last row
-    rows_are_all: bool  # rows is arange(T) as [T, 1] (every token a decode token of this bucket): no gather
     out_rows: torch.Tensor  # int64 [R]  rows of the step's output this bucket fills (R real rows)
     keep: torch.Tensor | None  # int64 [R]  positions in the flattened [S * max_q] result to keep; None = all
     tables: torch.Tensor  # int64 [S, num_blocks]  pages to gather
     mask: torch.Tensor  # bool [S, 1, max_q, num_blocks * block_size]  True = may attend
     cascade: Cascade | None = None  # decode buckets whose sequences share prefix pages (attention/cascade.py)
+    rows_are_all: bool = False  # rows is arange(T) as [T, 1] (the step is this bucket's decode tokens): no gather
 
 
 @dataclass(frozen=True)
