@@ -1,6 +1,8 @@
 """BlockManager from Python vs a pure-Python vLLM-v1-style block pool (py_block_pool.py).
 
 Workloads (block size 16), per call, Python call overhead and token conversion included:
+  W0  allocate + free a 1024-token prompt (64 blocks), prefix caching off: like the pool's
+      side, which takes and returns 64 blocks without hashing (a list is then not converted)
   W1  allocate + free a 1024-token prompt (64 blocks), prefix caching on, no hit
   W2  allocate + free a fully cached 257-token prompt (16 hit blocks, hashing included)
   W3  a 256-token miss that evicts 16 cached blocks, caches its 16 blocks (commit), frees
@@ -98,6 +100,16 @@ def baseline_w3():
 # ---- pagedrs ------------------------------------------------------------------------------
 
 
+def rust_w0(tokens):
+    bm = BlockManager(128, BS, enable_prefix_caching=False)
+
+    def step():
+        bm.allocate(1, tokens)
+        bm.free(1)
+
+    return step
+
+
 def rust_w1(tokens):
     bm = BlockManager(128, BS)
 
@@ -159,17 +171,20 @@ def main() -> None:
     args = ap.parse_args()
     r, n = args.rounds, args.calls
     as_list = {
+        "W0": list(range(1024)),
         "W1": list(range(1024)),
         "W2": list(range(257)),
         "W3": [list(range(i * 1000, i * 1000 + 256)) for i in range(2)],
     }
     as_array = {
+        "W0": np.arange(1024, dtype=np.int64),
         "W1": np.arange(1024, dtype=np.int64),
         "W2": np.arange(257, dtype=np.int64),
         "W3": [np.asarray(p, dtype=np.int64) for p in as_list["W3"]],
     }
     as_u32 = {k: (np.asarray(v, dtype=np.uint32) if k != "W3" else [np.asarray(p, dtype=np.uint32) for p in v]) for k, v in as_list.items()}
     rows = [
+        ("W0 allocate+free 1024 tokens, caching off", baseline_w1(), rust_w0, "W0"),
         ("W1 allocate+free 1024 tokens (64 blocks)", baseline_w1(), rust_w1, "W1"),
         ("W2 cached 257-token prompt (16 hits)", baseline_w2(), rust_w2, "W2"),
         ("W3 256-token miss: evict, cache, free 16", baseline_w3(), rust_w3, "W3"),

@@ -20,6 +20,7 @@ from pagedrs.models.layers import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from pagedrs.models.llama import apply_rotary_, rms_norm
 from pagedrs.models.quant import (
     Int4WeightOnlyMethod,
     Int8WeightOnlyMethod,
@@ -180,7 +181,6 @@ def test_weight_format_picks_methods_and_falls_back_where_int4_cannot_pack():
     assert isinstance(fmt.method(64, 48), Int4WeightOnlyMethod)
     assert isinstance(fmt.method(64, 40), Int8WeightOnlyMethod)  # 40 output features: not a multiple of 16
     assert isinstance(fmt.method(48, 48), Int8WeightOnlyMethod)  # 48 inputs: not whole groups of 32
-    assert isinstance(fmt.method(64, 48, lm_head=True), Int8WeightOnlyMethod)
     bf16 = WeightFormat("bfloat16", F32).method(4, 4)
     assert isinstance(bf16, DenseLinearMethod) and bf16.weight_dtype == torch.bfloat16
 
@@ -203,3 +203,50 @@ def test_auto_is_exact_for_hf_folders_and_nearest_for_quantized_gguf(monkeypatch
         resolve_weight_format("int3", F32, gguf_types=None, device=cpu)
     with pytest.raises(ValueError, match="weight_dtype 'int8' runs on the CPU only"):
         resolve_weight_format("int8", F32, gguf_types=None, device=torch.device("cuda"))
+
+
+@pytest.mark.parametrize("method_cls", [DenseLinearMethod, Int8WeightOnlyMethod, Int4WeightOnlyMethod])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bound_closures_compute_what_the_module_computes(gen, method_cls, bias):
+    """The forward pass runs over ``bind()`` closures: they must give the module's output, bias and all."""
+    w, b, x = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen), torch.randn(5, 64, generator=gen)
+    layer = ColumnParallelLinear(64, 48, bias=bias, method=method_cls(F32))
+    layer.weight_loader(layer.weight, w)
+    if bias:
+        layer.weight_loader(layer.bias, b)
+    layer.process_weights_after_loading()
+    assert torch.equal(layer.bind()(x), layer(x))
+    rows = _ranks(RowParallelLinear, 64, 48, bias=True)
+    for r in rows:
+        r.weight_loader(r.weight, w)
+        r.weight_loader(r.bias, b)
+    # the bias is rank 0's to add: the partial sums of the other ranks must not carry it again
+    assert torch.equal(rows[1].bind()(x[:, 32:]), F.linear(x[:, 32:], w[:, 32:]))
+    assert torch.equal(rows[0].bind()(x[:, :32]), F.linear(x[:, :32], w[:, :32], b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_transformers_formula_bit_for_bit(gen, dtype):
+    """float32 goes through torch.rms_norm (one call): it must be the same bits as transformers' explicit ops."""
+    for t, size in ((1, 576), (7, 64), (33, 100)):
+        x = (torch.randn(t, size, generator=gen) * 3).to(dtype)
+        w = torch.randn(size, generator=gen).to(dtype)
+        h = x.float()
+        expected = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert torch.equal(rms_norm(x, w, 1e-5), expected)
+
+
+def test_rotary_in_place_over_query_and_key_heads_is_transformers_rotate_half(gen):
+    t, heads, d = 4, 5, 16
+    x = torch.randn(t, heads, d, generator=gen)
+    angle = torch.randn(t, 1, d // 2, generator=gen)
+    cos, sin = angle.cos(), angle.sin()
+    cos_full, sin_full = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    rotate_half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    expected = x * cos_full + rotate_half * sin_full
+    fused = torch.randn(t, heads * d + 8, generator=gen)  # heads side by side, then other columns (V)
+    fused[:, : heads * d] = x.reshape(t, -1)
+    tail = fused[:, heads * d :].clone()
+    apply_rotary_(fused[:, : heads * d].view(t, heads, d), cos, sin)
+    assert torch.equal(fused[:, : heads * d].view(t, heads, d), expected)
+    assert torch.equal(fused[:, heads * d :], tail)  # the view's neighbours are untouched

@@ -10,7 +10,7 @@ Two measures, both deterministic:
 - perplexity of a fixed English paragraph, relative to float32.
 
 Bounds (issue 12): int8 agreement >= 90% and perplexity within 2%; int4 perplexity within
-10% (its agreement is printed with -s). The embedded GGUF is Q4_1: its float32 weights
+10% (its agreement is printed with -s). Both formats quantize the output head too. The embedded GGUF is Q4_1: its float32 weights
 already sit on a 4-bit grid, which int4 (group 32) re-quantizes almost exactly.
 """
 
@@ -77,6 +77,9 @@ def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtyp
     prompts, continuations, ppl_fp32 = reference
     quantized = load_model("smollm2-135m", weight_dtype=weight_dtype)
     assert quantized.weight_format.name == weight_dtype
+    # the output head is quantized like the body (a packed copy of the tied table); the lookup stays exact
+    assert quantized.model.lm_head.method.name == weight_dtype
+    assert quantized.model.model.embed_tokens.weight.dtype == torch.float32
     agree = total = 0
     first_miss = []
     for prompt, cont in zip(prompts, continuations, strict=True):

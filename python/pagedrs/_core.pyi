@@ -48,7 +48,10 @@ class BlockManager:
     def can_allocate(self, token_ids: TokenIds) -> bool: ...
     def num_blocks_to_allocate(self, token_ids: TokenIds) -> int: ...
     def allocate(self, seq_id: int, token_ids: TokenIds) -> int:
-        """Pages for the whole prompt; returns the number of leading cached tokens."""
+        """Pages for the whole prompt; returns the number of leading cached tokens.
+
+        With prefix caching off a list is kept unconverted (only its length matters then) and read
+        when ``tokens`` asks: its ids are checked there, and it must not change while the sequence lives."""
     def num_blocks_to_append(self, seq_id: int, num_new_tokens: int) -> int: ...
     def append_tokens(self, seq_id: int, token_ids: TokenIds) -> list[tuple[int, int]]:
         """Records appended tokens; returns (src, dst) copy-on-write pairs to run first."""

@@ -17,6 +17,7 @@ import torch
 from pagedrs.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedrs.kv_tiers.disk_tier import DiskTier
 from pagedrs.models import LoadedModel
+from pagedrs.models.llama import kv_layer_views
 from pagedrs.step_input import StepInput, Transfer
 
 
@@ -55,6 +56,8 @@ class ModelRunner:
             device="cpu",
             pin_memory=self.device.type == "cuda" and torch.cuda.is_available(),
         )
+        # each layer's (key, value) views, made once: the forward pass would otherwise make 60 views a step
+        self.kv_views = kv_layer_views(self.kv_cache)
         self.disk: DiskTier | None = None  # set by the executor when a disk tier is on
 
     @torch.inference_mode()
@@ -77,7 +80,7 @@ class ModelRunner:
                           getattr(self.model, "kv_heads_per_rank", c.num_key_value_heads))
         input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
         positions = torch.from_numpy(step.positions).long().to(self.device)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, self.backend)
+        hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)
         if not compute_logits:
             return hidden.new_empty((0, vocab))
         last = meta.query_start_loc[1:].long() - 1

@@ -27,6 +27,7 @@ Fused layout of ``QKVParallelLinear`` on one rank (rows of its weight)::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,15 @@ class LinearMethod(ABC):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ W.T + bias`` in the dtype of ``x``."""
 
+    def bind(self, layer: LinearBase, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> x @ W.T + bias`` for a 2-D ``x`` over the tensors the layer holds now.
+
+        The model's forward pass calls these closures instead of the modules: a decode step
+        runs about 50 small ops per layer, and each module ``__call__`` and parameter lookup
+        costs as much as one of them. Bind again after the parameters are replaced.
+        """
+        return lambda x: self.apply(layer, x, bias)
+
     def weight_bytes(self, layer: LinearBase) -> int:
         """Bytes a forward pass reads for this layer's weight (the batch-1 bandwidth bound counts them)."""
         return sum(t.numel() * t.element_size() for t in layer.parameters(recurse=False) if t is not layer.bias)
@@ -77,6 +87,12 @@ class DenseLinearMethod(LinearMethod):
     def create_weights(self, layer: LinearBase, in_features: int, out_features: int, device: Any) -> None:
         weight = torch.empty(out_features, in_features, dtype=self.weight_dtype, device=device)
         layer.weight = nn.Parameter(weight, requires_grad=False)
+
+    def bind(self, layer: LinearBase, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight = layer.weight
+        if weight.dtype == self.params_dtype:
+            return lambda x: F.linear(x, weight, bias)
+        return super().bind(layer, bias)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dtype == layer.weight.dtype:
@@ -138,6 +154,10 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
 
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """This layer's forward on a 2-D input as a plain closure (see ``LinearMethod.bind``)."""
+        return self.method.bind(self, self.bias)
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, method={self.method.name}, "
                 f"tp={self.tp_rank}/{self.tp_size}")
@@ -178,6 +198,9 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+
+    def bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.method.bind(self, self.bias if self.tp_rank == 0 else None)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

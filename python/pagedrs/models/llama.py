@@ -18,7 +18,7 @@ last ``sliding_window`` positions, as transformers does.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,15 +46,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual add rides along with the norm that follows it."""
-        if residual is not None:
-            x = x + residual
-        # in float32 like transformers, then back to the activation dtype before the weight
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype), x
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: in float32, then back to the activation dtype before the weight.
+
+    For float32 activations ``torch.rms_norm`` computes the same operations in one call
+    (bitwise equal here; ``tests/test_layers.py`` checks it); other dtypes keep the
+    explicit upcast, whose rounding point ``torch.rms_norm`` does not promise.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.rms_norm(x, (x.shape[-1],), weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -97,15 +104,16 @@ class Rotary(nn.Module):
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate-half RoPE in place on ``x`` [T, heads, d] (a view into the fused QKV output).
+    """Rotate-half RoPE in place on ``x`` [T, heads, d] (a view into the fused QKV output:
+    the model passes the query and key heads together, one call per layer).
 
     Same float operations as transformers' ``x * cos + rotate_half(x) * sin``:
     first half ``x1 * cos - x2 * sin``, second half ``x2 * cos + x1 * sin``.
     """
     x1, x2 = x.chunk(2, dim=-1)
-    x1_old = x1.clone()
-    x1.mul_(cos).sub_(x2 * sin)
-    x2.mul_(cos).add_(x1_old * sin)
+    x1_sin, x2_sin = x1 * sin, x2 * sin
+    x1.mul_(cos).sub_(x2_sin)
+    x2.mul_(cos).add_(x1_sin)
 
 
 class Attention(nn.Module):
@@ -125,30 +133,6 @@ class Attention(nn.Module):
                                           **tp)
         self.o_proj = RowParallelLinear(q, h, bias=False, method=fmt.method(q, h), device=device, **tp)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        layer_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
-        q = q.view(t, -1, self.head_dim)
-        k = k.view(t, -1, self.head_dim)
-        v = v.view(t, -1, self.head_dim)
-        apply_rotary_(q, *cos_sin)
-        apply_rotary_(k, *cos_sin)
-        key_cache, value_cache = layer_cache[0], layer_cache[1]
-        backend.write_kv(k, v, key_cache, value_cache, meta)
-        if self.sliding_window is None:
-            o = backend.forward(q, key_cache, value_cache, meta, self.scale)
-        else:
-            o = backend.forward(q, key_cache, value_cache, meta, self.scale, sliding_window=self.sliding_window)
-        return all_reduce_(self.o_proj(o.reshape(t, -1)))
-
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
@@ -158,10 +142,6 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias=False, method=fmt.method(h, 2 * i),
                                                        device=device, **tp)
         self.down_proj = RowParallelLinear(i, h, bias=False, method=fmt.method(i, h), device=device, **tp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return all_reduce_(self.down_proj(F.silu(gate) * up))
 
 
 class DecoderLayer(nn.Module):
@@ -174,12 +154,80 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
         self.mlp = MLP(config, fmt, device)
 
-    def forward(self, x, residual, cos_sin, layer_cache, meta, backend):  # type: ignore[no-untyped-def]
-        """(this layer's MLP output, the residual stream before it): the next norm adds them."""
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos_sin, layer_cache, meta, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    def bind(self) -> BoundLayer:
+        attn, mlp = self.self_attn, self.mlp
+        qkv = attn.qkv_proj
+        return BoundLayer(
+            input_norm=self.input_layernorm.weight, post_norm=self.post_attention_layernorm.weight,
+            eps=self.input_layernorm.eps, qkv=qkv.bind(), o=attn.o_proj.bind(), gate_up=mlp.gate_up_proj.bind(),
+            down=mlp.down_proj.bind(), num_heads=qkv.heads_per_rank, num_kv_heads=qkv.kv_heads_per_rank,
+            head_dim=attn.head_dim, scale=attn.scale, sliding_window=attn.sliding_window,
+            reduce=all_reduce_ if tp_size() > 1 else None,
+        )
+
+
+class BoundLayer:
+    """One decoder layer as plain tensors and closures, for ``decoder_layer``.
+
+    The modules own the parameters (loading, sharding, quantizing); the forward pass runs
+    over these records instead, because a decode step is about 50 small ops per layer and
+    every module ``__call__`` and ``nn.Module.__getattr__`` costs about as much as one op.
+    """
+
+    __slots__ = ("input_norm", "post_norm", "eps", "qkv", "o", "gate_up", "down", "num_heads", "num_kv_heads",
+                 "head_split", "head_dim", "scale", "sliding_window", "reduce")
+
+    def __init__(self, *, input_norm: torch.Tensor, post_norm: torch.Tensor, eps: float,
+                 qkv: Callable[[torch.Tensor], torch.Tensor], o: Callable[[torch.Tensor], torch.Tensor],
+                 gate_up: Callable[[torch.Tensor], torch.Tensor], down: Callable[[torch.Tensor], torch.Tensor],
+                 num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        self.input_norm, self.post_norm, self.eps = input_norm, post_norm, eps
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim  # on this rank
+        self.head_split = [num_heads, num_kv_heads, num_kv_heads]  # the fused QKV output, in heads
+        self.scale, self.sliding_window = scale, sliding_window
+        self.reduce = reduce  # the tensor-parallel all-reduce of the row-parallel outputs; None with one rank
+
+
+def decoder_layer(
+    layer: BoundLayer,
+    h: torch.Tensor,  # [T, hidden]: the previous layer's MLP output (the embeddings for layer 0)
+    residual: torch.Tensor | None,  # [T, hidden]: the residual stream before it, updated in place; None at layer 0
+    cos: torch.Tensor,  # [T, 1, head_dim / 2]
+    sin: torch.Tensor,
+    layer_cache: tuple[torch.Tensor, torch.Tensor],  # key and value cache [num_blocks, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata,
+    backend: AttentionBackend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this layer's MLP output, the residual stream before it): the next layer's norm adds them.
+
+    Same float operations as transformers' decoder layer: the residual adds happen in place
+    (``residual += h``), and addition commutes, so the sums are the same bits.
+    """
+    if residual is None:
+        residual = h
+    else:
+        residual.add_(h)
+    t = h.shape[0]
+    heads = layer.qkv(rms_norm(residual, layer.input_norm, layer.eps)).view(t, -1, layer.head_dim)  # [T, q+2kv, d]
+    apply_rotary_(heads[:, : layer.num_heads + layer.num_kv_heads], cos, sin)  # query and key heads at once
+    q, k, v = heads.split(layer.head_split, dim=1)
+    key_cache, value_cache = layer_cache
+    backend.write_kv(k, v, key_cache, value_cache, meta)
+    if layer.sliding_window is None:
+        o = backend.forward(q, key_cache, value_cache, meta, layer.scale)
+    else:
+        o = backend.forward(q, key_cache, value_cache, meta, layer.scale, sliding_window=layer.sliding_window)
+    h = layer.o(o.reshape(t, -1))
+    if layer.reduce is not None:
+        h = layer.reduce(h)
+    residual.add_(h)
+    gate, up = layer.gate_up(rms_norm(residual, layer.post_norm, layer.eps)).chunk(2, dim=-1)
+    h = layer.down(F.silu(gate).mul_(up))
+    if layer.reduce is not None:
+        h = layer.reduce(h)
+    return h, residual
 
 
 class LlamaBody(nn.Module):
@@ -216,13 +264,15 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(config, fmt, device)
         self.rotary = Rotary(config).to(device)  # computed, never loaded
         h, vocab = config.hidden_size, config.vocab_size
-        self.lm_head = ReplicatedLinear(h, vocab, bias=False, method=fmt.method(h, vocab, lm_head=True), device=device)
+        self.lm_head = ReplicatedLinear(h, vocab, bias=False, method=fmt.method(h, vocab), device=device)
         # dense and in the embedding's dtype: one tensor serves both (no copy of the largest matrix)
         self.shares_embedding = config.tie_word_embeddings and (
             isinstance(self.lm_head.method, DenseLinearMethod) and self.lm_head.weight.dtype == fmt.params_dtype
         )
         if self.shares_embedding:
             self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]  # a Parameter
+        self._bound: list[BoundLayer] | None = None  # made by bind(), after loading
+        self._bound_head: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def heads_per_rank(self) -> int:
@@ -281,29 +331,48 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, LinearBase):
                 module.process_weights_after_loading()
+        self.bind()
+
+    def bind(self) -> list[BoundLayer]:
+        """Builds the per-layer records the forward pass runs over (again after parameters are replaced;
+        in-place changes to them need nothing)."""
+        self._bound = [layer.bind() for layer in self.model.layers]  # type: ignore[operator]  # DecoderLayer
+        self._bound_head = self.lm_head.bind()
+        return self._bound
 
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [T]
         positions: torch.Tensor,  # int64 [T]
-        kv_cache: torch.Tensor,  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        # [layers, 2, num_blocks, block_size, kv_heads, head_dim], or its kv_layer_views (a runner makes them once)
+        kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] (normed); ``compute_logits`` turns the rows you need into logits."""
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary(positions, x.dtype)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, cos_sin, kv_cache[i], meta, backend)
-        return self.model.norm(x, residual)[0]
+        layers = self._bound if self._bound is not None else self.bind()
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        cos, sin = self.rotary(positions, h.dtype)  # once per step, shared by every layer
+        residual: torch.Tensor | None = None
+        caches = kv_layer_views(kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache
+        for layer, layer_cache in zip(layers, caches, strict=True):
+            h, residual = decoder_layer(layer, h, residual, cos, sin, layer_cache, meta, backend)
+        assert residual is not None  # every model has a layer
+        norm = self.model.norm
+        return rms_norm(residual.add_(h), norm.weight, norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        head = self._bound_head if self._bound_head is not None else self.lm_head.bind()
+        return head(hidden).float()
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every linear layer (the embedding is only indexed)."""
         return sum(m.method.weight_bytes(m) for m in self.modules() if isinstance(m, LinearBase))
+
+
+def kv_layer_views(kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(key cache, value cache) of each layer: views into ``kv_cache`` [layers, 2, ...]."""
+    return [(layer[0], layer[1]) for layer in kv_cache]
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -1,9 +1,11 @@
 //! `pagedrs._core.BlockManager`: the Python face of [`crate::block_manager::BlockManager`].
 
+use std::collections::HashMap;
+
 use numpy::PyArray1;
-use pyo3::exceptions::PyAssertionError;
+use pyo3::exceptions::{PyAssertionError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 use super::convert::{core_err, with_tokens};
 use crate::block_manager::{BlockManager, BlockManagerConfig, SwapInStatus};
@@ -16,6 +18,12 @@ pub struct PyBlockManager {
     inner: BlockManager,
     /// Reused buffer for token ids that need converting (lists, int64 arrays).
     scratch: Vec<TokenId>,
+    /// Prompts allocated from a Python list with prefix caching off, kept unconverted
+    /// (see `allocate`): the list and its length then. The core holds placeholder ids
+    /// for them, never read without prefix caching; `tokens` converts on demand.
+    lazy_prompts: HashMap<SeqId, (Py<PyList>, usize)>,
+    /// Placeholder ids handed to the core for a lazy prompt (zeros, grown, never shrunk).
+    placeholder: Vec<TokenId>,
 }
 
 #[pymethods]
@@ -47,7 +55,12 @@ impl PyBlockManager {
             num_disk_blocks,
             sliding_window,
         };
-        Ok(PyBlockManager { inner: BlockManager::new(cfg).map_err(core_err)?, scratch: Vec::new() })
+        Ok(PyBlockManager {
+            inner: BlockManager::new(cfg).map_err(core_err)?,
+            scratch: Vec::new(),
+            lazy_prompts: HashMap::new(),
+            placeholder: Vec::new(),
+        })
     }
 
     #[getter]
@@ -100,7 +113,22 @@ impl PyBlockManager {
         with_tokens(token_ids, &mut self.scratch, |t| inner.num_blocks_to_allocate(t))
     }
 
+    /// With prefix caching off the manager needs only the prompt's length, so a list is
+    /// not converted here (about 2.5 ns per token): the manager keeps the list and reads
+    /// it only when `tokens` asks for it. Its ids are then checked late, and the list must
+    /// not change while the sequence lives (`tokens` raises if its length did).
     fn allocate(&mut self, seq_id: SeqId, token_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        if !self.inner.config().enable_prefix_caching {
+            if let Ok(list) = token_ids.cast::<PyList>() {
+                let n = list.len();
+                if self.placeholder.len() < n {
+                    self.placeholder.resize(n, 0);
+                }
+                let hit = self.inner.allocate(seq_id, &self.placeholder[..n]).map_err(core_err)?;
+                self.lazy_prompts.insert(seq_id, (list.clone().unbind(), n));
+                return Ok(hit);
+            }
+        }
         let inner = &mut self.inner;
         with_tokens(token_ids, &mut self.scratch, |t| inner.allocate(seq_id, t))?.map_err(core_err)
     }
@@ -118,12 +146,19 @@ impl PyBlockManager {
         self.inner.commit(seq_id, num_computed_tokens).map_err(core_err)
     }
 
-    fn fork(&mut self, parent_id: SeqId, child_id: SeqId) -> PyResult<()> {
-        self.inner.fork(parent_id, child_id).map_err(core_err)
+    fn fork(&mut self, py: Python<'_>, parent_id: SeqId, child_id: SeqId) -> PyResult<()> {
+        self.inner.fork(parent_id, child_id).map_err(core_err)?;
+        if let Some((list, n)) = self.lazy_prompts.get(&parent_id) {
+            let shared = (list.clone_ref(py), *n);
+            self.lazy_prompts.insert(child_id, shared);
+        }
+        Ok(())
     }
 
     fn free(&mut self, seq_id: SeqId) -> PyResult<()> {
-        self.inner.free(seq_id).map_err(core_err)
+        self.inner.free(seq_id).map_err(core_err)?;
+        self.lazy_prompts.remove(&seq_id);
+        Ok(())
     }
 
     /// Releases the pages wholly before token `first_needed_pos` (sliding window): their
@@ -154,8 +189,23 @@ impl PyBlockManager {
         self.inner.num_committed_tokens(seq_id).map_err(core_err)
     }
 
-    fn tokens(&self, seq_id: SeqId) -> PyResult<Vec<TokenId>> {
-        Ok(self.inner.tokens(seq_id).map_err(core_err)?.to_vec())
+    fn tokens(&self, py: Python<'_>, seq_id: SeqId) -> PyResult<Vec<TokenId>> {
+        let stored = self.inner.tokens(seq_id).map_err(core_err)?;
+        let Some((list, n)) = self.lazy_prompts.get(&seq_id) else {
+            return Ok(stored.to_vec());
+        };
+        let list = list.bind(py);
+        if list.len() != *n {
+            return Err(PyValueError::new_err(format!(
+                "the prompt list of sequence {seq_id} had {n} tokens at allocate and has {} now; \
+                 with prefix caching off the manager reads that list late, so it must not change",
+                list.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(stored.len());
+        with_tokens(list.as_any(), &mut out, |_| ())?;
+        out.extend_from_slice(&stored[*n..]);
+        Ok(out)
     }
 
     fn slot_mapping(&self, seq_id: SeqId, start: usize, end: usize) -> PyResult<Vec<i64>> {
