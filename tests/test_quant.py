@@ -10,7 +10,8 @@ Two measures, both deterministic:
 - perplexity of a fixed English paragraph, relative to float32.
 
 Bounds (issue 12): int8 agreement >= 90% and perplexity within 2%; int4 perplexity within
-10% (its agreement is printed with -s). Both formats quantize the output head too. The embedded GGUF is Q4_1: its float32 weights
+10%, and (our own guard, measured 99%) agreement >= 95%. Both formats quantize the output
+head to int8 (an int4 head measured 88% agreement). The embedded GGUF is Q4_1: its float32 weights
 already sit on a 4-bit grid, which int4 (group 32) re-quantizes almost exactly.
 """
 
@@ -72,13 +73,13 @@ def reference(smollm2):
 
 
 @pytest.mark.parametrize(("weight_dtype", "min_agreement", "max_ppl_ratio"), [("int8", 0.90, 1.02),
-                                                                              ("int4", 0.0, 1.10)])
+                                                                              ("int4", 0.95, 1.10)])
 def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtype, min_agreement, max_ppl_ratio):
     prompts, continuations, ppl_fp32 = reference
     quantized = load_model("smollm2-135m", weight_dtype=weight_dtype)
     assert quantized.weight_format.name == weight_dtype
-    # the output head is quantized like the body (a packed copy of the tied table); the lookup stays exact
-    assert quantized.model.lm_head.method.name == weight_dtype
+    # the output head is int8 in both formats (a packed copy of the tied table); the lookup stays exact
+    assert quantized.model.lm_head.method.name == "int8"
     assert quantized.model.model.embed_tokens.weight.dtype == torch.float32
     agree = total = 0
     first_miss = []

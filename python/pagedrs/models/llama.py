@@ -264,7 +264,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaBody(config, fmt, device)
         self.rotary = Rotary(config).to(device)  # computed, never loaded
         h, vocab = config.hidden_size, config.vocab_size
-        self.lm_head = ReplicatedLinear(h, vocab, bias=False, method=fmt.method(h, vocab), device=device)
+        self.lm_head = ReplicatedLinear(h, vocab, bias=False, method=fmt.head_method(h, vocab), device=device)
         # dense and in the embedding's dtype: one tensor serves both (no copy of the largest matrix)
         self.shares_embedding = config.tie_word_embeddings and (
             isinstance(self.lm_head.method, DenseLinearMethod) and self.lm_head.weight.dtype == fmt.params_dtype
