@@ -12,6 +12,7 @@
 //! scheduled, so a later request in the same step already hits it: within one
 //! layer every K/V write happens before any attention read.
 
+mod admission;
 pub mod config;
 pub mod contiguous;
 pub mod kv_space;
@@ -24,7 +25,7 @@ use std::collections::HashMap;
 
 use crate::block_manager::{BlockManager, BlockManagerConfig, CopyPairs, SeqId, TokenId, TransferId};
 use crate::error::CoreError;
-pub use config::{KvConfig, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, SchedulerConfig};
+pub use config::{AdmissionConfig, AdmissionPolicy, KvConfig, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, SchedulerConfig};
 pub use contiguous::ContiguousSpace;
 pub use kv_space::KvSpace;
 pub use output::SchedulerOutput;
@@ -66,13 +67,14 @@ pub struct Scheduler {
     to_host: CopyPairs,
     to_device: CopyPairs,
     stats: SchedulerStats,
+    /// The expected-growth ratio and what finished sequences taught it.
+    admission: admission::AdmissionState,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, kv: Box<dyn KvSpace>) -> Result<Self, CoreError> {
         config.validate()?;
         Ok(Self {
-            config,
             kv,
             seqs: HashMap::new(),
             waiting: Vec::new(),
@@ -82,6 +84,8 @@ impl Scheduler {
             to_host: Vec::new(),
             to_device: Vec::new(),
             stats: SchedulerStats::default(),
+            admission: admission::AdmissionState::new(&config.admission),
+            config,
         })
     }
 
@@ -212,6 +216,8 @@ impl Scheduler {
             priority,
             arrival,
             reserve_tokens: self.reserve_tokens(longest),
+            prompt_len: tokens.len(),
+            max_len: longest.max(tokens.len()),
             tokens,
             kv_tokens: 0,
             num_computed: 0,
@@ -305,6 +311,7 @@ impl Scheduler {
     /// Ends a sequence (finished or aborted) and gives its pages back.
     pub fn finish(&mut self, id: SeqId) -> Result<(), CoreError> {
         let seq = self.seqs.remove(&id).ok_or(CoreError::UnknownSequence(id))?;
+        self.admission.observe_finish(&seq);
         if seq.has_pages() {
             self.kv.free(id)?;
         }
