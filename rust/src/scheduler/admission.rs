@@ -23,6 +23,13 @@
 //! steps while nothing is preempted, and each step that preempts halves its distance
 //! to 1. Pages are whole: a sequence's partly filled last page absorbs its first tokens
 //! for free, so short remainders cost nothing (last-page aware).
+//!
+//! Limits: a finishing sequence is credited with its whole block table, pages shared
+//! with a sibling or the prefix cache included (slightly optimistic); swapped-out
+//! sequences and the future forks of `n > 1` requests are not counted; and the rule
+//! trades occupancy for preemptions, which loses steps where a preemption is nearly
+//! free (swap on the CPU: `admission_policy = "prompt_only"` keeps the old rule).
+//! A step that schedules nothing else still admits on the prompt alone (liveness).
 
 use super::config::{AdmissionConfig, AdmissionPolicy, KvLayout};
 use super::sequence::Sequence;
