@@ -112,6 +112,23 @@ def test_preemption_keeps_greedy_output_and_frees_every_page(tiny_llama_dir, hf_
     assert stats["num_free_cpu_blocks"] == stats["num_cpu_blocks"]
 
 
+def test_expected_growth_admission_keeps_greedy_output_and_preempts_less(tiny_llama_dir, hf_model):
+    """Admission changes when a request starts, never what it generates; leaving room for
+    the running set's growth avoids most of the preemptions prompt-only admission causes."""
+    done, preemptions = {}, {}
+    for policy in ("prompt_only", "expected_growth"):
+        engine = make_engine(tiny_llama_dir, num_gpu_blocks=12, preemption_mode="recompute",
+                             enable_prefix_caching=False, watermark=0.0, admission_policy=policy)
+        prompts = make_prompts(engine, 8, seed=1)
+        done[policy] = run_all(engine, prompts, greedy(max_tokens=16))
+        preemptions[policy] = engine.stats()["num_preemptions"]
+        assert_all_free(engine)
+    for i, p in enumerate(prompts):
+        assert done["expected_growth"][f"r{i}"] == hf_greedy(hf_model, p, 16), f"request r{i}"
+    assert done["expected_growth"] == done["prompt_only"]
+    assert preemptions["expected_growth"] < preemptions["prompt_only"], preemptions
+
+
 def test_auto_preemption_uses_both_modes_by_cost(tiny_llama_dir, hf_model):
     """With swapping priced between a short and a long sequence's recompute, both happen."""
     engine = make_engine(tiny_llama_dir, num_gpu_blocks=12, preemption_mode="auto", swap_space_gb=0.01,
@@ -123,7 +140,7 @@ def test_auto_preemption_uses_both_modes_by_cost(tiny_llama_dir, hf_model):
     engine.scheduler = Scheduler(SchedulerConfig(
         num_gpu_blocks=plan.num_gpu_blocks, block_size=4, num_cpu_blocks=plan.num_cpu_blocks,
         enable_prefix_caching=False, max_model_len=256, preemption_mode="auto", swap_cost_per_block=1.0,
-        recompute_cost_per_token=0.5))
+        recompute_cost_per_token=0.5, admission_policy="prompt_only"))  # prompt-only: it must preempt
     prompts = make_prompts(engine, 8, seed=1)
     done = run_all(engine, prompts, greedy(max_tokens=16))
     for i, p in enumerate(prompts):

@@ -327,6 +327,7 @@ class PagePreemptionFuzzer(EngineFuzzer):
         engine = make_engine(
             self.model_dir, num_gpu_blocks=blocks, preemption_mode="swap", enable_prefix_caching=caching,
             max_num_batched_tokens=budget, max_model_len=40, swap_space_gb=host_gb,
+            admission_policy="prompt_only",  # optimistic admission: the pool must preempt
         )
         engine.scheduler.set_whole_sequence_swap(whole)
         self._start(engine)

@@ -81,8 +81,10 @@ def test_block_manager_swaps_out_only_exclusive_pages_and_swaps_them_back():
 
 
 def tiny_pool_engine(model_dir, *, whole_sequence_swap: bool = False, **kw) -> Engine:
-    """12 blocks of 4 tokens for requests of up to ~45 tokens: constant preemption."""
-    args = dict(num_gpu_blocks=12, preemption_mode="swap", swap_space_gb=0.01, watermark=0.0)
+    """12 blocks of 4 tokens for requests of up to ~45 tokens: constant preemption (optimistic
+    admission, which lets the running set grow into the pool, so that preemption happens)."""
+    args = dict(num_gpu_blocks=12, preemption_mode="swap", swap_space_gb=0.01, watermark=0.0,
+                admission_policy="prompt_only")
     args.update(kw)
     engine = make_engine(model_dir, **args)
     engine.scheduler.set_whole_sequence_swap(whole_sequence_swap)
@@ -148,7 +150,7 @@ def test_host_tier_for_prefix_pages_with_page_preemption_equals_transformers(tin
 
 def test_beam_search_under_page_preemption_equals_transformers(tiny_llama_dir, hf_model):
     llm = make_llm(tiny_llama_dir, num_gpu_blocks=30, preemption_mode="swap", swap_space_gb=0.01,
-                   max_num_batched_tokens=64)
+                   max_num_batched_tokens=64, admission_policy="prompt_only")
     engine = llm.engine
     params = BeamSearchParams(beam_width=4, max_tokens=24, ignore_eos=True)
     for i, p in enumerate(PROMPTS):

@@ -79,8 +79,9 @@ def test_tp2_equals_transformers_and_tp1_on_every_tiny_model(tiny_model_dir, tp2
 @pytest.mark.parametrize(
     "mode",
     [dict(enable_prefix_caching=True), dict(enable_prefix_caching=False, max_num_batched_tokens=5),
-     dict(num_gpu_blocks=14, preemption_mode="swap", watermark=0.0),
-     dict(num_gpu_blocks=14, preemption_mode="recompute", watermark=0.0)],
+     # prompt-only admission: a pool this small must preempt
+     dict(num_gpu_blocks=14, preemption_mode="swap", watermark=0.0, admission_policy="prompt_only"),
+     dict(num_gpu_blocks=14, preemption_mode="recompute", watermark=0.0, admission_policy="prompt_only")],
     ids=["prefix-caching", "chunked-prefill", "swap", "recompute"],
 )
 def test_tp2_equals_tp1_in_every_mode(tiny_llama_dir, tp2, mode):

@@ -124,6 +124,10 @@ class SchedulerConfig:
         host_cache_evicted: bool = False,
         num_disk_blocks: int = 0,
         sliding_window: int | None = None,  # every layer's window: pages outside it are released
+        admission_policy: str = "expected_growth",  # "expected_growth" | "prompt_only"
+        admission_init_ratio: float = 0.7,
+        admission_min_ratio: float = 0.1,
+        admission_decay_steps: int = 600,
     ) -> None: ...
     @property
     def num_gpu_blocks(self) -> int: ...
@@ -197,6 +201,9 @@ class Scheduler:
         """Pages the sequence's table holds (host ones while swapped, 0 while waiting), placeholders excluded."""
     def worst_case_blocks(self, prompt_len: int, max_tokens: int, num_samples: int = 1) -> int: ...
     def has_unfinished(self) -> bool: ...
+    @property
+    def admission_ratio(self) -> float:
+        """Share of its remaining max_tokens each running sequence is expected to still generate."""
     def stats(self) -> dict[str, int]: ...
     def page_tiers(self, seq_id: int) -> tuple[int, int]:
         """(device pages, host pages) of the sequence's block table; a paused one may hold both."""

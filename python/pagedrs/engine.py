@@ -88,6 +88,7 @@ class Engine:
             preemption_mode=args.preemption_mode,
             watermark=args.watermark,
             aging_steps=args.aging_steps,
+            admission_policy=args.admission_policy,
             swap_cost_per_block=plan.swap_cost_per_block,
             recompute_cost_per_token=plan.recompute_cost_per_token,
             host_cache_evicted=args.host_cache_evicted or tiers.host_cache_blocks > 0,

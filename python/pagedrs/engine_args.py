@@ -38,6 +38,9 @@ class EngineArgs:
     seed: int = 0
     watermark: float = 0.01  # fraction of device blocks kept free at admission
     aging_steps: int = 100  # waiting steps per priority level gained (anti-starvation)
+    # "expected_growth": a prompt is admitted only beside the room running sequences are
+    # expected to grow into (fewer preemptions); "prompt_only": its prompt's pages alone.
+    admission_policy: str = "expected_growth"
     host_cache_evicted: bool = False  # legacy switch: host-cache evicted pages in the swap pool's free blocks
     # Host tier for evicted prefix pages, added to the swap pool (GiB; 0 = off).
     # None = min(4 GiB, 10% of MemAvailable), and on a CPU device at most the device pool's size.
@@ -79,6 +82,7 @@ class EngineArgs:
         choice("contiguous_reserve", _RESERVE)
         choice("dtype", _DTYPES)
         choice("weight_dtype", _WEIGHT_DTYPES)
+        choice("admission_policy", ("expected_growth", "prompt_only"))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):

@@ -6,7 +6,7 @@ use pagedrs::block_manager::BlockManagerConfig;
 /// Page-granular preemption under a simulated runner (its own file: a bigger harness).
 #[path = "scheduler_page_preemption.rs"]
 mod page_preemption;
-use pagedrs::scheduler::{KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, Scheduler, SchedulerConfig};
+use pagedrs::scheduler::{AdmissionConfig, AdmissionPolicy, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, Scheduler, SchedulerConfig};
 
 fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
     SchedulerConfig {
@@ -17,6 +17,7 @@ fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
         watermark_blocks: 0,
         aging_steps: 0,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
+        admission: AdmissionConfig::default(),
         layout: KvLayout::Paged,
         sliding_window: None,
     }
@@ -498,4 +499,115 @@ fn a_sequence_preempted_while_idle_is_parked_until_it_gets_a_token() {
     assert_eq!(*out.input_ids.last().unwrap(), 9);
     assert_eq!(out.do_sample, vec![true]);
     s.check_invariants().unwrap();
+}
+
+fn with_admission(blocks: usize, admission: AdmissionConfig) -> Scheduler {
+    let bm = BlockManagerConfig { num_cpu_blocks: 64, ..BlockManagerConfig::new(blocks, 4) };
+    Scheduler::paged(SchedulerConfig { admission, ..config(64, PreemptionMode::Swap) }, bm).unwrap()
+}
+
+/// Runs every sequence to its `(id, prompt, max_tokens)` length, each step's sampled
+/// tokens appended (a sequence ends at max_tokens, like `ignore_eos`); returns the steps.
+fn run_to_completion(s: &mut Scheduler, requests: &[(u64, u32, usize)]) -> u64 {
+    for &(id, prompt, max_tokens) in requests {
+        s.add_sequence(id, tokens(100 * id as u32, prompt), 0, id, max_tokens, 1).unwrap();
+    }
+    let target: std::collections::HashMap<u64, usize> = requests.iter().map(|&(id, p, m)| (id, p as usize + m)).collect();
+    let mut steps = 0;
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap();
+        let ids: Vec<u64> = out.transfers.iter().map(|t| t.id).collect();
+        s.complete_transfers(&ids).unwrap();
+        s.check_invariants().unwrap();
+        for (i, &id) in out.seq_ids.iter().enumerate() {
+            if out.do_sample[i] {
+                s.append_token(id, 7).unwrap();
+                if s.num_tokens(id).unwrap() >= target[&id] {
+                    s.finish(id).unwrap();
+                }
+            }
+        }
+        steps += 1;
+        assert!(steps < 1000, "the workload must finish");
+    }
+    steps
+}
+
+#[test]
+fn expected_growth_holds_back_the_prompt_that_prompt_only_admission_preempts_for() {
+    // 8 blocks of 4 tokens; three 4-token prompts that each grow to 16 tokens (4 blocks).
+    // Prompt-only admission lets all three in (3 blocks) and decodes then preempt; the
+    // expected growth (ratio 0.7: 9 of 12 tokens, 4 blocks each) fits two, and the
+    // third starts when one of them has finished.
+    let requests = [(1, 4, 12), (2, 4, 12), (3, 4, 12)];
+    let prompt_only = AdmissionConfig { policy: AdmissionPolicy::PromptOnly, ..AdmissionConfig::default() };
+    let mut old = with_admission(8, prompt_only);
+    run_to_completion(&mut old, &requests);
+    let old_stats = old.stats();
+    assert!(old_stats.num_swap_preemptions + old_stats.num_recompute_preemptions > 0, "the old rule preempts here");
+
+    let mut new = with_admission(8, AdmissionConfig::default());
+    new.add_sequence(1, tokens(100, 4), 0, 1, 12, 1).unwrap();
+    new.add_sequence(2, tokens(200, 4), 0, 2, 12, 1).unwrap();
+    new.add_sequence(3, tokens(300, 4), 0, 3, 12, 1).unwrap();
+    let out = new.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![1, 2], "the third prompt waits for room to grow");
+    for id in [1, 2, 3] {
+        new.finish(id).unwrap();
+    }
+    let mut new = with_admission(8, AdmissionConfig::default());
+    run_to_completion(&mut new, &requests);
+    let stats = new.stats();
+    assert_eq!(stats.num_swap_preemptions + stats.num_recompute_preemptions, 0);
+    assert_eq!(new.kv().num_free_blocks(), 8);
+}
+
+#[test]
+fn a_lone_request_that_needs_the_whole_pool_still_runs() {
+    // 8 blocks of 4 tokens, 1 kept free by the watermark: a request growing to 32 tokens
+    // never fits beside its expected growth and the watermark, but it runs alone, and
+    // also after a smaller one ahead of it has finished.
+    let bm = BlockManagerConfig::new(8, 4);
+    let mut s = Scheduler::paged(SchedulerConfig { watermark_blocks: 1, ..config(64, PreemptionMode::Recompute) }, bm).unwrap();
+    run_to_completion(&mut s, &[(1, 4, 28)]);
+    run_to_completion(&mut s, &[(2, 4, 8), (3, 8, 24)]);
+    let stats = s.stats();
+    assert_eq!(stats.num_swap_preemptions + stats.num_recompute_preemptions, 0);
+    // Every token but each sequence's last (sampled, never fed back) is computed once.
+    assert_eq!(stats.decode_tokens + stats.prompt_tokens_computed, (32 - 1) + (12 - 1) + (32 - 1));
+    assert_eq!(s.kv().num_free_blocks(), 8);
+}
+
+#[test]
+fn the_ratio_decays_without_preemption_rises_after_one_and_learns_from_finished_sequences() {
+    let admission = AdmissionConfig { decay_steps: 10, ..AdmissionConfig::default() };
+    let mut s = with_admission(4, admission);
+    assert_eq!(s.admission_ratio(), 0.7);
+    for _ in 0..5 {
+        s.schedule().unwrap();
+    }
+    assert!((s.admission_ratio() - 0.4).abs() < 1e-9, "0.7 - 5 x 0.06, got {}", s.admission_ratio());
+    for _ in 0..20 {
+        s.schedule().unwrap();
+    }
+    assert!((s.admission_ratio() - 0.1).abs() < 1e-9, "floored at min_ratio, got {}", s.admission_ratio());
+    fill_four_blocks_then_grow(&mut s); // one more step
+    s.schedule().unwrap(); // preempts
+    assert!((s.admission_ratio() - 0.55).abs() < 1e-9, "halfway from 0.1 to 1, got {}", s.admission_ratio());
+    s.finish(1).unwrap();
+    s.finish(2).unwrap();
+    // Finished sequences that used about half their max_tokens set the floor near 0.5.
+    run_to_completion(&mut s, &[(3, 4, 4)]);
+    s.add_sequence(4, tokens(0, 4), 0, 4, 8, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(4, 7).unwrap();
+    s.schedule().unwrap();
+    s.append_token(4, 7).unwrap();
+    s.finish(4).unwrap(); // 2 of 8 outputs; with 4 of 4 before: 6 of 12
+    for _ in 0..100 {
+        s.schedule().unwrap();
+    }
+    // Recent finishes weigh more: the earlier one's counts are scaled by 0.98.
+    let floor = (4.0 * 0.98 + 2.0) / (4.0 * 0.98 + 8.0);
+    assert!((s.admission_ratio() - floor).abs() < 1e-9, "about 6 / 12 outputs used, got {}", s.admission_ratio());
 }

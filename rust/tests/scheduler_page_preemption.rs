@@ -6,7 +6,9 @@
 //! released while a paused sequence still needs it shows up as a wrong token.
 
 use pagedrs::block_manager::{BlockManagerConfig, Tier};
-use pagedrs::scheduler::{KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
+use pagedrs::scheduler::{
+    AdmissionConfig, AdmissionPolicy, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
+};
 use std::collections::BTreeMap;
 
 const BS: usize = 4;
@@ -85,6 +87,8 @@ fn run(seed: u64, whole_sequence_swap: bool, prefix_caching: bool, host_blocks: 
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
         layout: KvLayout::Paged,
         sliding_window: None,
+        // the optimistic rule: this harness is about what preemption does, so it must happen
+        admission: AdmissionConfig { policy: AdmissionPolicy::PromptOnly, ..AdmissionConfig::default() },
     };
     let gpu_blocks = 14;
     let bm = BlockManagerConfig {

@@ -3,7 +3,9 @@
 //! -1, and no slot of the step falls in one.
 
 use pagedrs::block_manager::BlockManagerConfig;
-use pagedrs::scheduler::{KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
+use pagedrs::scheduler::{
+    AdmissionConfig, AdmissionPolicy, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
+};
 
 fn windowed(window: Option<usize>, blocks: usize, cpu: usize, budget: usize) -> Scheduler {
     let cfg = SchedulerConfig {
@@ -16,6 +18,8 @@ fn windowed(window: Option<usize>, blocks: usize, cpu: usize, budget: usize) -> 
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
         layout: KvLayout::Paged,
         sliding_window: window,
+        // optimistic admission: the swap tests here need pools that preempt
+        admission: AdmissionConfig { policy: AdmissionPolicy::PromptOnly, ..AdmissionConfig::default() },
     };
     Scheduler::paged(cfg, BlockManagerConfig { num_cpu_blocks: cpu, ..BlockManagerConfig::new(blocks, 4) }).unwrap()
 }

@@ -67,6 +67,9 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
             max_model_len=spec.max_model_len,
             preemption_mode="swap" if mode == "swap-whole" else mode,
             enable_prefix_caching=False,  # recompute must really recompute
+            # Optimistic admission, so that the pool preempts: expected-growth admission (the
+            # default) avoids most preemptions, which is the throughput bench's business.
+            admission_policy="prompt_only",
             seed=spec.seed,
         )
         engine.scheduler.set_whole_sequence_swap(mode == "swap-whole")

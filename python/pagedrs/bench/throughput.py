@@ -74,6 +74,7 @@ def run_engine_system(cfg: BenchConfig, layout: str, workload: Workload, budget:
     )
     warm_up(engine, vocab)
     run = run_requests(engine, workload.requests, label=f"throughput {layout}")
+    admission = engine.args.admission_policy
     del engine
     gc.collect()
     timeline = Timeline(
@@ -91,6 +92,7 @@ def run_engine_system(cfg: BenchConfig, layout: str, workload: Workload, budget:
         bytes_per_token=budget.bytes_per_token,
     )
     result["num_preemptions"] = int(run.counters["num_preemptions"])
+    result["admission_policy"] = admission
     result["median_ttft_s"] = _median(list(run.ttft_s.values()))
     return result, run.output_token_ids
 
@@ -174,6 +176,9 @@ def _markdown(data: dict[str, Any], machine: str) -> str:
         f"Speedup (tokens/s): paged / contiguous = {data['speedup']['paged_vs_contiguous']:.2f}x, "
         f"paged / transformers = {data['speedup']['paged_vs_hf']:.2f}x.",
         f"Identical greedy outputs, paged vs contiguous: {data['paged_contiguous_identical_outputs']}.",
+        f"Paged admission: {data['paged'].get('admission_policy', '?')} (EngineArgs.admission_policy: "
+        "expected_growth admits a prompt only beside the room running sequences are expected to grow into; "
+        "prompt_only lets them grow into the pool and preempt).",
         f"Model {data['model']}, {data['dtype']}; one run each, timings exclude model loading.",
     ]
     return render("Throughput under one KV byte budget", markdown_table(rows, _COLUMNS), notes, machine)

@@ -45,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    engine.add_argument(
+        "--admission-policy", default="expected_growth", choices=["expected_growth", "prompt_only"],
+        help="admit a prompt only beside the running set's expected growth (default), or on its own pages",
+    )
     engine.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     engine.add_argument("--seed", type=int, default=0)
@@ -121,6 +125,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "preemption_mode": args.preemption_mode,
+        "admission_policy": args.admission_policy,
         "kv_layout": args.kv_layout,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,

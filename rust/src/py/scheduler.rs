@@ -6,7 +6,9 @@ use pyo3::types::{PyDict, PyList};
 
 use super::convert::core_err as to_py_err;
 use crate::block_manager::{DiskPage, SeqId, Transfer};
-use crate::scheduler::{KvConfig, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput};
+use crate::scheduler::{
+    AdmissionConfig, AdmissionPolicy, KvConfig, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
+};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
@@ -114,7 +116,8 @@ impl PySchedulerConfig {
         max_num_batched_tokens = 2048, max_model_len = 2048, preemption_mode = "auto",
         watermark = 0.0, aging_steps = 100, swap_cost_per_block = 1.0,
         recompute_cost_per_token = 1.0, host_cache_evicted = false, num_disk_blocks = 0,
-        sliding_window = None
+        sliding_window = None, admission_policy = "expected_growth", admission_init_ratio = 0.7, admission_min_ratio = 0.1,
+        admission_decay_steps = 600
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -135,6 +138,10 @@ impl PySchedulerConfig {
         host_cache_evicted: bool,
         num_disk_blocks: usize,
         sliding_window: Option<usize>,
+        admission_policy: &str,
+        admission_init_ratio: f64,
+        admission_min_ratio: f64,
+        admission_decay_steps: u64,
     ) -> PyResult<Self> {
         let layout = KvLayout::parse(kv_layout, contiguous_reserve).map_err(to_py_err)?;
         let sched = SchedulerConfig {
@@ -145,6 +152,12 @@ impl PySchedulerConfig {
             watermark_blocks: 0,
             aging_steps,
             cost: PreemptionCost { swap_cost_per_block, recompute_cost_per_token },
+            admission: AdmissionConfig {
+                policy: AdmissionPolicy::parse(admission_policy).map_err(to_py_err)?,
+                init_ratio: admission_init_ratio,
+                min_ratio: admission_min_ratio,
+                decay_steps: admission_decay_steps,
+            },
             layout,
             sliding_window,
         };
@@ -378,6 +391,12 @@ impl PyScheduler {
     #[getter]
     fn num_gpu_blocks(&self) -> usize {
         self.inner.kv().num_blocks()
+    }
+    /// Share of its remaining max_tokens each running sequence is expected to still
+    /// generate, as the next admission uses it (see `scheduler::admission`).
+    #[getter]
+    fn admission_ratio(&self) -> f64 {
+        self.inner.admission_ratio()
     }
 
     /// Scheduler and KV counters plus utilization, as one dict.

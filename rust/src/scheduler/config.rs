@@ -127,6 +127,66 @@ impl KvConfig {
     }
 }
 
+/// What a waiting prompt must leave room for before it is admitted (paged layout).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AdmissionPolicy {
+    /// Its prompt's pages and the watermark only: running sequences then grow into the
+    /// pool and decodes preempt (vLLM v0's rule).
+    PromptOnly,
+    /// Also the growth the running set and the prompt itself are expected to need at
+    /// their peak (see `scheduler::admission`).
+    ExpectedGrowth,
+}
+
+impl AdmissionPolicy {
+    pub fn parse(value: &str) -> Result<Self, CoreError> {
+        match value {
+            "prompt_only" => Ok(Self::PromptOnly),
+            "expected_growth" => Ok(Self::ExpectedGrowth),
+            other => Err(CoreError::InvalidArgument(format!(
+                "admission_policy is {other:?}; allowed: \"expected_growth\", \"prompt_only\""
+            ))),
+        }
+    }
+}
+
+/// The expected-growth rule's settings: each running sequence is expected to still
+/// generate `ratio x` its remaining `max_tokens`. The ratio starts at `init_ratio`,
+/// decays linearly to `min_ratio` over `decay_steps` steps without a preemption, and
+/// rises halfway to 1 after each step that preempts; it never goes below the share of
+/// their allowed outputs that finished sequences actually generated.
+#[derive(Clone, Copy, Debug)]
+pub struct AdmissionConfig {
+    pub policy: AdmissionPolicy,
+    pub init_ratio: f64,
+    pub min_ratio: f64,
+    pub decay_steps: u64,
+}
+
+impl Default for AdmissionConfig {
+    /// SGLang's defaults (0.7, about 0.1, 600 steps).
+    fn default() -> Self {
+        Self { policy: AdmissionPolicy::ExpectedGrowth, init_ratio: 0.7, min_ratio: 0.1, decay_steps: 600 }
+    }
+}
+
+impl AdmissionConfig {
+    pub fn validate(&self) -> Result<(), CoreError> {
+        for (name, value) in [("admission_init_ratio", self.init_ratio), ("admission_min_ratio", self.min_ratio)] {
+            if !(value.is_finite() && (0.0..=1.0).contains(&value)) {
+                return Err(CoreError::InvalidArgument(format!("{name} is {value}; it must be in [0, 1]")));
+            }
+        }
+        if self.min_ratio > self.init_ratio {
+            return Err(CoreError::InvalidArgument(format!(
+                "admission_min_ratio is {}; it must not exceed admission_init_ratio ({})",
+                self.min_ratio, self.init_ratio
+            )));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct SchedulerConfig {
     /// Most sequences in the running set.
@@ -142,6 +202,8 @@ pub struct SchedulerConfig {
     /// Steps a waiting sequence waits per priority level it gains (anti-starvation); 0 disables aging.
     pub aging_steps: u64,
     pub cost: PreemptionCost,
+    /// How much room a waiting prompt must leave for growth (paged layout only).
+    pub admission: AdmissionConfig,
     /// The layout, for the reservation rule of `add_sequence` (set by `Scheduler::build`).
     pub layout: KvLayout,
     /// The attention window of every layer (Mistral): after each step's commit, pages
@@ -174,6 +236,6 @@ impl SchedulerConfig {
                 return Err(CoreError::InvalidArgument(format!("{name} is {value}; it must be finite and >= 0")));
             }
         }
-        Ok(())
+        self.admission.validate()
     }
 }

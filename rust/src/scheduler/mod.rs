@@ -17,6 +17,7 @@
 //! `block_manager::window`), and a prompt is admitted chunk by chunk: its later chunks
 //! join the KV space in phase 1, as sampled tokens do, when they are scheduled.
 
+mod admission;
 pub mod config;
 pub mod contiguous;
 pub mod kv_space;
@@ -30,7 +31,7 @@ use std::collections::HashMap;
 
 use crate::block_manager::{BlockManager, BlockManagerConfig, CopyPairs, SeqId, TokenId, TransferId};
 use crate::error::CoreError;
-pub use config::{KvConfig, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, SchedulerConfig};
+pub use config::{AdmissionConfig, AdmissionPolicy, KvConfig, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, SchedulerConfig};
 pub use contiguous::ContiguousSpace;
 pub use kv_space::KvSpace;
 pub use output::SchedulerOutput;
@@ -81,13 +82,14 @@ pub struct Scheduler {
     stats: SchedulerStats,
     /// Swap preemption moves whole sequences (the baseline) instead of pages on demand.
     whole_sequence_swap: bool,
+    /// The expected-growth ratio and what finished sequences taught it.
+    admission: admission::AdmissionState,
 }
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, kv: Box<dyn KvSpace>) -> Result<Self, CoreError> {
         config.validate()?;
         Ok(Self {
-            config,
             kv,
             seqs: HashMap::new(),
             waiting: Vec::new(),
@@ -98,6 +100,8 @@ impl Scheduler {
             to_device: Vec::new(),
             stats: SchedulerStats::default(),
             whole_sequence_swap: false,
+            admission: admission::AdmissionState::new(&config.admission),
+            config,
         })
     }
 
@@ -235,6 +239,8 @@ impl Scheduler {
             priority,
             arrival,
             reserve_tokens: self.reserve_tokens(longest),
+            prompt_len: tokens.len(),
+            max_len: longest.max(tokens.len()),
             tokens,
             kv_tokens: 0,
             prefill_left: 0,
@@ -329,6 +335,7 @@ impl Scheduler {
     /// Ends a sequence (finished or aborted) and gives its pages back.
     pub fn finish(&mut self, id: SeqId) -> Result<(), CoreError> {
         let seq = self.seqs.remove(&id).ok_or(CoreError::UnknownSequence(id))?;
+        self.admission.observe_finish(&seq);
         if seq.has_pages() {
             self.kv.free(id)?;
         }

@@ -182,10 +182,12 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Admits waiting sequences in (aged) priority order while pages above the
-    /// watermark remain; stops at the first that does not fit, so order holds.
+    /// Admits waiting sequences in (aged) priority order while their prompt, the
+    /// expected growth and the watermark fit; stops at the first that does not, so
+    /// order holds.
     fn schedule_admissions(&mut self, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
         let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
+        self.refresh_admission_ratio();
         let seqs = &self.seqs;
         self.waiting.sort_by_key(|id| seqs[id].waiting_rank(now, aging));
         // Parked sequences (see `Sequence::parked`) stay out until they get a token.
@@ -196,11 +198,19 @@ impl Scheduler {
             let seq = &self.seqs[&id];
             let end = self.admission_end(seq, budget.tokens);
             let needed = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens);
-            // A step that runs nothing else admits without the watermark, or a large prompt
-            // could never start (an idle pool), nor the waiting sibling of beams that wait
-            // for its logits row (running, but with nothing to compute).
-            let watermark = if scheduled.is_empty() { 0 } else { self.config.watermark_blocks };
-            if needed == usize::MAX || needed + watermark > self.kv.num_free_blocks() {
+            // A step that runs nothing else admits on the prompt's pages alone (no watermark,
+            // no expected growth), or a large prompt could never start (an idle pool), nor
+            // the waiting sibling of beams that wait for its logits row (running, but with
+            // nothing to compute). Otherwise the room the running set is expected to grow
+            // into is kept too (see `admission`).
+            let fits = if needed == usize::MAX {
+                false
+            } else if scheduled.is_empty() {
+                needed <= self.kv.num_free_blocks()
+            } else {
+                self.admission_fits(id, needed, self.config.watermark_blocks)?
+            };
+            if !fits {
                 break;
             }
             self.admit(id, budget, scheduled)?;

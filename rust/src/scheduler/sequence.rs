@@ -38,6 +38,11 @@ pub struct Sequence {
     pub num_computed: usize,
     /// Length the contiguous layout reserves up front.
     pub reserve_tokens: usize,
+    /// Tokens of its prompt (the outputs follow them in `tokens`).
+    pub prompt_len: usize,
+    /// Longest it may grow: prompt + max_tokens, capped at max_model_len (admission
+    /// expects part of the rest to come, see `scheduler::admission`).
+    pub max_len: usize,
     pub status: SeqStatus,
     /// Step at which it last entered the waiting queue, for aging.
     pub waiting_since: u64,
