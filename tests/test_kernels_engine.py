@@ -84,7 +84,8 @@ def test_greedy_equals_transformers_with_prefix_caching_chunked_prefill_and_swap
     # 10 pages of 8 tokens for 8 requests of up to ~60 tokens: preemption by swapping;
     # a 24-token budget cuts prompts into chunks; a 17-token shared prefix gives prefix hits.
     engine = emulated_engine(folder, runtime, num_gpu_blocks=10, max_num_batched_tokens=24, max_num_seqs=6,
-                             preemption_mode="swap", enable_prefix_caching=True)  # fmt: skip
+                             preemption_mode="swap", enable_prefix_caching=True,
+                             admission_policy="prompt_only")  # optimistic admission: the pool must preempt
     ps = prompts(engine.loaded.config.vocab_size, 8, shared=17, seed=1)
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     done = run_all(engine, {f"r{i}": (p, params) for i, p in enumerate(ps)})
