@@ -87,9 +87,10 @@ def plot_prefix(data: dict[str, Any], plot_dir: str) -> list[str]:
 
 def plot_preemption(data: dict[str, Any], plot_dir: str) -> list[str]:
     plt = _pyplot()
-    modes = [m for m in ("swap", "recompute", "auto") if m in data]
-    fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
-    colors = ["#2a7ab9", "#d9822b", "#4c9a2a"][: len(modes)]
+    palette = {"swap": "#2a7ab9", "swap-whole": "#7fb3d9", "recompute": "#d9822b", "auto": "#4c9a2a"}
+    modes = [m for m in palette if m in data]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    colors = [palette[m] for m in modes]
     _bars(axes[0], modes, [data[m]["tokens_per_s"] for m in modes], colors, "{:.1f}")
     axes[0].set_title("tokens / s")
     _bars(axes[1], modes, [data[m]["pages_moved"] + data[m]["recomputed_tokens"] / data["block_size"] for m in modes], colors, "{:.0f}")
