@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from pagedrs.sampling_params import SamplingParams
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -26,12 +27,11 @@ def text_made_here(params: Any, tokenizer: Tokenizer) -> bool:
     """Whether the API side can make this request's text (then the core need not)."""
     if getattr(tokenizer, "hf", None) is None:  # skip_tokenizer_init: there is no text at all
         return False
-    if type(params).__name__ != "SamplingParams" or not getattr(params, "detokenize", False):
+    if not isinstance(params, SamplingParams) or not params.detokenize:
         return False
-    if getattr(params, "stop", None) or getattr(params, "use_beam_search", False):
+    if params.stop or params.use_beam_search:
         return False
-    best_of = getattr(params, "best_of", None)
-    return best_of is None or best_of == params.n
+    return params.best_of is None or params.best_of == params.n
 
 
 class RequestText:

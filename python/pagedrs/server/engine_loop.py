@@ -258,20 +258,14 @@ class EngineLoop:
         self._refresh_stats()
 
     def _apply_add(self, command: _Add) -> None:
+        error: Exception | None = None
         try:
             if self._closed is not None:
                 raise RuntimeError(self._closed)
             self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
         except Exception as exc:  # ValueError for bad input; anything else is reported the same way
-            with self._lock:
-                self._pending_adds -= 1
-            command.accepted.set_exception(exc)
-            return
-        self._sinks[command.request_id] = command.sink
-        with self._lock:  # moved from our queue to the engine's: num_waiting() stays exact
-            self._pending_adds -= 1
-            self._stats["num_waiting"] = int(self._stats.get("num_waiting", 0)) + 1
-        command.accepted.set_result(None)
+            error = exc
+        self._settle(command, error)
 
     def _on_ack(self, command: _Add, error: BaseException | None) -> None:
         """The engine's answer to a submitted add (engine thread): register it, or hand back its error."""
@@ -281,14 +275,20 @@ class EngineLoop:
         with self._lock:
             if self._unacked.pop(command.request_id, None) is None:
                 return  # already failed by _fail_queued_commands
+        self._settle(command, error)
+
+    def _settle(self, command: _Add, error: BaseException | None) -> None:
+        """An add the engine took (its deltas now go to its sink) or refused (the handler gets ``error``)."""
+        if error is None:
+            self._sinks[command.request_id] = command.sink
+        with self._lock:  # moved from our queue to the engine's: num_waiting() stays exact
             self._pending_adds -= 1
             if error is None:
                 self._stats["num_waiting"] = int(self._stats.get("num_waiting", 0)) + 1
-        if error is not None:
+        if error is None:
+            command.accepted.set_result(None)
+        else:
             command.accepted.set_exception(error)
-            return
-        self._sinks[command.request_id] = command.sink
-        command.accepted.set_result(None)
 
     def _step(self) -> None:
         try:
