@@ -129,6 +129,22 @@ def test_expected_growth_admission_keeps_greedy_output_and_preempts_less(tiny_ll
     assert preemptions["expected_growth"] < preemptions["prompt_only"], preemptions
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("admission_policy", "bogus", 'admission_policy is "bogus"'),
+    ("admission_init_ratio", float("nan"), "admission_init_ratio is NaN"),
+    ("admission_min_ratio", -0.5, "admission_min_ratio is -0.5"),
+    ("admission_init_ratio", float("inf"), "admission_init_ratio is inf"),
+])
+def test_bad_admission_settings_are_refused_naming_the_field(field, value, message):
+    from pagedrs._core import SchedulerConfig
+
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(num_gpu_blocks=8, block_size=4, **{field: value})
+    if field == "admission_policy":
+        with pytest.raises(ValueError, match="admission_policy"):
+            EngineArgs(admission_policy=value)
+
+
 def test_auto_preemption_uses_both_modes_by_cost(tiny_llama_dir, hf_model):
     """With swapping priced between a short and a long sequence's recompute, both happen."""
     engine = make_engine(tiny_llama_dir, num_gpu_blocks=12, preemption_mode="auto", swap_space_gb=0.01,
