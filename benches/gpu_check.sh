@@ -27,12 +27,12 @@ PYEOF
 
 status=0
 # --noconftest: tests/conftest.py builds tiny transformers models this check does not need.
-timeout 300 "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider tests/test_kernels.py || status=$?
-timeout 240 "$PY" benches/gpu_kernels.py || status=$?
+timeout 200 "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider tests/test_kernels.py || status=$?
+timeout 200 "$PY" benches/gpu_kernels.py || status=$?
 # 3. tensor parallelism over NCCL (min(2, visible GPUs) ranks) against one rank; needs transformers
 #    for the tiny test model, and skips without it.
 if "$PY" -c "import transformers" 2>/dev/null; then
-    timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_engine.py \
+    timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_tensor_parallel.py tests/test_engine.py \
         tests/test_kernels_engine.py || status=$?
 fi
 exit $status

