@@ -357,18 +357,41 @@ def test_a_failing_request_ends_with_an_error_and_the_others_continue(tiny_llama
     assert_all_free(engine)
 
 
+@pytest.fixture(scope="module")
+def head64_llama_dir(tmp_path_factory):
+    """The tiny llama with 4 heads of 64 (hidden 256): a geometry the CUDA kernels are built for."""
+    from conftest import make_tiny_model
+
+    folder = tmp_path_factory.mktemp("head64-llama-gpu")
+    make_tiny_model("llama", folder, hidden_size=256, intermediate_size=256, head_dim=64)
+    return folder
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["cuda", "torch"])
-def test_greedy_on_the_gpu_equals_the_cpu_reference(tiny_llama_dir, monkeypatch, backend):
-    """End to end on CUDA (kernels, or the torch reference path) against the CPU engine."""
-    if backend == "torch":
-        monkeypatch.setenv("PAGEDRS_ATTENTION_BACKEND", "torch")
-    cpu = make_engine(tiny_llama_dir)
+def test_greedy_on_the_gpu_equals_the_cpu_reference(head64_llama_dir, monkeypatch, backend):
+    """End to end on CUDA (the kernels, insisted on, or the torch reference path) against the CPU engine,
+    with swapping to the host tier."""
+    monkeypatch.delenv("PAGEDRS_ATTENTION_BACKEND", raising=False)
+    kw = dict(block_size=8, num_gpu_blocks=64, max_model_len=256)
+    cpu = make_engine(head64_llama_dir, **kw)
     prompts = make_prompts(cpu, 6, shared=9, seed=9)
     expected = run_all(cpu, prompts, greedy())
-    gpu = make_engine(tiny_llama_dir, device="cuda", num_gpu_blocks=12, preemption_mode="swap", swap_space_gb=0.01)
+    monkeypatch.setenv("PAGEDRS_ATTENTION_BACKEND", backend)
+    gpu = make_engine(
+        head64_llama_dir,
+        device="cuda",
+        **{**kw, "num_gpu_blocks": 6},
+        preemption_mode="swap",
+        swap_space_gb=0.01,
+        admission_policy="prompt_only",
+    )
+    assert type(gpu.executor.runner.backend).__name__ == (
+        "CudaAttentionBackend" if backend == "cuda" else "TorchAttentionBackend"
+    )
     assert run_all(gpu, prompts, greedy()) == expected
+    assert gpu.stats()["num_preemptions"] > 0  # the small pool made it swap
     assert_all_free(gpu)
 
 

@@ -160,3 +160,43 @@ def test_torch_backend_buckets_match_per_sequence_attention():
     )
     torch.testing.assert_close(backend.forward(query[:4], key_cache, value_cache, dm, 0.3),
                                _reference_attention(query[:4], key_cache, value_cache, dm, 0.3))
+
+
+def _pretend_cupy(monkeypatch) -> None:
+    """find_spec("cupy") answers as on a CUDA machine; nothing here touches a GPU."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "cupy" else real(name, *a))
+
+
+def test_an_unsupported_kernel_geometry_falls_back_to_torch_when_the_runner_is_built(monkeypatch, caplog):
+    """head_size 16 / block 4 has no CUDA kernel: `auto` says so once and runs the reference,
+    instead of every request failing in its first forward pass (seen on the first real GPU run)."""
+    from pagedrs.attention.cuda_backend import CudaAttentionBackend
+
+    _pretend_cupy(monkeypatch)
+    monkeypatch.delenv("PAGEDRS_ATTENTION_BACKEND", raising=False)
+    with caplog.at_level("WARNING", logger="pagedrs.attention"):
+        backend = get_backend("cuda", dtype=torch.float32, head_size=16, block_size=4)
+    assert isinstance(backend, TorchAttentionBackend)
+    assert "head_size=16" in caplog.text and "block_size=4" in caplog.text
+    supported = get_backend("cuda", dtype=torch.bfloat16, head_size=128, block_size=16)
+    assert isinstance(supported, CudaAttentionBackend)
+    monkeypatch.setenv("PAGEDRS_ATTENTION_BACKEND", "cuda")  # insisting on the kernels: refused by name
+    with pytest.raises(ValueError, match=r"PAGEDRS_ATTENTION_BACKEND=cuda cannot run here: .*head_size=16.*head_size in \["):
+        get_backend("cuda", dtype=torch.float32, head_size=16, block_size=4)
+    with pytest.raises(ValueError, match="needs a CUDA device; the model runs on cpu"):
+        get_backend("cpu")
+
+
+@pytest.mark.parametrize("value", ["Torch ", "", "auto"])
+def test_backend_choice_is_read_case_and_space_insensitively(monkeypatch, value):
+    monkeypatch.setenv("PAGEDRS_ATTENTION_BACKEND", value)
+    assert isinstance(get_backend("cpu"), TorchAttentionBackend)
+
+
+def test_an_unknown_backend_name_is_refused_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("PAGEDRS_ATTENTION_BACKEND", "triton")
+    with pytest.raises(ValueError, match=r"PAGEDRS_ATTENTION_BACKEND='triton' is not a backend; allowed: auto, torch, cuda"):
+        get_backend("cpu")

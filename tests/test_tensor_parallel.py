@@ -163,17 +163,21 @@ def test_the_embedded_smollm2_runs_on_three_ranks_and_refuses_two():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_tp_on_cuda_equals_one_rank(tiny_llama_dir):
-    """NCCL across min(2, visible GPUs) ranks against the one-rank CUDA engine."""
-    tp = min(2, torch.cuda.device_count())
-    kw = dict(BASE, device="cuda")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 CUDA devices")
+def test_tp_on_cuda_equals_one_rank(tmp_path, monkeypatch):
+    """NCCL across 2 ranks against the one-rank CUDA engine, through the CUDA kernels (a geometry they
+    are built for: heads of 64, block 8; PAGEDRS_ATTENTION_BACKEND=cuda refuses a silent fallback)."""
+    from conftest import make_tiny_model
+
+    make_tiny_model("llama", tmp_path, hidden_size=256, intermediate_size=256, head_dim=64)
+    monkeypatch.setenv("PAGEDRS_ATTENTION_BACKEND", "cuda")
+    kw = dict(BASE, device="cuda", block_size=8)
     prompts = prompts_for(shared=9)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    one = Engine(EngineArgs(model=str(tiny_llama_dir), **kw))
+    one = Engine(EngineArgs(model=str(tmp_path), **kw))
     expected = run(one, prompts, params)
     one.shutdown()
-    engine = Engine(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=tp, **kw))
+    engine = Engine(EngineArgs(model=str(tmp_path), tensor_parallel_size=2, **kw))
     try:
         assert run(engine, prompts, params) == expected
     finally:

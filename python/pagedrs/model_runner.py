@@ -42,7 +42,9 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.block_size = block_size
-        self.backend = backend if backend is not None else get_backend(self.device)
+        self.backend = backend if backend is not None else get_backend(
+            self.device, dtype=self.dtype, head_size=self.config.head_dim, block_size=block_size
+        )
         self.backend.check_model(self.config)
         c = self.config
         per_block = (c.num_hidden_layers, 2)
