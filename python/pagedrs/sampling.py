@@ -47,7 +47,7 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """One token per row of ``logits`` (float32 [S, V])."""
+    """One token per row of ``logits`` (float32 [S, V]); never writes into ``logits``."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(rows)} sampling rows")
     if not rows:
