@@ -93,13 +93,13 @@ class Rotary(nn.Module):
 
     The values of positions below ``TABLE_POSITIONS`` (and the model's
     ``max_position_embeddings``) are computed once, on first use, into a table that each
-    step indexes: one ``index_select`` instead of about eight small ops per step, which is
-    most of what a batch-1 decode step pays here. A table entry is the same elementwise
+    step indexes: one ``index_select`` instead of about eight small ops per step (at batch 1
+    each op costs about as much as its work). A table entry is the same elementwise
     product, cosine and sine as the direct formula, so the bits are the same; positions
     past the table take the direct formula.
     """
 
-    TABLE_POSITIONS = 1 << 16  # 32 KiB per position at head_dim 128: 64 MiB at most, 2 MiB for SmolLM2
+    TABLE_POSITIONS = 1 << 16  # 512 bytes per position at head_dim 128: 32 MiB at most; 2 MiB for SmolLM2
 
     inv_freq: torch.Tensor
 
