@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ def kernel_pass_seconds(model: torch.nn.Module, repeats: int = 7) -> float:
     intermediate = layers[0].gate_up(torch.zeros(1, hidden)).shape[1] // 2
     inputs = [torch.randn(1, intermediate if width is None else width) for _, width in calls]
     head_input = torch.randn(1, hidden)
-    head = model._bound_head  # type: ignore[attr-defined]
+    head: Any = model._bound_head
 
     def one_pass() -> None:
         for (fn, _), x in zip(calls, inputs, strict=True):
@@ -71,7 +72,8 @@ def main() -> None:
         weight_bytes = loaded.model.weight_bytes()
         seconds = kernel_pass_seconds(loaded.model)
         bound = bandwidth / weight_bytes
-        print(f"| {loaded.weight_format.name} | {seconds * 1e3:.2f} | {weight_bytes / seconds / 1e9:.1f} | "
+        name = loaded.weight_format.name if loaded.weight_format else fmt
+        print(f"| {name} | {seconds * 1e3:.2f} | {weight_bytes / seconds / 1e9:.1f} | "
               f"{1 / seconds:.0f} | {bound:.0f} | {1 / seconds / bound:.0%} |")
         del loaded
     print(f"Machine: {describe_machine().describe()}")

@@ -120,7 +120,8 @@ def main() -> None:
           f"{args.batch * args.tokens / wall:.1f} tokens/s")
     for key, seconds in sorted(acc.items(), key=lambda kv: -kv[1]):
         print(f"  {key:40s} {seconds:8.3f} s {seconds / total:7.1%}")
-    print(f"weights {engine.loaded.weight_format.name}")
+    weight_format = engine.loaded.weight_format
+    print(f"weights {weight_format.name if weight_format else args.weight_dtype}")
     if isinstance(profiler, torch.profiler.profile):
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
     print(f"Machine: {describe_machine().describe()}")  # torch threads as the engine set them
