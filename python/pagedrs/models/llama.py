@@ -91,7 +91,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """cos/sin at arbitrary positions (tokens of one step are not contiguous across sequences).
 
-    The values of positions below ``TABLE_POSITIONS`` (and the model's
+    On the CPU, the values of positions below ``TABLE_POSITIONS`` (and the model's
     ``max_position_embeddings``) are computed once, on first use, into a table that each
     step indexes: one ``index_select`` instead of about eight small ops per step (at batch 1
     each op costs about as much as its work). A table entry is the same elementwise
@@ -111,13 +111,16 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, head_dim / 2]: one half, since rotate-half uses the same angle in both."""
+        if positions.device.type != "cpu":  # an index past the table is a device-side assert there, not an error
+            cos, sin = self._cos_sin(positions)
+            return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
         table = self._table
         if table is None or table.device != self.inv_freq.device:
             positions_all = torch.arange(self.table_positions, device=self.inv_freq.device)
             table = self._table = torch.stack(self._cos_sin(positions_all), dim=1)
         try:
             cos_sin = table.index_select(0, positions)  # [T, 2, d/2]
-        except IndexError:  # a position past the table
+        except IndexError:  # a position past the table (checked by index_select on the CPU)
             cos, sin = self._cos_sin(positions)
             return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
         if dtype != cos_sin.dtype:
