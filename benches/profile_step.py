@@ -4,18 +4,24 @@ Runs SmolLM2 offline at batch 32 (32 prompts of 120 random tokens, 64 greedy tok
 and times the phases of every step: the core's schedule (Rust), the StepInput conversion,
 the executor (input preparation + forward), and the engine's sampling and output handling.
 It answers whether overlapping the next step's scheduling with the forward could pay.
+Inside the executor, the model's linear layers (GEMM or packed int8/int4 kernel, with the
+activation casts the packed kernels need) are timed apart: what is left of the forward is
+attention, norms, rotary and the Python around them. ``--torch-profile N`` adds
+torch.profiler's N costliest ops (self CPU time) of the same run.
 
-    python benches/profile_step.py [--threads N]
+    python benches/profile_step.py [--threads N] [--batch B] [--weight-dtype int8] [--torch-profile 25]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import time
 from typing import Any
 
 import numpy as np
+import torch
 
 import pagedrs.engine as engine_module
 from pagedrs import LLM, SamplingParams
@@ -52,13 +58,35 @@ def _timed(obj: Any, name: str, key: str, acc: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
+def _time_linears(model: Any, acc: dict[str, float]) -> None:
+    """Times the bound linear closures the forward pass calls (see ``LinearMethod.bind``)."""
+    key = "  of which linear layers (kernels + casts)"
+
+    def timed(fn: Any) -> Any:
+        def wrapper(x: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(x)
+            finally:
+                acc[key] += time.perf_counter() - start
+
+        return wrapper
+
+    for layer in model.bind():
+        layer.qkv, layer.o, layer.gate_up, layer.down = (timed(f) for f in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    model._bound_head = timed(model._bound_head)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"])
+    parser.add_argument("--torch-profile", type=int, default=0, metavar="N", help="print torch.profiler's top N ops")
     args = parser.parse_args()
-    llm = LLM(model="smollm2-135m", max_model_len=512, cpu_threads=args.threads, max_num_seqs=args.batch)
+    llm = LLM(model="smollm2-135m", max_model_len=512, cpu_threads=args.threads, max_num_seqs=args.batch,
+              weight_dtype=args.weight_dtype)
     engine = llm.engine
     acc: dict[str, float] = collections.defaultdict(float)
     engine.scheduler = _TimedScheduler(engine.scheduler, acc)  # type: ignore[assignment]
@@ -75,19 +103,27 @@ def main() -> None:
     _timed(engine.executor, "execute", "executor.execute (inputs + forward)", acc)
     for name in ("_rows", "_draws", "_sample_attributed", "_decide", "_carry_out", "_collect"):
         _timed(engine, name, f"engine.{name}", acc)
+    _time_linears(engine.executor.loaded.model, acc)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, 120).tolist()} for _ in range(args.batch)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     acc.clear()
     _timed(engine, "step", "Engine.step (total)", acc)
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    profiler = torch.profiler.profile() if args.torch_profile else contextlib.nullcontext()
     start = time.perf_counter()
-    llm.generate(prompts, SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    with profiler:
+        llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     total = acc["Engine.step (total)"]
     print(f"batch {args.batch} x {args.tokens} tokens, {args.threads} threads: {wall:.2f} s wall, "
           f"{args.batch * args.tokens / wall:.1f} tokens/s")
     for key, seconds in sorted(acc.items(), key=lambda kv: -kv[1]):
         print(f"  {key:40s} {seconds:8.3f} s {seconds / total:7.1%}")
+    weight_format = engine.loaded.weight_format
+    print(f"weights {weight_format.name if weight_format else args.weight_dtype}")
+    if isinstance(profiler, torch.profiler.profile):
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
     print(f"Machine: {describe_machine().describe()}")  # torch threads as the engine set them
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedrs.models import quant
+from pagedrs.models.config import ModelConfig
 from pagedrs.models.layers import (
     ColumnParallelLinear,
     DenseLinearMethod,
@@ -20,7 +21,7 @@ from pagedrs.models.layers import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from pagedrs.models.llama import apply_rotary_, rms_norm
+from pagedrs.models.llama import Rotary, apply_rotary_, rms_norm
 from pagedrs.models.quant import (
     Int4WeightOnlyMethod,
     Int8WeightOnlyMethod,
@@ -250,3 +251,24 @@ def test_rotary_in_place_over_query_and_key_heads_is_transformers_rotate_half(ge
     apply_rotary_(fused[:, : heads * d].view(t, heads, d), cos, sin)
     assert torch.equal(fused[:, : heads * d].view(t, heads, d), expected)
     assert torch.equal(fused[:, heads * d :], tail)  # the view's neighbours are untouched
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rotary_table_gives_the_direct_formulas_bits_inside_and_past_it(head_dim):
+    """A step's cos/sin come from the table made on first use; positions past it (here past a
+    100-position model) take the direct formula; both are the formula's bits, in any order."""
+    config = ModelConfig.from_hf_dict({
+        "model_type": "llama", "vocab_size": 8, "hidden_size": 2 * head_dim, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": head_dim, "max_position_embeddings": 100,
+        "rope_theta": 500000.0,
+    })
+    rotary = Rotary(config)
+    positions = torch.tensor([99, 0, 37, 5, 6, 98, 1, 64])  # several sequences' tokens, as a step mixes them
+    for batch in (positions, positions[:1], positions[3:6], torch.tensor([100, 7, 4000])):
+        freqs = batch[:, None].float() * rotary.inv_freq[None, :]
+        for dtype in (torch.float32, torch.bfloat16):
+            cos, sin = rotary(batch, dtype)
+            assert cos.shape == sin.shape == (len(batch), 1, head_dim // 2) and cos.dtype == sin.dtype == dtype
+            assert torch.equal(cos[:, 0], freqs.cos().to(dtype)) and torch.equal(sin[:, 0], freqs.sin().to(dtype))
+    assert rotary._table is not None and rotary._table.shape == (100, 2, head_dim // 2)
+

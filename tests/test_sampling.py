@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagedrs.sampling import SamplingRow, apply_penalties, sample
+from pagedrs.sampling import SamplingRow, apply_penalties, argmax_rows, sample
 from pagedrs.sampling_params import SamplingParams
 
 # token 0..4 carry 0.4, 0.3, 0.15, 0.1, 0.05 of the mass; 5..9 are impossible
@@ -111,6 +111,55 @@ def test_min_tokens_masks_eos_and_stop_ids():
     params = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
     assert sample(logits, [_row(params, out=[1], eos_token_ids=frozenset({2}))])[0].token_id == 4
     assert sample(logits, [_row(params, out=[1, 1], eos_token_ids=frozenset({2}))])[0].token_id == 2
+
+
+def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities():
+    """The numpy fast path answers what torch.argmax answers: the first maximal index, NaN as maximal."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 4, (64, 50), generator=gen).float()  # a handful of values: ties in every row
+    x[3, [7, 20]] = float("nan")
+    x[4] = float("-inf")
+    x[5, [2, 40]] = float("inf")
+    x[6, 10:] = float("-inf")
+    x[7, 0] = float("nan")
+    for case in (x, x.t().contiguous().t(), x[:, 5:], x.to(torch.bfloat16), torch.randn(3, 49152, generator=gen)):
+        assert argmax_rows(case).tolist() == case.argmax(dim=-1).tolist()
+    assert argmax_rows(x).dtype == torch.int64
+
+
+def test_greedy_batch_equals_the_reference_path_with_logprobs_penalties_and_seeds():
+    """Greedy rows take the argmax of the raw logits (or of the penalized ones) and report the
+    raw log-softmax, whatever the other rows of the batch ask for."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 1000, generator=gen) * 3
+    before = logits.clone()
+    rows = [
+        _row(SamplingParams(temperature=0)),
+        _row(SamplingParams(temperature=0, logprobs=3)),
+        _row(SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=2.0), out=[], prompt=[]),
+        _row(SamplingParams(temperature=0, frequency_penalty=2.0), out=[0, 0]),
+        _row(SamplingParams(temperature=0.8, seed=7)),
+    ]
+    # rows 2 and 3 are penalized at the raw argmax, so the penalty must move them
+    top = logits.argmax(-1)
+    rows[2] = _row(rows[2].params, out=[int(top[2])])
+    rows[3] = _row(rows[3].params, out=[int(top[3])] * 5)
+    results = sample(logits, rows)
+    assert sample(logits[3:4], rows[3:4])[0].token_id == results[3].token_id  # a view: frequency alone, in place
+    assert torch.equal(logits, before)  # penalties never write into the caller's logits
+    raw = torch.log_softmax(logits, -1)
+    penalized = apply_penalties(logits.clone(), rows)
+    expected = [int(top[0]), int(top[1]), int(penalized[2].argmax()), int(penalized[3].argmax())]
+    assert [r.token_id for r in results[:4]] == expected
+    assert expected[2] != top[2] and expected[3] != top[3]
+    assert [r.logprob for r in results[:4]] == [raw[i, t].item() for i, t in enumerate(expected)]
+    top3 = raw[1].topk(3)
+    want = dict(zip(top3.indices.tolist(), top3.values.tolist(), strict=True))
+    assert results[1].top_logprobs == {**want, expected[1]: raw[1, expected[1]].item()}
+    assert results[0].top_logprobs is None
+    # the seeded row draws what it draws alone
+    alone = sample(logits[4:].clone(), [_row(SamplingParams(temperature=0.8, seed=7))])
+    assert results[4].token_id == alone[0].token_id
 
 
 @pytest.mark.parametrize(

@@ -308,8 +308,11 @@ class Engine:
             part = draws[start : start + chunk]
             rows = [self._sampling_row(request, s) for _, request, s in part]
             index = [row for row, _, _ in part]
+            # every row once, in order (a step without n > 1 or beams): the logits themselves, not an
+            # indexed copy (18 us at batch 1, a 6 MB copy at 32; sample() never writes into them)
+            part_logits = logits if index == list(range(logits.shape[0])) else logits[index]
             try:
-                results.extend(sample(logits[index], rows))
+                results.extend(sample(part_logits, rows))
                 continue
             except Exception:  # noqa: BLE001 - find the row(s) that fail
                 pass

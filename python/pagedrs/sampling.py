@@ -47,20 +47,22 @@ class SampleResult:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
-    """One token per row of ``logits`` (float32 [S, V])."""
+    """One token per row of ``logits`` (float32 [S, V]); never writes into ``logits``."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(rows)} sampling rows")
     if not rows:
         return []
     device = logits.device
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    x = apply_penalties(logits.float().clone(), rows)
-    mask_min_tokens(x, rows)
-    greedy_ids = x.argmax(dim=-1)
-    is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=device)
-    if bool(is_greedy.all()):
+    x = logits.float()
+    if _changes_logits(rows):  # penalties and min_tokens write in place: never into the caller's logits
+        x = apply_penalties(x.clone(), rows)
+        mask_min_tokens(x, rows)
+    greedy_ids = argmax_rows(x)
+    if all(r.params.is_greedy for r in rows):
         token_ids = greedy_ids
     else:
+        is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=device)
         temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in rows], device=device)
         x = x / temps[:, None]
         x = apply_min_p(x, torch.tensor([r.params.min_p for r in rows], device=device))
@@ -73,6 +75,31 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         sampled = _exponential_race(torch.softmax(x, dim=-1), rows)
         token_ids = torch.where(is_greedy, greedy_ids, sampled)
     return _results(token_ids, logprobs, rows)
+
+
+def _changes_logits(rows: list[SamplingRow]) -> bool:
+    """Whether any row has a penalty or a min_tokens mask to apply (a greedy batch usually has neither,
+    and then the sampler reads the logits without copying them)."""
+    return any(
+        r.params.repetition_penalty != 1.0
+        or r.params.frequency_penalty
+        or r.params.presence_penalty
+        or len(r.output_token_ids) < r.params.min_tokens
+        for r in rows
+    )
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for 2-D ``x``, with the same answer: the first maximal index, NaN
+    counting as maximal (numpy's rule too).
+
+    On the CPU, float32 rows go through numpy, whose SIMD argmax measured 12x faster than
+    torch's here (113 us against 1.3 ms for 32 x 49152 logits on one thread: a greedy
+    batch's largest cost outside the model). Other devices and dtypes stay with torch.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype("int64", copy=False))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -137,7 +164,7 @@ def _exponential_race(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     for i, r in enumerate(rows):
         if r.generator is not None:
             q[i].exponential_(generator=r.generator)
-    return (probs / q.clamp_min(1e-30)).argmax(dim=-1)
+    return argmax_rows(probs / q.clamp_min(1e-30))
 
 
 def _token_counts(token_lists: list[list[int]], num_seqs: int, vocab: int, device: torch.device) -> torch.Tensor:
@@ -160,7 +187,7 @@ def _results(token_ids: torch.Tensor, logprobs: torch.Tensor, rows: list[Samplin
     ids = token_ids.tolist()
     chosen = logprobs.gather(1, token_ids[:, None].long())[:, 0].tolist()
     max_k = max((r.params.logprobs or 0) for r in rows)
-    top_vals, top_ids = (logprobs.topk(max_k, dim=-1) if max_k else (None, None))
+    top_vals, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
     results = []
     for i, r in enumerate(rows):
         top: dict[int, float] | None = None

@@ -89,18 +89,48 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """cos/sin at arbitrary positions (tokens of one step are not contiguous across sequences)."""
+    """cos/sin at arbitrary positions (tokens of one step are not contiguous across sequences).
+
+    On the CPU, the values of positions below ``TABLE_POSITIONS`` (and the model's
+    ``max_position_embeddings``) are computed once, on first use, into a table that each
+    step indexes: one ``index_select`` instead of about eight small ops per step (at batch 1
+    each op costs about as much as its work). A table entry is the same elementwise
+    product, cosine and sine as the direct formula, so the bits are the same; positions
+    past the table take the direct formula.
+    """
+
+    TABLE_POSITIONS = 1 << 16  # 512 bytes per position at head_dim 128: 32 MiB at most; 2 MiB for SmolLM2
 
     inv_freq: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.table_positions = min(config.max_position_embeddings, self.TABLE_POSITIONS)
+        self._table: torch.Tensor | None = None  # float32 [table_positions, 2, head_dim / 2]: cos, sin
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, head_dim / 2]: one half, since rotate-half uses the same angle in both."""
+        if positions.device.type != "cpu":  # an index past the table is a device-side assert there, not an error
+            cos, sin = self._cos_sin(positions)
+            return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        table = self._table
+        if table is None or table.device != self.inv_freq.device:
+            positions_all = torch.arange(self.table_positions, device=self.inv_freq.device)
+            table = self._table = torch.stack(self._cos_sin(positions_all), dim=1)
+        try:
+            cos_sin = table.index_select(0, positions)  # [T, 2, d/2]
+        except IndexError:  # a position past the table (checked by index_select on the CPU)
+            cos, sin = self._cos_sin(positions)
+            return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+        if dtype != cos_sin.dtype:
+            cos_sin = cos_sin.to(dtype)
+        return cos_sin[:, :1], cos_sin[:, 1:]
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos and sin [T, d/2] of ``positions`` (int64 [T])."""
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()  # [T, d/2]
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        return freqs.cos(), freqs.sin()
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
