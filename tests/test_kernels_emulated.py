@@ -109,9 +109,10 @@ def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed, window=No
 
 
 def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, num_sms, schedule, seed=0, parts=None,
-                    files=None, window=None, placeholder=None):  # fmt: skip
+                    files=None, window=None, placeholder=None, variant="v1"):  # fmt: skip
     """Backend output == float64 reference within the dtype's tolerance; ``files`` replaces cuda/;
-    ``window``: a sliding window, with the pages before it released (see ``_case``)."""
+    ``window``: a sliding window, with the pages before it released (see ``_case``); ``variant``:
+    the backend's kernel variant (v2: decode tokens by the v2 kernel, prefill chunks by v1)."""
     dtype, tol = DTYPES[dtype_name]
     q, kc, vc, clean_k, clean_v, clean_tables, meta = _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed,
                                                             window, placeholder)  # fmt: skip
@@ -120,7 +121,7 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
     ref_meta = dataclasses.replace(meta, block_tables=clean_tables)
     want = TorchAttentionBackend().forward(q.double(), clean_k.double(), clean_v.double(), ref_meta, scale, sliding_window=window)
     runtime = EmulatedRuntime(schedule=schedule, seed=seed, files=files)
-    backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime)
+    backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime, variant=variant)
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     got = backend.forward(q, kc, vc, meta, scale, sliding_window=window, out=out)
     split = meta.plan.split_for(window)
@@ -130,7 +131,11 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
     err = _rel_err(got, want)
     assert err <= tol, f"rel err {err:.3g} > {tol} ({dtype_name}, split={split}, {schedule})"
     launched = [name.split("<")[0] for name, _, _ in runtime.launches]
-    assert launched == ["pagedrs::paged_attention_kernel"] + (["pagedrs::attention_reduce_kernel"] if split.num_parts > 1 else [])
+    if variant == "v1":
+        kernels = ["pagedrs::paged_attention_kernel"]
+    else:
+        kernels = ["pagedrs::paged_attention_v2_kernel"] * (1 in q_lens) + ["pagedrs::paged_attention_kernel"] * (max(q_lens) > 1)
+    assert launched == kernels + (["pagedrs::attention_reduce_kernel"] if split.num_parts > 1 else [])
 
 
 # ---------------------------------------------------------------- attention
