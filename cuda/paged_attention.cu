@@ -75,6 +75,44 @@ __device__ __forceinline__ const T* kv_row(const T* __restrict__ cache, const in
   return cache + ((block * BLOCK + t % BLOCK) * num_kv_heads + kv_head) * HEAD;
 }
 
+// The rows and keys of one thread block, for both attention kernels. Key range: from
+// the first row's first visible key to the last row's causal limit; a partition is
+// `part_tokens` of it (contexts < 2^30: no int overflow).
+struct BlockWork {
+  int seq, row0, q_begin, nrows;
+  int pos0;        // position of the sequence's first new token
+  int kbeg, kend;  // keys of this partition: [kbeg, kend)
+};
+__device__ __forceinline__ BlockWork block_work(const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+                                                const int* __restrict__ work_items, int group, int max_rows,
+                                                int part_tokens, int window) {
+  const int seq = work_items[2 * blockIdx.y];
+  const int row0 = work_items[2 * blockIdx.y + 1];
+  const int part = blockIdx.z;
+  const int q_begin = query_start_loc[seq];
+  const int q_len = query_start_loc[seq + 1] - q_begin;
+  const int ctx = seq_lens[seq];
+  const int nrows = min(max_rows, q_len * group - row0);
+  const int pos0 = ctx - q_len;
+  const int key_begin = window > 0 ? max(0, pos0 + row0 / group - window + 1) : 0;
+  const int key_end = pos0 + (row0 + nrows - 1) / group + 1;
+  const int kbeg = key_begin + part * part_tokens;
+  const int kend = min(kbeg + part_tokens, key_end);
+  return BlockWork{seq, row0, q_begin, nrows, pos0, kbeg, kend};
+}
+
+// A partition with no key for any row of the block: (max, sum) = (-inf, 0) tells the
+// reduce kernel to skip it.
+__device__ __forceinline__ void mark_empty_partition(float* __restrict__ part_ml, const BlockWork& w, int group,
+                                                     int num_heads, int kv_head) {
+  for (int r = threadIdx.x; r < w.nrows; r += blockDim.x) {
+    const int grow = w.row0 + r;
+    const long long ml = ((static_cast<long long>(w.q_begin + grow / group) * num_heads + kv_head * group + grow % group) * gridDim.z + blockIdx.z) * 2;
+    part_ml[ml] = kNegInf();
+    part_ml[ml + 1] = 0.f;
+  }
+}
+
 // grid (num_kv_heads, num_work_items, num_parts), block kThreads, static shared memory < 48 KiB.
 template <typename T, int HEAD, int BLOCK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_kernel(
@@ -102,30 +140,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int kv_head = blockIdx.x;
-  const int seq = work_items[2 * blockIdx.y];
-  const int row0 = work_items[2 * blockIdx.y + 1];
   const int part = blockIdx.z, num_parts = gridDim.z;
-  const int q_begin = query_start_loc[seq];
-  const int q_len = query_start_loc[seq + 1] - q_begin;
-  const int ctx = seq_lens[seq];
-  const int nrows = min(kMaxRows, q_len * group - row0);
   const int num_heads = num_kv_heads * group;
-  const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
-
-  // Key range of this block: from the first row's first visible key to the last row's
-  // causal limit; a partition is `part_tokens` of it (contexts < 2^30: no int overflow).
-  const int pos0 = ctx - q_len;  // position of the sequence's first new token
-  const int key_begin = window > 0 ? max(0, pos0 + row0 / group - window + 1) : 0;
-  const int key_end = pos0 + (row0 + nrows - 1) / group + 1;
-  const int kbeg = key_begin + part * part_tokens;
-  const int kend = min(kbeg + part_tokens, key_end);
-  if (kbeg >= kend) {  // no key here for any row: tell the reduce kernel (uniform branch)
-    for (int r = tid; r < nrows; r += kThreads) {
-      const int grow = row0 + r;
-      const long long ml = ((static_cast<long long>(q_begin + grow / group) * num_heads + kv_head * group + grow % group) * num_parts + part) * 2;
-      part_ml[ml] = kNegInf();
-      part_ml[ml + 1] = 0.f;
-    }
+  const BlockWork work = block_work(seq_lens, query_start_loc, work_items, group, kMaxRows, part_tokens, window);
+  const int row0 = work.row0, q_begin = work.q_begin, nrows = work.nrows, pos0 = work.pos0, kbeg = work.kbeg, kend = work.kend;
+  const int* table = block_tables + static_cast<long long>(work.seq) * max_blocks_per_seq;
+  if (kbeg >= kend) {  // no key here for any row (uniform branch)
+    mark_empty_partition(part_ml, work, group, num_heads, kv_head);
     return;
   }
 
@@ -334,6 +355,11 @@ struct WarpShape {
   static constexpr int S = 32 / L;                                // keys read side by side
   static constexpr int SLOTS = L / kRowsV2;                       // keys per lane per chunk
   static constexpr int CHUNK = S * SLOTS;                         // keys per warp per chunk
+  // V issued before the scores and the next K before the softmax (in flight longer),
+  // unless K and V of a chunk would take more than 16 registers each (the L = 32
+  // layouts: head 256, float32 heads >= 80): those issue V after the scores and the
+  // next K after p @ V, so that at most one chunk's K or V is live at a time
+  static constexpr bool EARLY_V = SLOTS * VPT <= 4;
   static_assert(HEAD % VEC == 0, "head size must be a multiple of 16 bytes");
   static_assert(L >= kRowsV2 && L % kRowsV2 == 0, "a lane group must hold one score per lane");
 };
@@ -405,29 +431,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int sl = lane / L, gl = lane % L;  // key slice; lane within the key's group
   const int kv_head = blockIdx.x;
-  const int seq = work_items[2 * blockIdx.y];
-  const int row0 = work_items[2 * blockIdx.y + 1];
   const int part = blockIdx.z, num_parts = gridDim.z;
-  const int q_begin = query_start_loc[seq];
-  const int q_len = query_start_loc[seq + 1] - q_begin;
-  const int ctx = seq_lens[seq];
-  const int nrows = min(R, q_len * group - row0);
   const int num_heads = num_kv_heads * group;
-  const int* table = block_tables + static_cast<long long>(seq) * max_blocks_per_seq;
-
-  // Key range of the block and of this partition: as in paged_attention_kernel.
-  const int pos0 = ctx - q_len;
-  const int key_begin = window > 0 ? max(0, pos0 + row0 / group - window + 1) : 0;
-  const int key_end = pos0 + (row0 + nrows - 1) / group + 1;
-  const int kbeg = key_begin + part * part_tokens;
-  const int kend = min(kbeg + part_tokens, key_end);
-  if (kbeg >= kend) {  // no key here for any row: tell the reduce kernel (uniform branch)
-    for (int r = tid; r < nrows; r += kThreads) {
-      const int grow = row0 + r;
-      const long long ml = ((static_cast<long long>(q_begin + grow / group) * num_heads + kv_head * group + grow % group) * num_parts + part) * 2;
-      part_ml[ml] = kNegInf();
-      part_ml[ml + 1] = 0.f;
-    }
+  const BlockWork work = block_work(seq_lens, query_start_loc, work_items, group, R, part_tokens, window);
+  const int row0 = work.row0, q_begin = work.q_begin, nrows = work.nrows, pos0 = work.pos0, kbeg = work.kbeg, kend = work.kend;
+  const int* table = block_tables + static_cast<long long>(work.seq) * max_blocks_per_seq;
+  if (kbeg >= kend) {  // no key here for any row (uniform branch)
+    mark_empty_partition(part_ml, work, group, num_heads, kv_head);
     return;
   }
 
@@ -439,7 +449,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
     for (int v = 0; v < VPT; ++v) {
       const int vi = gl + v * L, grow = row0 + r;
       if (r < nrows && vi < NVEC) {
-        const T* qrow = query + (q_begin + grow / group) * q_token_stride + (kv_head * group + grow % group) * HEAD;
+        const T* qrow = query + static_cast<long long>(q_begin + grow / group) * q_token_stride + (kv_head * group + grow % group) * HEAD;
         vec_to_float<T>(reinterpret_cast<const uint4*>(qrow)[vi], q[r][v]);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) q[r][v][e] *= scale * kLog2e;
@@ -472,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
     load_slots<T, HEAD>(kreg, key_cache, off, gl);
   }
   for (; c < kend; c += STRIDE) {
-    load_slots<T, HEAD>(vreg, value_cache, off, gl);  // in flight during the scores
+    if (W::EARLY_V) load_slots<T, HEAD>(vreg, value_cache, off, gl);  // in flight during the scores
 
     float s[SLOTS * R];
 #pragma unroll
@@ -490,8 +500,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
         s[j * R + r] = dot;
       }
     }
+    if (!W::EARLY_V) load_slots<T, HEAD>(vreg, value_cache, off, gl);  // K is dead now: fewer live registers
     const int next = c + STRIDE;  // the next chunk's K: in flight during the softmax and p @ V
-    if (next < kend) {
+    if (W::EARLY_V && next < kend) {
 #pragma unroll
       for (int j = 0; j < SLOTS; ++j) off[j] = kv_offset<HEAD, BLOCK>(table, next + j * S + sl, kend, num_kv_heads, kv_head);
       load_slots<T, HEAD>(kreg, key_cache, off, gl);
@@ -531,6 +542,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
 #pragma unroll
           for (int e = 0; e < VEC; ++e) acc[r][v][e] += pr * vf[v][e];
       }
+    }
+    if (!W::EARLY_V && next < kend) {  // the L = 32 layouts load the next K only now, with V dead
+#pragma unroll
+      for (int j = 0; j < SLOTS; ++j) off[j] = kv_offset<HEAD, BLOCK>(table, next + j * S + sl, kend, num_kv_heads, kv_head);
+      load_slots<T, HEAD>(kreg, key_cache, off, gl);
     }
   }
 

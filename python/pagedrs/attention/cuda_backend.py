@@ -39,7 +39,7 @@ import torch
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.kernels import loader, ops
 from pagedrs.kernels.dispatch import VARIANTS
-from pagedrs.kernels.planning import ROWS_PER_ITEM, RULES, SplitPlan, plan_split, visible_keys, work_items
+from pagedrs.kernels.planning import ROWS_PER_ITEM, RULES, SplitPlan, SplitRule, plan_split, visible_keys, work_items
 
 DEFAULT_VARIANT = "v1"
 
@@ -53,6 +53,7 @@ class _StepPlan:
     launches: tuple[tuple[str, torch.Tensor], ...]
     num_blocks: int  # thread blocks of a single pass of the first launch: work items x KV heads
     num_sms: int
+    rule: SplitRule
     # sliding window (None: full causal) -> split-K plan over the keys a block reads;
     # filled by the first layer of the step that attends with that window
     splits: dict[int | None, SplitPlan] = field(default_factory=dict)
@@ -76,7 +77,7 @@ class _StepPlan:
             keys = visible_keys(meta.seq_lens_cpu, q_lens, sliding_window)
             # Split-K only pays off for decode; prefill chunks already bring many rows per sequence.
             split = (
-                plan_split(self.num_blocks, keys, self.num_sms, RULES[self.launches[0][0]])
+                plan_split(self.num_blocks, keys, self.num_sms, self.rule)
                 if meta.is_decode_only
                 else SplitPlan(num_parts=1, part_tokens=keys)
             )
@@ -88,7 +89,11 @@ class CudaAttentionBackend(AttentionBackend):
     name = "cuda"
 
     def __init__(
-        self, num_sms: int | None = None, runtime: loader.KernelRuntime | None = None, variant: str | None = None
+        self,
+        num_sms: int | None = None,
+        runtime: loader.KernelRuntime | None = None,
+        variant: str | None = None,
+        split_rule: SplitRule | None = None,  # the split-K rule's numbers; None: the variant's (planning.RULES)
     ) -> None:
         variant = variant if variant is not None else os.environ.get("PAGEDRS_ATTENTION_KERNEL") or DEFAULT_VARIANT
         if variant not in VARIANTS:
@@ -96,6 +101,7 @@ class CudaAttentionBackend(AttentionBackend):
                 f"attention kernel variant={variant!r} (argument or PAGEDRS_ATTENTION_KERNEL); expected one of {list(VARIANTS)}"
             )
         self.variant = variant
+        self._split_rule = split_rule if split_rule is not None else RULES[variant]
         self._num_sms = num_sms  # None: read from the device on first use
         self._runtime = runtime if runtime is not None else loader.CUPY
         self._swap_streams: dict[torch.device, Any] = {}  # device -> the runtime's side stream for swaps
@@ -155,7 +161,7 @@ class CudaAttentionBackend(AttentionBackend):
         if self._num_sms is None:
             self._num_sms = self._runtime.num_sms(device)
         num_blocks = launches[0][1].shape[0] * num_kv_heads
-        meta.plan = _StepPlan(meta, self, group, tuple(launches), num_blocks, self._num_sms)
+        meta.plan = _StepPlan(meta, self, group, tuple(launches), num_blocks, self._num_sms, self._split_rule)
         return meta.plan
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
