@@ -462,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
   const int my_r = gl % R, my_slot = gl / R;
   const int my_pos = pos0 + (row0 + my_r) / group;
   const int my_first = window > 0 ? max(0, my_pos - window + 1) : 0;
-  const int my_last = my_r < nrows ? min(my_pos, kend - 1) : -1;  // an absent row sees nothing
+  const int my_last = min(my_pos, kend - 1);  // an absent row (r >= nrows: zero query) is computed, never written
 
   float acc[R][VPT][VEC];
 #pragma unroll

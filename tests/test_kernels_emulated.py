@@ -32,7 +32,7 @@ from pagedrs.attention import AttentionMetadata, TorchAttentionBackend
 from pagedrs.attention.cuda_backend import CudaAttentionBackend
 from pagedrs.kernels import BLOCK_SIZES, HEAD_SIZES, SplitPlan
 from pagedrs.kernels.dispatch import VARIANTS
-from pagedrs.kernels.planning import V1, visible_keys
+from pagedrs.kernels.planning import ROWS_PER_ITEM, V1, visible_keys, work_items
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only")
@@ -113,7 +113,9 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
                     files=None, window=None, placeholder=None, variant="v1"):  # fmt: skip
     """Backend output == float64 reference within the dtype's tolerance; ``files`` replaces cuda/;
     ``window``: a sliding window, with the pages before it released (see ``_case``); ``variant``:
-    the backend's kernel variant (v2: decode tokens by the v2 kernel, prefill chunks by v1)."""
+    the backend's kernel variant (v2: decode tokens by the v2 kernel, prefill chunks by v1), or
+    "v2-all": the v2 kernel for every row, prefill chunks too (the backend never does that, but
+    the kernel's masks are per row and must hold for any rows)."""
     dtype, tol = DTYPES[dtype_name]
     q, kc, vc, clean_k, clean_v, clean_tables, meta = _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed,
                                                             window, placeholder)  # fmt: skip
@@ -123,7 +125,11 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
     want = TorchAttentionBackend().forward(q.double(), clean_k.double(), clean_v.double(), ref_meta, scale, sliding_window=window)
     runtime = EmulatedRuntime(schedule=schedule, seed=seed, files=files)
     # V1's split numbers for both variants: num_sms=1 means one pass, 1000 a split (over 1024 keys)
-    backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime, variant=variant, split_rule=V1)
+    backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime, variant=variant.removesuffix("-all"), split_rule=V1)
+    if variant == "v2-all":
+        plan = backend.plan(meta, block, kv_heads * group, kv_heads)
+        items = work_items(q_lens, group, rows=ROWS_PER_ITEM["v2"])
+        meta.plan = dataclasses.replace(plan, launches=(("v2", torch.from_numpy(items)),))
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     got = backend.forward(q, kc, vc, meta, scale, sliding_window=window, out=out)
     split = meta.plan.split_for(window)
@@ -135,6 +141,8 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
     launched = [name.split("<")[0] for name, _, _ in runtime.launches]
     if variant == "v1":
         kernels = ["pagedrs::paged_attention_kernel"]
+    elif variant == "v2-all":
+        kernels = ["pagedrs::paged_attention_v2_kernel"]
     else:
         kernels = ["pagedrs::paged_attention_v2_kernel"] * (1 in q_lens) + ["pagedrs::paged_attention_kernel"] * (max(q_lens) > 1)
     assert launched == kernels + (["pagedrs::attention_reduce_kernel"] if split.num_parts > 1 else [])
@@ -198,6 +206,16 @@ def test_wide_groups_span_several_work_items(group: int, variant: str) -> None:
                      variant=variant)  # fmt: skip
     check_attention("float32", [5, 1300], [1, 1], 1, group, 64, 16, num_sms=1000, schedule="forward", seed=group,
                      parts="split", variant=variant)  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("group", [1, 3])
+def test_v2_kernel_is_exact_on_prefill_rows_too(group: int, schedule: str) -> None:
+    """Prefill chunks run on v2's 4-row blocks (rows of up to 4 positions, their own causal
+    limits and window starts), with and without a window."""
+    for window in (None, 5, 50):
+        check_attention("float32", [33, 200, 17, 61], [33, 40, 1, 15], 2, group, 64, 16, num_sms=132, schedule=schedule,
+                        seed=group, parts="single", window=window, variant="v2-all")  # fmt: skip
 
 
 # ---------------------------------------------------------------- sliding window
