@@ -225,7 +225,8 @@ def test_decode_matches_reference(dtype_name: str, group: int, num_sms: int, var
 def test_decode_every_geometry(head: int, block: int, variant: str) -> None:
     _check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000, seed=head + block,
                      variant=variant)  # fmt: skip
-    if variant == "v2":  # float32: 4-element vectors, other lane layouts (heads 80, 96: 20 and 24 of 32 lanes)
+    if variant == "v2" and block == 16:  # float32: 4-element vectors, other lane layouts (heads 80, 96: 20 and 24
+        # of 32 lanes); one block size, as each geometry is one more NVRTC compile
         _check_attention("float32", [1, 300, 2100], [1, 1, 1], 2, 4, head, block, num_sms=1, seed=head, variant=variant)
 
 
