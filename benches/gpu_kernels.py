@@ -103,7 +103,8 @@ ONE_PASS = SplitRule(single_pass_per_sm=0, target_per_sm=1)  # never splits
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
+    """max |a - b|; inf where either holds a NaN (which max() would otherwise drop)."""
+    return float((a.float() - b.float()).abs().nan_to_num(nan=float("inf")).max())
 
 
 def main() -> None:

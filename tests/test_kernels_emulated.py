@@ -375,3 +375,18 @@ def test_swap_round_trip_through_the_host_tier() -> None:
     rest[idx] = False
     assert back[:, :, rest].isnan().all()
     assert host[:, :, 3].isnan().all()
+
+
+@long_only
+def test_the_gpu_benchmark_script_runs_on_the_emulator() -> None:
+    """benches/gpu_kernels.py --emulate: the GPU run is often one short lease; a script that
+    breaks there wastes it. Both variants must agree with SDPA (the script's own check)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "benches" / "gpu_kernels.py"), "--emulate"], capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root / "python")})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "v2 output equal to v1 and SDPA within bf16 rounding (max |diff| <= 0.02): PASS" in result.stdout

@@ -20,8 +20,9 @@ SM) splits by the same rule with its own numbers (``V2``): it needs several wave
 blocks in flight rather than one, because a single wave of equal blocks leaves a
 tail where few warps, and so few loads, are resident (Llama-3-8B at batch 64 x 4096:
 512 blocks over 132 x 3 slots is 1.3 waves). Its partials cost little at decode
-(``num_heads × head_size`` floats per partition and sequence, about 1/500 of the KV
-bytes at 8 KV heads and 1024-key partitions), so it splits into 1024-key parts there.
+(``num_heads × head_size`` floats per partition and sequence, written and read once:
+under 1% of the KV bytes of a 1024-key partition at 8 KV heads and group 4), so it
+splits that case into 4 partitions of 1024 keys (2048 blocks).
 
 With a sliding window W the kernel starts each block at the first key its first
 row sees, so the key range to split is not the context but ``visible_keys``: at
