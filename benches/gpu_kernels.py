@@ -176,6 +176,7 @@ def main() -> None:
         del kc, vc
 
     split_sweep(copy_gbs, scale)
+    prefetch_sweep(copy_gbs, scale)
     block_size_table(copy_gbs, scale)
 
     print("\ntargets:")
@@ -219,6 +220,28 @@ def split_sweep(copy_gbs: float, scale: float) -> None:
 
                 cells.append(f"{median_ms(run):>8.3f}{'*' if parts == chosen else ' '}")
             print(f"{batch:>5} {ctx:>7} {variant:>3} " + " ".join(cells) + f"  planner: {chosen} parts")
+        del kc, vc
+
+
+def prefetch_sweep(copy_gbs: float, scale: float) -> None:
+    """v2 with its L2 prefetch at 0 (the rows above, unless PAGEDRS_V2_PREFETCH is set), 1, 2 and 4
+    chunks past the next one; the output must not change (max |diff| vs no prefetch)."""
+    distances = (0, 1, 2, 4)
+    print(f"\n{'batch':>5} {'context':>7} " + " ".join(f"{f'pf {d} ms':>9} {'GB/s':>5}" for d in distances)
+          + "  (v2 L2 prefetch distance; max |diff| vs pf 0)")  # fmt: skip
+    for batch, ctx in SIZES.sweep:
+        q, kc, vc, meta = decode_case(batch, ctx)
+        cells, base, worst = [], None, 0.0
+        for d in distances:
+            backend = CudaAttentionBackend(variant="v2", v2_prefetch=d)
+            m = dataclasses.replace(meta, plan=None)
+            out = torch.empty_like(q)
+            ms = median_ms(lambda: backend.forward(q, kc, vc, m, scale, out=out))
+            base = out.clone() if base is None else base
+            worst = max(worst, max_err(out, base))
+            gbs = 2 * batch * ctx * KV_HEADS * HEAD * 2 / ms / 1e6
+            cells.append(f"{ms:>9.3f} {gbs:>5.0f}")
+        print(f"{batch:>5} {ctx:>7} " + " ".join(cells) + f"  {worst:.4f}")
         del kc, vc
 
 

@@ -337,6 +337,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
 //   * the dot products of the SLOTS x kRowsV2 (key, row) pairs of a lane group are
 //     reduced together by a transposing butterfly: L - 1 shuffles for L results
 //     instead of log2(L) shuffles per result;
+//   * optionally (prefetch_chunks > 0) the warp also asks the L2 for the chunk that
+//     many past the next one: more bytes in flight per SM than registers could hold;
 //   * scores are kept in base 2 (queries pre-scaled by log2(e)) so each
 //     exponential is one exp2f; the split-K max is written back in base e.
 // Lanes: L lanes per key read one key's row (VPT 16-byte vectors each, coalesced);
@@ -413,6 +415,16 @@ __device__ __forceinline__ void load_slots(uint4 (&dst)[WarpShape<T, HEAD>::SLOT
     }
 }
 
+// A hint that the line holding p will be read soon: the L2 fetches it from memory now, and
+// the load that follows hits the L2. No register waits for it. A no-op off the GPU.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
+}
+
 // grid (num_kv_heads, num_work_items, num_parts), block kThreads; work items of up to kRowsV2 rows.
 template <typename T, int HEAD, int BLOCK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v2_kernel(
@@ -420,7 +432,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
     const T* __restrict__ key_cache, const T* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, const int* __restrict__ work_items,
     int max_blocks_per_seq, int num_kv_heads, int group, long long q_token_stride, float scale, int part_tokens,
-    int window) {  // every argument as in paged_attention_kernel
+    int window,            // every argument so far as in paged_attention_kernel
+    int prefetch_chunks) {  // > 0: also pull the chunk that many past the next one into L2 (no registers held)
   using W = WarpShape<T, HEAD>;
   constexpr int VEC = W::VEC, NVEC = W::NVEC, L = W::L, VPT = W::VPT, S = W::S, R = kRowsV2, SLOTS = W::SLOTS;
   constexpr int STRIDE = kWarps * W::CHUNK;  // keys between a warp's chunks
@@ -502,6 +515,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
     }
     if (!W::EARLY_V) load_slots<T, HEAD>(vreg, value_cache, off, gl);  // K is dead now: fewer live registers
     const int next = c + STRIDE;  // the next chunk's K: in flight during the softmax and p @ V
+    const int ahead = next + prefetch_chunks * STRIDE;  // warp-uniform; prefetches change no result
+    if (prefetch_chunks > 0 && ahead < kend) {
+#pragma unroll
+      for (int j = 0; j < SLOTS; ++j) {
+        const long long o = kv_offset<HEAD, BLOCK>(table, ahead + j * S + sl, kend, num_kv_heads, kv_head);
+        if (o >= 0 && gl % 2 == 0 && gl < NVEC) {  // one lane per 32-byte sector of the row
+          prefetch_l2(key_cache + o + gl * VEC);
+          prefetch_l2(value_cache + o + gl * VEC);
+        }
+      }
+    }
     if (W::EARLY_V && next < kend) {
 #pragma unroll
       for (int j = 0; j < SLOTS; ++j) off[j] = kv_offset<HEAD, BLOCK>(table, next + j * S + sl, kend, num_kv_heads, kv_head);

@@ -110,7 +110,7 @@ def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed, window=No
 
 
 def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, num_sms, schedule, seed=0, parts=None,
-                    files=None, window=None, placeholder=None, variant="v1"):  # fmt: skip
+                    files=None, window=None, placeholder=None, variant="v1", v2_prefetch=0):  # fmt: skip
     """Backend output == float64 reference within the dtype's tolerance; ``files`` replaces cuda/;
     ``window``: a sliding window, with the pages before it released (see ``_case``); ``variant``:
     the backend's kernel variant (v2: decode tokens by the v2 kernel, prefill chunks by v1), or
@@ -125,7 +125,8 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
     want = TorchAttentionBackend().forward(q.double(), clean_k.double(), clean_v.double(), ref_meta, scale, sliding_window=window)
     runtime = EmulatedRuntime(schedule=schedule, seed=seed, files=files)
     # V1's split numbers for both variants: num_sms=1 means one pass, 1000 a split (over 1024 keys)
-    backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime, variant=variant.removesuffix("-all"), split_rule=V1)
+    backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime, variant=variant.removesuffix("-all"), split_rule=V1,
+                                   v2_prefetch=v2_prefetch)  # fmt: skip
     if variant == "v2-all":
         plan = backend.plan(meta, block, kv_heads * group, kv_heads)
         items = work_items(q_lens, group, rows=ROWS_PER_ITEM["v2"])
@@ -216,6 +217,29 @@ def test_v2_kernel_is_exact_on_prefill_rows_too(group: int, schedule: str) -> No
     for window in (None, 5, 50):
         check_attention("float32", [33, 200, 17, 61], [33, 40, 1, 15], 2, group, 64, 16, num_sms=132, schedule=schedule,
                         seed=group, parts="single", window=window, variant="v2-all")  # fmt: skip
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_v2_prefetch_reads_only_the_partition(prefetch: int) -> None:
+    """v2's L2 prefetch (a no-op off the GPU) still computes its addresses from the block table:
+    only entries of keys inside the partition may be read (past it the tables hold NaN pages and
+    ids past the cache; ASan runs check the reads), and the result must not change."""
+    check_attention("bfloat16", [1, 17, 1100], [1, 1, 1], 2, 4, 128, 16, num_sms=1000, schedule="warp-random",
+                    parts="split", variant="v2", v2_prefetch=prefetch)  # fmt: skip
+    check_attention("float16", [1, 300, 2100], [1, 1, 1], 2, 4, 128, 16, num_sms=1, schedule="forward",
+                    window=1500, variant="v2", v2_prefetch=prefetch)  # fmt: skip
+
+
+def test_v2_prefetch_distance_is_checked() -> None:
+    with pytest.raises(ValueError, match="PAGEDRS_V2_PREFETCH='x' must be a non-negative number of chunks"):
+        os.environ["PAGEDRS_V2_PREFETCH"] = "x"
+        try:
+            CudaAttentionBackend(runtime=EmulatedRuntime())
+        finally:
+            del os.environ["PAGEDRS_V2_PREFETCH"]
+    with pytest.raises(ValueError, match=r"prefetch_chunks=-1 must be an int in \[0, 64\]"):
+        check_attention("bfloat16", [1, 17], [1, 1], 2, 4, 128, 16, num_sms=1, schedule="forward", variant="v2",
+                        v2_prefetch=-1)  # fmt: skip
 
 
 # ---------------------------------------------------------------- sliding window

@@ -20,7 +20,8 @@ Two attention kernels serve the same contract (``pagedrs.kernels.dispatch.VARIAN
 prefill chunks of the same step to v1, in two launches writing disjoint rows: v2's
 four-row blocks would read a chunk's prefix once per new token where v1 reads it once
 per four tokens of group 4. ``variant`` defaults to ``$PAGEDRS_ATTENTION_KERNEL``, else
-``DEFAULT_VARIANT``.
+``DEFAULT_VARIANT``; v2's L2 prefetch distance ``v2_prefetch`` to ``$PAGEDRS_V2_PREFETCH``,
+else ``DEFAULT_V2_PREFETCH``.
 
 ``runtime`` (``pagedrs.kernels.loader.KernelRuntime``) runs the kernels: CuPy on a
 GPU by default; the tests pass the CPU emulator of ``tests/cuda_emu``, which runs
@@ -42,6 +43,8 @@ from pagedrs.kernels.dispatch import VARIANTS
 from pagedrs.kernels.planning import ROWS_PER_ITEM, RULES, SplitPlan, SplitRule, plan_split, visible_keys, work_items
 
 DEFAULT_VARIANT = "v1"
+# v2's L2 prefetch distance in chunks past the next one (0: none); see cuda/paged_attention.cu
+DEFAULT_V2_PREFETCH = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class CudaAttentionBackend(AttentionBackend):
         runtime: loader.KernelRuntime | None = None,
         variant: str | None = None,
         split_rule: SplitRule | None = None,  # the split-K rule's numbers; None: the variant's (planning.RULES)
+        v2_prefetch: int | None = None,  # None: $PAGEDRS_V2_PREFETCH, else DEFAULT_V2_PREFETCH
     ) -> None:
         variant = variant if variant is not None else os.environ.get("PAGEDRS_ATTENTION_KERNEL") or DEFAULT_VARIANT
         if variant not in VARIANTS:
@@ -102,6 +106,12 @@ class CudaAttentionBackend(AttentionBackend):
             )
         self.variant = variant
         self._split_rule = split_rule if split_rule is not None else RULES[variant]
+        if v2_prefetch is None:
+            env = os.environ.get("PAGEDRS_V2_PREFETCH", "")
+            if env and not env.isdigit():
+                raise ValueError(f"PAGEDRS_V2_PREFETCH={env!r} must be a non-negative number of chunks")
+            v2_prefetch = int(env) if env else DEFAULT_V2_PREFETCH
+        self.v2_prefetch = v2_prefetch
         self._num_sms = num_sms  # None: read from the device on first use
         self._runtime = runtime if runtime is not None else loader.CUPY
         self._swap_streams: dict[torch.device, Any] = {}  # device -> the runtime's side stream for swaps
@@ -136,7 +146,7 @@ class CudaAttentionBackend(AttentionBackend):
         for variant, items in plan.launches:
             ops.paged_attention(
                 out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                items, scale, split, self._runtime, sliding_window, variant,
+                items, scale, split, self._runtime, sliding_window, variant, self.v2_prefetch,
             )  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)
 

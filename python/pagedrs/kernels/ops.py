@@ -49,6 +49,7 @@ def paged_attention(
     runtime: loader.KernelRuntime = loader.CUPY,
     sliding_window: int | None = None,  # the token at position p sees keys (p - W, p]; None: all
     variant: str = "v1",  # the attention kernel (dispatch.VARIANTS)
+    prefetch_chunks: int = 0,  # v2: L2 prefetch distance in chunks past the next (0: none); ignored by v1
 ) -> None:
     """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``.
 
@@ -91,7 +92,7 @@ def paged_attention(
     else:
         part_out = part_ml = out  # never touched by the single-pass kernel
     fn = runtime.kernel(entry, entry.attention_kernel(variant), device)
-    args = (
+    args: tuple[Any, ...] = (
         loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.ptr(query),
         loader.ptr(key_cache), loader.ptr(value_cache), loader.ptr(block_tables), loader.ptr(seq_lens),
         loader.ptr(query_start_loc), loader.ptr(work_items), loader.i32(block_tables.shape[1]),
@@ -99,6 +100,10 @@ def paged_attention(
         loader.i32(plan.part_tokens if plan.num_parts > 1 else _ONE_PASS_TOKENS),
         loader.i32(0 if sliding_window is None else min(sliding_window, 2**31 - 1)),  # 0: no window
     )  # fmt: skip
+    if variant == "v2":
+        if isinstance(prefetch_chunks, bool) or not isinstance(prefetch_chunks, int) or not 0 <= prefetch_chunks <= 64:
+            raise ValueError(f"prefetch_chunks={prefetch_chunks!r} must be an int in [0, 64]")
+        args = (*args, loader.i32(prefetch_chunks))
     runtime.launch(fn, grid, (_ATTN_THREADS,), args, device)
     if plan.num_parts > 1:
         reduce = runtime.kernel(entry, entry.reduce, device)
