@@ -28,8 +28,12 @@ def test_dispatch_table_is_the_documented_product() -> None:
     assert entry.attention == "pagedrs::paged_attention_kernel<pagedrs::bf16_t, 128, 16>"
     assert entry.reduce == "pagedrs::attention_reduce_kernel<pagedrs::bf16_t>"
     assert lookup("float32", 64, 8).reshape_and_cache == "pagedrs::reshape_and_cache_kernel<float>"
-    # 45 attention + 3 reduce + 3 cache instances + copy_blocks
-    assert len(all_name_expressions()) == 52
+    assert entry.attention_kernel("v1") == entry.attention
+    assert entry.attention_kernel("v2") == "pagedrs::paged_attention_v2_kernel<pagedrs::bf16_t, 128, 16>"
+    with pytest.raises(ValueError, match=r"variant='v3'; expected one of \['v1', 'v2'\]"):
+        entry.attention_kernel("v3")
+    # 45 attention instances of each variant + 3 reduce + 3 cache instances + copy_blocks
+    assert len(all_name_expressions()) == 97
 
 
 @pytest.mark.parametrize(("dtype", "head", "block"), [("float16", 72, 16), ("float64", 128, 16), ("bfloat16", 128, 64)])
@@ -57,6 +61,22 @@ def test_split_rule_on_given_numbers() -> None:
         plan_split(1, 10, 0)
 
 
+def test_v2_split_rule_fills_four_waves_of_resident_blocks() -> None:
+    """v2: 3 blocks per SM; below 4 waves (12 blocks per SM) the grid is split until it holds about 4."""
+    from pagedrs.kernels.planning import V2
+
+    # batch 64 x 4096 (Llama-3-8B, 8 KV heads, group 4: one 4-row item per sequence): 512 blocks,
+    # 1.3 waves of 396 -> ceil(1584 / 512) = 4 partitions of 1024 keys, 2048 blocks
+    assert plan_split(512, 4096, 132, V2) == SplitPlan(num_parts=4, part_tokens=1024)
+    # batch 16 x 4096: 128 blocks -> 13 partitions wanted, 316 keys rounded up to 512 -> 8
+    assert plan_split(128, 4096, 132, V2) == SplitPlan(num_parts=8, part_tokens=512)
+    # batch 1 x 16384: 8 blocks -> as many 256-key partitions as the context has
+    assert plan_split(8, 16384, 132, V2) == SplitPlan(num_parts=64, part_tokens=256)
+    # four waves already (batch 256 x 4096: 2048 blocks) -> one pass; short contexts never split
+    assert plan_split(2048, 4096, 132, V2) == SplitPlan(num_parts=1, part_tokens=4096)
+    assert plan_split(8, 1024, 132, V2) == SplitPlan(num_parts=1, part_tokens=1024)
+
+
 def test_work_items_chunk_rows_by_sixteen() -> None:
     # q_lens 1, 1, 5 with group 4 -> rows 4, 4, 20 -> chunks 1, 1, 2
     assert work_items([1, 1, 5], 4).tolist() == [[0, 0], [1, 0], [2, 0], [2, 16]]
@@ -65,6 +85,16 @@ def test_work_items_chunk_rows_by_sixteen() -> None:
     assert work_items([3], 1).dtype == np.int32
     with pytest.raises(ValueError, match="positive"):
         work_items([1, 0], 4)
+
+
+def test_work_items_of_v2_chunk_rows_by_four_and_name_their_sequences() -> None:
+    # group 8 decode: two 4-row blocks per token; group 3: one block with a row to spare
+    assert work_items([1, 1], 8, rows=4).tolist() == [[0, 0], [0, 4], [1, 0], [1, 4]]
+    assert work_items([1], 3, rows=4).tolist() == [[0, 0]]
+    # a subset of the step's sequences (the decode tokens of a mixed step), by their ids
+    assert work_items([1, 1], 4, rows=4, seqs=np.array([2, 5])).tolist() == [[2, 0], [5, 0]]
+    with pytest.raises(ValueError, match="seqs has 1 ids for 2 query_lens"):
+        work_items([1, 1], 4, rows=4, seqs=np.array([2]))
 
 
 def test_contiguous_runs_merge_consecutive_pairs() -> None:
@@ -76,14 +106,18 @@ def test_nvrtc_compiles_one_entry_per_dtype_for_sm80_and_sm90() -> None:
     """A syntax error in cuda/ fails here; `make check-kernels` compiles every entry."""
     from pagedrs.kernels.check import compile_arch
 
-    exprs = [lookup(d, 128, 16).attention for d in ("float16", "bfloat16", "float32")]
-    exprs += ["pagedrs::attention_reduce_kernel<float>", "pagedrs::reshape_and_cache_kernel<pagedrs::half_t>",
-              "pagedrs::copy_blocks_kernel"]  # fmt: skip
+    v1 = [lookup(d, 128, 16).attention for d in ("float16", "bfloat16", "float32")]
+    v2 = [lookup(d, h, 16).attention_v2 for d in ("float16", "bfloat16") for h in (64, 128)]
+    exprs = v1 + v2 + ["pagedrs::attention_reduce_kernel<float>", "pagedrs::reshape_and_cache_kernel<pagedrs::half_t>",
+                       "pagedrs::copy_blocks_kernel"]  # fmt: skip
     for arch in ("sm_80", "sm_90"):
         reports, warnings = compile_arch(arch, exprs)
         assert warnings == []
         assert [r.kernel for r in reports] == exprs
-        assert all(r.status == "ok" and r.registers and r.registers <= 128 for r in reports), reports
+        assert all(r.status == "ok" and r.registers for r in reports), reports
+        # v1: 4 blocks of 128 threads per SM (128 registers); v2: 3 (168), and no spills in the decode geometries
+        assert all(r.registers <= 128 for r in reports if r.kernel not in v2), reports
+        assert all(r.registers <= 168 and r.spill_bytes == 0 for r in reports if r.kernel in v2), reports
 
 
 # ---------------------------------------------------------------- GPU: kernels vs the reference
@@ -145,7 +179,8 @@ def _release_before_window(kc, vc, meta, window: int, block: int):
     return torch.cat([kc, nan_page]), torch.cat([vc, nan_page]), dataclasses.replace(meta, block_tables=tables, plan=None)
 
 
-def _check_attention(dtype_name: str, seq_lens, q_lens, kv_heads, group, head, block, num_sms, seed=0, window=None) -> None:
+def _check_attention(dtype_name: str, seq_lens, q_lens, kv_heads, group, head, block, num_sms, seed=0, window=None,
+                     variant="v1") -> None:  # fmt: skip
     from pagedrs.attention import TorchAttentionBackend
     from pagedrs.attention.cuda_backend import CudaAttentionBackend
 
@@ -156,49 +191,68 @@ def _check_attention(dtype_name: str, seq_lens, q_lens, kv_heads, group, head, b
     if window is not None:
         kc, vc, meta = _release_before_window(kc, vc, meta, window, block)
     out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
-    backend = CudaAttentionBackend(num_sms=num_sms)
+    from pagedrs.kernels.planning import V1
+
+    # V1's split numbers for both variants: num_sms=1 means one pass, 1000 a split (over 1024 keys)
+    backend = CudaAttentionBackend(num_sms=num_sms, variant=variant, split_rule=V1)
     got = backend.forward(q, kc, vc, meta, scale, sliding_window=window, out=out)
     torch.cuda.synchronize()
     assert not got.isnan().any(), "output not fully written, or a released page was read"
     err = _rel_err(got, want)
-    assert err <= tol, f"rel err {err:.3g} > {tol} ({dtype_name}, split={meta.plan.split_for(window)})"
+    assert err <= tol, f"rel err {err:.3g} > {tol} ({dtype_name}, {variant}, split={meta.plan.split_for(window)})"
+    assert [v for v, _ in meta.plan.launches] == (["v1"] if variant == "v1" else ["v2"] * (1 in q_lens) + ["v1"] * (max(q_lens) > 1))
+
+
+VARIANTS = ("v1", "v2")  # pagedrs.kernels.dispatch.VARIANTS
 
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("num_sms", [1, 1000], ids=["single-pass", "split-k"])
-def test_decode_matches_reference(dtype_name: str, group: int, num_sms: int) -> None:
+def test_decode_matches_reference(dtype_name: str, group: int, num_sms: int, variant: str) -> None:
     # num_sms=1: the grid always fills the "GPU" -> one pass; 1000: always split (4097 > 1024)
-    _check_attention(dtype_name, CONTEXTS, [1] * len(CONTEXTS), 2, group, 128, 16, num_sms)
+    _check_attention(dtype_name, CONTEXTS, [1] * len(CONTEXTS), 2, group, 128, 16, num_sms, variant=variant)
 
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("head", HEAD_SIZES)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
-def test_decode_every_geometry(head: int, block: int) -> None:
-    _check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000, seed=head + block)
+def test_decode_every_geometry(head: int, block: int, variant: str) -> None:
+    _check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000, seed=head + block,
+                     variant=variant)  # fmt: skip
+    if variant == "v2" and block == 16:  # float32: 4-element vectors, other lane layouts (heads 80, 96: 20 and 24
+        # of 32 lanes); one block size, as each geometry is one more NVRTC compile
+        _check_attention("float32", [1, 300, 2100], [1, 1, 1], 2, 4, head, block, num_sms=1, seed=head, variant=variant)
 
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_chunks_and_decode_in_one_step(dtype_name: str, group: int) -> None:
+def test_prefill_chunks_and_decode_in_one_step(dtype_name: str, group: int, variant: str) -> None:
     # a whole prompt, a chunk after a cached prefix, a decode token, a chunk at an odd offset
-    _check_attention(dtype_name, [33, 1000, 17, 4097], [33, 70, 1, 15], 2, group, 128, 16, num_sms=132, seed=group)
+    # (v2: the decode token by the v2 kernel, the chunks by v1, into one output)
+    _check_attention(dtype_name, [33, 1000, 17, 4097], [33, 70, 1, 15], 2, group, 128, 16, num_sms=132, seed=group,
+                     variant=variant)  # fmt: skip
 
 
 @gpu
 @needs_gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("window", [1, 5, 16, 50, 1500, 5000])
 @pytest.mark.parametrize("num_sms", [1, 1000], ids=["single-pass", "split-k"])
-def test_sliding_window_matches_reference(window: int, num_sms: int) -> None:
+def test_sliding_window_matches_reference(window: int, num_sms: int, variant: str) -> None:
     # decode (split-K over the window when it exceeds 1024 keys), then prefill chunks with the decode token
-    _check_attention("bfloat16", CONTEXTS, [1] * len(CONTEXTS), 2, 4, 128, 16, num_sms, seed=window, window=window)
-    _check_attention("float32", [33, 1000, 17, 4097], [33, 70, 1, 15], 2, 1, 128, 16, num_sms, seed=window, window=window)
+    _check_attention("bfloat16", CONTEXTS, [1] * len(CONTEXTS), 2, 4, 128, 16, num_sms, seed=window, window=window,
+                     variant=variant)  # fmt: skip
+    _check_attention("float32", [33, 1000, 17, 4097], [33, 70, 1, 15], 2, 1, 128, 16, num_sms, seed=window, window=window,
+                     variant=variant)  # fmt: skip
 
 
 @gpu

@@ -31,7 +31,8 @@ from cuda_emu.runtime import EmulatedRuntime
 from pagedrs.attention import AttentionMetadata, TorchAttentionBackend
 from pagedrs.attention.cuda_backend import CudaAttentionBackend
 from pagedrs.kernels import BLOCK_SIZES, HEAD_SIZES, SplitPlan
-from pagedrs.kernels.planning import visible_keys
+from pagedrs.kernels.dispatch import VARIANTS
+from pagedrs.kernels.planning import ROWS_PER_ITEM, V1, visible_keys, work_items
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only")
@@ -109,9 +110,12 @@ def _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed, window=No
 
 
 def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, num_sms, schedule, seed=0, parts=None,
-                    files=None, window=None, placeholder=None):  # fmt: skip
+                    files=None, window=None, placeholder=None, variant="v1", v2_prefetch=0):  # fmt: skip
     """Backend output == float64 reference within the dtype's tolerance; ``files`` replaces cuda/;
-    ``window``: a sliding window, with the pages before it released (see ``_case``)."""
+    ``window``: a sliding window, with the pages before it released (see ``_case``); ``variant``:
+    the backend's kernel variant (v2: decode tokens by the v2 kernel, prefill chunks by v1), or
+    "v2-all": the v2 kernel for every row, prefill chunks too (the backend never does that, but
+    the kernel's masks are per row and must hold for any rows)."""
     dtype, tol = DTYPES[dtype_name]
     q, kc, vc, clean_k, clean_v, clean_tables, meta = _case(dtype, seq_lens, q_lens, kv_heads, group, head, block, seed,
                                                             window, placeholder)  # fmt: skip
@@ -120,7 +124,13 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
     ref_meta = dataclasses.replace(meta, block_tables=clean_tables)
     want = TorchAttentionBackend().forward(q.double(), clean_k.double(), clean_v.double(), ref_meta, scale, sliding_window=window)
     runtime = EmulatedRuntime(schedule=schedule, seed=seed, files=files)
-    backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime)
+    # V1's split numbers for both variants: num_sms=1 means one pass, 1000 a split (over 1024 keys)
+    backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime, variant=variant.removesuffix("-all"), split_rule=V1,
+                                   v2_prefetch=v2_prefetch)  # fmt: skip
+    if variant == "v2-all":
+        plan = backend.plan(meta, block, kv_heads * group, kv_heads)
+        items = work_items(q_lens, group, rows=ROWS_PER_ITEM["v2"])
+        meta.plan = dataclasses.replace(plan, launches=(("v2", torch.from_numpy(items)),))
     out = torch.full(q.shape, float("nan"), dtype=dtype)
     got = backend.forward(q, kc, vc, meta, scale, sliding_window=window, out=out)
     split = meta.plan.split_for(window)
@@ -130,50 +140,106 @@ def check_attention(dtype_name, seq_lens, q_lens, kv_heads, group, head, block, 
     err = _rel_err(got, want)
     assert err <= tol, f"rel err {err:.3g} > {tol} ({dtype_name}, split={split}, {schedule})"
     launched = [name.split("<")[0] for name, _, _ in runtime.launches]
-    assert launched == ["pagedrs::paged_attention_kernel"] + (["pagedrs::attention_reduce_kernel"] if split.num_parts > 1 else [])
+    if variant == "v1":
+        kernels = ["pagedrs::paged_attention_kernel"]
+    elif variant == "v2-all":
+        kernels = ["pagedrs::paged_attention_v2_kernel"]
+    else:
+        kernels = ["pagedrs::paged_attention_v2_kernel"] * (1 in q_lens) + ["pagedrs::paged_attention_kernel"] * (max(q_lens) > 1)
+    assert launched == kernels + (["pagedrs::attention_reduce_kernel"] if split.num_parts > 1 else [])
 
 
 # ---------------------------------------------------------------- attention
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
-@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("num_sms", [1, 1000], ids=["single-pass", "split-k"])
-def test_decode_matches_reference(dtype_name: str, group: int, num_sms: int, schedule: str) -> None:
-    # num_sms=1: the grid always fills the "GPU" -> one pass; 1000: contexts over 1024 split
+def test_decode_matches_reference(dtype_name: str, group: int, num_sms: int, schedule: str, variant: str) -> None:
+    # num_sms=1: the grid always fills the "GPU" -> one pass; 1000: contexts over 1024 split.
+    # v2 blocks hold 4 rows: group 3 leaves one empty, group 8 needs two blocks per KV head.
+    if group == 3 and variant == "v1":
+        pytest.skip("v1 blocks hold 16 rows: group 3 adds nothing to groups 1 and 4")
     check_attention(dtype_name, CONTEXTS, [1] * len(CONTEXTS), 2, group, 128, 16, num_sms, schedule,
-                     parts="split" if num_sms == 1000 else "single")  # fmt: skip
+                     parts="split" if num_sms == 1000 else "single", variant=variant)  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("group", [1, 4, 8])
-def test_prefill_chunks_and_decode_in_one_step(dtype_name: str, group: int, schedule: str) -> None:
-    # a whole prompt, a chunk after a cached prefix, a decode token, a chunk at an odd offset
+def test_prefill_chunks_and_decode_in_one_step(dtype_name: str, group: int, schedule: str, variant: str) -> None:
+    # a whole prompt, a chunk after a cached prefix, a decode token, a chunk at an odd offset;
+    # v2: the decode token by the v2 kernel, the chunks by v1, into the same output
     seq_lens, q_lens = ([33, 1000, 17, 4097], [33, 70, 1, 15]) if LONG else ([33, 200, 17, 61], [33, 40, 1, 15])
-    check_attention(dtype_name, seq_lens, q_lens, 2, group, 128, 16, 132, schedule, seed=group, parts="single")
+    check_attention(dtype_name, seq_lens, q_lens, 2, group, 128, 16, 132, schedule, seed=group, parts="single",
+                    variant=variant)  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("head", "block"), [(64, 8), (80, 32), (96, 16), (256, 32)])
-def test_decode_and_prefill_other_geometries(head: int, block: int) -> None:
+def test_decode_and_prefill_other_geometries(head: int, block: int, variant: str) -> None:
     check_attention("bfloat16", [1, 17, 1100], [1, 1, 1], 2, 4, head, block, num_sms=1000, schedule="forward",
-                     seed=head + block, parts="split")  # fmt: skip
-    check_attention("float16", [40, 9], [40, 3], 1, 4, head, block, num_sms=132, schedule="warp-random", seed=head)
+                     seed=head + block, parts="split", variant=variant)  # fmt: skip
+    check_attention("float16", [40, 9, 33], [40, 3, 1], 1, 4, head, block, num_sms=132, schedule="warp-random",
+                     seed=head, variant=variant)  # fmt: skip
+    # float32 rows are 16 bytes of 4 elements: head 80 and 96 take 20 and 24 of a v2 warp's 32 lanes
+    check_attention("float32", [1, 300], [1, 1], 2, 2, head, block, num_sms=1, schedule="reverse", seed=head,
+                     variant=variant)  # fmt: skip
 
 
 @long_only
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("head", HEAD_SIZES)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
-def test_decode_every_geometry(head: int, block: int) -> None:
+def test_decode_every_geometry(head: int, block: int, variant: str) -> None:
     check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000,
-                     schedule="reverse", seed=head + block)  # fmt: skip
+                     schedule="reverse", seed=head + block, variant=variant)  # fmt: skip
 
 
 @long_only
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("group", [2, 16, 32])
-def test_wide_groups_span_several_work_items(group: int) -> None:
-    check_attention("float32", [5, 300], [5, 1], 1, group, 64, 16, num_sms=132, schedule="warp-random", seed=group)
+def test_wide_groups_span_several_work_items(group: int, variant: str) -> None:
+    check_attention("float32", [5, 300], [5, 1], 1, group, 64, 16, num_sms=132, schedule="warp-random", seed=group,
+                     variant=variant)  # fmt: skip
+    check_attention("float32", [5, 1300], [1, 1], 1, group, 64, 16, num_sms=1000, schedule="forward", seed=group,
+                     parts="split", variant=variant)  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("group", [1, 3])
+def test_v2_kernel_is_exact_on_prefill_rows_too(group: int, schedule: str) -> None:
+    """Prefill chunks run on v2's 4-row blocks (rows of up to 4 positions, their own causal
+    limits and window starts), with and without a window."""
+    for window in (None, 5, 50):
+        check_attention("float32", [33, 200, 17, 61], [33, 40, 1, 15], 2, group, 64, 16, num_sms=132, schedule=schedule,
+                        seed=group, parts="single", window=window, variant="v2-all")  # fmt: skip
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_v2_prefetch_reads_only_the_partition(prefetch: int) -> None:
+    """v2's L2 prefetch (a no-op off the GPU) still computes its addresses from the block table:
+    only entries of keys inside the partition may be read (past it the tables hold NaN pages and
+    ids past the cache; ASan runs check the reads), and the result must not change."""
+    check_attention("bfloat16", [1, 17, 1100], [1, 1, 1], 2, 4, 128, 16, num_sms=1000, schedule="warp-random",
+                    parts="split", variant="v2", v2_prefetch=prefetch)  # fmt: skip
+    check_attention("float16", [1, 300, 2100], [1, 1, 1], 2, 4, 128, 16, num_sms=1, schedule="forward",
+                    window=1500, variant="v2", v2_prefetch=prefetch)  # fmt: skip
+
+
+def test_v2_prefetch_distance_is_checked() -> None:
+    with pytest.raises(ValueError, match="PAGEDRS_V2_PREFETCH='x' must be a non-negative number of chunks"):
+        os.environ["PAGEDRS_V2_PREFETCH"] = "x"
+        try:
+            CudaAttentionBackend(runtime=EmulatedRuntime())
+        finally:
+            del os.environ["PAGEDRS_V2_PREFETCH"]
+    with pytest.raises(ValueError, match=r"prefetch_chunks=-1 must be an int in \[0, 64\]"):
+        check_attention("bfloat16", [1, 17], [1, 1], 2, 4, 128, 16, num_sms=1, schedule="forward", variant="v2",
+                        v2_prefetch=-1)  # fmt: skip
 
 
 # ---------------------------------------------------------------- sliding window
@@ -183,29 +249,32 @@ def test_wide_groups_span_several_work_items(group: int) -> None:
 WINDOWS = [1, 5, 16, 50, 5000]
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("window", WINDOWS)
-def test_window_decode_matches_reference(window: int, schedule: str) -> None:
+def test_window_decode_matches_reference(window: int, schedule: str, variant: str) -> None:
     check_attention("bfloat16", [1, 17, 1100], [1, 1, 1], 2, 4, 128, 16, num_sms=1, schedule=schedule, seed=window,
-                     window=window)  # fmt: skip
+                     window=window, variant=variant)  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("group", [1, 4])
-def test_window_prefill_chunks_and_decode_in_one_step(window: int, group: int, schedule: str) -> None:
+def test_window_prefill_chunks_and_decode_in_one_step(window: int, group: int, schedule: str, variant: str) -> None:
     # a whole prompt, a chunk after a cached prefix, a decode token, a chunk at an odd offset;
     # group 1: a thread block's 16 rows are 16 positions, whose windows start at 16 places
     check_attention("float32", [33, 200, 17, 61], [33, 40, 1, 15], 2, group, 64, 16, num_sms=132, schedule=schedule,
-                     seed=window + group, parts="single", window=window)  # fmt: skip
+                     seed=window + group, parts="single", window=window, variant=variant)  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype_name", ["float32", "float16"])
-def test_window_split_k_partitions_the_window_not_the_context(dtype_name: str) -> None:
+def test_window_split_k_partitions_the_window_not_the_context(dtype_name: str, variant: str) -> None:
     """A 1500-key window over 2100- and 3000-token contexts: split-K cuts the window (six
     partitions of 256), and the blocks start mid-page (positions 600 and 1500)."""
     check_attention(dtype_name, [1, 17, 2100, 3000], [1, 1, 1, 1], 2, 4, 128, 16, num_sms=1000, schedule="warp-random",
-                     parts="split", window=1500)  # fmt: skip
+                     parts="split", window=1500, variant=variant)  # fmt: skip
 
 
 def test_window_planning_bounds_the_keys_by_the_window() -> None:
@@ -217,7 +286,7 @@ def test_window_planning_bounds_the_keys_by_the_window() -> None:
         visible_keys([5], [1], 0)
     runtime = EmulatedRuntime()
     _, kc, vc, _, _, _, meta = _case(torch.float32, [1, 17, 3000], [1, 1, 1], 2, 4, 64, 16, 0)
-    backend = CudaAttentionBackend(num_sms=1000, runtime=runtime)
+    backend = CudaAttentionBackend(num_sms=1000, runtime=runtime, variant="v1")
     plan = backend.plan(meta, 16, 8, 2)
     assert plan.split_for(None) == SplitPlan(num_parts=12, part_tokens=256)
     assert plan.split_for(1500) == SplitPlan(num_parts=6, part_tokens=256)
@@ -226,33 +295,36 @@ def test_window_planning_bounds_the_keys_by_the_window() -> None:
         backend.forward(torch.zeros(3, 8, 64), kc, vc, meta, 1.0, sliding_window=0)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("placeholder", [2**31 - 1, -1], ids=["int32-max", "minus-one"])
-def test_window_never_reads_released_table_entries(placeholder: int) -> None:
+def test_window_never_reads_released_table_entries(placeholder: int, variant: str) -> None:
     """The core may put any id in the entries of released pages: a read of 2**31 - 1 would
     land about 2**45 bytes past the cache (a crash), -1 before it (ASan reports it)."""
     check_attention("bfloat16", [200, 1100, 61], [40, 1, 15], 2, 4, 128, 16, num_sms=132, schedule="warp-random",
-                     window=50, placeholder=placeholder)  # fmt: skip
+                     window=50, placeholder=placeholder, variant=variant)  # fmt: skip
     check_attention("bfloat16", [1, 2100], [1, 1], 2, 4, 128, 16, num_sms=1000, schedule="forward", parts="split",
-                     window=1100, placeholder=placeholder)  # fmt: skip
+                     window=1100, placeholder=placeholder, variant=variant)  # fmt: skip
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize(("head", "block"), [(64, 8), (96, 32)])
-def test_window_other_geometries(head: int, block: int) -> None:
+def test_window_other_geometries(head: int, block: int, variant: str) -> None:
     for window in (block - 1, block, 3 * block + 1):
         check_attention("bfloat16", [1, 17, 300], [1, 1, 1], 2, 4, head, block, num_sms=1, schedule="forward",
-                         seed=window, window=window)  # fmt: skip
-        check_attention("float16", [40, 90], [40, 3], 1, 4, head, block, num_sms=132, schedule="warp-random",
-                         seed=head + window, window=window)  # fmt: skip
+                         seed=window, window=window, variant=variant)  # fmt: skip
+        check_attention("float16", [40, 90, 70], [40, 3, 1], 1, 4, head, block, num_sms=132, schedule="warp-random",
+                         seed=head + window, window=window, variant=variant)  # fmt: skip
 
 
 @long_only
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("head", HEAD_SIZES)
 @pytest.mark.parametrize("block", BLOCK_SIZES)
-def test_window_every_geometry(head: int, block: int) -> None:
+def test_window_every_geometry(head: int, block: int, variant: str) -> None:
     check_attention("bfloat16", [1, 17, 1000, 2100], [1, 1, 1, 1], 2, 4, head, block, num_sms=1000, schedule="reverse",
-                     seed=head + block, parts="split", window=1100)  # fmt: skip
-    check_attention("float16", [40, 300], [40, 7], 1, 4, head, block, num_sms=132, schedule="warp-random",
-                     seed=head, window=2 * block + 3)  # fmt: skip
+                     seed=head + block, parts="split", window=1100, variant=variant)  # fmt: skip
+    check_attention("float16", [40, 300, 90], [40, 7, 1], 1, 4, head, block, num_sms=132, schedule="warp-random",
+                     seed=head, window=2 * block + 3, variant=variant)  # fmt: skip
 
 
 # ---------------------------------------------------------------- cache writes and copies
@@ -327,3 +399,18 @@ def test_swap_round_trip_through_the_host_tier() -> None:
     rest[idx] = False
     assert back[:, :, rest].isnan().all()
     assert host[:, :, 3].isnan().all()
+
+
+@long_only
+def test_the_gpu_benchmark_script_runs_on_the_emulator() -> None:
+    """benches/gpu_kernels.py --emulate: the GPU run is often one short lease; a script that
+    breaks there wastes it. Both variants must agree with SDPA (the script's own check)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, str(root / "benches" / "gpu_kernels.py"), "--emulate"], capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(root / "python")})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "v2 output equal to v1 and SDPA within bf16 rounding (max |diff| <= 0.02): PASS" in result.stdout

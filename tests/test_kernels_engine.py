@@ -54,10 +54,15 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return ids[len(prompt_ids) :]
 
 
-def emulated_engine(folder: Path, runtime: EmulatedRuntime, **kw) -> Engine:
+def emulated_engine(folder: Path, runtime: EmulatedRuntime, variant: str = "v1", **kw) -> Engine:
     args = dict(model=str(folder), block_size=8, num_gpu_blocks=64, swap_space_gb=0.01, max_model_len=256, watermark=0.0)
     args.update(kw)
-    return Engine(EngineArgs(**args), attention_backend=CudaAttentionBackend(runtime=runtime))
+    return Engine(EngineArgs(**args), attention_backend=CudaAttentionBackend(runtime=runtime, variant=variant))
+
+
+# the attention kernels each variant launches over a run with prefill chunks and decode steps
+KERNELS = {"v1": {"pagedrs::paged_attention_kernel"},
+           "v2": {"pagedrs::paged_attention_kernel", "pagedrs::paged_attention_v2_kernel"}}  # fmt: skip
 
 
 def run_all(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[list[int]]]:
@@ -78,12 +83,15 @@ def prompts(vocab: int, count: int, shared: int, seed: int) -> list[list[int]]:
     return [prefix + torch.randint(3, vocab, (3 + (7 * i + 5) % 23,), generator=g).tolist() for i in range(count)]
 
 
-def test_greedy_equals_transformers_with_prefix_caching_chunked_prefill_and_swapping(head64):
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_greedy_equals_transformers_with_prefix_caching_chunked_prefill_and_swapping(head64, variant):
+    """v2: decode tokens by the v2 kernel, also inside steps whose prefill chunks go to v1
+    (the tiny models' groups: llama 2, mistral 4 (MQA), qwen2 2)."""
     model_type, folder, hf = head64
     runtime = EmulatedRuntime(schedule=SCHEDULE[model_type])
     # 10 pages of 8 tokens for 8 requests of up to ~60 tokens: preemption by swapping;
     # a 24-token budget cuts prompts into chunks; a 17-token shared prefix gives prefix hits.
-    engine = emulated_engine(folder, runtime, num_gpu_blocks=10, max_num_batched_tokens=24, max_num_seqs=6,
+    engine = emulated_engine(folder, runtime, variant, num_gpu_blocks=10, max_num_batched_tokens=24, max_num_seqs=6,
                              preemption_mode="swap", enable_prefix_caching=True,
                              admission_policy="prompt_only")  # optimistic admission: the pool must preempt
     ps = prompts(engine.loaded.config.vocab_size, 8, shared=17, seed=1)
@@ -96,7 +104,7 @@ def test_greedy_equals_transformers_with_prefix_caching_chunked_prefill_and_swap
     assert stats["num_swap_preemptions"] > 0 and stats["swap_in_blocks"] == stats["swap_out_blocks"] > 0
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
     kernels = {name.split("<")[0] for name, _, _ in runtime.launches}
-    assert kernels == {"pagedrs::paged_attention_kernel", "pagedrs::reshape_and_cache_kernel"}
+    assert kernels == KERNELS[variant] | {"pagedrs::reshape_and_cache_kernel"}
     chunks = [grid for name, grid, _ in runtime.launches if "paged_attention" in name and grid[1] > 1]
     assert chunks, "no step attended with more than one work item"
 
@@ -148,12 +156,13 @@ def window_requests(vocab: int) -> dict[str, tuple[list[int], SamplingParams]]:
     return {f"w{i}": (p, params) for i, p in enumerate(ps)}
 
 
-def test_sliding_window_greedy_equals_transformers(head64_mistral_window):
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_sliding_window_greedy_equals_transformers(head64_mistral_window, variant):
     """The window reaches the kernels (per layer) and the result is transformers' greedy output;
     the same model with full attention generates other tokens, so ignoring it cannot pass."""
     folder, hf = head64_mistral_window
     runtime = EmulatedRuntime(schedule="warp-random", seed=1)
-    engine = emulated_engine(folder, runtime, max_num_batched_tokens=16, enable_prefix_caching=True)
+    engine = emulated_engine(folder, runtime, variant, max_num_batched_tokens=16, enable_prefix_caching=True)
     assert engine.loaded.config.sliding_window == WINDOW
     requests = window_requests(engine.loaded.config.vocab_size)
     done = run_all(engine, requests)
@@ -164,6 +173,7 @@ def test_sliding_window_greedy_equals_transformers(head64_mistral_window):
     # the core released pages that fell out of the window: their table entries hold its
     # placeholder id, which the kernels must never have read
     assert stats["window_released_blocks"] > 0
+    assert {name.split("<")[0] for name, _, _ in runtime.launches if "paged_attention" in name} == KERNELS[variant]
     hf.config.sliding_window = None  # transformers without the window
     try:
         assert any(hf_greedy(hf, p, 40) != want[rid][0] for rid, (p, _) in requests.items())
@@ -174,12 +184,13 @@ def test_sliding_window_greedy_equals_transformers(head64_mistral_window):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
                     reason="needs a CUDA device and CuPy")  # fmt: skip
-def test_sliding_window_on_the_gpu_equals_transformers(head64_mistral_window):
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_sliding_window_on_the_gpu_equals_transformers(head64_mistral_window, variant):
     """The same run on a real GPU, the kernels compiled by NVRTC and launched by CuPy."""
     folder, hf = head64_mistral_window
     args = EngineArgs(model=str(folder), device="cuda", dtype="float32", block_size=8, num_gpu_blocks=64,
                       max_model_len=256, max_num_batched_tokens=16, enable_prefix_caching=True)  # fmt: skip
-    engine = Engine(args, attention_backend=CudaAttentionBackend())
+    engine = Engine(args, attention_backend=CudaAttentionBackend(variant=variant))
     requests = window_requests(engine.loaded.config.vocab_size)
     assert run_all(engine, requests) == {rid: [hf_greedy(hf, p, 40)] for rid, (p, _) in requests.items()}
 

@@ -44,6 +44,18 @@ def battery(files, schedule: str):
         yield partial(attention, [1, 17, 300], [1, 1, 1], 2, 4, 128, 16, num_sms=1, window=5)
         yield partial(attention, [33, 200, 17, 61], [33, 40, 1, 15], 2, 1, 64, 16, num_sms=132, window=50)
         yield partial(attention, [1, 17, 2100], [1, 1, 1], 2, 4, 128, 16, num_sms=1000, parts="split", window=1500)
+    for dtype in ("float32", "bfloat16"):
+        v2 = partial(check_attention, dtype, schedule=schedule, files=files, variant="v2")
+        # v2: decode over several chunks per warp; split-K with group 8 (two blocks per KV head);
+        # group 3 (an absent row) in a step with prefill chunks (those by v1); windows
+        yield partial(v2, [1, 17, 300], [1, 1, 1], 2, 4, 128, 16, num_sms=1)
+        yield partial(v2, [1, 17, 1100], [1, 1, 1], 2, 8, 128, 16, num_sms=1000, parts="split")
+        yield partial(v2, [33, 200, 17, 61], [33, 1, 1, 15], 2, 3, 64, 16, num_sms=132, seed=4)
+        yield partial(v2, [1, 17, 300], [1, 1, 1], 2, 4, 128, 16, num_sms=1, window=5)
+        yield partial(v2, [1, 17, 2100], [1, 1, 1], 2, 4, 128, 16, num_sms=1000, parts="split", window=1500)
+        # the v2 kernel on prefill rows: per-row causal limits and window starts
+        yield partial(check_attention, dtype, [33, 200, 17, 61], [33, 40, 1, 15], 2, 1, 64, 16, num_sms=132,
+                      schedule=schedule, files=files, window=50, variant="v2-all")  # fmt: skip
 
 
 def first_failure(files) -> str | None:

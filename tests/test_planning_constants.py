@@ -20,6 +20,9 @@ def test_planning_constants_equal_the_kernel_source():
     assert planning.MAX_ROWS == _constexpr("kMaxRows")
     assert planning.MAX_PARTS == _constexpr("kMaxParts")
     assert planning.TARGET_BLOCKS_PER_SM == _constexpr("kMinBlocksPerSm")
+    assert planning.ROWS_V2 == planning.ROWS_PER_ITEM["v2"] == _constexpr("kRowsV2")
+    assert planning.BLOCKS_PER_SM_V2 == _constexpr("kMinBlocksPerSmV2")
+    assert planning.ROWS_PER_ITEM["v1"] == planning.MAX_ROWS
     # split-K parts must be whole kernel tiles: TILE is clamped to [16, 128] tokens in the source
     assert "clamp_int(pow2_floor(kTileBytes / (HEAD * static_cast<int>(sizeof(T)))), 16, 128)" in SOURCE
     assert planning.MIN_PART_TOKENS % 128 == 0

@@ -13,6 +13,16 @@ are never read (the core may release them), and a decode token reads at most W
 keys. The split-K plan then covers ``planning.visible_keys``, not the context; it
 is made once per step for each window the layers use.
 
+Two attention kernels serve the same contract (``pagedrs.kernels.dispatch.VARIANTS``):
+``v1`` (16 rows a block, tiles through shared memory) for everything, and ``v2``
+(4 rows a block, independent warps with pipelined loads; built for decode). With
+``variant="v2"`` the decode tokens (sequences with one new token) go to v2 and the
+prefill chunks of the same step to v1, in two launches writing disjoint rows: v2's
+four-row blocks would read a chunk's prefix once per new token where v1 reads it once
+per four tokens of group 4. ``variant`` defaults to ``$PAGEDRS_ATTENTION_KERNEL``, else
+``DEFAULT_VARIANT``; v2's L2 prefetch distance ``v2_prefetch`` to ``$PAGEDRS_V2_PREFETCH``,
+else ``DEFAULT_V2_PREFETCH``.
+
 ``runtime`` (``pagedrs.kernels.loader.KernelRuntime``) runs the kernels: CuPy on a
 GPU by default; the tests pass the CPU emulator of ``tests/cuda_emu``, which runs
 this very class, its planning and ``ops`` on CPU tensors.
@@ -20,14 +30,21 @@ this very class, its planning and ``ops`` on CPU tensors.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.kernels import loader, ops
-from pagedrs.kernels.planning import SplitPlan, plan_split, visible_keys, work_items
+from pagedrs.kernels.dispatch import VARIANTS
+from pagedrs.kernels.planning import ROWS_PER_ITEM, RULES, SplitPlan, SplitRule, plan_split, visible_keys, work_items
+
+DEFAULT_VARIANT = "v1"
+# v2's L2 prefetch distance in chunks past the next one (0: none); see cuda/paged_attention.cu
+DEFAULT_V2_PREFETCH = 0
 
 
 @dataclass(frozen=True)
@@ -35,12 +52,19 @@ class _StepPlan:
     meta: AttentionMetadata  # the step this plan belongs to
     owner: Any  # the backend that made it (plans depend on its SM count)
     group: int
-    work_items: torch.Tensor  # int32 [num_items, 2] on the device
-    num_blocks: int  # thread blocks of a single pass: work items x KV heads
+    # (variant, int32 [num_items, 2] work items on the device) per launch of the step, in order
+    launches: tuple[tuple[str, torch.Tensor], ...]
+    num_blocks: int  # thread blocks of a single pass of the first launch: work items x KV heads
     num_sms: int
+    rule: SplitRule
     # sliding window (None: full causal) -> split-K plan over the keys a block reads;
     # filled by the first layer of the step that attends with that window
     splits: dict[int | None, SplitPlan] = field(default_factory=dict)
+
+    @property
+    def work_items(self) -> torch.Tensor:
+        """The first launch's work items (the only launch of a decode-only step)."""
+        return self.launches[0][1]
 
     @property
     def split(self) -> SplitPlan:
@@ -56,7 +80,7 @@ class _StepPlan:
             keys = visible_keys(meta.seq_lens_cpu, q_lens, sliding_window)
             # Split-K only pays off for decode; prefill chunks already bring many rows per sequence.
             split = (
-                plan_split(self.num_blocks, keys, self.num_sms)
+                plan_split(self.num_blocks, keys, self.num_sms, self.rule)
                 if meta.is_decode_only
                 else SplitPlan(num_parts=1, part_tokens=keys)
             )
@@ -67,7 +91,27 @@ class _StepPlan:
 class CudaAttentionBackend(AttentionBackend):
     name = "cuda"
 
-    def __init__(self, num_sms: int | None = None, runtime: loader.KernelRuntime | None = None) -> None:
+    def __init__(
+        self,
+        num_sms: int | None = None,
+        runtime: loader.KernelRuntime | None = None,
+        variant: str | None = None,
+        split_rule: SplitRule | None = None,  # the split-K rule's numbers; None: the variant's (planning.RULES)
+        v2_prefetch: int | None = None,  # None: $PAGEDRS_V2_PREFETCH, else DEFAULT_V2_PREFETCH
+    ) -> None:
+        variant = variant if variant is not None else os.environ.get("PAGEDRS_ATTENTION_KERNEL") or DEFAULT_VARIANT
+        if variant not in VARIANTS:
+            raise ValueError(
+                f"attention kernel variant={variant!r} (argument or PAGEDRS_ATTENTION_KERNEL); expected one of {list(VARIANTS)}"
+            )
+        self.variant = variant
+        self._split_rule = split_rule if split_rule is not None else RULES[variant]
+        if v2_prefetch is None:
+            env = os.environ.get("PAGEDRS_V2_PREFETCH", "")
+            if env and not env.isdigit():
+                raise ValueError(f"PAGEDRS_V2_PREFETCH={env!r} must be a non-negative number of chunks")
+            v2_prefetch = int(env) if env else DEFAULT_V2_PREFETCH
+        self.v2_prefetch = v2_prefetch
         self._num_sms = num_sms  # None: read from the device on first use
         self._runtime = runtime if runtime is not None else loader.CUPY
         self._swap_streams: dict[torch.device, Any] = {}  # device -> the runtime's side stream for swaps
@@ -98,10 +142,12 @@ class CudaAttentionBackend(AttentionBackend):
             plan = self.plan(meta, key_cache.shape[1], query.shape[1], key_cache.shape[2])
         if out is None:
             out = torch.empty(query.shape, dtype=key_cache.dtype, device=query.device)
-        ops.paged_attention(
-            out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            plan.work_items, scale, plan.split_for(sliding_window), self._runtime, sliding_window,
-        )  # fmt: skip
+        split = plan.split_for(sliding_window)
+        for variant, items in plan.launches:
+            ops.paged_attention(
+                out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                items, scale, split, self._runtime, sliding_window, variant, self.v2_prefetch,
+            )  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
     def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int) -> _StepPlan:
@@ -112,10 +158,20 @@ class CudaAttentionBackend(AttentionBackend):
             return meta.plan
         device = meta.block_tables.device
         starts = meta.query_start_loc_cpu
-        items = work_items([starts[i + 1] - starts[i] for i in range(meta.num_seqs)], group)
+        q_lens = np.array([starts[i + 1] - starts[i] for i in range(meta.num_seqs)], dtype=np.int64)
+        if self.variant == "v1" or meta.is_decode_only:
+            groups = [(self.variant, np.arange(meta.num_seqs))]
+        else:  # decode tokens to v2, prefill chunks to v1
+            groups = [("v2", np.flatnonzero(q_lens == 1)), ("v1", np.flatnonzero(q_lens > 1))]
+        launches = []
+        for variant, seqs in groups:
+            if len(seqs):
+                items = work_items(q_lens[seqs], group, ROWS_PER_ITEM[variant], seqs)
+                launches.append((variant, torch.from_numpy(items).to(device)))
         if self._num_sms is None:
             self._num_sms = self._runtime.num_sms(device)
-        meta.plan = _StepPlan(meta, self, group, torch.from_numpy(items).to(device), len(items) * num_kv_heads, self._num_sms)
+        num_blocks = launches[0][1].shape[0] * num_kv_heads
+        meta.plan = _StepPlan(meta, self, group, tuple(launches), num_blocks, self._num_sms, self._split_rule)
         return meta.plan
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:

@@ -15,6 +15,11 @@ CUDA_TYPES: dict[str, str] = {"float16": "pagedrs::half_t", "bfloat16": "pagedrs
 HEAD_SIZES: tuple[int, ...] = (64, 80, 96, 128, 256)
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32)
 
+# Attention kernels of cuda/paged_attention.cu: "v1" (paged_attention_kernel, tiles through
+# shared memory, 16 rows a block) and "v2" (paged_attention_v2_kernel, independent warps with
+# pipelined register loads, 4 rows a block). Both serve every entry of the table.
+VARIANTS: tuple[str, ...] = ("v1", "v2")
+
 COPY_BLOCKS = "pagedrs::copy_blocks_kernel"  # dtype-agnostic, one instance for every entry
 
 
@@ -35,6 +40,16 @@ class KernelEntry:
         return f"pagedrs::paged_attention_kernel<{self.cuda_type}, {self.head_size}, {self.block_size}>"
 
     @property
+    def attention_v2(self) -> str:
+        return f"pagedrs::paged_attention_v2_kernel<{self.cuda_type}, {self.head_size}, {self.block_size}>"
+
+    def attention_kernel(self, variant: str) -> str:
+        """The attention instance of ``variant`` (see ``VARIANTS``)."""
+        if variant not in VARIANTS:
+            raise ValueError(f"attention kernel variant={variant!r}; expected one of {list(VARIANTS)}")
+        return self.attention if variant == "v1" else self.attention_v2
+
+    @property
     def reduce(self) -> str:
         return f"pagedrs::attention_reduce_kernel<{self.cuda_type}>"
 
@@ -44,7 +59,7 @@ class KernelEntry:
 
     @property
     def name_expressions(self) -> tuple[str, ...]:
-        return (self.attention, self.reduce, self.reshape_and_cache, COPY_BLOCKS)
+        return (self.attention, self.attention_v2, self.reduce, self.reshape_and_cache, COPY_BLOCKS)
 
 
 SUPPORTED: dict[tuple[str, int, int], KernelEntry] = {

@@ -48,8 +48,16 @@ def paged_attention(
     plan: SplitPlan,
     runtime: loader.KernelRuntime = loader.CUPY,
     sliding_window: int | None = None,  # the token at position p sees keys (p - W, p]; None: all
+    variant: str = "v1",  # the attention kernel (dispatch.VARIANTS)
+    prefetch_chunks: int = 0,  # v2: L2 prefetch distance in chunks past the next (0: none); ignored by v1
 ) -> None:
     """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``.
+
+    ``work_items`` must be chunked by the variant's rows per block
+    (``planning.work_items(..., rows=planning.ROWS_PER_ITEM[variant])``): a kernel serves
+    at most its own number of rows from an item and would leave the rest unwritten.
+    Rows of sequences no item names are not written either (a step may launch twice,
+    one variant for its decode tokens and the other for its prefill chunks).
 
     With ``sliding_window`` the kernel reads no page wholly before the window of a
     thread block's first row, so ``plan`` must come from ``planning.visible_keys`` of the
@@ -76,13 +84,15 @@ def paged_attention(
     query = _rows_ok(query.to(key_cache.dtype), "query")
     group = num_heads // num_kv_heads
     grid = (num_kv_heads, work_items.shape[0], plan.num_parts)
+    if work_items.shape[0] == 0:
+        return
     if plan.num_parts > 1:
         part_out = torch.empty((num_tokens, num_heads, plan.num_parts, head_size), dtype=torch.float32, device=device)
         part_ml = torch.empty((num_tokens, num_heads, plan.num_parts, 2), dtype=torch.float32, device=device)
     else:
         part_out = part_ml = out  # never touched by the single-pass kernel
-    fn = runtime.kernel(entry, entry.attention, device)
-    args = (
+    fn = runtime.kernel(entry, entry.attention_kernel(variant), device)
+    args: tuple[Any, ...] = (
         loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.ptr(query),
         loader.ptr(key_cache), loader.ptr(value_cache), loader.ptr(block_tables), loader.ptr(seq_lens),
         loader.ptr(query_start_loc), loader.ptr(work_items), loader.i32(block_tables.shape[1]),
@@ -90,6 +100,10 @@ def paged_attention(
         loader.i32(plan.part_tokens if plan.num_parts > 1 else _ONE_PASS_TOKENS),
         loader.i32(0 if sliding_window is None else min(sliding_window, 2**31 - 1)),  # 0: no window
     )  # fmt: skip
+    if variant == "v2":
+        if isinstance(prefetch_chunks, bool) or not isinstance(prefetch_chunks, int) or not 0 <= prefetch_chunks <= 64:
+            raise ValueError(f"prefetch_chunks={prefetch_chunks!r} must be an int in [0, 64]")
+        args = (*args, loader.i32(prefetch_chunks))
     runtime.launch(fn, grid, (_ATTN_THREADS,), args, device)
     if plan.num_parts > 1:
         reduce = runtime.kernel(entry, entry.reduce, device)
