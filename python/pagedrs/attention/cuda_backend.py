@@ -42,8 +42,12 @@ from pagedrs.kernels import loader, ops
 from pagedrs.kernels.dispatch import VARIANTS
 from pagedrs.kernels.planning import ROWS_PER_ITEM, RULES, SplitPlan, SplitRule, plan_split, visible_keys, work_items
 
-DEFAULT_VARIANT = "v1"
-# v2's L2 prefetch distance in chunks past the next one (0: none); see cuda/paged_attention.cu
+# v2 for decode rows: on an H200 (2026-11-30, benches/gpu_kernels.py) it read KV at 60% of copy bandwidth
+# at 64 x 4096 against v1's 28% (2.16x; 2.44x at 64 x 16384, 1.5-3.1x elsewhere), outputs within bf16
+# rounding of v1 and SDPA. Prefill chunks stay on v1 in either case.
+DEFAULT_VARIANT = "v2"
+# v2's L2 prefetch distance in chunks past the next one (0: none); the same run measured 1, 2 and 4
+# chunks 3-34% slower than none at every size, so none it is
 DEFAULT_V2_PREFETCH = 0
 
 
