@@ -115,3 +115,15 @@ def test_the_server_records_where_the_first_token_went(tiny_llama_dir: Path, tmp
     stamps = [line[k] for k in ("api_arrival", "queued", "first_scheduled", "first_token", "dispatched")]
     assert stamps == sorted(stamps), line
     assert (line["num_steps_queued"], line["num_prefill_steps"]) == (0, 1)
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], True),  # the CPU default: a step costs the sum of its parts there
+    (["--device", "cuda"], False),
+    (["--no-prefill-first"], False),
+    (["--device", "cuda", "--prefill-first"], True),
+])
+def test_serve_turns_prefill_first_on_for_the_cpu_unless_told(argv: list[str], expected: bool) -> None:
+    from pagedrs.server.cli import build_parser, engine_kwargs
+
+    assert engine_kwargs(build_parser().parse_args(argv))["prefill_first"] is expected

@@ -289,6 +289,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     del loaded
     model_name = cfg.model  # the server serves --model under that name
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = int(os.environ.get("PAGEDRS_CPU_THREADS") or threads)  # what `pagedrs serve` uses too
     random = synthetic_workload(spec, vocab)
     by_name = {"random": random, "prefix": _shared_prefix(random, settings.shared_prefix_tokens, vocab)}
     workloads = [by_name[name] for name in cfg.serve_workloads]

@@ -55,9 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="admit a prompt only beside the running set's expected growth (default), or on its own pages",
     )
     engine.add_argument(
-        "--prefill-first", action=argparse.BooleanOptionalAction, default=False,
+        "--prefill-first", action=argparse.BooleanOptionalAction, default=None,
         help="a step that can admit a waiting prompt runs it without the running decodes (never two such steps "
-        "in a row): lower time to first token under load, decodes wait one step (default: off)",
+        "in a row): a new request's first token costs its prefill alone. Default: on with --device cpu, where a "
+        "step costs the sum of its parts (measured: steady TTFT p50 -40%%, tokens per CPU-second unchanged), "
+        "off elsewhere (a GPU runs decodes beside a prefill almost for free)",
     )
     engine.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -136,7 +138,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "preemption_mode": args.preemption_mode,
         "admission_policy": args.admission_policy,
-        "prefill_first": args.prefill_first,
+        "prefill_first": args.prefill_first if args.prefill_first is not None else args.device == "cpu",
         "kv_layout": args.kv_layout,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
