@@ -9,7 +9,14 @@ share of the core's busy time spent inside ``Engine.step``. Then the offline eng
 (``LLM.generate``, same thread count) runs the same requests in the same process run.
 
 Two workloads: ShareGPT-like random lengths (mean ~120 prompt / ~120 generated tokens in
-the full run) and the same with every prompt behind one shared 600-token prefix.
+the full run) and the same with every prompt behind one shared 600-token prefix
+(``--workload random|prefix`` runs one; ``--no-offline`` skips the offline engine;
+``--serve-args=...`` passes flags to the server, e.g. ``--serve-args=--no-prefill-first``).
+
+TTFT references: "unloaded" is the median of three prompts sent one at a time to the idle
+server (the issue's reference); "same prompts unloaded" sends the steady requests' prompt
+lengths one at a time (like for like). The server's request trace splits each steady
+request's TTFT into its parts (``ttft_breakdown``).
 """
 
 from __future__ import annotations
