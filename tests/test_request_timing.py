@@ -127,3 +127,25 @@ def test_serve_turns_prefill_first_on_for_the_cpu_unless_told(argv: list[str], e
     from pagedrs.server.cli import build_parser, engine_kwargs
 
     assert engine_kwargs(build_parser().parse_args(argv))["prefill_first"] is expected
+
+
+def test_the_bench_breakdown_joins_client_and_trace_and_its_parts_add_up(tmp_path: Path) -> None:
+    from pagedrs.bench import ttft_breakdown as tb
+
+    stamps = {"api_arrival": 10.5, "queued": 11.0, "first_scheduled": 11.25, "first_token": 12.0, "dispatched": 12.5}
+    lines = [{"request_id": "bench7-0a1b-0", **stamps, "num_steps_queued": 2, "num_prefill_steps": 3},
+             {"request_id": "bench8-0a1c-0", **stamps, "num_steps_queued": 0, "num_prefill_steps": 1}]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    trace = tb.read_trace(str(path))
+    assert sorted(trace) == ["bench7", "bench8"]
+    # bench8 arrived before the server was full: left out of the steady set
+    client = {"bench7": (10.0, 13.0, True), "bench8": (10.0, 13.0, False), "bench9": (10.0, 13.0, True)}
+    (timeline,) = tb.join(client, trace)
+    parts = {name: timeline.part(name) for name, _, _ in tb.PARTS}
+    assert parts == {"client_to_api": 0.5, "handoff": 0.5, "queue": 0.25, "prefill": 0.75, "core_to_api": 0.5,
+                     "api_to_client": 0.5}
+    assert sum(parts.values()) == timeline.ttft == 3.0
+    summary = tb.summarize([timeline])
+    assert summary["num_prefill_steps"]["p99"] == 3.0 and summary["queue"]["p50"] == 0.25
+    assert len(tb.join(client, trace, steady_only=False)) == 2
