@@ -53,7 +53,9 @@ class FakeEngine:
         self._requests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()  # the test thread reads `calls` while the engine thread appends
 
-    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, arrival_time: float | None = None
+    ) -> None:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -211,11 +213,12 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(
     model_dir: Path, engine_kw: dict[str, Any], model_name: str, max_waiting: int = 64, *, core_process: bool = False,
+    trace: Any = None,
 ) -> Iterator[LiveServer]:
     """Serve the model in ``model_dir`` on 127.0.0.1 for the duration of the block.
 
     ``core_process``: the engine runs in its own process behind a RemoteEngine, as
-    ``pagedrs serve`` runs it by default.
+    ``pagedrs serve`` runs it by default. ``trace``: a RequestTrace the loop writes to.
     """
     from pagedrs import Engine, EngineArgs
     from pagedrs.server import BackgroundServer, EngineLoop, build_app
@@ -223,7 +226,7 @@ def live_server(
 
     args = EngineArgs(model=str(model_dir), **engine_kw)
     engine = RemoteEngine(args) if core_process else Engine(args)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, trace=trace)
     app = build_app(loop, model_name, max_waiting=max_waiting)
     http = BackgroundServer(app)
     loop.start()

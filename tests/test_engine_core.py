@@ -65,6 +65,19 @@ def test_outputs_equal_the_in_process_engine(remote, tiny_llama_dir):
     assert 0.0 < stats["core_step_fraction"] <= 1.0
 
 
+def test_request_metrics_cross_once_with_the_first_token_and_keep_the_api_arrival(remote):
+    before = time.monotonic()
+    remote.add_request("timed", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    with_metrics = []
+    while remote.has_unfinished():
+        with_metrics += [o.metrics for o in remote.step() if o.metrics]
+    assert len(with_metrics) == 1, with_metrics  # once: with the output that carries the first token
+    m = with_metrics[0]
+    # stamped by submit in this process, then by the core: one clock (time.monotonic) for both
+    assert before <= m["arrival_time"] <= m["queued_time"] <= m["first_scheduled_time"] < m["first_token_time"]
+    assert (m["num_steps_queued"], m["num_prefill_steps"]) == (0, 1)
+
+
 def test_invalid_input_raises_on_the_api_side_and_nothing_is_queued(remote):
     with pytest.raises(ValueError, match="the prompt is empty"):
         remote.add_request("bad", [], SamplingParams())

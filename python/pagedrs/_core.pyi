@@ -128,6 +128,7 @@ class SchedulerConfig:
         admission_init_ratio: float = 0.7,
         admission_min_ratio: float = 0.1,
         admission_decay_steps: int = 600,
+        prefill_first: bool = False,  # a step that admits a prompt runs no decodes (never twice in a row)
     ) -> None: ...
     @property
     def num_gpu_blocks(self) -> int: ...

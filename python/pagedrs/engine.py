@@ -89,6 +89,7 @@ class Engine:
             watermark=args.watermark,
             aging_steps=args.aging_steps,
             admission_policy=args.admission_policy,
+            prefill_first=args.prefill_first,
             swap_cost_per_block=plan.swap_cost_per_block,
             recompute_cost_per_token=plan.recompute_cost_per_token,
             host_cache_evicted=args.host_cache_evicted or tiers.host_cache_blocks > 0,
@@ -120,6 +121,7 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []
         self._num_generated = 0
         self._peak_running = 0
+        self._num_steps = 0  # steps run (the requests' queue and prefill step counts use it)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -129,11 +131,15 @@ class Engine:
         prompt: PromptType,
         params: Optional[SamplingParams | BeamSearchParams] = None,
         priority: int = 0,
+        arrival_time: Optional[float] = None,
     ) -> None:
         """Validates and queues a request; raises ValueError (or TypeError) with nothing changed.
 
         ``params`` is SamplingParams (``n`` samples, the best ``n`` of ``best_of``, or beam
-        search with ``use_beam_search=True``) or BeamSearchParams (beam search)."""
+        search with ``use_beam_search=True``) or BeamSearchParams (beam search).
+        ``arrival_time`` (``time.monotonic()``; default now) is when a front end received it,
+        as in vLLM: the server's API process stamps it, so the request's metrics count the
+        time it spent reaching the engine."""
         processed = self.inputs.process(request_id, prompt, params, priority)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists; request ids must be unique among unfinished requests")
@@ -145,7 +151,10 @@ class Engine:
         arrival = next(self._arrivals)
         request = Request(request_id, processed.prompt, processed.prompt_token_ids, params, processed.priority,
                           arrival, [first], policy=policy, num_samples=num_samples,
-                          num_outputs=policy.num_outputs(params), streams=policy.streams(params))
+                          num_outputs=policy.num_outputs(params), streams=policy.streams(params),
+                          queued_step=self._num_steps)
+        if arrival_time is not None:
+            request.arrival_time = min(arrival_time, request.queued_time)
         with Rollback() as undo:
             self.scheduler.add_sequence(
                 seq_id,
@@ -214,7 +223,9 @@ class Engine:
         outputs, self._pending_outputs = self._pending_outputs, []
         if not self._requests:
             return outputs
+        start = time.monotonic()
         step = StepInput.from_plan(self.scheduler.schedule())
+        self._note_scheduled(step, start)
         self._peak_running = max(self._peak_running, self.scheduler.num_running)
         touched: dict[str, Request] = {}
         try:
@@ -237,6 +248,22 @@ class Engine:
         results = self._sample_attributed(logits, draws, touched) if draws else []
         self._carry_out(self._decide(rows, logits, draws, results, touched), touched)
         return outputs + self._collect(touched)
+
+    def _note_scheduled(self, step: StepInput, start: float) -> None:
+        """Queue and prefill bookkeeping of the requests still waiting for their first token
+        (vLLM's first_scheduled_time): the step that starts at ``start`` runs them."""
+        self._num_steps += 1
+        seen: set[str] = set()
+        for seq_id in step.seq_ids.tolist():
+            entry = self._by_seq.get(seq_id)
+            if entry is None or entry[0].first_token_time is not None or entry[0].request_id in seen:
+                continue
+            request = entry[0]
+            seen.add(request.request_id)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = start
+                request.num_steps_queued = self._num_steps - 1 - request.queued_step
+            request.num_prefill_steps += 1
 
     def _rows(self, step: StepInput) -> dict[str, tuple[Request, list[tuple[int, Sample]]]]:
         """The step's sampling rows, by request: (logits row, sample)."""

@@ -41,6 +41,10 @@ class EngineArgs:
     # "expected_growth": a prompt is admitted only beside the room running sequences are
     # expected to grow into (fewer preemptions); "prompt_only": its prompt's pages alone.
     admission_policy: str = "expected_growth"
+    # A step that can admit a waiting prompt runs it without the running decodes (never two
+    # such steps in a row): a new request's first token costs its prefill alone, not its
+    # prefill plus a decode of the whole batch; the decodes wait one step (vLLM v0's order).
+    prefill_first: bool = False
     host_cache_evicted: bool = False  # legacy switch: host-cache evicted pages in the swap pool's free blocks
     # Host tier for evicted prefix pages, added to the swap pool (GiB; 0 = off).
     # None = min(4 GiB, 10% of MemAvailable), and on a CPU device at most the device pool's size.
@@ -94,6 +98,8 @@ class EngineArgs:
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
         at_least("aging_steps", 0)
+        if not isinstance(self.prefill_first, bool):
+            raise ValueError(f"prefill_first is {self.prefill_first!r}; it must be True or False")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")
         if not 0 < self.gpu_memory_utilization <= 1:

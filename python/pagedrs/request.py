@@ -49,8 +49,16 @@ class Request:
     priority: int
     arrival: int  # engine-wide arrival counter
     samples: list[Sample]
+    # Timestamps (time.monotonic, comparable across the server's processes), as vLLM's
+    # RequestMetrics: arrival at the front end (the API process, or add_request), taken by the
+    # engine (queued), the start of its first step (first scheduled), its first sampled token.
     arrival_time: float = field(default_factory=time.monotonic)
+    queued_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
+    queued_step: int = 0  # the engine's step count when it was queued
+    num_steps_queued: int = 0  # steps that ran without it before its first (admission said no)
+    num_prefill_steps: int = 0  # steps it was in up to and including its first token's
     finished_time: Optional[float] = None
     error: Optional[str] = None
     forked: bool = False  # n > 1: children created after the first sample
@@ -89,9 +97,14 @@ class Request:
             )
             s.sent_tokens = len(s.token_ids)
             s.sent_chars = visible
-        metrics = {"arrival_time": self.arrival_time}
+        metrics = {"arrival_time": self.arrival_time, "queued_time": self.queued_time}
+        if self.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = self.first_scheduled_time
+            metrics["time_in_queue"] = self.first_scheduled_time - self.queued_time
+            metrics["num_steps_queued"] = self.num_steps_queued
         if self.first_token_time is not None:
             metrics["first_token_time"] = self.first_token_time
+            metrics["num_prefill_steps"] = self.num_prefill_steps
         if self.finished_time is not None:
             metrics["finished_time"] = self.finished_time
         return RequestOutput(

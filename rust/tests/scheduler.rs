@@ -20,6 +20,7 @@ fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
         admission: AdmissionConfig::default(),
         layout: KvLayout::Paged,
         sliding_window: None,
+        prefill_first: false,
     }
 }
 
@@ -610,4 +611,72 @@ fn the_ratio_decays_without_preemption_rises_after_one_and_learns_from_finished_
     // Recent finishes weigh more: the earlier one's counts are scaled by 0.98.
     let floor = (4.0 * 0.98 + 2.0) / (4.0 * 0.98 + 8.0);
     assert!((s.admission_ratio() - floor).abs() < 1e-9, "about 6 / 12 outputs used, got {}", s.admission_ratio());
+}
+
+fn prefill_first(blocks: usize, on: bool) -> Scheduler {
+    let bm = BlockManagerConfig { num_cpu_blocks: 64, ..BlockManagerConfig::new(blocks, 4) };
+    Scheduler::paged(SchedulerConfig { prefill_first: on, ..config(64, PreemptionMode::Swap) }, bm).unwrap()
+}
+
+#[test]
+fn prefill_first_runs_arriving_prompts_without_the_decodes_but_never_two_steps_in_a_row() {
+    for on in [true, false] {
+        let mut s = prefill_first(64, on);
+        s.add_sequence(1, tokens(100, 8), 0, 1, 32, 1).unwrap();
+        s.add_sequence(2, tokens(200, 8), 0, 2, 32, 1).unwrap();
+        assert_eq!(s.schedule().unwrap().seq_ids, vec![1, 2]);
+        s.append_token(1, 7).unwrap();
+        s.append_token(2, 7).unwrap();
+        // Two prompts arrive while 1 and 2 decode.
+        s.add_sequence(3, tokens(300, 8), 0, 3, 32, 1).unwrap();
+        s.add_sequence(4, tokens(400, 8), 0, 4, 32, 1).unwrap();
+        let out = s.schedule().unwrap();
+        if on {
+            assert_eq!((out.seq_ids.clone(), out.num_scheduled_tokens.clone()), (vec![3, 4], vec![8, 8]), "the prompts alone");
+        } else {
+            assert_eq!((out.seq_ids.clone(), out.num_scheduled_tokens.clone()), (vec![1, 2, 3, 4], vec![1, 1, 8, 8]));
+            continue;
+        }
+        s.append_token(3, 7).unwrap();
+        s.append_token(4, 7).unwrap();
+        // One more arrives at once: the decodes skipped last step run now, the prompt beside them.
+        s.add_sequence(5, tokens(500, 8), 0, 5, 32, 1).unwrap();
+        let out = s.schedule().unwrap();
+        assert_eq!((out.seq_ids.clone(), out.num_scheduled_tokens.clone()), (vec![1, 2, 3, 4, 5], vec![1, 1, 1, 1, 8]));
+        for id in [1, 2, 3, 4, 5] {
+            s.append_token(id, 7).unwrap();
+        }
+        // A step with nothing waiting is a plain decode step; the next arrival runs alone again.
+        assert_eq!(s.schedule().unwrap().seq_ids, vec![1, 2, 3, 4, 5]);
+        for id in [1, 2, 3, 4, 5] {
+            s.append_token(id, 7).unwrap();
+        }
+        s.add_sequence(6, tokens(600, 8), 0, 6, 32, 1).unwrap();
+        assert_eq!(s.schedule().unwrap().seq_ids, vec![6]);
+        s.check_invariants().unwrap();
+        for id in 1..=6 {
+            s.finish(id).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_prefill_first_step_keeps_the_expected_growth_of_the_decodes_it_skips() {
+    // 8 blocks of 4 tokens; 4-token prompts that grow to 16 tokens (4 blocks each): two
+    // fit beside their growth, a third does not. The step it arrives in must not treat
+    // its empty batch as "alone" (the prompt-only rule): the decodes run, it waits.
+    let mut s = prefill_first(8, true);
+    s.add_sequence(1, tokens(100, 4), 0, 1, 12, 1).unwrap();
+    s.add_sequence(2, tokens(200, 4), 0, 2, 12, 1).unwrap();
+    assert_eq!(s.schedule().unwrap().seq_ids, vec![1, 2]);
+    s.append_token(1, 7).unwrap();
+    s.append_token(2, 7).unwrap();
+    s.add_sequence(3, tokens(300, 4), 0, 3, 12, 1).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.seq_ids, vec![1, 2]);
+    assert_eq!(s.num_waiting(), 1);
+    for id in [1, 2, 3] {
+        s.finish(id).unwrap();
+    }
+    s.check_invariants().unwrap();
 }

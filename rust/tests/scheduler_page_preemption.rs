@@ -87,6 +87,7 @@ fn run(seed: u64, whole_sequence_swap: bool, prefix_caching: bool, host_blocks: 
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
         layout: KvLayout::Paged,
         sliding_window: None,
+        prefill_first: false,
         // the optimistic rule: this harness is about what preemption does, so it must happen
         admission: AdmissionConfig { policy: AdmissionPolicy::PromptOnly, ..AdmissionConfig::default() },
     };

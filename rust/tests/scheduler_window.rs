@@ -18,6 +18,7 @@ fn windowed(window: Option<usize>, blocks: usize, cpu: usize, budget: usize) -> 
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
         layout: KvLayout::Paged,
         sliding_window: window,
+        prefill_first: false,
         // optimistic admission: the swap tests here need pools that preempt
         admission: AdmissionConfig { policy: AdmissionPolicy::PromptOnly, ..AdmissionConfig::default() },
     };

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +50,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="decode: one weight format instead of the grid's (the other benches use float32)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--workload", choices=("random", "prefix", "both"), default="both",
+                   help="serve: the random-length workload, the shared-prefix one, or both (default)")
+    p.add_argument("--no-offline", action="store_true", help="serve: skip the offline engine runs")
+    p.add_argument("--serve-args", default="", metavar="FLAGS",
+                   help="serve: extra `pagedrs serve` flags, e.g. \"--max-num-batched-tokens 512\"")
     p.add_argument(
         "--threads",
         type=int,
@@ -85,6 +91,9 @@ def main(argv: list[str]) -> int:
         device=args.device,
         block_size=args.block_size,
         weight_dtype=args.weight_dtype,
+        serve_workloads=("random", "prefix") if args.workload == "both" else (args.workload,),
+        serve_offline=not args.no_offline,
+        serve_args=tuple(shlex.split(args.serve_args)),
     )
     from pagedrs.bench.machine import describe_machine
     from pagedrs.bench.plots import PLOTTERS

@@ -17,3 +17,6 @@ class BenchConfig:
     device: str = "cpu"
     block_size: int = 16
     weight_dtype: str | None = None  # decode bench: one format instead of its grid
+    serve_workloads: tuple[str, ...] = ("random", "prefix")  # serve bench: which workloads
+    serve_offline: bool = True  # serve bench: also run the offline engine on each workload
+    serve_args: tuple[str, ...] = ()  # serve bench: extra `pagedrs serve` flags

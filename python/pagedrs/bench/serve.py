@@ -9,7 +9,14 @@ share of the core's busy time spent inside ``Engine.step``. Then the offline eng
 (``LLM.generate``, same thread count) runs the same requests in the same process run.
 
 Two workloads: ShareGPT-like random lengths (mean ~120 prompt / ~120 generated tokens in
-the full run) and the same with every prompt behind one shared 600-token prefix.
+the full run) and the same with every prompt behind one shared 600-token prefix
+(``--workload random|prefix`` runs one; ``--no-offline`` skips the offline engine;
+``--serve-args=...`` passes flags to the server, e.g. ``--serve-args=--no-prefill-first``).
+
+TTFT references: "unloaded" is the median of three prompts sent one at a time to the idle
+server (the issue's reference); "same prompts unloaded" sends the steady requests' prompt
+lengths one at a time (like for like). The server's request trace splits each steady
+request's TTFT into its parts (``ttft_breakdown``).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, replace
@@ -25,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedrs.bench import ttft_breakdown
 from pagedrs.bench.config import BenchConfig
 from pagedrs.bench.report import Column, markdown_table, render
 from pagedrs.bench.workloads import BenchRequest, LengthDistribution, Workload, WorkloadSpec, synthetic_workload
@@ -63,7 +72,7 @@ def _percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-async def _replay(url: str, model: str, requests: list[BenchRequest], concurrency: int) -> dict[str, Any]:
+async def _replay(url: str, model: str, requests: list[BenchRequest], concurrency: int, tag: str = "bench") -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key=os.environ.get("PAGEDRS_API_KEY", "unused"), max_retries=0,
@@ -75,35 +84,41 @@ async def _replay(url: str, model: str, requests: list[BenchRequest], concurrenc
     started = 0
     generated = 0
     errors: list[str] = []
+    # Per request (by the X-Request-Id sent): client send and first-chunk times (time.monotonic,
+    # the clock of the server's request trace) and whether it arrived at a full server.
+    client_times: dict[str, tuple[float, float, bool]] = {}
 
-    async def one(req: BenchRequest) -> None:
+    async def one(index: int, req: BenchRequest) -> None:
         nonlocal generated, started
         async with gate:
-            start = time.perf_counter()
+            start = time.monotonic()
             steady = started >= concurrency
             started += 1
             first = None
+            request_id = f"{tag}{index}"
             try:
                 stream = await client.completions.create(
                     model=model, prompt=req.prompt_token_ids, max_tokens=req.max_tokens, temperature=0.0,
                     stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                    extra_headers={"X-Request-Id": request_id},
                 )
                 async for chunk in stream:
                     if first is None and chunk.choices and chunk.choices[0].text is not None:
-                        first = time.perf_counter() - start
+                        first = time.monotonic() - start
+                        client_times[request_id] = (start, start + first, steady)
                     if chunk.usage is not None:
                         generated += chunk.usage.completion_tokens
             except Exception as exc:  # noqa: BLE001 - counted and reported, the run goes on
                 errors.append(f"{type(exc).__name__}: {exc}"[:200])
                 return
-            latencies.append(time.perf_counter() - start)
+            latencies.append(time.monotonic() - start)
             if first is not None:
                 ttfts.append(first)
                 if steady:
                     steady_ttfts.append(first)
 
     start = time.perf_counter()
-    await asyncio.gather(*(one(r) for r in requests))
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
     wall = time.perf_counter() - start
     await client.close()
     return {
@@ -118,20 +133,21 @@ async def _replay(url: str, model: str, requests: list[BenchRequest], concurrenc
         "latency_p99_s": _percentile(latencies, 99),
         "errors": len(errors),
         "error_samples": errors[:3],
+        "client_times": client_times,
     }
 
 
 class _Server:
     """``pagedrs serve`` in a subprocess, with its process tree's CPU time and RSS."""
 
-    def __init__(self, cfg: BenchConfig, max_model_len: int) -> None:
+    def __init__(self, cfg: BenchConfig, max_model_len: int, trace_path: str) -> None:
         from pagedrs.server.background import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagedrs.server", "--model", cfg.model, "--port", str(self.port),
                "--dtype", cfg.dtype, "--block-size", str(cfg.block_size), "--max-model-len", str(max_model_len),
-               "--log-level", "warning"]
+               "--log-level", "warning", "--request-trace", trace_path, *cfg.serve_args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
@@ -196,13 +212,25 @@ class _Server:
             self.proc.wait(10)
 
 
-def _serve_run(cfg: BenchConfig, workload: Workload, model_name: str, settings: ServeSettings) -> dict[str, Any]:
-    server = _Server(cfg, workload.spec.max_model_len)
+def _fresh_copies(requests: list[BenchRequest], prefix_len: int) -> list[BenchRequest]:
+    """The same prompt lengths (and shared prefix), each prompt's own tokens reversed: the prefix
+    cache knows the prefix but not the rest, as it did when the originals arrived."""
+    return [replace(r, prompt_token_ids=r.prompt_token_ids[:prefix_len] + r.prompt_token_ids[prefix_len:][::-1],
+                    max_tokens=1) for r in requests]
+
+
+def _serve_run(cfg: BenchConfig, workload: Workload, model_name: str, settings: ServeSettings,
+               prefix_len: int) -> dict[str, Any]:
+    trace_dir = tempfile.TemporaryDirectory(prefix="pagedrs-bench-serve-")
+    trace_path = os.path.join(trace_dir.name, "requests.jsonl")
+    server = _Server(cfg, workload.spec.max_model_len, trace_path)
     try:
         server.wait_ready()
         warm = [BenchRequest("warm", workload.requests[0].prompt_token_ids, 4)]
-        asyncio.run(_replay(server.url, model_name, warm, 1))
-        unloaded = asyncio.run(_replay(server.url, model_name, [replace(workload.requests[1], max_tokens=4)], 1))
+        asyncio.run(_replay(server.url, model_name, warm, 1, tag="warm"))
+        # Unloaded: a few requests one at a time (their median), each a prompt of the workload.
+        singles = [replace(r, max_tokens=4) for r in workload.requests[1:4]]
+        unloaded = asyncio.run(_replay(server.url, model_name, singles, 1, tag="unloaded"))
         api0, core0 = server.cpu_seconds()
         client0 = time.process_time()
         result = asyncio.run(_replay(server.url, model_name, workload.requests, settings.concurrency))
@@ -218,8 +246,25 @@ def _serve_run(cfg: BenchConfig, workload: Workload, model_name: str, settings: 
         result["unloaded_ttft_s"] = unloaded["ttft_p50_s"]
         steady = result["steady_ttft_p99_s"]
         result["steady_ttft_p99_over_unloaded"] = steady / unloaded["ttft_p50_s"] if steady and unloaded["ttft_p50_s"] else None
+        # Like for like: the steady requests' prompt lengths, one at a time into an idle server.
+        # The TTFT spread over prompt lengths is there without any load (a 480-token prompt's
+        # prefill takes several times a 90-token one's), and the p50 above does not hold it.
+        alone = asyncio.run(_replay(server.url, model_name,
+                                    _fresh_copies(workload.requests[settings.concurrency:], prefix_len), 1, tag="alone"))
+        result["unloaded_same_prompts_ttft_p50_s"] = alone["ttft_p50_s"]
+        result["unloaded_same_prompts_ttft_p99_s"] = alone["ttft_p99_s"]
+        result["steady_ttft_p99_over_unloaded_p99"] = (
+            steady / alone["ttft_p99_s"] if steady and alone["ttft_p99_s"] else None)
+        result["steady_ttft_p50_over_unloaded_p50"] = (
+            result["steady_ttft_p50_s"] / alone["ttft_p50_s"] if result["steady_ttft_p50_s"] and alone["ttft_p50_s"] else None)
     finally:
         server.stop()
+    trace = ttft_breakdown.read_trace(trace_path) if os.path.exists(trace_path) else {}
+    trace_dir.cleanup()
+    # Every request of the unloaded run arrived at an idle server: none is "steady" there.
+    result["ttft_breakdown_unloaded"] = ttft_breakdown.summarize(
+        ttft_breakdown.join(unloaded.pop("client_times"), trace, steady_only=False))
+    result["ttft_breakdown_steady"] = ttft_breakdown.summarize(ttft_breakdown.join(result.pop("client_times"), trace))
     return result
 
 
@@ -251,16 +296,20 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     del loaded
     model_name = cfg.model  # the server serves --model under that name
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = int(os.environ.get("PAGEDRS_CPU_THREADS") or threads)  # what `pagedrs serve` uses too
     random = synthetic_workload(spec, vocab)
-    workloads = [random, _shared_prefix(random, settings.shared_prefix_tokens, vocab)]
+    by_name = {"random": random, "prefix": _shared_prefix(random, settings.shared_prefix_tokens, vocab)}
+    workloads = [by_name[name] for name in cfg.serve_workloads]
     rows = []
+    skipped = {"wall_s": None, "generated_tokens": None, "tokens_per_s": None}
     for workload in workloads:
-        served = _serve_run(cfg, workload, model_name, settings)
+        prefix_len = settings.shared_prefix_tokens if workload is by_name["prefix"] else 0
+        served = _serve_run(cfg, workload, model_name, settings, prefix_len)
         # The served clients keep `concurrency` requests in flight; the offline engine given
         # every request at once batches up to max_num_seqs (256) and so does a different job.
         # Same batch cap = same workload; the uncapped run is shown beside it.
-        offline = _offline_run(cfg, workload, threads, settings.concurrency)
-        uncapped = _offline_run(cfg, workload, threads, None)
+        offline = _offline_run(cfg, workload, threads, settings.concurrency) if cfg.serve_offline else skipped
+        uncapped = _offline_run(cfg, workload, threads, None) if cfg.serve_offline else skipped
         served["served_over_offline"] = served["tokens_per_s"] / offline["tokens_per_s"] if offline["tokens_per_s"] else None
         served["served_over_uncapped"] = served["tokens_per_s"] / uncapped["tokens_per_s"] if uncapped["tokens_per_s"] else None
         rows.append({"workload": workload.spec.name, "system": f"pagedrs serve (default, {threads} threads)", **served})
@@ -291,10 +340,21 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
             f"{w.spec.name}: {rows[3 * i]['steady_ttft_p99_over_unloaded']:.1f}x"
             for i, w in enumerate(workloads) if rows[3 * i].get("steady_ttft_p99_over_unloaded")
         ),
+        "like for like (the steady requests' prompt lengths sent one at a time to the idle server): steady p99 / "
+        "unloaded p99, steady p50 / unloaded p50: " + ", ".join(
+            f"{w.spec.name}: {rows[3 * i]['steady_ttft_p99_over_unloaded_p99']:.1f}x, "
+            f"{rows[3 * i]['steady_ttft_p50_over_unloaded_p50']:.1f}x (unloaded p50 "
+            f"{rows[3 * i]['unloaded_same_prompts_ttft_p50_s']:.2f} s, p99 {rows[3 * i]['unloaded_same_prompts_ttft_p99_s']:.2f} s)"
+            for i, w in enumerate(workloads) if rows[3 * i].get("steady_ttft_p99_over_unloaded_p99")
+        ),
         "targets (issue 17): served >= 90% of offline; default serve >= 1.5x 61-66 tok/s on the random workload; "
         "shared-prefix TTFT p99 under load <= 2x unloaded TTFT",
     ]
+    for i, w in enumerate(workloads):
+        for label, key in (("steady (arrived at a full server)", "ttft_breakdown_steady"), ("unloaded", "ttft_breakdown_unloaded")):
+            notes.append(f"TTFT breakdown, {w.spec.name}, {label} (parts add up to the TTFT; see bench/ttft_breakdown.py):\n\n"
+                         + "\n".join(ttft_breakdown.render(rows[3 * i].get(key, {}))) + "\n")
     data = {"workloads": [w.summary() for w in workloads], "rows": rows, "threads": threads,
-            "concurrency": settings.concurrency, "machine": machine}
+            "concurrency": settings.concurrency, "machine": machine, "serve_args": list(cfg.serve_args)}
     return data, render("Served path: HTTP through pagedrs serve vs the offline engine", markdown_table(rows, columns),
                         notes, machine)

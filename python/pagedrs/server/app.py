@@ -18,7 +18,7 @@ from pagedrs.server.metrics import CONTENT_TYPE_LATEST
 from pagedrs.server.options import ServerOptions
 from pagedrs.server.prompts import PromptTokenizer
 from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
-from pagedrs.server.serving import Generation, ServerContext, unless_disconnected
+from pagedrs.server.serving import Generation, ServerContext, request_id_from_header, unless_disconnected
 from pagedrs.server.shutdown import DrainState
 
 # Not an HTTP status anyone reads: the client is gone (nginx's "client closed request").
@@ -101,6 +101,7 @@ def build_app(
 async def _serve(endpoint: ModuleType, ctx: ServerContext, body: Any, request: Request) -> Response | Any:
     """Submit, then stream or answer at the end. ``endpoint`` is the chat or completions module."""
     gen: Generation = await endpoint.prepare(ctx, body)
+    gen.id_base = request_id_from_header(request.headers.get("x-request-id"), gen.id_base)
     await gen.submit()
     if body.stream:
         return _EventStream(endpoint.stream(ctx, body, gen), gen.abort)

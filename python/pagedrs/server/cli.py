@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer 503 to requests that would make the waiting queue longer than this (default: %(default)s)",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--request-trace", metavar="PATH", default=None,
+        help="append one JSON line per request to PATH: when it arrived, was taken by the engine, first "
+        "scheduled, got its first token and that token was dispatched (time.monotonic; `bench serve` reads it)",
+    )
     _add_safety_arguments(p.add_argument_group("limits and access"))
     engine = p.add_argument_group("engine")
     engine.add_argument("--device", default="cpu")
@@ -48,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--admission-policy", default="expected_growth", choices=["expected_growth", "prompt_only"],
         help="admit a prompt only beside the running set's expected growth (default), or on its own pages",
+    )
+    engine.add_argument(
+        "--prefill-first", action=argparse.BooleanOptionalAction, default=None,
+        help="a step that can admit a waiting prompt runs it without the running decodes (never two such steps "
+        "in a row): a new request's first token costs its prefill alone. Default: on with --device cpu, where a "
+        "step costs the sum of its parts (measured: steady TTFT p50 -30%%, throughput unchanged), "
+        "off elsewhere (a GPU runs decodes beside a prefill almost for free)",
     )
     engine.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
     engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -126,6 +138,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "preemption_mode": args.preemption_mode,
         "admission_policy": args.admission_policy,
+        "prefill_first": args.prefill_first if args.prefill_first is not None else args.device == "cpu",
         "kv_layout": args.kv_layout,
         "enable_prefix_caching": not args.no_prefix_caching,
         "seed": args.seed,
@@ -173,7 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, EngineCoreError) as exc:
         print(f"pagedrs serve: cannot start the engine: {exc}", file=sys.stderr)
         return 2
-    loop = EngineLoop(engine)
+    from pagedrs.server.request_trace import RequestTrace
+
+    trace = RequestTrace(args.request_trace) if args.request_trace else None
+    loop = EngineLoop(engine, trace=trace)
     loop.start()
     app = build_app(loop, args.served_model_name or args.model, args.max_waiting, options)
     config = uvicorn_config(app, args.host, args.port, args.log_level, options)
@@ -184,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         loop.stop()  # anything still in the engine is aborted and its pages freed
         app.state.ctx.prompts.close()
         engine.shutdown()  # the core process (and any tensor-parallel workers) exit
+        if trace is not None:
+            trace.close()
     return 0
 
 

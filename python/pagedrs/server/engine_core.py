@@ -52,8 +52,10 @@ from pagedrs.server.api_text import RequestText, text_made_here
 logger = logging.getLogger("pagedrs.server")
 
 # Per-step message: (outputs, stats); each output is
-# (request_id, finished, error, prompt_token_ids or None, samples) and each sample is
+# (request_id, finished, error, prompt_token_ids or None, samples, metrics or None) and each sample is
 # (index, delta_text, delta_token_ids, delta_logprobs or None, finish_reason, stop_reason).
+# metrics (RequestOutput.metrics: arrival, queued, first scheduled, first token times and step
+# counts) crosses once, with the request's first token.
 _OUTPUTS, _ACK, _READY, _FATAL = "outputs", "ack", "ready", "fatal"
 
 # Called with None when the core accepted an add, or with the exception its refusal maps to.
@@ -81,17 +83,23 @@ class _Output:
     error: Optional[str]
     prompt_token_ids: list[int]
     outputs: list[_Completion] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # RequestOutput.metrics, in the first token's output
 
 
-def _encode_outputs(outputs: list[Any], sent_prompts: set[str], stats: dict[str, Any]) -> bytes:
+def _encode_outputs(outputs: list[Any], sent_prompts: set[str], timed: set[str], stats: dict[str, Any]) -> bytes:
     rows = []
     for out in outputs:
         prompt = None
         if out.request_id not in sent_prompts:
             prompt = list(out.prompt_token_ids)
             sent_prompts.add(out.request_id)
+        metrics = None
+        if out.request_id not in timed and "first_token_time" in out.metrics:
+            metrics = dict(out.metrics)
+            timed.add(out.request_id)
         if out.finished:
             sent_prompts.discard(out.request_id)
+            timed.discard(out.request_id)
         samples = []
         for c in out.outputs:
             new = list(c.delta_token_ids)
@@ -99,7 +107,7 @@ def _encode_outputs(outputs: list[Any], sent_prompts: set[str], stats: dict[str,
             if c.logprobs is not None and new:
                 logprobs = [dict(d) for d in c.logprobs[-len(new):]]
             samples.append((c.index, c.delta_text, new, logprobs, c.finish_reason, c.stop_reason))
-        rows.append((out.request_id, bool(out.finished), out.error, prompt, samples))
+        rows.append((out.request_id, bool(out.finished), out.error, prompt, samples, metrics))
     return b"M" + marshal.dumps((_OUTPUTS, rows, stats))
 
 
@@ -129,6 +137,7 @@ def _core_main(conn: Connection, args: Any) -> None:
         "pid": os.getpid(),
     }))
     sent_prompts: set[str] = set()
+    timed: set[str] = set()  # requests whose metrics went out (with their first token)
     # Time in engine.step() over the wall time of loop turns that had work: the share of a
     # saturated core that goes to scheduling + the model + sampling rather than to I/O.
     step_seconds = busy_seconds = 0.0
@@ -141,9 +150,9 @@ def _core_main(conn: Connection, args: Any) -> None:
                 command = conn.recv()
                 kind = command[0]
                 if kind == "add":
-                    _, request_id, prompt, params, priority = command
+                    _, request_id, prompt, params, priority, arrival_time = command
                     try:
-                        engine.add_request(request_id, prompt, params, priority=priority)
+                        engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time)
                         _send_reply(conn, (_ACK, request_id, None, None))
                     except Exception as exc:  # noqa: BLE001 - the client's error, reported back
                         _send_reply(conn, (_ACK, request_id, type(exc).__name__, str(exc)))
@@ -165,7 +174,7 @@ def _core_main(conn: Connection, args: Any) -> None:
             stats["core_step_seconds"] = step_seconds
             # this turn counts too, so far: the step just added to step_seconds is inside it
             stats["core_busy_seconds"] = busy_seconds + (time.perf_counter() - turn_start if had_work else 0.0)
-            conn.send_bytes(_encode_outputs(outputs, sent_prompts, stats))
+            conn.send_bytes(_encode_outputs(outputs, sent_prompts, timed, stats))
             if had_work:  # a turn that began idle includes the wait for its first command
                 busy_seconds += time.perf_counter() - turn_start
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -284,7 +293,9 @@ class RemoteEngine:
         if text_made_here(params, self.tokenizer):  # the core streams token ids; the text is made here
             self._texts[request_id] = RequestText(self.tokenizer, params.skip_special_tokens)
             params = dataclasses.replace(params, detokenize=False)
-        self._outbox.put(("add", request_id, prompt, params, priority))
+        # Its arrival: the core reads commands only between steps, so the time it then takes
+        # to be read (the step in flight) shows in the request's metrics.
+        self._outbox.put(("add", request_id, prompt, params, priority, time.monotonic()))
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
         """The blocking form of ``submit``: returns once the core accepted the request, raises its error."""
@@ -382,7 +393,7 @@ class RemoteEngine:
             return
         _, rows, stats = message
         self._stats = stats
-        for request_id, finished, error, prompt, samples in rows:
+        for request_id, finished, error, prompt, samples, metrics in rows:
             if prompt is not None:
                 self._prompts[request_id] = prompt
             prompt_ids = self._prompts.get(request_id, [])
@@ -396,5 +407,5 @@ class RemoteEngine:
                     c.delta_text = text.delta(prompt_ids, c.index, c.delta_token_ids, c.finish_reason, c.stop_reason)
             self._buffered.append(_Output(
                 request_id=request_id, finished=finished, error=error, prompt_token_ids=prompt_ids,
-                outputs=completions,
+                outputs=completions, metrics=metrics or {},
             ))

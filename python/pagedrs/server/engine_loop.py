@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagedrs.server.metrics import ServerMetrics
+from pagedrs.server.request_trace import RequestTrace
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -40,7 +41,9 @@ class EngineLike(Protocol):
     max_model_len: int
     tokenizer: Any
 
-    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None: ...
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, arrival_time: float | None = None
+    ) -> None: ...
     def step(self) -> list[Any]: ...
     def abort(self, request_id: str) -> bool: ...
     def has_unfinished(self) -> bool: ...
@@ -81,6 +84,7 @@ class _Sink:
     tag: int
     arrival: float
     last_token_time: float | None = None
+    timed: bool = False  # its first token's metrics are recorded
 
 
 @dataclass
@@ -120,9 +124,13 @@ _Command = _Add | _Abort | _FailAll | _Stop | _Wake
 class EngineLoop:
     """Drives ``engine`` from a dedicated thread; safe to call from any thread or event loop."""
 
-    def __init__(self, engine: EngineLike, metrics: ServerMetrics | None = None, *, idle_poll_s: float = 0.5) -> None:
+    def __init__(
+        self, engine: EngineLike, metrics: ServerMetrics | None = None, *, idle_poll_s: float = 0.5,
+        trace: RequestTrace | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
+        self.trace = trace  # one line per request at its first token, when the server was asked for it
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}  # engine thread only
@@ -262,7 +270,8 @@ class EngineLoop:
         try:
             if self._closed is not None:
                 raise RuntimeError(self._closed)
-            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
+            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
+                                    arrival_time=command.sink.arrival)
         except Exception as exc:  # ValueError for bad input; anything else is reported the same way
             error = exc
         self._settle(command, error)
@@ -319,6 +328,9 @@ class EngineLoop:
             finished=bool(output.finished),
             error=getattr(output, "error", None),
         )
+        if not sink.timed and "first_token_time" in (metrics := getattr(output, "metrics", None) or {}):
+            sink.timed = True
+            self._observe_first_token(output.request_id, sink, metrics, now)
         if any(s.token_ids for s in samples):
             if sink.last_token_time is None:
                 self.metrics.time_to_first_token.observe(now - sink.arrival)
@@ -332,6 +344,17 @@ class EngineLoop:
         if not _deliver(sink, delta):
             self._sinks.pop(output.request_id, None)
             self.engine.abort(output.request_id)
+
+    def _observe_first_token(self, request_id: str, sink: _Sink, metrics: dict[str, float], now: float) -> None:
+        """Where the time to a request's first token went (the engine's stamps, then ours)."""
+        queued, scheduled = metrics.get("queued_time"), metrics.get("first_scheduled_time")
+        if queued is None or scheduled is None:
+            return
+        self.metrics.handoff_time.observe(max(0.0, queued - sink.arrival))
+        self.metrics.queue_time.observe(scheduled - queued)
+        self.metrics.prefill_time.observe(metrics["first_token_time"] - scheduled)
+        if self.trace is not None:
+            self.trace.record(request_id, sink.arrival, metrics, now)
 
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()

@@ -119,6 +119,23 @@ class ServerMetrics:
             "pagedrs_time_to_first_token_seconds", "From arrival at the server to the first sampled token.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
+        # A request's first token, split as vLLM splits it (RequestStateStats): the hand-off to the
+        # engine, the wait for admission, the steps that computed its prompt.
+        self.handoff_time = Histogram(
+            "pagedrs_request_handoff_time_seconds",
+            "From arrival at the server to the engine taking the request (between two steps: the step in flight).",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "pagedrs_request_queue_time_seconds",
+            "From the engine taking the request to the start of its first step (vLLM's request_queue_time).",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.prefill_time = Histogram(
+            "pagedrs_request_prefill_time_seconds",
+            "From the start of the request's first step to its first sampled token (vLLM's request_prefill_time).",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
         self.inter_token_latency = Histogram(
             "pagedrs_inter_token_latency_seconds", "Between consecutive token-bearing outputs of one request.",
             buckets=_LATENCY_BUCKETS, registry=self.registry,

@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import re
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -79,6 +80,26 @@ class ServerContext:
         except ValueError as exc:
             field_name = re.match(r"SamplingParams\.(\w+)=", str(exc))
             raise bad_request(str(exc), param=field_name.group(1) if field_name else None) from exc
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def request_id_from_header(header: str | None, default: str) -> str:
+    """The engine request ids' base: ``<X-Request-Id>-<random>`` when the client sent the header, else ``default``.
+
+    It names the request in the logs and the request trace (``--request-trace``), so a client
+    finds its own requests there. The random suffix keeps ids unique: a client that reuses an id
+    (or another client's) never aborts or collides with a request in flight (vLLM does the same).
+    """
+    if header is None:
+        return default
+    if not _REQUEST_ID.fullmatch(header):
+        raise bad_request(
+            f"X-Request-Id is {header[:40]!r}: it must be 1-128 characters of letters, digits and . _ : -",
+            param="X-Request-Id",
+        )
+    return f"{header}-{uuid.uuid4().hex[:12]}"
 
 
 def refuse_unstreamable(stream: bool, params: Any) -> None:

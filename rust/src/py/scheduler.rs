@@ -117,7 +117,7 @@ impl PySchedulerConfig {
         watermark = 0.0, aging_steps = 100, swap_cost_per_block = 1.0,
         recompute_cost_per_token = 1.0, host_cache_evicted = false, num_disk_blocks = 0,
         sliding_window = None, admission_policy = "expected_growth", admission_init_ratio = 0.7, admission_min_ratio = 0.1,
-        admission_decay_steps = 600
+        admission_decay_steps = 600, prefill_first = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -142,6 +142,7 @@ impl PySchedulerConfig {
         admission_init_ratio: f64,
         admission_min_ratio: f64,
         admission_decay_steps: u64,
+        prefill_first: bool,
     ) -> PyResult<Self> {
         let layout = KvLayout::parse(kv_layout, contiguous_reserve).map_err(to_py_err)?;
         let sched = SchedulerConfig {
@@ -160,6 +161,7 @@ impl PySchedulerConfig {
             },
             layout,
             sliding_window,
+            prefill_first,
         };
         let kv = KvConfig {
             layout,

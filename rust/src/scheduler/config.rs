@@ -211,6 +211,12 @@ pub struct SchedulerConfig {
     /// layout; see `block_manager::window`). `None`, the default, keeps every page: full
     /// attention, and models that mix full and windowed layers.
     pub sliding_window: Option<usize>,
+    /// A step that can admit a waiting prompt runs the admissions (and pending prompt
+    /// chunks) without the running decodes, as vLLM v0 did without chunked prefill: a new
+    /// request's first token then costs its prefill alone, not its prefill plus a decode
+    /// step of the whole batch. Never two such steps in a row, so a decode waits at most
+    /// one extra step (the time between two of its tokens at most doubles). Off by default.
+    pub prefill_first: bool,
 }
 
 impl SchedulerConfig {

@@ -9,6 +9,9 @@
 //! 3. prompt chunks of running sequences still in prefill (chunked prefill);
 //! 4. new admissions from the waiting queue, while free pages stay above a watermark.
 //!
+//! With `SchedulerConfig::prefill_first`, a step that can admit a waiting prompt
+//! runs phases 3 and 4 alone (the decodes wait one step; never two steps in a row).
+//!
 //! A prompt's cached prefix is skipped, and a block is committed when it is
 //! scheduled, so a later request in the same step already hits it: within one
 //! layer every K/V write happens before any attention read. With a sliding window
@@ -84,6 +87,8 @@ pub struct Scheduler {
     whole_sequence_swap: bool,
     /// The expected-growth ratio and what finished sequences taught it.
     admission: admission::AdmissionState,
+    /// The last step ran admissions without decodes (`SchedulerConfig::prefill_first`).
+    last_step_skipped_decodes: bool,
 }
 
 impl Scheduler {
@@ -101,6 +106,7 @@ impl Scheduler {
             stats: SchedulerStats::default(),
             whole_sequence_swap: false,
             admission: admission::AdmissionState::new(&config.admission),
+            last_step_skipped_decodes: false,
             config,
         })
     }

@@ -23,6 +23,14 @@ impl Scheduler {
 
         let seqs = &self.seqs;
         self.running.sort_by_key(|id| seqs[id].rank());
+        if self.config.prefill_first && !self.last_step_skipped_decodes {
+            let skips_decodes = !self.running.is_empty();
+            if self.schedule_prefill_step(&mut budget, &mut scheduled)? {
+                self.last_step_skipped_decodes = skips_decodes;
+                return self.finish_step(scheduled, out);
+            }
+        }
+        self.last_step_skipped_decodes = false;
         self.schedule_decodes(&mut budget, &mut scheduled, &mut out)?;
         // No swap-in in a step that preempted or took pages from paused sequences: it
         // would bring back what the step just sent out.
@@ -31,7 +39,7 @@ impl Scheduler {
         }
         self.schedule_prefill_chunks(&mut budget, &mut scheduled)?;
         if out.preempted.is_empty() {
-            self.schedule_admissions(&mut budget, &mut scheduled)?;
+            self.schedule_admissions(&mut budget, &mut scheduled, false)?;
         }
         // Paused sequences hold device pages too (page-granular preemption).
         if scheduled.is_empty() && (!self.running.is_empty() || !self.swapped.is_empty()) {
@@ -41,7 +49,29 @@ impl Scheduler {
                 None => {}
             }
         }
+        self.finish_step(scheduled, out)
+    }
 
+    /// `SchedulerConfig::prefill_first`: admits what fits, then the pending prompt chunks,
+    /// with no decode. Returns false, with nothing scheduled, when no waiting prompt was
+    /// admitted (the step then runs as usual). The running sequences it skips still
+    /// count at admission (their expected growth), so the prompt-only rule for an empty
+    /// step does not apply here.
+    fn schedule_prefill_step(&mut self, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<bool, CoreError> {
+        if self.waiting.is_empty() {
+            return Ok(false);
+        }
+        let others = !self.running.is_empty() || !self.swapped.is_empty();
+        self.schedule_admissions(budget, scheduled, others)?;
+        if scheduled.is_empty() {
+            return Ok(false);
+        }
+        self.schedule_prefill_chunks(budget, scheduled)?;
+        Ok(true)
+    }
+
+    /// Hands out the step's transfers and fills the runner's arrays.
+    fn finish_step(&mut self, scheduled: Vec<(SeqId, usize)>, mut out: SchedulerOutput) -> Result<SchedulerOutput, CoreError> {
         let (to_host, to_device) = (std::mem::take(&mut self.to_host), std::mem::take(&mut self.to_device));
         self.stats.last_step_pages_swapped_out = to_host.len() as u64;
         self.stats.last_step_pages_swapped_in = to_device.len() as u64;
@@ -184,8 +214,9 @@ impl Scheduler {
 
     /// Admits waiting sequences in (aged) priority order while their prompt, the
     /// expected growth and the watermark fit; stops at the first that does not, so
-    /// order holds.
-    fn schedule_admissions(&mut self, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
+    /// order holds. `others_wait`: running sequences this step leaves out still hold
+    /// and grow their pages (a prefill-first step), so an empty batch is not alone.
+    fn schedule_admissions(&mut self, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>, others_wait: bool) -> Result<(), CoreError> {
         let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
         self.refresh_admission_ratio();
         let seqs = &self.seqs;
@@ -205,7 +236,7 @@ impl Scheduler {
             // into is kept too (see `admission`).
             let fits = if needed == usize::MAX {
                 false
-            } else if scheduled.is_empty() {
+            } else if scheduled.is_empty() && !others_wait {
                 needed <= self.kv.num_free_blocks()
             } else {
                 self.admission_fits(id, needed, self.config.watermark_blocks)?
