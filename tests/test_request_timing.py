@@ -53,6 +53,15 @@ def test_metrics_count_the_steps_waited_and_the_prompt_chunks(tiny_llama_dir: Pa
     assert m["b"]["first_token_time"] > m["b"]["first_scheduled_time"]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), "12.5", True])
+def test_a_bad_arrival_time_is_refused_naming_it_and_changes_nothing(tiny_llama_dir: Path, bad: object) -> None:
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), **KW))
+    with pytest.raises(ValueError, match=r"arrival_time is .*; it must be a finite time.monotonic\(\) value or None"):
+        engine.add_request("x", {"prompt_token_ids": [5, 6, 7]}, greedy(2), arrival_time=bad)  # type: ignore[arg-type]
+    engine.add_request("x", {"prompt_token_ids": [5, 6, 7]}, greedy(2))  # the id was not taken
+    assert run(engine)["x"]["num_prefill_steps"] == 1
+
+
 def _step(engine: Engine, got: dict[str, list[int]]) -> list[str]:
     """Runs one step, collecting its tokens into ``got``; the requests that gained one."""
     outs = [o for o in engine.step() if o.outputs[0].delta_token_ids]

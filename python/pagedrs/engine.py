@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import time
 import weakref
@@ -140,6 +141,10 @@ class Engine:
         ``arrival_time`` (``time.monotonic()``; default now) is when a front end received it,
         as in vLLM: the server's API process stamps it, so the request's metrics count the
         time it spent reaching the engine."""
+        if arrival_time is not None and (
+            isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not math.isfinite(arrival_time)
+        ):  # a NaN would poison the latency histograms' sums for the server's lifetime
+            raise ValueError(f"arrival_time is {arrival_time!r}; it must be a finite time.monotonic() value or None")
         processed = self.inputs.process(request_id, prompt, params, priority)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists; request ids must be unique among unfinished requests")
