@@ -54,10 +54,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         return []
     device = logits.device
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    x = logits.float()
-    if _changes_logits(rows):  # penalties and min_tokens write in place: never into the caller's logits
-        x = apply_penalties(x.clone(), rows)
-        mask_min_tokens(x, rows)
+    # Neither writes into the caller's logits; with no penalty and no min_tokens mask (a greedy
+    # batch, usually) they return them as they are, uncopied.
+    x = mask_min_tokens(apply_penalties(logits.float(), rows), rows)
     greedy_ids = argmax_rows(x)
     if all(r.params.is_greedy for r in rows):
         token_ids = greedy_ids
@@ -77,18 +76,6 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     return _results(token_ids, logprobs, rows)
 
 
-def _changes_logits(rows: list[SamplingRow]) -> bool:
-    """Whether any row has a penalty or a min_tokens mask to apply (a greedy batch usually has neither,
-    and then the sampler reads the logits without copying them)."""
-    return any(
-        r.params.repetition_penalty != 1.0
-        or r.params.frequency_penalty
-        or r.params.presence_penalty
-        or len(r.output_token_ids) < r.params.min_tokens
-        for r in rows
-    )
-
-
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` for 2-D ``x``, with the same answer: the first maximal index, NaN
     counting as maximal (numpy's rule too).
@@ -103,7 +90,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """vLLM's formulas, in place:
+    """vLLM's formulas, into a new tensor (``logits`` itself when no row has a penalty):
 
     - repetition (tokens seen in prompt or output): ``l / r`` where ``l > 0``, else ``l * r``;
     - frequency: ``l -= f * count_in_output``;  presence: ``l -= p * (count_in_output > 0)``.
@@ -121,18 +108,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         r = torch.tensor(rep, device=device)[:, None].expand_as(logits)
         penalized = torch.where(logits > 0, logits / r, logits * r)
         logits = torch.where(seen, penalized, logits)
-    logits -= torch.tensor(freq, device=device)[:, None] * output_counts
-    logits -= torch.tensor(pres, device=device)[:, None] * (output_counts > 0).float()
-    return logits
+    logits = logits - torch.tensor(freq, device=device)[:, None] * output_counts
+    return logits - torch.tensor(pres, device=device)[:, None] * (output_counts > 0).float()
 
 
-def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Until a row has ``min_tokens`` outputs, its EOS and stop token ids cannot be sampled."""
+def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Until a row has ``min_tokens`` outputs, its EOS and stop token ids cannot be sampled; a copy
+    of ``logits`` is masked (``logits`` itself comes back when no row needs it)."""
+    masked = logits
     for i, r in enumerate(rows):  # builds an index list only; the masking is one op
         if len(r.output_token_ids) < r.params.min_tokens:
             banned = [t for t in (set(r.params.stop_token_ids) | set(r.eos_token_ids)) if t < logits.shape[1]]
             if banned:
-                logits[i, banned] = float("-inf")
+                if masked is logits:
+                    masked = logits.clone()
+                masked[i, banned] = float("-inf")
+    return masked
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
