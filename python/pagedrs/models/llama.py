@@ -111,21 +111,27 @@ class Rotary(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, head_dim / 2]: one half, since rotate-half uses the same angle in both."""
-        if positions.device.type != "cpu":  # an index past the table is a device-side assert there, not an error
-            cos, sin = self._cos_sin(positions)
-            return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
-        table = self._table
-        if table is None or table.device != self.inv_freq.device:
-            positions_all = torch.arange(self.table_positions, device=self.inv_freq.device)
-            table = self._table = torch.stack(self._cos_sin(positions_all), dim=1)
-        try:
-            cos_sin = table.index_select(0, positions)  # [T, 2, d/2]
-        except IndexError:  # a position past the table (checked by index_select on the CPU)
+        cos_sin = self._from_table(positions)  # [T, 2, d/2], or None
+        if cos_sin is None:
             cos, sin = self._cos_sin(positions)
             return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
         if dtype != cos_sin.dtype:
             cos_sin = cos_sin.to(dtype)
         return cos_sin[:, :1], cos_sin[:, 1:]
+
+    def _from_table(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """The table's float32 rows [T, 2, d/2] (cos, sin) for ``positions`` on the CPU; None elsewhere
+        (an index past the table is a device-side assert there, not an error) and past the table."""
+        if positions.device.type != "cpu":
+            return None
+        table = self._table
+        if table is None or table.device != self.inv_freq.device:
+            positions_all = torch.arange(self.table_positions, device=self.inv_freq.device)
+            table = self._table = torch.stack(self._cos_sin(positions_all), dim=1)
+        try:
+            return table.index_select(0, positions)
+        except IndexError:  # a position past the table (checked by index_select on the CPU)
+            return None
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin [T, d/2] of ``positions`` (int64 [T])."""
