@@ -158,3 +158,26 @@ def test_the_bench_breakdown_joins_client_and_trace_and_its_parts_add_up(tmp_pat
     summary = tb.summarize([timeline])
     assert summary["num_prefill_steps"]["p99"] == 3.0 and summary["queue"]["p50"] == 0.25
     assert len(tb.join(client, trace, steady_only=False)) == 2
+
+
+def test_a_torn_or_foreign_trace_line_is_skipped_not_fatal(tmp_path: Path) -> None:
+    """The server killed mid-write leaves a torn last line; junk, non-objects and non-UTF-8 bytes are skipped too."""
+    from pagedrs.bench import ttft_breakdown as tb
+
+    good = json.dumps({"request_id": "bench1-0a1b-0", "queued": 1.0})
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes(b"\n".join([good.encode(), b"[1, 2]", b'{"request_id": 7}', b"\xff\xfe{", good[:20].encode()]))
+    assert list(tb.read_trace(str(path))) == ["bench1"]
+
+
+def test_an_unopenable_request_trace_is_refused_before_any_engine_starts(tmp_path: Path, capsys, monkeypatch) -> None:
+    """A directory, or a path under a missing one: exit 2 naming the flag, and no engine (core process) built."""
+    import pagedrs
+    from pagedrs.server.cli import main
+
+    monkeypatch.setattr(pagedrs, "EngineArgs", lambda **kw: pytest.fail("the engine was configured"))
+    for path in (tmp_path, tmp_path / "missing" / "trace.jsonl"):
+        assert main(["--model", "unused", "--request-trace", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"--request-trace {str(path)!r} cannot be opened for appending" in err
+

@@ -172,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedrs serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pagedrs.server.request_trace import RequestTrace
+
+    try:  # before the engine: a bad path must not leave a started engine core behind
+        trace = RequestTrace(args.request_trace) if args.request_trace else None
+    except OSError as exc:
+        print(f"pagedrs serve: --request-trace {args.request_trace!r} cannot be opened for appending: {exc}", file=sys.stderr)
+        return 2
 
     from pagedrs import Engine, EngineArgs
     from pagedrs.server.app import build_app
@@ -185,10 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         engine: Any = Engine(engine_args) if args.engine_in_process else RemoteEngine(engine_args)
     except (ValueError, OSError, EngineCoreError) as exc:
         print(f"pagedrs serve: cannot start the engine: {exc}", file=sys.stderr)
+        if trace is not None:
+            trace.close()
         return 2
-    from pagedrs.server.request_trace import RequestTrace
-
-    trace = RequestTrace(args.request_trace) if args.request_trace else None
     loop = EngineLoop(engine, trace=trace)
     loop.start()
     app = build_app(loop, args.served_model_name or args.model, args.max_waiting, options)
