@@ -48,12 +48,19 @@ class Timeline:
 
 
 def read_trace(path: str) -> dict[str, dict[str, Any]]:
-    """Trace lines by the client's X-Request-Id (the server appends ``-<random>-<prompt index>``)."""
+    """Trace lines by the client's X-Request-Id (the server appends ``-<random>-<prompt index>``).
+
+    A line that is not a JSON object with a string ``request_id`` (the torn last line of a server
+    killed mid-write, say) is skipped: its request then has no breakdown, and the run's numbers stand."""
     lines: dict[str, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for raw in f:
-            line = json.loads(raw)
-            lines[line["request_id"].rsplit("-", 2)[0]] = line
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(line, dict) and isinstance(line.get("request_id"), str):
+                lines[line["request_id"].rsplit("-", 2)[0]] = line
     return lines
 
 
