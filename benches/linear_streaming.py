@@ -9,7 +9,11 @@ cache, which overstates the kernel at M = 1). Printed per format: milliseconds p
 weight bytes read per second, tokens/s if a step were only this, and that ceiling as a share
 of the stream bound. Medians of CPU time (the machine may be shared).
 
-    python benches/linear_streaming.py [--threads 1] [--formats float32,bfloat16,int8,int4]
+``--rows 1,2,3,4,8`` times passes of that many rows (a small decode batch), and float32 is
+timed twice: in the layout the loader keeps (column-major on an MKL CPU,
+``models/layers.py``) and row-major as in the checkpoint, the evidence for that choice.
+
+    python benches/linear_streaming.py [--threads 1] [--formats float32,bfloat16,int8,int4] [--rows 1]
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import torch
 from pagedrs.bench.limits import read_bandwidth
 from pagedrs.bench.machine import describe_machine
 from pagedrs.models import load_model
+from pagedrs.models.layers import LinearBase
 
 
-def kernel_pass_seconds(model: torch.nn.Module, repeats: int = 7) -> float:
-    """Median CPU seconds of one pass over the model's linear closures at M = 1."""
+def kernel_pass_seconds(model: torch.nn.Module, rows: int = 1, repeats: int = 7) -> float:
+    """Median CPU seconds of one pass over the model's linear closures at M = ``rows``."""
     layers = model.bind()  # type: ignore[operator]  # LlamaForCausalLM.bind
     calls = []
     for layer in layers:
@@ -36,8 +41,8 @@ def kernel_pass_seconds(model: torch.nn.Module, repeats: int = 7) -> float:
             calls.append((fn, width))
     hidden = layers[0].input_norm.numel()
     intermediate = layers[0].gate_up(torch.zeros(1, hidden)).shape[1] // 2
-    inputs = [torch.randn(1, intermediate if width is None else width) for _, width in calls]
-    head_input = torch.randn(1, hidden)
+    inputs = [torch.randn(rows, intermediate if width is None else width) for _, width in calls]
+    head_input = torch.randn(rows, hidden)
     head: Any = model._bound_head
 
     def one_pass() -> None:
@@ -60,23 +65,45 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--formats", default="float32,bfloat16,int8,int4")
+    parser.add_argument("--rows", default="1", help="comma-separated batch rows (M) per pass")
     args = parser.parse_args()
+    all_rows = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth(1 << 30)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over 1 GiB)")
-    print("| weights | ms per pass | weight GB/s | tokens/s ceiling | stream bound | ceiling / bound |")
-    print("|---|---|---|---|---|---|")
+    print("| weights | rows | ms per pass | weight GB/s | tokens/s ceiling | stream bound (tokens/s) | ceiling / bound |")
+    print("|---|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
         loaded = load_model(args.model, weight_dtype=fmt)
         torch.set_num_threads(args.threads)
         weight_bytes = loaded.model.weight_bytes()
-        seconds = kernel_pass_seconds(loaded.model)
-        bound = bandwidth / weight_bytes
         name = loaded.weight_format.name if loaded.weight_format else fmt
-        print(f"| {name} | {seconds * 1e3:.2f} | {weight_bytes / seconds / 1e9:.1f} | "
-              f"{1 / seconds:.0f} | {bound:.0f} | {1 / seconds / bound:.0%} |")
+        layouts = [("", loaded.model)]
+        if any(_column_major(m) for m in loaded.model.modules()):
+            layouts.append((" (row-major)", None))
+        for label, _ in layouts:
+            if label:
+                _to_row_major(loaded.model)
+            for rows in all_rows:
+                seconds = kernel_pass_seconds(loaded.model, rows)
+                bound = bandwidth / weight_bytes * rows
+                print(f"| {name}{label} | {rows} | {seconds * 1e3:.2f} | {weight_bytes / seconds / 1e9:.1f} | "
+                      f"{rows / seconds:.0f} | {bound:.0f} | {rows / seconds / bound:.0%} |")
         del loaded
     print(f"Machine: {describe_machine().describe()}")
+
+
+def _column_major(module: torch.nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return isinstance(module, LinearBase) and weight is not None and weight.dim() == 2 and weight.stride(0) == 1
+
+
+def _to_row_major(model: torch.nn.Module) -> None:
+    """The checkpoint's layout again for every column-major dense weight (then rebinds the closures)."""
+    for module in model.modules():
+        if _column_major(module):
+            module.weight.data = module.weight.data.contiguous()
+    model.bind()  # type: ignore[operator]
 
 
 if __name__ == "__main__":

@@ -272,3 +272,35 @@ def test_rotary_table_gives_the_direct_formulas_bits_inside_and_past_it(head_dim
             assert torch.equal(cos[:, 0], freqs.cos().to(dtype)) and torch.equal(sin[:, 0], freqs.sin().to(dtype))
     assert rotary._table is not None and rotary._table.shape == (100, 2, head_dim // 2)
 
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_float32_cpu_weight_is_column_major_after_loading_and_computes_the_same(gen, rows):
+    """MKL's sgemm is slow for 1-3 rows with the checkpoint's row-major weight, so float32 CPU
+    weights are stored transposed; ``layer.weight`` keeps its [out, in] shape and values."""
+    w, b = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
+    x = torch.randn(rows, 40, generator=gen)
+    layer = ReplicatedLinear(40, 48, bias=True, method=_dense())
+    layer.weight_loader(layer.weight, w)
+    layer.weight_loader(layer.bias, b)
+    layer.process_weights_after_loading()
+    expect_column_major = torch.backends.mkl.is_available()
+    assert (layer.weight.stride() == (1, 48)) == expect_column_major
+    assert torch.equal(layer.weight, w) and tuple(layer.weight.shape) == (48, 40)
+    torch.testing.assert_close(layer.bind()(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # idempotent, and a reload lands in the stored layout whatever it is
+    layer.process_weights_after_loading()
+    assert (layer.weight.stride() == (1, 48)) == expect_column_major
+    w2 = torch.randn(48, 40, generator=gen)
+    layer.weight_loader(layer.weight, w2)
+    assert torch.equal(layer.weight, w2)
+
+
+def test_bfloat16_and_mixed_weights_keep_the_checkpoint_layout(gen):
+    """oneDNN's bfloat16 GEMM is slower column-major: only float32 is transposed."""
+    for method in (DenseLinearMethod(torch.bfloat16), DenseLinearMethod(F32, torch.bfloat16)):
+        layer = ReplicatedLinear(40, 48, method=method)
+        layer.weight_loader(layer.weight, torch.randn(48, 40, generator=gen))
+        layer.process_weights_after_loading()
+        assert layer.weight.is_contiguous()
