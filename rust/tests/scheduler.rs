@@ -680,3 +680,43 @@ fn a_prefill_first_step_keeps_the_expected_growth_of_the_decodes_it_skips() {
     }
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn shared_prefix_pages_are_not_credited_once_per_holder() {
+    // 4-token blocks, 12 device blocks, a 16-token prefix (4 pages) shared by every
+    // prompt, exact growth (ratio 1). Crediting each finishing sequence with its whole
+    // table counts the shared pages once per holder, admits into room that never comes
+    // and preempts; crediting each page to its last holder admits only what fits.
+    let exact = AdmissionConfig { init_ratio: 1.0, min_ratio: 1.0, ..AdmissionConfig::default() };
+    let mut s = with_admission(12, exact);
+    let prefix: Vec<u32> = (500..516).collect();
+    let max_tokens = [6usize, 14, 10, 18, 4, 12];
+    for (i, &m) in max_tokens.iter().enumerate() {
+        let id = i as u64 + 1;
+        let mut prompt = prefix.clone();
+        prompt.push(900 + id as u32);
+        s.add_sequence(id, prompt, 0, id, m, 1).unwrap();
+    }
+    let target: std::collections::HashMap<u64, usize> =
+        max_tokens.iter().enumerate().map(|(i, &m)| (i as u64 + 1, 17 + m)).collect();
+    let mut steps = 0;
+    while s.has_unfinished() {
+        let out = s.schedule().unwrap();
+        let ids: Vec<u64> = out.transfers.iter().map(|t| t.id).collect();
+        s.complete_transfers(&ids).unwrap();
+        s.check_invariants().unwrap();
+        for (i, &id) in out.seq_ids.iter().enumerate() {
+            if out.do_sample[i] {
+                s.append_token(id, 7).unwrap();
+                if s.num_tokens(id).unwrap() >= target[&id] {
+                    s.finish(id).unwrap();
+                }
+            }
+        }
+        steps += 1;
+        assert!(steps < 1000, "the workload must finish");
+    }
+    let stats = s.stats();
+    assert_eq!(stats.num_swap_preemptions + stats.num_recompute_preemptions, 0);
+    assert!(stats.cached_prompt_tokens > 0, "the prompts shared their prefix pages");
+}

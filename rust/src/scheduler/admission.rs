@@ -24,9 +24,14 @@
 //! to 1. Pages are whole: a sequence's partly filled last page absorbs its first tokens
 //! for free, so short remainders cost nothing (last-page aware).
 //!
-//! Limits: a finishing sequence is credited with its whole block table, pages shared
-//! with a sibling or the prefix cache included (slightly optimistic); swapped-out
-//! sequences and the future forks of `n > 1` requests are not counted; and the rule
+//! A page shared by several running sequences (a common prefix, `n > 1` siblings, beams)
+//! is freed when the last of them finishes, so it is credited to the holder expected to
+//! finish last, and a page something outside the running set also holds (a swapped or
+//! parked sequence) to none: crediting each holder with its whole table would count a
+//! shared page once per holder and admit into room that never comes.
+//!
+//! Limits: swapped-out sequences and the future forks of `n > 1` requests are not
+//! counted; and the rule
 //! trades occupancy for preemptions, which loses steps where a preemption is nearly
 //! free (swap on the CPU: `admission_policy = "prompt_only"` keeps the old rule).
 //! A step that schedules nothing else still admits on the prompt alone (liveness).
@@ -34,7 +39,9 @@
 use super::config::{AdmissionConfig, AdmissionPolicy, KvLayout};
 use super::sequence::Sequence;
 use super::Scheduler;
-use crate::block_manager::SeqId;
+use std::collections::HashMap;
+
+use crate::block_manager::{BlockId, SeqId};
 use crate::error::CoreError;
 
 /// Weight of the history in the learned floor at each finish (about the last 50 count).
@@ -88,6 +95,38 @@ pub fn peak_extra_pages(seqs: &[Growth], block_size: usize) -> usize {
     let need_at = |t: usize| -> isize { seqs.iter().map(|g| g.extra_at(t, block_size)).sum() };
     let peak = std::iter::once(0).chain(seqs.iter().map(|g| g.remaining)).map(need_at).max().unwrap_or(0);
     peak.max(0) as usize
+}
+
+/// Pages each sequence gives back when it finishes: `pages[i]` are sequence `i`'s device
+/// pages with their reference counts, `remaining[i]` the tokens it is expected to still
+/// generate. A page goes back when its last holder finishes, so it is credited to the
+/// holder with the most remaining (the first of equals); a page with more references than
+/// holders listed here is held by something else too and is credited to none.
+pub fn pages_freed_at_finish(pages: &[Vec<(BlockId, u32)>], remaining: &[usize]) -> Vec<usize> {
+    struct Holder {
+        seq: usize,
+        remaining: usize,
+        holders: u32,
+        refs: u32,
+    }
+    let mut last: HashMap<BlockId, Holder> = HashMap::new();
+    for (i, own) in pages.iter().enumerate() {
+        for &(block, refs) in own {
+            let h = last.entry(block).or_insert(Holder { seq: i, remaining: remaining[i], holders: 0, refs });
+            if remaining[i] > h.remaining {
+                h.seq = i;
+                h.remaining = remaining[i];
+            }
+            h.holders += 1;
+        }
+    }
+    let mut held = vec![0; pages.len()];
+    for h in last.values() {
+        if h.holders >= h.refs {
+            held[h.seq] += 1;
+        }
+    }
+    held
 }
 
 impl AdmissionState {
@@ -151,11 +190,19 @@ impl Scheduler {
         }
         let bs = self.kv.block_size();
         let mut seqs = Vec::with_capacity(self.running.len() + 1);
+        let mut pages = Vec::with_capacity(self.running.len());
         for rid in &self.running {
             let seq = &self.seqs[rid];
             let covered = self.kv.block_table(*rid)?.len();
             let remaining = self.admission.expected_remaining(seq);
-            seqs.push(Growth { len: seq.tokens.len(), covered, upfront: 0, held: covered, remaining });
+            let mut own = Vec::new();
+            self.kv.device_pages_with_refs(*rid, &mut own)?;
+            pages.push(own);
+            seqs.push(Growth { len: seq.tokens.len(), covered, upfront: 0, held: 0, remaining });
+        }
+        let remaining: Vec<usize> = seqs.iter().map(|g| g.remaining).collect();
+        for (g, held) in seqs.iter_mut().zip(pages_freed_at_finish(&pages, &remaining)) {
+            g.held = held;
         }
         let seq = &self.seqs[&id];
         let remaining = self.admission.expected_remaining(seq);
@@ -177,5 +224,28 @@ impl Scheduler {
         let preemptions = self.stats.num_swap_preemptions + self.stats.num_recompute_preemptions;
         state.advance(&self.config.admission, self.stats.num_steps, preemptions);
         state.ratio()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pages_freed_at_finish;
+
+    #[test]
+    fn a_shared_page_is_credited_once_to_the_holder_that_finishes_last() {
+        // 0 and 1 share pages 10 and 11; 1 is expected to run longer, so it frees them.
+        let pages = vec![vec![(10, 2), (11, 2), (12, 1)], vec![(10, 2), (11, 2), (13, 1), (14, 1)]];
+        assert_eq!(pages_freed_at_finish(&pages, &[5, 9]), vec![1, 4]);
+        assert_eq!(pages_freed_at_finish(&pages, &[9, 5]), vec![3, 2]);
+        // equal remaining: the first holder takes it (they finish together either way)
+        assert_eq!(pages_freed_at_finish(&pages, &[7, 7]), vec![3, 2]);
+    }
+
+    #[test]
+    fn a_page_someone_outside_the_set_also_holds_is_credited_to_none() {
+        // page 20 has 3 references, only 2 of them running sequences (a parked or swapped one holds it)
+        let pages = vec![vec![(20, 3), (21, 1)], vec![(20, 3)]];
+        assert_eq!(pages_freed_at_finish(&pages, &[1, 2]), vec![1, 0]);
+        assert_eq!(pages_freed_at_finish(&[], &[]), Vec::<usize>::new());
     }
 }

@@ -91,6 +91,13 @@ pub trait KvSpace: Send + Sync {
     fn num_held_blocks(&self, seq: SeqId) -> Result<usize, CoreError> {
         Ok(self.block_table(seq)?.iter().filter(|&&b| b != NULL_BLOCK).count())
     }
+    /// The sequence's device pages, each with its reference count (window placeholders
+    /// and host entries left out), appended to `out`: admission credits a page to the
+    /// holder whose finish frees it. A layout that never shares counts each page once.
+    fn device_pages_with_refs(&self, seq: SeqId, out: &mut Vec<(BlockId, u32)>) -> Result<(), CoreError> {
+        out.extend(self.block_table(seq)?.iter().filter(|&&b| b != NULL_BLOCK).map(|&b| (b, 1)));
+        Ok(())
+    }
 }
 
 impl KvSpace for BlockManager {
@@ -129,6 +136,16 @@ impl KvSpace for BlockManager {
     }
     fn block_table(&self, seq: SeqId) -> Result<&[BlockId], CoreError> {
         BlockManager::block_table(self, seq)
+    }
+    fn device_pages_with_refs(&self, seq: SeqId, out: &mut Vec<(BlockId, u32)>) -> Result<(), CoreError> {
+        let table = BlockManager::block_table(self, seq)?;
+        let on_host = self.host_entries(seq)?;
+        for (&block, &host) in table.iter().zip(on_host) {
+            if block != NULL_BLOCK && !host {
+                out.push((block, self.gpu_refcount(block).unwrap_or(0)));
+            }
+        }
+        Ok(())
     }
     fn slot_mapping_into(&self, seq: SeqId, start: usize, end: usize, out: &mut Vec<i64>) -> Result<(), CoreError> {
         BlockManager::slot_mapping_into(self, seq, start, end, out)
