@@ -104,3 +104,77 @@ def test_kv_size_per_device_under_tensor_parallelism(capsys):
     assert t["token_slots"] == slots and t["sequences_paged"] == slots // 4096 == 109
     assert t["sequences_contiguous"] == slots // 8192
     assert t["kv_bytes_wanted"] > t["kv_bytes_available"]  # 344 GB wanted, 147 GB held: the host tier's job
+
+
+# Engine flags: one definition shared by generate, chat and serve (cli_args.py).
+
+_ENGINE_ARGV = [
+    "--model", "m", "--device", "cpu", "--dtype", "bfloat16", "--weight-dtype", "int8", "--block-size", "8",
+    "--num-gpu-blocks", "64", "--kv-cache-memory", "1000000", "--gpu-memory-utilization", "0.5",
+    "--swap-space-gb", "2", "--max-num-seqs", "7", "--max-num-batched-tokens", "333", "--max-model-len", "99",
+    "--preemption-mode", "swap", "--admission-policy", "prompt_only", "--no-prefill-first", "--kv-layout", "contiguous",
+    "--no-prefix-caching", "--cpu-threads", "3", "--tensor-parallel-size", "2", "--kv-host-cache-gb", "0.5",
+    "--kv-disk-path", "/tmp/x", "--kv-disk-gb", "1.5",
+]
+
+
+def _offline_kwargs(command, argv):
+    from pagedrs.cli import build_parser
+    from pagedrs.cli_args import engine_kwargs
+
+    return engine_kwargs(build_parser().parse_args([command, *(["p"] if command == "generate" else []), *argv]))
+
+
+def _serve_kwargs(argv):
+    from pagedrs.server.cli import build_parser, engine_kwargs
+
+    return engine_kwargs(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_offline_commands_and_serve_map_every_engine_flag_alike(command):
+    offline = _offline_kwargs(command, _ENGINE_ARGV)
+    served = _serve_kwargs(_ENGINE_ARGV)
+    assert {k: v for k, v in served.items() if k not in ("seed", "skip_tokenizer_init")} == offline
+    assert offline["admission_policy"] == "prompt_only" and offline["prefill_first"] is False
+    assert offline["enable_prefix_caching"] is False and offline["max_num_batched_tokens"] == 333
+
+
+def test_every_engine_field_has_a_flag_or_is_an_api_only_knob():
+    """A new EngineArgs field must get a flag (or be listed here as API-only on purpose)."""
+    import dataclasses
+
+    from pagedrs.engine_args import EngineArgs
+
+    api_only = {"watermark", "aging_steps", "max_n", "contiguous_reserve", "host_cache_evicted"}
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert set(_serve_kwargs([])) | api_only == fields
+    assert set(_offline_kwargs("generate", [])) | api_only | {"prefill_first", "seed", "skip_tokenizer_init"} == fields
+
+
+def test_unset_flags_take_engine_args_defaults_and_serve_keeps_its_own():
+    import dataclasses
+
+    from pagedrs.engine_args import EngineArgs
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    offline = _offline_kwargs("generate", [])
+    assert offline == {k: defaults[k] for k in offline}
+    assert "prefill_first" not in offline  # the field's default (off) applies offline
+    served = _serve_kwargs([])
+    assert served["prefill_first"] is True and served["cpu_threads"] >= 1  # serve on the CPU: prefill first, every core
+    assert _serve_kwargs(["--device", "cuda"])["prefill_first"] is False
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("argv, fragment", [
+    (["--max-num-seqs", "-3"], "max_num_seqs is -3"),
+    (["--kv-disk-gb", "nan"], "kv_disk_gb is nan"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+])
+def test_offline_commands_refuse_a_bad_engine_value_before_loading(capsys, command, argv, fragment):
+    with pytest.raises(SystemExit) as exc:
+        main([command, *(["p"] if command == "generate" else []), "--model", "/nonexistent/model", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"pagedrs {command}: error: " in err and fragment in err
+    assert "Traceback" not in err

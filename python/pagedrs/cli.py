@@ -7,35 +7,37 @@ import json
 import sys
 from typing import Any, Optional
 
-from pagedrs.cli_args import add_parallel_and_tier_args, parallel_and_tier_kwargs
+from pagedrs.cli_args import add_engine_args, engine_kwargs
+
+_OFFLINE_THREADS_HELP = "torch threads on the CPU (default: $PAGEDRS_CPU_THREADS, else 1 for offline commands)"
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="preset name, HF folder or .gguf file")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
-                   help="linear weights: auto = exact for HF folders, nearest quantized format for a quantized GGUF")
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    _add_cpu_threads(p)
-    add_parallel_and_tier_args(p)
+    add_engine_args(p.add_argument_group("engine"), cpu_threads_help=_OFFLINE_THREADS_HELP)
 
 
 def _add_cpu_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cpu-threads", type=int, default=None,
-                   help="torch threads on the CPU (default: $PAGEDRS_CPU_THREADS, else 1 for offline commands)")
+    p.add_argument("--cpu-threads", type=int, default=None, help=_OFFLINE_THREADS_HELP)
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, device=args.device, dtype=args.dtype, weight_dtype=args.weight_dtype, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
-                cpu_threads=args.cpu_threads, **parallel_and_tier_kwargs(args))
+def _checked_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as EngineArgs fields, checked before anything loads: a bad value exits 2 naming
+    the field, the value and what is allowed, instead of a traceback."""
+    from pagedrs.engine_args import EngineArgs
+
+    kwargs = engine_kwargs(args)
+    try:
+        EngineArgs(**kwargs)
+    except ValueError as exc:
+        print(f"pagedrs {args.command}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return kwargs
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pagedrs import LLM, SamplingParams
 
-    llm = LLM(**_engine_kwargs(args))
+    llm = LLM(**_checked_engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompt = {"prompt_token_ids": llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])} if args.chat else args.prompt
     if args.stream:
@@ -50,7 +52,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_chat(args: argparse.Namespace) -> int:
     from pagedrs.chat_repl import run_chat
 
-    return run_chat(_engine_kwargs(args), max_tokens=args.max_tokens, temperature=args.temperature)
+    return run_chat(_checked_engine_kwargs(args), max_tokens=args.max_tokens, temperature=args.temperature)
 
 
 def _cmd_kv_size(args: argparse.Namespace) -> int:

@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any
 
-from pagedrs.cli_args import add_parallel_and_tier_args, parallel_and_tier_kwargs
+from pagedrs.cli_args import add_engine_args
+from pagedrs.cli_args import engine_kwargs as shared_engine_kwargs
 from pagedrs.server.options import ServerOptions
 
 DEFAULT_MAX_WAITING = 1024
@@ -21,7 +22,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, "
         "/health, /metrics",
     )
-    p.add_argument("--model", default="smollm2-135m", help="model name or local path (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="name clients must send as `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
     p.add_argument("--port", type=int, default=8000)
@@ -37,41 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_safety_arguments(p.add_argument_group("limits and access"))
     engine = p.add_argument_group("engine")
-    engine.add_argument("--device", default="cpu")
-    engine.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    engine.add_argument("--block-size", type=int, default=16)
-    engine.add_argument(
-        "--num-gpu-blocks", type=int, default=None, help="device KV pages (overrides --kv-cache-memory)"
-    )
-    engine.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the device KV pool")
-    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    engine.add_argument("--swap-space-gb", type=float, default=1.0)
-    engine.add_argument("--max-num-seqs", type=int, default=256)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    engine.add_argument("--max-model-len", type=int, default=None)
-    engine.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
-    engine.add_argument(
-        "--admission-policy", default="expected_growth", choices=["expected_growth", "prompt_only"],
-        help="admit a prompt only beside the running set's expected growth (default), or on its own pages",
-    )
-    engine.add_argument(
-        "--prefill-first", action=argparse.BooleanOptionalAction, default=None,
-        help="a step that can admit a waiting prompt runs it without the running decodes (never two such steps "
-        "in a row): a new request's first token costs its prefill alone. Default: on with --device cpu, where a "
-        "step costs the sum of its parts (measured: steady TTFT p50 -30%%, throughput unchanged), "
-        "off elsewhere (a GPU runs decodes beside a prefill almost for free)",
-    )
-    engine.add_argument("--kv-layout", default="paged", choices=["paged", "contiguous"])
-    engine.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    engine.add_argument("--seed", type=int, default=0)
-    engine.add_argument(
-        "--cpu-threads", type=int, default=None,
-        help="torch threads of the engine on the CPU (default: $PAGEDRS_CPU_THREADS, else every core this "
-        "process may use: a server owns its machine)",
-    )
-    add_parallel_and_tier_args(engine)
-    engine.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
-                        help="linear weights: auto = exact for HF folders, nearest quantized format for a quantized GGUF")
+    add_engine_args(engine, cpu_threads_help=(
+        "torch threads of the engine on the CPU (default: $PAGEDRS_CPU_THREADS, else every core this "
+        "process may use: a server owns its machine)"))
+    engine.add_argument("--seed", type=int, default=0, help="the engine's seed (unseeded sampling draws from it)")
     engine.add_argument(
         "--skip-tokenizer-init", action="store_true",
         help="load no tokenizer (a folder without tokenizer files): prompts must be token ids, texts come back empty",
@@ -123,30 +92,14 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineArgs fields from parsed arguments."""
-    return {
-        "model": args.model,
-        "device": args.device,
-        "dtype": args.dtype,
-        "block_size": args.block_size,
-        "num_gpu_blocks": args.num_gpu_blocks,
-        "kv_cache_memory": args.kv_cache_memory,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "swap_space_gb": args.swap_space_gb,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len,
-        "preemption_mode": args.preemption_mode,
-        "admission_policy": args.admission_policy,
-        "prefill_first": args.prefill_first if args.prefill_first is not None else args.device == "cpu",
-        "kv_layout": args.kv_layout,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "seed": args.seed,
-        "cpu_threads": args.cpu_threads if args.cpu_threads is not None else _serve_default_threads(),
-        "weight_dtype": args.weight_dtype,
-        "skip_tokenizer_init": args.skip_tokenizer_init,
-        **parallel_and_tier_kwargs(args),
-    }
+    """EngineArgs fields from parsed arguments: the shared flags' mapping, with serve's own defaults
+    (every core; prefill first on the CPU) where a flag was not given."""
+    kwargs = shared_engine_kwargs(args)
+    kwargs["prefill_first"] = args.prefill_first if args.prefill_first is not None else args.device == "cpu"
+    if args.cpu_threads is None:
+        kwargs["cpu_threads"] = _serve_default_threads()
+    kwargs.update(seed=args.seed, skip_tokenizer_init=args.skip_tokenizer_init)
+    return kwargs
 
 
 def _serve_default_threads() -> int | None:
