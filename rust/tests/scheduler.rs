@@ -514,6 +514,12 @@ fn run_to_completion(s: &mut Scheduler, requests: &[(u64, u32, usize)]) -> u64 {
         s.add_sequence(id, tokens(100 * id as u32, prompt), 0, id, max_tokens, 1).unwrap();
     }
     let target: std::collections::HashMap<u64, usize> = requests.iter().map(|&(id, p, m)| (id, p as usize + m)).collect();
+    step_to_targets(s, &target)
+}
+
+/// Steps until every sequence has its `target` number of tokens (appending each step's
+/// sampled token and finishing a sequence at its target); returns the steps.
+fn step_to_targets(s: &mut Scheduler, target: &std::collections::HashMap<u64, usize>) -> u64 {
     let mut steps = 0;
     while s.has_unfinished() {
         let out = s.schedule().unwrap();
@@ -699,23 +705,7 @@ fn shared_prefix_pages_are_not_credited_once_per_holder() {
     }
     let target: std::collections::HashMap<u64, usize> =
         max_tokens.iter().enumerate().map(|(i, &m)| (i as u64 + 1, 17 + m)).collect();
-    let mut steps = 0;
-    while s.has_unfinished() {
-        let out = s.schedule().unwrap();
-        let ids: Vec<u64> = out.transfers.iter().map(|t| t.id).collect();
-        s.complete_transfers(&ids).unwrap();
-        s.check_invariants().unwrap();
-        for (i, &id) in out.seq_ids.iter().enumerate() {
-            if out.do_sample[i] {
-                s.append_token(id, 7).unwrap();
-                if s.num_tokens(id).unwrap() >= target[&id] {
-                    s.finish(id).unwrap();
-                }
-            }
-        }
-        steps += 1;
-        assert!(steps < 1000, "the workload must finish");
-    }
+    step_to_targets(&mut s, &target);
     let stats = s.stats();
     assert_eq!(stats.num_swap_preemptions + stats.num_recompute_preemptions, 0);
     assert!(stats.cached_prompt_tokens > 0, "the prompts shared their prefix pages");
