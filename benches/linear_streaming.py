@@ -67,7 +67,12 @@ def main() -> None:
     parser.add_argument("--formats", default="float32,bfloat16,int8,int4")
     parser.add_argument("--rows", default="1", help="comma-separated batch rows (M) per pass")
     args = parser.parse_args()
-    all_rows = [int(r) for r in args.rows.split(",")]
+    try:
+        all_rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        all_rows = []
+    if not all_rows or min(all_rows) < 1:
+        parser.error(f"--rows is {args.rows!r}; allowed: comma-separated integers >= 1")
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth(1 << 30)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over 1 GiB)")
@@ -78,10 +83,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         weight_bytes = loaded.model.weight_bytes()
         name = loaded.weight_format.name if loaded.weight_format else fmt
-        layouts = [("", loaded.model)]
+        labels = [""]
         if any(_column_major(m) for m in loaded.model.modules()):
-            layouts.append((" (row-major)", None))
-        for label, _ in layouts:
+            labels.append(" (row-major)")
+        for label in labels:
             if label:
                 _to_row_major(loaded.model)
             for rows in all_rows:

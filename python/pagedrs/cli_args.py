@@ -64,7 +64,7 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
     p.add_argument("--kv-layout", default=d["kv_layout"], choices=["paged", "contiguous"])
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--cpu-threads", type=int, default=d["cpu_threads"], help=cpu_threads_help)
-    add_parallel_and_tier_args(p)
+    _add_parallel_and_tier_args(p)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,7 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
-def add_parallel_and_tier_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+def _add_parallel_and_tier_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     d = _DEFAULTS
     p.add_argument("--tensor-parallel-size", type=int, default=d["tensor_parallel_size"],
                    help="ranks of tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")

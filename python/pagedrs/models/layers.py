@@ -94,9 +94,9 @@ class DenseLinearMethod(LinearMethod):
 
         Why: MKL's transposed-B sgemm takes a slow path for 1-3 rows. With SmolLM2-135M's
         weights streaming from memory on one thread, a whole batch-1 pass of the linear layers
-        took 32.8 ms against 24.3 ms column-major (16.4 vs 22.2 GB/s), and 3 rows 66.9 vs 48.4 ms;
-        from 4 rows on the two layouts give bit-identical results at the same speed
-        (``benches/linear_layout.py``). Rows 1-3 differ from the row-major path by float32
+        took 32.3 ms against 24.7 ms column-major (16.6 vs 21.8 GB/s), and 3 rows 66.3 vs 47.8 ms;
+        from 4 rows on the two layouts give bit-identical results at equal or better speed
+        (``python benches/linear_streaming.py --formats float32 --rows 1,2,3,4,8``). Rows 1-3 differ from the row-major path by float32
         rounding, as any two BLAS paths do. bfloat16 (oneDNN) is 20-30% slower
         column-major, and GPUs and other BLAS libraries keep the checkpoint's layout, so
         the rule is this one dtype on this one library: decided by the build, never by a

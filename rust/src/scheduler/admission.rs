@@ -31,16 +31,15 @@
 //! shared page once per holder and admit into room that never comes.
 //!
 //! Limits: swapped-out sequences and the future forks of `n > 1` requests are not
-//! counted; and the rule
-//! trades occupancy for preemptions, which loses steps where a preemption is nearly
-//! free (swap on the CPU: `admission_policy = "prompt_only"` keeps the old rule).
+//! counted; and the rule trades occupancy for preemptions, which loses steps where a
+//! preemption is nearly free (swap on the CPU: `admission_policy = "prompt_only"` keeps the old rule).
 //! A step that schedules nothing else still admits on the prompt alone (liveness).
+
+use std::collections::HashMap;
 
 use super::config::{AdmissionConfig, AdmissionPolicy, KvLayout};
 use super::sequence::Sequence;
 use super::Scheduler;
-use std::collections::HashMap;
-
 use crate::block_manager::{BlockId, SeqId};
 use crate::error::CoreError;
 
@@ -101,7 +100,9 @@ pub fn peak_extra_pages(seqs: &[Growth], block_size: usize) -> usize {
 /// pages with their reference counts, `remaining[i]` the tokens it is expected to still
 /// generate. A page goes back when its last holder finishes, so it is credited to the
 /// holder with the most remaining (the first of equals); a page with more references than
-/// holders listed here is held by something else too and is credited to none.
+/// holders listed here is held by something else too and is credited to none. Pages with
+/// one reference (all of them without sharing) are counted directly; only shared ones
+/// are looked up, so the usual case costs no hashing on this per-admission path.
 pub fn pages_freed_at_finish(pages: &[Vec<(BlockId, u32)>], remaining: &[usize]) -> Vec<usize> {
     struct Holder {
         seq: usize,
@@ -109,9 +110,14 @@ pub fn pages_freed_at_finish(pages: &[Vec<(BlockId, u32)>], remaining: &[usize])
         holders: u32,
         refs: u32,
     }
+    let mut held = vec![0; pages.len()];
     let mut last: HashMap<BlockId, Holder> = HashMap::new();
     for (i, own) in pages.iter().enumerate() {
         for &(block, refs) in own {
+            if refs <= 1 {
+                held[i] += 1;
+                continue;
+            }
             let h = last.entry(block).or_insert(Holder { seq: i, remaining: remaining[i], holders: 0, refs });
             if remaining[i] > h.remaining {
                 h.seq = i;
@@ -120,7 +126,6 @@ pub fn pages_freed_at_finish(pages: &[Vec<(BlockId, u32)>], remaining: &[usize])
             h.holders += 1;
         }
     }
-    let mut held = vec![0; pages.len()];
     for h in last.values() {
         if h.holders >= h.refs {
             held[h.seq] += 1;
