@@ -18,9 +18,15 @@ pub(crate) struct Sequence {
     pub(crate) table: Vec<BlockId>,
     /// Whether entry i is a host block (else a device block); as long as `table`.
     pub(crate) on_host: Vec<bool>,
-    /// How many entries of `on_host` are set: a sequence with any is *swapped* (paused:
-    /// no append, commit or slots until `swap_in` brings every host entry back).
+    /// How many entries of `on_host` are set.
     pub(crate) num_host: usize,
+    /// Whether the sequence is *swapped* (paused: no append, commit or slots until
+    /// `swap_in` brings every host entry back). Set by `swap_out` and by a
+    /// `swap_out_pages` that moved a page, cleared by `swap_in`. Kept apart from
+    /// `num_host > 0` because a sequence whose every page was released out of the
+    /// window holds none, yet a `swap_out` of it must still pause it: the scheduler
+    /// calls `swap_in` on it next, and that must not fail as "on the device".
+    pub(crate) paused: bool,
     /// Every token recorded so far.
     pub(crate) tokens: Vec<TokenId>,
     /// Chain hashes of the leading full committed blocks (`hashes.len() * bs <= committed`).
@@ -35,12 +41,12 @@ pub(crate) struct Sequence {
 impl Sequence {
     /// A sequence on the device: every entry a device block (or a released placeholder).
     pub(crate) fn on_device(table: Vec<BlockId>, tokens: Vec<TokenId>, hashes: Vec<u64>, committed: usize, released: usize) -> Self {
-        Sequence { on_host: vec![false; table.len()], num_host: 0, table, tokens, hashes, committed, released }
+        Sequence { on_host: vec![false; table.len()], num_host: 0, paused: false, table, tokens, hashes, committed, released }
     }
 
-    /// Any entry on the host: the sequence cannot run until it is swapped in.
+    /// Paused by a swap: the sequence cannot run until it is swapped in.
     pub(crate) fn swapped(&self) -> bool {
-        self.num_host > 0
+        self.paused
     }
 
     /// (block, on the host) of every entry that holds a page (released ones hold none).

@@ -45,6 +45,16 @@ impl BlockManager {
                     s.table.len()
                 ));
             }
+            // A sequence with host pages is paused; a paused one without any holds no page.
+            if (s.num_host > 0 && !s.paused) || (s.paused && s.num_host == 0 && s.released != s.table.len()) {
+                return Err(format!(
+                    "seq {id}: paused = {} with {} host pages and {} of {} entries released",
+                    s.paused,
+                    s.num_host,
+                    s.released,
+                    s.table.len()
+                ));
+            }
             // Placeholders (released out of the sliding window) lead the table, wholly
             // before the committed tokens, and use no page.
             if s.released * bs > s.committed || s.table[..s.released].iter().any(|&b| b != NULL_BLOCK) {

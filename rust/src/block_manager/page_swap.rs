@@ -63,6 +63,7 @@ impl BlockManager {
             copies.push((g, c));
         }
         s.num_host += copies.len();
+        s.paused |= !copies.is_empty();
         self.gpu.flush();
         self.stats.swap_out_blocks += copies.len() as u64;
         Ok(copies)

@@ -82,6 +82,7 @@ impl BlockManager {
             s.table[s.released..].iter_mut().for_each(|b| *b = to_host[b]);
             s.on_host[s.released..].fill(true);
             s.num_host = s.table.len() - s.released;
+            s.paused = true;
         }
         self.stats.swap_out_blocks += copies.len() as u64;
         Ok(copies)
@@ -172,6 +173,7 @@ impl BlockManager {
                 *host = false;
             }
             s.num_host = 0;
+            s.paused = false;
             for (i, &h) in s.hashes.iter().enumerate().skip(s.released) {
                 let parent = if i == 0 { self.root } else { s.hashes[i - 1] };
                 self.gpu.cache.insert(s.table[i], h, parent, &s.tokens[i * bs..(i + 1) * bs]);

@@ -130,7 +130,7 @@ impl BlockManager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::block_manager::BlockManagerConfig;
+    use crate::block_manager::{BlockManagerConfig, SwapInStatus};
 
     fn manager(blocks: usize, bs: usize, window: usize) -> BlockManager {
         BlockManager::new(BlockManagerConfig { sliding_window: Some(window), ..BlockManagerConfig::new(blocks, bs) }).unwrap()
@@ -198,6 +198,36 @@ mod tests {
             bm.free(s).unwrap();
         }
         assert_eq!(bm.num_free_gpu_blocks(), 16);
+        bm.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_sequence_holding_no_page_still_swaps_out_and_back_in() {
+        // Window 1: the next token reads only itself, so every committed page may go.
+        // (Found by the property test: swap_out used to succeed without pausing such a
+        // sequence, so the scheduler's later swap_in failed as "on the device".)
+        let mut bm = BlockManager::new(BlockManagerConfig {
+            num_cpu_blocks: 0,
+            enable_prefix_caching: false, // else the prompt's first page is a placeholder at once
+            sliding_window: Some(1),
+            ..BlockManagerConfig::new(4, 1)
+        }).unwrap();
+        bm.allocate(1, &tokens(2)).unwrap();
+        bm.commit(1, 2).unwrap();
+        assert_eq!(bm.release_outside_window(1, 2).unwrap(), 2);
+        assert_eq!(bm.num_held_blocks(1).unwrap(), 0);
+        assert_eq!(bm.num_blocks_to_swap_out(&[1]).unwrap(), 0);
+        assert_eq!(bm.swap_out(&[1]).unwrap(), vec![], "nothing to copy, even with no host tier");
+        assert!(bm.is_swapped(1).unwrap(), "swap_out pauses it");
+        bm.check_invariants().unwrap();
+        assert!(bm.append_tokens(1, &[7]).unwrap_err().to_string().contains("swapped"));
+        assert_eq!(bm.can_swap_in(&[1]).unwrap(), SwapInStatus::Ok);
+        assert_eq!(bm.swap_in(&[1]).unwrap(), vec![]);
+        assert!(!bm.is_swapped(1).unwrap());
+        bm.append_tokens(1, &[7]).unwrap();
+        bm.check_invariants().unwrap();
+        bm.free(1).unwrap();
+        assert_eq!(bm.num_free_gpu_blocks(), 4);
         bm.check_invariants().unwrap();
     }
 
