@@ -45,6 +45,12 @@ pub trait KvSpace: Send + Sync {
     fn num_host_pages(&self, _seq: SeqId) -> Result<usize, CoreError> {
         Ok(0)
     }
+    /// Whether `seq` is paused by a swap and needs `swap_in` before it runs again (a
+    /// sequence holding no page at all, every one released out of its window, is paused
+    /// by `swap_out` too).
+    fn is_swapped(&self, seq: SeqId) -> Result<bool, CoreError> {
+        Ok(self.num_host_pages(seq)? > 0)
+    }
     /// Hands out this step's tier copies: `to_host` and `to_device` (the scheduler's
     /// swaps) with the layout's own (evicted pages saved to the host, host prefix hits).
     fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer>;
@@ -173,6 +179,9 @@ impl KvSpace for BlockManager {
     }
     fn num_host_pages(&self, seq: SeqId) -> Result<usize, CoreError> {
         BlockManager::num_host_pages(self, seq)
+    }
+    fn is_swapped(&self, seq: SeqId) -> Result<bool, CoreError> {
+        BlockManager::is_swapped(self, seq)
     }
     fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer> {
         BlockManager::start_transfers(self, to_host, to_device)

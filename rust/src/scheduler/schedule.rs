@@ -154,13 +154,12 @@ impl Scheduler {
             }
             // Its device pages are still there (page-granular preemption); only the host
             // ones need room, and paused sequences ranked after it may give it.
-            let host_pages = self.kv.num_host_pages(id)?;
             let need = self.swap_in_need(id, budget.tokens)? + self.config.watermark_blocks;
             if self.page_granular() && need > self.kv.num_free_blocks() && need <= self.kv.num_free_blocks() + self.swappable_from_paused(Some(id))? {
                 self.take_pages_from_paused(need, Some(id), out)?;
             }
             let fits = need <= self.kv.num_free_blocks();
-            if !fits || (host_pages > 0 && self.kv.can_swap_in(&[id])? != SwapInStatus::Ok) {
+            if !fits || (self.kv.is_swapped(id)? && self.kv.can_swap_in(&[id])? != SwapInStatus::Ok) {
                 break;
             }
             self.swap_in_one(id, budget, scheduled, out)?;
@@ -182,7 +181,7 @@ impl Scheduler {
     }
 
     fn swap_in_one(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>, out: &mut SchedulerOutput) -> Result<(), CoreError> {
-        if self.kv.num_host_pages(id)? > 0 {
+        if self.kv.is_swapped(id)? {
             let pairs = self.kv.swap_in(&[id])?;
             self.to_device.extend(pairs);
         }
