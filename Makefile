@@ -63,11 +63,13 @@ bench: build
 	$(VENV)/bin/pagedrs bench all --threads $(shell nproc) --out bench-out --plot bench-out
 
 # Longer, randomized fuzz runs than `make test` does, which replays fixed examples so that
-# a CI run passes or fails on the code alone: the block-manager property test (Rust) and
-# state machine (Python), the engine state machine, the server schema fuzzer. A Rust
+# a CI run passes or fails on the code alone: the block-manager and scheduler property
+# tests (Rust), the block-manager state machine (Python), the engine state machine, the
+# server schema fuzzer. A Rust
 # failure is saved to rust/tests/*.proptest-regressions: commit it with the fix.
 fuzz: build
 	PAGEDRS_FUZZ_RANDOM=1 PROPTEST_CASES=1000000 cargo test --release -q --test block_manager_proptest
+	PAGEDRS_FUZZ_RANDOM=1 PROPTEST_CASES=1000000 cargo test --release -q --test scheduler_proptest
 	PAGEDRS_FUZZ_RANDOM=1 PAGEDRS_FUZZ_EXAMPLES=1000 $(PY) -m pytest -q tests/test_block_manager.py -k Machine
 	PAGEDRS_FUZZ_RANDOM=1 PAGEDRS_FUZZ_EXAMPLES=2000 $(PY) -m pytest -q tests/test_engine_hardening.py -k fuzzer
 	PY=$(PY) PAGEDRS_SERVER_FUZZ_EXAMPLES=300 bash tests/fuzz_server.sh

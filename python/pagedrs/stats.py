@@ -42,6 +42,7 @@ class EngineStats:
     num_preemptions: int
     num_swap_preemptions: int
     num_recompute_preemptions: int
+    num_deferred_forks: int  # n > 1 children that waited for a contiguous region, then were prefilled
     num_prompt_tokens_computed: int
     num_cached_prompt_tokens: int
     num_decode_tokens: int

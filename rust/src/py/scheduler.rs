@@ -419,6 +419,7 @@ impl PyScheduler {
         d.set_item("num_preemptions", s.num_swap_preemptions + s.num_recompute_preemptions)?;
         d.set_item("num_swap_preemptions", s.num_swap_preemptions)?;
         d.set_item("num_recompute_preemptions", s.num_recompute_preemptions)?;
+        d.set_item("num_deferred_forks", s.num_deferred_forks)?;
         d.set_item("num_prompt_tokens_computed", s.prompt_tokens_computed)?;
         d.set_item("num_cached_prompt_tokens", s.cached_prompt_tokens)?;
         d.set_item("num_decode_tokens", s.decode_tokens)?;

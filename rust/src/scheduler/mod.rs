@@ -46,6 +46,9 @@ pub struct SchedulerStats {
     pub num_steps: u64,
     pub num_swap_preemptions: u64,
     pub num_recompute_preemptions: u64,
+    /// Forks whose child had to wait for a region (contiguous layout, full pool): it is
+    /// prefilled when admitted, like a sequence preempted by recompute.
+    pub num_deferred_forks: u64,
     /// Prompt (and recomputed) tokens actually computed.
     pub prompt_tokens_computed: u64,
     /// Prompt tokens skipped thanks to the prefix cache.
@@ -325,8 +328,23 @@ impl Scheduler {
         let mut child_seq = parent_seq.clone();
         child_seq.id = child;
         if parent_seq.has_pages() {
-            let copies = self.kv.fork(parent, child)?;
-            self.pending_copies.extend(copies);
+            match self.kv.fork(parent, child) {
+                Ok(copies) => self.pending_copies.extend(copies),
+                // The contiguous layout copies the parent's region into a new one, which
+                // a full pool cannot give now: the child waits and is prefilled when
+                // admitted, as a sequence preempted by recompute would be. A paged fork
+                // only shares pages and never takes one.
+                Err(CoreError::OutOfBlocks { .. }) => {
+                    child_seq.parked = child_seq.waits_for_token();
+                    child_seq.kv_tokens = 0;
+                    child_seq.prefill_left = 0;
+                    child_seq.num_computed = 0;
+                    child_seq.status = SeqStatus::Waiting;
+                    child_seq.waiting_since = self.stats.num_steps;
+                    self.stats.num_deferred_forks += 1;
+                }
+                Err(e) => return Err(e),
+            }
         }
         let queue = match child_seq.status {
             SeqStatus::Waiting => &mut self.waiting,

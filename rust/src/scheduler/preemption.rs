@@ -48,10 +48,14 @@ impl Scheduler {
     /// ones are then preempted by recompute, from the back of the running order, until
     /// the blocked one fits (recompute, not swap: a prefix hit shares their pages
     /// again when they return, a swap-in would bring back private copies). Returns the
-    /// blocked one (and whether it is swapped), to be brought in at once, before the
-    /// idle ones just preempted (which may rank before it); None (nothing changed)
-    /// when nothing waits or it could never fit.
-    pub(super) fn make_room_for_blocked(&mut self, out: &mut SchedulerOutput) -> Result<Option<(SeqId, bool)>, CoreError> {
+    /// blocked one (whether it is swapped, and the most tokens it may take this step),
+    /// to be brought in at once, before the idle ones just preempted (which may rank
+    /// before it); None (nothing changed) when nothing waits or it could never fit.
+    ///
+    /// The same stall follows from a windowed prompt paused mid-prefill (or waiting)
+    /// whose next full chunk cannot fit: it then comes in with a 1-token chunk, after
+    /// which its window lets its oldest pages go.
+    pub(super) fn make_room_for_blocked(&mut self, out: &mut SchedulerOutput) -> Result<Option<(SeqId, bool, usize)>, CoreError> {
         let seqs = &self.seqs;
         let blocked = self.swapped.iter().copied().filter(|id| !seqs[id].waits_for_token()).min_by_key(|id| seqs[id].rank());
         let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
@@ -63,23 +67,17 @@ impl Scheduler {
         // Paused sequences that may give pages: those ranked after a paused blocked one;
         // any for a waiting one (paused beams waiting for its row hold pages it needs).
         let after = swapped.then_some(id);
+        // A windowed prompt takes its next chunk's pages before the window lets older
+        // ones go: with a full-budget chunk it may never fit where a 1-token chunk does.
+        let full = self.config.max_num_batched_tokens;
+        let chunk = if self.blocked_need(id, swapped, full)?.1 { 1 } else { full };
         loop {
-            let (need, never) = if swapped {
-                // Room for its host pages (its device pages are still there); it could never
-                // fit when every page it would hold exceeds the pool.
-                let need = self.swap_in_need(id, self.config.max_num_batched_tokens)? + self.config.watermark_blocks;
-                (need, need - self.kv.num_host_pages(id)? + self.kv.num_held_blocks(id)? > self.kv.num_blocks())
-            } else {
-                let seq = &self.seqs[&id];
-                let end = self.admission_end(seq, self.config.max_num_batched_tokens);
-                let need = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens);
-                (need, need == usize::MAX || need > self.kv.num_blocks())
-            };
+            let (need, never) = self.blocked_need(id, swapped, chunk)?;
             if never {
                 return Ok(None);
             }
             if need <= self.kv.num_free_blocks() && self.running.len() < self.config.max_num_seqs {
-                return Ok(Some((id, swapped)));
+                return Ok(Some((id, swapped, chunk)));
             }
             if self.page_granular() && need > self.kv.num_free_blocks() {
                 self.take_pages_from_paused(need, after, out)?;
@@ -89,6 +87,24 @@ impl Scheduler {
             }
             let Some(&victim) = self.running.last() else { return Ok(None) };
             self.preempt_as(victim, PreemptionMode::Recompute, out)?;
+        }
+    }
+
+    /// (free pages the blocked sequence needs to come in with a chunk of at most `chunk`
+    /// tokens, whether it could never fit). A swapped one needs room for its host pages
+    /// (its device pages are still there) and could never fit when every page it would
+    /// hold exceeds the pool. No watermark: nothing else runs this step (as for an
+    /// admission into an idle step); with it, a request `add_sequence` accepted could
+    /// need more than the pool, never come back, and leave every later step empty.
+    fn blocked_need(&self, id: SeqId, swapped: bool, chunk: usize) -> Result<(usize, bool), CoreError> {
+        if swapped {
+            let need = self.swap_in_need(id, chunk)?;
+            Ok((need, need - self.kv.num_host_pages(id)? + self.kv.num_held_blocks(id)? > self.kv.num_blocks()))
+        } else {
+            let seq = &self.seqs[&id];
+            let end = self.admission_end(seq, chunk);
+            let need = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens);
+            Ok((need, need == usize::MAX || need > self.kv.num_blocks()))
         }
     }
 

@@ -43,10 +43,13 @@ impl Scheduler {
         }
         // Paused sequences hold device pages too (page-granular preemption).
         if scheduled.is_empty() && (!self.running.is_empty() || !self.swapped.is_empty()) {
-            match self.make_room_for_blocked(&mut out)? {
-                Some((id, true)) => self.swap_in_one(id, &mut budget, &mut scheduled, &mut out)?,
-                Some((id, false)) => self.admit(id, &mut budget, &mut scheduled)?,
-                None => {}
+            if let Some((id, swapped, chunk)) = self.make_room_for_blocked(&mut out)? {
+                budget.tokens = budget.tokens.min(chunk);
+                if swapped {
+                    self.swap_in_one(id, &mut budget, &mut scheduled, &mut out)?;
+                } else {
+                    self.admit(id, &mut budget, &mut scheduled)?;
+                }
             }
         }
         self.finish_step(scheduled, out)
