@@ -122,6 +122,14 @@ fn prompt(r: usize, req: &Req) -> Vec<u32> {
     p
 }
 
+/// Ids of the extra forks `chaos` makes (above every request's ids).
+const EXTRA_CHILDREN: u64 = 10_000;
+
+/// Children generate offset tokens: the `n = 2` second sample (odd id) and extra forks.
+fn is_child(seq: u64) -> bool {
+    seq % 2 == 1 || seq >= EXTRA_CHILDREN
+}
+
 /// What a sample generates with the pool to itself.
 fn reference(prompt: &[u32], max_tokens: usize, child: bool) -> Vec<u32> {
     let mut t = prompt.to_vec();
@@ -219,7 +227,16 @@ fn build(cfg: &Setup) -> Scheduler {
 }
 
 /// Runs the workload to the end; returns how many forks had to wait for a region.
-fn run(cfg: Setup, reqs: Vec<Req>) -> Result<u64, TestCaseError> {
+///
+/// `chaos` drives what a beam-search engine does besides: a sampled token handed over a
+/// few steps late (the sequence idles meanwhile, running, paused or parked), and extra
+/// forks of a live sequence in whatever state it is.
+fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseError> {
+    let mut draws = 0u64;
+    let mut roll = |n: u64| -> u64 {
+        draws += 1;
+        chaos.map_or(n, |c| mix(c ^ draws.wrapping_mul(0x2545_F491_4F6C_DD1D)) % n)
+    };
     let mut s = build(&cfg);
     let window = s.config().sliding_window;
     let bs = cfg.block_size;
@@ -235,6 +252,8 @@ fn run(cfg: Setup, reqs: Vec<Req>) -> Result<u64, TestCaseError> {
     let mut aborts: BTreeMap<u64, Vec<u64>> = BTreeMap::new(); // step → request ids
     let mut expected: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
     let mut ended: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut held: BTreeMap<u64, (u64, u32)> = BTreeMap::new(); // seq → (step it is handed over, token)
+    let mut next_child = EXTRA_CHILDREN;
     let last_arrival = reqs.iter().map(|r| r.arrive_at).max().unwrap_or(0);
     // PAGEDRS_TRACE=1 prints each step (run one case with it to see a failure unfold).
     let trace = std::env::var("PAGEDRS_TRACE").is_ok_and(|v| v == "1");
@@ -274,6 +293,11 @@ fn run(cfg: Setup, reqs: Vec<Req>) -> Result<u64, TestCaseError> {
                 out.seq_ids, out.num_scheduled_tokens, out.preempted, s.num_waiting(), s.num_running(), s.num_swapped(), s.kv().num_free_blocks()
             );
         }
+        if trace {
+            for id in tokens.keys() {
+                eprintln!("   seq {id}: {} tokens, held {:?}, tiers {:?}", s.num_tokens(*id).unwrap(), held.get(id), s.page_tiers(*id).ok());
+            }
+        }
         runner.step(&mut s, &out, &tokens, window)?;
         s.check_invariants().map_err(|e| TestCaseError::fail(format!("after step {step}: {e}")))?;
         for (i, &id) in out.seq_ids.iter().enumerate() {
@@ -288,21 +312,41 @@ fn run(cfg: Setup, reqs: Vec<Req>) -> Result<u64, TestCaseError> {
                 samples.push(child);
             }
             for seq in samples {
-                let next = next_token(&tokens[&seq], seq % 2 == 1);
+                let next = next_token(&tokens[&seq], is_child(seq));
                 tokens.get_mut(&seq).unwrap().push(next);
                 let left = remaining.get_mut(&seq).unwrap();
                 *left -= 1;
                 if *left == 0 {
                     s.finish(seq).map_err(|e| TestCaseError::fail(e.to_string()))?;
                     ended.insert(seq, tokens.remove(&seq).unwrap());
+                } else if roll(4) == 0 {
+                    held.insert(seq, (step + 1 + roll(3), next));
                 } else {
                     s.append_token(seq, next).map_err(|e| TestCaseError::fail(e.to_string()))?;
                 }
             }
         }
+        // Tokens handed over late.
+        let due: Vec<u64> = held.iter().filter(|(_, (at, _))| *at <= step).map(|(&seq, _)| seq).collect();
+        for seq in due {
+            let (_, token) = held.remove(&seq).expect("listed above");
+            s.append_token(seq, token).map_err(|e| TestCaseError::fail(format!("late token of {seq}: {e}")))?;
+        }
+        // An extra fork of a live sequence (not one idling for its token), in any state.
+        if next_child < EXTRA_CHILDREN + 4 && roll(8) == 0 {
+            let live: Vec<u64> = tokens.keys().copied().filter(|id| !held.contains_key(id)).collect();
+            if !live.is_empty() {
+                let parent = live[roll(live.len() as u64) as usize];
+                s.fork(parent, next_child).map_err(|e| TestCaseError::fail(format!("fork of {parent}: {e}")))?;
+                tokens.insert(next_child, tokens[&parent].clone());
+                remaining.insert(next_child, remaining[&parent]);
+                next_child += 1;
+            }
+        }
         // Aborts: the request and its child, in whatever state they are.
         for id in aborts.remove(&step).unwrap_or_default() {
             for seq in [id, id + 1] {
+                held.remove(&seq);
                 if let Some(t) = tokens.remove(&seq) {
                     s.finish(seq).map_err(|e| TestCaseError::fail(format!("abort of {seq}: {e}")))?;
                     ended.insert(seq, t);
@@ -313,7 +357,7 @@ fn run(cfg: Setup, reqs: Vec<Req>) -> Result<u64, TestCaseError> {
         s.check_invariants().map_err(|e| TestCaseError::fail(format!("after the appends of step {step}: {e}")))?;
     }
     prop_assert!(!s.has_unfinished(), "the workload did not finish in 4,000 steps");
-    for (id, got) in &ended {
+    for (id, got) in ended.iter().filter(|(id, _)| **id < EXTRA_CHILDREN) {
         let want = &expected[id];
         prop_assert!(want.starts_with(got), "sequence {} generated {:?}, the model gives {:?}", id, got, want);
     }
@@ -356,7 +400,7 @@ fn a_paused_windowed_prompt_comes_back_when_only_the_watermark_stood_in_its_way(
         Req { shared: 8, own: 12, max_tokens: 1, samples: 1, priority: 1, arrive_at: 0, abort_after: None },
         Req { shared: 0, own: 3, max_tokens: 2, samples: 1, priority: 0, arrive_at: 1, abort_after: None },
     ];
-    run(cfg, reqs).unwrap();
+    run(cfg, reqs, None).unwrap();
 }
 
 /// Found by this test: a windowed prompt paused before its next chunk, whose full-budget
@@ -369,7 +413,7 @@ fn a_paused_windowed_prompt_comes_back_with_a_smaller_chunk() {
         Req { shared: 1, own: 2, max_tokens: 2, samples: 1, priority: 0, arrive_at: 10, abort_after: None },
         Req { shared: 2, own: 9, max_tokens: 1, samples: 1, priority: 0, arrive_at: 10, abort_after: None },
     ];
-    run(cfg, reqs).unwrap();
+    run(cfg, reqs, None).unwrap();
 }
 
 /// Found by this test: on the contiguous layout an `n = 2` fork copies the parent's region
@@ -382,15 +426,30 @@ fn a_contiguous_fork_into_a_full_pool_waits_for_its_region() {
         Req { shared: 3, own: 7, max_tokens: 10, samples: 2, priority: 0, arrive_at: 0, abort_after: None },
         Req { shared: 6, own: 11, max_tokens: 9, samples: 1, priority: 0, arrive_at: 0, abort_after: None },
     ];
-    let deferred = run(cfg, reqs).unwrap();
+    let deferred = run(cfg, reqs, None).unwrap();
     assert_eq!(deferred, 1, "the fork found the pool full");
+}
+
+/// Found by this test: a sequence forked while paused, both sharing a partly filled last
+/// page that fills the pool; each needs a copy on write to go on, so the blocked one was
+/// judged never to fit. The sharer is now recomputed and the other goes on in its page.
+#[test]
+fn paused_forks_sharing_a_full_pool_make_way_for_each_other() {
+    let cfg = Setup { layout: KvLayout::Paged, gpu_blocks: 4, block_size: 4, cpu_blocks: 1, disk_blocks: 0, prefix_caching: false, host_cache_evicted: false, watermark: 0.0, mode: PreemptionMode::Swap, window: None, budget: 13, max_num_seqs: 2, policy: AdmissionPolicy::PromptOnly, prefill_first: true, whole_sequence_swap: false, aging_steps: 0 };
+    let r = |shared, own, max_tokens, arrive_at| Req { shared, own, max_tokens, samples: 1, priority: 0, arrive_at, abort_after: None };
+    let reqs = vec![r(0, 1, 4, 2), r(0, 1, 2, 2), r(0, 1, 2, 1), r(5, 1, 7, 2), r(3, 3, 9, 2)];
+    run(cfg, reqs, Some(17512109942349086490)).unwrap();
 }
 
 proptest! {
     #![proptest_config(fuzz_config())]
 
     #[test]
-    fn random_workloads_read_back_every_token_and_free_every_page(cfg in setup(), reqs in proptest::collection::vec(req(), 1..16)) {
-        run(cfg, reqs)?;
+    fn random_workloads_read_back_every_token_and_free_every_page(
+        cfg in setup(),
+        reqs in proptest::collection::vec(req(), 1..16),
+        chaos in prop_oneof![Just(None), any::<u64>().prop_map(Some)],
+    ) {
+        run(cfg, reqs, chaos)?;
     }
 }

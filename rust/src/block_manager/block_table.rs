@@ -63,6 +63,24 @@ impl BlockManager {
         Ok(self.append_cost(s, num_new_tokens).0)
     }
 
+    /// Device blocks `seq` needs to run again with `num_new_tokens` more: its host pages
+    /// (a `swap_in` gives each a device block) and what the append then takes. A page
+    /// swapped in is the sequence's own, so only a partial last page still on the device
+    /// and shared is copied on write. Equal to [`num_blocks_to_append`](Self::num_blocks_to_append)
+    /// for a sequence on the device.
+    pub fn num_blocks_to_resume(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError> {
+        let s = self.seq(seq)?;
+        if num_new_tokens == 0 {
+            return Ok(s.num_host);
+        }
+        let bs = self.cfg.block_size;
+        let len = s.tokens.len();
+        let grow = (len + num_new_tokens).div_ceil(bs) - s.table.len();
+        let last = s.table.len() - 1;
+        let cow = len % bs != 0 && !s.on_host[last] && self.gpu.refs.get(s.table[last]) > 1;
+        Ok(s.num_host + grow + cow as usize)
+    }
+
     /// (blocks to take, whether the first of them replaces a shared partial last block).
     fn append_cost(&self, s: &Sequence, num_new_tokens: usize) -> (usize, bool) {
         if num_new_tokens == 0 {

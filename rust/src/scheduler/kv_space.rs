@@ -45,6 +45,11 @@ pub trait KvSpace: Send + Sync {
     fn num_host_pages(&self, _seq: SeqId) -> Result<usize, CoreError> {
         Ok(0)
     }
+    /// Device blocks a paused `seq` needs to come back and record `n` more tokens: its
+    /// host pages and what the append then takes (exact, unlike the scheduler's slack).
+    fn blocks_to_resume(&self, seq: SeqId, n: usize) -> Result<usize, CoreError> {
+        Ok(self.num_host_pages(seq)? + self.blocks_to_append(seq, n)?)
+    }
     /// Whether `seq` is paused by a swap and needs `swap_in` before it runs again (a
     /// sequence holding no page at all, every one released out of its window, is paused
     /// by `swap_out` too).
@@ -182,6 +187,9 @@ impl KvSpace for BlockManager {
     }
     fn is_swapped(&self, seq: SeqId) -> Result<bool, CoreError> {
         BlockManager::is_swapped(self, seq)
+    }
+    fn blocks_to_resume(&self, seq: SeqId, n: usize) -> Result<usize, CoreError> {
+        BlockManager::num_blocks_to_resume(self, seq, n)
     }
     fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer> {
         BlockManager::start_transfers(self, to_host, to_device)

@@ -92,14 +92,21 @@ impl Scheduler {
 
     /// (free pages the blocked sequence needs to come in with a chunk of at most `chunk`
     /// tokens, whether it could never fit). A swapped one needs room for its host pages
-    /// (its device pages are still there) and could never fit when every page it would
-    /// hold exceeds the pool. No watermark: nothing else runs this step (as for an
+    /// (its device pages are still there) and its next tokens' pages. No watermark: nothing else runs this step (as for an
     /// admission into an idle step); with it, a request `add_sequence` accepted could
     /// need more than the pool, never come back, and leave every later step empty.
     fn blocked_need(&self, id: SeqId, swapped: bool, chunk: usize) -> Result<(usize, bool), CoreError> {
         if swapped {
-            let need = self.swap_in_need(id, chunk)?;
-            Ok((need, need - self.kv.num_host_pages(id)? + self.kv.num_held_blocks(id)? > self.kv.num_blocks()))
+            // Exact (no slack page): a paused sequence whose next token fits in its own
+            // last page needs nothing more, even when its pages fill the pool. It could
+            // never fit only if its pages alone would exceed the pool: a copy on write of
+            // a last page shared with other paused sequences goes once they give way.
+            let seq = &self.seqs[&id];
+            let n = self.num_to_append(seq, chunk);
+            let need = self.kv.blocks_to_resume(id, n)?;
+            let released = self.kv.block_table(id)?.len() - self.kv.num_held_blocks(id)?;
+            let alone = (seq.kv_tokens + n).div_ceil(self.kv.block_size()) - released;
+            Ok((need, alone > self.kv.num_blocks()))
         } else {
             let seq = &self.seqs[&id];
             let end = self.admission_end(seq, chunk);

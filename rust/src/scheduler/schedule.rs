@@ -263,7 +263,7 @@ impl Scheduler {
 
     /// Tokens past `kv_tokens` to record now: every sampled one, or the next prompt chunk
     /// of a windowed prompt admitted in part (at most the budget).
-    fn num_to_append(&self, seq: &super::sequence::Sequence, budget_tokens: usize) -> usize {
+    pub(super) fn num_to_append(&self, seq: &super::sequence::Sequence, budget_tokens: usize) -> usize {
         let pending = seq.tokens.len() - seq.kv_tokens;
         if seq.prefill_left > 0 {
             pending.min(budget_tokens)
