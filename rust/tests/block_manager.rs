@@ -111,6 +111,28 @@ fn fork_then_append_copies_only_a_shared_partial_block() {
 }
 
 #[test]
+fn a_pinned_copy_on_write_source_outlives_its_last_user_until_released() {
+    let mut bm = manager(8, 4, 4);
+    bm.set_pin_cow_sources(true);
+    bm.allocate(1, &[1, 2, 3, 4, 5, 6]).unwrap(); // [0, 1]
+    bm.fork(1, 2).unwrap();
+    assert_eq!(bm.append_tokens(2, &[7]).unwrap(), vec![(1, 2)]);
+    assert_eq!((bm.num_cow_pins(), bm.gpu_refcount(1)), (1, Some(2)), "the child's user became the pin");
+    ok(&bm);
+    // The pin is no user: the parent appends in place, as without it.
+    assert_eq!(bm.num_blocks_to_append(1, 1).unwrap(), 0);
+    assert_eq!(bm.append_tokens(1, &[8]).unwrap(), vec![]);
+    // Its last user leaving does not free the block the copy still has to read.
+    assert_eq!(bm.swap_out(&[1]).unwrap().len(), 2);
+    assert_eq!(bm.gpu_refcount(1), Some(1));
+    assert_eq!(bm.num_free_gpu_blocks(), 5, "blocks 0 and 2 in use by the child, block 1 pinned");
+    ok(&bm);
+    bm.release_cow_pins();
+    assert_eq!((bm.num_cow_pins(), bm.num_free_gpu_blocks()), (0, 6));
+    ok(&bm);
+}
+
+#[test]
 fn swap_out_copies_each_block_once_and_keeps_shared_pages_on_device() {
     let mut bm = manager(8, 2, 8);
     bm.allocate(1, &[1, 2, 3]).unwrap(); // [0, 1]

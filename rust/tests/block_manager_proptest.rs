@@ -212,6 +212,9 @@ impl Sim {
             Op::Append { seq, n, seed } => {
                 let new = wide_tokens(*seed, *n);
                 let predicted = self.bm.num_blocks_to_append(*seq, *n);
+                if let Ok(p) = predicted {
+                    prop_assert_eq!(self.bm.num_blocks_to_resume(*seq, *n).unwrap(), p, "resume = append on the device");
+                }
                 let free = self.bm.num_free_gpu_blocks();
                 self.bm.append_tokens(*seq, &new).map(|cow| {
                     let (toks, _) = self.model.get_mut(seq).unwrap();
@@ -256,7 +259,14 @@ impl Sim {
             }
             Op::SwapIn { seqs } => {
                 let status = self.bm.can_swap_in(seqs);
+                // One sequence's resume cost: the device blocks its swap-in takes (a copy, or
+                // its page still cached there), then a token's append.
+                let (resume, free) = (self.bm.num_blocks_to_resume(seqs[0], 1), self.bm.num_free_gpu_blocks());
                 let r = self.bm.swap_in(seqs).map(|pairs| {
+                    if seqs.len() == 1 {
+                        let taken = free - self.bm.num_free_gpu_blocks();
+                        assert_eq!(taken + self.bm.num_blocks_to_append(seqs[0], 1).unwrap(), resume.unwrap());
+                    }
                     self.run_host_copies();
                     self.copy(&pairs, Tier::Cpu, Tier::Gpu);
                     seqs.iter().for_each(|s| self.model.get_mut(s).unwrap().1 = false);

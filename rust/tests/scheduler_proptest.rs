@@ -287,7 +287,7 @@ fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseEr
         }
         let out = s.schedule().map_err(|e| TestCaseError::fail(format!("schedule at step {step}: {e}")))?;
         if trace {
-            let moved: Vec<_> = out.transfers.iter().map(|t| (t.src, t.dst, t.pairs.len())).collect();
+            let moved: Vec<_> = out.transfers.iter().map(|t| (t.src, t.dst, t.pairs.clone())).collect();
             eprintln!(
                 "step {step}: scheduled {:?} tokens {:?} preempted {:?} waiting/running/paused {}/{}/{} free {} transfers {moved:?}",
                 out.seq_ids, out.num_scheduled_tokens, out.preempted, s.num_waiting(), s.num_running(), s.num_swapped(), s.kv().num_free_blocks()
@@ -295,7 +295,7 @@ fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseEr
         }
         if trace {
             for id in tokens.keys() {
-                eprintln!("   seq {id}: {} tokens, held {:?}, tiers {:?}", s.num_tokens(*id).unwrap(), held.get(id), s.page_tiers(*id).ok());
+                eprintln!("   seq {id}: {} tokens, held {:?}, tiers {:?}, table {:?}", s.num_tokens(*id).unwrap(), held.get(id), s.page_tiers(*id).ok(), s.kv().block_table(*id).ok());
             }
         }
         runner.step(&mut s, &out, &tokens, window)?;
@@ -452,4 +452,14 @@ proptest! {
     ) {
         run(cfg, reqs, chaos)?;
     }
+}
+/// Found by this test: a copy on write reads its source page after the step's swap-ins
+/// have run. The source's other user, a paused fork, gave that page to the host in the
+/// same step, and a swap-in took the freed block: the copy read another sequence's K/V.
+/// Copy-on-write sources are now pinned until the step is planned.
+#[test]
+fn a_copy_on_write_source_is_not_refilled_by_a_swap_in_of_the_same_step() {
+    let cfg = Setup { layout: KvLayout::Paged, gpu_blocks: 7, block_size: 5, cpu_blocks: 4, disk_blocks: 0, prefix_caching: false, host_cache_evicted: false, watermark: 0.0, mode: PreemptionMode::Swap, window: None, budget: 15, max_num_seqs: 3, policy: AdmissionPolicy::PromptOnly, prefill_first: true, whole_sequence_swap: false, aging_steps: 1, };
+    let reqs = vec![ Req { shared: 11, own: 10, max_tokens: 1, samples: 1, priority: 2, arrive_at: 8, abort_after: None, }, Req { shared: 10, own: 3, max_tokens: 7, samples: 2, priority: 0, arrive_at: 1, abort_after: None, }, Req { shared: 7, own: 4, max_tokens: 7, samples: 2, priority: 0, arrive_at: 5, abort_after: None, }, Req { shared: 0, own: 1, max_tokens: 2, samples: 1, priority: 0, arrive_at: 7, abort_after: None, }, Req { shared: 11, own: 5, max_tokens: 2, samples: 1, priority: 0, arrive_at: 7, abort_after: None, }, Req { shared: 1, own: 10, max_tokens: 6, samples: 1, priority: 0, arrive_at: 5, abort_after: None, }, Req { shared: 8, own: 1, max_tokens: 5, samples: 1, priority: 0, arrive_at: 0, abort_after: None, }, Req { shared: 5, own: 2, max_tokens: 10, samples: 1, priority: 0, arrive_at: 1, abort_after: None, }, Req { shared: 8, own: 3, max_tokens: 2, samples: 1, priority: 0, arrive_at: 0, abort_after: None, }, Req { shared: 0, own: 1, max_tokens: 1, samples: 1, priority: 0, arrive_at: 10, abort_after: None, }, ];
+    run(cfg, reqs, Some(3501864999417049494)).unwrap();
 }

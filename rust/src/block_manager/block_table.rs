@@ -63,22 +63,24 @@ impl BlockManager {
         Ok(self.append_cost(s, num_new_tokens).0)
     }
 
-    /// Device blocks `seq` needs to run again with `num_new_tokens` more: its host pages
-    /// (a `swap_in` gives each a device block) and what the append then takes. A page
+    /// Device blocks `seq` needs to run again with `num_new_tokens` more: what its
+    /// `swap_in` takes (as `can_swap_in` counts: a block per host page, less the pages the
+    /// device prefix cache still holds in use) and what the append then takes. A page
     /// swapped in is the sequence's own, so only a partial last page still on the device
     /// and shared is copied on write. Equal to [`num_blocks_to_append`](Self::num_blocks_to_append)
     /// for a sequence on the device.
     pub fn num_blocks_to_resume(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError> {
         let s = self.seq(seq)?;
+        let swap_in = if s.num_host > 0 { self.swap_in_plan(&[seq]).2 } else { 0 };
         if num_new_tokens == 0 {
-            return Ok(s.num_host);
+            return Ok(swap_in);
         }
         let bs = self.cfg.block_size;
         let len = s.tokens.len();
         let grow = (len + num_new_tokens).div_ceil(bs) - s.table.len();
         let last = s.table.len() - 1;
-        let cow = len % bs != 0 && !s.on_host[last] && self.gpu.refs.get(s.table[last]) > 1;
-        Ok(s.num_host + grow + cow as usize)
+        let cow = len % bs != 0 && !s.on_host[last] && self.shared_on_device(s.table[last]);
+        Ok(swap_in + grow + cow as usize)
     }
 
     /// (blocks to take, whether the first of them replaces a shared partial last block).
@@ -89,8 +91,41 @@ impl BlockManager {
         let bs = self.cfg.block_size;
         let len = s.tokens.len();
         let grow = (len + num_new_tokens).div_ceil(bs) - s.table.len();
-        let cow = len % bs != 0 && self.gpu.refs.get(*s.table.last().expect("partial block exists")) > 1;
+        let cow = len % bs != 0 && self.shared_on_device(*s.table.last().expect("partial block exists"));
         (grow + cow as usize, cow)
+    }
+
+    /// Whether another table uses device block `b` too (a copy-on-write pin is no user).
+    fn shared_on_device(&self, b: BlockId) -> bool {
+        let pins = self.cow_pins.iter().filter(|&&p| p == b).count() as u32;
+        self.gpu.refs.get(b) - pins > 1
+    }
+
+    /// Scheduler mode: a copy on write keeps a pin on its source block until
+    /// [`release_cow_pins`](Self::release_cow_pins).
+    ///
+    /// A step's runner copies the tier transfers first, then the copies on write (see
+    /// `SchedulerOutput`). Without the pin, a source block whose other users leave later
+    /// in the same step (a paused sharer moving its pages to the host, or dropped for
+    /// recompute) goes back to the pool and can be the destination of one of this step's
+    /// swap-ins: the swap-in then overwrites it before the copy on write reads it. The
+    /// scheduler releases the pins when its step is planned: nothing takes a block again
+    /// until the next step, and the runner has run the copies by then.
+    pub fn set_pin_cow_sources(&mut self, on: bool) {
+        self.pin_cow_sources = on;
+    }
+
+    /// Releases every copy-on-write pin (see [`set_pin_cow_sources`](Self::set_pin_cow_sources)).
+    pub fn release_cow_pins(&mut self) {
+        for b in std::mem::take(&mut self.cow_pins) {
+            self.gpu.release(b, 1);
+        }
+        self.gpu.flush();
+    }
+
+    /// Device blocks held by copy-on-write pins now.
+    pub fn num_cow_pins(&self) -> usize {
+        self.cow_pins.len()
     }
 
     /// Records `tokens` appended to `seq`, growing its table on demand. Returns the
@@ -108,7 +143,11 @@ impl BlockManager {
             let dst = fresh.next().expect("took the cow block");
             let last = s.table.last_mut().expect("partial block exists");
             let src = std::mem::replace(last, dst);
-            self.gpu.release(src, 1); // shared, so it keeps at least one user
+            if self.pin_cow_sources {
+                self.cow_pins.push(src); // this table's user becomes the pin
+            } else {
+                self.gpu.release(src, 1); // shared, so it keeps at least one user
+            }
             copies.push((src, dst));
             self.stats.cow_copies += 1;
         }

@@ -23,6 +23,9 @@ impl BlockManager {
             };
             *users.get_mut(b as usize).ok_or_else(|| format!("pinned {tier} block {b} out of range"))? += 1;
         }
+        for &b in &self.cow_pins {
+            *gpu_users.get_mut(b as usize).ok_or_else(|| format!("copy-on-write pin on device block {b} out of range"))? += 1;
+        }
         for (&id, s) in &self.seqs {
             if s.table.len() != s.tokens.len().div_ceil(bs) {
                 return Err(format!("seq {id}: {} blocks for {} tokens of block size {bs}", s.table.len(), s.tokens.len()));

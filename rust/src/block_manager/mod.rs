@@ -158,6 +158,11 @@ pub struct BlockManager {
     /// When set (the scheduler's mode), `swap_in` keeps one pin on each host source block
     /// until its transfer completes; when not (the plain BlockManager API) it frees them at once.
     pin_swap_in_sources: bool,
+    /// When set (the scheduler's mode), a copy on write keeps one pin on its source block
+    /// until [`release_cow_pins`](Self::release_cow_pins): see `block_table`.
+    pin_cow_sources: bool,
+    /// Device blocks that copies on write read and that are pinned (`pin_cow_sources`).
+    cow_pins: Vec<BlockId>,
     /// Scratch: blocks taken in one call.
     taken: Vec<BlockId>,
     /// Scratch: (block, hash) of the device blocks evicted in one call.
@@ -202,6 +207,8 @@ impl BlockManager {
             misses: MissLog::new(4 * (cfg.num_gpu_blocks + cfg.num_cpu_blocks + cfg.num_disk_blocks) + 1024),
             next_transfer_id: 1,
             pin_swap_in_sources: false,
+            pin_cow_sources: false,
+            cow_pins: Vec::new(),
             taken: Vec::new(),
             evicted: Vec::new(),
             cfg,

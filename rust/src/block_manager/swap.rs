@@ -105,7 +105,7 @@ impl BlockManager {
     /// cache still holds (host block → device block), and the device blocks a swap-in
     /// takes from the free count: one per other host block, plus each reused block that is
     /// evictable now.
-    fn swap_in_plan(&self, seqs: &[SeqId]) -> (Vec<(BlockId, u32)>, HashMap<BlockId, BlockId>, usize) {
+    pub(super) fn swap_in_plan(&self, seqs: &[SeqId]) -> (Vec<(BlockId, u32)>, HashMap<BlockId, BlockId>, usize) {
         let blocks = self.group_blocks(seqs, true);
         let bs = self.cfg.block_size;
         let mut reuse: HashMap<BlockId, BlockId> = HashMap::new();

@@ -56,6 +56,9 @@ pub trait KvSpace: Send + Sync {
     fn is_swapped(&self, seq: SeqId) -> Result<bool, CoreError> {
         Ok(self.num_host_pages(seq)? > 0)
     }
+    /// The step is planned: blocks its copies on write read may go back to the pool (see
+    /// [`BlockManager::set_pin_cow_sources`]); nothing takes one before the next step.
+    fn release_copy_sources(&mut self) {}
     /// Hands out this step's tier copies: `to_host` and `to_device` (the scheduler's
     /// swaps) with the layout's own (evicted pages saved to the host, host prefix hits).
     fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer>;
@@ -193,6 +196,9 @@ impl KvSpace for BlockManager {
     }
     fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer> {
         BlockManager::start_transfers(self, to_host, to_device)
+    }
+    fn release_copy_sources(&mut self) {
+        BlockManager::release_cow_pins(self)
     }
     fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError> {
         BlockManager::complete_transfers(self, ids)

@@ -135,6 +135,7 @@ impl Scheduler {
                     sliding_window: sched.sliding_window,
                 })?;
                 bm.set_pin_swap_in_sources(true);
+                bm.set_pin_cow_sources(true);
                 Self::new(sched, Box::new(bm))
             }
             KvLayout::Contiguous(_) => {
@@ -148,6 +149,7 @@ impl Scheduler {
     pub fn paged(config: SchedulerConfig, bm: BlockManagerConfig) -> Result<Self, CoreError> {
         let mut manager = BlockManager::new(BlockManagerConfig { sliding_window: config.sliding_window, ..bm })?;
         manager.set_pin_swap_in_sources(true);
+        manager.set_pin_cow_sources(true);
         Self::new(SchedulerConfig { layout: KvLayout::Paged, ..config }, Box::new(manager))
     }
 

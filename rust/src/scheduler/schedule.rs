@@ -81,6 +81,8 @@ impl Scheduler {
         self.stats.pages_swapped_out += to_host.len() as u64;
         self.stats.pages_swapped_in += to_device.len() as u64;
         out.transfers = self.kv.start_transfers(to_host, to_device);
+        // Every page of the step is taken: the copies on write no longer need their pins.
+        self.kv.release_copy_sources();
         self.fill_batch(&scheduled, &mut out)?;
         self.stats.num_steps += 1;
         Ok(out)
