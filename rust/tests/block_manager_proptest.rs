@@ -306,13 +306,13 @@ impl Sim {
     }
 }
 
-/// `make test` replays a fixed seed (4,096 cases, about 0.2 s), so a CI run passes or fails on the code
-/// alone; `make fuzz` sets `PAGEDRS_FUZZ_RANDOM=1` and `PROPTEST_CASES` to search afresh.
-/// A failure found there is saved to `block_manager_proptest.proptest-regressions`, which
+/// `make test` replays a fixed seed (32,768 cases, about 2 s), so a CI run passes or fails
+/// on the code alone; `make fuzz` sets `PAGEDRS_FUZZ_RANDOM=1` and `PROPTEST_CASES` to
+/// search afresh. A failure found there is saved to `block_manager_proptest.proptest-regressions`, which
 /// every run replays first; commit it with the fix.
 fn fuzz_config() -> ProptestConfig {
     let random = std::env::var("PAGEDRS_FUZZ_RANDOM").is_ok_and(|v| v == "1");
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(4096);
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(32768);
     let rng_seed = if random { RngSeed::Random } else { RngSeed::Fixed(0x7061_6765_6472_7321) };
     ProptestConfig { cases, rng_seed, ..ProptestConfig::default() }
 }

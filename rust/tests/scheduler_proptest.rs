@@ -379,13 +379,13 @@ fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseEr
     Ok(s.stats().num_deferred_forks)
 }
 
-/// `make test` replays a fixed seed, so a CI run passes or fails on the code alone;
-/// `make fuzz` sets `PAGEDRS_FUZZ_RANDOM=1` and `PROPTEST_CASES` to search afresh. A
-/// failure found there is saved to `scheduler_proptest.proptest-regressions`, which every
+/// `make test` replays a fixed seed (16,384 cases, about 2 s), so a CI run passes or fails
+/// on the code alone; `make fuzz` sets `PAGEDRS_FUZZ_RANDOM=1` and `PROPTEST_CASES` to
+/// search afresh. A failure found there is saved to `scheduler_proptest.proptest-regressions`, which every
 /// run replays first; commit it with the fix.
 fn fuzz_config() -> ProptestConfig {
     let random = std::env::var("PAGEDRS_FUZZ_RANDOM").is_ok_and(|v| v == "1");
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(512);
+    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(16384);
     let rng_seed = if random { RngSeed::Random } else { RngSeed::Fixed(0x7363_6865_6475_6c65) };
     ProptestConfig { cases, rng_seed, ..ProptestConfig::default() }
 }
