@@ -27,7 +27,9 @@ pub struct SchedulerOutput {
     /// Tier copies to run first, in order (device→host before host→device); report each
     /// id back with `complete_transfers` once its copy has finished.
     pub transfers: Vec<Transfer>,
-    /// (src, dst) device copies (copy-on-write) to run after the transfers, before the forward.
+    /// (src, dst) device copies (copy-on-write) to run after the transfers, before the
+    /// forward. No transfer of the step writes a block they read: their sources stay
+    /// allocated (pinned) until every page of the step is taken.
     pub copies: Vec<(BlockId, BlockId)>,
     /// Sequences preempted in this step (swapped out or dropped for recompute).
     pub preempted: Vec<SeqId>,
