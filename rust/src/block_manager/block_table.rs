@@ -72,18 +72,12 @@ impl BlockManager {
     pub fn num_blocks_to_resume(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError> {
         let s = self.seq(seq)?;
         let swap_in = if s.num_host > 0 { self.swap_in_plan(&[seq]).2 } else { 0 };
-        if num_new_tokens == 0 {
-            return Ok(swap_in);
-        }
-        let bs = self.cfg.block_size;
-        let len = s.tokens.len();
-        let grow = (len + num_new_tokens).div_ceil(bs) - s.table.len();
-        let last = s.table.len() - 1;
-        let cow = len % bs != 0 && !s.on_host[last] && self.shared_on_device(s.table[last]);
-        Ok(swap_in + grow + cow as usize)
+        Ok(swap_in + self.append_cost(s, num_new_tokens).0)
     }
 
     /// (blocks to take, whether the first of them replaces a shared partial last block).
+    /// A last page on the host (a paused sequence's, see `num_blocks_to_resume`) comes back
+    /// as the sequence's own, so only one still on the device can be shared.
     fn append_cost(&self, s: &Sequence, num_new_tokens: usize) -> (usize, bool) {
         if num_new_tokens == 0 {
             return (0, false);
@@ -91,7 +85,8 @@ impl BlockManager {
         let bs = self.cfg.block_size;
         let len = s.tokens.len();
         let grow = (len + num_new_tokens).div_ceil(bs) - s.table.len();
-        let cow = len % bs != 0 && self.shared_on_device(*s.table.last().expect("partial block exists"));
+        let last = s.table.len() - 1;
+        let cow = len % bs != 0 && !s.on_host[last] && self.shared_on_device(s.table[last]);
         (grow + cow as usize, cow)
     }
 

@@ -337,12 +337,7 @@ impl Scheduler {
                 // admitted, as a sequence preempted by recompute would be. A paged fork
                 // only shares pages and never takes one.
                 Err(CoreError::OutOfBlocks { .. }) => {
-                    child_seq.parked = child_seq.waits_for_token();
-                    child_seq.kv_tokens = 0;
-                    child_seq.prefill_left = 0;
-                    child_seq.num_computed = 0;
-                    child_seq.status = SeqStatus::Waiting;
-                    child_seq.waiting_since = self.stats.num_steps;
+                    child_seq.reset_for_recompute(self.stats.num_steps);
                     self.stats.num_deferred_forks += 1;
                 }
                 Err(e) => return Err(e),

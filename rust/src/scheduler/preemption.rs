@@ -138,13 +138,8 @@ impl Scheduler {
     pub(super) fn drop_for_recompute(&mut self, id: SeqId) -> Result<(), CoreError> {
         let now = self.stats.num_steps;
         let seq = self.seqs.get_mut(&id).expect("victim is a known sequence");
-        seq.parked = seq.waits_for_token();
         self.kv.free(id)?;
-        seq.kv_tokens = 0;
-        seq.prefill_left = 0;
-        seq.num_computed = 0;
-        seq.status = SeqStatus::Waiting;
-        seq.waiting_since = now;
+        seq.reset_for_recompute(now);
         self.waiting.push(id);
         self.stats.num_recompute_preemptions += 1;
         Ok(())

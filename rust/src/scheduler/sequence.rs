@@ -64,6 +64,18 @@ impl Sequence {
         (self.priority.saturating_sub(boost), self.arrival, self.id)
     }
 
+    /// Back to waiting with no pages, to be prefilled again from its first token (a
+    /// recompute preemption, or a fork whose region the pool cannot give yet). Parked if
+    /// it had nothing to compute (see `parked`).
+    pub fn reset_for_recompute(&mut self, now: u64) {
+        self.parked = self.waits_for_token();
+        self.kv_tokens = 0;
+        self.prefill_left = 0;
+        self.num_computed = 0;
+        self.status = SeqStatus::Waiting;
+        self.waiting_since = now;
+    }
+
     pub fn has_pages(&self) -> bool {
         self.kv_tokens > 0
     }
