@@ -86,9 +86,12 @@ def test_greedy_matches_transformers_with_every_tier_combination(tiny_llama_dir,
     eng.shutdown()
 
 
-def test_host_tier_is_on_by_default_and_zero_disables(tiny_llama_dir):
-    on = engine(tiny_llama_dir, kv_host_cache_gb=None)
-    assert on.stats()["num_host_cache_blocks"] == 24, "on a CPU device the default is capped at the device pool"
+def test_host_tier_is_off_by_default_on_the_cpu_explicit_sizes_are_honoured_and_zero_disables(tiny_llama_dir):
+    """On a CPU device the pool is host RAM already: no host tier unless asked for (sizing.py)."""
+    auto = engine(tiny_llama_dir, kv_host_cache_gb=None)
+    assert auto.stats()["num_host_cache_blocks"] == 0 and not auto.scheduler_config.host_cache_evicted
+    on = engine(tiny_llama_dir, kv_host_cache_gb=gib(30))
+    assert on.stats()["num_host_cache_blocks"] == 30, "an explicit size is honoured, beyond the 24-page pool too"
     assert on.scheduler_config.host_cache_evicted
     off = engine(tiny_llama_dir, kv_host_cache_gb=0)
     assert off.stats()["num_host_cache_blocks"] == 0 and not off.scheduler_config.host_cache_evicted

@@ -123,7 +123,8 @@ def test_window_release_under_preemption_on_a_small_pool(window_dir: Path, mode:
     take every page, and each decoding sequence then holds about its window (~9 pages), so
     the pool stays short and sequences are swapped out or recomputed, and still match."""
     engine = _engine(window_dir, num_gpu_blocks=48, preemption_mode=mode, max_num_batched_tokens=256,
-                     admission_policy="prompt_only")  # optimistic admission: the pool must preempt
+                     admission_policy="prompt_only",  # optimistic admission: the pool must preempt
+                     swap_space_gb=0.01)  # a host tier to swap to (a CPU device has none by default)
     vocab = engine.loaded.config.vocab_size
     prompts = _prompts(vocab, [40, 44, 36, 40, 48, 40], seed=3)
     params = SamplingParams(max_tokens=140, temperature=0.0, ignore_eos=True)

@@ -45,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
                    help="device KV pages (overrides --kv-cache-memory)")
     p.add_argument("--kv-cache-memory", type=int, default=d["kv_cache_memory"], help="bytes for the device KV pool")
     p.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"])
-    p.add_argument("--swap-space-gb", type=float, default=d["swap_space_gb"])
+    p.add_argument("--swap-space-gb", type=float, default=d["swap_space_gb"],
+                   help="host tier for swapped pages (default: 1 GiB on CUDA, 0 on the CPU, where host and device are one RAM)")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"])
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"])
@@ -82,6 +83,7 @@ def _add_parallel_and_tier_args(p: argparse.ArgumentParser | argparse._ArgumentG
     p.add_argument("--tensor-parallel-size", type=int, default=d["tensor_parallel_size"],
                    help="ranks of tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
     p.add_argument("--kv-host-cache-gb", type=float, default=d["kv_host_cache_gb"],
-                   help="host tier for evicted prefix pages (default: min(4 GiB, 10%% of available RAM); 0 = off)")
+                   help="host tier for evicted prefix pages (default: min(4 GiB, 10%% of available RAM) on CUDA, "
+                   "0 on the CPU; 0 = off)")
     p.add_argument("--kv-disk-path", default=d["kv_disk_path"], help="directory of the persistent disk page tier (default: off)")
     p.add_argument("--kv-disk-gb", type=float, default=d["kv_disk_gb"], help="size of the disk page tier (default: %(default)s)")

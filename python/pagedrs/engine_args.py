@@ -26,7 +26,9 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes for the device KV pool
     gpu_memory_utilization: float = 0.9  # CUDA, when neither num_gpu_blocks nor kv_cache_memory is set
-    swap_space_gb: float = 1.0  # host tier for swapped pages
+    # Host tier for swapped pages (GiB). None = auto: 1 GiB on CUDA, 0 on a CPU device, where
+    # "host" is the pool's own RAM (kv_tiers/sizing.py); an explicit value is honoured anywhere.
+    swap_space_gb: Optional[float] = None
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -47,7 +49,7 @@ class EngineArgs:
     prefill_first: bool = False
     host_cache_evicted: bool = False  # legacy switch: host-cache evicted pages in the swap pool's free blocks
     # Host tier for evicted prefix pages, added to the swap pool (GiB; 0 = off).
-    # None = min(4 GiB, 10% of MemAvailable), and on a CPU device at most the device pool's size.
+    # None = auto: min(4 GiB, 10% of MemAvailable) on CUDA, 0 on a CPU device (as swap_space_gb).
     kv_host_cache_gb: Optional[float] = None
     # Persistent disk tier: a directory for the page store (None = off), and its size
     # (the file is preallocated). Pages survive a restart of an engine with the same model.
@@ -91,7 +93,7 @@ class EngineArgs:
             at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):
             at_least(name, 1, optional=True)
-        at_least("swap_space_gb", 0)
+        at_least("swap_space_gb", 0, optional=True)
         at_least("kv_host_cache_gb", 0, optional=True)
         if isinstance(self.kv_disk_gb, bool) or not isinstance(self.kv_disk_gb, (int, float)) or not 0 < self.kv_disk_gb < math.inf:
             raise ValueError(f"kv_disk_gb is {self.kv_disk_gb!r}; it must be a finite number > 0")

@@ -27,7 +27,8 @@ from pagedrs.engine_args import EngineArgs
 from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, host_cache_blocks, model_fingerprint
 from pagedrs.kv_tiers.disk_store import SeedPages, StoreBusyError
 from pagedrs.kv_tiers.disk_tier import DiskTier, PageMeta
-from pagedrs.memory import KvPlan, plan_kv_memory
+from pagedrs.kv_tiers.sizing import resolved_swap_space_gb
+from pagedrs.memory import KvPlan, log_kv_sizes, plan_kv_memory
 from pagedrs.model_runner import ModelRunner
 from pagedrs.models import LoadedModel, load_model
 from pagedrs.step_input import StepInput, Transfer
@@ -110,7 +111,7 @@ class LocalExecutor:
             num_gpu_blocks=args.num_gpu_blocks,
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
-            swap_space_gb=args.swap_space_gb,
+            swap_space_gb=resolved_swap_space_gb(args.swap_space_gb, device_type=self.device.type),
         )
 
     def open_disk_store(self) -> tuple[int, SeedPages] | None:
@@ -203,12 +204,20 @@ class LocalExecutor:
 
 
 def plan_tiers(executor: Executor, args: EngineArgs, plan: KvPlan) -> TierPlan:
+    """Sizes the host cache and opens the disk store (see ``_plan_tiers``); logs every tier's size once."""
+    tiers = _plan_tiers(executor, args, plan)
+    paged = args.kv_layout == "paged"  # the contiguous baseline gets no host tier
+    log_kv_sizes(torch.device(args.device), args.block_size, plan, swap_blocks=plan.num_cpu_blocks if paged else 0,
+                 host_cache_blocks=tiers.host_cache_blocks, disk_blocks=tiers.disk_blocks)
+    return tiers
+
+
+def _plan_tiers(executor: Executor, args: EngineArgs, plan: KvPlan) -> TierPlan:
     """Sizes the host cache (any executor: each rank keeps its own host pool) and opens the
     disk store (one process only: a tensor-parallel store would need a file per rank)."""
     if args.kv_layout != "paged":
         return TierPlan(0, 0, None)  # the contiguous baseline caches nothing
-    host = host_cache_blocks(args.kv_host_cache_gb, plan.bytes_per_block, device_type=torch.device(args.device).type,
-                             num_gpu_blocks=plan.num_gpu_blocks)
+    host = host_cache_blocks(args.kv_host_cache_gb, plan.bytes_per_block, device_type=torch.device(args.device).type)
     if args.kv_disk_path is None:
         return TierPlan(host, 0, None)
     if not isinstance(executor, LocalExecutor):

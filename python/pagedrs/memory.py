@@ -62,11 +62,6 @@ def plan_kv_memory(
             )
     num_cpu_blocks = int(swap_space_gb * 2**30) // bytes_per_block
     host_bw, flops = _DEVICE_SPEEDS["cuda" if device.type == "cuda" else "cpu"]
-    logger.info(
-        "KV pool on %s: %d pages x %d tokens = %d tokens (%.2f GB, %d bytes/token); host swap tier %d pages",
-        device, num_gpu_blocks, block_size, num_gpu_blocks * block_size, num_gpu_blocks * bytes_per_block / 1e9,
-        bytes_per_token, num_cpu_blocks,
-    )
     return KvPlan(
         bytes_per_token=bytes_per_token,
         bytes_per_block=bytes_per_block,
@@ -74,6 +69,18 @@ def plan_kv_memory(
         num_cpu_blocks=num_cpu_blocks,
         swap_cost_per_block=bytes_per_block / host_bw,
         recompute_cost_per_token=2.0 * num_parameters / flops,
+    )
+
+
+def log_kv_sizes(device: torch.device, block_size: int, plan: KvPlan, *, swap_blocks: int, host_cache_blocks: int,
+                 disk_blocks: int) -> None:
+    """The one startup line that says how many KV pages each tier holds (rank 0's share under TP)."""
+    logger.info(
+        "KV pages on %s: pool %d x %d tokens (%.2f GB, %d bytes/token); host: swap %d + cache %d (%.2f GB); "
+        "disk %d slots",
+        device, plan.num_gpu_blocks, block_size, plan.num_gpu_blocks * plan.bytes_per_block / 1e9,
+        plan.bytes_per_token, swap_blocks, host_cache_blocks,
+        (swap_blocks + host_cache_blocks) * plan.bytes_per_block / 1e9, disk_blocks,
     )
 
 

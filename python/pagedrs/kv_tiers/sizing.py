@@ -1,10 +1,16 @@
-"""How big the host tier for evicted prefix pages is by default.
+"""How big the host tiers (swap space, and the cache of evicted prefix pages) are by default.
 
-``EngineArgs.kv_host_cache_gb=None`` means min(4 GiB, 10% of MemAvailable): large enough
-that a multi-turn workload finds its evicted conversations again, small enough never to
-push a shared machine into swap. On a CPU device the "device" pool is host RAM too, so
-there the default is further capped at the device pool's own size (the host tier is an
-extension of the same memory, not a different, cheaper memory).
+``None`` ("auto") for ``EngineArgs.swap_space_gb`` and ``kv_host_cache_gb`` depends on the device:
+
+- CUDA: 1 GiB of swap space, and a host cache of min(4 GiB, 10% of MemAvailable): large
+  enough that a multi-turn workload finds its evicted conversations again, small enough
+  never to push a shared machine into swap.
+- CPU: neither. The "device" pool is host RAM too, so a host tier there is a second copy of
+  the same memory: it doubled the KV footprint (the pool, plus a host tier as large, plus
+  1 GiB of swap) and added page copies for capacity the pool itself gives. The KV budget
+  is the pool's alone (``kv_cache_memory``, else a tenth of the memory available).
+
+An explicit value is honoured on every device (the tests of the host tier pass one).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Optional
 
 DEFAULT_CAP_GB = 4.0
 DEFAULT_FRACTION = 0.10
+DEFAULT_SWAP_SPACE_GB = 1.0  # CUDA
 
 
 def mem_available_bytes() -> Optional[int]:
@@ -28,16 +35,27 @@ def mem_available_bytes() -> Optional[int]:
 
 
 def default_host_cache_gb() -> float:
+    """The CUDA default of the host cache: min(4 GiB, 10% of MemAvailable), 1 GiB if unknown."""
     available = mem_available_bytes()
     if available is None:
         return 1.0
     return min(DEFAULT_CAP_GB, DEFAULT_FRACTION * available / 2**30)
 
 
-def host_cache_blocks(kv_host_cache_gb: Optional[float], bytes_per_block: int, *, device_type: str,
-                      num_gpu_blocks: int) -> int:
+def resolved_swap_space_gb(value: Optional[float], *, device_type: str) -> float:
+    """``EngineArgs.swap_space_gb`` resolved: None = 0 on the CPU, 1 GiB elsewhere."""
+    if value is not None:
+        return float(value)
+    return 0.0 if device_type == "cpu" else DEFAULT_SWAP_SPACE_GB
+
+
+def resolved_host_cache_gb(value: Optional[float], *, device_type: str) -> float:
+    """``EngineArgs.kv_host_cache_gb`` resolved: None = 0 on the CPU, ``default_host_cache_gb()`` elsewhere."""
+    if value is not None:
+        return float(value)
+    return 0.0 if device_type == "cpu" else default_host_cache_gb()
+
+
+def host_cache_blocks(kv_host_cache_gb: Optional[float], bytes_per_block: int, *, device_type: str) -> int:
     """Host blocks for evicted prefix pages: 0 disables the tier."""
-    if kv_host_cache_gb is None:
-        blocks = int(default_host_cache_gb() * 2**30) // bytes_per_block
-        return min(blocks, num_gpu_blocks) if device_type == "cpu" else blocks
-    return int(kv_host_cache_gb * 2**30) // bytes_per_block
+    return int(resolved_host_cache_gb(kv_host_cache_gb, device_type=device_type) * 2**30) // bytes_per_block

@@ -1,0 +1,88 @@
+"""On a CPU device "device" and "host" are one RAM: by default the KV budget is the pool's
+alone (no host tier, no swap space), explicit host-tier sizes are honoured, and the sizes
+are logged once at startup."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+
+from pagedrs import Engine, EngineArgs
+from pagedrs.kv_tiers import sizing
+
+BLOCK = 4
+BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * BLOCK  # tiny llama: layers x K,V x kv heads x head_dim x fp32
+MIB = 2**20
+
+
+def gib(blocks: int) -> float:
+    return blocks * BYTES_PER_BLOCK / 2**30
+
+
+def tiny(model_dir, **kw) -> Engine:
+    return Engine(EngineArgs(model=str(model_dir), block_size=BLOCK, max_model_len=64, **{"num_gpu_blocks": 24, **kw}))
+
+
+def test_auto_sizes_are_zero_on_the_cpu_and_todays_values_on_cuda(monkeypatch):
+    monkeypatch.setattr(sizing, "mem_available_bytes", lambda: 20 * 2**30)
+    assert sizing.resolved_swap_space_gb(None, device_type="cpu") == 0.0
+    assert sizing.resolved_host_cache_gb(None, device_type="cpu") == 0.0
+    assert sizing.resolved_swap_space_gb(None, device_type="cuda") == 1.0
+    assert sizing.resolved_host_cache_gb(None, device_type="cuda") == pytest.approx(2.0)  # 10% of 20 GiB
+    monkeypatch.setattr(sizing, "mem_available_bytes", lambda: 200 * 2**30)
+    assert sizing.resolved_host_cache_gb(None, device_type="cuda") == 4.0  # capped
+    for device_type in ("cpu", "cuda"):  # an explicit value is honoured everywhere, 0 included
+        assert sizing.resolved_swap_space_gb(0.25, device_type=device_type) == 0.25
+        assert sizing.resolved_host_cache_gb(0.5, device_type=device_type) == 0.5
+        assert sizing.resolved_swap_space_gb(0, device_type=device_type) == 0.0
+    assert sizing.host_cache_blocks(None, BYTES_PER_BLOCK, device_type="cpu") == 0
+    assert sizing.host_cache_blocks(gib(7), BYTES_PER_BLOCK, device_type="cpu") == 7
+    assert EngineArgs().swap_space_gb is None and EngineArgs().kv_host_cache_gb is None
+    assert EngineArgs(swap_space_gb=1.0).swap_space_gb == 1.0  # the DESIGN.md contract still takes a size
+
+
+def test_a_cpu_engine_holds_no_host_pool_by_default_and_logs_its_sizes(tiny_llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedrs.engine"):
+        engine = tiny(tiny_llama_dir)
+    s = engine.stats()
+    assert engine.scheduler_config.num_cpu_blocks == 0 and s["num_host_cache_blocks"] == 0
+    assert not engine.scheduler_config.host_cache_evicted
+    assert s["memory_host_pool_bytes"] == 0
+    assert s["memory_kv_pool_bytes"] == 24 * BYTES_PER_BLOCK  # the pool itself is what was asked for
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pages on cpu")]
+    assert lines == [
+        f"KV pages on cpu: pool 24 x {BLOCK} tokens (0.00 GB, {BYTES_PER_BLOCK // BLOCK} bytes/token); "
+        "host: swap 0 + cache 0 (0.00 GB); disk 0 slots"
+    ]
+
+
+def test_explicit_host_tiers_are_honoured_on_the_cpu(tiny_llama_dir, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedrs.engine"):
+        engine = tiny(tiny_llama_dir, swap_space_gb=gib(10), kv_host_cache_gb=gib(6), kv_disk_path=str(tmp_path),
+                      kv_disk_gb=gib(40))
+    s = engine.stats()
+    assert engine.scheduler_config.num_cpu_blocks == 16 and s["num_host_cache_blocks"] == 6
+    assert s["memory_host_pool_bytes"] == 16 * BYTES_PER_BLOCK
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV pages on cpu")]
+    assert "host: swap 10 + cache 6" in line and "disk " in line and not line.endswith("disk 0 slots")
+    engine.shutdown()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        import os
+
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_the_default_cpu_engine_holds_about_its_pool_not_twice_it(tiny_llama_dir):
+    """A 256 MiB pool used to come with a host cache as large and 1 GiB of swap space (1.5 GiB more)."""
+    tiny(tiny_llama_dir, num_gpu_blocks=None, kv_cache_memory=8 * MIB)  # the first engine's one-off imports
+    gc.collect()
+    before = _rss()
+    engine = tiny(tiny_llama_dir, num_gpu_blocks=None, kv_cache_memory=256 * MIB)
+    grown = _rss() - before
+    assert engine.stats()["memory_kv_pool_bytes"] == 256 * MIB
+    assert 256 * MIB <= grown < 256 * MIB + 384 * MIB, grown / MIB
