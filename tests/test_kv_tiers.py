@@ -234,14 +234,16 @@ def test_a_truncated_store_keeps_the_pages_before_the_cut(tiny_llama_dir, tmp_pa
     eng.shutdown()
 
 
-def test_a_second_engine_on_an_open_store_runs_without_the_disk_tier(tiny_llama_dir, tmp_path, caplog):
+def test_a_second_engine_on_an_open_store_does_not_start(tiny_llama_dir, tmp_path):
+    """The operator asked for the tier: a store another engine holds is a startup error, not a warning."""
+    from pagedrs.kv_tiers.errors import StoreBusyError
+
     first = restart(tiny_llama_dir, tmp_path)
-    with caplog.at_level(logging.WARNING, logger="pagedrs.executor"):
-        second = restart(tiny_llama_dir, tmp_path)
-    assert second.stats()["num_disk_blocks"] == 0
-    assert any("open in another engine" in r.getMessage() for r in caplog.records)
+    with pytest.raises(StoreBusyError, match="open in another engine") as err:
+        restart(tiny_llama_dir, tmp_path)
+    assert isinstance(err.value, ValueError) and f"kv_disk_path={str(tmp_path)!r}" in str(err.value)
+    assert first.stats()["num_disk_blocks"] > 0, "the engine holding the store keeps its tier"
     first.shutdown()
-    second.shutdown()
 
 
 def test_multiturn_bench_quick_smoke(tiny_llama_dir, tmp_path):

@@ -156,7 +156,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from pagedrs.kv_tiers.errors import DiskTierError
+
+    try:
+        return args.func(args)
+    except DiskTierError as exc:  # a disk tier asked for and not given: a startup error, like a bad flag
+        print(f"pagedrs {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

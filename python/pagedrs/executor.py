@@ -25,8 +25,9 @@ import torch
 from pagedrs.attention import AttentionBackend
 from pagedrs.engine_args import EngineArgs
 from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, host_cache_blocks, model_fingerprint
-from pagedrs.kv_tiers.disk_store import SeedPages, StoreBusyError
+from pagedrs.kv_tiers.disk_store import SeedPages
 from pagedrs.kv_tiers.disk_tier import DiskTier, PageMeta
+from pagedrs.kv_tiers.errors import DiskTierError
 from pagedrs.kv_tiers.sizing import resolved_swap_space_gb
 from pagedrs.memory import KvPlan, log_kv_sizes, plan_kv_memory
 from pagedrs.model_runner import ModelRunner
@@ -114,9 +115,10 @@ class LocalExecutor:
             swap_space_gb=resolved_swap_space_gb(args.swap_space_gb, device_type=self.device.type),
         )
 
-    def open_disk_store(self) -> tuple[int, SeedPages] | None:
+    def open_disk_store(self) -> tuple[int, SeedPages]:
         """Opens (or creates) the disk page store of EngineArgs.kv_disk_path: (slots, the
-        pages it holds), or None with a warning when another engine holds it open."""
+        pages it holds). DiskTierError names the path and the reason when it cannot be used
+        (another engine holds it, not a writable directory, too small, no space for it)."""
         args = self.args
         assert args.kv_disk_path is not None
         c = self.loaded.config
@@ -132,15 +134,17 @@ class LocalExecutor:
         slot_bytes = DiskPageStore(args.kv_disk_path, num_slots=1, geometry=geometry).slot_bytes
         num_slots = int(args.kv_disk_gb * 2**30) // slot_bytes
         if num_slots < 1:
-            raise ValueError(f"kv_disk_gb is {args.kv_disk_gb}; one page slot needs {slot_bytes} bytes")
+            raise DiskTierError(args.kv_disk_path, f"kv_disk_gb={args.kv_disk_gb} holds no page slot; one slot "
+                                                   f"needs {slot_bytes} bytes, so kv_disk_gb must be at least "
+                                                   f"{slot_bytes / 2**30:.3g}")
         store = DiskPageStore(args.kv_disk_path, num_slots=num_slots, geometry=geometry)
-        try:
-            seed = store.open()
-        except (StoreBusyError, OSError) as exc:
-            logger.warning("the KV disk tier is off: %s", exc)
-            return None
+        seed = store.open()
         self._disk_store = store
         return num_slots, seed
+
+    def take_failed_disk_slots(self) -> list[int]:
+        """Disk slots whose write failed since the last call (the core drops them); [] without a store."""
+        return self._disk_store.take_failed_slots() if self._disk_store is not None else []
 
     def set_page_meta(self, page_meta: PageMeta) -> None:
         """Where disk writes get each slot's (hash, parent, tokens): the core, which assigned it."""
@@ -220,15 +224,32 @@ def _plan_tiers(executor: Executor, args: EngineArgs, plan: KvPlan) -> TierPlan:
     host = host_cache_blocks(args.kv_host_cache_gb, plan.bytes_per_block, device_type=torch.device(args.device).type)
     if args.kv_disk_path is None:
         return TierPlan(host, 0, None)
-    if not isinstance(executor, LocalExecutor):
-        logger.warning("the KV disk tier is off: it needs tensor_parallel_size=1, got %d", args.tensor_parallel_size)
-        return TierPlan(host, 0, None)
-    opened = executor.open_disk_store()
-    return TierPlan(host, 0, None) if opened is None else TierPlan(host, *opened)
+    refusal = disk_tier_refusal(args)
+    if refusal is None and not isinstance(executor, LocalExecutor):
+        refusal = f"the disk tier needs a local executor, got {type(executor).__name__}"
+    if refusal is not None:
+        raise DiskTierError(args.kv_disk_path, refusal)
+    return TierPlan(host, *executor.open_disk_store())
+
+
+def disk_tier_refusal(args: EngineArgs) -> Optional[str]:
+    """Why settings alone rule out the disk tier that ``kv_disk_path`` asks for, or None.
+    Asked before any process starts: a tier asked for and not given is a startup error."""
+    if args.kv_disk_path is None:
+        return None
+    if args.tensor_parallel_size > 1:
+        return (f"tensor_parallel_size is {args.tensor_parallel_size}; the disk tier needs tensor_parallel_size=1 "
+                "(a tensor-parallel store would need a file per rank)")
+    if args.kv_layout != "paged":
+        return f"kv_layout is {args.kv_layout!r}; the disk tier needs kv_layout='paged' (the contiguous baseline caches nothing)"
+    return None
 
 
 def make_executor(args: EngineArgs, **kwargs: Any) -> Executor:
     """One process, or ``args.tensor_parallel_size`` of them."""
+    refusal = disk_tier_refusal(args)
+    if refusal is not None:
+        raise DiskTierError(args.kv_disk_path, refusal)
     if args.tensor_parallel_size > 1:
         from pagedrs.distributed.tp_executor import TPExecutor
 

@@ -18,10 +18,24 @@ its old slots can validate again; one warning says why.
 
 Writes go through one background thread, in order. A page still waiting for it is read
 back from memory, so a transfer to disk is complete for the core once it is queued.
+
+The page is lost, never wrong. The store remembers, per slot, the generation of the last
+record queued for it; a read takes the slot's bytes only when they are that record, whole
+(crc) and current (generation), and raises CorruptPageError naming every slot that is not.
+So a write that fails (ENOSPC, EIO, a short write) cannot leave an older page of the slot
+answering for the newer one: it is recorded before the page's in-memory copy is dropped,
+the slot is reported by take_failed_slots (the engine drops it from the core's index), and
+its magic is zeroed so that it does not validate at the next open either. A torn record
+never validates: its crc covers the meta (hash, parent, tokens) and the page together.
+
+Space is reserved at open (posix_fallocate): a file system too small for the store is a
+startup error, never a disk that fills while serving. Where the file system cannot
+reserve space the file stays sparse (one warning), and a full disk later is a failed write.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -37,6 +51,10 @@ from typing import Optional
 
 import numpy as np
 
+from pagedrs.kv_tiers.errors import CorruptPageError, DiskTierError, StoreBusyError, os_reason
+
+__all__ = ["CorruptPageError", "DiskPageStore", "DiskTierError", "SeedPages", "StoreBusyError", "StoreGeometry"]
+
 logger = logging.getLogger("pagedrs.kv_tiers")
 
 FORMAT_VERSION = 1
@@ -46,14 +64,8 @@ _FILE_MAGIC = b"PAGEDRS-KVSTORE\n"
 _SLOT_MAGIC = b"PGSL"
 _META = struct.Struct("<4sQQQII")  # magic, generation, hash, parent, crc, num_tokens
 _ALIGN = 4096
-
-
-class StoreBusyError(RuntimeError):
-    """Another engine holds the store open (an exclusive lock on its file)."""
-
-
-class CorruptPageError(RuntimeError):
-    """A page read back from disk failed its checksum."""
+_NO_PAGE, _WRITE_FAILED = -1, -2  # DiskPageStore._current when a slot holds no record to read
+_NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
 @dataclass(frozen=True)
@@ -105,12 +117,18 @@ class DiskPageStore:
         self._fd: Optional[int] = None
         self._epoch = 0
         self._generation = 0
+        # Under _lock: written by write() and the writer thread, read by read().
         self._pending: dict[int, bytes] = {}  # slot -> whole slot record waiting for the writer
+        # slot -> generation of the record a read must find there (_NO_PAGE, _WRITE_FAILED: none)
+        self._current = np.full(num_slots, _NO_PAGE, dtype=np.int64)
+        self._failed: set[int] = set()  # slots whose last write failed, until take_failed_slots
         self._lock = threading.Lock()
-        self._queue: queue.Queue[Optional[tuple[int, bytes]]] = queue.Queue()
+        self._queue: queue.Queue[Optional[tuple[int, int, bytes]]] = queue.Queue()  # slot, generation, record
         self._writer: Optional[threading.Thread] = None
+        self._burst = 0  # failed writes since the last one that succeeded (the writer thread's)
         self.bytes_written = 0
         self.bytes_read = 0
+        self.failed_writes = 0
 
     @property
     def _f(self) -> int:
@@ -125,16 +143,38 @@ class DiskPageStore:
         return dict(format=FORMAT_VERSION, num_slots=self.num_slots, slot_bytes=self.slot_bytes, **asdict(self.geometry))
 
     def open(self) -> SeedPages:
-        """Locks and opens (or creates) the store; returns the valid pages it holds."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Locks and opens (or creates) the store; returns the valid pages it holds.
+
+        Raises DiskTierError (StoreBusyError when another engine holds it) naming the path
+        and the reason when the store cannot be used: nothing stays open then."""
+        directory = self.path.parent
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise DiskTierError(directory, os_reason(exc)) from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as exc:
             os.close(fd)
-            raise StoreBusyError(f"the KV disk store {self.path} is open in another engine") from None
+            if isinstance(exc, BlockingIOError):
+                raise StoreBusyError(directory, f"the KV disk store {self.path} is open in another engine") from None
+            raise DiskTierError(directory, f"the store {self.path} cannot be locked: {os_reason(exc)}") from exc
         self._fd = fd
-        size = os.fstat(fd).st_size
+        try:
+            seed = self._open_locked()
+        except BaseException as exc:
+            os.close(fd)
+            self._fd = None
+            if isinstance(exc, OSError):
+                raise DiskTierError(directory, os_reason(exc)) from exc
+            raise
+        self._writer = threading.Thread(target=self._write_loop, name="pagedrs-kv-disk-writer", daemon=True)
+        self._writer.start()
+        return seed
+
+    def _open_locked(self) -> SeedPages:
+        size = os.fstat(self._f).st_size
         header, problem = self._read_header(size)
         expected = self._header_fields()
         mismatch = None if header is None else [k for k in expected if header.get(k) != expected[k]]
@@ -151,8 +191,6 @@ class DiskPageStore:
             self._create()
             seed = self._empty_seed(invalidated)
         self._preallocate()
-        self._writer = threading.Thread(target=self._write_loop, name="pagedrs-kv-disk-writer", daemon=True)
-        self._writer.start()
         return seed
 
     def _read_header(self, size: int) -> tuple[Optional[dict], str]:
@@ -182,12 +220,40 @@ class DiskPageStore:
         os.fsync(self._f)
 
     def _preallocate(self) -> None:
+        """Reserves the whole file: a disk too small for the store fails here, at startup."""
         total = HEADER_BYTES + self.num_slots * self.slot_bytes
-        if os.fstat(self._f).st_size < total:
-            try:
-                os.posix_fallocate(self._f, 0, total)
-            except OSError:  # a file system without fallocate: a sparse file is as good
-                os.ftruncate(self._f, total)
+        st = os.fstat(self._f)
+        reserved = st.st_blocks * 512
+        if st.st_size >= total and reserved >= total:
+            return
+        try:
+            os.posix_fallocate(self._f, 0, total)
+            return
+        except OSError as exc:
+            if exc.errno not in _NO_FALLOCATE:
+                if st.st_size < total:
+                    os.ftruncate(self._f, st.st_size)  # give back what a partial reservation took
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise self._too_small(total - reserved, exc) from exc
+                raise
+        # A file system that cannot reserve space: the file stays sparse if the space is free
+        # now; a disk that fills later is a failed write (the page is lost, never wrong).
+        if self._free_bytes() < total - reserved:
+            raise self._too_small(total - reserved, None)
+        logger.warning("the file system of the KV disk store %s cannot reserve space (no fallocate); the store "
+                       "stays sparse, and a disk that fills later drops the pages it cannot write", self.path)
+        if st.st_size < total:
+            os.ftruncate(self._f, total)
+
+    def _free_bytes(self) -> int:
+        vfs = os.statvfs(self._f)
+        return vfs.f_bavail * vfs.f_frsize
+
+    def _too_small(self, needed: int, exc: Optional[OSError]) -> DiskTierError:
+        why = f" ({os_reason(exc)})" if exc is not None else ""
+        return DiskTierError(self.path.parent, f"the store {self.path} needs {needed} more bytes ({self.num_slots} "
+                                               f"page slots of {self.slot_bytes} bytes) and its file system has "
+                                               f"{self._free_bytes()} bytes free{why}; lower kv_disk_gb")
 
     def _empty_seed(self, invalidated: np.ndarray) -> SeedPages:
         bs = self.geometry.block_size
@@ -213,6 +279,7 @@ class DiskPageStore:
                     continue
                 generation, page_hash, parent, tokens = parsed
                 found.append((generation, first + i, page_hash, parent, tokens))
+                self._current[first + i] = generation
         expected = HEADER_BYTES + self.num_slots * self.slot_bytes
         if size < expected or bad:
             logger.warning("the KV disk store %s: %d damaged page(s) ignored%s", self.path, bad,
@@ -242,7 +309,7 @@ class DiskPageStore:
         return np.asarray(hashes, dtype=np.uint64)
 
     def flush(self) -> None:
-        """Waits until every queued page is written, then makes it durable."""
+        """Waits until every queued page is written (or has failed), then makes it durable."""
         if self._fd is None:
             return
         self._queue.join()
@@ -251,7 +318,10 @@ class DiskPageStore:
     def close(self) -> None:
         if self._fd is None:
             return
-        self.flush()
+        try:
+            self.flush()
+        except OSError as exc:  # closing never raises: what did not reach the disk is lost, never wrong
+            logger.warning("making the KV disk store %s durable failed at close: %s", self.path, exc)
         self._queue.put(None)
         if self._writer is not None:
             self._writer.join()
@@ -264,10 +334,8 @@ class DiskPageStore:
     def _checksum(self, head: bytes, tokens: bytes, page: bytes | memoryview) -> int:
         return zlib.crc32(page, zlib.crc32(tokens, zlib.crc32(head, self._epoch)))
 
-    def _record(self, page_hash: int, parent: int, tokens: np.ndarray, page: bytes) -> bytes:
+    def _record(self, generation: int, page_hash: int, parent: int, tokens: np.ndarray, page: bytes) -> bytes:
         tok = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
-        generation = self._generation
-        self._generation += 1
         head = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, 0, len(tokens))
         crc = self._checksum(head, tok, page)
         meta = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, crc, len(tokens)) + tok
@@ -275,9 +343,11 @@ class DiskPageStore:
 
     def _parse(self, record: bytes) -> Optional[tuple[int, int, int, np.ndarray]]:
         """(generation, hash, parent, tokens) of an intact slot record, else None."""
+        if len(record) < self.meta_bytes + self.page_bytes:
+            return None
         magic, generation, page_hash, parent, crc, n = _META.unpack_from(record)
         bs = self.geometry.block_size
-        if magic != _SLOT_MAGIC or n != bs or len(record) < self.meta_bytes + self.page_bytes:
+        if magic != _SLOT_MAGIC or n != bs:
             return None
         tok = record[_META.size : _META.size + 4 * bs]
         head = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, 0, n)
@@ -293,25 +363,42 @@ class DiskPageStore:
             raise ValueError(f"pages has shape {pages.shape}; expected ({len(slots)}, {self.page_bytes})")
         for i, slot in enumerate(slots.tolist()):
             self._check_slot(slot)
-            record = self._record(int(hashes[i]), int(parents[i]), tokens[i], pages[i].tobytes())
+            generation = self._generation
+            self._generation += 1
+            record = self._record(generation, int(hashes[i]), int(parents[i]), tokens[i], pages[i].tobytes())
             with self._lock:
                 self._pending[slot] = record
-            self._queue.put((slot, record))
+                self._current[slot] = generation
+                # The core gave the slot a new page, so the one whose write failed is not in its index anymore.
+                self._failed.discard(slot)
+            self._queue.put((slot, generation, record))
+
+    def take_failed_slots(self) -> list[int]:
+        """The slots whose last write failed since the last call (ascending): the core must
+        drop them from its disk index. A read of one raises CorruptPageError meanwhile."""
+        with self._lock:
+            failed, self._failed = sorted(self._failed), set()
+        return failed
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """Pages [N, page_bytes] (uint8) of the slots: queued ones from memory, the rest
-        with one read per run of consecutive slots. Raises CorruptPageError on a bad checksum."""
+        with one read per run of consecutive slots. Every slot is checked; CorruptPageError
+        names all those whose bytes are not the record last written to them."""
         out = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
         wanted = slots.tolist()
-        from_disk = []
+        from_disk: list[tuple[int, int, int]] = []  # slot, index in out, generation it must hold
+        bad: dict[int, str] = {}
         with self._lock:
             for i, slot in enumerate(wanted):
                 self._check_slot(slot)
                 record = self._pending.get(slot)
-                if record is None:
-                    from_disk.append((slot, i))
-                else:
+                current = int(self._current[slot])
+                if record is not None:
                     out[i] = np.frombuffer(record, dtype=np.uint8, count=self.page_bytes, offset=self.meta_bytes)
+                elif current < 0:
+                    bad[slot] = "its write failed" if current == _WRITE_FAILED else "it holds no page"
+                else:
+                    from_disk.append((slot, i, current))
         from_disk.sort()
         start = 0
         while start < len(from_disk):
@@ -319,20 +406,35 @@ class DiskPageStore:
             while end < len(from_disk) and from_disk[end][0] == from_disk[end - 1][0] + 1:
                 end += 1
             first = from_disk[start][0]
-            raw = os.pread(self._f, (from_disk[end - 1][0] - first + 1) * self.slot_bytes,
-                           HEADER_BYTES + first * self.slot_bytes)
+            try:
+                raw = os.pread(self._f, (from_disk[end - 1][0] - first + 1) * self.slot_bytes,
+                               HEADER_BYTES + first * self.slot_bytes)
+            except OSError as exc:
+                bad.update((slot, f"it cannot be read: {os_reason(exc)}") for slot, _, _ in from_disk[start:end])
+                start = end
+                continue
             self.bytes_read += len(raw)
-            for slot, i in from_disk[start:end]:
+            for slot, i, generation in from_disk[start:end]:
                 record = raw[(slot - first) * self.slot_bytes : (slot - first + 1) * self.slot_bytes]
-                if self._parse(record) is None:
-                    raise CorruptPageError(f"page in slot {slot} of {self.path} failed its checksum")
-                out[i] = np.frombuffer(record, dtype=np.uint8, count=self.page_bytes, offset=self.meta_bytes)
+                parsed = self._parse(record)
+                if parsed is None:
+                    bad[slot] = "failed its checksum"
+                elif parsed[0] != generation:
+                    bad[slot] = "holds an older page than the one last written to it"
+                else:
+                    out[i] = np.frombuffer(record, dtype=np.uint8, count=self.page_bytes, offset=self.meta_bytes)
             start = end
+        if bad:
+            raise CorruptPageError(f"{len(bad)} page(s) read from {self.path} cannot be used: "
+                                   + "; ".join(f"the page in slot {s} {why}" for s, why in sorted(bad.items())),
+                                   slots=sorted(bad))
         return out
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is out of range; the store has {self.num_slots} slots")
+
+    # ---- the writer thread ---------------------------------------------------------
 
     def _write_loop(self) -> None:
         while True:
@@ -340,14 +442,47 @@ class DiskPageStore:
             if item is None:
                 self._queue.task_done()
                 return
-            slot, record = item
+            slot, generation, record = item
             try:
-                os.pwrite(self._f, record, HEADER_BYTES + slot * self.slot_bytes)
+                self._pwrite_all(record, HEADER_BYTES + slot * self.slot_bytes)
+            except Exception as exc:  # noqa: BLE001 - a full or failing disk: the page is lost, never wrong
+                self._write_failed(slot, generation, record, exc)
+            else:
                 self.bytes_written += len(record)
-            except OSError:  # a full or failing disk: the page is lost, never wrong
-                logger.exception("writing page slot %d of %s failed", slot, self.path)
-            finally:
+                if self._burst:
+                    logger.info("the KV disk store %s writes again, after %d failed page write(s)", self.path,
+                                self._burst)
+                    self._burst = 0
                 with self._lock:
                     if self._pending.get(slot) is record:
                         del self._pending[slot]
+            finally:
                 self._queue.task_done()
+
+    def _pwrite_all(self, data: bytes, offset: int) -> None:
+        """The whole of data at offset; a short write is retried, one that writes nothing fails."""
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self._f, view, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, f"a write to {self.path} wrote {n} of {len(view)} bytes")
+            view, offset = view[n:], offset + n
+
+    def _write_failed(self, slot: int, generation: int, record: bytes, exc: Exception) -> None:
+        """Records the failure, and only then drops the page's copy in memory."""
+        self.failed_writes += 1
+        if self._burst == 0:
+            logger.warning("writing pages to the KV disk store %s fails (%s, slot %d first); each page that "
+                           "cannot be written is dropped from the disk tier (logged once until a write succeeds)",
+                           self.path, os_reason(exc) if isinstance(exc, OSError) else repr(exc), slot)
+        self._burst += 1
+        try:  # the slot must not validate at the next open: its old record would answer for nothing
+            os.pwrite(self._f, bytes(len(_SLOT_MAGIC)), HEADER_BYTES + slot * self.slot_bytes)
+        except OSError:
+            pass  # then its old record may validate at the next open, as the page it really holds
+        with self._lock:
+            if int(self._current[slot]) == generation:  # else a newer write to the slot is queued
+                self._current[slot] = _WRITE_FAILED
+                self._failed.add(slot)
+            if self._pending.get(slot) is record:
+                del self._pending[slot]
