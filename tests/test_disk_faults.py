@@ -118,6 +118,7 @@ def test_failed_writes_are_reported_once_and_their_slots_never_read_back(tmp_pat
         assert err.value.slots == [1, 2], "every slot of the read is checked before raising"
         assert "slot 1" in str(err.value) and "slot 2" in str(err.value) and str(store.path) in str(err.value)
         assert pickle.loads(pickle.dumps(err.value)).slots == [1, 2]
+        assert store.slot_meta(1) is None and store.slot_meta(3).page_hash == 1003
         write(store, [1], 2)  # slot 3's write ended the burst: a new failure warns again
         store.flush()
         assert len(warnings_of(caplog, "fails")) == 2 and store.take_failed_slots() == [1]
@@ -470,7 +471,7 @@ class Watch:
             try:
                 return execute(*args, **kw)
             finally:
-                store._queue.join()
+                store._writer.wait()
 
         eng.executor.execute = synced_execute
 
@@ -539,9 +540,8 @@ def check_never_wrong(eng: Engine, watch: Watch, prompts, reference, turns: int 
     watch.check_lost_slots_are_never_read_again()
     for slot, page_hash in core_disk_slots(eng).items():  # every page the core counts on is there, and is its page
         watch.store.read(slots(slot))
-        record = watch.store._pending.get(slot) or os.pread(watch.store._fd, watch.store.slot_bytes,
-                                                             HEADER_BYTES + slot * watch.store.slot_bytes)
-        assert watch.store._parse(record)[1] == page_hash, f"slot {slot} holds another page than the core's"
+        meta = watch.store.slot_meta(slot)
+        assert meta is not None and meta.page_hash == page_hash, f"slot {slot} holds another page than the core's"
     stats = eng.stats()
     dropped = {k: v for k, v in stats.items() if "disk" in k and any(w in k for w in ("invalid", "drop", "lost", "fail"))}
     assert sum(dropped.values()) > 0, f"engine.stats() shows no disk page dropped: {dropped}"
@@ -603,7 +603,7 @@ def test_pages_corrupted_on_disk_are_recomputed_and_never_hit_again(tiny_llama_d
         if turn != 1:
             return
         store.flush()
-        used = [s for s in range(store.num_slots) if store._current[s] >= 0][::2]
+        used = [s for s in range(store.num_slots) if store.slot_meta(s) is not None][::2]
         assert used, "the first turn wrote pages to disk"
         for s in used:
             flip(store.path, HEADER_BYTES + s * store.slot_bytes + store.meta_bytes + 5)

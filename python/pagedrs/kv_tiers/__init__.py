@@ -4,7 +4,9 @@ package moves and keeps the bytes.
 """
 
 from pagedrs.kv_tiers.disk_store import DiskPageStore, StoreGeometry
+from pagedrs.kv_tiers.errors import CorruptPageError, DiskTierError, StoreBusyError
 from pagedrs.kv_tiers.fingerprint import model_fingerprint
 from pagedrs.kv_tiers.sizing import default_host_cache_gb, host_cache_blocks
 
-__all__ = ["DiskPageStore", "StoreGeometry", "default_host_cache_gb", "host_cache_blocks", "model_fingerprint"]
+__all__ = ["CorruptPageError", "DiskPageStore", "DiskTierError", "StoreBusyError", "StoreGeometry",
+           "default_host_cache_gb", "host_cache_blocks", "model_fingerprint"]

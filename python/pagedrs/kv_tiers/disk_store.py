@@ -40,18 +40,18 @@ import fcntl
 import json
 import logging
 import os
-import queue
 import secrets
 import struct
-import threading
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from pagedrs.kv_tiers.errors import CorruptPageError, DiskTierError, StoreBusyError, os_reason
+from pagedrs.kv_tiers.slot_record import META, SLOT_MAGIC, SlotMeta, SlotRecord
+from pagedrs.kv_tiers.slot_writer import SlotWriter
 
 __all__ = ["CorruptPageError", "DiskPageStore", "DiskTierError", "SeedPages", "StoreBusyError", "StoreGeometry"]
 
@@ -61,10 +61,7 @@ FORMAT_VERSION = 1
 FILE_NAME = "pages.kvstore"
 HEADER_BYTES = 4096
 _FILE_MAGIC = b"PAGEDRS-KVSTORE\n"
-_SLOT_MAGIC = b"PGSL"
-_META = struct.Struct("<4sQQQII")  # magic, generation, hash, parent, crc, num_tokens
 _ALIGN = 4096
-_NO_PAGE, _WRITE_FAILED = -1, -2  # DiskPageStore._current when a slot holds no record to read
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
@@ -111,24 +108,15 @@ class DiskPageStore:
         self.num_slots = num_slots
         self.geometry = geometry
         bs = geometry.block_size
-        self.meta_bytes = _round_up(_META.size + 4 * bs, 64)
+        self._format = SlotRecord(block_size=bs, page_bytes=geometry.page_bytes, epoch=0)
+        self.meta_bytes = self._format.meta_bytes
         self.page_bytes = geometry.page_bytes
         self.slot_bytes = _round_up(self.meta_bytes + self.page_bytes, _ALIGN)
         self._fd: Optional[int] = None
-        self._epoch = 0
         self._generation = 0
-        # Under _lock: written by write() and the writer thread, read by read().
-        self._pending: dict[int, bytes] = {}  # slot -> whole slot record waiting for the writer
-        # slot -> generation of the record a read must find there (_NO_PAGE, _WRITE_FAILED: none)
-        self._current = np.full(num_slots, _NO_PAGE, dtype=np.int64)
-        self._failed: set[int] = set()  # slots whose last write failed, until take_failed_slots
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[Optional[tuple[int, int, bytes]]] = queue.Queue()  # slot, generation, record
-        self._writer: Optional[threading.Thread] = None
-        self._burst = 0  # failed writes since the last one that succeeded (the writer thread's)
-        self.bytes_written = 0
+        self._writer = SlotWriter(self.path, num_slots, self._write_record, self._zero_magic)
+        self._queue = self._writer.queue  # what waiting for the writer joins
         self.bytes_read = 0
-        self.failed_writes = 0
 
     @property
     def _f(self) -> int:
@@ -169,7 +157,6 @@ class DiskPageStore:
             if isinstance(exc, OSError):
                 raise DiskTierError(directory, os_reason(exc)) from exc
             raise
-        self._writer = threading.Thread(target=self._write_loop, name="pagedrs-kv-disk-writer", daemon=True)
         self._writer.start()
         return seed
 
@@ -179,7 +166,7 @@ class DiskPageStore:
         expected = self._header_fields()
         mismatch = None if header is None else [k for k in expected if header.get(k) != expected[k]]
         if header is not None and not mismatch:
-            self._epoch = int(header["epoch"])
+            self._format = replace(self._format, epoch=int(header["epoch"]))
             seed = self._scan(size)
         else:
             invalidated = np.zeros(0, dtype=np.uint64)
@@ -211,9 +198,9 @@ class DiskPageStore:
             return None, "its header is unreadable"
 
     def _create(self) -> None:
-        self._epoch = secrets.randbits(32)
+        self._format = replace(self._format, epoch=secrets.randbits(32))
         self._generation = 0
-        body = json.dumps({**self._header_fields(), "epoch": self._epoch}, sort_keys=True).encode()
+        body = json.dumps({**self._header_fields(), "epoch": self._format.epoch}, sort_keys=True).encode()
         header = _FILE_MAGIC + struct.pack("<I", len(body)) + body + struct.pack("<I", zlib.crc32(body))
         os.ftruncate(self._f, 0)
         os.pwrite(self._f, header.ljust(HEADER_BYTES, b"\0"), 0)
@@ -270,16 +257,16 @@ class DiskPageStore:
             raw = os.pread(self._f, count * self.slot_bytes, HEADER_BYTES + first * self.slot_bytes)
             for i in range(count):
                 record = raw[i * self.slot_bytes : (i + 1) * self.slot_bytes]
-                if len(record) < _META.size or record[:4] != _SLOT_MAGIC:
+                if len(record) < META.size or record[:4] != SLOT_MAGIC:
                     bad += len(record) >= 4 and record[:4] != b"\0\0\0\0"
                     continue
-                parsed = self._parse(record)
+                parsed = self._format.parse(record)
                 if parsed is None:
                     bad += 1
                     continue
                 generation, page_hash, parent, tokens = parsed
                 found.append((generation, first + i, page_hash, parent, tokens))
-                self._current[first + i] = generation
+                self._writer.current[first + i] = generation
         expected = HEADER_BYTES + self.num_slots * self.slot_bytes
         if size < expected or bad:
             logger.warning("the KV disk store %s: %d damaged page(s) ignored%s", self.path, bad,
@@ -303,16 +290,16 @@ class DiskPageStore:
             return np.zeros(0, dtype=np.uint64)
         hashes = []
         for slot in range(min(num_slots, max(0, size - HEADER_BYTES) // max(1, slot_bytes))):
-            meta = os.pread(self._f, _META.size, HEADER_BYTES + slot * slot_bytes)
-            if len(meta) == _META.size and meta[:4] == _SLOT_MAGIC:
-                hashes.append(_META.unpack(meta)[2])
+            meta = os.pread(self._f, META.size, HEADER_BYTES + slot * slot_bytes)
+            if len(meta) == META.size and meta[:4] == SLOT_MAGIC:
+                hashes.append(META.unpack(meta)[2])
         return np.asarray(hashes, dtype=np.uint64)
 
     def flush(self) -> None:
         """Waits until every queued page is written (or has failed), then makes it durable."""
         if self._fd is None:
             return
-        self._queue.join()
+        self._writer.wait()
         os.fsync(self._f)
 
     def close(self) -> None:
@@ -322,39 +309,12 @@ class DiskPageStore:
             self.flush()
         except OSError as exc:  # closing never raises: what did not reach the disk is lost, never wrong
             logger.warning("making the KV disk store %s durable failed at close: %s", self.path, exc)
-        self._queue.put(None)
-        if self._writer is not None:
-            self._writer.join()
+        self._writer.stop()
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
 
     # ---- pages ---------------------------------------------------------------------
-
-    def _checksum(self, head: bytes, tokens: bytes, page: bytes | memoryview) -> int:
-        return zlib.crc32(page, zlib.crc32(tokens, zlib.crc32(head, self._epoch)))
-
-    def _record(self, generation: int, page_hash: int, parent: int, tokens: np.ndarray, page: bytes) -> bytes:
-        tok = np.ascontiguousarray(tokens, dtype="<u4").tobytes()
-        head = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, 0, len(tokens))
-        crc = self._checksum(head, tok, page)
-        meta = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, crc, len(tokens)) + tok
-        return meta.ljust(self.meta_bytes, b"\0") + page
-
-    def _parse(self, record: bytes) -> Optional[tuple[int, int, int, np.ndarray]]:
-        """(generation, hash, parent, tokens) of an intact slot record, else None."""
-        if len(record) < self.meta_bytes + self.page_bytes:
-            return None
-        magic, generation, page_hash, parent, crc, n = _META.unpack_from(record)
-        bs = self.geometry.block_size
-        if magic != _SLOT_MAGIC or n != bs:
-            return None
-        tok = record[_META.size : _META.size + 4 * bs]
-        head = _META.pack(_SLOT_MAGIC, generation, page_hash, parent, 0, n)
-        page = memoryview(record)[self.meta_bytes : self.meta_bytes + self.page_bytes]
-        if self._checksum(head, tok, page) != crc:
-            return None
-        return generation, page_hash, parent, np.frombuffer(tok, dtype="<u4").astype(np.uint32)
 
     def write(self, slots: np.ndarray, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray,
               pages: np.ndarray) -> None:
@@ -365,20 +325,22 @@ class DiskPageStore:
             self._check_slot(slot)
             generation = self._generation
             self._generation += 1
-            record = self._record(generation, int(hashes[i]), int(parents[i]), tokens[i], pages[i].tobytes())
-            with self._lock:
-                self._pending[slot] = record
-                self._current[slot] = generation
-                # The core gave the slot a new page, so the one whose write failed is not in its index anymore.
-                self._failed.discard(slot)
-            self._queue.put((slot, generation, record))
+            record = self._format.pack(generation, int(hashes[i]), int(parents[i]), tokens[i], pages[i].tobytes())
+            self._writer.put(slot, generation, record)
 
     def take_failed_slots(self) -> list[int]:
         """The slots whose last write failed since the last call (ascending): the core must
         drop them from its disk index. A read of one raises CorruptPageError meanwhile."""
-        with self._lock:
-            failed, self._failed = sorted(self._failed), set()
-        return failed
+        return self._writer.take_failed()
+
+    @property
+    def bytes_written(self) -> int:
+        return self._writer.bytes_written
+
+    @property
+    def failed_writes(self) -> int:
+        """Page writes that failed since open (each one a page dropped from the disk tier)."""
+        return self._writer.failed_writes
 
     def read(self, slots: np.ndarray) -> np.ndarray:
         """Pages [N, page_bytes] (uint8) of the slots: queued ones from memory, the rest
@@ -386,19 +348,15 @@ class DiskPageStore:
         names all those whose bytes are not the record last written to them."""
         out = np.empty((len(slots), self.page_bytes), dtype=np.uint8)
         wanted = slots.tolist()
+        for slot in wanted:
+            self._check_slot(slot)
+        in_memory, on_disk, bad = self._writer.resolve(wanted)
         from_disk: list[tuple[int, int, int]] = []  # slot, index in out, generation it must hold
-        bad: dict[int, str] = {}
-        with self._lock:
-            for i, slot in enumerate(wanted):
-                self._check_slot(slot)
-                record = self._pending.get(slot)
-                current = int(self._current[slot])
-                if record is not None:
-                    out[i] = np.frombuffer(record, dtype=np.uint8, count=self.page_bytes, offset=self.meta_bytes)
-                elif current < 0:
-                    bad[slot] = "its write failed" if current == _WRITE_FAILED else "it holds no page"
-                else:
-                    from_disk.append((slot, i, current))
+        for i, slot in enumerate(wanted):
+            if slot in in_memory:
+                out[i] = self._format.page(in_memory[slot])
+            elif slot in on_disk:
+                from_disk.append((slot, i, on_disk[slot]))
         from_disk.sort()
         start = 0
         while start < len(from_disk):
@@ -416,13 +374,13 @@ class DiskPageStore:
             self.bytes_read += len(raw)
             for slot, i, generation in from_disk[start:end]:
                 record = raw[(slot - first) * self.slot_bytes : (slot - first + 1) * self.slot_bytes]
-                parsed = self._parse(record)
+                parsed = self._format.parse(record)
                 if parsed is None:
                     bad[slot] = "failed its checksum"
-                elif parsed[0] != generation:
+                elif parsed.generation != generation:
                     bad[slot] = "holds an older page than the one last written to it"
                 else:
-                    out[i] = np.frombuffer(record, dtype=np.uint8, count=self.page_bytes, offset=self.meta_bytes)
+                    out[i] = self._format.page(record)
             start = end
         if bad:
             raise CorruptPageError(f"{len(bad)} page(s) read from {self.path} cannot be used: "
@@ -430,59 +388,32 @@ class DiskPageStore:
                                    slots=sorted(bad))
         return out
 
+    def slot_meta(self, slot: int) -> Optional[SlotMeta]:
+        """The meta (generation, hash, parent, tokens) of the page a read of the slot returns; None where it raises."""
+        self._check_slot(slot)
+        in_memory, on_disk, _ = self._writer.resolve([slot])
+        if slot in in_memory:
+            return self._format.parse(in_memory[slot])
+        if slot not in on_disk:
+            return None
+        meta = self._format.parse(os.pread(self._f, self.slot_bytes, HEADER_BYTES + slot * self.slot_bytes))
+        return meta if meta is not None and meta.generation == on_disk[slot] else None
+
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:
             raise ValueError(f"slot {slot} is out of range; the store has {self.num_slots} slots")
 
-    # ---- the writer thread ---------------------------------------------------------
+    # ---- what the writer thread calls -----------------------------------------------
 
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                self._queue.task_done()
-                return
-            slot, generation, record = item
-            try:
-                self._pwrite_all(record, HEADER_BYTES + slot * self.slot_bytes)
-            except Exception as exc:  # noqa: BLE001 - a full or failing disk: the page is lost, never wrong
-                self._write_failed(slot, generation, record, exc)
-            else:
-                self.bytes_written += len(record)
-                if self._burst:
-                    logger.info("the KV disk store %s writes again, after %d failed page write(s)", self.path,
-                                self._burst)
-                    self._burst = 0
-                with self._lock:
-                    if self._pending.get(slot) is record:
-                        del self._pending[slot]
-            finally:
-                self._queue.task_done()
-
-    def _pwrite_all(self, data: bytes, offset: int) -> None:
-        """The whole of data at offset; a short write is retried, one that writes nothing fails."""
-        view = memoryview(data)
+    def _write_record(self, slot: int, record: bytes) -> None:
+        """The whole record into its slot; a short write is retried, one that writes nothing fails."""
+        view, offset = memoryview(record), HEADER_BYTES + slot * self.slot_bytes
         while view:
             n = os.pwrite(self._f, view, offset)
             if n <= 0:
                 raise OSError(errno.EIO, f"a write to {self.path} wrote {n} of {len(view)} bytes")
             view, offset = view[n:], offset + n
 
-    def _write_failed(self, slot: int, generation: int, record: bytes, exc: Exception) -> None:
-        """Records the failure, and only then drops the page's copy in memory."""
-        self.failed_writes += 1
-        if self._burst == 0:
-            logger.warning("writing pages to the KV disk store %s fails (%s, slot %d first); each page that "
-                           "cannot be written is dropped from the disk tier (logged once until a write succeeds)",
-                           self.path, os_reason(exc) if isinstance(exc, OSError) else repr(exc), slot)
-        self._burst += 1
-        try:  # the slot must not validate at the next open: its old record would answer for nothing
-            os.pwrite(self._f, bytes(len(_SLOT_MAGIC)), HEADER_BYTES + slot * self.slot_bytes)
-        except OSError:
-            pass  # then its old record may validate at the next open, as the page it really holds
-        with self._lock:
-            if int(self._current[slot]) == generation:  # else a newer write to the slot is queued
-                self._current[slot] = _WRITE_FAILED
-                self._failed.add(slot)
-            if self._pending.get(slot) is record:
-                del self._pending[slot]
+    def _zero_magic(self, slot: int) -> None:
+        """After a failed write: the slot must not validate at the next open."""
+        os.pwrite(self._f, bytes(len(SLOT_MAGIC)), HEADER_BYTES + slot * self.slot_bytes)
