@@ -418,8 +418,9 @@ def test_the_engine_refuses_every_unusable_disk_tier(tiny_llama_dir, tmp_path, m
         store.close()
 
 
-@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("command", ["generate", "serve --engine-in-process", "serve"])
 def test_the_clis_exit_2_naming_the_path_and_the_reason(tiny_llama_dir, tmp_path, capsys, command):
+    """serve's default engine core runs in its own process: its startup error comes back too."""
     (tmp_path / "file").write_text("x")
     flags = ["--model", str(tiny_llama_dir), "--kv-disk-path", str(tmp_path / "file"), "--kv-disk-gb", "0.01"]
     if command == "generate":
@@ -429,7 +430,7 @@ def test_the_clis_exit_2_naming_the_path_and_the_reason(tiny_llama_dir, tmp_path
     else:
         from pagedrs.server.cli import main
 
-        code = main(["--engine-in-process", *flags])
+        code = main([*command.split()[1:], *flags])
     err = capsys.readouterr().err
     assert code == 2 and str(tmp_path / "file") in err and "not a directory" in err, err
 
