@@ -5,6 +5,10 @@ server test ends with (``assert_nothing_left``).
 It follows docs/ENGINE_API.md: one token per sample per step, token ``ord('a') + (k + index) % 26``
 for the k-th token of sample ``index``. Every call is recorded; with ``permits`` set, each step
 records itself and then waits for one permit, so a test can hold the engine inside a step.
+Its prefix cache is a model of the real one: a prompt reuses the full pages (of ``BLOCK_SIZE``
+tokens, always keeping its last token to compute) of any earlier prompt under the same
+``cache_salt``, and every output reports that as ``num_cached_tokens``; asked for logprobs, each
+token gets ``-0.5`` and its top alternatives.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pagedrs.outputs import CompletionOutput, RequestOutput
 MODEL = "fake"
 EXPLODE = "\U0001f4a5"  # text the fake tokenizer refuses with an unexpected exception (not a ValueError)
 POISON = "poison"  # a prompt whose request the fake engine fails on its own, mid-run
+BLOCK_SIZE = 4  # the fake's page size, as its stats say
 
 
 class FakeTokenizer:
@@ -50,11 +55,14 @@ class FakeEngine:
         self.permits = permits  # when set, every step takes one (waiting at most a minute)
         self.fail_next_step = False
         self.calls: list[tuple[str, Any]] = []  # ("add", id) | ("abort", id) | ("step", k)
+        self.added: dict[str, dict[str, Any]] = {}  # request id -> what add_request was given (kept after it ends)
+        self._cached: dict[str | None, set[tuple[int, ...]]] = {}  # cache_salt -> full-page prefixes seen
         self._requests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()  # the test thread reads `calls` while the engine thread appends
 
     def add_request(
-        self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, arrival_time: float | None = None
+        self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
         if not ids:
@@ -64,7 +72,20 @@ class FakeEngine:
                 f"request {request_id!r}: prompt of {len(ids)} tokens > max_model_len {self.max_model_len}"
             )
         self._record("add", request_id)
-        self._requests[request_id] = {"ids": ids, "params": params, "samples": [[] for _ in range(params.n)]}
+        with self._lock:
+            self.added[request_id] = {"ids": list(ids), "params": params, "priority": priority, "cache_salt": cache_salt}
+        self._requests[request_id] = {"ids": ids, "params": params, "samples": [[] for _ in range(params.n)],
+                                      "cached": self._reuse(ids, cache_salt)}
+
+    def _reuse(self, ids: list[int], salt: str | None) -> int:
+        """Tokens of ``ids`` in full pages an earlier prompt under ``salt`` had; records this prompt's pages."""
+        seen = self._cached.setdefault(salt, set())
+        full = (len(ids) - 1) // BLOCK_SIZE  # the last token is always computed, as in the real engine
+        hits = 0
+        while hits < full and tuple(ids[: (hits + 1) * BLOCK_SIZE]) in seen:
+            hits += 1
+        seen.update(tuple(ids[: (k + 1) * BLOCK_SIZE]) for k in range(len(ids) // BLOCK_SIZE))
+        return hits * BLOCK_SIZE
 
     def abort(self, request_id: str) -> bool:
         self._record("abort", request_id)
@@ -89,13 +110,19 @@ class FakeEngine:
                 done = len(tokens) >= r["params"].max_tokens
                 # Cumulative fields by reference, not rebuilt: the server reads only the deltas, and an
                 # endless request rebuilt every step made each step O(tokens so far) (a quadratic flood).
-                completions.append(CompletionOutput(index, "", tokens, chr(token), [token], "length" if done else None))
+                completion = CompletionOutput(index, "", tokens, chr(token), [token], "length" if done else None)
+                if r["params"].logprobs is not None:
+                    ranked = [token, *(t for t in range(ord("a"), ord("a") + r["params"].logprobs + 1) if t != token)]
+                    completion.logprobs = [{t: -0.5 * (rank + 1) for rank, t in enumerate(ranked)}]
+                completions.append(completion)
             error = None
             if r["ids"] == self.tokenizer.encode(POISON) and len(r["samples"][0]) == 2:
                 error = "injected failure of this request"  # as the engine reports one request's failure
                 completions = [CompletionOutput(c.index, finish_reason="error") for c in completions]
             finished = all(c.finish_reason for c in completions)
-            outputs.append(RequestOutput(request_id, None, r["ids"], completions, finished, error=error))
+            output = RequestOutput(request_id, None, r["ids"], completions, finished, error=error)
+            output.num_cached_tokens = r["cached"]  # type: ignore[attr-defined]  # until RequestOutput has the field
+            outputs.append(output)
             if finished:
                 del self._requests[request_id]
         return outputs

@@ -18,7 +18,7 @@ from pagedrs.server.metrics import CONTENT_TYPE_LATEST
 from pagedrs.server.options import ServerOptions
 from pagedrs.server.prompts import PromptTokenizer
 from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
-from pagedrs.server.serving import Generation, ServerContext, request_id_from_header, unless_disconnected
+from pagedrs.server.serving import Generation, ServerContext, unless_disconnected
 from pagedrs.server.shutdown import DrainState
 
 # Not an HTTP status anyone reads: the client is gone (nginx's "client closed request").
@@ -63,6 +63,8 @@ def build_app(
         kv_pool_tokens=int(stats.get("num_gpu_blocks", 0)) * int(stats.get("block_size", 0)) or max_model_len,
         tokenizer=engine.tokenizer,
         prompts=PromptTokenizer(engine.tokenizer, max_model_len, options.tokenizer_threads),
+        max_seqs_per_request=options.max_seqs_per_request,
+        prefix_cache_isolation=options.prefix_cache_isolation,
     )
     drain = DrainState()
     app = FastAPI(title="pagedrs", version=pagedrs.__version__)
@@ -101,7 +103,7 @@ def build_app(
 async def _serve(endpoint: ModuleType, ctx: ServerContext, body: Any, request: Request) -> Response | Any:
     """Submit, then stream or answer at the end. ``endpoint`` is the chat or completions module."""
     gen: Generation = await endpoint.prepare(ctx, body)
-    gen.id_base = request_id_from_header(request.headers.get("x-request-id"), gen.id_base)
+    gen.bind(request)  # X-Request-Id, and the caller's tenant for the cache salt
     await gen.submit()
     if body.stream:
         return _EventStream(endpoint.stream(ctx, body, gen), gen.abort)

@@ -21,15 +21,22 @@ from pagedrs.server.protocol import (
     now_s,
     random_id,
 )
-from pagedrs.server.serving import Generation, ServerContext, event_stream, refuse_unstreamable, sse
+from pagedrs.server.serving import (
+    Generation,
+    ServerContext,
+    check_stream_options,
+    event_stream,
+    refuse_unstreamable,
+    sse,
+)
 from pagedrs.server.tokens import token_text, top_logprobs
 
 
 async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation:
     """Check the request, render the conversation and build its engine request (not yet submitted)."""
     ctx.check_model(body.model)
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+    check_stream_options(body)
+    ctx.check_fanout(1, body.n, body.best_of)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     prompt_ids = await ctx.prompts.render_chat(body.messages, body.add_generation_prompt)
@@ -47,7 +54,7 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
         kwargs["logprobs"] = body.top_logprobs or 0
     params = ctx.make_params(kwargs)
     refuse_unstreamable(body.stream, params)
-    return Generation(ctx, [prompt_ids], params, priority=body.priority)
+    return Generation(ctx, [prompt_ids], params, priority=body.priority, cache_salt=body.cache_salt)
 
 
 def _logprobs(ctx: ServerContext, k: int, token_ids: list[int], entries: list[dict[int, float]]) -> ChatLogprobs:
@@ -86,10 +93,11 @@ async def complete(ctx: ServerContext, body: ChatCompletionRequest, gen: Generat
 
 def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> AsyncIterator[str]:
     """Server-sent events: a role chunk per choice, content chunks, usage if asked, [DONE]."""
-    response_id, created = random_id("chatcmpl"), now_s()
+    response_id, created, first_id = random_id("chatcmpl"), now_s(), gen.first_event_id()
 
     def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        chunk = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage)
+        chunk = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name, choices=choices,
+                                    usage=usage, request_id=first_id.take())
         return sse(chunk.model_dump_json())
 
     k = body.top_logprobs or 0

@@ -10,7 +10,8 @@ from typing import Any
 
 from pagedrs.cli_args import add_engine_args
 from pagedrs.cli_args import engine_kwargs as shared_engine_kwargs
-from pagedrs.server.options import ServerOptions
+from pagedrs.server.options import PREFIX_CACHE_ISOLATION, ServerOptions
+from pagedrs.server.tenants import load_api_key_file
 
 DEFAULT_MAX_WAITING = 1024
 API_KEY_ENV = "PAGEDRS_API_KEY"
@@ -59,6 +60,26 @@ def _add_safety_arguments(g: argparse._ArgumentGroup) -> None:
         "--api-key", default=None,
         help=f"require 'Authorization: Bearer <key>' on /v1/* and /metrics (default: ${API_KEY_ENV}, else none)",
     )
+    g.add_argument(
+        "--api-key-file", metavar="PATH", default=None,
+        help="API keys of several tenants: one '<key> <tenant>' per line (# comments); any of them (and "
+        "--api-key, as tenant 'default') opens /v1/*; a bad file exits 2 naming its line",
+    )
+    g.add_argument(
+        "--admin-api-key", default=None,
+        help="the key of the admin endpoints (/metrics), which then take no tenant's key (default: none; "
+        "/metrics takes any API key)",
+    )
+    g.add_argument(
+        "--prefix-cache-isolation", choices=PREFIX_CACHE_ISOLATION, default=d.prefix_cache_isolation,
+        help="per-tenant: requests share cached prefix pages only within their tenant (the cache salt names it; "
+        "the prefix cache is a timing side channel) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--max-seqs-per-request", type=int, default=d.max_seqs_per_request,
+        help="answer 400 to a request that would add more sequences (prompts x max(n, best_of)) (default: "
+        "%(default)s)",
+    )
     g.add_argument("--metrics-public", action="store_true", help="serve /metrics without the API key")
     g.add_argument(
         "--max-request-bytes", type=int, default=d.max_request_bytes,
@@ -83,6 +104,10 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     """ServerOptions from parsed arguments (ValueError names the bad one)."""
     return ServerOptions(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_keys=load_api_key_file(args.api_key_file) if args.api_key_file else {},
+        admin_api_key=args.admin_api_key,
+        prefix_cache_isolation=args.prefix_cache_isolation,
+        max_seqs_per_request=args.max_seqs_per_request,
         metrics_public=args.metrics_public,
         max_request_bytes=args.max_request_bytes,
         read_timeout_s=args.read_timeout,

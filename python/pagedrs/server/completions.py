@@ -17,17 +17,22 @@ from pagedrs.server.protocol import (
     now_s,
     random_id,
 )
-from pagedrs.server.serving import Generation, SampleState, ServerContext, event_stream, refuse_unstreamable, sse
+from pagedrs.server.serving import (
+    Generation,
+    SampleState,
+    ServerContext,
+    check_stream_options,
+    event_stream,
+    refuse_unstreamable,
+    sse,
+)
 from pagedrs.server.tokens import token_text, top_logprobs
 
 
 async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
     """Check the request, tokenize its prompts and build its engine requests (not yet submitted)."""
     ctx.check_model(body.model)
-    if body.suffix:
-        raise bad_request("suffix is not supported", param="suffix")
-    if body.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
+    check_stream_options(body)
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
     prompts = _prompts(body.prompt)
@@ -36,6 +41,7 @@ async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
             f"The request has {len(prompts)} prompts; a request may have at most --max-waiting={ctx.max_waiting}",
             param="prompt",
         )
+    ctx.check_fanout(len(prompts), body.n, body.best_of)
     prompt_ids = [await ctx.prompts.encode(p, "prompt") if isinstance(p, str) else p for p in prompts]
     for ids in prompt_ids:
         if not ids:
@@ -50,7 +56,7 @@ async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
         kwargs["logprobs"] = body.logprobs
     params = ctx.make_params(kwargs)
     refuse_unstreamable(body.stream, params)
-    gen = Generation(ctx, prompt_ids, params, priority=body.priority)
+    gen = Generation(ctx, prompt_ids, params, priority=body.priority, cache_salt=body.cache_salt)
     gen.echo_texts = [p if isinstance(p, str) else None for p in prompts]
     return gen
 
@@ -118,11 +124,12 @@ def _choice(index: int, text: str, logprobs: CompletionLogprobs | None, state: S
 
 def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> AsyncIterator[str]:
     """Server-sent events: echoed prompts, one chunk per choice and step, usage if asked, [DONE]."""
-    response_id, created = random_id("cmpl"), now_s()
+    response_id, created, first_id = random_id("cmpl"), now_s(), gen.first_event_id()
 
     def event(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
         response = CompletionResponse(
-            id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage
+            id=response_id, created=created, model=ctx.model_name, choices=choices, usage=usage,
+            request_id=first_id.take(),
         )
         return sse(response.model_dump_json())
 

@@ -48,11 +48,13 @@ from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from pagedrs.server.api_text import RequestText, text_made_here
+from pagedrs.server.engine_loop import salt_kwargs
 
 logger = logging.getLogger("pagedrs.server")
 
 # Per-step message: (outputs, stats); each output is
-# (request_id, finished, error, prompt_token_ids or None, samples, metrics or None) and each sample is
+# (request_id, finished, error, prompt_token_ids or None, samples, metrics or None, num_cached_tokens or None)
+# (the prompt and num_cached_tokens cross once, with the request's first output) and each sample is
 # (index, delta_text, delta_token_ids, delta_logprobs or None, finish_reason, stop_reason).
 # metrics (RequestOutput.metrics: arrival, queued, first scheduled, first token times and step
 # counts) crosses once, with the request's first token.
@@ -84,14 +86,16 @@ class _Output:
     prompt_token_ids: list[int]
     outputs: list[_Completion] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # RequestOutput.metrics, in the first token's output
+    num_cached_tokens: Optional[int] = None  # in the request's first output only (the EngineLoop keeps it)
 
 
 def _encode_outputs(outputs: list[Any], sent_prompts: set[str], timed: set[str], stats: dict[str, Any]) -> bytes:
     rows = []
     for out in outputs:
-        prompt = None
-        if out.request_id not in sent_prompts:
+        prompt = cached = None
+        if out.request_id not in sent_prompts:  # the first output: the prompt and its cache hits cross once
             prompt = list(out.prompt_token_ids)
+            cached = int(getattr(out, "num_cached_tokens", 0))  # getattr: until RequestOutput has it
             sent_prompts.add(out.request_id)
         metrics = None
         if out.request_id not in timed and "first_token_time" in out.metrics:
@@ -107,7 +111,7 @@ def _encode_outputs(outputs: list[Any], sent_prompts: set[str], timed: set[str],
             if c.logprobs is not None and new:
                 logprobs = [dict(d) for d in c.logprobs[-len(new):]]
             samples.append((c.index, c.delta_text, new, logprobs, c.finish_reason, c.stop_reason))
-        rows.append((out.request_id, bool(out.finished), out.error, prompt, samples, metrics))
+        rows.append((out.request_id, bool(out.finished), out.error, prompt, samples, metrics, cached))
     return b"M" + marshal.dumps((_OUTPUTS, rows, stats))
 
 
@@ -150,9 +154,10 @@ def _core_main(conn: Connection, args: Any) -> None:
                 command = conn.recv()
                 kind = command[0]
                 if kind == "add":
-                    _, request_id, prompt, params, priority, arrival_time = command
+                    _, request_id, prompt, params, priority, arrival_time, cache_salt = command
                     try:
-                        engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time)
+                        engine.add_request(request_id, prompt, params, priority=priority, arrival_time=arrival_time,
+                                           **salt_kwargs(cache_salt))
                         _send_reply(conn, (_ACK, request_id, None, None))
                     except Exception as exc:  # noqa: BLE001 - the client's error, reported back
                         _send_reply(conn, (_ACK, request_id, type(exc).__name__, str(exc)))
@@ -277,7 +282,10 @@ class RemoteEngine:
 
     # ---- EngineLike -------------------------------------------------------------------
 
-    def submit(self, request_id: str, prompt: Any, params: Any, priority: int, on_ack: AckCallback) -> None:
+    def submit(
+        self, request_id: str, prompt: Any, params: Any, priority: int, on_ack: AckCallback,
+        cache_salt: Optional[str] = None,
+    ) -> None:
         """Sends an add without waiting; ``on_ack(error)`` runs on the stepping thread when the core answers.
 
         Safe from any thread (the HTTP handlers call it): the message goes through the sender
@@ -295,12 +303,14 @@ class RemoteEngine:
             params = dataclasses.replace(params, detokenize=False)
         # Its arrival: the core reads commands only between steps, so the time it then takes
         # to be read (the step in flight) shows in the request's metrics.
-        self._outbox.put(("add", request_id, prompt, params, priority, time.monotonic()))
+        self._outbox.put(("add", request_id, prompt, params, priority, time.monotonic(), cache_salt))
 
-    def add_request(self, request_id: str, prompt: Any, params: Any = None, priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, cache_salt: Optional[str] = None,
+    ) -> None:
         """The blocking form of ``submit``: returns once the core accepted the request, raises its error."""
         result: list[Optional[BaseException]] = []
-        self.submit(request_id, prompt, params, priority, result.append)
+        self.submit(request_id, prompt, params, priority, result.append, cache_salt=cache_salt)
         while not result:
             self._take(self._recv())  # outputs of earlier requests may come first: they are buffered
         if result[0] is not None:
@@ -393,7 +403,7 @@ class RemoteEngine:
             return
         _, rows, stats = message
         self._stats = stats
-        for request_id, finished, error, prompt, samples, metrics in rows:
+        for request_id, finished, error, prompt, samples, metrics, cached in rows:
             if prompt is not None:
                 self._prompts[request_id] = prompt
             prompt_ids = self._prompts.get(request_id, [])
@@ -407,5 +417,5 @@ class RemoteEngine:
                     c.delta_text = text.delta(prompt_ids, c.index, c.delta_token_ids, c.finish_reason, c.stop_reason)
             self._buffered.append(_Output(
                 request_id=request_id, finished=finished, error=error, prompt_token_ids=prompt_ids,
-                outputs=completions, metrics=metrics or {},
+                outputs=completions, metrics=metrics or {}, num_cached_tokens=cached,
             ))

@@ -42,7 +42,8 @@ class EngineLike(Protocol):
     tokenizer: Any
 
     def add_request(
-        self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, arrival_time: float | None = None
+        self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None: ...
     def step(self) -> list[Any]: ...
     def abort(self, request_id: str) -> bool: ...
@@ -73,6 +74,7 @@ class RequestDelta:
     finished: bool
     error: str | None = None
     error_status: int = 500  # the HTTP status the error maps to (503: the server is shutting down)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V the engine reused (RequestOutput.num_cached_tokens)
 
 
 @dataclass
@@ -85,6 +87,7 @@ class _Sink:
     arrival: float
     last_token_time: float | None = None
     timed: bool = False  # its first token's metrics are recorded
+    num_cached_tokens: int = 0  # as last reported (a RemoteEngine reports it with the first output only)
 
 
 @dataclass
@@ -94,6 +97,7 @@ class _Add:
     params: Any
     priority: int
     sink: _Sink
+    cache_salt: str | None = None
     accepted: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
 
@@ -170,6 +174,7 @@ class EngineLoop:
         *,
         tag: int = 0,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; returns once the engine accepted it, raises its ValueError otherwise.
 
@@ -178,7 +183,7 @@ class EngineLoop:
         if not self.is_alive():
             raise RuntimeError(f"the engine loop is not running ({self.fatal_error or 'stopped'})")
         sink = _Sink(asyncio.get_running_loop(), out, tag, time.monotonic())
-        command = _Add(request_id, prompt, params, priority, sink)
+        command = _Add(request_id, prompt, params, priority, sink, cache_salt)
         with self._lock:
             self._pending_adds += 1
         submit = getattr(self.engine, "submit", None)
@@ -191,7 +196,8 @@ class EngineLoop:
             with self._lock:
                 self._unacked[request_id] = command
             try:
-                submit(request_id, prompt, params, priority, functools.partial(self._on_ack, command))
+                submit(request_id, prompt, params, priority, functools.partial(self._on_ack, command),
+                       **salt_kwargs(cache_salt))
             except Exception:
                 with self._lock:
                     self._pending_adds -= 1
@@ -271,7 +277,7 @@ class EngineLoop:
             if self._closed is not None:
                 raise RuntimeError(self._closed)
             self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
-                                    arrival_time=command.sink.arrival)
+                                    arrival_time=command.sink.arrival, **salt_kwargs(command.cache_salt))
         except Exception as exc:  # ValueError for bad input; anything else is reported the same way
             error = exc
         self._settle(command, error)
@@ -315,6 +321,14 @@ class EngineLoop:
             self._dispatch(output, now)
         self._refresh_stats()
 
+    @staticmethod
+    def _cached_tokens(sink: _Sink, output: Any) -> int:
+        # getattr: until RequestOutput has num_cached_tokens (the lead's engine change); None = not in this output
+        reported = getattr(output, "num_cached_tokens", None)
+        if reported is not None:
+            sink.num_cached_tokens = int(reported)
+        return sink.num_cached_tokens
+
     def _dispatch(self, output: Any, now: float) -> None:
         sink = self._sinks.get(output.request_id)
         if sink is None:  # aborted, or not ours
@@ -327,6 +341,7 @@ class EngineLoop:
             samples=samples,
             finished=bool(output.finished),
             error=getattr(output, "error", None),
+            num_cached_tokens=self._cached_tokens(sink, output),
         )
         if not sink.timed and "first_token_time" in (metrics := getattr(output, "metrics", None) or {}):
             sink.timed = True
@@ -377,6 +392,11 @@ class EngineLoop:
                 with self._lock:
                     self._pending_adds -= 1
                 command.accepted.set_exception(RuntimeError("the engine loop stopped before the request was added"))
+
+
+def salt_kwargs(cache_salt: str | None) -> dict[str, str]:
+    """``cache_salt`` for add_request only when there is one: unsalted adds stay valid for an engine without salts."""
+    return {} if cache_salt is None else {"cache_salt": cache_salt}
 
 
 def _snapshot(completion: Any) -> SampleDelta:

@@ -3,7 +3,9 @@
 A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which buffers and
 re-wraps streaming responses). In order, for every HTTP request:
 
-1. ``/v1/*`` (and ``/metrics`` unless public) need ``Authorization: Bearer <key>``: 401.
+1. ``/v1/*`` needs ``Authorization: Bearer <key>`` with one of the tenants' keys (401); the
+   request's tenant goes to ``scope["state"]["tenant"]`` (``request.state.tenant``). Admin
+   endpoints (``/metrics``, unless public) take the admin key when one is set, else any key.
 2. While the server drains, new requests get 503 (``/health`` answers for itself).
 3. A declared ``Content-Length`` above the limit gets 413 before any byte is read; the
    body as it streams in is counted too, so a chunked upload cannot get past the limit,
@@ -11,12 +13,13 @@ re-wraps streaming responses). In order, for every HTTP request:
 4. Any exception that escapes the app is logged and answered with a JSON 500 when no
    response has started. It is not re-raised: uvicorn would answer a re-raised exception
    by closing the connection, so one bad request would cost the client its keep-alive.
+
+Every response to a request with an ``X-Request-Id`` header carries that header back, as given.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -27,6 +30,7 @@ from fastapi import HTTPException
 from pagedrs.server.errors import APIError
 from pagedrs.server.options import ServerOptions
 from pagedrs.server.shutdown import DrainState
+from pagedrs.server.tenants import tenant_of
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -36,6 +40,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _OPEN_PATHS = ("/health",)  # answered even while draining, and without a key
+ADMIN_PATHS = ("/metrics",)  # the operator's: the admin key when one is set (the counters span every tenant)
 
 
 class BodyTooLarge(HTTPException):
@@ -62,23 +67,28 @@ class Gate:
         self.app = app
         self.options = options
         self.drain = drain
-        self._key = options.api_key.encode() if options.api_key else None
+        self._keys = options.tenants()  # key -> tenant
+        self._admin = {options.admin_api_key: "admin"} if options.admin_api_key else {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = False
+        request_id = _raw_header(scope, b"x-request-id")
 
         async def tracked_send(message: Message) -> None:
             nonlocal started
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if request_id is not None:
+                    message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
             await send(message)
 
         try:
             refusal = self._refusal(scope)
             if refusal is not None:
-                await refusal.response()(scope, receive, send)
+                await refusal.response()(scope, receive, tracked_send)
                 return
             with self.drain.in_flight(scope["path"] not in _OPEN_PATHS):
                 await self.app(scope, self._limited(receive), tracked_send)
@@ -86,14 +96,16 @@ class Gate:
             logger.exception("unhandled error serving %s %s", scope.get("method"), scope.get("path"))
             if not started:
                 error = APIError(500, "internal server error; the server log has the details")
-                await error.response()(scope, receive, send)
+                await error.response()(scope, receive, tracked_send)
 
     def _refusal(self, scope: Scope) -> APIError | None:
         path: str = scope["path"]
-        if self._needs_key(path):
-            problem = self._key_problem(_header(scope, b"authorization"))
+        keys = self._keys_for(path)
+        if keys:
+            tenant, problem = self._authenticate(_header(scope, b"authorization"), keys)
             if problem is not None:
                 return APIError(401, problem, code="invalid_api_key")
+            scope.setdefault("state", {})["tenant"] = tenant
         if self.drain.draining and path not in _OPEN_PATHS:
             return APIError(503, "The server is shutting down; retry on another instance",
                             code="server_shutting_down")
@@ -108,22 +120,24 @@ class Gate:
                 )
         return None
 
-    def _needs_key(self, path: str) -> bool:
-        if self._key is None:
-            return False
-        return path.startswith("/v1/") or path == "/v1" or (path == "/metrics" and not self.options.metrics_public)
+    def _keys_for(self, path: str) -> dict[str, str]:
+        """The keys that open ``path`` (key -> tenant); empty when it is open to anyone."""
+        if path in ADMIN_PATHS:
+            return {} if self.options.metrics_public else (self._admin or self._keys)
+        return self._keys if path.startswith("/v1/") or path == "/v1" else {}
 
-    def _key_problem(self, authorization: str | None) -> str | None:
-        """None when the header carries the key; otherwise what is wrong with it."""
+    @staticmethod
+    def _authenticate(authorization: str | None, keys: dict[str, str]) -> tuple[str | None, str | None]:
+        """(tenant, None) when the header carries one of ``keys``; otherwise (None, what is wrong with it)."""
         if authorization is None:
-            return "Missing API key: send it as the header 'Authorization: Bearer <key>'"
+            return None, "Missing API key: send it as the header 'Authorization: Bearer <key>'"
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return "Malformed Authorization header: expected 'Bearer <key>'"
-        assert self._key is not None
-        if not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), self._key):
-            return "Incorrect API key provided"
-        return None
+            return None, "Malformed Authorization header: expected 'Bearer <key>'"
+        tenant = tenant_of(token.strip(), keys)
+        if tenant is None:
+            return None, "Incorrect API key provided"
+        return tenant, None
 
     def _limited(self, receive: Receive) -> Receive:
         """``receive`` that counts body bytes against the limit and bounds the time the body takes."""
@@ -152,8 +166,13 @@ class Gate:
         return limited_receive
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
+def _raw_header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
-            return bytes(value).decode("latin-1")
+            return bytes(value)
     return None
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    value = _raw_header(scope, name)
+    return None if value is None else value.decode("latin-1")

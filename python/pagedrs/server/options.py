@@ -6,7 +6,9 @@ lists them with their defaults and what a client gets past them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 30.0
@@ -16,6 +18,11 @@ DEFAULT_TOKENIZER_THREADS = 1
 # tokenizes to, unless one token covers more characters: the factor used is the larger of
 # this and 4 x the longest vocabulary entry (see PromptTokenizer.max_chars).
 MIN_CHARS_PER_TOKEN_BOUND = 64
+# Sequences one request may add (prompts x max(n, best_of); beam search: x its width): the
+# engine's default max_num_seqs, so one request can fill a batch but not queue many batches.
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
+PREFIX_CACHE_ISOLATION = ("shared", "per-tenant")
+DEFAULT_TENANT = "default"  # the tenant of --api-key
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,12 @@ class ServerOptions:
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # drain deadline after SIGTERM / SIGINT
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS  # worker threads that tokenize prompts
+    # key -> tenant (--api-key-file; --api-key is tenant "default"): any of them opens /v1/*
+    api_keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    admin_api_key: str | None = None  # when set, admin endpoints (/metrics) take this key and no other
+    # "per-tenant": requests share cached prefix pages only within their tenant (the cache_salt)
+    prefix_cache_isolation: str = "shared"
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # past it a request gets 400
 
     def __post_init__(self) -> None:
         checks = [
@@ -35,9 +48,26 @@ class ServerOptions:
             ("read_timeout_s", self.read_timeout_s, self.read_timeout_s > 0, "> 0"),
             ("shutdown_timeout_s", self.shutdown_timeout_s, self.shutdown_timeout_s >= 0, ">= 0"),
             ("tokenizer_threads", self.tokenizer_threads, self.tokenizer_threads >= 1, ">= 1"),
+            ("max_seqs_per_request", self.max_seqs_per_request, self.max_seqs_per_request >= 1, ">= 1"),
+            ("prefix_cache_isolation", self.prefix_cache_isolation,
+             self.prefix_cache_isolation in PREFIX_CACHE_ISOLATION, " or ".join(PREFIX_CACHE_ISOLATION)),
         ]
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"ServerOptions.{name}={value!r} is out of range: allowed {allowed}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ServerOptions.api_key is empty: pass a non-empty key, or None for no authentication")
+        if self.admin_api_key is not None and not self.admin_api_key.strip():
+            raise ValueError("ServerOptions.admin_api_key is empty: pass a non-empty key, or None for no admin key")
+        if self.admin_api_key is not None and self.admin_api_key in self.tenants():
+            raise ValueError("ServerOptions.admin_api_key is also a tenant's API key: give the admin its own key")
+        if self.prefix_cache_isolation == "per-tenant" and not self.tenants():
+            raise ValueError("ServerOptions.prefix_cache_isolation='per-tenant' needs API keys to tell tenants "
+                             "apart: pass --api-key-file (or --api-key)")
+
+    def tenants(self) -> dict[str, str]:
+        """Every accepted API key and its tenant: ``api_keys``, plus ``api_key`` as tenant "default"."""
+        keys = dict(self.api_keys)
+        if self.api_key is not None:
+            keys.setdefault(self.api_key, DEFAULT_TENANT)
+        return keys

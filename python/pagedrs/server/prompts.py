@@ -85,4 +85,4 @@ def _content_chars(message: ChatMessage) -> int:
         return 0
     if isinstance(content, str):
         return len(content)
-    return sum(len(part.text or "") for part in content)
+    return sum(len(part.text) for part in content)

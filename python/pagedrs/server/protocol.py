@@ -9,8 +9,9 @@ token ids, the stop list — so that a hostile number is a 400 here and never an
 overflow inside a batched step. Sampling ranges proper are checked in one place,
 ``pagedrs.SamplingParams``, whose ValueError the server turns into a 400, so the HTTP
 API and the Python API accept the same values.
-Fields OpenAI defines but pagedrs cannot honour (``suffix``, ``logit_bias``) are
-rejected with a 400 instead of silently ignored. ``best_of`` is OpenAI's (draw best_of,
+Every field is honoured or refused with a 400 naming it, never silently ignored
+(field_policy.py: the fields OpenAI defines that pagedrs does not implement yet, the few
+accepted and ignored on purpose, and the message for an unknown name). ``best_of`` is OpenAI's (draw best_of,
 return the n with the highest cumulative log-probability); ``use_beam_search``,
 ``length_penalty`` and ``early_stopping`` are vLLM v0's extension (beam width = best_of,
 else n; the n best hypotheses are returned). Neither can be streamed.
@@ -22,7 +23,20 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from pagedrs.server.field_policy import check_role, name_unknown_fields, not_supported
 
 # Request fields that map one-to-one onto SamplingParams fields of the same name.
 SAMPLING_FIELDS = (
@@ -61,6 +75,8 @@ MAX_STOP_TOKEN_IDS = 64  # entries in `stop_token_ids`
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1  # seeds: the engine seeds sample i with seed + i, inside torch's 64-bit range
 MAX_PRIORITY = 2**31  # |priority| <= 2**31: the scheduler keeps priorities in 64-bit integers
+MAX_CACHE_SALT_BYTES = 256  # vLLM's bound on cache_salt (UTF-8 bytes); the engine refuses longer ones too
+MAX_METADATA_ENTRIES = 16  # OpenAI's bound on `metadata`
 
 
 def _valid_unicode(text: str) -> str:
@@ -84,10 +100,26 @@ def _not_a_bool(value: Any) -> Any:
 
 # Every string of a request body goes through Text, every integer through Int: an integral
 # number (5 or 5.0, as JSON Schema's "integer"), never a boolean.
+def _salt_size(salt: str) -> str:
+    size = len(salt.encode("utf-8"))
+    if not 1 <= size <= MAX_CACHE_SALT_BYTES:
+        raise PydanticCustomError(
+            "cache_salt_size", "cache_salt has {size} bytes in UTF-8; allowed 1 to {limit}",
+            {"size": size, "limit": MAX_CACHE_SALT_BYTES},
+        )
+    return salt
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Int = Annotated[int, BeforeValidator(_not_a_bool)]
 TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
+CacheSalt = Annotated[StrictStr, AfterValidator(_valid_unicode), AfterValidator(_salt_size)]
+
+# Reasons for the fields OpenAI (or vLLM) defines that pagedrs does not implement yet.
+_TOOLS = "tool and function calling is not implemented"
+_STRUCTURED = "structured outputs / guided decoding are not implemented"
+_AUDIO = "pagedrs generates text only"
 
 
 def random_id(prefix: str) -> str:
@@ -99,19 +131,23 @@ def now_s() -> int:
 
 
 class _Strict(BaseModel):
-    """Finite floats everywhere (no NaN / Infinity)."""
+    """Finite floats everywhere (no NaN / Infinity); a name the model does not declare is a 400 naming it."""
 
-    model_config = ConfigDict(allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_unknown_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return name_unknown_fields(data, handler)
 
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    include_obfuscation: Annotated[Any, not_supported("stream obfuscation", False)] = None
 
 
 class _SamplingRequest(_Strict):
-    """Fields shared by both endpoints. Unknown fields are ignored, as OpenAI's server does."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """Fields shared by both endpoints (see field_policy.py for what is refused and ignored)."""
 
     model: Text
     n: Annotated[Int, Field(le=MAX_N)] = 1
@@ -124,8 +160,19 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[Text, float] | None = None
-    user: Text | None = None
+    logit_bias: Annotated[Any, not_supported("token biases are not applied", {})] = None
+    user: Text | None = None  # ignored on purpose (field_policy.IGNORED_FIELDS)
+    cache_salt: CacheSalt | None = None  # vLLM's: requests share cached pages only under the same salt
+    response_format: Annotated[Any, not_supported(_STRUCTURED, {"type": "text"})] = None
+    # vLLM's extensions that pagedrs does not implement yet
+    prompt_logprobs: Annotated[Any, not_supported("prompt log-probabilities are not computed")] = None
+    guided_json: Annotated[Any, not_supported(_STRUCTURED)] = None
+    guided_regex: Annotated[Any, not_supported(_STRUCTURED)] = None
+    guided_choice: Annotated[Any, not_supported(_STRUCTURED)] = None
+    guided_grammar: Annotated[Any, not_supported(_STRUCTURED)] = None
+    guided_decoding_backend: Annotated[Any, not_supported(_STRUCTURED)] = None
+    guided_whitespace_pattern: Annotated[Any, not_supported(_STRUCTURED)] = None
+    structured_outputs: Annotated[Any, not_supported(_STRUCTURED)] = None
     # extensions (vLLM's names)
     top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
@@ -154,22 +201,37 @@ class CompletionRequest(_SamplingRequest):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: StrictBool = False
     logprobs: Int | None = None
-    suffix: Text | None = None
+    suffix: Annotated[Any, not_supported("text after the completion (insertion)", "")] = None
 
 
 class ChatContentPart(_Strict):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    """A text part; other kinds (image_url, input_audio, file, refusal) are refused by their type."""
 
-    type: Text
-    text: Text | None = None
+    type: Literal["text"]
+    text: Text
+    prompt_cache_breakpoint: Annotated[Any, not_supported("explicit prompt cache breakpoints")] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise PydanticCustomError(
+                "not_supported", "a content part of type {kind} is not supported: only 'text' parts are",
+                {"kind": repr(kind)},
+            )
+        return data
 
 
 class ChatMessage(_Strict):
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
-
-    role: Text
+    role: Annotated[Text, AfterValidator(check_role)]
     content: Text | list[ChatContentPart] | None = None
-    name: Text | None = None
+    name: Annotated[Any, not_supported("message names: the chat template is given role and content only")] = None
+    tool_calls: Annotated[Any, not_supported(_TOOLS)] = None
+    tool_call_id: Annotated[Any, not_supported(_TOOLS)] = None
+    function_call: Annotated[Any, not_supported(_TOOLS)] = None
+    refusal: Annotated[Any, not_supported("refusals of earlier turns are not rendered")] = None
+    audio: Annotated[Any, not_supported(_AUDIO)] = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -178,23 +240,58 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = None
     max_completion_tokens: Int | None = None  # the newer name of max_tokens; wins when both are set
     add_generation_prompt: StrictBool = True
+    # ignored on purpose (field_policy.IGNORED_FIELDS)
+    safety_identifier: Text | None = None
+    metadata: Annotated[dict[Text, Text], Field(max_length=MAX_METADATA_ENTRIES)] | None = None
+    prompt_cache_key: Text | None = None
+    # OpenAI's fields that pagedrs does not implement yet (null, or the value named, is what pagedrs does)
+    tools: Annotated[Any, not_supported(_TOOLS)] = None
+    tool_choice: Annotated[Any, not_supported(_TOOLS, "none")] = None
+    parallel_tool_calls: Annotated[Any, not_supported(_TOOLS)] = None
+    functions: Annotated[Any, not_supported(_TOOLS)] = None
+    function_call: Annotated[Any, not_supported(_TOOLS, "none")] = None
+    modalities: Annotated[Any, not_supported(_AUDIO, ["text"])] = None
+    audio: Annotated[Any, not_supported(_AUDIO)] = None
+    store: Annotated[Any, not_supported("stored completions: pagedrs stores nothing", False)] = None
+    service_tier: Annotated[Any, not_supported("service tiers: pagedrs has one", "auto", "default")] = None
+    prediction: Annotated[Any, not_supported("predicted outputs")] = None
+    reasoning_effort: Annotated[Any, not_supported("reasoning controls")] = None
+    verbosity: Annotated[Any, not_supported("verbosity controls")] = None
+    web_search_options: Annotated[Any, not_supported("web search")] = None
+    moderation: Annotated[Any, not_supported("moderation")] = None
+    prompt_cache_retention: Annotated[Any, not_supported("prompt cache retention policies")] = None
+    prompt_cache_options: Annotated[Any, not_supported("prompt cache options")] = None
 
 
 # --- responses -------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose K/V the engine reused from its prefix cache
 
 
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+# The client's X-Request-Id, as given, in the first event of a stream (absent otherwise).
+FirstEventRequestId = Annotated[str | None, Field(default=None, exclude_if=_unset)]
 
 
 class CompletionLogprobs(BaseModel):
@@ -221,6 +318,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    request_id: FirstEventRequestId = None
 
 
 class TopLogprob(BaseModel):
@@ -279,6 +377,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    request_id: FirstEventRequestId = None
 
 
 class ModelCard(BaseModel):

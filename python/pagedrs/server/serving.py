@@ -4,7 +4,8 @@ An HTTP request with P prompts and ``n`` samples becomes P engine requests
 (``<id>-0`` .. ``<id>-{P-1}``), each with n samples; its choices are numbered
 ``prompt_index * n + sample_index``, as OpenAI numbers them. The engine requests
 are submitted together, read from one asyncio queue, and aborted together when
-the client goes away.
+the client goes away. One request may add at most ``max_seqs_per_request`` sequences
+(prompts x the sequences each runs: ``best_of`` or ``n``, the beam width for beam search).
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from fastapi import Request
 
 from pagedrs.server.engine_loop import EngineLoop, RequestDelta, SampleDelta
 from pagedrs.server.errors import APIError, bad_request
+from pagedrs.server.options import DEFAULT_MAX_SEQS_PER_REQUEST
 from pagedrs.server.prompts import PromptTokenizer
 from pagedrs.server.protocol import Usage, random_id
+from pagedrs.server.tenants import engine_salt
 
 T = TypeVar("T")
 logger = logging.getLogger("pagedrs.server")
@@ -41,6 +44,8 @@ class ServerContext:
     kv_pool_tokens: int  # token slots in the device KV pool: no request can grow past this
     tokenizer: Any
     prompts: PromptTokenizer  # text -> token ids, off the event loop and off the engine thread
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # prompts x sequences per prompt, at most
+    prefix_cache_isolation: str = "shared"  # or "per-tenant": the engine's cache salt names the tenant
 
     def check_model(self, requested: str) -> None:
         if requested != self.model_name:
@@ -49,6 +54,17 @@ class ServerContext:
                 f"The model {requested!r} does not exist: this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
+            )
+
+    def check_fanout(self, num_prompts: int, n: int, best_of: int | None) -> None:
+        """A request adds ``num_prompts x max(n, best_of)`` sequences at once; 400 past the cap."""
+        per_prompt, name = (best_of, "best_of") if best_of is not None and best_of > n else (n, "n")
+        total = num_prompts * per_prompt
+        if total > self.max_seqs_per_request:
+            raise bad_request(
+                f"The request asks for {num_prompts} prompt(s) x {name}={per_prompt} = {total} sequences; a request "
+                f"may add at most --max-seqs-per-request={self.max_seqs_per_request}",
+                param=name,
             )
 
     def room(self, prompt_len: int, param: str) -> int:
@@ -102,6 +118,12 @@ def request_id_from_header(header: str | None, default: str) -> str:
     return f"{header}-{uuid.uuid4().hex[:12]}"
 
 
+def check_stream_options(body: Any) -> None:
+    """``stream_options`` only mean something on a stream: without ``stream: true`` it is a 400 (as OpenAI's)."""
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+
 def refuse_unstreamable(stream: bool, params: Any) -> None:
     """Beam search and ``best_of > n`` know their choices only at the end: no stream (400, as vLLM and OpenAI)."""
     if not stream:
@@ -131,7 +153,10 @@ class Generation:
     ``prompts`` are token ids: the server tokenizes text itself (``PromptTokenizer``).
     """
 
-    def __init__(self, ctx: ServerContext, prompts: list[list[int]], params: Any, priority: int = 0) -> None:
+    def __init__(
+        self, ctx: ServerContext, prompts: list[list[int]], params: Any, priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         self.ctx = ctx
         self.prompts = prompts
         self.params = params
@@ -139,9 +164,25 @@ class Generation:
         self.n: int = params.n
         self.echo_texts: list[str | None] = [None] * len(prompts)  # the text of text prompts, for echo
         self.id_base = random_id("req")
+        self.client_request_id: str | None = None  # X-Request-Id as the client sent it
+        self.client_salt = cache_salt  # the request's cache_salt field (validated by the model)
+        self.engine_salt: str | None = engine_salt("shared", None, cache_salt)  # bind() makes it the tenant's
         self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self.prompt_token_ids: dict[int, list[int]] = {}
+        self.cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens the engine reused
         self._unfinished: set[str] = set()
+
+    def bind(self, request: Request) -> None:
+        """What the HTTP request adds: its X-Request-Id and its caller's tenant (set by the Gate)."""
+        header = request.headers.get("x-request-id")
+        self.id_base = request_id_from_header(header, self.id_base)
+        self.client_request_id = header
+        tenant = getattr(request.state, "tenant", None)
+        self.engine_salt = engine_salt(self.ctx.prefix_cache_isolation, tenant, self.client_salt)
+
+    def first_event_id(self) -> OnceValue:
+        """The client's request id for the first event of a stream (None afterwards, and without one)."""
+        return OnceValue(self.client_request_id)
 
     async def submit(self) -> None:
         """Add every prompt to the engine, or none: 503 on back-pressure, 400 on invalid input."""
@@ -160,7 +201,7 @@ class Generation:
                 request_id = f"{self.id_base}-{tag}"
                 self._unfinished.add(request_id)
                 await loop.add(request_id, {"prompt_token_ids": prompt}, self.params, self.queue, tag=tag,
-                               priority=self.priority)
+                               priority=self.priority, cache_salt=self.engine_salt)
         except ValueError as exc:
             self.abort()
             loop.metrics.rejected.labels(status="400").inc()
@@ -185,6 +226,7 @@ class Generation:
                     raise APIError(delta.error_status, f"request {delta.request_id} failed: {delta.error}", code=code)
                 if delta.prompt_token_ids:
                     self.prompt_token_ids[delta.tag] = delta.prompt_token_ids
+                    self.cached_tokens[delta.tag] = delta.num_cached_tokens
                 yield delta
         finally:
             self.abort()
@@ -207,12 +249,25 @@ class Generation:
         return tag * self.n + sample_index
 
     def usage(self, completion_tokens: int) -> Usage:
-        return Usage.of(sum(len(ids) for ids in self.prompt_token_ids.values()), completion_tokens)
+        """Summed over the prompts: their tokens, of which the engine found ``cached_tokens`` in its cache."""
+        prompt_tokens = sum(len(ids) for ids in self.prompt_token_ids.values())
+        return Usage.of(prompt_tokens, completion_tokens, cached_tokens=sum(self.cached_tokens.values()))
 
     def abort(self) -> None:
         for request_id in self._unfinished:
             self.ctx.engine_loop.abort(request_id)
         self._unfinished.clear()
+
+
+class OnceValue:
+    """A value handed out once: ``take()`` returns it the first time and None after."""
+
+    def __init__(self, value: str | None) -> None:
+        self._value = value
+
+    def take(self) -> str | None:
+        value, self._value = self._value, None
+        return value
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

@@ -22,29 +22,25 @@ def top_logprobs(tokenizer: Any, entry: dict[int, float], k: int) -> list[tuple[
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """The conversation through the model's chat template, as prompt token ids."""
+    """The conversation through the model's chat template, as prompt token ids.
+
+    The template is given each message's role and content (its text parts joined): every
+    other message field is refused by the request model, so nothing a client sent is lost here.
+    """
     if not messages:
         raise bad_request("messages is empty: send at least one message", param="messages")
-    plain = [{"role": m.role, "content": _content_text(m, i)} for i, m in enumerate(messages)]
+    plain = [{"role": m.role, "content": _content_text(m)} for m in messages]
     try:
         return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
     except (ValueError, TemplateError) as exc:  # no chat template, or the template rejected the conversation
         raise bad_request(str(exc), param="messages") from exc
 
 
-def _content_text(message: ChatMessage, index: int) -> str:
-    """Message content as text: a string, or the concatenation of its text parts."""
+def _content_text(message: ChatMessage) -> str:
+    """Message content as text: a string, or the concatenation of its text parts (the only kind accepted)."""
     content = message.content
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    texts: list[str] = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise bad_request(
-                f"messages[{index}].content has a part of type {part.type!r}: only 'text' parts are supported",
-                param=f"messages[{index}].content",
-            )
-        texts.append(part.text)
-    return "".join(texts)
+    return "".join(part.text for part in content)
