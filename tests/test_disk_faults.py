@@ -23,6 +23,7 @@ import subprocess
 import threading
 import types
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Optional
 
 import numpy as np
@@ -528,7 +529,11 @@ def core_disk_slots(eng: Engine) -> dict[int, int]:
     return index
 
 
-def check_never_wrong(eng: Engine, watch: Watch, prompts, reference, turns: int = 2, between=None) -> dict:
+def check_never_wrong(eng: Engine, watch: Watch, prompts, reference, turns: int = 2, between=None,
+                      damaged: AbstractSet[int] = frozenset()) -> dict:
+    """Greedy outputs equal the no-disk run's, no request errs, no slot is read once reported lost,
+    and every slot the core still indexes holds its page (but those in damaged, which the test
+    corrupted behind the store's back and which no read has come to yet)."""
     for t in range(turns):
         if between is not None:
             between(t)
@@ -540,9 +545,9 @@ def check_never_wrong(eng: Engine, watch: Watch, prompts, reference, turns: int 
     watch.store.flush()
     watch.check_lost_slots_are_never_read_again()
     for slot, page_hash in core_disk_slots(eng).items():  # every page the core counts on is there, and is its page
-        watch.store.read(slots(slot))
         meta = watch.store.slot_meta(slot)
-        assert meta is not None and meta.page_hash == page_hash, f"slot {slot} holds another page than the core's"
+        assert slot in damaged or meta is not None and meta.page_hash == page_hash, (
+            f"slot {slot} does not hold the core's page")
     stats = eng.stats()
     dropped = {k: v for k, v in stats.items() if "disk" in k and any(w in k for w in ("invalid", "drop", "lost", "fail"))}
     assert sum(dropped.values()) > 0, f"engine.stats() shows no disk page dropped: {dropped}"
@@ -600,17 +605,19 @@ def test_pages_corrupted_on_disk_are_recomputed_and_never_hit_again(tiny_llama_d
     watch = Watch(eng)
     store = watch.store
 
+    damaged: set[int] = set()
+
     def corrupt_every_other_page(turn: int) -> None:
         if turn != 1:
             return
         store.flush()
-        used = [s for s in range(store.num_slots) if store.slot_meta(s) is not None][::2]
-        assert used, "the first turn wrote pages to disk"
-        for s in used:
+        damaged.update([s for s in range(store.num_slots) if store.slot_meta(s) is not None][::2])
+        assert damaged, "the first turn wrote pages to disk"
+        for s in damaged:
             flip(store.path, HEADER_BYTES + s * store.slot_bytes + store.meta_bytes + 5)
 
-    check_never_wrong(eng, watch, prompts, reference, turns=3, between=corrupt_every_other_page)
-    assert watch.lost(), "a corrupted page was read (and recomputed)"
+    check_never_wrong(eng, watch, prompts, reference, turns=3, between=corrupt_every_other_page, damaged=damaged)
+    assert watch.lost() and watch.lost() <= damaged, "corrupted pages were read (and recomputed), no other was lost"
     eng.shutdown()
 
 

@@ -368,7 +368,7 @@ class DiskPageStore:
                 raw = os.pread(self._f, (from_disk[end - 1][0] - first + 1) * self.slot_bytes,
                                HEADER_BYTES + first * self.slot_bytes)
             except OSError as exc:
-                bad.update((slot, f"it cannot be read: {os_reason(exc)}") for slot, _, _ in from_disk[start:end])
+                bad.update((slot, f"cannot be read ({os_reason(exc)})") for slot, _, _ in from_disk[start:end])
                 start = end
                 continue
             self.bytes_read += len(raw)
@@ -383,9 +383,10 @@ class DiskPageStore:
                     out[i] = self._format.page(record)
             start = end
         if bad:
+            named = [f"slot {s} {why}" for s, why in sorted(bad.items())]
+            more = f"; and {len(named) - 8} more" if len(named) > 8 else ""
             raise CorruptPageError(f"{len(bad)} page(s) read from {self.path} cannot be used: "
-                                   + "; ".join(f"the page in slot {s} {why}" for s, why in sorted(bad.items())),
-                                   slots=sorted(bad))
+                                   + "; ".join(named[:8]) + more, slots=sorted(bad))
         return out
 
     def slot_meta(self, slot: int) -> Optional[SlotMeta]:

@@ -91,7 +91,7 @@ class SlotWriter:
                 elif current >= 0:
                     on_disk[slot] = current
                 else:
-                    missing[slot] = "its write failed" if current == WRITE_FAILED else "it holds no page"
+                    missing[slot] = "was not written (its write failed)" if current == WRITE_FAILED else "holds no page"
         return in_memory, on_disk, missing
 
     def _loop(self) -> None:
