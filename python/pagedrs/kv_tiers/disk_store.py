@@ -16,8 +16,9 @@ store whose header does not match this engine (format version, model fingerprint
 block size, KV geometry, slot count) is started afresh under a new epoch, so that none of
 its old slots can validate again; one warning says why.
 
-Writes go through one background thread, in order. A page still waiting for it is read
-back from memory, so a transfer to disk is complete for the core once it is queued.
+Writes go through one background thread, in order (slot_writer.py; slot_record.py packs
+and checks a slot's bytes). A page still waiting for it is read back from memory, so a
+transfer to disk is complete for the core once it is queued.
 
 The page is lost, never wrong. The store remembers, per slot, the generation of the last
 record queued for it; a read takes the slot's bytes only when they are that record, whole
