@@ -87,6 +87,8 @@ class BlockManager:
 class StepPlan:
     """One step's plan; its Python twin is pagedrs.step_input.StepInput (StepInput.from_plan)."""
 
+    step_id: int
+    """Report it with Scheduler.complete_step once the step ran or failed."""
     seq_ids: npt.NDArray[np.uint64]
     do_sample: npt.NDArray[np.bool_]
     input_ids: npt.NDArray[np.int64]
@@ -170,10 +172,23 @@ class Scheduler:
         arrival: int = 0,
         max_tokens: int = 0,
         num_samples: int = 1,
+        cache_salt: bytes | None = None,
     ) -> None:
-        """Queues a sequence; ValueError (nothing changed) when its worst case can never fit the pool."""
+        """Queues a sequence; ValueError (nothing changed) when its worst case can never fit the pool.
+        A ``cache_salt`` sequence shares prefix pages only with equally salted ones."""
     def schedule(self) -> StepPlan:
-        """Plans the next step (and commits the scheduled tokens' blocks)."""
+        """Plans the next step; what it fills is a prefix hit for later steps once reported
+        (complete_step; the next schedule reports it done). RuntimeError: planning failed
+        part-way and the scheduler is unusable."""
+    def complete_step(self, step_id: int, ok: bool) -> list[int]:
+        """Reports the oldest open step; a failed one caches nothing and resets the sequences
+        it ran or whose pages it lost (returned) to be recomputed."""
+    def open_steps(self) -> list[int]:
+        """Steps handed out and not yet reported, oldest first."""
+    def invalidate_disk_slots(self, slots: Sequence[int]) -> int:
+        """Drops disk slots whose page was lost; returns how many were dropped."""
+    def num_cached_tokens_of(self, seq_id: int) -> int | None:
+        """Prompt tokens the sequence's first admission found cached (None before it)."""
     def append_tokens(self, seq_ids: npt.NDArray[np.uint64], token_ids: npt.NDArray[np.uint32]) -> None:
         """One token per sequence, all or nothing."""
     def complete_transfers(self, ids: Sequence[int]) -> None:

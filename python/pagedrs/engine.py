@@ -40,8 +40,10 @@ from pagedrs.attention import AttentionBackend
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.continuation import BeamSearch, ContinuationPolicy, Decision, IndependentSamples, StepRow
 from pagedrs.engine_args import EngineArgs
+from pagedrs.errors import EngineDeadError
 from pagedrs.executor import LocalExecutor, make_executor, plan_tiers
 from pagedrs.inputs import InputProcessor, PromptType
+from pagedrs.kv_tiers.errors import CorruptPageError
 from pagedrs.models.config import ModelConfig
 from pagedrs.outputs import RequestOutput
 from pagedrs.request import Request, Sample
@@ -66,6 +68,10 @@ class Engine:
         torch.manual_seed(args.seed)
         self.device = torch.device(args.device)
         self.executor = make_executor(args, attention_backend=attention_backend)
+        # What the executor holds (tensor-parallel workers and the process group, a disk store)
+        # is released on shutdown(), on garbage collection or at interpreter exit, whichever
+        # comes first. The finalizer holds the executor, never the engine.
+        self._closer = weakref.finalize(self, self.executor.shutdown)
         self.loaded = self.executor.loaded
         self.tokenizer = self.loaded.tokenizer
         self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
@@ -98,14 +104,13 @@ class Engine:
             sliding_window=_uniform_sliding_window(config) if args.kv_layout == "paged" else None,
         )
         self.scheduler = Scheduler(self.scheduler_config)
-        self._closer = None
         if tiers.seed is not None:
             seed = tiers.seed
             self.scheduler.seed_disk(seed.slots, seed.hashes, seed.parents, seed.tokens, seed.invalidated)
             assert isinstance(self.executor, LocalExecutor)  # plan_tiers opens a store for no other
             self.executor.set_page_meta(self.scheduler.disk_pages)
-            # A clean shutdown flushes the cached pages to disk: on shutdown(), on garbage
-            # collection, or at interpreter exit, whichever comes first.
+            # A clean shutdown also flushes the cached pages to disk first.
+            self._closer.detach()
             self._closer = weakref.finalize(self, _flush_and_close, self.scheduler, self.executor)
         # The layout's rules decide the host pool (none for the contiguous baseline).
         self.executor.init_kv_cache(self.scheduler_config.num_gpu_blocks, self.scheduler_config.num_cpu_blocks)
@@ -133,6 +138,7 @@ class Engine:
         params: Optional[SamplingParams | BeamSearchParams] = None,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
     ) -> None:
         """Validates and queues a request; raises ValueError (or TypeError) with nothing changed.
 
@@ -140,7 +146,10 @@ class Engine:
         search with ``use_beam_search=True``) or BeamSearchParams (beam search).
         ``arrival_time`` (``time.monotonic()``; default now) is when a front end received it,
         as in vLLM: the server's API process stamps it, so the request's metrics count the
-        time it spent reaching the engine."""
+        time it spent reaching the engine. ``cache_salt`` (vLLM's): the request shares
+        prefix-cache pages only with requests of the same salt, on every tier and across
+        restarts (a string of 1 to 256 UTF-8 bytes)."""
+        salt = _cache_salt_bytes(cache_salt)
         if arrival_time is not None and (
             isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not math.isfinite(arrival_time)
         ):  # a NaN would poison the latency histograms' sums for the server's lifetime
@@ -168,6 +177,7 @@ class Engine:
                 arrival=arrival,
                 max_tokens=min(params.max_tokens, self.max_model_len),
                 num_samples=num_samples,
+                cache_salt=salt,
             )
             undo(lambda: self.scheduler.finish(seq_id))
             self._requests[request_id] = request
@@ -229,30 +239,68 @@ class Engine:
         if not self._requests:
             return outputs
         start = time.monotonic()
-        step = StepInput.from_plan(self.scheduler.schedule())
-        self._note_scheduled(step, start)
-        self._peak_running = max(self._peak_running, self.scheduler.num_running)
         touched: dict[str, Request] = {}
         try:
+            plan = self.scheduler.schedule()
+        except RuntimeError as exc:  # planning failed part-way: the core is in no known state
+            dead = EngineDeadError(f"the scheduler failed while it planned a step: {exc}")
+            self._fail_all(dead, touched)
+            raise dead from exc
+        step = StepInput.from_plan(plan)
+        self._note_scheduled(step, start)
+        self._peak_running = max(self._peak_running, self.scheduler.num_running)
+        try:
             logits = self.executor.execute(step)
-        except Exception as exc:  # noqa: BLE001 - a failed forward ends its requests, not the engine
-            logger.exception("the forward pass failed; ending the %d requests in it", step.num_seqs)
-            for seq_id in step.seq_ids.tolist():
-                if seq_id in self._by_seq:
-                    self._fail(self._by_seq[seq_id][0], exc, touched)
+        except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the engine
+            self._on_failed_step(step, exc, touched)
             if getattr(exc, "fatal", False):  # the executor is gone for good: end everything, then say so
-                for request in list(self._requests.values()):
-                    self._fail(request, exc, touched)
-                self._collect(touched)
+                self._fail_all(exc, touched)
                 raise
             return outputs + self._collect(touched)
-        finally:
-            self.scheduler.complete_transfers(self.executor.take_completed_transfers())
+        self.scheduler.complete_transfers(self.executor.take_completed_transfers())
+        self.scheduler.complete_step(step.step_id, True)  # what it wrote becomes a prefix hit
+        self._drop_failed_disk_writes()
         rows = self._rows(step)
         draws = self._draws(rows, touched)
         results = self._sample_attributed(logits, draws, touched) if draws else []
         self._carry_out(self._decide(rows, logits, draws, results, touched), touched)
         return outputs + self._collect(touched)
+
+    def _on_failed_step(self, step: StepInput, exc: BaseException, touched: dict[str, Request]) -> None:
+        """Nothing a failed step wrote is ever served: the core forgets it on every tier
+        and resets the step's sequences (and any whose pages it left unwritten) to be
+        recomputed. A lost disk page (a checksum failure) is the tier's fault, not the
+        request's: its slots leave the disk index and the sequences are simply recomputed.
+        Any other failure ends the requests that were in the step."""
+        self.scheduler.complete_transfers(self.executor.take_completed_transfers())
+        lost_pages = isinstance(exc, CorruptPageError)
+        if lost_pages:
+            dropped = self.scheduler.invalidate_disk_slots(exc.slots)
+            logger.warning("a step read %d disk page(s) that failed their checksum (%d dropped from the tier); "
+                           "recomputing its %d sequences: %s", len(exc.slots), dropped, step.num_seqs, exc)
+        reset = self.scheduler.complete_step(step.step_id, False)
+        self._drop_failed_disk_writes()
+        if lost_pages:
+            return
+        logger.error("the forward pass failed; ending the %d requests in it", step.num_seqs, exc_info=exc)
+        for seq_id in step.seq_ids.tolist():
+            if seq_id in self._by_seq:
+                self._fail(self._by_seq[seq_id][0], exc, touched)
+        if len(reset) > step.num_seqs:
+            logger.warning("the failed step also lost pages of %d paused sequences; they are recomputed",
+                           len(reset) - step.num_seqs)
+
+    def _drop_failed_disk_writes(self) -> None:
+        """Disk writes that failed after they were queued (a full disk): their slots leave
+        the core's index, so the pages are lost, never read back wrong."""
+        failed = self.executor.take_failed_disk_slots()
+        if failed:
+            self.scheduler.invalidate_disk_slots(failed)
+
+    def _fail_all(self, exc: BaseException, touched: dict[str, Request]) -> None:
+        for request in list(self._requests.values()):
+            self._fail(request, exc, touched)
+        self._collect(touched)
 
     def _note_scheduled(self, step: StepInput, start: float) -> None:
         """Queue and prefill bookkeeping of the requests still waiting for their first token
@@ -265,6 +313,8 @@ class Engine:
                 continue
             request = entry[0]
             seen.add(request.request_id)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = self.scheduler.num_cached_tokens_of(seq_id)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = start
                 request.num_steps_queued = self._num_steps - 1 - request.queued_step
@@ -455,10 +505,13 @@ class Engine:
         for request_id in list(self._requests):
             self.abort(request_id)
         self._pending_outputs.clear()
-        if self._closer is not None:
-            self._closer()
-        else:
-            self.executor.shutdown()
+        self._closer()  # once: a second shutdown() (or the collection after it) does nothing
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def check_invariants(self) -> None:
         """The core's invariants plus the engine's: every live sample's sequence is in the core."""
@@ -479,6 +532,25 @@ def _flush_and_close(scheduler: Scheduler, executor: LocalExecutor) -> None:
         scheduler.complete_transfers([t.id for t in transfers])
     finally:
         executor.shutdown()
+
+
+MAX_CACHE_SALT_BYTES = 256
+
+
+def _cache_salt_bytes(cache_salt: object) -> Optional[bytes]:
+    """The salt as the core takes it; ValueError naming ``cache_salt`` when it is not a
+    string of 1 to 256 UTF-8 bytes."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str):
+        raise ValueError(f"cache_salt is {cache_salt!r} ({type(cache_salt).__name__}); it must be a string or None")
+    try:
+        raw = cache_salt.encode("utf-8", errors="strict")
+    except UnicodeEncodeError as exc:  # a lone surrogate
+        raise ValueError(f"cache_salt is not valid UTF-8 text ({exc.reason} at index {exc.start})") from None
+    if not 1 <= len(raw) <= MAX_CACHE_SALT_BYTES:
+        raise ValueError(f"cache_salt is {len(raw)} UTF-8 bytes; it must be 1 to {MAX_CACHE_SALT_BYTES}")
+    return raw
 
 
 def _uniform_sliding_window(config: ModelConfig) -> int | None:

@@ -67,6 +67,10 @@ class Executor(Protocol):
         """Ids of the transfers whose copies have finished since the last call."""
         ...
 
+    def take_failed_disk_slots(self) -> list[int]:
+        """Disk slots whose write failed after it was queued, since the last call."""
+        ...
+
     def memory_bytes(self) -> dict[str, int]:
         """{"weights", "kv_pool", "host_pool"}: what this process holds (rank 0's share under TP)."""
         ...

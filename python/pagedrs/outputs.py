@@ -33,3 +33,6 @@ class RequestOutput:
     finished: bool
     error: Optional[str] = None  # set when the request ended with finish_reason "error"
     metrics: dict[str, float] = field(default_factory=dict)  # arrival_time, first_token_time, finished_time (time.monotonic)
+    # prompt tokens whose K/V the core reused from the prefix cache at the request's first
+    # admission (any tier); None until it was first scheduled (OpenAI's cached_tokens)
+    num_cached_tokens: Optional[int] = None

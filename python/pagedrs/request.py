@@ -55,6 +55,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     queued_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: Optional[float] = None
+    num_cached_tokens: Optional[int] = None  # prompt tokens the core reused at its first admission
     first_token_time: Optional[float] = None
     queued_step: int = 0  # the engine's step count when it was queued
     num_steps_queued: int = 0  # steps that ran without it before its first (admission said no)
@@ -115,6 +116,7 @@ class Request:
             finished=self.finished,
             error=self.error,
             metrics=metrics,
+            num_cached_tokens=self.num_cached_tokens,
         )
 
 

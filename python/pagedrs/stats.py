@@ -43,6 +43,8 @@ class EngineStats:
     num_swap_preemptions: int
     num_recompute_preemptions: int
     num_deferred_forks: int  # n > 1 children that waited for a contiguous region, then were prefilled
+    num_failed_steps: int  # steps reported failed: nothing they wrote was cached, their sequences recomputed or ended
+    disk_pages_invalidated: int  # disk-tier pages dropped because their write or read failed
     num_prompt_tokens_computed: int
     num_cached_prompt_tokens: int
     num_decode_tokens: int

@@ -57,6 +57,7 @@ class StepInput:
     do_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # bool [S] sample after the step
     transfers: tuple[Transfer, ...] = ()  # tier copies, run first and in order
     copies: np.ndarray = field(default_factory=_empty_pairs)  # int64 [N, 2] (src_block, dst_block) on the device
+    step_id: int = 0  # the core's id of this step: Scheduler.complete_step(step_id, ok) once it ran or failed
 
     @classmethod
     def from_plan(cls, plan: Any) -> StepInput:

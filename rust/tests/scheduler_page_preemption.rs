@@ -128,6 +128,7 @@ fn run(seed: u64, whole_sequence_swap: bool, prefix_caching: bool, host_blocks: 
         }
         let out = s.schedule().unwrap();
         runner.step(&mut s, &out, &tokens);
+        s.complete_step(out.step_id, true).unwrap();
         s.check_invariants().unwrap();
         for &id in tokens.keys() {
             if let Ok((device, host)) = s.page_tiers(id) {

@@ -195,6 +195,38 @@ impl Runner {
         }
         Ok(())
     }
+
+    /// A step that fails at `point`: 0 before anything ran (every transfer destination torn),
+    /// 1 after the transfers and copies with half of the forward's K/V written as garbage, 2
+    /// with only the first transfers done and reported (the rest torn). Reports the step
+    /// failed and returns the sequences the core reset.
+    fn fail_step(&mut self, s: &mut Scheduler, out: &SchedulerOutput, point: u64) -> Result<Vec<u64>, TestCaseError> {
+        const GARBAGE: Option<u32> = Some(u32::MAX);
+        let done = match point {
+            0 => 0,
+            1 => out.transfers.len(),
+            _ => out.transfers.len() / 2,
+        };
+        for (i, t) in out.transfers.iter().enumerate() {
+            if i < done {
+                self.copy(&t.pairs, t.src, t.dst);
+            } else {
+                let bs = self.bs;
+                for &(_, d) in &t.pairs {
+                    self.mem(t.dst)[d as usize * bs..(d as usize + 1) * bs].fill(GARBAGE);
+                }
+            }
+        }
+        let ids: Vec<u64> = out.transfers[..done].iter().map(|t| t.id).collect();
+        s.complete_transfers(&ids).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        if point == 1 {
+            self.copy(&out.copies, Tier::Gpu, Tier::Gpu);
+            for &slot in out.slot_mapping.iter().step_by(2) {
+                self.gpu[slot as usize] = GARBAGE;
+            }
+        }
+        s.complete_step(out.step_id, false).map_err(|e| TestCaseError::fail(format!("complete_step failed: {e}")))
+    }
 }
 
 fn build(cfg: &Setup) -> Scheduler {
@@ -232,6 +264,16 @@ fn build(cfg: &Setup) -> Scheduler {
 /// few steps late (the sequence idles meanwhile, running, paused or parked), and extra
 /// forks of a live sequence in whatever state it is.
 fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseError> {
+    run_failing(cfg, reqs, chaos, None)
+}
+
+/// [`run`], where `failures` (a seed) makes about one step in eight fail at a random point
+/// (see `Runner::fail_step`), at most four in a run (a failure restarts its sequences, so
+/// a tiny budget with more would never finish); every step is reported with `complete_step`, explicitly or
+/// (every other one) by the next `schedule`. A failed step's sequences start again from
+/// their first token, so the outputs must still be the model's.
+fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<u64>) -> Result<u64, TestCaseError> {
+    let fail_roll = |step: u64, salt: u64, n: u64| failures.map(|f| mix(f ^ step.wrapping_mul(0x9E37_79B9) ^ salt) % n);
     let mut draws = 0u64;
     let mut roll = |n: u64| -> u64 {
         draws += 1;
@@ -254,6 +296,7 @@ fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseEr
     let mut ended: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
     let mut held: BTreeMap<u64, (u64, u32)> = BTreeMap::new(); // seq → (step it is handed over, token)
     let mut next_child = EXTRA_CHILDREN;
+    let mut num_failed = 0;
     let last_arrival = reqs.iter().map(|r| r.arrive_at).max().unwrap_or(0);
     // PAGEDRS_TRACE=1 prints each step (run one case with it to see a failure unfold).
     let trace = std::env::var("PAGEDRS_TRACE").is_ok_and(|v| v == "1");
@@ -298,10 +341,26 @@ fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseEr
                 eprintln!("   seq {id}: {} tokens, held {:?}, tiers {:?}, table {:?}", s.num_tokens(*id).unwrap(), held.get(id), s.page_tiers(*id).ok(), s.kv().block_table(*id).ok());
             }
         }
-        runner.step(&mut s, &out, &tokens, window)?;
+        let failed = num_failed < 4 && fail_roll(step, 1, 8) == Some(0);
+        if failed {
+            num_failed += 1;
+            let point = fail_roll(step, 2, 3).expect("failures are on");
+            let reset = runner.fail_step(&mut s, &out, point)?;
+            if trace {
+                eprintln!("   step {step} failed at point {point}; reset {reset:?}");
+            }
+            for id in &out.seq_ids {
+                prop_assert!(reset.contains(id), "sequence {} of the failed step {} was not reset: {:?}", id, step, reset);
+            }
+        } else {
+            runner.step(&mut s, &out, &tokens, window)?;
+            if failures.is_none() || fail_roll(step, 3, 2) == Some(0) {
+                s.complete_step(out.step_id, true).map_err(|e| TestCaseError::fail(format!("complete_step: {e}")))?;
+            }
+        }
         s.check_invariants().map_err(|e| TestCaseError::fail(format!("after step {step}: {e}")))?;
         for (i, &id) in out.seq_ids.iter().enumerate() {
-            if !out.do_sample[i] {
+            if failed || !out.do_sample[i] {
                 continue;
             }
             let mut samples = vec![id];
@@ -367,7 +426,11 @@ fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseEr
             prop_assert_eq!(ended.get(id), Some(want), "sequence {} did not finish with the model's tokens", id);
         }
     }
-    // A clean shutdown's flush to disk, then every page is free on every tier.
+    // The last step is reported; a clean shutdown's flush to disk; then every page is
+    // free on every tier.
+    for step in s.open_steps() {
+        s.complete_step(step, true).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    }
     for t in s.flush_to_disk() {
         runner.copy(&t.pairs, t.src, t.dst);
         s.complete_transfers(&[t.id]).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -449,8 +512,9 @@ proptest! {
         cfg in setup(),
         reqs in proptest::collection::vec(req(), 1..16),
         chaos in prop_oneof![Just(None), any::<u64>().prop_map(Some)],
+        failures in prop_oneof![Just(None), any::<u64>().prop_map(Some)],
     ) {
-        run(cfg, reqs, chaos)?;
+        run_failing(cfg, reqs, chaos, failures)?;
     }
 }
 /// Found by this test: a copy on write reads its source page after the step's swap-ins
@@ -462,4 +526,28 @@ fn a_copy_on_write_source_is_not_refilled_by_a_swap_in_of_the_same_step() {
     let cfg = Setup { layout: KvLayout::Paged, gpu_blocks: 7, block_size: 5, cpu_blocks: 4, disk_blocks: 0, prefix_caching: false, host_cache_evicted: false, watermark: 0.0, mode: PreemptionMode::Swap, window: None, budget: 15, max_num_seqs: 3, policy: AdmissionPolicy::PromptOnly, prefill_first: true, whole_sequence_swap: false, aging_steps: 1, };
     let reqs = vec![ Req { shared: 11, own: 10, max_tokens: 1, samples: 1, priority: 2, arrive_at: 8, abort_after: None, }, Req { shared: 10, own: 3, max_tokens: 7, samples: 2, priority: 0, arrive_at: 1, abort_after: None, }, Req { shared: 7, own: 4, max_tokens: 7, samples: 2, priority: 0, arrive_at: 5, abort_after: None, }, Req { shared: 0, own: 1, max_tokens: 2, samples: 1, priority: 0, arrive_at: 7, abort_after: None, }, Req { shared: 11, own: 5, max_tokens: 2, samples: 1, priority: 0, arrive_at: 7, abort_after: None, }, Req { shared: 1, own: 10, max_tokens: 6, samples: 1, priority: 0, arrive_at: 5, abort_after: None, }, Req { shared: 8, own: 1, max_tokens: 5, samples: 1, priority: 0, arrive_at: 0, abort_after: None, }, Req { shared: 5, own: 2, max_tokens: 10, samples: 1, priority: 0, arrive_at: 1, abort_after: None, }, Req { shared: 8, own: 3, max_tokens: 2, samples: 1, priority: 0, arrive_at: 0, abort_after: None, }, Req { shared: 0, own: 1, max_tokens: 1, samples: 1, priority: 0, arrive_at: 10, abort_after: None, }, ];
     run(cfg, reqs, Some(3501864999417049494)).unwrap();
+}
+
+/// Found by this test with failed steps: a fork taken mid-prefill recomputes positions into
+/// pages it shares with its parent; a step that failed half way through such a write left
+/// garbage in a page that was already a prefix hit, and a later admission read it. Every
+/// page a failed step writes now leaves the cache, and every holder starts again.
+#[test]
+fn a_failed_step_that_half_wrote_a_shared_page_is_never_served() {
+    let cfg = Setup { layout: KvLayout::Paged, gpu_blocks: 12, block_size: 1, cpu_blocks: 0, disk_blocks: 0, prefix_caching: true, host_cache_evicted: false, watermark: 0.0, mode: PreemptionMode::Swap, window: None, budget: 1, max_num_seqs: 1, policy: AdmissionPolicy::PromptOnly, prefill_first: false, whole_sequence_swap: false, aging_steps: 0 };
+    let reqs = vec![Req { shared: 3, own: 2, max_tokens: 2, samples: 1, priority: 0, arrive_at: 0, abort_after: None }];
+    run_failing(cfg, reqs, Some(7765531575336454908), Some(6226915633237141005)).unwrap();
+}
+
+/// Found by `make fuzz` (docs/open_fuzz_case.md): sequence 4 read wrong K/V at positions
+/// 0..3 (a sliding window, host and disk tiers, whole-sequence swap).
+#[test]
+fn the_open_fuzz_case_of_issue_23_reads_back_every_token() {
+    let cfg = Setup { layout: KvLayout::Paged, gpu_blocks: 8, block_size: 4, cpu_blocks: 7, disk_blocks: 5, prefix_caching: true, host_cache_evicted: false, watermark: 0.0, mode: PreemptionMode::Swap, window: Some(7), budget: 12, max_num_seqs: 3, policy: AdmissionPolicy::ExpectedGrowth, prefill_first: false, whole_sequence_swap: true, aging_steps: 0 };
+    let r = |shared, own, max_tokens, priority, abort_after| Req { shared, own, max_tokens, samples: 1, priority, arrive_at: 4, abort_after };
+    let reqs = vec![
+        r(0, 1, 1, 1, Some(8)), r(4, 9, 2, 1, None), r(9, 3, 1, 2, None), r(0, 1, 1, 1, None), r(0, 1, 1, 1, None),
+        r(3, 2, 20, 0, None), r(0, 1, 1, 1, None), r(2, 4, 10, 1, None), r(0, 5, 20, 0, None), r(5, 4, 11, 0, None),
+    ];
+    run(cfg, reqs, Some(4810555787701495631)).unwrap();
 }

@@ -79,6 +79,7 @@ def decode(buf: Any) -> StepInput:
         count = int(np.prod(shape)) if ndim else 1
         arrays.append(np.frombuffer(view, dtype=dtype, count=count, offset=offset).reshape(shape).copy())
     values: dict[str, Any] = dict(zip(_ARRAY_FIELDS, arrays[: len(_ARRAY_FIELDS)]))
+    values["step_id"] = int(values["step_id"].reshape(-1)[0])  # a scalar, carried as a 1-element array
     values["transfers"] = tuple(
         Transfer(int(tid), TIERS[src], TIERS[dst], arrays[index]) for tid, src, dst, _pad, index in transfers
     )

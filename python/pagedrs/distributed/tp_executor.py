@@ -25,10 +25,13 @@ other workers. A worker whose parent (rank 0) dies exits at once: no orphans.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import logging
 import os
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -89,6 +92,7 @@ class TPExecutor:
         self.size = args.tensor_parallel_size
         self.device = torch.device(args.device)
         self._workers: list[Any] = []
+        self._exit_hook: Any = None
         self._dead: str | None = None
         self._stopping = False
         self._completed: list[int] = []
@@ -132,6 +136,10 @@ class TPExecutor:
                             name=f"pagedrs-tp-{rank}", daemon=True)
             p.start()
             self._workers.append(p)
+        # At interpreter exit, stop the workers before multiprocessing's exit hook (registered
+        # earlier, so run later) terminates them mid-command and leaves the group behind.
+        self._exit_hook = functools.partial(_shutdown_at_exit, weakref.ref(self))
+        atexit.register(self._exit_hook)
         try:
             dist.init_process_group(_backend_name(self.device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=self.size, timeout=_COLLECTIVE_TIMEOUT)
@@ -215,14 +223,24 @@ class TPExecutor:
         done, self._completed = self._completed, []
         return done
 
+    def take_failed_disk_slots(self) -> list[int]:
+        return []  # tensor parallelism runs without the disk tier (refused at startup)
+
     def memory_bytes(self) -> dict[str, int]:
         return self.shard.local.memory_bytes()
 
     def shutdown(self) -> None:
+        """Stops the workers (STOP, else killed after 10 s) and destroys the process group; idempotent.
+        Besides shutdown(), the engine's finalizer calls it on garbage collection, and an exit
+        hook at interpreter exit. No STOP goes to a group with a dead worker: a broadcast to a
+        dead rank could wait for the collective timeout."""
         if self._stopping:
             return
         self._stopping = True
-        if self._dead is None and dist.is_initialized() and not _launched_by_torchrun():
+        if self._exit_hook is not None:
+            atexit.unregister(self._exit_hook)
+        workers_alive = all(p.is_alive() for p in self._workers)
+        if self._dead is None and workers_alive and dist.is_initialized() and not _launched_by_torchrun():
             try:
                 self._command(_STOP)
             except Exception:  # noqa: BLE001 - a broken group: the workers are killed below
@@ -237,6 +255,12 @@ class TPExecutor:
             except Exception:  # noqa: BLE001
                 pass
         parallel_state.set_tensor_parallel(0, 1)  # this process may build a one-rank engine again
+
+
+def _shutdown_at_exit(executor: weakref.ref[TPExecutor]) -> None:
+    live = executor()
+    if live is not None:
+        live.shutdown()
 
 
 def _launched_by_torchrun() -> bool:

@@ -39,17 +39,17 @@ pub(super) struct Plan {
 }
 
 impl BlockManager {
-    fn plan(&self, tokens: &[TokenId]) -> Plan {
+    fn plan(&self, tokens: &[TokenId], root: u64) -> Plan {
         let bs = self.cfg.block_size;
         let num_blocks = tokens.len().div_ceil(bs);
         if let Some(window) = self.cfg.sliding_window {
-            return self.window_plan(tokens, window);
+            return self.window_plan(tokens, window, root);
         }
         let mut plan = Plan { skipped: 0, hits: Vec::new(), hashes: Vec::new(), cost: num_blocks };
         if !self.cfg.enable_prefix_caching {
             return plan;
         }
-        let mut parent = self.root;
+        let mut parent = root;
         for block in tokens[..tokens.len() - 1].chunks_exact(bs) {
             let h = block_hash(parent, block);
             let Some(hit) = self.find_hit(h, parent, block) else { break };
@@ -64,9 +64,10 @@ impl BlockManager {
     }
 
     /// Where the block hashed `h` (after `parent`, holding `block`) is cached: the device
-    /// first, then the host and disk tiers.
+    /// first (a block the step being planned writes counts, see `publish`), then the host
+    /// and disk tiers.
     pub(super) fn find_hit(&self, h: u64, parent: u64, block: &[TokenId]) -> Option<Hit> {
-        if let Some(b) = self.gpu.cache.lookup(h, parent, block) {
+        if let Some(b) = self.gpu.cache.lookup(h, parent, block).or_else(|| self.current_step_block(h, parent, block)) {
             Some(Hit::Gpu(b))
         } else if let Some(c) = self.lower_lookup(Tier::Cpu, h, parent, block) {
             Some(Hit::Host(c))
@@ -92,24 +93,35 @@ impl BlockManager {
 
     /// Free device blocks `allocate(tokens)` would consume (see the module diagram).
     pub fn num_blocks_to_allocate(&self, tokens: &[TokenId]) -> usize {
+        self.num_blocks_to_allocate_under(tokens, self.root)
+    }
+
+    /// [`num_blocks_to_allocate`](Self::num_blocks_to_allocate) for a chain seeded by
+    /// `root` (see [`salted_root`](Self::salted_root)).
+    pub fn num_blocks_to_allocate_under(&self, tokens: &[TokenId], root: u64) -> usize {
         if tokens.is_empty() {
             return 0;
         }
-        self.plan(tokens).cost
+        self.plan(tokens, root).cost
     }
 
     /// Leading tokens `allocate(_, tokens)` would find cached (its return value).
     pub fn num_cached_tokens(&self, tokens: &[TokenId]) -> usize {
+        self.num_cached_tokens_under(tokens, self.root)
+    }
+
+    /// [`num_cached_tokens`](Self::num_cached_tokens) for a chain seeded by `root`.
+    pub fn num_cached_tokens_under(&self, tokens: &[TokenId], root: u64) -> usize {
         if tokens.is_empty() {
             return 0;
         }
-        let plan = self.plan(tokens);
+        let plan = self.plan(tokens, root);
         (plan.skipped + plan.hits.len()) * self.cfg.block_size
     }
 
     /// Whether `allocate(_, tokens)` would succeed now.
     pub fn can_allocate(&self, tokens: &[TokenId]) -> bool {
-        !tokens.is_empty() && self.plan(tokens).cost <= self.gpu.num_free()
+        !tokens.is_empty() && self.plan(tokens, self.root).cost <= self.gpu.num_free()
     }
 
     /// Pages for the whole prompt, reusing cached blocks of an equal prefix. Returns how
@@ -118,11 +130,17 @@ impl BlockManager {
     /// On OutOfBlocks nothing changes, counters included: the scheduler retries a
     /// failed allocation later and must not count its queries twice.
     pub fn allocate(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<usize, CoreError> {
+        self.allocate_under(seq, tokens, self.root)
+    }
+
+    /// [`allocate`](Self::allocate) for a chain seeded by `root` (a salted prompt's, see
+    /// [`salted_root`](Self::salted_root)); the sequence keeps hashing under it.
+    pub fn allocate_under(&mut self, seq: SeqId, tokens: &[TokenId], root: u64) -> Result<usize, CoreError> {
         if self.seqs.contains_key(&seq) {
             return Err(invalid!("sequence id {seq} is already allocated; free it first or use a new id"));
         }
         self.check_prompt(Some(seq), tokens)?;
-        let plan = self.plan(tokens);
+        let plan = self.plan(tokens, root);
         let available = self.gpu.num_free();
         if plan.cost > available {
             return Err(CoreError::OutOfBlocks { tier: Tier::Gpu, needed: plan.cost, available });
@@ -164,7 +182,7 @@ impl BlockManager {
             };
             let g = fresh_iter.next().expect("took one per lower-tier hit");
             table[i] = g;
-            let parent = if i == 0 { self.root } else { plan.hashes[i - 1] };
+            let parent = if i == 0 { root } else { plan.hashes[i - 1] };
             self.bring_back(tier, src, g, plan.hashes[i], parent, &tokens[i * bs..(i + 1) * bs]);
         }
         table.extend(fresh_iter);
@@ -176,10 +194,10 @@ impl BlockManager {
             self.stats.prefix_hits += num_hits as u64;
             self.stats.host_cache_hits += num_host_hits as u64;
             self.stats.disk_cache_hits += num_disk_hits as u64;
-            let parent = plan.hashes.last().copied().unwrap_or(self.root);
+            let parent = plan.hashes.last().copied().unwrap_or(root);
             self.count_misses(tokens, num_hits, parent);
         }
-        let seq_state = Sequence::on_device(table, tokens.to_vec(), plan.hashes, num_hits * bs, plan.skipped);
+        let seq_state = Sequence::on_device(table, tokens.to_vec(), plan.hashes, num_hits * bs, plan.skipped, root);
         self.seqs.insert(seq, seq_state);
         Ok(num_hits * bs)
     }
@@ -198,24 +216,24 @@ impl BlockManager {
         }
         let caching = self.cfg.enable_prefix_caching;
         let bs = self.cfg.block_size;
-        let root = self.root;
-        let s = self.seqs.get_mut(&seq).expect("checked above");
+        let mut s = self.seqs.remove(&seq).expect("checked above");
         s.committed = s.committed.max(num_computed_tokens);
-        if !caching {
-            return Ok(());
-        }
-        for i in s.hashes.len()..s.committed / bs {
-            let parent = s.hashes.last().copied().unwrap_or(root);
-            let block = &s.tokens[i * bs..(i + 1) * bs];
-            let h = block_hash(parent, block);
-            // Already hashed (shared with a fork that committed first) or the same content
-            // cached in another block: either way this block stays as it is. A placeholder
-            // (released out of the sliding window) has no page; its hash keeps the chain.
-            if s.table[i] != NULL_BLOCK {
-                self.gpu.cache.insert(s.table[i], h, parent, block);
+        if caching {
+            for i in s.hashes.len()..s.committed / bs {
+                let parent = s.parent_hash(i);
+                let block = &s.tokens[i * bs..(i + 1) * bs];
+                let h = block_hash(parent, block);
+                // Already hashed (shared with a fork that committed first) or the same content
+                // cached in another block: either way this block stays as it is. A placeholder
+                // (released out of the sliding window) has no page; its hash keeps the chain.
+                // In the scheduler's mode the block is a hit only once its step completes.
+                if s.table[i] != NULL_BLOCK {
+                    self.publish_or_defer(s.table[i], h, parent, block);
+                }
+                s.hashes.push(h);
             }
-            s.hashes.push(h);
         }
+        self.seqs.insert(seq, s);
         Ok(())
     }
 }

@@ -36,12 +36,23 @@ pub(crate) struct Sequence {
     /// Leading entries released out of the sliding window: each is `NULL_BLOCK`, uses no
     /// page, and lies wholly before `committed` (see `window`); never on the host.
     pub(crate) released: usize,
+    /// The seed of this sequence's hash chain (the manager's root, or a salted one).
+    pub(crate) root: u64,
 }
 
 impl Sequence {
     /// A sequence on the device: every entry a device block (or a released placeholder).
-    pub(crate) fn on_device(table: Vec<BlockId>, tokens: Vec<TokenId>, hashes: Vec<u64>, committed: usize, released: usize) -> Self {
-        Sequence { on_host: vec![false; table.len()], num_host: 0, paused: false, table, tokens, hashes, committed, released }
+    pub(crate) fn on_device(table: Vec<BlockId>, tokens: Vec<TokenId>, hashes: Vec<u64>, committed: usize, released: usize, root: u64) -> Self {
+        Sequence { on_host: vec![false; table.len()], num_host: 0, paused: false, table, tokens, hashes, committed, released, root }
+    }
+
+    /// The hash of the block before block `i` of the chain (the root for the first).
+    pub(crate) fn parent_hash(&self, i: usize) -> u64 {
+        if i == 0 {
+            self.root
+        } else {
+            self.hashes[i - 1]
+        }
     }
 
     /// Paused by a swap: the sequence cannot run until it is swapped in.

@@ -23,6 +23,9 @@ impl BlockManager {
             };
             *users.get_mut(b as usize).ok_or_else(|| format!("pinned {tier} block {b} out of range"))? += 1;
         }
+        for b in self.publications.pinned() {
+            *gpu_users.get_mut(b as usize).ok_or_else(|| format!("publication pin on device block {b} out of range"))? += 1;
+        }
         for &b in &self.cow_pins {
             *gpu_users.get_mut(b as usize).ok_or_else(|| format!("copy-on-write pin on device block {b} out of range"))? += 1;
         }
@@ -90,7 +93,9 @@ impl BlockManager {
         check_tier("cpu", &self.cpu, &cpu_users)?;
         check_tier("disk", &self.disk, &disk_users)?;
         // A disk slot is only ever a cached page: in use means pinned by a copy.
-        if let Some(b) = (0..self.cfg.num_disk_blocks as BlockId).find(|&b| self.disk.refs.get(b) > 0 && self.disk.cache.hash_of(b).is_none()) {
+        // (A slot invalidated while pinned caches nothing until its pin goes.)
+        let uncached_in_use = |b: BlockId| self.disk.refs.get(b) > 0 && self.disk.cache.hash_of(b).is_none() && !self.disk_invalidated_pinned.contains(&b);
+        if let Some(b) = (0..self.cfg.num_disk_blocks as BlockId).find(|&b| uncached_in_use(b)) {
             return Err(format!("disk: block {b} is in use but caches no page"));
         }
         if !self.cfg.host_cache_evicted && self.cpu.cache.num_cached() > 0 {

@@ -25,6 +25,7 @@ mod invariants;
 mod lru;
 mod page_swap;
 pub(crate) mod prefix_cache;
+mod publish;
 mod swap;
 pub(crate) mod tier;
 mod tiers;
@@ -130,6 +131,8 @@ pub struct BlockManagerStats {
     /// Device pages released from block tables because they fell out of the sliding
     /// window (one per table entry; a page shared by forks is counted per table).
     pub window_released_blocks: u64,
+    /// Disk pages dropped from the tier's index because their write or read failed.
+    pub disk_pages_invalidated: u64,
 }
 
 /// The KV-cache memory of one model: every tier and every sequence's block table.
@@ -151,6 +154,12 @@ pub struct BlockManager {
     /// Pins of copies handed out by [`start_transfers`](Self::start_transfers) and
     /// not yet completed, by transfer id.
     inflight_pins: std::collections::BTreeMap<TransferId, Vec<Pin>>,
+    /// The destination tier and blocks of each transfer in flight (what a failed one
+    /// leaves unwritten, see [`fail_transfers`](Self::fail_transfers)).
+    inflight_dst: std::collections::BTreeMap<TransferId, (Tier, Vec<BlockId>)>,
+    /// Disk slots invalidated while a copy still pinned them: they cache nothing and go
+    /// back to the pool when the pin does (see [`invalidate_disk_slots`](Self::invalidate_disk_slots)).
+    disk_invalidated_pinned: std::collections::BTreeSet<BlockId>,
     /// Why pages that left every tier are gone (for miss reasons).
     misses: MissLog,
     /// Id of the next transfer handed out.
@@ -163,6 +172,11 @@ pub struct BlockManager {
     pin_cow_sources: bool,
     /// Device blocks that copies on write read and that are pinned (`pin_cow_sources`).
     cow_pins: Vec<BlockId>,
+    /// When set (the scheduler's mode), blocks a step writes join the device cache only
+    /// when the step is reported complete (see `publish`).
+    defer_publish: bool,
+    /// Device blocks written by steps not yet reported, each pinned (see `publish`).
+    publications: publish::Publications,
     /// Scratch: blocks taken in one call.
     taken: Vec<BlockId>,
     /// Scratch: (block, hash) of the device blocks evicted in one call.
@@ -204,11 +218,15 @@ impl BlockManager {
             root: root_seed(cfg.cache_salt),
             pending: Pending::default(),
             inflight_pins: Default::default(),
+            inflight_dst: Default::default(),
+            disk_invalidated_pinned: Default::default(),
             misses: MissLog::new(4 * (cfg.num_gpu_blocks + cfg.num_cpu_blocks + cfg.num_disk_blocks) + 1024),
             next_transfer_id: 1,
             pin_swap_in_sources: false,
             pin_cow_sources: false,
             cow_pins: Vec::new(),
+            defer_publish: false,
+            publications: Default::default(),
             taken: Vec::new(),
             evicted: Vec::new(),
             cfg,
@@ -241,6 +259,16 @@ impl BlockManager {
     /// The seed of every chain's first block hash (a persistent store records it per page).
     pub fn root_hash(&self) -> u64 {
         self.root
+    }
+    /// The chain seed of prompts salted with `salt` (vLLM's per-request `cache_salt`):
+    /// prompts with different salts never share a page, on any tier or across restarts
+    /// (the disk tier keys pages by this chain). No salt is [`root_hash`](Self::root_hash).
+    pub fn salted_root(&self, salt: Option<&[u8]>) -> u64 {
+        prefix_cache::salted_root(self.root, salt)
+    }
+    /// The chain seed a live sequence's blocks hash under.
+    pub fn root_of(&self, seq: SeqId) -> Result<u64, CoreError> {
+        Ok(self.seq(seq)?.root)
     }
     /// Device blocks allocatable now, counting evictable cached blocks.
     pub fn num_free_gpu_blocks(&self) -> usize {

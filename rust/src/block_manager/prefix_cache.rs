@@ -23,6 +23,20 @@ pub(crate) fn root_seed(salt: Option<u64>) -> u64 {
     }
 }
 
+/// The seed of the chains of prompts salted with `salt` (a per-request cache salt) under
+/// the manager's `root`; `None` keeps `root`. Domain-separated from block hashes.
+pub(crate) fn salted_root(root: u64, salt: Option<&[u8]>) -> u64 {
+    match salt {
+        None => root,
+        Some(s) => {
+            let mut bytes = Vec::with_capacity(s.len() + 16);
+            bytes.extend_from_slice(b"pagedrs-salt\0");
+            bytes.extend_from_slice(s);
+            xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, root)
+        }
+    }
+}
+
 /// The chained hash of one full block.
 #[inline]
 ///

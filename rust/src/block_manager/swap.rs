@@ -115,7 +115,7 @@ impl BlockManager {
                 if !s.on_host[i] || reuse.contains_key(&s.table[i]) {
                     continue;
                 }
-                let parent = if i == 0 { self.root } else { s.hashes[i - 1] };
+                let parent = s.parent_hash(i);
                 if let Some(g) = self.gpu.cache.lookup(h, parent, &s.tokens[i * bs..(i + 1) * bs]) {
                     reuse.insert(s.table[i], g);
                 }
@@ -167,17 +167,18 @@ impl BlockManager {
         self.taken = device;
         let bs = self.cfg.block_size;
         for id in seqs {
-            let s = self.seqs.get_mut(id).expect("checked");
+            let mut s = self.seqs.remove(id).expect("checked");
             for (b, host) in s.table.iter_mut().zip(s.on_host.iter_mut()).filter(|(_, h)| **h) {
                 *b = to_device[b];
                 *host = false;
             }
             s.num_host = 0;
             s.paused = false;
+            // In the scheduler's mode a page copied back is a hit once its step completes.
             for (i, &h) in s.hashes.iter().enumerate().skip(s.released) {
-                let parent = if i == 0 { self.root } else { s.hashes[i - 1] };
-                self.gpu.cache.insert(s.table[i], h, parent, &s.tokens[i * bs..(i + 1) * bs]);
+                self.publish_or_defer(s.table[i], h, s.parent_hash(i), &s.tokens[i * bs..(i + 1) * bs]);
             }
+            self.seqs.insert(*id, s);
         }
         self.stats.swap_in_blocks += copies.len() as u64;
         Ok(copies)
@@ -188,6 +189,6 @@ impl BlockManager {
     /// content by a pending copy and joins the device cache.
     pub(super) fn bring_back(&mut self, tier: Tier, src: BlockId, g: BlockId, hash: u64, parent: u64, tokens: &[u32]) {
         self.pending.push(tier, Tier::Gpu, (src, g), Some((tier, src)));
-        self.gpu.cache.insert(g, hash, parent, tokens);
+        self.publish_or_defer(g, hash, parent, tokens);
     }
 }

@@ -216,6 +216,32 @@ impl BlockManager {
         Ok(count)
     }
 
+    /// Disk slots whose page was lost (a write that failed after it was queued, a read
+    /// that failed its checksum): each leaves the disk tier's index at once, so no later
+    /// prefix lookup hits it, and its slot is reused (once no copy pins it). A later
+    /// miss on its page counts as invalidated. Out-of-range or uncached slots are
+    /// ignored. Returns how many slots were dropped.
+    pub fn invalidate_disk_slots(&mut self, slots: &[BlockId]) -> usize {
+        let mut dropped = 0;
+        for &b in slots {
+            if b as usize >= self.cfg.num_disk_blocks {
+                continue;
+            }
+            let Some(h) = self.disk.cache.uncache(b) else { continue };
+            self.misses.record(h, MissReason::Invalidated);
+            dropped += 1;
+            if self.disk.refs.get(b) == 0 {
+                // It was evictable: out of the LRU list, back to the pool.
+                self.disk.cache.evictable.remove(b);
+                self.disk.pool.put(&[b]);
+            } else {
+                self.disk_invalidated_pinned.insert(b);
+            }
+        }
+        self.stats.disk_pages_invalidated += dropped as u64;
+        dropped
+    }
+
     /// The page disk slot `slot` caches (hash, parent, tokens), if any: what the runner
     /// records in the slot when it writes it.
     pub fn disk_page(&self, slot: BlockId) -> Option<DiskPage> {

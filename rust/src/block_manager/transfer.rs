@@ -22,8 +22,16 @@
 //! A tier is a value: the runner maps a tier name to its storage, not a code path per
 //! pair of tiers.
 
-use super::{BlockManager, CopyPairs};
-use crate::error::{invalid, BlockId, CoreError, Tier};
+use super::{BlockManager, CopyPairs, MissReason};
+use crate::error::{invalid, BlockId, CoreError, SeqId, Tier};
+
+fn tier_index(tier: Tier) -> usize {
+    match tier {
+        Tier::Gpu => 0,
+        Tier::Cpu => 1,
+        Tier::Disk => 2,
+    }
+}
 
 /// Identifies one handed-out transfer until it completes. Never reused.
 pub type TransferId = u64;
@@ -96,6 +104,7 @@ impl BlockManager {
             let id = self.next_transfer_id;
             self.next_transfer_id += 1;
             self.inflight_pins.insert(id, pins);
+            self.inflight_dst.insert(id, (dst, pairs.iter().map(|&(_, d)| d).collect()));
             transfers.push(Transfer { id, src, dst, pairs });
         }
         transfers
@@ -104,6 +113,46 @@ impl BlockManager {
     /// The runner finished these transfers: their pins are released. All ids must be in
     /// flight and distinct; otherwise nothing changes.
     pub fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError> {
+        self.check_in_flight(ids)?;
+        self.release_transfers(ids);
+        Ok(())
+    }
+
+    /// The runner could not finish these transfers (their step failed): every destination
+    /// page may hold anything, so it is forgotten on its tier — a host or disk page leaves
+    /// that tier's cache, a device page never joined it (the failed step's publications
+    /// are dropped, see `publish`) or leaves it — and the pins go. Returns the live
+    /// sequences whose block tables point at a destination (a swap-out's host pages, a
+    /// swap-in's or a prefix hit's device pages): their K/V is lost, so the caller must
+    /// recompute or end them. All ids must be in flight and distinct; otherwise nothing
+    /// changes.
+    pub fn fail_transfers(&mut self, ids: &[TransferId]) -> Result<Vec<SeqId>, CoreError> {
+        self.check_in_flight(ids)?;
+        let mut lost: [std::collections::HashSet<BlockId>; 3] = Default::default();
+        for id in ids {
+            let (tier, blocks) = self.inflight_dst.get(id).expect("checked above");
+            let i = tier_index(*tier);
+            lost[i].extend(blocks.iter().copied());
+        }
+        for (tier, blocks) in [Tier::Gpu, Tier::Cpu, Tier::Disk].into_iter().zip(&lost) {
+            for &b in blocks {
+                if let Some(h) = self.pool_mut(tier).cache.uncache(b) {
+                    self.misses.record(h, MissReason::Invalidated);
+                }
+            }
+        }
+        let mut seqs: Vec<SeqId> = self
+            .seqs
+            .iter()
+            .filter(|(_, s)| s.pages().any(|(b, host)| lost[tier_index(if host { Tier::Cpu } else { Tier::Gpu })].contains(&b)))
+            .map(|(&id, _)| id)
+            .collect();
+        seqs.sort_unstable();
+        self.release_transfers(ids);
+        Ok(seqs)
+    }
+
+    fn check_in_flight(&self, ids: &[TransferId]) -> Result<(), CoreError> {
         for (i, id) in ids.iter().enumerate() {
             if !self.inflight_pins.contains_key(id) || ids[..i].contains(id) {
                 return Err(invalid!(
@@ -112,14 +161,20 @@ impl BlockManager {
                 ));
             }
         }
+        Ok(())
+    }
+
+    fn release_transfers(&mut self, ids: &[TransferId]) {
         for id in ids {
+            self.inflight_dst.remove(id);
             for (tier, b) in self.inflight_pins.remove(id).expect("checked above") {
                 self.pool_mut(tier).release(b, 1);
             }
         }
+        let disk = &self.disk;
+        self.disk_invalidated_pinned.retain(|&b| disk.refs.get(b) > 0);
         self.cpu.flush();
         self.disk.flush();
-        Ok(())
     }
 
     /// Ids of transfers handed out and not yet completed, oldest first.

@@ -92,7 +92,7 @@ impl BlockManager {
 
     /// The prefix lookup of a windowed manager (see the module docs): the longest run of
     /// `h` eligible blocks whose window before token `h * bs` is cached on some tier.
-    pub(super) fn window_plan(&self, tokens: &[TokenId], window: usize) -> Plan {
+    pub(super) fn window_plan(&self, tokens: &[TokenId], window: usize, root: u64) -> Plan {
         let bs = self.cfg.block_size;
         let num_blocks = tokens.len().div_ceil(bs);
         let mut plan = Plan { skipped: 0, hits: Vec::new(), hashes: Vec::new(), cost: num_blocks };
@@ -100,7 +100,7 @@ impl BlockManager {
             return plan;
         }
         let mut found: Vec<Option<Hit>> = Vec::new();
-        let mut parent = self.root;
+        let mut parent = root;
         for block in tokens[..tokens.len() - 1].chunks_exact(bs) {
             let h = block_hash(parent, block);
             found.push(self.find_hit(h, parent, block));

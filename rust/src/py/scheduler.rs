@@ -37,6 +37,9 @@ fn transfers_to_list<'py>(py: Python<'py>, transfers: &[Transfer]) -> PyResult<B
 /// the two name the same fields.
 #[pyclass(name = "StepPlan", module = "pagedrs._core", frozen)]
 pub struct PyStepPlan {
+    /// This step's id: report it with `Scheduler.complete_step` once it ran or failed.
+    #[pyo3(get)]
+    step_id: u64,
     /// uint64 [S] scheduled sequences in batch order.
     #[pyo3(get)]
     seq_ids: Py<PyArray1<u64>>,
@@ -75,6 +78,7 @@ impl PyStepPlan {
         let block_tables = out.block_tables.into_pyarray(py).reshape([rows, out.max_blocks])?;
         let transfers = transfers_to_list(py, &out.transfers)?;
         Ok(Self {
+            step_id: out.step_id,
             transfers: transfers.unbind(),
             copies: pairs_to_array(py, &out.copies).unbind(),
             seq_ids: out.seq_ids.into_pyarray(py).unbind(),
@@ -229,7 +233,9 @@ impl PyScheduler {
 
     /// Queues a sequence that may grow by `max_tokens` outputs and fork into `num_samples`
     /// samples; refused (ValueError, nothing changed) when that can never fit the pool.
-    #[pyo3(signature = (seq_id, token_ids, *, priority = 0, arrival = 0, max_tokens = 0, num_samples = 1))]
+    /// `cache_salt` (bytes): the sequence shares prefix pages only with equally salted ones.
+    #[pyo3(signature = (seq_id, token_ids, *, priority = 0, arrival = 0, max_tokens = 0, num_samples = 1, cache_salt = None))]
+    #[allow(clippy::too_many_arguments)]
     fn add_sequence(
         &mut self,
         seq_id: SeqId,
@@ -238,15 +244,47 @@ impl PyScheduler {
         arrival: u64,
         max_tokens: usize,
         num_samples: usize,
+        cache_salt: Option<Vec<u8>>,
     ) -> PyResult<()> {
         let tokens = token_ids.as_slice()?.to_vec();
-        self.inner.add_sequence(seq_id, tokens, priority, arrival, max_tokens, num_samples).map_err(to_py_err)
+        self.inner
+            .add_salted_sequence(seq_id, tokens, priority, arrival, max_tokens, num_samples, cache_salt.as_deref())
+            .map_err(to_py_err)
     }
 
-    /// Plans the next step (and commits the scheduled tokens' blocks).
+    /// Plans the next step. The blocks it fills become prefix-cache hits for later steps
+    /// once it is reported with `complete_step` (scheduling the next step reports it done).
+    /// RuntimeError when planning fails part-way: the scheduler is then unusable.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PyStepPlan> {
-        let out = self.inner.schedule().map_err(to_py_err)?;
+        let out = self.inner.schedule().map_err(|e| match self.inner.broken() {
+            Some(why) => pyo3::exceptions::PyRuntimeError::new_err(why.to_string()),
+            None => to_py_err(e),
+        })?;
         PyStepPlan::from_output(py, out)
+    }
+
+    /// Reports step `step_id` (the oldest in flight): `ok` publishes the blocks it wrote;
+    /// otherwise nothing it wrote is ever served, its transfers still in flight fail, and
+    /// the sequences it ran or whose pages it lost are reset to be recomputed. Report the
+    /// finished transfers with `complete_transfers` first. Returns the reset sequence ids.
+    fn complete_step(&mut self, step_id: u64, ok: bool) -> PyResult<Vec<SeqId>> {
+        self.inner.complete_step(step_id, ok).map_err(to_py_err)
+    }
+
+    /// Ids of the steps handed out and not yet reported, oldest first.
+    fn open_steps(&self) -> Vec<u64> {
+        self.inner.open_steps()
+    }
+
+    /// Disk slots whose page was lost (a failed write, a failed checksum): dropped from
+    /// the disk tier's index. Returns how many were dropped.
+    fn invalidate_disk_slots(&mut self, slots: Vec<u32>) -> usize {
+        self.inner.invalidate_disk_slots(&slots)
+    }
+
+    /// Prompt tokens the sequence's first admission found cached (None before it).
+    fn num_cached_tokens_of(&self, seq_id: SeqId) -> PyResult<Option<usize>> {
+        self.inner.num_cached_tokens_of(seq_id).map_err(to_py_err)
     }
 
     /// Records one sampled token per sequence (batched: equal-length arrays), all or
@@ -420,6 +458,8 @@ impl PyScheduler {
         d.set_item("num_swap_preemptions", s.num_swap_preemptions)?;
         d.set_item("num_recompute_preemptions", s.num_recompute_preemptions)?;
         d.set_item("num_deferred_forks", s.num_deferred_forks)?;
+        d.set_item("num_failed_steps", s.num_failed_steps)?;
+        d.set_item("disk_pages_invalidated", bm.disk_pages_invalidated)?;
         d.set_item("num_prompt_tokens_computed", s.prompt_tokens_computed)?;
         d.set_item("num_cached_prompt_tokens", s.cached_prompt_tokens)?;
         d.set_item("num_decode_tokens", s.decode_tokens)?;

@@ -102,7 +102,7 @@ impl KvSpace for ContiguousSpace {
         0
     }
     /// `usize::MAX` when no free run is long enough (external fragmentation).
-    fn blocks_to_admit(&self, tokens: &[TokenId], reserve_tokens: usize) -> usize {
+    fn blocks_to_admit(&self, tokens: &[TokenId], reserve_tokens: usize, _root: u64) -> usize {
         let len = self.blocks_for(reserve_tokens.max(tokens.len()));
         if self.first_fit(len).is_some() {
             len
@@ -110,7 +110,7 @@ impl KvSpace for ContiguousSpace {
             usize::MAX
         }
     }
-    fn admit(&mut self, seq: SeqId, tokens: &[TokenId], reserve_tokens: usize) -> Result<usize, CoreError> {
+    fn admit(&mut self, seq: SeqId, tokens: &[TokenId], reserve_tokens: usize, _root: u64) -> Result<usize, CoreError> {
         if self.regions.contains_key(&seq) {
             return Err(CoreError::InvalidArgument(format!("sequence {seq} already has a region")));
         }
@@ -223,17 +223,17 @@ mod tests {
     #[test]
     fn first_fit_and_coalescing() {
         let mut s = ContiguousSpace::new(10, 4).unwrap();
-        s.admit(1, &[0; 5], 12).unwrap(); // 3 blocks: 0..3
-        s.admit(2, &[0; 4], 8).unwrap(); // 2 blocks: 3..5
-        s.admit(3, &[0; 1], 16).unwrap(); // 4 blocks: 5..9
+        s.admit(1, &[0; 5], 12, 0).unwrap(); // 3 blocks: 0..3
+        s.admit(2, &[0; 4], 8, 0).unwrap(); // 2 blocks: 3..5
+        s.admit(3, &[0; 1], 16, 0).unwrap(); // 4 blocks: 5..9
         assert_eq!(s.block_table(2).unwrap(), &[3, 4]);
         assert_eq!(s.num_free_blocks(), 1);
         s.free(1).unwrap();
         // 4 free blocks in all, but the longest run is 3: external fragmentation.
-        assert_eq!(s.blocks_to_admit(&[0; 1], 16), usize::MAX);
+        assert_eq!(s.blocks_to_admit(&[0; 1], 16, 0), usize::MAX);
         s.free(2).unwrap();
-        assert_eq!(s.blocks_to_admit(&[0; 1], 16), 4);
-        s.admit(4, &[0; 1], 16).unwrap();
+        assert_eq!(s.blocks_to_admit(&[0; 1], 16, 0), 4);
+        s.admit(4, &[0; 1], 16, 0).unwrap();
         assert_eq!(s.block_table(4).unwrap(), &[0, 1, 2, 3]);
         s.check_invariants().unwrap();
         let mut slots = Vec::new();
@@ -244,7 +244,7 @@ mod tests {
     #[test]
     fn append_beyond_reservation_fails_without_change() {
         let mut s = ContiguousSpace::new(4, 2).unwrap();
-        s.admit(1, &[0; 3], 4).unwrap();
+        s.admit(1, &[0; 3], 4, 0).unwrap();
         s.append(1, &[7]).unwrap();
         assert!(s.append(1, &[8]).is_err());
         assert_eq!(s.blocks_to_append(1, 1).unwrap(), usize::MAX);

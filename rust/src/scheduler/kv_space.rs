@@ -15,10 +15,40 @@ pub trait KvSpace: Send + Sync {
     fn num_free_blocks(&self) -> usize;
     fn num_free_host_blocks(&self) -> usize;
     /// Free blocks admitting `tokens` would consume; `reserve_tokens` is the
-    /// length the sequence may grow to (the contiguous layout reserves it up front).
-    fn blocks_to_admit(&self, tokens: &[TokenId], reserve_tokens: usize) -> usize;
+    /// length the sequence may grow to (the contiguous layout reserves it up front);
+    /// `root` seeds its prefix-hash chain (see [`salted_root`](Self::salted_root)).
+    fn blocks_to_admit(&self, tokens: &[TokenId], reserve_tokens: usize, root: u64) -> usize;
     /// Takes pages for `tokens`; returns how many leading tokens already have K/V.
-    fn admit(&mut self, seq: SeqId, tokens: &[TokenId], reserve_tokens: usize) -> Result<usize, CoreError>;
+    fn admit(&mut self, seq: SeqId, tokens: &[TokenId], reserve_tokens: usize, root: u64) -> Result<usize, CoreError>;
+    /// The prefix-hash chain seed of prompts salted with `salt` (a layout without a
+    /// prefix cache ignores it).
+    fn salted_root(&self, _salt: Option<&[u8]>) -> u64 {
+        0
+    }
+    /// Planning of step `step` starts (see [`BlockManager::begin_step`]).
+    fn begin_step(&mut self, _step: u64) {}
+    /// Step `step` is done: `ok` publishes what it wrote (see [`BlockManager::complete_step`]).
+    fn complete_step(&mut self, _step: u64, _ok: bool) {}
+    /// Transfers that will never complete (their step failed): returns the sequences whose
+    /// pages they left unwritten (see [`BlockManager::fail_transfers`]).
+    fn fail_transfers(&mut self, ids: &[TransferId]) -> Result<Vec<SeqId>, CoreError> {
+        self.complete_transfers(ids).map(|()| Vec::new())
+    }
+    /// Ids of transfers handed out and not yet completed, oldest first.
+    fn transfers_in_flight(&self) -> Vec<TransferId> {
+        Vec::new()
+    }
+    /// Device pages whose content is lost (a failed step wrote them): they leave the
+    /// device cache, so no later prefix lookup hits them.
+    fn forget_device_pages(&mut self, _blocks: &[BlockId]) {}
+    /// Whether one of `seq`'s device entries (host entries left out) is in `blocks`.
+    fn device_block_table_contains(&self, seq: SeqId, blocks: &std::collections::HashSet<BlockId>) -> Result<bool, CoreError> {
+        Ok(self.block_table(seq)?.iter().any(|b| blocks.contains(b)))
+    }
+    /// Drops disk slots whose page was lost (see [`BlockManager::invalidate_disk_slots`]).
+    fn invalidate_disk_slots(&mut self, _slots: &[BlockId]) -> usize {
+        0
+    }
     fn blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError>;
     fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<CopyPairs, CoreError>;
     fn commit(&mut self, seq: SeqId, num_computed_tokens: usize) -> Result<(), CoreError>;
@@ -98,7 +128,7 @@ pub trait KvSpace: Send + Sync {
     }
     /// Leading tokens of `tokens` an admission would find cached (what `admit` would
     /// return), nothing changed.
-    fn num_cached_tokens(&self, _tokens: &[TokenId]) -> usize {
+    fn num_cached_tokens(&self, _tokens: &[TokenId], _root: u64) -> usize {
         0
     }
     /// Device pages the sequence holds (its table less window placeholders).
@@ -127,11 +157,37 @@ impl KvSpace for BlockManager {
     fn num_free_host_blocks(&self) -> usize {
         self.num_free_cpu_blocks()
     }
-    fn blocks_to_admit(&self, tokens: &[TokenId], _reserve_tokens: usize) -> usize {
-        self.num_blocks_to_allocate(tokens)
+    fn blocks_to_admit(&self, tokens: &[TokenId], _reserve_tokens: usize, root: u64) -> usize {
+        self.num_blocks_to_allocate_under(tokens, root)
     }
-    fn admit(&mut self, seq: SeqId, tokens: &[TokenId], _reserve_tokens: usize) -> Result<usize, CoreError> {
-        self.allocate(seq, tokens)
+    fn admit(&mut self, seq: SeqId, tokens: &[TokenId], _reserve_tokens: usize, root: u64) -> Result<usize, CoreError> {
+        self.allocate_under(seq, tokens, root)
+    }
+    fn salted_root(&self, salt: Option<&[u8]>) -> u64 {
+        BlockManager::salted_root(self, salt)
+    }
+    fn begin_step(&mut self, step: u64) {
+        BlockManager::begin_step(self, step)
+    }
+    fn complete_step(&mut self, step: u64, ok: bool) {
+        BlockManager::complete_step(self, step, ok);
+    }
+    fn fail_transfers(&mut self, ids: &[TransferId]) -> Result<Vec<SeqId>, CoreError> {
+        BlockManager::fail_transfers(self, ids)
+    }
+    fn transfers_in_flight(&self) -> Vec<TransferId> {
+        BlockManager::transfers_in_flight(self)
+    }
+    fn invalidate_disk_slots(&mut self, slots: &[BlockId]) -> usize {
+        BlockManager::invalidate_disk_slots(self, slots)
+    }
+    fn forget_device_pages(&mut self, blocks: &[BlockId]) {
+        BlockManager::forget_device_pages(self, blocks)
+    }
+    fn device_block_table_contains(&self, seq: SeqId, blocks: &std::collections::HashSet<BlockId>) -> Result<bool, CoreError> {
+        let table = BlockManager::block_table(self, seq)?;
+        let on_host = self.host_entries(seq)?;
+        Ok(table.iter().zip(on_host).any(|(b, &host)| !host && *b != NULL_BLOCK && blocks.contains(b)))
     }
     fn blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError> {
         self.num_blocks_to_append(seq, num_new_tokens)
@@ -240,7 +296,7 @@ impl KvSpace for BlockManager {
     fn num_held_blocks(&self, seq: SeqId) -> Result<usize, CoreError> {
         BlockManager::num_held_blocks(self, seq)
     }
-    fn num_cached_tokens(&self, tokens: &[TokenId]) -> usize {
-        BlockManager::num_cached_tokens(self, tokens)
+    fn num_cached_tokens(&self, tokens: &[TokenId], root: u64) -> usize {
+        BlockManager::num_cached_tokens_under(self, tokens, root)
     }
 }

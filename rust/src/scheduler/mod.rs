@@ -29,6 +29,7 @@ mod page_preemption;
 mod preemption;
 mod schedule;
 pub mod sequence;
+mod steps;
 
 use std::collections::HashMap;
 
@@ -54,6 +55,8 @@ pub struct SchedulerStats {
     /// Prompt tokens skipped thanks to the prefix cache.
     pub cached_prompt_tokens: u64,
     pub decode_tokens: u64,
+    /// Steps reported failed (and the steps in flight after them).
+    pub num_failed_steps: u64,
     /// Pages the scheduler's preemptions copied device→host / host→device (swap-outs and
     /// swap-ins; evicted prefix pages moving between tiers are counted by the KV space).
     pub pages_swapped_out: u64,
@@ -92,6 +95,15 @@ pub struct Scheduler {
     admission: admission::AdmissionState,
     /// The last step ran admissions without decodes (`SchedulerConfig::prefill_first`).
     last_step_skipped_decodes: bool,
+    /// Steps handed out and not yet reported (see `steps`), oldest first.
+    open_steps: std::collections::VecDeque<steps::OpenStep>,
+    /// Id of the next step `schedule` plans (ids start at 1 and never repeat).
+    next_step_id: u64,
+    /// Steps that may be in flight at once; `schedule` reports older ones as done.
+    max_steps_in_flight: usize,
+    /// Why a `schedule` failed part-way, leaving the core in no known state: every later
+    /// call that plans or records refuses with it (see `steps`).
+    broken: Option<String>,
 }
 
 impl Scheduler {
@@ -110,6 +122,10 @@ impl Scheduler {
             whole_sequence_swap: false,
             admission: admission::AdmissionState::new(&config.admission),
             last_step_skipped_decodes: false,
+            open_steps: Default::default(),
+            next_step_id: 1,
+            max_steps_in_flight: 1,
+            broken: None,
             config,
         })
     }
@@ -136,6 +152,7 @@ impl Scheduler {
                 })?;
                 bm.set_pin_swap_in_sources(true);
                 bm.set_pin_cow_sources(true);
+                bm.set_defer_publish(true);
                 Self::new(sched, Box::new(bm))
             }
             KvLayout::Contiguous(_) => {
@@ -150,6 +167,7 @@ impl Scheduler {
         let mut manager = BlockManager::new(BlockManagerConfig { sliding_window: config.sliding_window, ..bm })?;
         manager.set_pin_swap_in_sources(true);
         manager.set_pin_cow_sources(true);
+        manager.set_defer_publish(true);
         Self::new(SchedulerConfig { layout: KvLayout::Paged, ..config }, Box::new(manager))
     }
 
@@ -220,6 +238,24 @@ impl Scheduler {
         max_tokens: usize,
         num_samples: usize,
     ) -> Result<(), CoreError> {
+        self.add_salted_sequence(id, tokens, priority, arrival, max_tokens, num_samples, None)
+    }
+
+    /// [`add_sequence`](Self::add_sequence) with a cache salt (vLLM's `cache_salt`): the
+    /// salt seeds the sequence's prefix-hash chain, so it shares pages only with sequences
+    /// of the same salt, on every tier and across restarts (the disk tier keys by it).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_salted_sequence(
+        &mut self,
+        id: SeqId,
+        tokens: Vec<TokenId>,
+        priority: i64,
+        arrival: u64,
+        max_tokens: usize,
+        num_samples: usize,
+        cache_salt: Option<&[u8]>,
+    ) -> Result<(), CoreError> {
+        self.check_usable()?;
         if self.seqs.contains_key(&id) {
             return Err(CoreError::InvalidArgument(format!("sequence {id} already exists")));
         }
@@ -259,6 +295,8 @@ impl Scheduler {
             status: SeqStatus::Waiting,
             waiting_since: self.stats.num_steps,
             parked: false,
+            root: self.kv.salted_root(cache_salt),
+            cached_tokens: None,
         };
         self.seqs.insert(id, seq);
         self.waiting.push(id);

@@ -5,6 +5,8 @@ use crate::block_manager::{BlockId, SeqId, Transfer};
 /// Everything the runner needs for one step, flattened for NumPy.
 #[derive(Debug, Default, Clone)]
 pub struct SchedulerOutput {
+    /// This step's id: report it with `Scheduler::complete_step` once it ran (or failed).
+    pub step_id: u64,
     /// Scheduled sequences in batch order. [S]
     pub seq_ids: Vec<SeqId>,
     /// New tokens of each scheduled sequence. [S]

@@ -110,7 +110,7 @@ impl Scheduler {
         } else {
             let seq = &self.seqs[&id];
             let end = self.admission_end(seq, chunk);
-            let need = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens);
+            let need = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens, seq.root);
             Ok((need, need == usize::MAX || need > self.kv.num_blocks()))
         }
     }

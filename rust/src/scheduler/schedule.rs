@@ -14,9 +14,32 @@ struct Budget {
 }
 
 impl Scheduler {
-    /// Builds the next step. Sequences it schedules are committed: the caller must
-    /// run the step (copies, then forward) before calling `schedule` again.
+    /// Builds the next step. Sequences it schedules are committed, but the blocks the
+    /// step fills become prefix-cache hits for other steps only once the step is reported
+    /// with [`complete_step`](Self::complete_step); with one step in flight (the default),
+    /// scheduling the next step reports the previous one as done (the caller ran it).
+    /// A failure part-way leaves the core in no known state: it is then refused for good
+    /// (see `steps`).
     pub fn schedule(&mut self) -> Result<SchedulerOutput, CoreError> {
+        self.check_usable()?;
+        self.complete_steps_beyond_limit();
+        let step_id = self.next_step_id;
+        self.next_step_id += 1;
+        self.kv.begin_step(step_id);
+        match self.plan_step() {
+            Ok(mut out) => {
+                out.step_id = step_id;
+                self.open_step(step_id, &out);
+                Ok(out)
+            }
+            Err(e) => {
+                self.broken = Some(format!("step {step_id} failed while it was planned: {e}"));
+                Err(e)
+            }
+        }
+    }
+
+    fn plan_step(&mut self) -> Result<SchedulerOutput, CoreError> {
         let mut out = SchedulerOutput { copies: std::mem::take(&mut self.pending_copies), ..Default::default() };
         let mut budget = Budget { tokens: self.config.max_num_batched_tokens, seqs: self.config.max_num_seqs };
         let mut scheduled: Vec<(SeqId, usize)> = Vec::new();
@@ -232,7 +255,7 @@ impl Scheduler {
             }
             let seq = &self.seqs[&id];
             let end = self.admission_end(seq, budget.tokens);
-            let needed = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens);
+            let needed = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens, seq.root);
             // A step that runs nothing else admits on the prompt's pages alone (no watermark,
             // no expected growth), or a large prompt could never start (an idle pool), nor
             // the waiting sibling of beams that wait for its logits row (running, but with
@@ -258,7 +281,7 @@ impl Scheduler {
     /// appended chunk by chunk, its pages taken as it goes, like a decode's).
     pub(super) fn admission_end(&self, seq: &super::sequence::Sequence, budget_tokens: usize) -> usize {
         match self.config.sliding_window {
-            Some(_) => (self.kv.num_cached_tokens(&seq.tokens) + budget_tokens.max(1)).min(seq.tokens.len()),
+            Some(_) => (self.kv.num_cached_tokens(&seq.tokens, seq.root) + budget_tokens.max(1)).min(seq.tokens.len()),
             None => seq.tokens.len(),
         }
     }
@@ -277,9 +300,10 @@ impl Scheduler {
     fn admit(&mut self, id: SeqId, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>) -> Result<(), CoreError> {
         let seq = &self.seqs[&id];
         let end = self.admission_end(seq, budget.tokens);
-        let cached = self.kv.admit(id, &seq.tokens[..end], seq.reserve_tokens)?;
+        let cached = self.kv.admit(id, &seq.tokens[..end], seq.reserve_tokens, seq.root)?;
         self.waiting.retain(|&s| s != id);
         let seq = self.seqs.get_mut(&id).expect("waiting sequence");
+        seq.cached_tokens.get_or_insert(cached);
         seq.kv_tokens = end;
         seq.prefill_left = seq.tokens.len() - end;
         seq.num_computed = cached;

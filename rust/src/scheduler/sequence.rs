@@ -50,6 +50,11 @@ pub struct Sequence {
     /// next token not given yet: a beam waiting for its siblings' rows). It is not
     /// admitted again until a token is appended: it would only compute the same row.
     pub parked: bool,
+    /// The seed of its prefix-hash chain: the KV space's root, or one salted by the
+    /// request's `cache_salt` (forks inherit it).
+    pub root: u64,
+    /// Prompt tokens whose K/V its first admission found cached (None before it).
+    pub cached_tokens: Option<usize>,
 }
 
 impl Sequence {
