@@ -15,9 +15,22 @@ Messages = list[dict[str, str]]
 
 
 class LLM:
+    """``with LLM(...) as llm:`` shuts the engine down at the end of the block; so does garbage
+    collection or interpreter exit (tensor-parallel workers stop, the process group goes)."""
+
     def __init__(self, model: Optional[str] = "smollm2-135m", **kwargs: Any) -> None:
         self.engine = Engine(EngineArgs(model=model, **kwargs))
         self._ids = 0
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """``Engine.shutdown``: aborts what is left, releases the workers, the disk tier and the KV pools."""
+        self.engine.shutdown()
 
     def _next_id(self) -> str:
         self._ids += 1
