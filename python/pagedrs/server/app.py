@@ -76,9 +76,10 @@ def build_app(
     async def health() -> Response:
         if drain.draining:
             return APIError(503, "the server is shutting down", code="server_shutting_down").response()
-        if not engine_loop.is_alive():
-            reason = engine_loop.fatal_error or "the engine loop is not running"
-            return APIError(503, reason, code="engine_not_running").response()
+        problem = engine_loop.health()  # dead, stopped, or its core silent for --core-timeout
+        if problem is not None:
+            code, reason = problem
+            return APIError(503, reason, code=code).response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

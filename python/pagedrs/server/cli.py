@@ -14,6 +14,9 @@ from pagedrs.server.options import PREFIX_CACHE_ISOLATION, ServerOptions
 from pagedrs.server.tenants import load_api_key_file
 
 DEFAULT_MAX_WAITING = 1024
+# `pagedrs serve`'s exit status after its engine died: a supervisor (systemd Restart=on-failure,
+# Kubernetes) restarts it, as it restarts vLLM's server.
+ENGINE_DEAD_EXIT = 1
 API_KEY_ENV = "PAGEDRS_API_KEY"
 
 
@@ -95,6 +98,15 @@ def _add_safety_arguments(g: argparse._ArgumentGroup) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--core-timeout", type=float, default=d.core_timeout_s,
+        help="seconds without a heartbeat from the engine core after which /health answers 503 (the core "
+        "beats from a thread, so a long step does not count) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--request-timeout", type=float, default=d.request_timeout_s,
+        help="seconds a request gets to finish: past them it is aborted and answered 504 (default: no limit)",
+    )
+    g.add_argument(
         "--tokenizer-threads", type=int, default=d.tokenizer_threads,
         help="worker threads that tokenize prompts, off the event loop and the engine (default: %(default)s)",
     )
@@ -113,6 +125,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         read_timeout_s=args.read_timeout,
         shutdown_timeout_s=args.shutdown_timeout,
         tokenizer_threads=args.tokenizer_threads,
+        core_timeout_s=args.core_timeout,
+        request_timeout_s=args.request_timeout,
     )
 
 
@@ -167,26 +181,27 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         engine_args = EngineArgs(**engine_kwargs(args))
-        engine: Any = Engine(engine_args) if args.engine_in_process else RemoteEngine(engine_args)
+        engine: Any = (Engine(engine_args) if args.engine_in_process
+                       else RemoteEngine(engine_args, core_timeout_s=options.core_timeout_s))
     except (ValueError, OSError, EngineCoreError) as exc:
         print(f"pagedrs serve: cannot start the engine: {exc}", file=sys.stderr)
         if trace is not None:
             trace.close()
         return 2
-    loop = EngineLoop(engine, trace=trace)
+    loop = EngineLoop(engine, trace=trace, request_timeout_s=options.request_timeout_s)
     loop.start()
     app = build_app(loop, args.served_model_name or args.model, args.max_waiting, options)
     config = uvicorn_config(app, args.host, args.port, args.log_level, options)
-    server = draining_server(config, app.state.drain, loop, options.shutdown_timeout_s)
+    server = draining_server(config, app.state.drain, loop, options.shutdown_timeout_s, exit_when_engine_dies=True)
     try:
-        server.run()  # returns after SIGTERM/SIGINT and the drain (shutdown.py)
+        server.run()  # returns after SIGTERM/SIGINT and the drain, or once the engine died (shutdown.py)
     finally:
         loop.stop()  # anything still in the engine is aborted and its pages freed
         app.state.ctx.prompts.close()
         engine.shutdown()  # the core process (and any tensor-parallel workers) exit
         if trace is not None:
             trace.close()
-    return 0
+    return ENGINE_DEAD_EXIT if server.engine_died else 0
 
 
 if __name__ == "__main__":  # pragma: no cover

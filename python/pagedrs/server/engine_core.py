@@ -27,6 +27,15 @@ whose final text a policy builds (beam search, best_of): those keep their text i
 The core process never outlives its parent: it ignores SIGINT/SIGTERM (the API process
 drains and then tells it to stop) and exits when the pipe reports end of file, which is
 what happens when the parent dies, even by SIGKILL.
+
+Liveness, the other way round: a thread of the core sends a heartbeat every
+``heartbeat_interval(core_timeout_s)`` seconds, idle or mid-step (a long prefill beats
+like an idle core; a stopped or hung process does not). A receiver thread in the API
+process reads everything the core sends and notes when it last heard from it:
+``liveness()`` says ``engine_unresponsive`` after ``core_timeout_s`` of silence, and
+nothing again once the core answers. When the pipe ends the receiver reaps the core
+(its exit code is real: -9 after ``kill -9``), and every later call raises
+``EngineCoreDeadError``, an ``EngineDeadError`` (pagedrs/errors.py) as the engine raises.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import marshal
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -47,8 +57,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
+from pagedrs.errors import EngineDeadError
 from pagedrs.server.api_text import RequestText, text_made_here
-from pagedrs.server.engine_loop import salt_kwargs
+from pagedrs.server.engine_loop import ENGINE_DEAD, salt_kwargs
+from pagedrs.server.options import DEFAULT_CORE_TIMEOUT_S
 
 logger = logging.getLogger("pagedrs.server")
 
@@ -59,6 +71,9 @@ logger = logging.getLogger("pagedrs.server")
 # metrics (RequestOutput.metrics: arrival, queued, first scheduled, first token times and step
 # counts) crosses once, with the request's first token.
 _OUTPUTS, _ACK, _READY, _FATAL = "outputs", "ack", "ready", "fatal"
+_BEAT = b"B"  # the heartbeat: the whole message (the receiver drops it after noting the time)
+_INBOX_MESSAGES = 256  # received, not yet taken by the stepping thread; beyond, the core waits (back-pressure)
+_REAP_TIMEOUT_S = 5.0  # the pipe ended: how long the receiver waits for the core to exit before reporting
 
 # Called with None when the core accepted an add, or with the exception its refusal maps to.
 AckCallback = Callable[[Optional[BaseException]], None]
@@ -95,7 +110,8 @@ def _encode_outputs(outputs: list[Any], sent_prompts: set[str], timed: set[str],
         prompt = cached = None
         if out.request_id not in sent_prompts:  # the first output: the prompt and its cache hits cross once
             prompt = list(out.prompt_token_ids)
-            cached = int(getattr(out, "num_cached_tokens", 0))  # getattr: until RequestOutput has it
+            # None: never scheduled (aborted while waiting); the EngineLoop then keeps 0
+            cached = None if (hits := out.num_cached_tokens) is None else int(hits)
             sent_prompts.add(out.request_id)
         metrics = None
         if out.request_id not in timed and "first_token_time" in out.metrics:
@@ -120,10 +136,41 @@ def _send_reply(conn: Connection, message: tuple) -> None:
     conn.send_bytes(b"P" + pickle.dumps(message))
 
 
-def _core_main(conn: Connection, args: Any) -> None:
+def heartbeat_interval(core_timeout_s: float) -> float:
+    """Seconds between the core's heartbeats: several per ``core_timeout_s``, at most one a second."""
+    return min(1.0, core_timeout_s / 5)
+
+
+class _SerialSender:
+    """The core's end of the pipe, one writer at a time: the main thread and the heartbeat both send."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def send_bytes(self, data: bytes) -> None:
+        with self._lock:
+            self._conn.send_bytes(data)
+
+    def __getattr__(self, name: str) -> Any:  # recv, poll, close: the main thread's alone
+        return getattr(self._conn, name)
+
+
+def _beat(conn: _SerialSender, interval_s: float) -> None:
+    """The heartbeat thread of the core: it stops exactly when the process does (SIGSTOP, a held GIL)."""
+    while True:
+        time.sleep(interval_s)
+        try:
+            conn.send_bytes(_BEAT)
+        except (OSError, ValueError):  # the API process is gone, or the core is closing
+            return
+
+
+def _core_main(conn: Connection, args: Any, heartbeat_s: float = 1.0) -> None:
     """The core process: build the engine, then apply commands and step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process drains, then sends "stop"
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = _SerialSender(conn)  # type: ignore[assignment]
     from pagedrs.engine import Engine
 
     try:
@@ -140,6 +187,7 @@ def _core_main(conn: Connection, args: Any) -> None:
         "stats": engine.stats(),
         "pid": os.getpid(),
     }))
+    threading.Thread(target=_beat, args=(conn, heartbeat_s), name="pagedrs-core-heartbeat", daemon=True).start()
     sent_prompts: set[str] = set()
     timed: set[str] = set()  # requests whose metrics went out (with their first token)
     # Time in engine.step() over the wall time of loop turns that had work: the share of a
@@ -206,14 +254,56 @@ def _send_loop(conn: Connection, outbox: queue.SimpleQueue[Optional[tuple]], err
             return
 
 
+@dataclass
+class _Link:
+    """What the receiver thread knows of the core (written by it, read by any thread)."""
+
+    heard: float  # time.monotonic() of the latest message from the core, heartbeats included
+    gone: Optional[str] = None  # set once the pipe ended and the core was reaped: why it is gone
+    stopping: bool = False  # this process asked it to stop: its end is no failure
+
+
+def _describe_exit(exitcode: Optional[int]) -> str:
+    if exitcode is None:
+        return f"still running {_REAP_TIMEOUT_S:g} s after its pipe closed"
+    if exitcode < 0:
+        try:
+            return f"exit code {exitcode}: killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"exit code {exitcode}: killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _receive_loop(conn: Connection, process: Any, inbox: queue.Queue[Optional[bytes]], link: _Link) -> None:
+    """The receiver thread: every message of the core into ``inbox`` (heartbeats only noted), then
+    ``None`` once the pipe ends, after reaping the core. A function for the reason ``_send_loop`` is."""
+    while True:
+        try:
+            raw = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        link.heard = time.monotonic()
+        if raw != _BEAT:
+            inbox.put(raw)
+    process.join(_REAP_TIMEOUT_S)  # the pipe ends when the core exits: join it, so its exit code is real
+    link.gone = f"the engine core is gone ({_describe_exit(process.exitcode)})"
+    if not link.stopping:
+        logger.error("%s", link.gone)
+    inbox.put(None)
+
+
 def _stop_core(
     conn: Connection, process: Any, outbox: queue.SimpleQueue[Optional[tuple]], sender: threading.Thread,
-    timeout_s: float = 10.0,
+    receiver: Optional[threading.Thread] = None, inbox: Optional[queue.Queue[Optional[bytes]]] = None,
+    link: Optional[_Link] = None, timeout_s: float = 10.0,
 ) -> None:
     """Asks the core to stop, waits, kills it if it does not; runs once (shutdown, collection or exit).
 
-    The sender thread finishes what it holds first (one writer on the pipe at a time).
+    The sender thread finishes what it holds first (one writer on the pipe at a time), and
+    the receiver its last read (the pipe is closed once nobody uses it).
     """
+    if link is not None:
+        link.stopping = True
     outbox.put(None)
     sender.join(timeout_s)
     if process.is_alive():
@@ -225,13 +315,31 @@ def _stop_core(
     if process.is_alive():
         process.kill()
         process.join(timeout_s)
+    if receiver is not None and inbox is not None and receiver.ident is not None:  # started once the core was ready
+        _drain_until_done(receiver, inbox, timeout_s)
     conn.close()
+
+
+def _drain_until_done(receiver: threading.Thread, inbox: queue.Queue[Optional[bytes]], timeout_s: float) -> None:
+    """Waits for the receiver's last read (the core is gone), emptying the inbox it may be blocked on."""
+    deadline = time.monotonic() + timeout_s
+    while receiver.is_alive() and time.monotonic() < deadline:
+        try:
+            while True:
+                inbox.get_nowait()
+        except queue.Empty:
+            pass
+        receiver.join(0.05)
 
 
 class EngineCoreError(RuntimeError):
     """The engine core process failed or went away."""
 
     fatal = True  # the serving loop stops instead of failing request after request
+
+
+class EngineCoreDeadError(EngineCoreError, EngineDeadError):
+    """The engine core process died (or failed and exited) after it started: it will never step again."""
 
 
 class RemoteEngine:
@@ -241,14 +349,20 @@ class RemoteEngine:
     which any thread may call.
     """
 
-    def __init__(self, args: Any, *, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, args: Any, *, start_timeout_s: float = 600.0, core_timeout_s: float = DEFAULT_CORE_TIMEOUT_S,
+    ) -> None:
         from pagedrs.tokenizer import TokenIdsOnly, Tokenizer
 
+        if not (math.isfinite(core_timeout_s) and core_timeout_s > 0):
+            raise ValueError(f"core_timeout_s={core_timeout_s!r} is out of range: allowed a finite number of seconds > 0")
+        self.core_timeout_s = core_timeout_s  # silent this long: liveness() says engine_unresponsive
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         # Not a daemon: the core may start tensor-parallel workers of its own. It still never
         # outlives this process: it exits on end of file, and the finalizer stops it at exit.
-        self._process = ctx.Process(target=_core_main, args=(child, args), name="pagedrs-engine-core", daemon=False)
+        self._process = ctx.Process(target=_core_main, args=(child, args, heartbeat_interval(core_timeout_s)),
+                                    name="pagedrs-engine-core", daemon=False)
         self._process.start()
         child.close()
         # Adds sent and not yet answered; written by submitting threads, popped by the stepping one.
@@ -261,7 +375,13 @@ class RemoteEngine:
         self._sender = threading.Thread(target=_send_loop, args=(self._conn, self._outbox, self._send_errors),
                                         name="pagedrs-core-sender", daemon=True)
         self._sender.start()
-        self._finalizer = weakref.finalize(self, _stop_core, self._conn, self._process, self._outbox, self._sender)
+        # Started once the core is ready: until then this thread reads its one reply itself.
+        self._inbox: queue.Queue[Optional[bytes]] = queue.Queue(_INBOX_MESSAGES)
+        self._link = _Link(heard=time.monotonic())
+        self._receiver = threading.Thread(target=_receive_loop, args=(self._conn, self._process, self._inbox, self._link),
+                                          name="pagedrs-core-receiver", daemon=True)
+        self._finalizer = weakref.finalize(self, _stop_core, self._conn, self._process, self._outbox, self._sender,
+                                           self._receiver, self._inbox, self._link)
         if not self._conn.poll(start_timeout_s):
             self.shutdown()
             raise EngineCoreError(f"the engine core did not start within {start_timeout_s} s")
@@ -269,6 +389,8 @@ class RemoteEngine:
         if kind == _FATAL:
             self.shutdown()
             raise ValueError(f"the engine core could not start: {info}")
+        self._link.heard = time.monotonic()
+        self._receiver.start()
         eos, folder = set(info["eos_token_ids"]), info["tokenizer_folder"]
         self.tokenizer = TokenIdsOnly(eos) if folder is None else Tokenizer.from_folder(folder, eos)
         self.max_model_len: int = info["max_model_len"]
@@ -312,7 +434,7 @@ class RemoteEngine:
         result: list[Optional[BaseException]] = []
         self.submit(request_id, prompt, params, priority, result.append, cache_salt=cache_salt)
         while not result:
-            self._take(self._recv())  # outputs of earlier requests may come first: they are buffered
+            self._take(self._recv(None))  # outputs of earlier requests may come first: they are buffered
         if result[0] is not None:
             raise result[0]
 
@@ -330,12 +452,36 @@ class RemoteEngine:
 
     def step(self, timeout_s: float = 0.5) -> list[_Output]:
         """The outputs of the core's steps since the last call; waits up to ``timeout_s`` for one."""
-        if not self._buffered and (self._live or self._acks) and self._conn.poll(timeout_s):
-            self._take(self._recv())
-        while self._conn.poll(0):
-            self._take(self._recv())
+        if not self._buffered and (self._live or self._acks) and (message := self._recv(timeout_s)) is not None:
+            self._take(message)
+        while (message := self._recv(0)) is not None:
+            self._take(message)
         outputs, self._buffered = self._buffered, []
         return outputs
+
+    def check_alive(self) -> None:
+        """Takes in what the core sent without waiting; raises ``EngineCoreDeadError`` once it is gone.
+
+        The serving loop calls it between idle turns, so a core that dies while idle is noticed
+        at once (and ``pagedrs serve`` exits), not at the next request.
+        """
+        while (message := self._recv(0)) is not None:
+            self._take(message)
+
+    def liveness(self) -> Optional[tuple[str, str]]:
+        """``(code, message)`` while the core cannot serve (gone, or silent for ``core_timeout_s``); else None."""
+        if self._link.gone is not None:
+            return ENGINE_DEAD, self._link.gone
+        silent_s = time.monotonic() - self._link.heard
+        if silent_s > self.core_timeout_s:
+            return ("engine_unresponsive", f"the engine core has not answered for {silent_s:.1f} s "
+                    f"(--core-timeout={self.core_timeout_s:g} s): it is stopped, hung or starved")
+        return None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        """The core's exit code once it is reaped (negative: the signal that killed it); None while it runs."""
+        return self._process.exitcode
 
     def has_unfinished(self) -> bool:
         """Requests the core holds, outputs not yet handed out, or adds not yet answered."""
@@ -360,16 +506,20 @@ class RemoteEngine:
 
     # ---- the pipe -----------------------------------------------------------------------
 
-    def _recv(self) -> tuple:
+    def _recv(self, timeout_s: Optional[float]) -> Optional[tuple]:
+        """The core's next message, waiting up to ``timeout_s`` (None: for ever); None when none came."""
         try:
-            raw = self._conn.recv_bytes()
-        except (EOFError, OSError) as exc:
-            error = EngineCoreError(f"the engine core is gone (exit code {self._process.exitcode})")
+            raw = self._inbox.get(timeout=timeout_s) if timeout_s != 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if raw is None:  # the receiver reaped the core
+            self._inbox.put_nowait(None)  # every later call says so too
+            error = EngineCoreDeadError(self._link.gone or "the engine core is gone")
             self._fail_pending_acks(error)
-            raise error from exc
+            raise error
         message = pickle.loads(raw[1:]) if raw[:1] == b"P" else marshal.loads(raw[1:])
         if message[0] == _FATAL:
-            error = EngineCoreError(f"the engine core failed: {message[1]}")
+            error = EngineCoreDeadError(f"the engine core failed: {message[1]}")
             self._fail_pending_acks(error)
             raise error
         return message
@@ -385,7 +535,8 @@ class RemoteEngine:
         try:
             return pickle.loads(self._conn.recv_bytes()[1:])
         except (EOFError, OSError) as exc:
-            raise EngineCoreError(f"the engine core exited during start-up (exit code {self._process.exitcode})") from exc
+            self._process.join(_REAP_TIMEOUT_S)  # reaped: its exit code is real
+            raise EngineCoreError(f"the engine core exited during start-up ({_describe_exit(self._process.exitcode)})") from exc
 
     def _take(self, message: tuple) -> None:
         if message[0] == _ACK:

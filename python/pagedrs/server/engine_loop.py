@@ -11,6 +11,13 @@ deltas* on a per-request asyncio queue::
 Commands are applied before every step, so an abort sent while step k runs
 frees the request's pages before step k+1 starts ("within one step").
 
+An engine that can never step again (``EngineDeadError``: its core process died, a
+tensor-parallel worker or the scheduler failed; any error with ``fatal`` set) ends the
+loop: every request in flight gets an error delta, later adds raise
+``DeadEngineRefusal``, ``health()`` says ``engine_dead``.
+With ``request_timeout_s``, a request without a finished output by then is aborted in
+the engine and gets a 504 error delta (or, not yet accepted, ``RequestTimeoutError``).
+
 Deltas are snapshots (new text, new token ids, their logprobs), copied in the
 engine thread: the handler may read them after the engine has moved on.
 """
@@ -21,6 +28,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -35,8 +43,32 @@ from pagedrs.server.request_trace import RequestTrace
 logger = logging.getLogger("pagedrs.server")
 
 
+class DeadEngineRefusal(Exception):
+    """A request refused because the engine is dead (an ``EngineDeadError``, or any error with ``fatal`` set).
+
+    Not a RuntimeError, as ``EngineDeadError`` is: handlers answer a RuntimeError from a
+    stopped loop as "shutting down, retry later" (503 server_unavailable, "overloaded"),
+    and a dead engine is not overloaded (the app answers this one 503 engine_dead).
+    """
+
+
+class RequestTimeoutError(TimeoutError):
+    """A request had no finished output within the loop's ``request_timeout_s`` (HTTP 504)."""
+
+
+# error_code of the error deltas (OpenAI's `code`), and the HTTP status of each
+ENGINE_DEAD, REQUEST_TIMEOUT = "engine_dead", "request_timeout"
+_DEAD_STATUS = 500  # as vLLM answers a request its dead engine failed; /health says 503
+_TIMEOUT_STATUS = 504
+
+
 class EngineLike(Protocol):
-    """The part of ``pagedrs.Engine`` the loop drives (see docs/ENGINE_API.md)."""
+    """The part of ``pagedrs.Engine`` the loop drives (see docs/ENGINE_API.md).
+
+    Optional, read with getattr: ``submit`` (adds from any thread), ``check_alive()``
+    (called between idle turns; raises a fatal error once the engine is gone) and
+    ``liveness()`` (``(code, message)`` while it cannot serve, else None).
+    """
 
     max_model_len: int
     tokenizer: Any
@@ -74,6 +106,7 @@ class RequestDelta:
     finished: bool
     error: str | None = None
     error_status: int = 500  # the HTTP status the error maps to (503: the server is shutting down)
+    error_code: str | None = None  # OpenAI's `code`: ENGINE_DEAD, REQUEST_TIMEOUT, or None
     num_cached_tokens: int = 0  # prompt tokens whose K/V the engine reused (RequestOutput.num_cached_tokens)
 
 
@@ -85,6 +118,7 @@ class _Sink:
     queue: asyncio.Queue[RequestDelta]
     tag: int
     arrival: float
+    deadline: float | None = None  # time.monotonic() past which it is aborted with a 504 (request_timeout_s)
     last_token_time: float | None = None
     timed: bool = False  # its first token's metrics are recorded
     num_cached_tokens: int = 0  # as last reported (a RemoteEngine reports it with the first output only)
@@ -130,9 +164,13 @@ class EngineLoop:
 
     def __init__(
         self, engine: EngineLike, metrics: ServerMetrics | None = None, *, idle_poll_s: float = 0.5,
-        trace: RequestTrace | None = None,
+        trace: RequestTrace | None = None, request_timeout_s: float | None = None,
     ) -> None:
+        if request_timeout_s is not None and not (math.isfinite(request_timeout_s) and request_timeout_s > 0):
+            raise ValueError(f"request_timeout_s={request_timeout_s!r} is out of range: allowed None (no timeout) "
+                             "or a finite number of seconds > 0")
         self.engine = engine
+        self.request_timeout_s = request_timeout_s
         self.metrics = metrics or ServerMetrics()
         self.trace = trace  # one line per request at its first token, when the server was asked for it
         self._idle_poll_s = idle_poll_s
@@ -144,6 +182,7 @@ class EngineLoop:
         self._stats: dict[str, Any] = {}
         self._thread: threading.Thread | None = None
         self.fatal_error: str | None = None
+        self.engine_dead = False  # the loop ended because the engine can never step again
         self._closed: str | None = None  # engine thread only: why adds are refused (after fail_all)
         self._refresh_stats()  # the engine thread does not exist yet: safe to call from here
 
@@ -181,8 +220,12 @@ class EngineLoop:
         Deltas then arrive on ``out``; the last one has ``finished`` set.
         """
         if not self.is_alive():
+            if self.engine_dead:
+                raise DeadEngineRefusal(f"the engine is dead: {self.fatal_error}")
             raise RuntimeError(f"the engine loop is not running ({self.fatal_error or 'stopped'})")
-        sink = _Sink(asyncio.get_running_loop(), out, tag, time.monotonic())
+        arrival = time.monotonic()
+        deadline = None if self.request_timeout_s is None else arrival + self.request_timeout_s
+        sink = _Sink(asyncio.get_running_loop(), out, tag, arrival, deadline)
         command = _Add(request_id, prompt, params, priority, sink, cache_salt)
         with self._lock:
             self._pending_adds += 1
@@ -214,6 +257,15 @@ class EngineLoop:
         """Abort every request in flight (each gets an error delta) and refuse new ones. Does not wait."""
         self._commands.put(_FailAll(message, status))
 
+    def health(self) -> tuple[str, str] | None:
+        """Why the engine cannot serve now, as (OpenAI error code, message); None when it can."""
+        if not self.is_alive():
+            if self.engine_dead:
+                return ENGINE_DEAD, f"the engine is dead: {self.fatal_error}"
+            return "engine_not_running", self.fatal_error or "the engine loop is not running"
+        liveness = getattr(self.engine, "liveness", None)
+        return None if liveness is None else liveness()
+
     def num_waiting(self) -> int:
         """Requests not yet scheduled: queued commands plus the engine's waiting queue."""
         with self._lock:
@@ -227,6 +279,7 @@ class EngineLoop:
     # --- engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        check_alive = getattr(self.engine, "check_alive", None)
         try:
             while True:
                 idle = not self.engine.has_unfinished()
@@ -235,13 +288,21 @@ class EngineLoop:
                     self._apply([c for c in commands if not isinstance(c, _Stop)])
                     break
                 self._apply(commands)
+                if self.request_timeout_s is not None:
+                    self._expire(time.monotonic())
                 if self.engine.has_unfinished():
                     self._step()
+                elif check_alive is not None:
+                    check_alive()  # a core that died while idle is noticed now, not at the next request
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             self.fatal_error = f"{type(exc).__name__}: {exc}"
+            self.engine_dead = bool(getattr(exc, "fatal", False))
             logger.error("engine loop died:\n%s", traceback.format_exc())
         finally:
-            self._fail_all(self.fatal_error or "the server is shutting down", 500 if self.fatal_error else 503)
+            if self.engine_dead:
+                self._fail_all(f"the engine is dead: {self.fatal_error}", _DEAD_STATUS, ENGINE_DEAD)
+            else:
+                self._fail_all(self.fatal_error or "the server is shutting down", 500 if self.fatal_error else 503)
             self._fail_queued_commands()
 
     def _take_commands(self, block: bool) -> list[_Command]:
@@ -276,6 +337,8 @@ class EngineLoop:
         try:
             if self._closed is not None:
                 raise RuntimeError(self._closed)
+            if command.sink.deadline is not None and time.monotonic() >= command.sink.deadline:
+                raise self._timeout_error(command.request_id)  # it waited out the timeout behind a long step
             self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
                                     arrival_time=command.sink.arrival, **salt_kwargs(command.cache_salt))
         except Exception as exc:  # ValueError for bad input; anything else is reported the same way
@@ -287,6 +350,8 @@ class EngineLoop:
         if error is None and self._closed is not None:  # fail_all ran while it was on its way
             self.engine.abort(command.request_id)
             error = RuntimeError(self._closed)
+        if getattr(error, "fatal", False):  # the core died with the add on its way
+            error = DeadEngineRefusal(f"the engine is dead: {type(error).__name__}: {error}")
         with self._lock:
             if self._unacked.pop(command.request_id, None) is None:
                 return  # already failed by _fail_queued_commands
@@ -309,11 +374,11 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
+            if getattr(exc, "fatal", False):
+                raise  # the engine cannot step again (a dead core process or TP worker): the loop ends, /health says 503
             # The engine's state is unknown; fail what is in flight rather than hang it.
             logger.error("engine.step() failed:\n%s", traceback.format_exc())
             self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-            if getattr(exc, "fatal", False):
-                raise  # the engine cannot step again (a dead core process or TP worker): the loop ends, /health says 503
             self._refresh_stats()  # the aborts changed them: /metrics must not show the failed requests
             return
         now = time.monotonic()
@@ -377,12 +442,30 @@ class EngineLoop:
         with self._lock:
             self._stats = stats
 
-    def _fail_all(self, message: str, status: int = 500) -> None:
+    def _fail_all(self, message: str, status: int = 500, code: str | None = None) -> None:
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
-            _swallow(functools.partial(self.engine.abort, request_id))
-            _deliver(sink, RequestDelta(sink.tag, request_id, [], [], finished=True, error=message,
-                                        error_status=status))
+            _fail(self.engine, request_id, sink, message, status, code)
+
+    def _expire(self, now: float) -> None:
+        """Requests past their deadline (request_timeout_s): aborted in the engine, answered 504."""
+        for request_id, sink in list(self._sinks.items()):
+            if sink.deadline is not None and now >= sink.deadline:
+                del self._sinks[request_id]
+                error = self._timeout_error(request_id)
+                _fail(self.engine, request_id, sink, str(error), _TIMEOUT_STATUS, REQUEST_TIMEOUT)
+        with self._lock:  # submitted, never answered: a stopped core holds the handler at its add
+            late = [c for c in self._unacked.values() if c.sink.deadline is not None and now >= c.sink.deadline]
+            for command in late:
+                del self._unacked[command.request_id]
+                self._pending_adds -= 1
+        for command in late:
+            _swallow(functools.partial(self.engine.abort, command.request_id))  # follows the add to the core
+            command.accepted.set_exception(self._timeout_error(command.request_id))
+
+    def _timeout_error(self, request_id: str) -> RequestTimeoutError:
+        return RequestTimeoutError(f"request {request_id} timed out: no finished output within "
+                                   f"--request-timeout={self.request_timeout_s:g} s")
 
     def _fail_queued_commands(self) -> None:
         with self._lock:
@@ -391,7 +474,10 @@ class EngineLoop:
             if isinstance(command, _Add) and not command.accepted.done():
                 with self._lock:
                     self._pending_adds -= 1
-                command.accepted.set_exception(RuntimeError("the engine loop stopped before the request was added"))
+                if self.engine_dead:
+                    command.accepted.set_exception(DeadEngineRefusal(f"the engine is dead: {self.fatal_error}"))
+                else:
+                    command.accepted.set_exception(RuntimeError("the engine loop stopped before the request was added"))
 
 
 def salt_kwargs(cache_salt: str | None) -> dict[str, str]:
@@ -412,6 +498,13 @@ def _snapshot(completion: Any) -> SampleDelta:
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,
     )
+
+
+def _fail(engine: EngineLike, request_id: str, sink: _Sink, message: str, status: int, code: str | None) -> None:
+    """Abort ``request_id`` in the engine (best effort) and hand its handler the error as the last delta."""
+    _swallow(functools.partial(engine.abort, request_id))
+    _deliver(sink, RequestDelta(sink.tag, request_id, [], [], finished=True, error=message, error_status=status,
+                                error_code=code))
 
 
 def _deliver(sink: _Sink, delta: RequestDelta) -> bool:

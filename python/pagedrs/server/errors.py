@@ -16,6 +16,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedrs.server.engine_loop import ENGINE_DEAD, REQUEST_TIMEOUT, DeadEngineRefusal, RequestTimeoutError
+
 # OpenAI's error `type` for each status the server uses.
 _ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -25,6 +27,15 @@ _ERROR_TYPES: dict[int, str] = {
     413: "invalid_request_error",
     500: "internal_server_error",
     503: "server_overloaded_error",
+    504: "timeout_error",
+}
+
+# Codes whose failure is not what their status usually means: a dead or stopped engine is no
+# overloaded server (a client would wait and retry instead of paging someone).
+_CODE_TYPES: dict[str, str] = {
+    ENGINE_DEAD: "engine_dead_error",
+    "engine_unresponsive": "engine_unresponsive_error",
+    REQUEST_TIMEOUT: "timeout_error",
 }
 
 # Seconds a client should wait before retrying a 503 (sent as `Retry-After`).
@@ -66,7 +77,8 @@ def default_headers(status: int) -> dict[str, str]:
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    error_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_")
+    error_type = (_CODE_TYPES.get(code or "") or _ERROR_TYPES.get(status)
+                  or HTTPStatus(status).phrase.lower().replace(" ", "_"))
     return {"error": {"message": _printable(message), "type": error_type, "param": param, "code": code}}
 
 
@@ -133,6 +145,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(DeadEngineRefusal)
+    async def _engine_dead(_: Request, exc: DeadEngineRefusal) -> JSONResponse:  # a request added after it died
+        return APIError(503, str(exc), code=ENGINE_DEAD).response()
+
+    @app.exception_handler(RequestTimeoutError)
+    async def _request_timeout(_: Request, exc: RequestTimeoutError) -> JSONResponse:  # not even accepted in time
+        return APIError(504, str(exc), code=REQUEST_TIMEOUT).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

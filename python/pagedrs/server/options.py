@@ -6,6 +6,7 @@ lists them with their defaults and what a client gets past them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -14,6 +15,10 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 1024 * 1024
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 DEFAULT_TOKENIZER_THREADS = 1
+# Silence after which /health calls the engine core unresponsive. Its heartbeat comes from a
+# thread, so a long step (a CPU prefill of a long prompt) never trips it; 30 s leaves room for
+# a GC pause or a kernel compile holding the GIL.
+DEFAULT_CORE_TIMEOUT_S = 30.0
 # A text prompt longer than max_model_len x this many characters cannot fit whatever it
 # tokenizes to, unless one token covers more characters: the factor used is the larger of
 # this and 4 x the longest vocabulary entry (see PromptTokenizer.max_chars).
@@ -35,6 +40,9 @@ class ServerOptions:
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S  # drain deadline after SIGTERM / SIGINT
     tokenizer_threads: int = DEFAULT_TOKENIZER_THREADS  # worker threads that tokenize prompts
+    # `pagedrs serve` hands these two to its RemoteEngine and EngineLoop (an embedding program passes them itself):
+    core_timeout_s: float = DEFAULT_CORE_TIMEOUT_S  # engine core silent this long: /health says 503
+    request_timeout_s: float | None = None  # no finished output by then: 504 (None: no limit, as in vLLM)
     # key -> tenant (--api-key-file; --api-key is tenant "default"): any of them opens /v1/*
     api_keys: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     admin_api_key: str | None = None  # when set, admin endpoints (/metrics) take this key and no other
@@ -55,6 +63,8 @@ class ServerOptions:
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"ServerOptions.{name}={value!r} is out of range: allowed {allowed}")
+        _check_seconds("--core-timeout", "core_timeout_s", self.core_timeout_s, none_ok=False)
+        _check_seconds("--request-timeout", "request_timeout_s", self.request_timeout_s, none_ok=True)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("ServerOptions.api_key is empty: pass a non-empty key, or None for no authentication")
         if self.admin_api_key is not None and not self.admin_api_key.strip():
@@ -71,3 +81,10 @@ class ServerOptions:
         if self.api_key is not None:
             keys.setdefault(self.api_key, DEFAULT_TENANT)
         return keys
+
+
+def _check_seconds(flag: str, name: str, value: float | None, none_ok: bool) -> None:
+    if (value is None and none_ok) or (value is not None and math.isfinite(value) and value > 0):
+        return
+    allowed = "a finite number of seconds > 0" + (" (or no flag: no limit)" if none_ok else "")
+    raise ValueError(f"{flag}={value!r} (ServerOptions.{name}) is out of range: allowed {allowed}")

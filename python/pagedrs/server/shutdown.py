@@ -11,6 +11,11 @@
                    event then [DONE]); every page is freed                     ▼
                                                      responses written (≤ FLUSH_S) ► exit 0
 
+A dead engine (its core process killed, a worker failed) stops a server built with
+``exit_when_engine_dies`` (``pagedrs serve``): the failed requests' error responses get up
+to FLUSH_S to be written, then the server stops and ``engine_died`` tells the CLI to exit
+non-zero, so that its supervisor restarts it. An embedded server keeps answering, /health 503.
+
 uvicorn's own handling would wait for every generation (its graceful shutdown has
 no deadline by default) and then re-raise the signal, so the process would end
 "killed by SIGTERM" rather than exit 0; a forced stop cancels handlers, which
@@ -51,7 +56,9 @@ class DrainState:
             self.active -= counted
 
 
-def draining_server(config: Any, drain: DrainState, engine_loop: Any, shutdown_timeout_s: float) -> Any:
+def draining_server(
+    config: Any, drain: DrainState, engine_loop: Any, shutdown_timeout_s: float, *, exit_when_engine_dies: bool = False,
+) -> Any:
     """A ``uvicorn.Server`` that drains as the module docstring says (uvicorn imported lazily)."""
     import uvicorn
 
@@ -61,6 +68,7 @@ def draining_server(config: Any, drain: DrainState, engine_loop: Any, shutdown_t
             self.signals_received = 0
             self._deadline: float | None = None  # when in-flight requests get aborted
             self._stop_at: float | None = None  # set once aborted: stop even if handlers lag
+            self.engine_died = False  # stopped because the engine can never step again
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -95,9 +103,14 @@ def draining_server(config: Any, drain: DrainState, engine_loop: Any, shutdown_t
         async def on_tick(self, counter: int) -> bool:
             if await super().on_tick(counter):
                 return True
+            now = time.monotonic()
+            if exit_when_engine_dies and not self.engine_died and engine_loop.engine_dead:
+                self.engine_died = True
+                self._deadline = self._stop_at = now + FLUSH_S  # its requests failed: let their errors out
+                logger.error("the engine is dead (%s): stopping the server so that its supervisor restarts it",
+                             engine_loop.fatal_error)
             if self._deadline is None:
                 return False
-            now = time.monotonic()
             if drain.active == 0:
                 return True
             if self._stop_at is None and now >= self._deadline:
