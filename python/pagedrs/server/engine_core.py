@@ -36,6 +36,7 @@ process reads everything the core sends and notes when it last heard from it:
 nothing again once the core answers. When the pipe ends the receiver reaps the core
 (its exit code is real: -9 after ``kill -9``), and every later call raises
 ``EngineCoreDeadError``, an ``EngineDeadError`` (pagedrs/errors.py) as the engine raises.
+The pipe's threads and the stop live in server/core_pipe.py.
 """
 
 from __future__ import annotations
@@ -59,6 +60,18 @@ from typing import Any, Optional
 
 from pagedrs.errors import EngineDeadError
 from pagedrs.server.api_text import RequestText, text_made_here
+from pagedrs.server.core_pipe import (
+    INBOX_MESSAGES,
+    REAP_TIMEOUT_S,
+    Link,
+    SerialSender,
+    beat,
+    describe_exit,
+    heartbeat_interval,
+    receive_loop,
+    send_loop,
+    stop_core,
+)
 from pagedrs.server.engine_loop import ENGINE_DEAD, salt_kwargs
 from pagedrs.server.options import DEFAULT_CORE_TIMEOUT_S
 
@@ -71,9 +84,6 @@ logger = logging.getLogger("pagedrs.server")
 # metrics (RequestOutput.metrics: arrival, queued, first scheduled, first token times and step
 # counts) crosses once, with the request's first token.
 _OUTPUTS, _ACK, _READY, _FATAL = "outputs", "ack", "ready", "fatal"
-_BEAT = b"B"  # the heartbeat: the whole message (the receiver drops it after noting the time)
-_INBOX_MESSAGES = 256  # received, not yet taken by the stepping thread; beyond, the core waits (back-pressure)
-_REAP_TIMEOUT_S = 5.0  # the pipe ended: how long the receiver waits for the core to exit before reporting
 
 # Called with None when the core accepted an add, or with the exception its refusal maps to.
 AckCallback = Callable[[Optional[BaseException]], None]
@@ -136,41 +146,11 @@ def _send_reply(conn: Connection, message: tuple) -> None:
     conn.send_bytes(b"P" + pickle.dumps(message))
 
 
-def heartbeat_interval(core_timeout_s: float) -> float:
-    """Seconds between the core's heartbeats: several per ``core_timeout_s``, at most one a second."""
-    return min(1.0, core_timeout_s / 5)
-
-
-class _SerialSender:
-    """The core's end of the pipe, one writer at a time: the main thread and the heartbeat both send."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._lock = threading.Lock()
-
-    def send_bytes(self, data: bytes) -> None:
-        with self._lock:
-            self._conn.send_bytes(data)
-
-    def __getattr__(self, name: str) -> Any:  # recv, poll, close: the main thread's alone
-        return getattr(self._conn, name)
-
-
-def _beat(conn: _SerialSender, interval_s: float) -> None:
-    """The heartbeat thread of the core: it stops exactly when the process does (SIGSTOP, a held GIL)."""
-    while True:
-        time.sleep(interval_s)
-        try:
-            conn.send_bytes(_BEAT)
-        except (OSError, ValueError):  # the API process is gone, or the core is closing
-            return
-
-
 def _core_main(conn: Connection, args: Any, heartbeat_s: float = 1.0) -> None:
     """The core process: build the engine, then apply commands and step until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process drains, then sends "stop"
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn = _SerialSender(conn)  # type: ignore[assignment]
+    conn = SerialSender(conn)  # type: ignore[assignment]
     from pagedrs.engine import Engine
 
     try:
@@ -187,7 +167,7 @@ def _core_main(conn: Connection, args: Any, heartbeat_s: float = 1.0) -> None:
         "stats": engine.stats(),
         "pid": os.getpid(),
     }))
-    threading.Thread(target=_beat, args=(conn, heartbeat_s), name="pagedrs-core-heartbeat", daemon=True).start()
+    threading.Thread(target=beat, args=(conn, heartbeat_s), name="pagedrs-core-heartbeat", daemon=True).start()
     sent_prompts: set[str] = set()
     timed: set[str] = set()  # requests whose metrics went out (with their first token)
     # Time in engine.step() over the wall time of loop turns that had work: the share of a
@@ -240,98 +220,6 @@ def _core_main(conn: Connection, args: Any, heartbeat_s: float = 1.0) -> None:
             pass
 
 
-def _send_loop(conn: Connection, outbox: queue.SimpleQueue[Optional[tuple]], errors: list[BaseException]) -> None:
-    """The sender thread: forwards the outbox to the core, in order, until told to stop (None).
-
-    A function, not a method: a thread holding the RemoteEngine would keep it from ever
-    being collected, and its finalizer from stopping the core.
-    """
-    while (message := outbox.get()) is not None:
-        try:
-            conn.send(message)
-        except (OSError, ValueError) as exc:  # the core is gone: the next receive reports it
-            errors.append(exc)
-            return
-
-
-@dataclass
-class _Link:
-    """What the receiver thread knows of the core (written by it, read by any thread)."""
-
-    heard: float  # time.monotonic() of the latest message from the core, heartbeats included
-    gone: Optional[str] = None  # set once the pipe ended and the core was reaped: why it is gone
-    stopping: bool = False  # this process asked it to stop: its end is no failure
-
-
-def _describe_exit(exitcode: Optional[int]) -> str:
-    if exitcode is None:
-        return f"still running {_REAP_TIMEOUT_S:g} s after its pipe closed"
-    if exitcode < 0:
-        try:
-            return f"exit code {exitcode}: killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"exit code {exitcode}: killed by signal {-exitcode}"
-    return f"exit code {exitcode}"
-
-
-def _receive_loop(conn: Connection, process: Any, inbox: queue.Queue[Optional[bytes]], link: _Link) -> None:
-    """The receiver thread: every message of the core into ``inbox`` (heartbeats only noted), then
-    ``None`` once the pipe ends, after reaping the core. A function for the reason ``_send_loop`` is."""
-    while True:
-        try:
-            raw = conn.recv_bytes()
-        except (EOFError, OSError):
-            break
-        link.heard = time.monotonic()
-        if raw != _BEAT:
-            inbox.put(raw)
-    process.join(_REAP_TIMEOUT_S)  # the pipe ends when the core exits: join it, so its exit code is real
-    link.gone = f"the engine core is gone ({_describe_exit(process.exitcode)})"
-    if not link.stopping:
-        logger.error("%s", link.gone)
-    inbox.put(None)
-
-
-def _stop_core(
-    conn: Connection, process: Any, outbox: queue.SimpleQueue[Optional[tuple]], sender: threading.Thread,
-    receiver: Optional[threading.Thread] = None, inbox: Optional[queue.Queue[Optional[bytes]]] = None,
-    link: Optional[_Link] = None, timeout_s: float = 10.0,
-) -> None:
-    """Asks the core to stop, waits, kills it if it does not; runs once (shutdown, collection or exit).
-
-    The sender thread finishes what it holds first (one writer on the pipe at a time), and
-    the receiver its last read (the pipe is closed once nobody uses it).
-    """
-    if link is not None:
-        link.stopping = True
-    outbox.put(None)
-    sender.join(timeout_s)
-    if process.is_alive():
-        try:
-            conn.send(("stop",))
-        except (OSError, ValueError):
-            pass
-        process.join(timeout_s)
-    if process.is_alive():
-        process.kill()
-        process.join(timeout_s)
-    if receiver is not None and inbox is not None and receiver.ident is not None:  # started once the core was ready
-        _drain_until_done(receiver, inbox, timeout_s)
-    conn.close()
-
-
-def _drain_until_done(receiver: threading.Thread, inbox: queue.Queue[Optional[bytes]], timeout_s: float) -> None:
-    """Waits for the receiver's last read (the core is gone), emptying the inbox it may be blocked on."""
-    deadline = time.monotonic() + timeout_s
-    while receiver.is_alive() and time.monotonic() < deadline:
-        try:
-            while True:
-                inbox.get_nowait()
-        except queue.Empty:
-            pass
-        receiver.join(0.05)
-
-
 class EngineCoreError(RuntimeError):
     """The engine core process failed or went away."""
 
@@ -372,15 +260,15 @@ class RemoteEngine:
         # (the core mid-step) never blocks an HTTP handler's event loop.
         self._outbox: queue.SimpleQueue[Optional[tuple]] = queue.SimpleQueue()
         self._send_errors: list[BaseException] = []
-        self._sender = threading.Thread(target=_send_loop, args=(self._conn, self._outbox, self._send_errors),
+        self._sender = threading.Thread(target=send_loop, args=(self._conn, self._outbox, self._send_errors),
                                         name="pagedrs-core-sender", daemon=True)
         self._sender.start()
         # Started once the core is ready: until then this thread reads its one reply itself.
-        self._inbox: queue.Queue[Optional[bytes]] = queue.Queue(_INBOX_MESSAGES)
-        self._link = _Link(heard=time.monotonic())
-        self._receiver = threading.Thread(target=_receive_loop, args=(self._conn, self._process, self._inbox, self._link),
+        self._inbox: queue.Queue[Optional[bytes]] = queue.Queue(INBOX_MESSAGES)
+        self._link = Link(heard=time.monotonic())
+        self._receiver = threading.Thread(target=receive_loop, args=(self._conn, self._process, self._inbox, self._link),
                                           name="pagedrs-core-receiver", daemon=True)
-        self._finalizer = weakref.finalize(self, _stop_core, self._conn, self._process, self._outbox, self._sender,
+        self._finalizer = weakref.finalize(self, stop_core, self._conn, self._process, self._outbox, self._sender,
                                            self._receiver, self._inbox, self._link)
         if not self._conn.poll(start_timeout_s):
             self.shutdown()
@@ -535,8 +423,8 @@ class RemoteEngine:
         try:
             return pickle.loads(self._conn.recv_bytes()[1:])
         except (EOFError, OSError) as exc:
-            self._process.join(_REAP_TIMEOUT_S)  # reaped: its exit code is real
-            raise EngineCoreError(f"the engine core exited during start-up ({_describe_exit(self._process.exitcode)})") from exc
+            self._process.join(REAP_TIMEOUT_S)  # reaped: its exit code is real
+            raise EngineCoreError(f"the engine core exited during start-up ({describe_exit(self._process.exitcode)})") from exc
 
     def _take(self, message: tuple) -> None:
         if message[0] == _ACK:
