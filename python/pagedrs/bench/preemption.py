@@ -67,6 +67,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
             max_model_len=spec.max_model_len,
             preemption_mode="swap" if mode == "swap-whole" else mode,
             enable_prefix_caching=False,  # recompute must really recompute
+            swap_space_gb=1.0,  # the CPU default is no host tier (one RAM); swap modes need one
             # Optimistic admission, so that the pool preempts: expected-growth admission (the
             # default) avoids most preemptions, which is the throughput bench's business.
             admission_policy="prompt_only",

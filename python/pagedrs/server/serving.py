@@ -222,7 +222,7 @@ class Generation:
                 if delta.finished:
                     self._unfinished.discard(delta.request_id)
                 if delta.error is not None:
-                    code = "server_shutting_down" if delta.error_status == 503 else None
+                    code = delta.error_code or ("server_shutting_down" if delta.error_status == 503 else None)
                     raise APIError(delta.error_status, f"request {delta.request_id} failed: {delta.error}", code=code)
                 if delta.prompt_token_ids:
                     self.prompt_token_ids[delta.tag] = delta.prompt_token_ids
