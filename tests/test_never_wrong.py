@@ -212,3 +212,30 @@ def test_salts_stay_apart_on_the_disk_tier_across_a_restart(tiny_llama_dir, tmp_
     assert run(second)["a"].num_cached_tokens == 24
     assert second.stats()["prefix_hits_disk"] > 0
     second.shutdown()
+
+
+def test_an_interrupt_mid_step_caches_nothing_and_the_requests_go_on(tiny_llama_dir, hf_model, monkeypatch):
+    """Ctrl-C in the forward (a notebook): the step is reported failed, not done by the next
+    schedule; stepping again recomputes the request and answers as transformers does."""
+    engine = make_engine(tiny_llama_dir)
+    p = prompt(33, seed=8)
+    real = engine.executor.execute
+    calls = {"n": 0}
+
+    def interrupted(step):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return real(step)
+
+    monkeypatch.setattr(engine.executor, "execute", interrupted)
+    engine.add_request("a", p, greedy(5))
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.stats()["num_failed_steps"] == 1
+    done = run(engine)
+    assert done["a"].error is None
+    assert done["a"].outputs[0].token_ids == hf_greedy(hf_model, p, 5)
+    engine.add_request("b", p, greedy(5))
+    assert run(engine)["b"].outputs[0].token_ids == hf_greedy(hf_model, p, 5)
+    assert_free(engine)

@@ -257,6 +257,12 @@ class Engine:
                 self._fail_all(exc, touched)
                 raise
             return outputs + self._collect(touched)
+        except BaseException:  # KeyboardInterrupt, SystemExit mid-step: the step did not complete
+            # Reported failed, so that the next schedule() cannot report it done; its sequences
+            # are recomputed when the caller steps again.
+            self.scheduler.complete_transfers(self.executor.take_completed_transfers())
+            self.scheduler.complete_step(step.step_id, False)
+            raise
         self.scheduler.complete_transfers(self.executor.take_completed_transfers())
         self.scheduler.complete_step(step.step_id, True)  # what it wrote becomes a prefix hit
         self._drop_failed_disk_writes()
