@@ -23,6 +23,7 @@ from hypothesis.stateful import (
 )
 
 from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs.kv_tiers.errors import CorruptPageError
 
 
 def make_engine(model_dir, **kw) -> Engine:
@@ -299,7 +300,27 @@ class EngineFuzzer(RuleBasedStateMachine):
         for out in self.engine.step():
             if out.finished:
                 self.live.discard(out.request_id)
-                self.errors += out.error is not None
+                self.errors += out.error is not None and "injected" not in out.error
+
+    @precondition(lambda self: self.live)
+    @rule(lost_page=st.booleans())
+    def failing_step(self, lost_page):
+        """A step whose executor raises: a lost disk page (its sequences are recomputed, no
+        request fails) or a forward that fails (the requests in it end, "injected")."""
+        executor = self.engine.executor
+        real = executor.execute
+
+        def fail(step):
+            executor.execute = real
+            if lost_page:
+                raise CorruptPageError("injected: a page failed its checksum", slots=[])
+            raise RuntimeError("injected: the forward failed")
+
+        executor.execute = fail
+        try:
+            self.step()
+        finally:
+            executor.execute = real
 
     @invariant()
     def consistent(self):
