@@ -4,7 +4,6 @@ are logged once at startup."""
 
 from __future__ import annotations
 
-import gc
 import logging
 
 import pytest
@@ -70,19 +69,34 @@ def test_explicit_host_tiers_are_honoured_on_the_cpu(tiny_llama_dir, tmp_path, c
     engine.shutdown()
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        import os
+_MEASURE = """
+import gc, os, sys
+from pagedrs import Engine, EngineArgs
 
+def rss():
+    with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+def tiny(kv):
+    return Engine(EngineArgs(model=sys.argv[1], block_size=4, max_model_len=64, kv_cache_memory=kv))
+
+tiny(8 << 20)  # the first engine's one-off imports and allocations
+gc.collect()
+before = rss()
+engine = tiny(256 << 20)
+print(engine.stats()["memory_kv_pool_bytes"], rss() - before)
+"""
 
 
 def test_the_default_cpu_engine_holds_about_its_pool_not_twice_it(tiny_llama_dir):
-    """A 256 MiB pool used to come with a host cache as large and 1 GiB of swap space (1.5 GiB more)."""
-    tiny(tiny_llama_dir, num_gpu_blocks=None, kv_cache_memory=8 * MIB)  # the first engine's one-off imports
-    gc.collect()
-    before = _rss()
-    engine = tiny(tiny_llama_dir, num_gpu_blocks=None, kv_cache_memory=256 * MIB)
-    grown = _rss() - before
-    assert engine.stats()["memory_kv_pool_bytes"] == 256 * MIB
+    """A 256 MiB pool used to come with a host cache as large and 1 GiB of swap space (1.5 GiB more).
+    Measured in a fresh interpreter: in a long test session the allocator reuses memory earlier
+    tests freed, and RSS need not grow at all."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(tiny_llama_dir)], capture_output=True, text=True,
+                         timeout=300, check=True)
+    pool, grown = (int(x) for x in out.stdout.split()[-2:])
+    assert pool == 256 * MIB
     assert 256 * MIB <= grown < 256 * MIB + 384 * MIB, grown / MIB
