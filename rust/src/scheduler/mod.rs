@@ -19,6 +19,11 @@
 //! window of its first query in the step are released right after that commit (see
 //! `block_manager::window`), and a prompt is admitted chunk by chunk: its later chunks
 //! join the KV space in phase 1, as sampled tokens do, when they are scheduled.
+//!
+//! The KV memory is a [`KvSpace`] (the paged interface; `paged.rs` puts the
+//! `BlockManager` behind it, `contiguous.rs` adapts the baseline to it); what its
+//! layout implies for scheduling is fixed at construction as [`KvRules`]. A sequence's
+//! life is in `lifecycle`, the counters in `stats`, a step's after `schedule` in `steps`.
 
 mod admission;
 pub mod config;
