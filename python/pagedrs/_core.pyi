@@ -1,7 +1,7 @@
 """Typed stubs of the native module ``pagedrs._core`` (Rust, PyO3)."""
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -149,6 +149,61 @@ class SchedulerConfig:
     @property
     def host_cache_evicted(self) -> bool: ...
 
+class CoreStats:
+    """Every scheduler and KV counter of one moment, frozen (Scheduler.core_stats());
+    the names are the keys of Scheduler.stats(), which is built from it."""
+
+    fields: ClassVar[list[str]]
+    """The field names, in the order of as_dict()."""
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int  # allocatable now, evictable cached blocks included
+    num_used_gpu_blocks: int
+    num_free_cpu_blocks: int
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_steps: int
+    num_preemptions: int  # swap + recompute preemptions
+    num_swap_preemptions: int
+    num_recompute_preemptions: int
+    num_deferred_forks: int
+    num_failed_steps: int
+    disk_pages_invalidated: int
+    num_prompt_tokens_computed: int
+    num_cached_prompt_tokens: int
+    num_decode_tokens: int
+    num_pages_swapped_out: int
+    num_pages_swapped_in: int
+    step_pages_swapped_out: int  # in the last step only
+    step_pages_swapped_in: int  # in the last step only
+    prefix_queries: int
+    prefix_hits: int  # blocks, every tier: prefix_hits_device + prefix_hits_host + prefix_hits_disk
+    evictions: int
+    cow_copies: int
+    swap_out_blocks: int
+    swap_in_blocks: int
+    host_cache_hits: int
+    prefix_hits_device: int
+    prefix_hits_host: int
+    prefix_hits_disk: int
+    prefix_misses_never_seen: int
+    prefix_misses_evicted: int
+    prefix_misses_evicted_disk: int
+    prefix_misses_invalidated: int
+    window_released_blocks: int
+    host_cache_saves: int
+    disk_writes: int
+    num_disk_blocks: int
+    num_cached_gpu_blocks: int
+    num_cached_cpu_blocks: int
+    num_cached_disk_blocks: int
+    num_pinned_host_blocks: int
+    reserved_slots: int  # token slots held by live sequences (pages or reserved regions)
+    live_slots: int  # of those, slots holding a live token
+    def as_dict(self) -> dict[str, int]:
+        """Every field as a dict: what Scheduler.stats() returns."""
+        ...
+
 class Scheduler:
     """The continuous-batching scheduler over a paged (or contiguous) KV space."""
 
@@ -220,7 +275,12 @@ class Scheduler:
     @property
     def admission_ratio(self) -> float:
         """Share of its remaining max_tokens each running sequence is expected to still generate."""
-    def stats(self) -> dict[str, int]: ...
+    def core_stats(self) -> CoreStats:
+        """Scheduler and KV counters plus utilization, as one typed value."""
+        ...
+    def stats(self) -> dict[str, int]:
+        """core_stats().as_dict(): the same counters, one key per field."""
+        ...
     def page_tiers(self, seq_id: int) -> tuple[int, int]:
         """(device pages, host pages) of the sequence's block table; a paused one may hold both."""
         ...

@@ -6,7 +6,7 @@ use pagedrs::block_manager::BlockManagerConfig;
 /// Page-granular preemption under a simulated runner (its own file: a bigger harness).
 #[path = "scheduler_page_preemption.rs"]
 mod page_preemption;
-use pagedrs::scheduler::{AdmissionConfig, AdmissionPolicy, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, Scheduler, SchedulerConfig};
+use pagedrs::scheduler::{AdmissionConfig, AdmissionPolicy, PreemptionCost, PreemptionMode, ReservePolicy, Scheduler, SchedulerConfig};
 
 fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
     SchedulerConfig {
@@ -14,11 +14,9 @@ fn config(budget: usize, mode: PreemptionMode) -> SchedulerConfig {
         max_num_batched_tokens: budget,
         max_model_len: 1024,
         preemption_mode: mode,
-        watermark_blocks: 0,
         aging_steps: 0,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
         admission: AdmissionConfig::default(),
-        layout: KvLayout::Paged,
         sliding_window: None,
         prefill_first: false,
     }
@@ -342,8 +340,7 @@ fn priority_then_arrival_and_aging_prevents_starvation() {
 
 #[test]
 fn contiguous_layout_reserves_up_front_and_never_preempts() {
-    let cfg = SchedulerConfig { layout: KvLayout::Contiguous(ReservePolicy::Request), ..config(64, PreemptionMode::Recompute) };
-    let mut s = Scheduler::contiguous(cfg, 8, 4).unwrap();
+    let mut s = Scheduler::contiguous(config(64, PreemptionMode::Recompute), 8, 4, ReservePolicy::Request).unwrap();
     s.add_sequence(1, tokens(0, 3), 0, 0, 13, 1).unwrap();
     s.add_sequence(2, tokens(0, 3), 0, 1, 13, 1).unwrap();
     s.add_sequence(3, tokens(0, 3), 0, 2, 13, 1).unwrap();
@@ -575,7 +572,7 @@ fn a_lone_request_that_needs_the_whole_pool_still_runs() {
     // never fits beside its expected growth and the watermark, but it runs alone, and
     // also after a smaller one ahead of it has finished.
     let bm = BlockManagerConfig::new(8, 4);
-    let mut s = Scheduler::paged(SchedulerConfig { watermark_blocks: 1, ..config(64, PreemptionMode::Recompute) }, bm).unwrap();
+    let mut s = Scheduler::paged_with_watermark(config(64, PreemptionMode::Recompute), bm, 1).unwrap();
     run_to_completion(&mut s, &[(1, 4, 28)]);
     run_to_completion(&mut s, &[(2, 4, 8), (3, 8, 24)]);
     let stats = s.stats();

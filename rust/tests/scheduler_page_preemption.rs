@@ -7,7 +7,7 @@
 
 use pagedrs::block_manager::{BlockManagerConfig, Tier};
 use pagedrs::scheduler::{
-    AdmissionConfig, AdmissionPolicy, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
+    AdmissionConfig, AdmissionPolicy, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
 };
 use std::collections::BTreeMap;
 
@@ -78,14 +78,12 @@ struct Outcome {
 fn run(seed: u64, whole_sequence_swap: bool, prefix_caching: bool, host_blocks: usize) -> Outcome {
     let config = SchedulerConfig {
         max_num_seqs: 8,
-        // Small budgets chunk prefills; a watermark makes paused sequences give extra pages.
+        // Small budgets chunk prefills (and a watermark below makes paused sequences give extra pages).
         max_num_batched_tokens: if seed % 3 == 0 { 8 } else { 32 },
         max_model_len: 256,
         preemption_mode: PreemptionMode::Swap,
-        watermark_blocks: (seed % 2) as usize,
         aging_steps: 0,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
-        layout: KvLayout::Paged,
         sliding_window: None,
         prefill_first: false,
         // the optimistic rule: this harness is about what preemption does, so it must happen
@@ -97,7 +95,7 @@ fn run(seed: u64, whole_sequence_swap: bool, prefix_caching: bool, host_blocks: 
         enable_prefix_caching: prefix_caching,
         ..BlockManagerConfig::new(gpu_blocks, BS)
     };
-    let mut s = Scheduler::paged(config, bm).unwrap();
+    let mut s = Scheduler::paged_with_watermark(config, bm, (seed % 2) as usize).unwrap();
     s.set_whole_sequence_swap(whole_sequence_swap);
     let mut runner = Runner { gpu: vec![None; gpu_blocks * BS], cpu: vec![None; host_blocks * BS] };
     let mut tokens: BTreeMap<u64, Vec<u32>> = BTreeMap::new();

@@ -235,11 +235,9 @@ fn build(cfg: &Setup) -> Scheduler {
         max_num_batched_tokens: cfg.budget,
         max_model_len: MAX_MODEL_LEN,
         preemption_mode: cfg.mode,
-        watermark_blocks: 0, // derived by `build`
         aging_steps: cfg.aging_steps,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 0.3 },
         admission: AdmissionConfig { policy: cfg.policy, ..AdmissionConfig::default() },
-        layout: cfg.layout,
         sliding_window: cfg.window.filter(|_| cfg.layout == KvLayout::Paged),
         prefill_first: cfg.prefill_first,
     };

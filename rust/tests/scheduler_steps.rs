@@ -3,7 +3,7 @@
 //! nothing anywhere, and steps are reported in order.
 
 use pagedrs::block_manager::BlockManagerConfig;
-use pagedrs::scheduler::{AdmissionConfig, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig};
+use pagedrs::scheduler::{AdmissionConfig, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig};
 
 const BS: usize = 4;
 
@@ -13,11 +13,9 @@ fn scheduler(blocks: usize) -> Scheduler {
         max_num_batched_tokens: 64,
         max_model_len: 256,
         preemption_mode: PreemptionMode::Recompute,
-        watermark_blocks: 0,
         aging_steps: 0,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
         admission: AdmissionConfig::default(),
-        layout: KvLayout::Paged,
         sliding_window: None,
         prefill_first: false,
     };

@@ -4,7 +4,7 @@
 
 use pagedrs::block_manager::BlockManagerConfig;
 use pagedrs::scheduler::{
-    AdmissionConfig, AdmissionPolicy, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
+    AdmissionConfig, AdmissionPolicy, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
 };
 
 fn windowed(window: Option<usize>, blocks: usize, cpu: usize, budget: usize) -> Scheduler {
@@ -13,10 +13,8 @@ fn windowed(window: Option<usize>, blocks: usize, cpu: usize, budget: usize) -> 
         max_num_batched_tokens: budget,
         max_model_len: 1024,
         preemption_mode: PreemptionMode::Swap,
-        watermark_blocks: 0,
         aging_steps: 0,
         cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
-        layout: KvLayout::Paged,
         sliding_window: window,
         prefill_first: false,
         // optimistic admission: the swap tests here need pools that preempt

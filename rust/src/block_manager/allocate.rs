@@ -10,33 +10,11 @@
 //! with a sliding window looks up differently (see `window`): leading blocks outside
 //! the window become placeholders.
 
+use super::plan::{Hit, Plan};
 use super::prefix_cache::block_hash;
 use super::window::NULL_BLOCK;
 use super::{BlockManager, Sequence};
 use crate::error::{invalid, BlockId, CoreError, SeqId, Tier, TokenId};
-
-/// Where a leading prompt block's K/V already is.
-#[derive(Debug, Clone, Copy)]
-pub(super) enum Hit {
-    /// A cached device block.
-    Gpu(BlockId),
-    /// A host block holding an evicted device block's content.
-    Host(BlockId),
-    /// A disk slot holding an evicted host (or device) block's content.
-    Disk(BlockId),
-}
-
-/// The outcome of a prefix lookup, before anything changes.
-pub(super) struct Plan {
-    /// Leading blocks computed but outside the sliding window: placeholders (`NULL_BLOCK`).
-    pub(super) skipped: usize,
-    /// The blocks after the skipped ones whose K/V is cached.
-    pub(super) hits: Vec<Hit>,
-    /// Chain hash of each skipped and hit block.
-    pub(super) hashes: Vec<u64>,
-    /// Free device blocks the allocation consumes.
-    pub(super) cost: usize,
-}
 
 impl BlockManager {
     fn plan(&self, tokens: &[TokenId], root: u64) -> Plan {

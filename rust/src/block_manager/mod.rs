@@ -24,6 +24,7 @@ pub(crate) mod block_table;
 mod invariants;
 mod lru;
 mod page_swap;
+mod plan;
 pub(crate) mod prefix_cache;
 mod publish;
 mod swap;

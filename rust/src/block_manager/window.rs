@@ -28,7 +28,7 @@
 //! become placeholders at once and cost nothing. Every layer must attend with the
 //! window: a model that mixes full and windowed layers (Gemma 2) keeps every page.
 
-use super::allocate::{Hit, Plan};
+use super::plan::{Hit, Plan};
 use super::prefix_cache::block_hash;
 use super::BlockManager;
 use crate::error::{invalid, BlockId, CoreError, SeqId, TokenId};

@@ -35,6 +35,7 @@ impl PyBlockManager {
 
     #[new]
     #[pyo3(signature = (num_gpu_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=true, cache_salt=None, host_cache_evicted=false, num_disk_blocks=0, sliding_window=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         num_gpu_blocks: usize,
         block_size: usize,

@@ -2,8 +2,10 @@
 
 mod block_manager;
 pub(crate) mod convert;
+mod core_stats;
 mod cuda_sources;
 mod scheduler;
+mod scheduler_config;
 
 use pyo3::prelude::*;
 

@@ -6,14 +6,15 @@ use pyo3::types::{PyDict, PyList};
 
 use super::convert::core_err as to_py_err;
 use crate::block_manager::{DiskPage, SeqId, Transfer};
-use crate::scheduler::{
-    AdmissionConfig, AdmissionPolicy, KvConfig, KvLayout, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig, SchedulerOutput,
-};
+use super::core_stats::PyCoreStats;
+use super::scheduler_config::PySchedulerConfig;
+use crate::scheduler::{Scheduler, SchedulerOutput};
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyStepPlan>()?;
     m.add_class::<PySchedulerConfig>()?;
+    m.add_class::<PyCoreStats>()?;
     Ok(())
 }
 
@@ -99,121 +100,6 @@ impl PyStepPlan {
     #[getter]
     fn num_seqs(&self, py: Python<'_>) -> usize {
         self.seq_ids.bind(py).len()
-    }
-}
-
-/// Every setting of a scheduler and its KV memory, in one value (`pagedrs.EngineArgs`
-/// builds it). The layout's memory rules are applied by the core, not by the caller.
-#[pyclass(name = "SchedulerConfig", module = "pagedrs._core", frozen)]
-#[derive(Clone)]
-pub struct PySchedulerConfig {
-    sched: SchedulerConfig,
-    kv: KvConfig,
-}
-
-#[pymethods]
-impl PySchedulerConfig {
-    #[new]
-    #[pyo3(signature = (
-        *, num_gpu_blocks, block_size, num_cpu_blocks = 0, enable_prefix_caching = true,
-        kv_layout = "paged", contiguous_reserve = "max_model_len", max_num_seqs = 256,
-        max_num_batched_tokens = 2048, max_model_len = 2048, preemption_mode = "auto",
-        watermark = 0.0, aging_steps = 100, swap_cost_per_block = 1.0,
-        recompute_cost_per_token = 1.0, host_cache_evicted = false, num_disk_blocks = 0,
-        sliding_window = None, admission_policy = "expected_growth", admission_init_ratio = 0.7, admission_min_ratio = 0.1,
-        admission_decay_steps = 600, prefill_first = false
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        num_gpu_blocks: usize,
-        block_size: usize,
-        num_cpu_blocks: usize,
-        enable_prefix_caching: bool,
-        kv_layout: &str,
-        contiguous_reserve: &str,
-        max_num_seqs: usize,
-        max_num_batched_tokens: usize,
-        max_model_len: usize,
-        preemption_mode: &str,
-        watermark: f64,
-        aging_steps: u64,
-        swap_cost_per_block: f64,
-        recompute_cost_per_token: f64,
-        host_cache_evicted: bool,
-        num_disk_blocks: usize,
-        sliding_window: Option<usize>,
-        admission_policy: &str,
-        admission_init_ratio: f64,
-        admission_min_ratio: f64,
-        admission_decay_steps: u64,
-        prefill_first: bool,
-    ) -> PyResult<Self> {
-        let layout = KvLayout::parse(kv_layout, contiguous_reserve).map_err(to_py_err)?;
-        let sched = SchedulerConfig {
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            preemption_mode: PreemptionMode::parse(preemption_mode).map_err(to_py_err)?,
-            watermark_blocks: 0,
-            aging_steps,
-            cost: PreemptionCost { swap_cost_per_block, recompute_cost_per_token },
-            admission: AdmissionConfig {
-                policy: AdmissionPolicy::parse(admission_policy).map_err(to_py_err)?,
-                init_ratio: admission_init_ratio,
-                min_ratio: admission_min_ratio,
-                decay_steps: admission_decay_steps,
-            },
-            layout,
-            sliding_window,
-            prefill_first,
-        };
-        let kv = KvConfig {
-            layout,
-            num_gpu_blocks,
-            block_size,
-            num_cpu_blocks,
-            enable_prefix_caching,
-            host_cache_evicted,
-            num_disk_blocks,
-            watermark,
-        };
-        kv.validate().map_err(to_py_err)?;
-        sched.validate().map_err(to_py_err)?;
-        Ok(Self { sched, kv })
-    }
-
-    /// Host blocks the layout uses (0 for the contiguous baseline, which cannot swap).
-    #[getter]
-    fn num_cpu_blocks(&self) -> usize {
-        self.kv.effective_cpu_blocks()
-    }
-    #[getter]
-    fn num_gpu_blocks(&self) -> usize {
-        self.kv.num_gpu_blocks
-    }
-    /// Disk page slots the layout uses (0 when off, and for the contiguous baseline).
-    #[getter]
-    fn num_disk_blocks(&self) -> usize {
-        self.kv.effective_disk_blocks()
-    }
-    /// Whether evicted prefix pages are kept on the host tier.
-    #[getter]
-    fn host_cache_evicted(&self) -> bool {
-        self.kv.host_cache_evicted
-    }
-    #[getter]
-    fn block_size(&self) -> usize {
-        self.kv.block_size
-    }
-    /// The attention window whose outside pages the core releases (None: every page kept).
-    #[getter]
-    fn sliding_window(&self) -> Option<usize> {
-        self.sched.sliding_window
-    }
-    /// Device blocks an admission leaves free (0 for the contiguous baseline).
-    #[getter]
-    fn watermark_blocks(&self) -> usize {
-        self.kv.watermark_blocks()
     }
 }
 
@@ -439,61 +325,14 @@ impl PyScheduler {
         self.inner.admission_ratio()
     }
 
-    /// Scheduler and KV counters plus utilization, as one dict.
+    /// Scheduler and KV counters plus utilization, as one typed value.
+    fn core_stats(&self) -> PyCoreStats {
+        PyCoreStats::from(&self.inner.core_stats())
+    }
+
+    /// The same as `core_stats()`, as one dict with a key per field.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        let kv = self.inner.kv();
-        let s = self.inner.stats();
-        let bm = kv.block_manager_stats();
-        let usage = self.inner.kv_usage();
-        d.set_item("num_gpu_blocks", kv.num_blocks())?;
-        d.set_item("num_free_gpu_blocks", kv.num_free_blocks())?;
-        d.set_item("num_used_gpu_blocks", kv.num_blocks() - kv.num_free_blocks())?;
-        d.set_item("num_free_cpu_blocks", kv.num_free_host_blocks())?;
-        d.set_item("num_running", self.inner.num_running())?;
-        d.set_item("num_waiting", self.inner.num_waiting())?;
-        d.set_item("num_swapped", self.inner.num_swapped())?;
-        d.set_item("num_steps", s.num_steps)?;
-        d.set_item("num_preemptions", s.num_swap_preemptions + s.num_recompute_preemptions)?;
-        d.set_item("num_swap_preemptions", s.num_swap_preemptions)?;
-        d.set_item("num_recompute_preemptions", s.num_recompute_preemptions)?;
-        d.set_item("num_deferred_forks", s.num_deferred_forks)?;
-        d.set_item("num_failed_steps", s.num_failed_steps)?;
-        d.set_item("disk_pages_invalidated", bm.disk_pages_invalidated)?;
-        d.set_item("num_prompt_tokens_computed", s.prompt_tokens_computed)?;
-        d.set_item("num_cached_prompt_tokens", s.cached_prompt_tokens)?;
-        d.set_item("num_decode_tokens", s.decode_tokens)?;
-        d.set_item("num_pages_swapped_out", s.pages_swapped_out)?;
-        d.set_item("num_pages_swapped_in", s.pages_swapped_in)?;
-        d.set_item("step_pages_swapped_out", s.last_step_pages_swapped_out)?;
-        d.set_item("step_pages_swapped_in", s.last_step_pages_swapped_in)?;
-        d.set_item("prefix_queries", bm.prefix_queries)?;
-        d.set_item("prefix_hits", bm.prefix_hits)?;
-        d.set_item("evictions", bm.evictions)?;
-        d.set_item("cow_copies", bm.cow_copies)?;
-        d.set_item("swap_out_blocks", bm.swap_out_blocks)?;
-        d.set_item("swap_in_blocks", bm.swap_in_blocks)?;
-        d.set_item("host_cache_hits", bm.host_cache_hits)?;
-        let (cached_gpu, cached_cpu, cached_disk) = kv.num_cached_blocks();
-        let tier_hits = bm.host_cache_hits + bm.disk_cache_hits;
-        d.set_item("prefix_hits_device", bm.prefix_hits - tier_hits)?;
-        d.set_item("prefix_hits_host", bm.host_cache_hits)?;
-        d.set_item("prefix_hits_disk", bm.disk_cache_hits)?;
-        d.set_item("prefix_misses_never_seen", bm.prefix_misses_never_seen)?;
-        d.set_item("prefix_misses_evicted", bm.prefix_misses_evicted)?;
-        d.set_item("prefix_misses_evicted_disk", bm.prefix_misses_evicted_disk)?;
-        d.set_item("prefix_misses_invalidated", bm.prefix_misses_invalidated)?;
-        d.set_item("window_released_blocks", bm.window_released_blocks)?;
-        d.set_item("host_cache_saves", bm.host_cache_evictions_saved)?;
-        d.set_item("disk_writes", bm.disk_writes)?;
-        d.set_item("num_disk_blocks", kv.num_disk_blocks())?;
-        d.set_item("num_cached_gpu_blocks", cached_gpu)?;
-        d.set_item("num_cached_cpu_blocks", cached_cpu)?;
-        d.set_item("num_cached_disk_blocks", cached_disk)?;
-        d.set_item("num_pinned_host_blocks", kv.num_pinned_host_blocks())?;
-        d.set_item("reserved_slots", usage.reserved_slots)?;
-        d.set_item("live_slots", usage.live_slots)?;
-        Ok(d)
+        PyCoreStats::from(&self.inner.core_stats()).to_dict(py)
     }
 
     /// (device pages, host pages) of the sequence's block table: a paused sequence may

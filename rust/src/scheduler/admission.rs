@@ -190,7 +190,7 @@ impl Scheduler {
     /// check the prompt's pages alone.
     pub(super) fn admission_fits(&self, id: SeqId, needed: usize, watermark: usize) -> Result<bool, CoreError> {
         let free = self.kv.num_free_blocks();
-        if !self.config.admission.expects_growth() || self.config.layout != KvLayout::Paged {
+        if !self.config.admission.expects_growth() || self.rules.layout != KvLayout::Paged {
             return Ok(needed + watermark <= free);
         }
         let bs = self.kv.block_size();

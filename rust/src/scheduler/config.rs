@@ -125,6 +125,24 @@ impl KvConfig {
             KvLayout::Contiguous(_) => 0,
         }
     }
+
+    /// The rules the scheduler applies for this layout (see [`KvRules`]).
+    pub fn rules(&self) -> KvRules {
+        KvRules { layout: self.layout, watermark_blocks: self.watermark_blocks() }
+    }
+}
+
+/// What the scheduler derives from the KV memory it was built over, once, at
+/// construction (`Scheduler::build` from a [`KvConfig`]; `Scheduler::paged` and
+/// `Scheduler::contiguous` from their arguments): never set by the caller of a
+/// [`SchedulerConfig`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvRules {
+    /// The layout, for the reservation rule of `add_sequence`.
+    pub layout: KvLayout,
+    /// Free blocks an admission must leave behind, so new prompts do not
+    /// immediately force the running set into preemption (0 for the contiguous layout).
+    pub watermark_blocks: usize,
 }
 
 /// What a waiting prompt must leave room for before it is admitted (paged layout).
@@ -196,16 +214,11 @@ pub struct SchedulerConfig {
     /// Longest sequence, prompt plus output.
     pub max_model_len: usize,
     pub preemption_mode: PreemptionMode,
-    /// Free blocks an admission must leave behind, so new prompts do not
-    /// immediately force the running set into preemption.
-    pub watermark_blocks: usize,
     /// Steps a waiting sequence waits per priority level it gains (anti-starvation); 0 disables aging.
     pub aging_steps: u64,
     pub cost: PreemptionCost,
     /// How much room a waiting prompt must leave for growth (paged layout only).
     pub admission: AdmissionConfig,
-    /// The layout, for the reservation rule of `add_sequence` (set by `Scheduler::build`).
-    pub layout: KvLayout,
     /// The attention window of every layer (Mistral): after each step's commit, pages
     /// wholly before the window of the sequence's earliest next query are released (paged
     /// layout; see `block_manager::window`). `None`, the default, keeps every page: full

@@ -8,9 +8,9 @@
 //! (internal) and free runs too short for the next reservation (external).
 //! Free runs are kept coalesced in a `BTreeMap` and handed out first-fit.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
-use crate::block_manager::{BlockId, BlockManagerStats, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
+use crate::block_manager::{BlockId, BlockManagerStats, DiskPage, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
 use crate::error::{CoreError, Tier};
 use crate::scheduler::kv_space::{CopyPairs, KvSpace};
 
@@ -88,7 +88,12 @@ impl ContiguousSpace {
     }
 }
 
+/// The baseline behind the paged interface. What it lacks it says once: no host tier
+/// (`supports_swap` is false; swaps and transfers are errors naming it), no prefix cache
+/// and no disk tier (nothing is ever cached, so counts are 0 and the step lifecycle has
+/// nothing to publish or forget), and regions that never shrink (a window releases none).
 impl KvSpace for ContiguousSpace {
+    // ---- the device pool
     fn block_size(&self) -> usize {
         self.block_size
     }
@@ -98,7 +103,20 @@ impl KvSpace for ContiguousSpace {
     fn num_free_blocks(&self) -> usize {
         self.num_free
     }
-    fn num_free_host_blocks(&self) -> usize {
+    fn reserved_slots(&self) -> usize {
+        (self.num_blocks - self.num_free) * self.block_size
+    }
+    fn check_invariants(&self) -> Result<(), String> {
+        let free: usize = self.free_runs.values().sum();
+        let used: usize = self.regions.values().map(|r| r.table.len()).sum();
+        if free != self.num_free || free + used != self.num_blocks {
+            return Err(format!("contiguous space: free {free} (counter {}) + used {used} != {}", self.num_free, self.num_blocks));
+        }
+        Ok(())
+    }
+
+    // ---- admission: no prefix cache, so one hash chain and never a cached token
+    fn salted_root(&self, _salt: Option<&[u8]>) -> u64 {
         0
     }
     /// `usize::MAX` when no free run is long enough (external fragmentation).
@@ -110,6 +128,9 @@ impl KvSpace for ContiguousSpace {
             usize::MAX
         }
     }
+    fn num_cached_tokens(&self, _tokens: &[TokenId], _root: u64) -> usize {
+        0
+    }
     fn admit(&mut self, seq: SeqId, tokens: &[TokenId], reserve_tokens: usize, _root: u64) -> Result<usize, CoreError> {
         if self.regions.contains_key(&seq) {
             return Err(CoreError::InvalidArgument(format!("sequence {seq} already has a region")));
@@ -119,6 +140,8 @@ impl KvSpace for ContiguousSpace {
         self.regions.insert(seq, Region { table, num_tokens: tokens.len() });
         Ok(0)
     }
+
+    // ---- a sequence's region
     fn blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError> {
         let region = self.region(seq)?;
         let capacity = region.table.len() * self.block_size;
@@ -135,6 +158,7 @@ impl KvSpace for ContiguousSpace {
         region.num_tokens += tokens.len();
         Ok(Vec::new())
     }
+    /// Nothing to publish: with no prefix cache, a computed block is reused by no one.
     fn commit(&mut self, seq: SeqId, _num_computed_tokens: usize) -> Result<(), CoreError> {
         self.region(seq).map(|_| ())
     }
@@ -172,21 +196,65 @@ impl KvSpace for ContiguousSpace {
         out.extend((start..end).map(|p| base + p as i64));
         Ok(())
     }
+    fn num_held_blocks(&self, seq: SeqId) -> Result<usize, CoreError> {
+        Ok(self.region(seq)?.table.len())
+    }
+    /// A region is never shared: each block counts once.
+    fn device_pages_with_refs(&self, seq: SeqId, out: &mut Vec<(BlockId, u32)>) -> Result<(), CoreError> {
+        out.extend(self.region(seq)?.table.iter().map(|&b| (b, 1)));
+        Ok(())
+    }
+    fn device_block_table_contains(&self, seq: SeqId, blocks: &HashSet<BlockId>) -> Result<bool, CoreError> {
+        Ok(self.region(seq)?.table.iter().any(|b| blocks.contains(b)))
+    }
+    /// A region never shrinks: nothing is released (the window still bounds attention).
+    fn release_outside_window(&mut self, seq: SeqId, _first_needed_pos: usize) -> Result<usize, CoreError> {
+        self.region(seq).map(|_| 0)
+    }
+
+    // ---- the step lifecycle: nothing is cached, so a step publishes and forgets nothing
+    fn begin_step(&mut self, _step: u64) {}
+    /// Fork copies read the parent's region, which stays the parent's: nothing is pinned.
+    fn release_copy_sources(&mut self) {}
+    fn complete_step(&mut self, _step: u64, _ok: bool) {}
+    fn forget_device_pages(&mut self, _blocks: &[BlockId]) {}
+
+    // ---- no host tier
     fn supports_swap(&self) -> bool {
         false
     }
+    fn num_free_host_blocks(&self) -> usize {
+        0
+    }
     fn blocks_to_swap_out(&self, _seqs: &[SeqId]) -> Result<usize, CoreError> {
-        Ok(0)
+        Err(no_host_tier("swap out"))
     }
     fn swap_out(&mut self, _seqs: &[SeqId]) -> Result<CopyPairs, CoreError> {
-        Err(CoreError::InvalidArgument("the contiguous layout cannot swap; use preemption_mode='recompute'".into()))
+        Err(no_host_tier("swap out"))
     }
     fn can_swap_in(&self, _seqs: &[SeqId]) -> Result<SwapInStatus, CoreError> {
         Ok(SwapInStatus::Never)
     }
     fn swap_in(&mut self, _seqs: &[SeqId]) -> Result<CopyPairs, CoreError> {
-        Err(CoreError::InvalidArgument("the contiguous layout cannot swap".into()))
+        Err(no_host_tier("swap in"))
     }
+    fn num_swappable_pages(&self, seq: SeqId) -> Result<usize, CoreError> {
+        self.region(seq).map(|_| 0)
+    }
+    fn swap_out_pages(&mut self, seq: SeqId, _n: usize) -> Result<CopyPairs, CoreError> {
+        Err(no_host_tier(&format!("swap out pages of sequence {seq}")))
+    }
+    fn num_host_pages(&self, seq: SeqId) -> Result<usize, CoreError> {
+        self.region(seq).map(|_| 0)
+    }
+    fn blocks_to_resume(&self, seq: SeqId, n: usize) -> Result<usize, CoreError> {
+        self.blocks_to_append(seq, n)
+    }
+    fn is_swapped(&self, seq: SeqId) -> Result<bool, CoreError> {
+        self.region(seq).map(|_| false)
+    }
+
+    // ---- transfers: with no host tier, none is ever handed out
     fn start_transfers(&mut self, to_host: CopyPairs, to_device: CopyPairs) -> Vec<Transfer> {
         debug_assert!(to_host.is_empty() && to_device.is_empty(), "the contiguous layout never swaps");
         Vec::new()
@@ -194,26 +262,47 @@ impl KvSpace for ContiguousSpace {
     fn complete_transfers(&mut self, ids: &[TransferId]) -> Result<(), CoreError> {
         match ids.first() {
             None => Ok(()),
-            Some(id) => Err(CoreError::InvalidArgument(format!("transfer {id} is not in flight: the contiguous layout has no host tier"))),
+            Some(id) => Err(no_host_tier(&format!("complete transfer {id} (none is ever in flight)"))),
         }
+    }
+    fn fail_transfers(&mut self, ids: &[TransferId]) -> Result<Vec<SeqId>, CoreError> {
+        self.complete_transfers(ids).map(|()| Vec::new())
+    }
+    fn transfers_in_flight(&self) -> Vec<TransferId> {
+        Vec::new()
     }
     fn num_pinned_host_blocks(&self) -> usize {
         0
     }
+
+    // ---- no disk tier: a store opened for it seeds nothing, and shutdown flushes nothing
+    fn seed_disk(&mut self, _pages: &[DiskPage], _invalidated: &[u64]) -> Result<usize, CoreError> {
+        Ok(0)
+    }
+    fn flush_to_disk(&mut self) -> Vec<Transfer> {
+        Vec::new()
+    }
+    fn invalidate_disk_slots(&mut self, _slots: &[BlockId]) -> usize {
+        0
+    }
+    fn num_disk_blocks(&self) -> usize {
+        0
+    }
+    fn disk_page(&self, _slot: BlockId) -> Option<DiskPage> {
+        None
+    }
+
+    // ---- counters: nothing cached, no prefix query ever made
+    fn num_cached_blocks(&self) -> (usize, usize, usize) {
+        (0, 0, 0)
+    }
     fn block_manager_stats(&self) -> BlockManagerStats {
         BlockManagerStats::default()
     }
-    fn reserved_slots(&self) -> usize {
-        (self.num_blocks - self.num_free) * self.block_size
-    }
-    fn check_invariants(&self) -> Result<(), String> {
-        let free: usize = self.free_runs.values().sum();
-        let used: usize = self.regions.values().map(|r| r.table.len()).sum();
-        if free != self.num_free || free + used != self.num_blocks {
-            return Err(format!("contiguous space: free {free} (counter {}) + used {used} != {}", self.num_free, self.num_blocks));
-        }
-        Ok(())
-    }
+}
+
+fn no_host_tier(what: &str) -> CoreError {
+    CoreError::InvalidArgument(format!("cannot {what}: the contiguous layout has no host tier; use preemption_mode='recompute'"))
 }
 
 #[cfg(test)]

@@ -19,64 +19,43 @@
 //! window of its first query in the step are released right after that commit (see
 //! `block_manager::window`), and a prompt is admitted chunk by chunk: its later chunks
 //! join the KV space in phase 1, as sampled tokens do, when they are scheduled.
+//!
+//! The KV memory is a [`KvSpace`] (the paged interface; `paged.rs` puts the
+//! `BlockManager` behind it, `contiguous.rs` adapts the baseline to it); what its
+//! layout implies for scheduling is fixed at construction as [`KvRules`]. A sequence's
+//! life is in `lifecycle`, the counters in `stats`, a step's after `schedule` in `steps`.
 
 mod admission;
 pub mod config;
 pub mod contiguous;
 pub mod kv_space;
+mod lifecycle;
 pub mod output;
 mod page_preemption;
+mod paged;
 mod preemption;
 mod schedule;
 pub mod sequence;
+mod stats;
 mod steps;
 
 use std::collections::HashMap;
 
-use crate::block_manager::{BlockManager, BlockManagerConfig, CopyPairs, SeqId, TokenId, TransferId};
+use crate::block_manager::{BlockManager, BlockManagerConfig, CopyPairs, SeqId, TransferId};
 use crate::error::CoreError;
-pub use config::{AdmissionConfig, AdmissionPolicy, KvConfig, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, SchedulerConfig};
+pub use config::{
+    AdmissionConfig, AdmissionPolicy, KvConfig, KvLayout, KvRules, PreemptionCost, PreemptionMode, ReservePolicy, SchedulerConfig,
+};
 pub use contiguous::ContiguousSpace;
 pub use kv_space::KvSpace;
 pub use output::SchedulerOutput;
 use sequence::{SeqStatus, Sequence};
-
-/// Counters the scheduler keeps beside the KV space's own.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SchedulerStats {
-    pub num_steps: u64,
-    pub num_swap_preemptions: u64,
-    pub num_recompute_preemptions: u64,
-    /// Forks whose child had to wait for a region (contiguous layout, full pool): it is
-    /// prefilled when admitted, like a sequence preempted by recompute.
-    pub num_deferred_forks: u64,
-    /// Prompt (and recomputed) tokens actually computed.
-    pub prompt_tokens_computed: u64,
-    /// Prompt tokens skipped thanks to the prefix cache.
-    pub cached_prompt_tokens: u64,
-    pub decode_tokens: u64,
-    /// Steps reported failed (and the steps in flight after them).
-    pub num_failed_steps: u64,
-    /// Pages the scheduler's preemptions copied device→host / host→device (swap-outs and
-    /// swap-ins; evicted prefix pages moving between tiers are counted by the KV space).
-    pub pages_swapped_out: u64,
-    pub pages_swapped_in: u64,
-    /// The same, in the last step only.
-    pub last_step_pages_swapped_out: u64,
-    pub last_step_pages_swapped_in: u64,
-}
-
-/// Snapshot of memory use for utilization reports.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct KvUsage {
-    /// Token slots held by live sequences' pages (or reserved regions).
-    pub reserved_slots: usize,
-    /// Of those, slots holding a live token (a page shared by several sequences counts once).
-    pub live_slots: usize,
-}
+pub use stats::{CoreStats, KvUsage, SchedulerStats};
 
 pub struct Scheduler {
     config: SchedulerConfig,
+    /// What the layout implies, derived once at construction (see [`KvRules`]).
+    rules: KvRules,
     kv: Box<dyn KvSpace>,
     seqs: HashMap<SeqId, Sequence>,
     waiting: Vec<SeqId>,
@@ -107,7 +86,7 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(config: SchedulerConfig, kv: Box<dyn KvSpace>) -> Result<Self, CoreError> {
+    fn from_parts(config: SchedulerConfig, rules: KvRules, kv: Box<dyn KvSpace>) -> Result<Self, CoreError> {
         config.validate()?;
         Ok(Self {
             kv,
@@ -126,6 +105,7 @@ impl Scheduler {
             next_step_id: 1,
             max_steps_in_flight: 1,
             broken: None,
+            rules,
             config,
         })
     }
@@ -133,14 +113,12 @@ impl Scheduler {
     /// The one constructor that applies the memory rules of `kv.layout` (see
     /// [`KvLayout`]): the contiguous baseline gets no host tier, no prefix caching,
     /// recompute preemption and no watermark; the paged layout gets what it asks for.
-    /// `sched.layout` and `sched.watermark_blocks` are derived here.
+    /// The scheduler's [`KvRules`] are derived here.
     pub fn build(mut sched: SchedulerConfig, kv: KvConfig) -> Result<Self, CoreError> {
         kv.validate()?;
-        sched.layout = kv.layout;
-        sched.watermark_blocks = kv.watermark_blocks();
         match kv.layout {
             KvLayout::Paged => {
-                let mut bm = BlockManager::new(BlockManagerConfig {
+                let bm = BlockManagerConfig {
                     num_gpu_blocks: kv.num_gpu_blocks,
                     block_size: kv.block_size,
                     num_cpu_blocks: kv.effective_cpu_blocks(),
@@ -148,36 +126,39 @@ impl Scheduler {
                     host_cache_evicted: kv.host_cache_evicted,
                     num_disk_blocks: kv.effective_disk_blocks(),
                     cache_salt: None,
-                    sliding_window: sched.sliding_window,
-                })?;
-                bm.set_pin_swap_in_sources(true);
-                bm.set_pin_cow_sources(true);
-                bm.set_defer_publish(true);
-                Self::new(sched, Box::new(bm))
+                    sliding_window: None,
+                };
+                Self::paged_with_watermark(sched, bm, kv.watermark_blocks())
             }
             KvLayout::Contiguous(_) => {
                 sched.preemption_mode = PreemptionMode::Recompute;
-                Self::new(sched, Box::new(ContiguousSpace::new(kv.num_gpu_blocks, kv.block_size)?))
+                Self::from_parts(sched, kv.rules(), Box::new(ContiguousSpace::new(kv.num_gpu_blocks, kv.block_size)?))
             }
         }
     }
 
-    /// A scheduler over a paged [`BlockManager`] (its window is the scheduler's).
+    /// A scheduler over a paged [`BlockManager`] (its window is the scheduler's), with no
+    /// watermark.
     pub fn paged(config: SchedulerConfig, bm: BlockManagerConfig) -> Result<Self, CoreError> {
+        Self::paged_with_watermark(config, bm, 0)
+    }
+
+    /// A scheduler over a paged [`BlockManager`] whose admissions leave `watermark_blocks`
+    /// device blocks free.
+    pub fn paged_with_watermark(config: SchedulerConfig, bm: BlockManagerConfig, watermark_blocks: usize) -> Result<Self, CoreError> {
         let mut manager = BlockManager::new(BlockManagerConfig { sliding_window: config.sliding_window, ..bm })?;
         manager.set_pin_swap_in_sources(true);
         manager.set_pin_cow_sources(true);
         manager.set_defer_publish(true);
-        Self::new(SchedulerConfig { layout: KvLayout::Paged, ..config }, Box::new(manager))
+        Self::from_parts(config, KvRules { layout: KvLayout::Paged, watermark_blocks }, Box::new(manager))
     }
 
-    /// A scheduler over the contiguous reservation baseline.
-    pub fn contiguous(config: SchedulerConfig, num_blocks: usize, block_size: usize) -> Result<Self, CoreError> {
-        let layout = match config.layout {
-            KvLayout::Contiguous(policy) => KvLayout::Contiguous(policy),
-            KvLayout::Paged => KvLayout::Contiguous(ReservePolicy::MaxModelLen),
-        };
-        Self::new(SchedulerConfig { layout, ..config }, Box::new(ContiguousSpace::new(num_blocks, block_size)?))
+    /// A scheduler over the contiguous reservation baseline, each region reserving what
+    /// `reserve` says. The caller's preemption mode is kept (this layout can only
+    /// recompute: a swap mode falls back to it, see `preemption`).
+    pub fn contiguous(config: SchedulerConfig, num_blocks: usize, block_size: usize, reserve: ReservePolicy) -> Result<Self, CoreError> {
+        let rules = KvRules { layout: KvLayout::Contiguous(reserve), watermark_blocks: 0 };
+        Self::from_parts(config, rules, Box::new(ContiguousSpace::new(num_blocks, block_size)?))
     }
 
     pub fn kv(&self) -> &dyn KvSpace {
@@ -188,148 +169,9 @@ impl Scheduler {
         &self.config
     }
 
-    pub fn stats(&self) -> SchedulerStats {
-        self.stats
-    }
-
-    /// What the layout reserves up front for a sequence of `prompt_len` tokens that may
-    /// grow to `longest` (0 for the paged layout, which takes pages on demand).
-    pub fn reserve_tokens(&self, longest: usize) -> usize {
-        match self.config.layout {
-            KvLayout::Paged => 0,
-            KvLayout::Contiguous(ReservePolicy::Request) => longest,
-            KvLayout::Contiguous(ReservePolicy::MaxModelLen) => self.config.max_model_len,
-        }
-    }
-
-    /// Device blocks a request of `num_samples` samples needs at worst, with the pool to
-    /// itself: the prompt's full blocks once (shared by forks), and for every sample the
-    /// rest of its longest possible sequence (its partly filled last prompt page is
-    /// copied on write). The contiguous layout copies whole regions per sample.
-    pub fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, num_samples: usize) -> usize {
-        let bs = self.kv.block_size();
-        let longest = prompt_len.saturating_add(max_tokens).min(self.config.max_model_len).max(prompt_len).max(1);
-        let samples = num_samples.max(1);
-        match self.config.layout {
-            KvLayout::Paged => {
-                let shared = prompt_len / bs;
-                let all = shared.saturating_add(samples.saturating_mul(longest.div_ceil(bs) - shared));
-                // A windowed sequence holds at most its window plus two steps' chunks (the
-                // last one before its release, the new one), prompt chunks included.
-                let window = self.config.sliding_window.map(|w| {
-                    samples.saturating_mul((w.saturating_add(2 * self.config.max_num_batched_tokens)).div_ceil(bs) + 2)
-                });
-                window.map_or(all, |w| w.min(all))
-            }
-            KvLayout::Contiguous(_) => samples.saturating_mul(longest.max(self.reserve_tokens(longest)).div_ceil(bs)),
-        }
-    }
-
-    /// Queues a new sequence; it is admitted by a later `schedule`. It must be able to
-    /// run to `max_tokens` outputs with all of its `num_samples` samples (forked later)
-    /// holding their own pages, with the pool to itself; otherwise it is refused here,
-    /// so that no admitted request can wait forever.
-    pub fn add_sequence(
-        &mut self,
-        id: SeqId,
-        tokens: Vec<TokenId>,
-        priority: i64,
-        arrival: u64,
-        max_tokens: usize,
-        num_samples: usize,
-    ) -> Result<(), CoreError> {
-        self.add_salted_sequence(id, tokens, priority, arrival, max_tokens, num_samples, None)
-    }
-
-    /// [`add_sequence`](Self::add_sequence) with a cache salt (vLLM's `cache_salt`): the
-    /// salt seeds the sequence's prefix-hash chain, so it shares pages only with sequences
-    /// of the same salt, on every tier and across restarts (the disk tier keys by it).
-    #[allow(clippy::too_many_arguments)]
-    pub fn add_salted_sequence(
-        &mut self,
-        id: SeqId,
-        tokens: Vec<TokenId>,
-        priority: i64,
-        arrival: u64,
-        max_tokens: usize,
-        num_samples: usize,
-        cache_salt: Option<&[u8]>,
-    ) -> Result<(), CoreError> {
-        self.check_usable()?;
-        if self.seqs.contains_key(&id) {
-            return Err(CoreError::InvalidArgument(format!("sequence {id} already exists")));
-        }
-        if tokens.is_empty() {
-            return Err(CoreError::InvalidArgument(format!("sequence {id} has no tokens; at least 1 is needed")));
-        }
-        if tokens.len() > self.config.max_model_len {
-            return Err(CoreError::InvalidArgument(format!(
-                "sequence {id} has {} tokens; max_model_len is {}",
-                tokens.len(),
-                self.config.max_model_len
-            )));
-        }
-        let needed = self.worst_case_blocks(tokens.len(), max_tokens, num_samples);
-        if needed > self.kv.num_blocks() {
-            let longest = tokens.len().saturating_add(max_tokens).min(self.config.max_model_len);
-            return Err(CoreError::InvalidArgument(format!(
-                "the request needs up to {needed} blocks of KV cache (prompt {} + max_tokens {max_tokens} = {longest} tokens \
-                 x n = {num_samples} samples); the pool holds {} blocks of {} tokens",
-                tokens.len(),
-                self.kv.num_blocks(),
-                self.kv.block_size()
-            )));
-        }
-        let longest = tokens.len().saturating_add(max_tokens).min(self.config.max_model_len);
-        let seq = Sequence {
-            id,
-            priority,
-            arrival,
-            reserve_tokens: self.reserve_tokens(longest),
-            prompt_len: tokens.len(),
-            max_len: longest.max(tokens.len()),
-            tokens,
-            kv_tokens: 0,
-            prefill_left: 0,
-            num_computed: 0,
-            status: SeqStatus::Waiting,
-            waiting_since: self.stats.num_steps,
-            parked: false,
-            root: self.kv.salted_root(cache_salt),
-            cached_tokens: None,
-        };
-        self.seqs.insert(id, seq);
-        self.waiting.push(id);
-        Ok(())
-    }
-
-    /// Records a token sampled for a running sequence; its page is taken at the next schedule.
-    pub fn append_token(&mut self, id: SeqId, token: TokenId) -> Result<(), CoreError> {
-        self.append_tokens(&[(id, token)])
-    }
-
-    /// Records one sampled token per sequence, all or nothing: every id must be known,
-    /// listed once and below `max_model_len`, or no sequence changes.
-    pub fn append_tokens(&mut self, items: &[(SeqId, TokenId)]) -> Result<(), CoreError> {
-        let mut seen = std::collections::HashSet::with_capacity(items.len());
-        for &(id, _) in items {
-            let seq = self.seqs.get(&id).ok_or(CoreError::UnknownSequence(id))?;
-            if !seen.insert(id) {
-                return Err(CoreError::InvalidArgument(format!("sequence {id} is listed twice; one token per sequence per call")));
-            }
-            if seq.tokens.len() >= self.config.max_model_len {
-                return Err(CoreError::InvalidArgument(format!(
-                    "sequence {id} already has max_model_len = {} tokens",
-                    self.config.max_model_len
-                )));
-            }
-        }
-        for &(id, token) in items {
-            let seq = self.seqs.get_mut(&id).expect("checked above");
-            seq.tokens.push(token);
-            seq.parked = false;
-        }
-        Ok(())
+    /// The layout's rules this scheduler applies (derived at construction).
+    pub fn rules(&self) -> KvRules {
+        self.rules
     }
 
     /// Seeds the persistent disk tier at startup (see [`BlockManager::seed_disk`]).
@@ -348,63 +190,41 @@ impl Scheduler {
         self.kv.complete_transfers(ids)
     }
 
-    /// `n > 1` sampling and beam search: the child continues the parent's tokens and
-    /// shares its pages (copy-on-write later), in whatever state the parent is in:
-    ///
-    /// - running: the child runs too, on the parent's pages;
-    /// - swapped out: the child shares its host pages and comes back with a later swap-in;
-    /// - waiting (never admitted, or preempted by recompute): it holds no pages, so the
-    ///   child is a waiting copy that is prefilled on admission (a prefix hit on the
-    ///   parent's cached blocks where there are any).
-    ///
-    /// Beam search needs the last two: a beam whose logits row is buffered until its
-    /// siblings' rows arrive may be preempted meanwhile and still be the parent of the
-    /// next beams.
-    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), CoreError> {
-        if self.seqs.contains_key(&child) {
-            return Err(CoreError::InvalidArgument(format!("sequence {child} already exists")));
-        }
-        let parent_seq = self.seqs.get(&parent).ok_or(CoreError::UnknownSequence(parent))?;
-        let mut child_seq = parent_seq.clone();
-        child_seq.id = child;
-        if parent_seq.has_pages() {
-            match self.kv.fork(parent, child) {
-                Ok(copies) => self.pending_copies.extend(copies),
-                // The contiguous layout copies the parent's region into a new one, which
-                // a full pool cannot give now: the child waits and is prefilled when
-                // admitted, as a sequence preempted by recompute would be. A paged fork
-                // only shares pages and never takes one.
-                Err(CoreError::OutOfBlocks { .. }) => {
-                    child_seq.reset_for_recompute(self.stats.num_steps);
-                    self.stats.num_deferred_forks += 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        let queue = match child_seq.status {
-            SeqStatus::Waiting => &mut self.waiting,
-            SeqStatus::Running => &mut self.running,
-            SeqStatus::Swapped => &mut self.swapped,
-        };
-        queue.push(child);
-        self.seqs.insert(child, child_seq);
-        Ok(())
+    pub fn stats(&self) -> SchedulerStats {
+        self.stats
     }
 
-    /// Ends a sequence (finished or aborted) and gives its pages back.
-    pub fn finish(&mut self, id: SeqId) -> Result<(), CoreError> {
-        let seq = self.seqs.remove(&id).ok_or(CoreError::UnknownSequence(id))?;
-        self.admission.observe_finish(&seq);
-        if seq.has_pages() {
-            self.kv.free(id)?;
+    /// What the layout reserves up front for a sequence of `prompt_len` tokens that may
+    /// grow to `longest` (0 for the paged layout, which takes pages on demand).
+    pub fn reserve_tokens(&self, longest: usize) -> usize {
+        match self.rules.layout {
+            KvLayout::Paged => 0,
+            KvLayout::Contiguous(ReservePolicy::Request) => longest,
+            KvLayout::Contiguous(ReservePolicy::MaxModelLen) => self.config.max_model_len,
         }
-        let queue = match seq.status {
-            SeqStatus::Waiting => &mut self.waiting,
-            SeqStatus::Running => &mut self.running,
-            SeqStatus::Swapped => &mut self.swapped,
-        };
-        queue.retain(|&s| s != id);
-        Ok(())
+    }
+
+    /// Device blocks a request of `num_samples` samples needs at worst, with the pool to
+    /// itself: the prompt's full blocks once (shared by forks), and for every sample the
+    /// rest of its longest possible sequence (its partly filled last prompt page is
+    /// copied on write). The contiguous layout copies whole regions per sample.
+    pub fn worst_case_blocks(&self, prompt_len: usize, max_tokens: usize, num_samples: usize) -> usize {
+        let bs = self.kv.block_size();
+        let longest = prompt_len.saturating_add(max_tokens).min(self.config.max_model_len).max(prompt_len).max(1);
+        let samples = num_samples.max(1);
+        match self.rules.layout {
+            KvLayout::Paged => {
+                let shared = prompt_len / bs;
+                let all = shared.saturating_add(samples.saturating_mul(longest.div_ceil(bs) - shared));
+                // A windowed sequence holds at most its window plus two steps' chunks (the
+                // last one before its release, the new one), prompt chunks included.
+                let window = self.config.sliding_window.map(|w| {
+                    samples.saturating_mul((w.saturating_add(2 * self.config.max_num_batched_tokens)).div_ceil(bs) + 2)
+                });
+                window.map_or(all, |w| w.min(all))
+            }
+            KvLayout::Contiguous(_) => samples.saturating_mul(longest.max(self.reserve_tokens(longest)).div_ceil(bs)),
+        }
     }
 
     /// Tokens recorded for a sequence (prompt + appended outputs).
@@ -427,24 +247,6 @@ impl Scheduler {
     }
     pub fn has_unfinished(&self) -> bool {
         !self.seqs.is_empty()
-    }
-
-    /// Reserved versus live token slots of the device pool right now.
-    pub fn kv_usage(&self) -> KvUsage {
-        let block_size = self.kv.block_size();
-        // Live slots per physical block: the longest fill any sequence has in it.
-        let mut fill: HashMap<u32, usize> = HashMap::new();
-        for id in &self.running {
-            let seq = &self.seqs[id];
-            if let Ok(table) = self.kv.block_table(*id) {
-                for (i, &block) in table.iter().enumerate().filter(|(_, &b)| b != crate::block_manager::NULL_BLOCK) {
-                    let filled = seq.kv_tokens.saturating_sub(i * block_size).min(block_size);
-                    let entry = fill.entry(block).or_insert(0);
-                    *entry = (*entry).max(filled);
-                }
-            }
-        }
-        KvUsage { reserved_slots: self.kv.reserved_slots(), live_slots: fill.values().sum() }
     }
 
     /// Checks the KV space's invariants plus the scheduler's own: every sequence is

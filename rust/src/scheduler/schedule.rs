@@ -137,7 +137,7 @@ impl Scheduler {
                     // Paused sequences give pages first (and the watermark with them, so
                     // the next steps' decodes do not each move one more page).
                     let need = self.kv.blocks_to_append(id, pending)?;
-                    self.take_pages_from_paused(need + self.config.watermark_blocks, None, out)?;
+                    self.take_pages_from_paused(need + self.rules.watermark_blocks, None, out)?;
                     if need <= self.kv.num_free_blocks() {
                         break;
                     }
@@ -182,7 +182,7 @@ impl Scheduler {
             }
             // Its device pages are still there (page-granular preemption); only the host
             // ones need room, and paused sequences ranked after it may give it.
-            let need = self.swap_in_need(id, budget.tokens)? + self.config.watermark_blocks;
+            let need = self.swap_in_need(id, budget.tokens)? + self.rules.watermark_blocks;
             if self.page_granular() && need > self.kv.num_free_blocks() && need <= self.kv.num_free_blocks() + self.swappable_from_paused(Some(id))? {
                 self.take_pages_from_paused(need, Some(id), out)?;
             }
@@ -266,7 +266,7 @@ impl Scheduler {
             } else if scheduled.is_empty() && !others_wait {
                 needed <= self.kv.num_free_blocks()
             } else {
-                self.admission_fits(id, needed, self.config.watermark_blocks)?
+                self.admission_fits(id, needed, self.rules.watermark_blocks)?
             };
             if !fits {
                 break;
