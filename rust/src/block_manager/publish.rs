@@ -104,13 +104,8 @@ impl BlockManager {
     pub fn forget_device_pages(&mut self, blocks: &[BlockId]) {
         for &b in blocks {
             if (b as usize) < self.cfg.num_gpu_blocks {
-                if let Some(h) = self.gpu.cache.uncache(b) {
+                if let Some(h) = self.gpu.forget(b) {
                     self.misses.record(h, super::MissReason::Invalidated);
-                    if self.gpu.refs.get(b) == 0 {
-                        // Evictable: out of the LRU list, back to the pool.
-                        self.gpu.cache.evictable.remove(b);
-                        self.gpu.pool.put(&[b]);
-                    }
                 }
             }
         }

@@ -69,6 +69,18 @@ impl TierPool {
         self.refs.add_exclusive(b, n);
     }
 
+    /// Forgets `b`'s cached page (its content is lost) and returns the hash it had; a block
+    /// nobody holds leaves the evictable set for the pool at once, a held one goes to the
+    /// pool when its last user releases it (it is no longer hashed).
+    pub(crate) fn forget(&mut self, b: BlockId) -> Option<u64> {
+        let hash = self.cache.uncache(b)?;
+        if self.refs.get(b) == 0 {
+            self.cache.evictable.remove(b);
+            self.pool.put(&[b]);
+        }
+        Some(hash)
+    }
+
     /// Drops `n` users of `b`; a block left with none becomes evictable when cached, or
     /// goes to the pool batch (call [`flush`](Self::flush) after the last release).
     #[inline]

@@ -227,15 +227,11 @@ impl BlockManager {
             if b as usize >= self.cfg.num_disk_blocks {
                 continue;
             }
-            let Some(h) = self.disk.cache.uncache(b) else { continue };
+            let Some(h) = self.disk.forget(b) else { continue };
             self.misses.record(h, MissReason::Invalidated);
             dropped += 1;
-            if self.disk.refs.get(b) == 0 {
-                // It was evictable: out of the LRU list, back to the pool.
-                self.disk.cache.evictable.remove(b);
-                self.disk.pool.put(&[b]);
-            } else {
-                self.disk_invalidated_pinned.insert(b);
+            if self.disk.refs.get(b) > 0 {
+                self.disk_invalidated_pinned.insert(b); // a copy still pins it
             }
         }
         self.stats.disk_pages_invalidated += dropped as u64;
