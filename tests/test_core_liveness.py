@@ -31,8 +31,9 @@ from pagedrs.errors import EngineDeadError  # noqa: E402
 from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
 from pagedrs.server.background import free_port  # noqa: E402
 from pagedrs.server.cli import ENGINE_DEAD_EXIT, main  # noqa: E402
+from pagedrs.server.deltas import DeltaStream, RequestDelta  # noqa: E402
 from pagedrs.server.engine_core import EngineCoreDeadError, RemoteEngine, heartbeat_interval  # noqa: E402
-from pagedrs.server.engine_loop import DeadEngineRefusal, RequestDelta  # noqa: E402
+from pagedrs.server.engine_loop import DeadEngineRefusal  # noqa: E402
 from pagedrs.server.errors import error_body  # noqa: E402
 from server_fakes import FakeEngine  # noqa: E402
 
@@ -121,7 +122,7 @@ def test_a_fatal_engine_error_fails_requests_as_engine_dead_never_overloaded() -
         raise EngineDeadError("worker 1 is gone")  # as a dead tensor-parallel worker or scheduler reports
 
     async def scenario() -> tuple[RequestDelta, BaseException]:
-        out: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        out = DeltaStream()
         await loop.add("r1", "hi", SamplingParams(max_tokens=10_000), out)
         while not (await out.get()).samples:
             pass
@@ -129,7 +130,7 @@ def test_a_fatal_engine_error_fails_requests_as_engine_dead_never_overloaded() -
         while not (delta := await out.get()).finished:
             pass
         with pytest.raises(DeadEngineRefusal) as late:  # not a RuntimeError: not "shutting down, retry"
-            await loop.add("r2", "hi", SamplingParams(max_tokens=1), asyncio.Queue())
+            await loop.add("r2", "hi", SamplingParams(max_tokens=1), DeltaStream())
         return delta, late.value
 
     try:
@@ -150,7 +151,7 @@ def test_request_timeout_aborts_an_accepted_request_in_the_engine() -> None:
     loop.start()
 
     async def scenario() -> tuple[RequestDelta, float]:
-        out: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        out = DeltaStream()
         started = time.monotonic()
         await loop.add("slow", "hi", SamplingParams(max_tokens=10**9), out)  # generates until stopped
         while not (delta := await out.get()).finished:

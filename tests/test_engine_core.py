@@ -23,6 +23,7 @@ psutil = pytest.importorskip("psutil")
 
 from pagedrs import LLM, EngineArgs, SamplingParams  # noqa: E402
 from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
+from pagedrs.server.deltas import DeltaStream  # noqa: E402
 from pagedrs.server.engine_core import EngineCoreError, RemoteEngine  # noqa: E402
 
 ENGINE_KW = dict(block_size=4, num_gpu_blocks=48, max_model_len=96, swap_space_gb=0.001)
@@ -142,8 +143,8 @@ def test_a_burst_of_adds_is_sent_before_any_answer_comes_back(remote):
         original(request_id, prompt, params, priority, counted)
 
     async def run() -> None:
-        queues = {f"b{i}": asyncio.Queue() for i in range(burst)}
-        long_q: asyncio.Queue = asyncio.Queue()
+        queues = {f"b{i}": DeltaStream() for i in range(burst)}
+        long_q = DeltaStream()
         await loop.add("long", [5, 6, 7], SamplingParams(max_tokens=60, ignore_eos=True), long_q)
         while not (await long_q.get()).samples[0].token_ids:
             pass  # the core is stepping now

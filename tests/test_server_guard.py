@@ -240,7 +240,8 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish(make_served: Ca
     permits.release(10_000)
     streamer.join(60)
     texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-1]]
-    assert texts == ["a", "b", "c"] and events[-1] == "data: [DONE]"
+    # A stream that lags gets merged events (DeltaStream); the text is the same, in order.
+    assert "".join(texts) == "abc" and all(texts) and events[-1] == "data: [DONE]"
     assert served.http.join(60), "the server did not stop after its last request finished"
 
 

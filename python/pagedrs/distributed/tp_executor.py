@@ -95,6 +95,10 @@ class TPExecutor:
         self._exit_hook: Any = None
         self._dead: str | None = None
         self._stopping = False
+        # One reaper at a time: the monitor and shutdown() both wait on the workers, and two threads
+        # in os.waitpid for one child leave one of them with ECHILD and the child's exit code unset
+        # (multiprocessing then reports a reaped worker as alive, exitcode None).
+        self._reap_lock = threading.Lock()
         self._completed: list[int] = []
         if self.device.type == "cuda" and torch.cuda.device_count() < self.size:
             raise ValueError(
@@ -152,12 +156,15 @@ class TPExecutor:
 
         alive = {p.sentinel: p for p in self._workers}
         while alive and self._dead is None:
-            for sentinel in wait(list(alive), timeout=1.0):
+            for sentinel in wait(list(alive), timeout=1.0):  # waits on the sentinel: reaps nothing
                 p = alive.pop(sentinel)
-                p.join(1.0)  # the exit code is set once the process is reaped
-                if self._dead is None and not self._stopping:
-                    self._dead = f"tensor-parallel worker {p.name} exited with code {p.exitcode}"
-                    logger.error("%s; the engine cannot run another step", self._dead)
+                with self._reap_lock:
+                    if self._stopping:
+                        return  # shutdown() reaps the workers it stopped
+                    p.join(1.0)  # the exit code is set once the process is reaped
+                    if self._dead is None:
+                        self._dead = f"tensor-parallel worker {p.name} exited with code {p.exitcode}"
+                        logger.error("%s; the engine cannot run another step", self._dead)
 
     def _kill_workers(self) -> None:
         for p in self._workers:
@@ -234,9 +241,10 @@ class TPExecutor:
         Besides shutdown(), the engine's finalizer calls it on garbage collection, and an exit
         hook at interpreter exit. No STOP goes to a group with a dead worker: a broadcast to a
         dead rank could wait for the collective timeout."""
-        if self._stopping:
-            return
-        self._stopping = True
+        with self._reap_lock:  # from here on the monitor reaps nothing
+            if self._stopping:
+                return
+            self._stopping = True
         if self._exit_hook is not None:
             atexit.unregister(self._exit_hook)
         workers_alive = all(p.is_alive() for p in self._workers)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from pagedrs.server.engine_loop import SampleDelta
+from pagedrs.server.deltas import SampleDelta
 from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import (
     DEFAULT_COMPLETION_MAX_TOKENS,

@@ -3,10 +3,10 @@
 The Engine is not thread-safe, and continuous batching needs every request in
 the same engine anyway, so exactly one thread touches it. HTTP handlers (on
 the asyncio event loop) only *send commands* — add, abort — and *receive
-deltas* on a per-request asyncio queue::
+deltas* on a per-HTTP-request DeltaStream (deltas.py)::
 
     handler ──add/abort──► commands (SimpleQueue) ──► engine thread: apply commands,
-    handler ◄──deltas───── asyncio.Queue ◄─call_soon_threadsafe── engine.step(), dispatch
+    handler ◄──deltas───── DeltaStream (merges while the handler lags) ◄── engine.step(), dispatch
 
 Commands are applied before every step, so an abort sent while step k runs
 frees the request's pages before step k+1 starts ("within one step").
@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagedrs.server.deltas import DeltaStream, RequestDelta, SampleDelta
 from pagedrs.server.metrics import ServerMetrics
 from pagedrs.server.request_trace import RequestTrace
 
@@ -83,39 +84,11 @@ class EngineLike(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
 
-@dataclass(frozen=True)
-class SampleDelta:
-    """What one sample (of n) gained in one step."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None  # one dict per token in token_ids, when requested
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass(frozen=True)
-class RequestDelta:
-    """One engine request's progress in one step, or its failure (``error`` set, ``finished``)."""
-
-    tag: int  # which prompt of the HTTP request this engine request serves
-    request_id: str
-    prompt_token_ids: list[int]
-    samples: list[SampleDelta]
-    finished: bool
-    error: str | None = None
-    error_status: int = 500  # the HTTP status the error maps to (503: the server is shutting down)
-    error_code: str | None = None  # OpenAI's `code`: ENGINE_DEAD, REQUEST_TIMEOUT, or None
-    num_cached_tokens: int = 0  # prompt tokens whose K/V the engine reused (RequestOutput.num_cached_tokens)
-
-
 @dataclass
 class _Sink:
     """Where one engine request's deltas go, and its latency bookkeeping (engine thread only)."""
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestDelta]
+    stream: DeltaStream
     tag: int
     arrival: float
     deadline: float | None = None  # time.monotonic() past which it is aborted with a 504 (request_timeout_s)
@@ -209,7 +182,7 @@ class EngineLoop:
         request_id: str,
         prompt: Any,
         params: Any,
-        out: asyncio.Queue[RequestDelta],
+        out: DeltaStream,
         *,
         tag: int = 0,
         priority: int = 0,
@@ -225,7 +198,7 @@ class EngineLoop:
             raise RuntimeError(f"the engine loop is not running ({self.fatal_error or 'stopped'})")
         arrival = time.monotonic()
         deadline = None if self.request_timeout_s is None else arrival + self.request_timeout_s
-        sink = _Sink(asyncio.get_running_loop(), out, tag, arrival, deadline)
+        sink = _Sink(out, tag, arrival, deadline)
         command = _Add(request_id, prompt, params, priority, sink, cache_salt)
         with self._lock:
             self._pending_adds += 1
@@ -509,11 +482,7 @@ def _fail(engine: EngineLike, request_id: str, sink: _Sink, message: str, status
 
 def _deliver(sink: _Sink, delta: RequestDelta) -> bool:
     """Hand ``delta`` to the handler's event loop; False when that loop is gone."""
-    try:
-        sink.loop.call_soon_threadsafe(sink.queue.put_nowait, delta)
-    except RuntimeError:  # event loop closed: the server is shutting down
-        return False
-    return True
+    return sink.stream.put(delta)
 
 
 def _swallow(fn: Callable[[], object]) -> None:

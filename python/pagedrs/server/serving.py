@@ -3,7 +3,7 @@
 An HTTP request with P prompts and ``n`` samples becomes P engine requests
 (``<id>-0`` .. ``<id>-{P-1}``), each with n samples; its choices are numbered
 ``prompt_index * n + sample_index``, as OpenAI numbers them. The engine requests
-are submitted together, read from one asyncio queue, and aborted together when
+are submitted together, read from one DeltaStream, and aborted together when
 the client goes away. One request may add at most ``max_seqs_per_request`` sequences
 (prompts x the sequences each runs: ``best_of`` or ``n``, the beam width for beam search).
 """
@@ -17,12 +17,13 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pagedrs.server.engine_loop import EngineLoop, RequestDelta, SampleDelta
+from pagedrs.server.deltas import DeltaStream, RequestDelta, SampleDelta
+from pagedrs.server.engine_loop import EngineLoop
 from pagedrs.server.errors import APIError, bad_request
 from pagedrs.server.options import DEFAULT_MAX_SEQS_PER_REQUEST
 from pagedrs.server.prompts import PromptTokenizer
@@ -167,7 +168,7 @@ class Generation:
         self.client_request_id: str | None = None  # X-Request-Id as the client sent it
         self.client_salt = cache_salt  # the request's cache_salt field (validated by the model)
         self.engine_salt: str | None = engine_salt("shared", None, cache_salt)  # bind() makes it the tenant's
-        self.queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self.stream: DeltaStream | None = None  # made in submit(), on the handler's event loop
         self.prompt_token_ids: dict[int, list[int]] = {}
         self.cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens the engine reused
         self._unfinished: set[str] = set()
@@ -196,11 +197,12 @@ class Generation:
                 f"{self.ctx.max_waiting}; retry later",
                 code="server_overloaded",
             )
+        self.stream = DeltaStream()
         try:
             for tag, prompt in enumerate(self.prompts):
                 request_id = f"{self.id_base}-{tag}"
                 self._unfinished.add(request_id)
-                await loop.add(request_id, {"prompt_token_ids": prompt}, self.params, self.queue, tag=tag,
+                await loop.add(request_id, {"prompt_token_ids": prompt}, self.params, self.stream, tag=tag,
                                priority=self.priority, cache_salt=self.engine_salt)
         except ValueError as exc:
             self.abort()
@@ -217,10 +219,14 @@ class Generation:
     async def deltas(self) -> AsyncIterator[RequestDelta]:
         """Every delta until all engine requests finished; aborts the rest if the reader stops early."""
         try:
+            assert self.stream is not None, "deltas() before submit()"
             while self._unfinished:
-                delta = await self.queue.get()
+                delta = await self.stream.get()
                 if delta.finished:
                     self._unfinished.discard(delta.request_id)
+                if delta.error is not None and delta.samples:
+                    # Tokens merged into the error delta (the handler lagged) still reach the client first.
+                    yield replace(delta, error=None, finished=False)
                 if delta.error is not None:
                     code = delta.error_code or ("server_shutting_down" if delta.error_status == 503 else None)
                     raise APIError(delta.error_status, f"request {delta.request_id} failed: {delta.error}", code=code)
