@@ -26,7 +26,7 @@ cleanup() {
 trap cleanup EXIT
 
 "$PY" -c "import sys; sys.path.insert(0, 'tests'); from pathlib import Path; from conftest import make_tiny_model; make_tiny_model('llama', Path('$work/model'))" >/dev/null 2>&1
-port=$("$PY" -c "from pagedrs.server.background import free_port; print(free_port())")
+port=$("$PY" -c "from pagedrs.net import free_port; print(free_port())")
 url="http://127.0.0.1:$port"
 "$PY" -m pagedrs.server --model "$work/model" --served-model-name tiny-llama --port "$port" \
     --block-size 16 --num-gpu-blocks 64 --max-model-len 256 --log-level warning >"$work/server.log" 2>&1 &

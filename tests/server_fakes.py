@@ -59,11 +59,46 @@ class FakeEngine:
         self._cached: dict[str | None, set[tuple[int, ...]]] = {}  # cache_salt -> full-page prefixes seen
         self._requests: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()  # the test thread reads `calls` while the engine thread appends
+        self._inbox: list[tuple[Any, ...]] = []  # submitted adds, applied at the next step (as the Engine's)
+        self._abort_after_add: set[str] = set()
 
     def add_request(
         self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> None:
+        ids = self._validate(request_id, prompt)
+        self._record("add", request_id)
+        with self._lock:
+            self.added[request_id] = {"ids": list(ids), "params": params, "priority": priority, "cache_salt": cache_salt}
+        self._requests[request_id] = {"ids": ids, "params": params, "samples": [[] for _ in range(params.n)],
+                                      "cached": self._reuse(ids, cache_salt)}
+
+    def submit(
+        self, request_id: str, prompt: Any, params: Any, priority: int, on_ack: Callable[[BaseException | None], None],
+        cache_salt: str | None = None, arrival_time: float | None = None,
+    ) -> None:
+        """As Engine.submit: validated now (raises), added at the next step boundary, answered there."""
+        self._validate(request_id, prompt)
+        with self._lock:
+            if any(item[0] == request_id for item in self._inbox) or request_id in self._requests:
+                raise ValueError(f"request_id={request_id!r} is already in flight; request ids must be unique")
+            self._inbox.append((request_id, prompt, params, priority, cache_salt, on_ack))
+
+    def _apply_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for request_id, prompt, params, priority, cache_salt, on_ack in inbox:
+            try:
+                self.add_request(request_id, prompt, params, priority, cache_salt=cache_salt)
+            except Exception as exc:  # noqa: BLE001 - the refusal goes to whoever submitted it
+                on_ack(exc)
+                continue
+            on_ack(None)
+            if request_id in self._abort_after_add:  # aborted on its way: added, then aborted, as in the core
+                self._abort_after_add.discard(request_id)
+                self.abort(request_id)
+
+    def _validate(self, request_id: str, prompt: Any) -> list[int]:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -71,11 +106,7 @@ class FakeEngine:
             raise ValueError(
                 f"request {request_id!r}: prompt of {len(ids)} tokens > max_model_len {self.max_model_len}"
             )
-        self._record("add", request_id)
-        with self._lock:
-            self.added[request_id] = {"ids": list(ids), "params": params, "priority": priority, "cache_salt": cache_salt}
-        self._requests[request_id] = {"ids": ids, "params": params, "samples": [[] for _ in range(params.n)],
-                                      "cached": self._reuse(ids, cache_salt)}
+        return list(ids)
 
     def _reuse(self, ids: list[int], salt: str | None) -> int:
         """Tokens of ``ids`` in full pages an earlier prompt under ``salt`` had; records this prompt's pages."""
@@ -89,12 +120,24 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> bool:
         self._record("abort", request_id)
+        with self._lock:
+            if any(item[0] == request_id for item in self._inbox):
+                self._abort_after_add.add(request_id)
+                return True
         return self._requests.pop(request_id, None) is not None
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        with self._lock:
+            return bool(self._requests) or bool(self._inbox)
+
+    def check_alive(self) -> None:
+        pass  # the Engine API: an engine in this process is alive while it steps
+
+    def liveness(self) -> tuple[str, str] | None:
+        return None
 
     def step(self) -> list[RequestOutput]:
+        self._apply_inbox()
         self._record("step", None)
         if self.permits is not None and not self.permits.acquire(timeout=60):
             raise RuntimeError("FakeEngine.step: no permit within 60 s")

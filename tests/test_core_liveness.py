@@ -28,8 +28,8 @@ psutil = pytest.importorskip("psutil")
 
 from pagedrs import EngineArgs, SamplingParams  # noqa: E402
 from pagedrs.errors import EngineDeadError  # noqa: E402
+from pagedrs.net import free_port  # noqa: E402
 from pagedrs.server import BackgroundServer, EngineLoop, build_app  # noqa: E402
-from pagedrs.server.background import free_port  # noqa: E402
 from pagedrs.server.cli import ENGINE_DEAD_EXIT, main  # noqa: E402
 from pagedrs.server.deltas import DeltaStream, RequestDelta  # noqa: E402
 from pagedrs.server.engine_core import EngineCoreDeadError, RemoteEngine, heartbeat_interval  # noqa: E402

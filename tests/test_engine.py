@@ -340,7 +340,7 @@ def test_a_failing_request_ends_with_an_error_and_the_others_continue(tiny_llama
     prompts = make_prompts(engine, 2, seed=8)
     engine.add_request("ok", prompts[0], greedy(max_tokens=6))
     engine.add_request("bad", prompts[1], greedy(max_tokens=6))
-    bad_detok = engine._requests["bad"].samples[0].detokenizer
+    bad_detok = engine.output_processor.requests["bad"].samples[0].detokenizer
 
     def explode(_ids):
         raise RuntimeError("detokenizer failed")

@@ -57,7 +57,7 @@ def test_outputs_equal_the_in_process_engine(remote, tiny_llama_dir):
     while remote.has_unfinished():
         for out in remote.step():
             got[out.request_id][0].extend(out.outputs[0].delta_token_ids)
-            got[out.request_id][1].append(out.outputs[0].delta_text)  # made in this process (api_text)
+            got[out.request_id][1].append(out.outputs[0].delta_text)  # made in this process (OutputProcessor)
             assert out.prompt_token_ids  # the prompt crosses once, and is kept for every output
     assert [(ids, "".join(text)) for ids, text in got.values()] == expected
     assert all(text for _, text in expected)
@@ -133,14 +133,14 @@ def test_a_burst_of_adds_is_sent_before_any_answer_comes_back(remote):
     answers_seen_at_submit: dict[str, int] = {}
     original = remote.submit
 
-    def spy(request_id, prompt, params, priority, on_ack):
+    def spy(request_id, prompt, params, priority, on_ack, **kwargs):
         answers_seen_at_submit[request_id] = len(answered)
 
         def counted(error):
             answered.append(request_id)
             on_ack(error)
 
-        original(request_id, prompt, params, priority, counted)
+        original(request_id, prompt, params, priority, counted, **kwargs)
 
     async def run() -> None:
         queues = {f"b{i}": DeltaStream() for i in range(burst)}

@@ -62,11 +62,11 @@ class _FailingDict(dict):
 def test_a_failure_after_the_core_call_rolls_the_core_back(tiny_llama_dir):
     """Defect 1: add_request touched the core first and nothing undid it on a later error."""
     engine = make_engine(tiny_llama_dir)
-    registry = engine._by_seq
-    engine._by_seq = _FailingDict()
+    registry = engine.core._by_seq
+    engine.core._by_seq = _FailingDict()
     with pytest.raises(RuntimeError, match="injected"):
         engine.add_request("orphan", list(range(3, 40)), SamplingParams(max_tokens=8))
-    engine._by_seq = registry
+    engine.core._by_seq = registry
     assert engine.num_unfinished() == 0
     assert not engine.scheduler.has_unfinished(), "the core kept the orphan sequence"
     # The orphan would have been prefilled and kept its pages forever: step and look.
@@ -161,7 +161,7 @@ def test_a_lone_surrogate_in_a_prompt_is_a_value_error(tiny_llama_dir):
 
 def test_a_sampling_failure_ends_only_the_request_that_caused_it(tiny_llama_dir, monkeypatch):
     """Defect 3: one bad row in the batched sampler ended every request in flight."""
-    import pagedrs.engine as engine_module
+    import pagedrs.core.step as engine_module
 
     real_sample = engine_module.sample
 
@@ -212,7 +212,7 @@ def test_core_calls_are_all_or_nothing_from_python(tiny_llama_dir):
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4))
     engine.add_request("b", [8, 9], SamplingParams(max_tokens=4))
     core = engine.scheduler
-    (seq_a,), (seq_b,) = ([s.seq_id for s in engine._requests[r].samples] for r in ("a", "b"))
+    (seq_a,), (seq_b,) = ([s.seq_id for s in engine.requests[r].samples] for r in ("a", "b"))
     with pytest.raises(KeyError):
         core.append_tokens(np.array([seq_a, 999, seq_b], dtype=np.uint64), np.array([1, 2, 3], dtype=np.uint32))
     with pytest.raises(ValueError, match="listed twice"):

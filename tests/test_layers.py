@@ -21,7 +21,7 @@ from pagedrs.models.layers import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from pagedrs.models.llama import Rotary, apply_rotary_, rms_norm
+from pagedrs.models.llama import rms_norm
 from pagedrs.models.quant import (
     Int4WeightOnlyMethod,
     Int8WeightOnlyMethod,
@@ -31,6 +31,7 @@ from pagedrs.models.quant import (
     quantize_int8,
     resolve_weight_format,
 )
+from pagedrs.models.rotary import Rotary, apply_rotary_
 
 F32 = torch.float32
 

@@ -177,7 +177,7 @@ def test_llama3_gguf_rope_matches_the_hf_formula_and_not_plain_rope(llama3_gguf,
     RoPE would be far off, so the greedy test above cannot pass by ignoring them."""
     from pagedrs.models import load_model
     from pagedrs.models.config import ModelConfig
-    from pagedrs.models.llama import rope_inv_freq
+    from pagedrs.models.rotary import rope_inv_freq
 
     hf_dir, gguf_path = llama3_gguf
     loaded = load_model(gguf_path, weight_dtype="float32")

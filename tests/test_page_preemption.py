@@ -37,7 +37,7 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tup
             if out.finished:
                 done[out.request_id] = [c.token_ids for c in out.outputs]
         engine.scheduler.check_invariants()
-        for seq_id in list(engine._by_seq):
+        for seq_id in list(engine.sequences):
             if engine.scheduler.contains(seq_id):
                 device, host = engine.scheduler.page_tiers(seq_id)
                 mixed |= device > 0 and host > 0

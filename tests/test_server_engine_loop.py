@@ -68,16 +68,18 @@ def test_add_rejected_by_the_engine_raises_its_value_error() -> None:
 
 def test_503_when_the_waiting_queue_is_full(make_served: Callable[..., Served]) -> None:
     permits = threading.Semaphore(0)
-    served = make_served(FakeEngine(permits=permits), max_waiting=1)
+    served = make_served(FakeEngine(permits=permits), max_waiting=2)
     client = served.client()
     with ThreadPoolExecutor(2) as pool:
-        # 1: added, then the engine is held inside its first step
+        # 1: added at the first step boundary, then the engine is held inside that step; until the
+        # step's stats come in, the loop counts it as waiting (the engine has not said it runs)
         first = pool.submit(client.completions.create, model=MODEL, prompt="a", max_tokens=2)
         wait_until(lambda: served.count("step") == 1, "the first request's step")
-        # 2: its add waits behind the held step, so it counts as waiting
+        wait_until(lambda: served.loop.num_waiting() == 1, "the first request counted as waiting")
+        # 2: submitted while the step is held: waiting too
         second = pool.submit(client.completions.create, model=MODEL, prompt="b", max_tokens=2)
-        wait_until(lambda: served.loop.num_waiting() == 1, "one waiting request")
-        # 3: would make the waiting queue 2 > --max-waiting 1
+        wait_until(lambda: served.loop.num_waiting() == 2, "two waiting requests")
+        # 3: would make the waiting queue 3 > --max-waiting 2
         with pytest.raises(openai.APIStatusError) as rejected:
             client.completions.create(model=MODEL, prompt="c", max_tokens=2)
         permits.release(10_000)
@@ -86,7 +88,8 @@ def test_503_when_the_waiting_queue_is_full(make_served: Callable[..., Served]) 
     assert rejected.value.status_code == 503
     error = rejected.value.body
     assert error["type"] == "server_overloaded_error" and error["code"] == "server_overloaded"
-    assert "1 requests are waiting and --max-waiting is 1" in error["message"]
+    assert "2 requests are waiting and --max-waiting is 2" in error["message"]
+    wait_until(lambda: served.loop.num_waiting() == 0, "nothing waiting once both finished")
     metrics = httpx.get(served.url + "/metrics").text
     assert 'pagedrs_requests_rejected_total{status="503"} 1.0' in metrics
 

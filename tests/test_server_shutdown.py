@@ -26,7 +26,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from pagedrs import LLM, SamplingParams  # noqa: E402
-from pagedrs.server.background import free_port  # noqa: E402
+from pagedrs.net import free_port  # noqa: E402
 
 MODEL = "tiny-llama"
 GREEDY = dict(temperature=0.0, max_tokens=8)

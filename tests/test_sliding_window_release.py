@@ -61,7 +61,7 @@ def _run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tu
             if o.finished:
                 outs[o.request_id] = [c.token_ids for c in o.outputs]
         engine.check_invariants()
-        for seq_id, (request, _) in engine._by_seq.items():
+        for seq_id, (request, _) in engine.sequences.items():
             held = engine.scheduler.num_held_blocks(seq_id)
             peak_any = max(peak_any, held)
             if engine.scheduler.num_tokens(seq_id) > len(request.prompt_token_ids) + 1:

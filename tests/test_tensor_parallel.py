@@ -191,7 +191,7 @@ def test_serve_with_two_ranks_answers_the_openai_client_and_sigterm_stops_every_
     import sys
 
     openai = pytest.importorskip("openai")
-    from pagedrs.server.background import free_port
+    from pagedrs.net import free_port
 
     port = free_port()
     proc = subprocess.Popen(

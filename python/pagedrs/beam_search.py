@@ -19,7 +19,7 @@ join the finished hypotheses with the length penalty ``score / generated ** pena
 (generated length counting the EOS), and the search ends by HF's three rules (no
 possible improvement, every slot finished under ``early_stopping=True``, every
 candidate stopped). The engine-side policy that runs it on the core's fork / append /
-finish is ``pagedrs.continuation.BeamSearch``.
+finish is ``pagedrs.core.continuation.BeamSearch``.
 """
 
 from __future__ import annotations

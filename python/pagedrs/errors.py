@@ -1,15 +1,27 @@
 """Errors that end the engine, as types (a request's own failure ends that request only).
 
-``EngineDeadError``: the engine cannot go on — its executor is gone, or the core's
-scheduler failed while it planned a step and may be in no known state. Every request
-ends; a server answers 503 and exits (see server/engine_loop.py). ``fatal`` is kept for
-the serving loop's existing check.
+Part of the core's protocol (``pagedrs.core.protocol`` re-exports them); they live here, in
+the base layer, so that any layer may raise or catch them.
 """
 
 from __future__ import annotations
 
+__all__ = ["EngineCoreDeadError", "EngineCoreError", "EngineDeadError"]
+
 
 class EngineDeadError(RuntimeError):
-    """The engine cannot run another step; every request has ended."""
+    """The engine cannot run another step (its executor is gone, the scheduler failed while it
+    planned, or the core process died); every request has ended. A request's own failure is
+    no EngineDeadError: it ends that request only."""
+
+    fatal = True  # kept for callers outside pagedrs that test it; pagedrs catches the type
+
+
+class EngineCoreError(RuntimeError):
+    """The engine core process failed to start or went away."""
 
     fatal = True
+
+
+class EngineCoreDeadError(EngineCoreError, EngineDeadError):
+    """The engine core process died (or failed and exited) after it started: it will never step again."""

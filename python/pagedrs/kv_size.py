@@ -8,25 +8,11 @@ Llama 3.1 70B in float16: 2 x 80 x 8 x 128 x 2 = 327,680 bytes per token, about
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1}
+from pagedrs.models.kv_geometry import DTYPE_BYTES, KvGeometry, geometry_from_dict, read_config_json
 
-
-@dataclass(frozen=True)
-class KvGeometry:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def bytes_per_token(self, dtype: str) -> int:
-        return self.bytes_per_element_token(DTYPE_BYTES[dtype])
-
-    def bytes_per_element_token(self, itemsize: int) -> int:
-        """The formula, once: K and V, every layer, every KV head, ``itemsize`` bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+__all__ = ["DTYPE_BYTES", "PRESETS", "KvGeometry", "geometry_from_config", "kv_size", "resolve", "tp_layout"]
 
 
 # Published architecture figures (config.json of each model).
@@ -46,19 +32,7 @@ def geometry_from_config(path: Path) -> KvGeometry:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"model {str(path)!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json file")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
-    try:
-        heads = int(cfg["num_attention_heads"])
-        return KvGeometry(
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
-        )
-    except KeyError as exc:
-        raise ValueError(f"{path} lacks the field {exc.args[0]!r} needed for the KV size") from exc
+    return geometry_from_dict(read_config_json(path), path)
 
 
 # Published parameter counts, for the weights' share of each device under tensor parallelism.

@@ -3,9 +3,9 @@
 It owns the KV tensors and never decides anything about memory: which block
 holds what, what to copy and what to swap all come in the ``StepInput``.
 
-KV layout (see ``pagedrs.attention.base``): one tensor per memory tier,
-``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, so that a
-copy or a swap of a block across every layer and both K and V is a single
+KV layout: the model's (``KvModel.kv_cache_shape``; see ``pagedrs.attention.base``), one
+tensor per memory tier, ``[num_layers, 2, num_blocks, block_size, kv_heads_per_rank, head_dim]``,
+so that a copy or a swap of a block across every layer and both K and V is a single
 indexed copy along dim 2. The disk tier, when there is one, is a ``DiskTier``
 (pagedrs.kv_tiers) that gathers and scatters the same slices to a page store.
 """
@@ -16,8 +16,8 @@ import torch
 
 from pagedrs.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedrs.kv_tiers.disk_tier import DiskTier
-from pagedrs.models import LoadedModel
-from pagedrs.models.llama import kv_layer_views
+from pagedrs.models.interface import KvModel
+from pagedrs.models.loader import LoadedModel
 from pagedrs.step_input import StepInput, Transfer
 
 
@@ -37,7 +37,7 @@ class ModelRunner:
                 f"num_gpu_blocks={num_gpu_blocks}, num_cpu_blocks={num_cpu_blocks}, block_size={block_size}"
             )
         self.loaded = loaded
-        self.model = loaded.model
+        self.model: KvModel = loaded.model
         self.config = loaded.config
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -46,20 +46,16 @@ class ModelRunner:
             self.device, dtype=self.dtype, head_size=self.config.head_dim, block_size=block_size
         )
         self.backend.check_model(self.config)
-        c = self.config
-        per_block = (c.num_hidden_layers, 2)
-        # a tensor-parallel rank stores only its KV heads
-        kv_heads = getattr(self.model, "kv_heads_per_rank", c.num_key_value_heads)
-        block_shape = (block_size, kv_heads, c.head_dim)
-        self.kv_cache = torch.zeros(per_block + (num_gpu_blocks,) + block_shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_gpu_blocks, block_size), dtype=self.dtype,
+                                    device=self.device)
         self.cpu_cache = torch.zeros(
-            per_block + (num_cpu_blocks,) + block_shape,
+            self.model.kv_cache_shape(num_cpu_blocks, block_size),
             dtype=self.dtype,
             device="cpu",
             pin_memory=self.device.type == "cuda" and torch.cuda.is_available(),
         )
         # each layer's (key, value) views, made once: the forward pass would otherwise make 60 views a step
-        self.kv_views = kv_layer_views(self.kv_cache)
+        self.kv_views = self.model.kv_layer_views(self.kv_cache)
         self.disk: DiskTier | None = None  # set by the executor when a disk tier is on
 
     @torch.inference_mode()
@@ -77,9 +73,7 @@ class ModelRunner:
             return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
         meta = self.build_metadata(step)
         # The attention plan of the step, once, before any layer reads it (not inside forward).
-        c = self.config
-        self.backend.plan(meta, self.block_size, getattr(self.model, "heads_per_rank", c.num_attention_heads),
-                          getattr(self.model, "kv_heads_per_rank", c.num_key_value_heads))
+        self.backend.plan(meta, self.block_size, self.model.heads_per_rank, self.model.kv_heads_per_rank)
         input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
         positions = torch.from_numpy(step.positions).long().to(self.device)
         hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)

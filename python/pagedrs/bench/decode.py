@@ -16,31 +16,16 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from pagedrs.bench.config import BenchConfig
+from pagedrs.bench.decode_grid import FULL_GRID, QUICK_GRID
 from pagedrs.bench.engine_runner import build_engine, greedy_params, progress
 from pagedrs.bench.limits import measure, model_shape
 from pagedrs.bench.report import Column, markdown_table, render
-
-
-@dataclass(frozen=True)
-class Grid:
-    batch_sizes: tuple[int, ...]
-    prompt_lens: tuple[int, ...]
-    new_tokens: int
-    formats: tuple[str, ...]  # weight_dtype values
-
-
-FULL_GRID = Grid((1, 16, 32, 64), (32, 128), 64, ("float32", "bfloat16", "int8", "int4"))
-QUICK_GRID = Grid((1, 16), (32,), 16, ("float32", "int8"))
-
-
-def batch_sizes(quick: bool) -> tuple[int, ...]:
-    return (QUICK_GRID if quick else FULL_GRID).batch_sizes
 
 
 def _linear_stats(model: Any) -> tuple[int, int]:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedrs.bench.config import BenchConfig
+from pagedrs.bench.decode_grid import batch_sizes
 from pagedrs.bench.report import Column, markdown_table, render
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")
@@ -94,8 +95,6 @@ def model_shape(model: str) -> tuple[int, int]:
 
 
 def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
-    from pagedrs.bench.decode import batch_sizes
-
     hidden, intermediate = model_shape(cfg.model)
     data = measure(batch_sizes(cfg.quick), FORMATS, hidden, intermediate, quick=cfg.quick)
     data["machine"] = machine

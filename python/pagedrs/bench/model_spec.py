@@ -9,10 +9,11 @@ comparison shares, is computed here once from that folder's config.json:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pagedrs.models.kv_geometry import DTYPE_BYTES, KvGeometry, geometry_from_dict, read_config_json
 
 
 def resolve_model(name: str) -> Path:
@@ -46,16 +47,15 @@ class KVGeometry:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return KvGeometry(self.num_layers, self.num_kv_heads, self.head_dim).bytes_per_element_token(self.dtype_bytes)
 
 
 def kv_geometry(folder: Path, dtype: str) -> KVGeometry:
-    from pagedrs.kv_size import DTYPE_BYTES, geometry_from_config
-
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-    cfg: dict[str, Any] = json.loads((Path(folder) / "config.json").read_text())
-    geo = geometry_from_config(Path(folder))  # the same arithmetic as `pagedrs kv-size`
+    path = Path(folder) / "config.json"
+    cfg: dict[str, Any] = read_config_json(path)
+    geo = geometry_from_dict(cfg, path)  # the same arithmetic as `pagedrs kv-size`
     return KVGeometry(
         num_layers=geo.num_layers,
         num_kv_heads=geo.num_kv_heads,

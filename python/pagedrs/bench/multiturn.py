@@ -216,16 +216,16 @@ def _markdown(data: dict[str, Any], machine: str) -> str:
 
 
 def plot(data: dict[str, Any], plot_dir: str) -> list[str]:
-    from pagedrs.bench.plots import _bars, _pyplot, _save
+    from pagedrs.bench.charts import bars, pyplot, save
 
-    plt = _pyplot()
+    plt = pyplot()
     labels = ["device", "+host", "+host+disk", "restart"]
     colors = ["#7f7f7f", "#2a7ab9", "#4c9a2a", "#d9822b"]
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
-    _bars(axes[0], labels, [data[n]["prefill_tokens_computed"] for n in SETS], colors, "{:.0f}")
+    bars(axes[0], labels, [data[n]["prefill_tokens_computed"] for n in SETS], colors, "{:.0f}")
     axes[0].set_title("prefill tokens computed")
-    _bars(axes[1], labels, [data[n]["ttft_p50_s"] for n in SETS], colors, "{:.3f}")
+    bars(axes[1], labels, [data[n]["ttft_p50_s"] for n in SETS], colors, "{:.3f}")
     axes[1].set_title("median TTFT (s)")
-    _bars(axes[2], labels, [data[n]["hit_rate_pct"] for n in SETS], colors, "{:.0f}%")
+    bars(axes[2], labels, [data[n]["hit_rate_pct"] for n in SETS], colors, "{:.0f}%")
     axes[2].set_title("prefix hit rate")
-    return [_save(plt, fig, plot_dir, "multiturn.png")]
+    return [save(plt, fig, plot_dir, "multiturn.png")]

@@ -2,47 +2,24 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from pagedrs.bench.charts import bars, pyplot, save
 
 _COLORS = {"paged": "#2a7ab9", "contiguous": "#d9822b", "hf": "#7f7f7f"}
 _NAMES = {"paged": "pagedrs paged", "contiguous": "pagedrs contiguous", "hf": "transformers static"}
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt: Any, fig: Any, plot_dir: str, name: str) -> str:
-    os.makedirs(plot_dir, exist_ok=True)
-    path = os.path.join(plot_dir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def _bars(ax: Any, labels: list[str], values: list[float], colors: list[str], fmt: str) -> None:
-    bars = ax.bar(labels, values, color=colors)
-    for bar, v in zip(bars, values):
-        ax.annotate(fmt.format(v), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
-
-
 def plot_throughput(data: dict[str, Any], plot_dir: str) -> list[str]:
-    plt = _pyplot()
+    plt = pyplot()
     systems = [s for s in ("paged", "contiguous", "hf") if s in data]
     paths = []
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    _bars(ax, [_NAMES[s] for s in systems], [data[s]["tokens_per_s"] for s in systems], [_COLORS[s] for s in systems], "{:.1f}")
+    bars(ax, [_NAMES[s] for s in systems], [data[s]["tokens_per_s"] for s in systems], [_COLORS[s] for s in systems], "{:.1f}")
     ax.set_ylabel("generated tokens / s")
     ax.set_title(f"Throughput, same KV budget ({data['kv_budget']['bytes'] / 2**20:.0f} MiB)")
-    paths.append(_save(plt, fig, plot_dir, "throughput.png"))
+    paths.append(save(plt, fig, plot_dir, "throughput.png"))
 
     fig, ax = plt.subplots(figsize=(9, 4))
     mib = data["kv_budget"]["bytes_per_token"] / 2**20
@@ -55,7 +32,7 @@ def plot_throughput(data: dict[str, Any], plot_dir: str) -> list[str]:
     ax.set_ylabel("KV memory (MiB)")
     ax.set_title("KV memory in use over time")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    paths.append(_save(plt, fig, plot_dir, "kv_memory_over_time.png"))
+    paths.append(save(plt, fig, plot_dir, "kv_memory_over_time.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for s in systems:
@@ -66,45 +43,45 @@ def plot_throughput(data: dict[str, Any], plot_dir: str) -> list[str]:
     ax.set_ylabel("share of steps")
     ax.set_title("KV utilization")
     ax.legend()
-    paths.append(_save(plt, fig, plot_dir, "kv_utilization_hist.png"))
+    paths.append(save(plt, fig, plot_dir, "kv_utilization_hist.png"))
     return paths
 
 
 def plot_prefix(data: dict[str, Any], plot_dir: str) -> list[str]:
-    plt = _pyplot()
+    plt = pyplot()
     on, off = data["caching_on"], data["caching_off"]
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.6))
     colors = ["#2a7ab9", "#d9822b"]
     labels = ["caching on", "caching off"]
-    _bars(axes[0], labels, [on["pages_per_running_seq"], off["pages_per_running_seq"]], colors, "{:.1f}")
+    bars(axes[0], labels, [on["pages_per_running_seq"], off["pages_per_running_seq"]], colors, "{:.1f}")
     axes[0].set_title("pages per running sequence")
-    _bars(axes[1], labels, [on["prefill_tokens_computed"], off["prefill_tokens_computed"]], colors, "{:.0f}")
+    bars(axes[1], labels, [on["prefill_tokens_computed"], off["prefill_tokens_computed"]], colors, "{:.0f}")
     axes[1].set_title("prefill tokens computed")
-    _bars(axes[2], labels, [on["median_ttft_s"], off["median_ttft_s"]], colors, "{:.2f}")
+    bars(axes[2], labels, [on["median_ttft_s"], off["median_ttft_s"]], colors, "{:.2f}")
     axes[2].set_title("median TTFT (s)")
-    return [_save(plt, fig, plot_dir, "prefix_sharing.png")]
+    return [save(plt, fig, plot_dir, "prefix_sharing.png")]
 
 
 def plot_preemption(data: dict[str, Any], plot_dir: str) -> list[str]:
-    plt = _pyplot()
+    plt = pyplot()
     palette = {"swap": "#2a7ab9", "swap-whole": "#7fb3d9", "recompute": "#d9822b", "auto": "#4c9a2a"}
     modes = [m for m in palette if m in data]
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     colors = [palette[m] for m in modes]
-    _bars(axes[0], modes, [data[m]["tokens_per_s"] for m in modes], colors, "{:.1f}")
+    bars(axes[0], modes, [data[m]["tokens_per_s"] for m in modes], colors, "{:.1f}")
     axes[0].set_title("tokens / s")
-    _bars(axes[1], modes, [data[m]["pages_moved"] + data[m]["recomputed_tokens"] / data["block_size"] for m in modes], colors, "{:.0f}")
+    bars(axes[1], modes, [data[m]["pages_moved"] + data[m]["recomputed_tokens"] / data["block_size"] for m in modes], colors, "{:.0f}")
     axes[1].set_title("pages moved + recomputed (in pages)")
-    return [_save(plt, fig, plot_dir, "preemption.png")]
+    return [save(plt, fig, plot_dir, "preemption.png")]
 
 
 def plot_allocator(data: dict[str, Any], plot_dir: str) -> list[str]:
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.6))
-    _bars(ax, ["Rust (PyO3)", "pure Python"], [data["rust_ops_per_s"], data["python_ops_per_s"]], ["#2a7ab9", "#7f7f7f"], "{:,.0f}")
+    bars(ax, ["Rust (PyO3)", "pure Python"], [data["rust_ops_per_s"], data["python_ops_per_s"]], ["#2a7ab9", "#7f7f7f"], "{:,.0f}")
     ax.set_ylabel("block-manager calls / s")
     ax.set_title(f"Allocator: {data['ratio']:.1f}x")
-    return [_save(plt, fig, plot_dir, "allocator.png")]
+    return [save(plt, fig, plot_dir, "allocator.png")]
 
 
 def plot_multiturn(data: dict[str, Any], plot_dir: str) -> list[str]:

@@ -141,7 +141,7 @@ class _Server:
     """``pagedrs serve`` in a subprocess, with its process tree's CPU time and RSS."""
 
     def __init__(self, cfg: BenchConfig, max_model_len: int, trace_path: str) -> None:
-        from pagedrs.server.background import free_port
+        from pagedrs.net import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

@@ -41,7 +41,12 @@ from pagedrs.attention import AttentionBackend
 from pagedrs.distributed import parallel_state
 from pagedrs.distributed.step_codec import decode, encode
 from pagedrs.engine_args import EngineArgs
+from pagedrs.errors import EngineDeadError
+from pagedrs.executor.base import DiskTierHandle
+from pagedrs.executor.local import LocalExecutor
+from pagedrs.kv_tiers.errors import DiskTierError
 from pagedrs.memory import KvPlan
+from pagedrs.net import free_port
 from pagedrs.step_input import StepInput
 
 logger = logging.getLogger("pagedrs.engine")
@@ -51,10 +56,9 @@ _PLAN, _INIT, _STEP, _STOP = 1, 2, 3, 4
 _COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-class ExecutorDeadError(RuntimeError):
-    """A tensor-parallel worker is gone; this executor cannot run another step."""
-
-    fatal = True  # the serving loop stops instead of failing request after request
+class ExecutorDeadError(EngineDeadError):
+    """A tensor-parallel worker is gone; this executor cannot run another step (an
+    EngineDeadError: the serving loop stops instead of failing request after request)."""
 
 
 def _backend_name(device: torch.device) -> str:
@@ -65,8 +69,6 @@ class _Shard:
     """What every rank holds: its weight shard and KV pools; runs a step on them."""
 
     def __init__(self, args: EngineArgs, rank: int, size: int, attention_backend: AttentionBackend | None) -> None:
-        from pagedrs.executor import LocalExecutor
-
         device = torch.device(args.device)
         if device.type == "cuda":
             device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
@@ -130,8 +132,6 @@ class TPExecutor:
 
     def _spawn_workers(self) -> None:
         import torch.multiprocessing as tmp
-
-        from pagedrs.server.background import free_port
 
         port = free_port()
         ctx = tmp.get_context("spawn")
@@ -230,8 +230,18 @@ class TPExecutor:
         done, self._completed = self._completed, []
         return done
 
+    def open_disk_tier(self) -> DiskTierHandle | None:
+        """None without ``kv_disk_path``; with one, DiskTierError (``make_executor`` refuses it before
+        any worker starts: a tensor-parallel store would need a file per rank)."""
+        if self.args.kv_disk_path is None:
+            return None
+        raise DiskTierError(self.args.kv_disk_path, f"the disk tier needs a local executor, got {type(self).__name__}")
+
+    def disk_tier(self) -> DiskTierHandle | None:
+        return None  # tensor parallelism runs without the disk tier (refused at startup)
+
     def take_failed_disk_slots(self) -> list[int]:
-        return []  # tensor parallelism runs without the disk tier (refused at startup)
+        return []
 
     def memory_bytes(self) -> dict[str, int]:
         return self.shard.local.memory_bytes()

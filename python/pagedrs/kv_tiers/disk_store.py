@@ -44,7 +44,7 @@ import os
 import secrets
 import struct
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
@@ -53,48 +53,16 @@ import numpy as np
 from pagedrs.kv_tiers.errors import CorruptPageError, DiskTierError, StoreBusyError, os_reason
 from pagedrs.kv_tiers.slot_record import META, SLOT_MAGIC, SlotMeta, SlotRecord
 from pagedrs.kv_tiers.slot_writer import SlotWriter
+from pagedrs.kv_tiers.store_layout import FILE_NAME, FORMAT_VERSION, HEADER_BYTES, SeedPages, StoreGeometry
 
-__all__ = ["CorruptPageError", "DiskPageStore", "DiskTierError", "SeedPages", "StoreBusyError", "StoreGeometry"]
+__all__ = ["FILE_NAME", "FORMAT_VERSION", "HEADER_BYTES", "CorruptPageError", "DiskPageStore", "DiskTierError",
+           "SeedPages", "StoreBusyError", "StoreGeometry"]
 
 logger = logging.getLogger("pagedrs.kv_tiers")
 
-FORMAT_VERSION = 1
-FILE_NAME = "pages.kvstore"
-HEADER_BYTES = 4096
 _FILE_MAGIC = b"PAGEDRS-KVSTORE\n"
 _ALIGN = 4096
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
-
-
-@dataclass(frozen=True)
-class StoreGeometry:
-    """What a page's bytes mean; any difference makes a store unreadable."""
-
-    fingerprint: str  # the model's (see fingerprint.py)
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    itemsize: int
-
-    @property
-    def page_bytes(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
-
-
-@dataclass(frozen=True)
-class SeedPages:
-    """The valid pages found at open, oldest write first: what the core's seed_disk takes."""
-
-    slots: np.ndarray  # uint32 [N]
-    hashes: np.ndarray  # uint64 [N]
-    parents: np.ndarray  # uint64 [N]
-    tokens: np.ndarray  # uint32 [N, block_size]
-    invalidated: np.ndarray  # uint64 [M] hashes of pages a mismatched store held
-
-    def __len__(self) -> int:
-        return int(self.slots.shape[0])
 
 
 def _round_up(n: int, to: int) -> int:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from pagedrs.models.kv_geometry import KvGeometry
+
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 
 # rope_scaling types we implement; None / "default" means plain RoPE.
@@ -147,10 +149,8 @@ class ModelConfig:
         )
 
     def kv_bytes_per_token(self, dtype: str | torch.dtype, kv_heads: int | None = None) -> int:
-        """Bytes of K and V for one token across all layers (``pagedrs.kv_size``'s one formula);
+        """Bytes of K and V for one token across all layers (``KvGeometry``'s one formula);
         ``kv_heads``: the heads one tensor-parallel rank holds (default: all)."""
-        from pagedrs.kv_size import KvGeometry
-
         heads = self.num_key_value_heads if kv_heads is None else kv_heads
         return KvGeometry(self.num_hidden_layers, heads, self.head_dim).bytes_per_element_token(_as_dtype(dtype).itemsize)
 

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
 
+from pagedrs.net import free_port
 from pagedrs.server.connection import uvicorn_config
 from pagedrs.server.options import ServerOptions
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+__all__ = ["BackgroundServer", "free_port"]  # free_port is pagedrs.net's, also importable from here
 
 
 class BackgroundServer:

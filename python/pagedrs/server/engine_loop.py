@@ -12,7 +12,7 @@ Commands are applied before every step, so an abort sent while step k runs
 frees the request's pages before step k+1 starts ("within one step").
 
 An engine that can never step again (``EngineDeadError``: its core process died, a
-tensor-parallel worker or the scheduler failed; any error with ``fatal`` set) ends the
+tensor-parallel worker or the scheduler failed; ``core.protocol.is_engine_fatal``) ends the
 loop: every request in flight gets an error delta, later adds raise
 ``DeadEngineRefusal``, ``health()`` says ``engine_dead``.
 With ``request_timeout_s``, a request without a finished output by then is aborted in
@@ -37,15 +37,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pagedrs.server.deltas import DeltaStream, RequestDelta, SampleDelta
+from pagedrs.core.protocol import is_engine_fatal
+from pagedrs.server.deltas import DeltaStream
 from pagedrs.server.metrics import ServerMetrics
 from pagedrs.server.request_trace import RequestTrace
+from pagedrs.server.sinks import Sink
 
 logger = logging.getLogger("pagedrs.server")
 
 
 class DeadEngineRefusal(Exception):
-    """A request refused because the engine is dead (an ``EngineDeadError``, or any error with ``fatal`` set).
+    """A request refused because the engine is dead (an ``EngineDeadError``).
 
     Not a RuntimeError, as ``EngineDeadError`` is: handlers answer a RuntimeError from a
     stopped loop as "shutting down, retry later" (503 server_unavailable, "overloaded"),
@@ -66,35 +68,24 @@ _TIMEOUT_STATUS = 504
 class EngineLike(Protocol):
     """The part of ``pagedrs.Engine`` the loop drives (see docs/ENGINE_API.md).
 
-    Optional, read with getattr: ``submit`` (adds from any thread), ``check_alive()``
-    (called between idle turns; raises a fatal error once the engine is gone) and
-    ``liveness()`` (``(code, message)`` while it cannot serve, else None).
+    ``submit`` is the one way in (from the handler's thread; answered on the loop thread).
+    ``check_alive()`` is called between idle turns (raises ``EngineDeadError`` once the engine
+    is gone); ``liveness()`` is ``(code, message)`` while it cannot serve, else None.
     """
 
     max_model_len: int
     tokenizer: Any
 
-    def add_request(
-        self, request_id: str, prompt: Any, params: Any = None, priority: int = 0, arrival_time: float | None = None,
-        cache_salt: str | None = None,
+    def submit(
+        self, request_id: str, prompt: Any, params: Any, priority: int, on_ack: Callable[[BaseException | None], None],
+        cache_salt: str | None = None, arrival_time: float | None = None,
     ) -> None: ...
     def step(self) -> list[Any]: ...
     def abort(self, request_id: str) -> bool: ...
     def has_unfinished(self) -> bool: ...
     def stats(self) -> dict[str, Any]: ...
-
-
-@dataclass
-class _Sink:
-    """Where one engine request's deltas go, and its latency bookkeeping (engine thread only)."""
-
-    stream: DeltaStream
-    tag: int
-    arrival: float
-    deadline: float | None = None  # time.monotonic() past which it is aborted with a 504 (request_timeout_s)
-    last_token_time: float | None = None
-    timed: bool = False  # its first token's metrics are recorded
-    num_cached_tokens: int = 0  # as last reported (a RemoteEngine reports it with the first output only)
+    def check_alive(self) -> None: ...
+    def liveness(self) -> tuple[str, str] | None: ...
 
 
 @dataclass
@@ -103,7 +94,7 @@ class _Add:
     prompt: Any
     params: Any
     priority: int
-    sink: _Sink
+    sink: Sink
     cache_salt: str | None = None
     accepted: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
 
@@ -126,10 +117,10 @@ class _Stop:
 
 
 class _Wake:
-    """Nothing to apply: wakes an idle loop so it reads the answer to an add sent straight to the engine."""
+    """Nothing to apply: wakes an idle loop so it steps the engine, which answers the add just submitted."""
 
 
-_Command = _Add | _Abort | _FailAll | _Stop | _Wake
+_Command = _Abort | _FailAll | _Stop | _Wake
 
 
 class EngineLoop:
@@ -148,7 +139,7 @@ class EngineLoop:
         self.trace = trace  # one line per request at its first token, when the server was asked for it
         self._idle_poll_s = idle_poll_s
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._sinks: dict[str, _Sink] = {}  # engine thread only
+        self._sinks: dict[str, Sink] = {}  # engine thread only
         self._lock = threading.Lock()  # guards _pending_adds and _stats
         self._pending_adds = 0
         self._unacked: dict[str, _Add] = {}  # submitted straight to the engine, its answer not yet in
@@ -198,28 +189,24 @@ class EngineLoop:
             raise RuntimeError(f"the engine loop is not running ({self.fatal_error or 'stopped'})")
         arrival = time.monotonic()
         deadline = None if self.request_timeout_s is None else arrival + self.request_timeout_s
-        sink = _Sink(out, tag, arrival, deadline)
+        sink = Sink(out, tag, arrival, deadline)
         command = _Add(request_id, prompt, params, priority, sink, cache_salt)
         with self._lock:
             self._pending_adds += 1
-        submit = getattr(self.engine, "submit", None)
-        if submit is None:
-            self._commands.put(command)
-        else:
-            # An engine in another process takes adds from any thread: this one reaches the
-            # core at once instead of after the step the loop thread is waiting on, and the
-            # core admits every add of a burst at the same step boundary.
+        # The add reaches the engine at once, from this thread, instead of after the step the
+        # loop thread is in; the engine admits every add of a burst at one step boundary and
+        # answers each on the loop thread (_on_ack).
+        with self._lock:
+            self._unacked[request_id] = command
+        try:
+            self.engine.submit(request_id, prompt, params, priority, functools.partial(self._on_ack, command),
+                               cache_salt=cache_salt, arrival_time=arrival)
+        except Exception:
             with self._lock:
-                self._unacked[request_id] = command
-            try:
-                submit(request_id, prompt, params, priority, functools.partial(self._on_ack, command),
-                       **salt_kwargs(cache_salt))
-            except Exception:
-                with self._lock:
-                    self._pending_adds -= 1
-                    self._unacked.pop(request_id, None)
-                raise
-            self._commands.put(_Wake())
+                self._pending_adds -= 1
+                self._unacked.pop(request_id, None)
+            raise
+        self._commands.put(_Wake())
         await asyncio.wrap_future(command.accepted)
 
     def abort(self, request_id: str) -> None:
@@ -236,8 +223,7 @@ class EngineLoop:
             if self.engine_dead:
                 return ENGINE_DEAD, f"the engine is dead: {self.fatal_error}"
             return "engine_not_running", self.fatal_error or "the engine loop is not running"
-        liveness = getattr(self.engine, "liveness", None)
-        return None if liveness is None else liveness()
+        return self.engine.liveness()
 
     def num_waiting(self) -> int:
         """Requests not yet scheduled: queued commands plus the engine's waiting queue."""
@@ -252,7 +238,6 @@ class EngineLoop:
     # --- engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
-        check_alive = getattr(self.engine, "check_alive", None)
         try:
             while True:
                 idle = not self.engine.has_unfinished()
@@ -265,11 +250,11 @@ class EngineLoop:
                     self._expire(time.monotonic())
                 if self.engine.has_unfinished():
                     self._step()
-                elif check_alive is not None:
-                    check_alive()  # a core that died while idle is noticed now, not at the next request
+                else:
+                    self.engine.check_alive()  # a core that died while idle is noticed now, not at the next request
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             self.fatal_error = f"{type(exc).__name__}: {exc}"
-            self.engine_dead = bool(getattr(exc, "fatal", False))
+            self.engine_dead = is_engine_fatal(exc)
             logger.error("engine loop died:\n%s", traceback.format_exc())
         finally:
             if self.engine_dead:
@@ -295,9 +280,7 @@ class EngineLoop:
         if not commands:
             return
         for command in commands:
-            if isinstance(command, _Add):
-                self._apply_add(command)
-            elif isinstance(command, _Abort):
+            if isinstance(command, _Abort):
                 self._sinks.pop(command.request_id, None)
                 self.engine.abort(command.request_id)
             elif isinstance(command, _FailAll):
@@ -305,25 +288,12 @@ class EngineLoop:
                 self._fail_all(command.message, command.status)
         self._refresh_stats()
 
-    def _apply_add(self, command: _Add) -> None:
-        error: Exception | None = None
-        try:
-            if self._closed is not None:
-                raise RuntimeError(self._closed)
-            if command.sink.deadline is not None and time.monotonic() >= command.sink.deadline:
-                raise self._timeout_error(command.request_id)  # it waited out the timeout behind a long step
-            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority,
-                                    arrival_time=command.sink.arrival, **salt_kwargs(command.cache_salt))
-        except Exception as exc:  # ValueError for bad input; anything else is reported the same way
-            error = exc
-        self._settle(command, error)
-
     def _on_ack(self, command: _Add, error: BaseException | None) -> None:
         """The engine's answer to a submitted add (engine thread): register it, or hand back its error."""
         if error is None and self._closed is not None:  # fail_all ran while it was on its way
             self.engine.abort(command.request_id)
             error = RuntimeError(self._closed)
-        if getattr(error, "fatal", False):  # the core died with the add on its way
+        if error is not None and is_engine_fatal(error):  # the core died with the add on its way
             error = DeadEngineRefusal(f"the engine is dead: {type(error).__name__}: {error}")
         with self._lock:
             if self._unacked.pop(command.request_id, None) is None:
@@ -347,7 +317,7 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            if getattr(exc, "fatal", False):
+            if is_engine_fatal(exc):
                 raise  # the engine cannot step again (a dead core process or TP worker): the loop ends, /health says 503
             # The engine's state is unknown; fail what is in flight rather than hang it.
             logger.error("engine.step() failed:\n%s", traceback.format_exc())
@@ -359,55 +329,17 @@ class EngineLoop:
             self._dispatch(output, now)
         self._refresh_stats()
 
-    @staticmethod
-    def _cached_tokens(sink: _Sink, output: Any) -> int:
-        # getattr: until RequestOutput has num_cached_tokens (the lead's engine change); None = not in this output
-        reported = getattr(output, "num_cached_tokens", None)
-        if reported is not None:
-            sink.num_cached_tokens = int(reported)
-        return sink.num_cached_tokens
-
     def _dispatch(self, output: Any, now: float) -> None:
         sink = self._sinks.get(output.request_id)
         if sink is None:  # aborted, or not ours
             return
-        samples = [_snapshot(c) for c in output.outputs]
-        delta = RequestDelta(
-            tag=sink.tag,
-            request_id=output.request_id,
-            prompt_token_ids=list(output.prompt_token_ids),
-            samples=samples,
-            finished=bool(output.finished),
-            error=getattr(output, "error", None),
-            num_cached_tokens=self._cached_tokens(sink, output),
-        )
-        if not sink.timed and "first_token_time" in (metrics := getattr(output, "metrics", None) or {}):
-            sink.timed = True
-            self._observe_first_token(output.request_id, sink, metrics, now)
-        if any(s.token_ids for s in samples):
-            if sink.last_token_time is None:
-                self.metrics.time_to_first_token.observe(now - sink.arrival)
-            else:
-                self.metrics.inter_token_latency.observe(now - sink.last_token_time)
-            sink.last_token_time = now
+        delta = sink.delta_of(output)
+        sink.observe(output, delta, self.metrics, self.trace, now)
         if delta.finished:
             del self._sinks[output.request_id]
-            for s in samples:
-                self.metrics.requests.labels(finish_reason=str(s.finish_reason)).inc()
-        if not _deliver(sink, delta):
+        if not sink.stream.put(delta):  # the handler's event loop is gone
             self._sinks.pop(output.request_id, None)
             self.engine.abort(output.request_id)
-
-    def _observe_first_token(self, request_id: str, sink: _Sink, metrics: dict[str, float], now: float) -> None:
-        """Where the time to a request's first token went (the engine's stamps, then ours)."""
-        queued, scheduled = metrics.get("queued_time"), metrics.get("first_scheduled_time")
-        if queued is None or scheduled is None:
-            return
-        self.metrics.handoff_time.observe(max(0.0, queued - sink.arrival))
-        self.metrics.queue_time.observe(scheduled - queued)
-        self.metrics.prefill_time.observe(metrics["first_token_time"] - scheduled)
-        if self.trace is not None:
-            self.trace.record(request_id, sink.arrival, metrics, now)
 
     def _refresh_stats(self) -> None:
         stats = self.engine.stats()
@@ -443,8 +375,9 @@ class EngineLoop:
     def _fail_queued_commands(self) -> None:
         with self._lock:
             unacked, self._unacked = list(self._unacked.values()), {}
-        for command in [*self._take_commands(block=False), *unacked]:
-            if isinstance(command, _Add) and not command.accepted.done():
+        self._take_commands(block=False)  # aborts and wakes: nothing waits on them
+        for command in unacked:
+            if not command.accepted.done():
                 with self._lock:
                     self._pending_adds -= 1
                 if self.engine_dead:
@@ -453,36 +386,10 @@ class EngineLoop:
                     command.accepted.set_exception(RuntimeError("the engine loop stopped before the request was added"))
 
 
-def salt_kwargs(cache_salt: str | None) -> dict[str, str]:
-    """``cache_salt`` for add_request only when there is one: unsalted adds stay valid for an engine without salts."""
-    return {} if cache_salt is None else {"cache_salt": cache_salt}
-
-
-def _snapshot(completion: Any) -> SampleDelta:
-    new_ids = list(completion.delta_token_ids)
-    logprobs = None
-    if completion.logprobs is not None and new_ids:
-        logprobs = [dict(d) for d in completion.logprobs[-len(new_ids):]]
-    return SampleDelta(
-        index=completion.index,
-        text=completion.delta_text,
-        token_ids=new_ids,
-        logprobs=logprobs,
-        finish_reason=completion.finish_reason,
-        stop_reason=completion.stop_reason,
-    )
-
-
-def _fail(engine: EngineLike, request_id: str, sink: _Sink, message: str, status: int, code: str | None) -> None:
+def _fail(engine: EngineLike, request_id: str, sink: Sink, message: str, status: int, code: str | None) -> None:
     """Abort ``request_id`` in the engine (best effort) and hand its handler the error as the last delta."""
     _swallow(functools.partial(engine.abort, request_id))
-    _deliver(sink, RequestDelta(sink.tag, request_id, [], [], finished=True, error=message, error_status=status,
-                                error_code=code))
-
-
-def _deliver(sink: _Sink, delta: RequestDelta) -> bool:
-    """Hand ``delta`` to the handler's event loop; False when that loop is gone."""
-    return sink.stream.put(delta)
+    sink.fail(request_id, message, status, code)
 
 
 def _swallow(fn: Callable[[], object]) -> None:

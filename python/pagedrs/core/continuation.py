@@ -2,11 +2,13 @@
 
 Each request has a policy, chosen by the type of its params (``SamplingParams`` ->
 ``IndependentSamples``, ``BeamSearchParams`` -> ``BeamSearch``; a
-``SamplingParams(use_beam_search=True)`` reaches the engine as ``BeamSearchParams``).
-When a request is added the policy says how many sequences it may hold at once
+``SamplingParams(use_beam_search=True)`` reaches the core as ``BeamSearchParams``).
+``request_shape(params)`` says how many sequences a request may hold at once
 (``num_samples``: the core's worst case), how many outputs it returns (``num_outputs``:
 its best ones, best first, once finished) and whether its outputs mean anything before
-it finishes (``streams``). After each step the engine asks the request's policy two things:
+it finishes (``streams``); the front end reads the same shape. A policy starts each
+request's own typed state (``start``). After each step the core asks the request's policy
+two things:
 
 - ``draws(request, sample, new_sample)``: which samples draw a token from ``sample``'s
   logits row with the sampler (the sample itself, children created now with
@@ -17,7 +19,7 @@ it finishes (``streams``). After each step the engine asks the request's policy 
 
 A ``Decision`` lists continuations ``(parent, sample, token)`` — ``sample`` is ``parent``
 (the token joins the parent's sequence) or a new sample forked from ``parent`` first —
-and the samples whose sequences end. The engine carries it out on the core generically:
+and the samples whose sequences end. The core carries it out generically (core/step.py):
 every fork first (pages shared; a parent that goes on more than once is forked before
 any token is appended), then one batched append, then the frees. It never branches on
 the kind of request.
@@ -27,16 +29,31 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol, Union
 
 import torch
 
 from pagedrs.beam_search import BeamSearchParams, BeamState, beam_step
-from pagedrs.request import Request, Sample, record_token
+from pagedrs.core.request import Hypothesis, Request, Sample, SamplesState, record_token
 from pagedrs.sampling import SampleResult
-from pagedrs.tokenizer import Tokenizer
+from pagedrs.sampling_params import SamplingParams
 
 NewSample = Callable[[int], Sample]  # index -> a new sample with its own (not yet forked) sequence id
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    num_samples: int  # sequences it may hold at once (forks included)
+    num_outputs: int  # a finished request reports its first num_outputs samples, best first
+    streams: bool  # whether its outputs before it finishes are worth reporting
+
+
+def request_shape(params: Union[SamplingParams, BeamSearchParams]) -> RequestShape:
+    """``best_of`` (default ``n``) samples, the best ``n`` returned; or ``beam_width`` beams."""
+    if isinstance(params, BeamSearchParams):
+        return RequestShape(params.beam_width, params.num_returned, False)
+    num_samples = params.best_of or params.n
+    return RequestShape(num_samples, params.n, num_samples == params.n)
 
 
 @dataclass
@@ -57,21 +74,14 @@ class Continuation:
 class Decision:
     continuations: list[Continuation] = field(default_factory=list)
     finished: list[Sample] = field(default_factory=list)  # sequences freed after the forks
-    num_tokens: int = 0  # tokens this step produced for the request (for the engine's counters)
+    num_tokens: int = 0  # tokens this step produced for the request (for the core's counters)
 
 
 class ContinuationPolicy(Protocol):
-    def num_samples(self, params: Any) -> int:
-        """How many sequences the request may hold at once (forks included)."""
-        ...
+    streams_tokens: bool  # the core sends a running request's new tokens (False: only its final output)
 
-    def num_outputs(self, params: Any) -> int:
-        """How many of its samples a finished request reports: the first ones, which the
-        policy leaves best first."""
-        ...
-
-    def streams(self, params: Any) -> bool:
-        """Whether the request's outputs before it finishes are worth reporting."""
+    def start(self, params: Union[SamplingParams, BeamSearchParams]) -> Union[SamplesState, BeamRequest]:
+        """The policy's own state for a new request (kept in ``Request.state``)."""
         ...
 
     def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
@@ -84,60 +94,48 @@ class ContinuationPolicy(Protocol):
 
 
 class IndependentSamples:
-    """``best_of`` (default ``n``) independent samples; the best ``n`` are returned.
+    """``best_of`` (default ``n``) independent samples.
 
     The prompt's logits give every sample its first token: the first row forks
     ``best_of - 1`` children (they share every prompt page); afterwards each sample
-    appends until its stop rule (EOS, stop token or string, max_tokens, the context
-    length) finishes it. With ``best_of > n`` (vLLM v0's semantics) the samples are
-    ranked by cumulative log-probability once all have finished, and only the ``n``
-    best are returned; nothing is reported before that, since which ones those are is
-    not known until the end.
+    appends until a token rule (EOS, a stop token, max_tokens, the context length), or
+    the front end (a stop string), finishes it. With ``best_of > n`` (vLLM v0's
+    semantics) the front end ranks the finished samples by cumulative log-probability,
+    cut where a stop string cut the text (frontend/output_processor.py), and returns the
+    ``n`` best; the core streams every sample's tokens to it all the same.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
-        self.tokenizer = tokenizer
+    streams_tokens = True
+
+    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
 
-    def num_samples(self, params: Any) -> int:
-        return params.best_of or params.n
-
-    def num_outputs(self, params: Any) -> int:
-        return params.n
-
-    def streams(self, params: Any) -> bool:
-        return self.num_samples(params) == params.n
+    def start(self, params: Union[SamplingParams, BeamSearchParams]) -> SamplesState:
+        return SamplesState()
 
     def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
-        if request.num_samples == 1 or request.forked:
+        state = request.state
+        assert isinstance(state, SamplesState)
+        if request.num_samples == 1 or state.forked:
             return [sample]
         children = [new_sample(index) for index in range(1, request.num_samples)]
         request.samples.extend(children)
-        request.forked = True
+        state.forked = True
         return [sample, *children]
 
     def on_step(self, request: Request, rows: list[StepRow], new_sample: NewSample) -> Decision:
         decision = Decision()
         for row in rows:
             for s, result in row.drawn:
-                record_token(s, result.token_id, result.logprob, result.top_logprobs, request, self.tokenizer,
+                record_token(s, result.token_id, result.logprob, result.top_logprobs, request, self.eos_token_ids,
                              self.max_model_len)
                 decision.num_tokens += 1
                 if s.finished:
                     decision.finished.append(s)
                 else:
                     decision.continuations.append(Continuation(row.sample, s, result.token_id))
-        if request.num_outputs < request.num_samples and request.finished:
-            _rank_by_cumulative_logprob(request)
         return decision
-
-
-def _rank_by_cumulative_logprob(request: Request) -> None:
-    """Best first (ties: the lower index first), renumbered, so that the first n are the output."""
-    ranked = sorted(request.samples, key=lambda s: (-(s.cumulative_logprob or 0.0), s.index))
-    for index, s in enumerate(ranked):
-        s.index = index
-    request.samples = ranked
 
 
 class BeamSearch:
@@ -149,10 +147,10 @@ class BeamSearch:
     the rest arrive; a beam whose row is kept has nothing to compute and stays idle in
     the core. Then each new beam continues its parent in place (the parent's first new
     beam) or as a fork of it; beams no new beam continues are freed. When the search
-    ends every beam is freed and the samples become the finished hypotheses, best first.
-    The engine reports nothing before that (vLLM v0 streamed nothing meaningful either:
-    the live beams change places every step); the one output is the best ``n``
-    hypotheses, with ``score`` set.
+    ends every beam is freed and the request's ``hypotheses`` are the finished ones, best
+    first. The core reports nothing before that (vLLM v0 streamed nothing meaningful
+    either: the live beams change places every step); the one output is the hypotheses'
+    token ids and scores, and the front end makes their text.
 
     A hypothesis ends at EOS (unless ``ignore_eos``) or at one of ``stop_token_ids``:
     together they are HF's ``eos_token_id`` list. Until ``min_tokens`` tokens exist
@@ -160,19 +158,15 @@ class BeamSearch:
     them (after the log-softmax, not renormalized).
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
-        self.tokenizer = tokenizer
+    streams_tokens = False
+
+    def __init__(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self.eos_token_ids = eos_token_ids
 
-    def num_samples(self, params: Any) -> int:
-        return params.beam_width
-
-    def num_outputs(self, params: Any) -> int:
-        return params.num_returned
-
-    def streams(self, params: Any) -> bool:
-        return False
+    def start(self, params: Union[SamplingParams, BeamSearchParams]) -> BeamRequest:
+        assert isinstance(params, BeamSearchParams)
+        return BeamRequest(BeamState.start(params.beam_width))
 
     def stop_token_ids(self, params: BeamSearchParams) -> frozenset[int]:
         return (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
@@ -181,10 +175,9 @@ class BeamSearch:
         return []
 
     def on_step(self, request: Request, rows: list[StepRow], new_sample: NewSample) -> Optional[Decision]:
-        params: BeamSearchParams = request.params
-        if request.policy_state is None:
-            request.policy_state = _BeamRequest(BeamState.start(params.beam_width))
-        search: _BeamRequest = request.policy_state
+        params = request.params
+        search = request.state
+        assert isinstance(params, BeamSearchParams) and isinstance(search, BeamRequest)
         for row in rows:
             logits = row.logits.float()
             if params.temperature > 0:
@@ -204,12 +197,12 @@ class BeamSearch:
         max_generated = min(params.max_tokens, self.max_model_len - len(request.prompt_token_ids))
         choice = beam_step(search.state, logprobs, [b.token_ids for b in beams], params, stops, max_generated)
         if choice.done:
-            request.samples = self._hypotheses(request, search)
+            request.hypotheses = self._hypotheses(params, search)
             return Decision(finished=beams, num_tokens=len(choice.continuing))
         return self._continue(request, beams, choice.continuing, search, new_sample)
 
     def _continue(self, request: Request, beams: list[Sample], continuing: list[tuple[int, int]],
-                  search: _BeamRequest, new_sample: NewSample) -> Decision:
+                  search: BeamRequest, new_sample: NewSample) -> Decision:
         decision = Decision(num_tokens=len(continuing))
         used: set[int] = set()
         scores = search.state.running_scores.tolist()
@@ -226,21 +219,16 @@ class BeamSearch:
         request.samples = [beam for _, beam, _, _ in new_beams]
         return decision
 
-    def _hypotheses(self, request: Request, search: _BeamRequest) -> list[Sample]:
-        """The finished hypotheses as samples, best first. As for sampled outputs, a stop
-        token (EOS or a stop token id) is in ``token_ids`` but not in the text."""
-        params: BeamSearchParams = request.params
+    def _hypotheses(self, params: BeamSearchParams, search: BeamRequest) -> list[Hypothesis]:
+        """The finished hypotheses, best first. As for sampled outputs, a stop token (EOS or
+        a stop token id) is in ``token_ids``; the front end leaves it out of the text."""
         stops = self.stop_token_ids(params)
         out = []
-        template = request.samples[0]
-        for index, hyp in enumerate(search.state.finished):
-            generated = hyp.generated if hyp is not None else []
+        for hyp in search.state.finished:
+            generated = list(hyp.generated) if hyp is not None else []
             stopped = bool(generated) and generated[-1] in stops
-            shown = generated[:-1] if stopped else generated
-            out.append(Sample(
-                seq_id=-1, index=index, detokenizer=template.detokenizer, generator=None,
-                token_ids=list(generated),
-                text=self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens),
+            out.append(Hypothesis(
+                token_ids=generated,
                 finish_reason="stop" if stopped else "length",
                 stop_reason=generated[-1] if stopped and generated[-1] in params.stop_token_ids else None,
                 cumulative_logprob=hyp.cum_logprob if hyp is not None else None,
@@ -250,6 +238,8 @@ class BeamSearch:
 
 
 @dataclass
-class _BeamRequest:
+class BeamRequest:
+    """BeamSearch's state of one request."""
+
     state: BeamState
     rows: dict[int, torch.Tensor] = field(default_factory=dict)  # seq id -> its log-probabilities, until all arrive

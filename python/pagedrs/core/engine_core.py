@@ -1,0 +1,272 @@
+"""EngineCore: token ids in, token ids out, one scheduler step at a time.
+
+    add(CoreRequest) ──► Scheduler (Rust) ──► StepInput ──► Executor ──► logits
+                            ▲                                              │
+                            └── fork / append / finish ◄── policy ◄── sample ┘ ──► CoreOutputs
+
+The core owns the scheduler, the executor, the sampler and the continuation policies,
+and ends a sequence by token rules only (core/request.py); it never holds text. The
+front end ends a sample by a text rule with ``finish_sample``. Everything a command
+takes was validated by the front end (frontend/input_processor.py); the core is touched
+last, and a failure after that rolls back (``Rollback``). The step itself: core/step.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Optional, Union
+
+import numpy as np
+import torch
+
+from pagedrs.attention import AttentionBackend
+from pagedrs.beam_search import BeamSearchParams
+from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, IndependentSamples, request_shape
+from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestMetrics
+from pagedrs.core.request import Request, Sample
+from pagedrs.core.setup import build_core
+from pagedrs.core.step import StepContext, run_step
+from pagedrs.engine_args import EngineArgs
+from pagedrs.rollback import Rollback
+from pagedrs.sampling_params import SamplingParams
+from pagedrs.stats import EngineStats
+from pagedrs.step_input import StepInput
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, *, attention_backend: AttentionBackend | None = None) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        parts = build_core(self, args, attention_backend)
+        self.executor = parts.executor
+        self.scheduler = parts.scheduler
+        self.scheduler_config = parts.scheduler_config
+        self.kv_plan = parts.kv_plan
+        self.num_host_cache_blocks = parts.num_host_cache_blocks
+        self.max_model_len = parts.max_model_len
+        self._closer = parts.closer
+        self.loaded = self.executor.loaded
+        self.eos_token_ids = frozenset(self.loaded.tokenizer.eos_token_ids)
+        self.max_num_seqs = args.max_num_seqs
+        # The request's params type chooses its continuation policy.
+        self.policies: dict[type, ContinuationPolicy] = {
+            SamplingParams: IndependentSamples(self.eos_token_ids, self.max_model_len),
+            BeamSearchParams: BeamSearch(self.eos_token_ids, self.max_model_len),
+        }
+        self._requests: dict[str, Request] = {}
+        self._by_seq: dict[int, tuple[Request, Sample]] = {}
+        self._seq_ids = itertools.count(1)
+        self._arrivals = itertools.count()
+        self.num_generated = 0
+        self.peak_running = 0
+        self.num_steps = 0  # steps run (the requests' queue and prefill step counts use it)
+
+    # ---- views (read-only) -------------------------------------------------------------
+
+    @property
+    def requests(self) -> Mapping[str, Request]:
+        """The unfinished requests, by id."""
+        return MappingProxyType(self._requests)
+
+    @property
+    def sequences(self) -> Mapping[int, tuple[Request, Sample]]:
+        """Every live sequence: seq id -> (its request, its sample)."""
+        return MappingProxyType(self._by_seq)
+
+    def sequence(self, seq_id: int) -> Optional[tuple[Request, Sample]]:
+        return self._by_seq.get(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- commands ---------------------------------------------------------------------
+
+    def add(self, core_request: CoreRequest) -> None:
+        """Queues a validated request; raises ValueError with nothing changed when its id is taken."""
+        request_id, params = core_request.request_id, core_request.params
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already exists; request ids must be unique among unfinished requests")
+        policy = self.policies[type(params)]
+        num_samples = request_shape(params).num_samples
+        seq_id = next(self._seq_ids)
+        first = self._new_sample(seq_id, 0, params)
+        arrival = next(self._arrivals)
+        queued = time.monotonic()
+        arrival_time = queued if core_request.arrival_time is None else min(core_request.arrival_time, queued)
+        request = Request(request_id, core_request.prompt_token_ids, params, core_request.priority, arrival, [first],
+                          policy=policy, state=policy.start(params), num_samples=num_samples,
+                          metrics=RequestMetrics(arrival_time, queued), queued_step=self.num_steps)
+        salt = None if core_request.cache_salt is None else core_request.cache_salt.encode("utf-8")
+        with Rollback() as undo:
+            self.scheduler.add_sequence(
+                seq_id,
+                np.asarray(core_request.prompt_token_ids, dtype=np.uint32),
+                priority=core_request.priority,
+                arrival=arrival,
+                max_tokens=min(params.max_tokens, self.max_model_len),
+                num_samples=num_samples,
+                cache_salt=salt,
+            )
+            undo(lambda: self.scheduler.finish(seq_id))
+            self._requests[request_id] = request
+            undo(lambda: self._requests.pop(request_id, None))
+            self._by_seq[seq_id] = (request, first)
+
+    def abort(self, request_id: str) -> Optional[CoreOutput]:
+        """Ends a request now and frees its pages; its final output (None when it is not here)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        self._end_request(request, "abort")
+        return request.output(streams_tokens=True)
+
+    def finish_sample(self, request_id: str, index: int, reason: str, stop_reason: Union[int, str, None]) -> None:
+        """The front end ended sample ``index`` by a text rule (a stop string): its sequence is freed.
+        Nothing when the request or the sample already ended."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        for s in request.samples:
+            if s.index == index and not s.finished:
+                s.finish_reason, s.stop_reason = reason, stop_reason
+                self.release(s.seq_id)
+        if request.finished:
+            request.metrics.finished_time = time.monotonic()
+            del self._requests[request_id]
+
+    def step(self) -> CoreOutputs:
+        """Runs one scheduler step; an output for every request that progressed or ended
+        (beam search: only once it finished)."""
+        if not self._requests:
+            return CoreOutputs()
+        ctx = StepContext(start=time.monotonic())
+        run_step(self, ctx)
+        return CoreOutputs(self._collect(ctx.touched))
+
+    # ---- what the step calls ------------------------------------------------------------
+
+    def _new_sample(self, seq_id: int, index: int, params: Union[SamplingParams, BeamSearchParams]) -> Sample:
+        generator = None
+        seed = getattr(params, "seed", None)  # BeamSearchParams has none
+        if seed is not None:
+            # Sample k of a seeded request uses seed + k, wrapped into the generator's 64 bits.
+            generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**64)
+        return Sample(seq_id=seq_id, index=index, generator=generator)
+
+    def sample_factory(self, request: Request) -> Callable[[int], Sample]:
+        """``new_sample(index)`` for the request's policy: a sample with a fresh sequence id,
+        not yet in the scheduler (``fork`` puts it there)."""
+        return lambda index: self._new_sample(next(self._seq_ids), index, request.params)
+
+    def fork(self, request: Request, parent: Sample, child: Sample) -> None:
+        with Rollback() as undo:
+            self.scheduler.fork(parent.seq_id, child.seq_id)
+            undo(lambda: self.scheduler.finish(child.seq_id))
+            self._by_seq[child.seq_id] = (request, child)
+
+    def release(self, seq_id: int) -> None:
+        if self._by_seq.pop(seq_id, None) is not None and self.scheduler.contains(seq_id):
+            self.scheduler.finish(seq_id)
+
+    def fail(self, request: Request, exc: BaseException, touched: dict[str, Request]) -> None:
+        """Ends one request with finish_reason "error"; the engine and other requests go on."""
+        if request.error is None:
+            request.error = f"{type(exc).__name__}: {exc}"
+        self._end_request(request, "error")
+        touched[request.request_id] = request
+
+    def fail_all(self, exc: BaseException, touched: dict[str, Request]) -> None:
+        for request in list(self._requests.values()):
+            self.fail(request, exc, touched)
+        self._collect(touched)
+
+    def _end_request(self, request: Request, reason: str) -> None:
+        for s in request.samples:
+            if not s.finished:
+                s.finish_reason = reason
+            self.release(s.seq_id)
+        request.ended = request.ended or reason
+        request.metrics.finished_time = time.monotonic()
+
+    def note_scheduled(self, step: StepInput, start: float) -> None:
+        """Queue and prefill bookkeeping of the requests still waiting for their first token
+        (vLLM's first_scheduled_time): the step that starts at ``start`` runs them."""
+        self.num_steps += 1
+        self.peak_running = max(self.peak_running, self.scheduler.num_running)
+        seen: set[str] = set()
+        for seq_id in step.seq_ids.tolist():
+            entry = self._by_seq.get(seq_id)
+            if entry is None or entry[0].metrics.first_token_time is not None or entry[0].request_id in seen:
+                continue
+            request = entry[0]
+            metrics = request.metrics
+            seen.add(request.request_id)
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = self.scheduler.num_cached_tokens_of(seq_id)
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = start
+                metrics.num_steps_queued = self.num_steps - 1 - request.queued_step
+            metrics.num_prefill_steps += 1
+
+    def _collect(self, touched: dict[str, Request]) -> list[CoreOutput]:
+        outputs = []
+        for request in touched.values():
+            out = request.output(request.policy.streams_tokens)
+            if out is not None:
+                outputs.append(out)
+            if request.finished:
+                self._requests.pop(request.request_id, None)
+        return outputs
+
+    # ---- reporting and lifecycle ----------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        memory = self.executor.memory_bytes()
+        return EngineStats.build(
+            self.scheduler.stats(),
+            num_cpu_blocks=self.scheduler_config.num_cpu_blocks,
+            kv_layout=self.args.kv_layout,
+            block_size=self.args.block_size,
+            num_generated_tokens=self.num_generated,
+            peak_running=self.peak_running,
+            kv_bytes_per_block=self.kv_plan.bytes_per_block,
+            num_host_cache_blocks=self.num_host_cache_blocks,
+            num_unfinished_requests=len(self._requests),
+            memory_weights_bytes=memory["weights"],
+            memory_kv_pool_bytes=memory["kv_pool"],
+            memory_host_pool_bytes=memory["host_pool"],
+            memory_rss_bytes=_rss_bytes(),
+        )
+
+    def shutdown(self) -> None:
+        """Aborts what is left, flushes the cached KV pages to the disk tier (when on), and
+        releases the executor (its disk store closed, tensor-parallel workers exited). Once."""
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._closer()
+
+    def check_invariants(self) -> None:
+        """The scheduler's invariants plus the core's: every live sample's sequence is in the scheduler."""
+        self.scheduler.check_invariants()
+        for seq_id, (request, s) in self._by_seq.items():
+            if not self.scheduler.contains(seq_id):
+                raise AssertionError(f"request {request.request_id!r} sample {s.index}: sequence {seq_id} is not in the core")
+            if request.request_id not in self._requests:
+                raise AssertionError(f"sequence {seq_id} belongs to finished request {request.request_id!r}")
+
+    def info(self) -> dict[str, Any]:
+        """What a front end needs to know about the core it talks to."""
+        return {"max_model_len": self.max_model_len, "model_name": self.loaded.name}
+
+
+def _rss_bytes() -> int:
+    """Resident set size of this process from /proc/self/statm (0 where it cannot be read)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

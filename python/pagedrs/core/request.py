@@ -1,0 +1,138 @@
+"""A request's state inside the engine core: its sequences, their token ids, and when they
+end by token rules (EOS, stop_token_ids, max_tokens, min_tokens, the context length).
+
+The core never holds text. Stop strings are a text rule: the front end finds them and
+finishes the sample here with ``FinishSample`` (``EngineCore.finish_sample``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Union
+
+import torch
+
+from pagedrs.beam_search import BeamSearchParams
+from pagedrs.core.protocol import CoreOutput, CoreSampleOutput, RequestMetrics
+from pagedrs.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # continuation.py imports this module
+    from pagedrs.core.continuation import BeamRequest, ContinuationPolicy
+
+
+@dataclass
+class Sample:
+    """One of a request's sequences in the core (a sample of n / best_of, or a live beam)."""
+
+    seq_id: int
+    index: int
+    generator: Optional[torch.Generator]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # the sampled token's, per token
+    top_logprobs: Optional[list[dict[int, float]]] = None  # per token, when params.logprobs asks
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    cumulative_logprob: Optional[float] = None  # beam search: the beam's running score
+    sent_tokens: int = 0  # tokens already in an output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take_output(self) -> CoreSampleOutput:
+        """What is new since the previous output."""
+        start, self.sent_tokens = self.sent_tokens, len(self.token_ids)
+        return CoreSampleOutput(
+            index=self.index,
+            new_token_ids=self.token_ids[start:],
+            logprobs=self.logprobs[start:],
+            top_logprobs=None if self.top_logprobs is None else self.top_logprobs[start:],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class Hypothesis:
+    """A finished beam-search hypothesis: an output with no sequence behind it."""
+
+    token_ids: list[int]
+    finish_reason: str  # "stop" (its last token is EOS or a stop token id) or "length"
+    stop_reason: Optional[int]
+    cumulative_logprob: Optional[float]  # None: a slot never filled
+    score: Optional[float]
+
+
+@dataclass
+class SamplesState:
+    """IndependentSamples' state: whether the first row forked the other samples yet."""
+
+    forked: bool = False
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: Union[SamplingParams, BeamSearchParams]
+    priority: int
+    arrival: int  # the core-wide arrival counter
+    samples: list[Sample]  # the sequences it holds (a finished sample stays until the request ends)
+    policy: ContinuationPolicy  # the one its params chose (pagedrs.core.continuation)
+    state: Union[SamplesState, BeamRequest]  # that policy's own state
+    num_samples: int  # sequences it may hold at once: best_of (or n), or the beam width
+    metrics: RequestMetrics
+    queued_step: int = 0  # the core's step count when it was queued
+    num_cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission
+    hypotheses: Optional[list[Hypothesis]] = None  # beam search, once it ended
+    ended: Optional[str] = None  # "abort" or "error": it ended before its samples did
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        if self.ended is not None or self.hypotheses is not None:
+            return True
+        return len(self.samples) == self.num_samples and all(s.finished for s in self.samples)
+
+    def output(self, streams_tokens: bool) -> Optional[CoreOutput]:
+        """The output since the previous one; None when there is nothing worth sending
+        (``streams_tokens`` False — beam search — until it finishes)."""
+        finished = self.finished
+        if not streams_tokens and not finished:
+            return None
+        if self.hypotheses is not None:
+            samples = [CoreSampleOutput(i, list(h.token_ids), finish_reason=h.finish_reason, stop_reason=h.stop_reason,
+                                        cumulative_logprob=h.cumulative_logprob, score=h.score)
+                       for i, h in enumerate(self.hypotheses)]
+        else:
+            samples = [s.take_output() for s in self.samples]
+            if not streams_tokens:  # an ended search: its live beams, scores included
+                for c, s in zip(samples, self.samples):
+                    c.cumulative_logprob = s.cumulative_logprob
+        if self.ended is not None:  # samples never forked end too
+            samples.extend(CoreSampleOutput(i, [], finish_reason=self.ended)
+                           for i in range(len(samples), self.num_samples))
+        return CoreOutput(self.request_id, samples, finished, self.metrics, self.error, self.num_cached_tokens)
+
+
+def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optional[dict[int, float]],
+                 request: Request, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+    """Appends one sampled token and decides by token rules whether the sample is finished."""
+    params = request.params
+    assert isinstance(params, SamplingParams)
+    sample.token_ids.append(token)
+    sample.logprobs.append(logprob)
+    if params.logprobs is not None:
+        entry = {token: logprob}
+        if top_logprobs:
+            entry.update(top_logprobs)
+        if sample.top_logprobs is None:
+            sample.top_logprobs = []
+        sample.top_logprobs.append(entry)
+    num_out = len(sample.token_ids)
+    is_eos = token in eos_token_ids and not params.ignore_eos
+    is_stop_token = token in params.stop_token_ids
+    if (is_eos or is_stop_token) and num_out > params.min_tokens:
+        sample.finish_reason, sample.stop_reason = "stop", (token if is_stop_token else None)
+    elif num_out >= params.max_tokens or len(request.prompt_token_ids) + num_out >= max_model_len:
+        sample.finish_reason = "length"

@@ -1,0 +1,97 @@
+"""What the engine core is built from: the executor, the KV plan and its tiers (host cache,
+disk store), the SchedulerConfig and the Scheduler; and how it is released."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from pagedrs._core import Scheduler, SchedulerConfig
+from pagedrs.attention import AttentionBackend
+from pagedrs.engine_args import EngineArgs
+from pagedrs.executor import Executor, LocalExecutor, make_executor, plan_tiers
+from pagedrs.memory import KvPlan
+from pagedrs.models.config import ModelConfig
+from pagedrs.step_input import Transfer
+
+
+@dataclass
+class CoreParts:
+    executor: Executor
+    max_model_len: int
+    kv_plan: KvPlan
+    num_host_cache_blocks: int
+    scheduler_config: SchedulerConfig
+    scheduler: Scheduler
+    closer: weakref.finalize  # releases the executor (flushing the disk tier first): once
+
+
+def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBackend | None) -> CoreParts:
+    """Builds the executor, plans the KV pools and tiers, and builds the scheduler.
+
+    What the executor holds (tensor-parallel workers and the process group, a disk store) is
+    released on shutdown, on garbage collection of ``owner`` or at interpreter exit, whichever
+    comes first. The finalizer holds the executor, never ``owner``.
+    """
+    torch.manual_seed(args.seed)
+    executor = make_executor(args, attention_backend=attention_backend)
+    closer = weakref.finalize(owner, executor.shutdown)
+    config = executor.loaded.config
+    max_model_len = args.max_model_len or config.max_position_embeddings
+    plan = executor.plan_kv_memory()
+    tiers = plan_tiers(executor, args, plan)
+    scheduler_config = SchedulerConfig(
+        num_gpu_blocks=plan.num_gpu_blocks,
+        block_size=args.block_size,
+        num_cpu_blocks=plan.num_cpu_blocks + tiers.host_cache_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_layout=args.kv_layout,
+        contiguous_reserve=args.contiguous_reserve,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        preemption_mode=args.preemption_mode,
+        watermark=args.watermark,
+        aging_steps=args.aging_steps,
+        admission_policy=args.admission_policy,
+        prefill_first=args.prefill_first,
+        swap_cost_per_block=plan.swap_cost_per_block,
+        recompute_cost_per_token=plan.recompute_cost_per_token,
+        host_cache_evicted=args.host_cache_evicted or tiers.host_cache_blocks > 0,
+        num_disk_blocks=tiers.disk_blocks,
+        sliding_window=_uniform_sliding_window(config) if args.kv_layout == "paged" else None,
+    )
+    scheduler = Scheduler(scheduler_config)
+    if tiers.seed is not None:
+        seed = tiers.seed
+        scheduler.seed_disk(seed.slots, seed.hashes, seed.parents, seed.tokens, seed.invalidated)
+        assert isinstance(executor, LocalExecutor)  # plan_tiers opens a store for no other
+        executor.set_page_meta(scheduler.disk_pages)
+        # A clean shutdown also flushes the cached pages to disk first.
+        closer.detach()
+        closer = weakref.finalize(owner, functools.partial(_flush_and_close, scheduler, executor))
+    # The layout's rules decide the host pool (none for the contiguous baseline).
+    executor.init_kv_cache(scheduler_config.num_gpu_blocks, scheduler_config.num_cpu_blocks)
+    return CoreParts(executor, max_model_len, plan, tiers.host_cache_blocks, scheduler_config, scheduler, closer)
+
+
+def _flush_and_close(scheduler: Scheduler, executor: LocalExecutor) -> None:
+    """Clean shutdown of the disk tier: every cached page the disk lacks goes to it, then
+    the store is made durable and closed. Takes no core, so it can run at collection."""
+    try:
+        transfers = [Transfer(int(i), str(s), str(d), p) for i, s, d, p in scheduler.flush_to_disk()]
+        executor.run_transfers(transfers)
+        scheduler.complete_transfers([t.id for t in transfers])
+    finally:
+        executor.shutdown()
+
+
+def _uniform_sliding_window(config: ModelConfig) -> int | None:
+    """The window the core may release pages outside of: only when every layer attends with
+    it. A model mixing full and windowed layers (Gemma 2, Qwen2's max_window_layers) keeps
+    every page, since its full layers read them all."""
+    windows = {config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)}
+    return windows.pop() if len(windows) == 1 else None

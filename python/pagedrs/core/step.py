@@ -1,0 +1,260 @@
+"""One engine-core step: plan -> execute -> sample -> decide -> carry out, over one StepContext.
+
+The core plans (which sequences run, their pages, the tier transfers and copy-on-write
+copies); the executor runs the transfers, the copies and the forward pass and reports the
+transfers done; the sampler draws tokens for the rows whose policy asks for draws, and
+each request's continuation policy turns its rows into a decision — continuations, forked
+or in place, and sequences to free — which is carried out on the scheduler: frees no fork
+needs, forks, one batched append, the other frees. Beam search waits until every live beam
+of a request has its row (preemption may run them in different steps); the policy keeps
+the rows meanwhile.
+
+A failure is pinned on the request that caused it where that is possible (a sampling row,
+a policy, a fork, an append); only a failed forward pass ends every request that was in it,
+and only a failed plan or a dead executor ends the engine (``EngineDeadError``).
+
+Everything one step reads and produces lives on its ``StepContext``, not on the core: two
+steps in flight at once (asynchronous scheduling) each have their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, cast
+
+import numpy as np
+import torch
+
+from pagedrs.core.continuation import Decision, StepRow
+from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
+from pagedrs.core.request import Request, Sample
+from pagedrs.kv_tiers.errors import CorruptPageError
+from pagedrs.sampling import SampleResult, SamplingRow, sample
+from pagedrs.sampling_params import SamplingParams
+from pagedrs.step_input import StepInput
+
+if TYPE_CHECKING:
+    from pagedrs.core.engine_core import EngineCore
+
+logger = logging.getLogger("pagedrs.engine")
+
+Rows = dict[str, tuple[Request, list[tuple[int, Sample]]]]  # request id -> (request, [(logits row, sample)])
+
+
+@dataclass
+class StepContext:
+    """One step's working set, filled phase by phase."""
+
+    start: float  # time.monotonic() when the step began
+    step: Optional[StepInput] = None  # the plan, as the executor takes it
+    logits: Optional[torch.Tensor] = None  # float32 [rows, vocab]
+    rows: Rows = field(default_factory=dict)  # the sampling rows, by request
+    draws: list[tuple[int, Request, Sample]] = field(default_factory=list)  # (logits row, request, sample) per draw
+    results: list[Optional[SampleResult]] = field(default_factory=list)  # per draw; None: that request failed
+    decisions: list[tuple[Request, Decision]] = field(default_factory=list)
+    touched: dict[str, Request] = field(default_factory=dict)  # requests that progressed or ended: their outputs
+
+
+def run_step(core: EngineCore, ctx: StepContext) -> None:
+    """Runs one step; what it did is in ``ctx.touched``. Raises ``EngineDeadError`` (or the
+    executor's own fatal error) after ending every request when the engine cannot go on."""
+    try:
+        plan = core.scheduler.schedule()
+    except RuntimeError as exc:  # planning failed part-way: the core is in no known state
+        dead = EngineDeadError(f"the scheduler failed while it planned a step: {exc}")
+        core.fail_all(dead, ctx.touched)
+        raise dead from exc
+    ctx.step = step = StepInput.from_plan(plan)
+    core.note_scheduled(step, ctx.start)
+    try:
+        ctx.logits = core.executor.execute(step)
+    except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the engine
+        on_failed_step(core, step, exc, ctx.touched)
+        if is_engine_fatal(exc):  # the executor is gone for good: end everything, then say so
+            core.fail_all(exc, ctx.touched)
+            raise
+        return
+    except BaseException:  # KeyboardInterrupt, SystemExit mid-step: the step did not complete
+        # Reported failed, so that the next schedule() cannot report it done; its sequences
+        # are recomputed when the caller steps again.
+        core.scheduler.complete_transfers(core.executor.take_completed_transfers())
+        core.scheduler.complete_step(step.step_id, False)
+        raise
+    core.scheduler.complete_transfers(core.executor.take_completed_transfers())
+    core.scheduler.complete_step(step.step_id, True)  # what it wrote becomes a prefix hit
+    drop_failed_disk_writes(core)
+    ctx.rows = _rows(core, step)
+    ctx.draws = _draws(core, ctx)
+    ctx.results = _sample_attributed(core, ctx) if ctx.draws else []
+    ctx.decisions = _decide(core, ctx)
+    _carry_out(core, ctx)
+
+
+def on_failed_step(core: EngineCore, step: StepInput, exc: BaseException, touched: dict[str, Request]) -> None:
+    """Nothing a failed step wrote is ever served: the core forgets it on every tier
+    and resets the step's sequences (and any whose pages it left unwritten) to be
+    recomputed. A lost disk page (a checksum failure) is the tier's fault, not the
+    request's: its slots leave the disk index and the sequences are simply recomputed.
+    Any other failure ends the requests that were in the step."""
+    scheduler = core.scheduler
+    scheduler.complete_transfers(core.executor.take_completed_transfers())
+    lost_pages = isinstance(exc, CorruptPageError)
+    if lost_pages:
+        assert isinstance(exc, CorruptPageError)
+        dropped = scheduler.invalidate_disk_slots(exc.slots)
+        logger.warning("a step read %d disk page(s) that failed their checksum (%d dropped from the tier); "
+                       "recomputing its %d sequences: %s", len(exc.slots), dropped, step.num_seqs, exc)
+    reset = scheduler.complete_step(step.step_id, False)
+    drop_failed_disk_writes(core)
+    if lost_pages:
+        return
+    logger.error("the forward pass failed; ending the %d requests in it", step.num_seqs, exc_info=exc)
+    for seq_id in step.seq_ids.tolist():
+        entry = core.sequence(seq_id)
+        if entry is not None:
+            core.fail(entry[0], exc, touched)
+    if len(reset) > step.num_seqs:
+        logger.warning("the failed step also lost pages of %d paused sequences; they are recomputed",
+                       len(reset) - step.num_seqs)
+
+
+def drop_failed_disk_writes(core: EngineCore) -> None:
+    """Disk writes that failed after they were queued (a full disk): their slots leave
+    the core's index, so the pages are lost, never read back wrong."""
+    failed = core.executor.take_failed_disk_slots()
+    if failed:
+        core.scheduler.invalidate_disk_slots(failed)
+
+
+# ---- sample -------------------------------------------------------------------------------
+
+
+def _rows(core: EngineCore, step: StepInput) -> Rows:
+    rows: Rows = {}
+    for row, (seq_id, sampled) in enumerate(zip(step.seq_ids.tolist(), step.do_sample.tolist())):
+        entry = core.sequence(seq_id) if sampled else None
+        if entry is not None:
+            request, state = entry
+            rows.setdefault(request.request_id, (request, []))[1].append((row, state))
+    return rows
+
+
+def _draws(core: EngineCore, ctx: StepContext) -> list[tuple[int, Request, Sample]]:
+    """(logits row, request, sample) for every token the sampler draws."""
+    draws: list[tuple[int, Request, Sample]] = []
+    for request, request_rows in ctx.rows.values():
+        new_sample = core.sample_factory(request)
+        for row, state in request_rows:
+            try:
+                samples = request.policy.draws(request, state, new_sample)
+            except Exception as exc:  # noqa: BLE001
+                core.fail(request, exc, ctx.touched)
+                break
+            draws.extend((row, request, s) for s in samples)
+    return draws
+
+
+def _sample_attributed(core: EngineCore, ctx: StepContext) -> list[Optional[SampleResult]]:
+    """Draws in chunks no larger than a step's batch; a chunk that fails is redrawn row
+    by row, so that only the request whose row fails is ended (result None)."""
+    logits, draws = ctx.logits, ctx.draws
+    assert logits is not None
+    chunk = max(1, core.max_num_seqs)
+    results: list[Optional[SampleResult]] = []
+    for start in range(0, len(draws), chunk):
+        part = draws[start : start + chunk]
+        # only requests with SamplingParams draw (beam search reads its rows itself)
+        rows = [SamplingRow(cast(SamplingParams, request.params), s.generator, request.prompt_token_ids, s.token_ids,
+                            core.eos_token_ids) for _, request, s in part]
+        index = [row for row, _, _ in part]
+        # every row once, in order (a step without n > 1 or beams): the logits themselves, not an
+        # indexed copy (18 us at batch 1, a 6 MB copy at 32; sample() never writes into them)
+        part_logits = logits if index == list(range(logits.shape[0])) else logits[index]
+        try:
+            results.extend(sample(part_logits, rows))
+            continue
+        except Exception:  # noqa: BLE001 - find the row(s) that fail
+            pass
+        for (row, request, _), srow in zip(part, rows):
+            try:
+                results.extend(sample(logits[[row]], [srow]))
+            except Exception as exc:  # noqa: BLE001
+                core.fail(request, exc, ctx.touched)
+                results.append(None)
+    return results
+
+
+# ---- decide and carry out -------------------------------------------------------------------
+
+
+def _decide(core: EngineCore, ctx: StepContext) -> list[tuple[Request, Decision]]:
+    """Each request's policy turns its rows (and the tokens drawn from them) into a decision."""
+    logits = ctx.logits
+    assert logits is not None
+    drawn: dict[int, list[tuple[Sample, SampleResult]]] = {}
+    for (row, _, s), result in zip(ctx.draws, ctx.results):
+        if result is not None:
+            drawn.setdefault(row, []).append((s, result))
+    decisions = []
+    for request, request_rows in ctx.rows.values():
+        ctx.touched[request.request_id] = request
+        if request.error is not None:
+            continue  # this request already failed in this step
+        step_rows = [StepRow(s, logits[row], drawn.get(row, [])) for row, s in request_rows]
+        try:
+            decision = request.policy.on_step(request, step_rows, core.sample_factory(request))
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the engine down
+            core.fail(request, exc, ctx.touched)
+            continue
+        if decision is not None:
+            decisions.append((request, decision))
+    return decisions
+
+
+def _carry_out(core: EngineCore, ctx: StepContext) -> None:
+    """Frees of sequences no fork reads, then the forks (a parent that goes on more than
+    once is forked before any append), then one batched append, then the other frees.
+    Freeing early lets a pruned beam's pages serve this step's copies-on-write."""
+    now = time.monotonic()
+    appends: list[tuple[Request, Sample, int]] = []
+    for request, decision in ctx.decisions:
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        core.num_generated += decision.num_tokens
+        parents = {c.parent.seq_id for c in decision.continuations if c.sample is not c.parent}
+        for s in decision.finished:
+            if s.seq_id not in parents:
+                core.release(s.seq_id)
+        try:
+            for c in decision.continuations:
+                if c.sample is not c.parent:
+                    core.fork(request, c.parent, c.sample)
+        except Exception as exc:  # noqa: BLE001 - e.g. the contiguous layout has no room for a child
+            core.fail(request, exc, ctx.touched)
+        appends.extend((request, c.sample, c.token_id) for c in decision.continuations)
+    appends = [a for a in appends if a[0].error is None]
+    if appends:
+        _append(core, appends, ctx.touched)
+    for request, decision in ctx.decisions:
+        for s in decision.finished:  # also after a failure: a policy may have dropped them from samples
+            core.release(s.seq_id)
+        if request.finished and request.metrics.finished_time is None:
+            request.metrics.finished_time = now
+
+
+def _append(core: EngineCore, appends: list[tuple[Request, Sample, int]], touched: dict[str, Request]) -> None:
+    ids = np.asarray([s.seq_id for _, s, _ in appends], dtype=np.uint64)
+    tokens = np.asarray([t for _, _, t in appends], dtype=np.uint32)
+    try:
+        core.scheduler.append_tokens(ids, tokens)  # all or nothing
+    except Exception:  # noqa: BLE001 - find the sequence(s) the core refuses
+        for request, s, token in appends:
+            if request.error is not None:
+                continue
+            try:
+                core.scheduler.append_tokens(np.asarray([s.seq_id], dtype=np.uint64),
+                                             np.asarray([token], dtype=np.uint32))
+            except Exception as exc:  # noqa: BLE001
+                core.fail(request, exc, touched)

@@ -1,0 +1,205 @@
+"""``LocalExecutor``: one process, one device — ``ModelRunner`` behind the ``Executor`` protocol,
+with the disk page store (the one executor that can have one)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pagedrs.attention import AttentionBackend
+from pagedrs.engine_args import EngineArgs
+from pagedrs.executor.base import DiskTierHandle
+from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, model_fingerprint
+from pagedrs.kv_tiers.disk_tier import DiskTier, PageMeta
+from pagedrs.kv_tiers.errors import DiskTierError
+from pagedrs.kv_tiers.sizing import resolved_swap_space_gb
+from pagedrs.kv_tiers.store_layout import SeedPages
+from pagedrs.memory import KvPlan, plan_kv_memory
+from pagedrs.model_runner import ModelRunner
+from pagedrs.models.loader import load_model
+from pagedrs.step_input import StepInput, Transfer
+
+
+class LocalExecutor:
+    """One process, one device: today's ``ModelRunner`` behind the ``Executor`` protocol."""
+
+    def __init__(
+        self, args: EngineArgs, attention_backend: AttentionBackend | None = None, *, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        self.args = args
+        self.device = torch.device(args.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(args.resolved_cpu_threads())
+        from pagedrs.distributed import parallel_state
+
+        if (parallel_state.tp_rank(), parallel_state.tp_size()) != (tp_rank, tp_size):
+            raise RuntimeError(
+                f"LocalExecutor for rank {tp_rank} of {tp_size}, but this process is rank "
+                f"{parallel_state.tp_rank()} of {parallel_state.tp_size()} (set_tensor_parallel first)"
+            )
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.loaded = load_model(args.model, dtype=args.dtype, device=self.device, weight_dtype=args.weight_dtype,
+                                 skip_tokenizer_init=args.skip_tokenizer_init)
+        self._backend = attention_backend
+        self.runner: ModelRunner | None = None
+        self._completed: list[int] = []
+        self._disk: _LocalDiskTier | None = None
+
+    def plan_kv_memory(self) -> KvPlan:
+        args = self.args
+        num_parameters = sum(p.numel() for p in self.loaded.model.parameters())
+        return plan_kv_memory(
+            bytes_per_token=self.loaded.config.kv_bytes_per_token(args.dtype, kv_heads=self.loaded.model.kv_heads_per_rank),
+            block_size=args.block_size,
+            num_parameters=num_parameters,
+            device=self.device,
+            num_gpu_blocks=args.num_gpu_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            swap_space_gb=resolved_swap_space_gb(args.swap_space_gb, device_type=self.device.type),
+        )
+
+    # ---- the disk tier ------------------------------------------------------------
+
+    def open_disk_tier(self) -> DiskTierHandle | None:
+        """Opens (or creates) the disk page store of EngineArgs.kv_disk_path (None when it is None).
+        DiskTierError names the path and the reason when it cannot be used (another engine holds
+        it, not a writable directory, too small, no space for it)."""
+        args = self.args
+        if args.kv_disk_path is None:
+            return None
+        c = self.loaded.config
+        geometry = StoreGeometry(
+            fingerprint=model_fingerprint(self.loaded.model, c),
+            dtype=args.dtype,
+            block_size=args.block_size,
+            num_layers=c.num_hidden_layers,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            itemsize=torch.empty(0, dtype=self.loaded.dtype).element_size(),
+        )
+        slot_bytes = DiskPageStore(args.kv_disk_path, num_slots=1, geometry=geometry).slot_bytes
+        num_slots = int(args.kv_disk_gb * 2**30) // slot_bytes
+        if num_slots < 1:
+            raise DiskTierError(args.kv_disk_path, f"kv_disk_gb={args.kv_disk_gb} holds no page slot; one slot "
+                                                   f"needs {slot_bytes} bytes, so kv_disk_gb must be at least "
+                                                   f"{slot_bytes / 2**30:.3g}")
+        store = DiskPageStore(args.kv_disk_path, num_slots=num_slots, geometry=geometry)
+        self._disk = _LocalDiskTier(self, store, store.open())
+        return self._disk
+
+    def disk_tier(self) -> DiskTierHandle | None:
+        return self._disk
+
+    @property
+    def _disk_store(self) -> DiskPageStore | None:
+        """The open store (tests watch its reads and writes)."""
+        return self._disk.store if self._disk is not None else None
+
+    def open_disk_store(self) -> tuple[int, SeedPages]:
+        """(slots, the pages it holds) of ``open_disk_tier()``; the disk path must be set."""
+        disk = self.open_disk_tier()
+        assert disk is not None, "open_disk_store needs EngineArgs.kv_disk_path"
+        return disk.num_slots, disk.seed
+
+    def take_failed_disk_slots(self) -> list[int]:
+        return self._disk.take_failed_disk_slots() if self._disk is not None else []
+
+    def set_page_meta(self, page_meta: PageMeta) -> None:
+        """``disk_tier().set_page_meta``: where disk writes get each slot's (hash, parent, tokens)."""
+        if self._disk is None:
+            raise RuntimeError("LocalExecutor.set_page_meta without an open disk tier")
+        self._disk.set_page_meta(page_meta)
+
+    # ---- steps --------------------------------------------------------------------
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner = ModelRunner(
+            self.loaded,
+            num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks,
+            block_size=self.args.block_size,
+            backend=self._backend,
+        )
+        if self._disk is not None:
+            self.runner.disk = self._disk.runner_tier()
+
+    def run_transfers(self, transfers: list[Transfer]) -> None:
+        """Runs tier copies outside a step (the shutdown flush), synchronously."""
+        if self.runner is None:
+            raise RuntimeError("LocalExecutor.run_transfers before init_kv_cache")
+        with torch.inference_mode():
+            self.runner.run_transfers(transfers)
+
+    def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
+        if self.runner is None:
+            raise RuntimeError("LocalExecutor.execute before init_kv_cache")
+        try:
+            return self.runner.execute(step, compute_logits=compute_logits)
+        finally:
+            # The runner's copies are synchronous with respect to later reads of the host
+            # pool (a device-to-host copy blocks), so every transfer is done by now, also
+            # when the forward pass failed after the copies.
+            self._completed.extend(t.id for t in step.transfers)
+
+    def take_completed_transfers(self) -> list[int]:
+        done, self._completed = self._completed, []
+        return done
+
+    @functools.cached_property
+    def _weights_bytes(self) -> int:
+        """Parameters and buffers (packed int4/int8 weights are buffers), each tensor once; fixed after load,
+        so counted once rather than on every stats() call (the serving loop asks every step)."""
+        model = self.loaded.model
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        return int(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+    def memory_bytes(self) -> dict[str, int]:
+        weights = self._weights_bytes
+        kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() if self.runner else 0
+        host = self.runner.cpu_cache.numel() * self.runner.cpu_cache.element_size() if self.runner else 0
+        return {"weights": int(weights), "kv_pool": int(kv), "host_pool": int(host)}
+
+    def shutdown(self) -> None:
+        """Makes the disk store's pages durable and closes it, then drops the KV tensors."""
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
+        self.runner = None
+
+
+class _LocalDiskTier:
+    """``DiskTierHandle`` of a ``LocalExecutor``: its open store, and the runner that moves pages to it."""
+
+    def __init__(self, executor: LocalExecutor, store: DiskPageStore, seed: SeedPages) -> None:
+        self._executor = executor
+        self.store = store
+        self._seed = seed
+        self._page_meta: PageMeta | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.store.num_slots
+
+    @property
+    def seed(self) -> SeedPages:
+        return self._seed
+
+    def set_page_meta(self, page_meta: PageMeta) -> None:
+        self._page_meta = page_meta
+
+    def runner_tier(self) -> DiskTier:
+        """The runner's side of the tier (gather and scatter of page slices); needs the page meta."""
+        if self._page_meta is None:
+            raise RuntimeError("LocalExecutor.init_kv_cache with a disk store needs set_page_meta first")
+        return DiskTier(self.store, self._page_meta)
+
+    def run_transfers(self, transfers: list[Transfer]) -> None:
+        self._executor.run_transfers(transfers)
+
+    def take_failed_disk_slots(self) -> list[int]:
+        return self.store.take_failed_slots()
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,329 @@
+"""MPClient: the engine core in its own process, on the typed protocol (core/protocol.py).
+
+Why a process: the API server's event loop, tokenization, detokenization, SSE formatting
+and the dispatch of deltas share one interpreter (and its GIL) with whatever else runs
+there. In its own process the core only schedules, runs the model and samples, back to
+back (vLLM v1's EngineCore does the same behind its API server).
+
+    API process                                          core process
+    ───────────                                          ────────────
+    submit/abort/finish_sample ─► sender thread ─(codec)─► commands applied between steps
+    step() ◄── inbox ◄── receiver thread ◄─(codec)──────── EngineCore.step(), again and again
+    (the OutputProcessor makes every text here)            (token ids only; a heartbeat thread)
+
+Every message is a protocol type encoded by frontend/codec.py. Adds go out as they arrive
+(the core admits a burst at one step boundary) and their answers (``Added`` or
+``AddRefused``) come back on the same stream as the outputs, so an add is answered before
+any output of it. Metrics cross once, with a request's first token; the stats once per step.
+
+The core process never outlives its parent: it ignores SIGINT/SIGTERM (the API process
+drains and then tells it to stop) and exits when the pipe reports end of file. Liveness,
+the other way round: the core heartbeats every ``heartbeat_interval(core_timeout_s)`` s,
+idle or mid-step; ``liveness()`` says ``engine_unresponsive`` after ``core_timeout_s`` of
+silence; when the pipe ends the receiver reaps the core (its exit code is real) and every
+later call raises ``EngineCoreDeadError``. The pipe's threads: frontend/core_pipe.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+from pagedrs.core.protocol import (
+    Abort,
+    Add,
+    CoreOutputs,
+    CoreRequest,
+    EngineCoreDeadError,
+    EngineCoreError,
+    FinishSample,
+)
+from pagedrs.engine_args import EngineArgs
+from pagedrs.frontend import codec
+from pagedrs.frontend.codec import Added, AddRefused, CoreFailed, Ready, StepOutputs, Stop
+from pagedrs.frontend.core_pipe import (
+    INBOX_MESSAGES,
+    REAP_TIMEOUT_S,
+    Link,
+    SerialSender,
+    beat,
+    describe_exit,
+    heartbeat_interval,
+    receive_loop,
+    send_loop,
+    stop_core,
+)
+from pagedrs.stats import EngineStats
+
+logger = logging.getLogger("pagedrs.server")
+
+DEFAULT_CORE_TIMEOUT_S = 30.0
+ENGINE_DEAD = "engine_dead"  # the liveness code of a core that is gone
+
+# Called on the stepping thread with None when the core took an add, or with the error it maps to.
+AckCallback = Callable[[Optional[BaseException]], None]
+
+
+def core_main(conn: Connection, args: EngineArgs, heartbeat_s: float = 1.0) -> None:
+    """The core process: build the core, then apply commands and step until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process drains, then sends Stop
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    pipe = SerialSender(conn)
+    from pagedrs.core.engine_core import EngineCore
+
+    try:
+        core = EngineCore(args)
+    except BaseException as exc:  # noqa: BLE001 - report why the core cannot start
+        pipe.send_bytes(codec.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
+        return
+    tok = core.loaded.tokenizer
+    pipe.send_bytes(codec.encode(Ready(
+        pid=os.getpid(), tokenizer_folder=None if tok.hf is None else str(tok.hf.name_or_path),
+        eos_token_ids=sorted(tok.eos_token_ids), vocab_size=core.loaded.config.vocab_size,
+        max_model_len=int(core.max_model_len), model_name=core.loaded.name, stats=core.stats(),
+    )))
+    threading.Thread(target=beat, args=(pipe, heartbeat_s), name="pagedrs-core-heartbeat", daemon=True).start()
+    timed: set[str] = set()  # requests whose metrics went out (with their first token)
+    # Time in core.step() over the wall time of loop turns that had work: the share of a
+    # saturated core that goes to scheduling + the model + sampling rather than to I/O.
+    step_seconds = busy_seconds = 0.0
+    try:
+        while True:
+            turn_start = time.perf_counter()
+            busy = had_work = core.has_unfinished()
+            # Commands first: an abort sent while the last step ran frees its pages before the next.
+            while pipe.poll(0 if busy else 0.5):
+                command = codec.decode(pipe.recv_bytes())
+                if isinstance(command, Add):
+                    request_id = command.request.request_id
+                    try:
+                        core.add(command.request)
+                        pipe.send_bytes(codec.encode(Added(request_id)))
+                    except Exception as exc:  # noqa: BLE001 - the client's error, reported back
+                        message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+                        pipe.send_bytes(codec.encode(AddRefused(request_id, message)))
+                    busy = True
+                elif isinstance(command, Abort):  # its end goes back at once, with the stats it changed
+                    if (aborted := core.abort(command.request_id)) is not None:
+                        sent = CoreOutputs([aborted], core.stats())
+                        _metrics_once(sent, timed)
+                        pipe.send_bytes(codec.encode(StepOutputs(sent, step_seconds, busy_seconds)))
+                    busy = core.has_unfinished()
+                elif isinstance(command, FinishSample):
+                    core.finish_sample(command.request_id, command.index, command.reason, command.stop_reason)
+                elif isinstance(command, Stop):
+                    core.shutdown()
+                    return
+            if not core.has_unfinished():
+                continue
+            t0 = time.perf_counter()
+            outputs = core.step()
+            if had_work:
+                step_seconds += time.perf_counter() - t0
+            _metrics_once(outputs, timed)
+            outputs.stats = core.stats()
+            # this turn counts too, so far: the step just added to step_seconds is inside it
+            busy_now = busy_seconds + (time.perf_counter() - turn_start if had_work else 0.0)
+            pipe.send_bytes(codec.encode(StepOutputs(outputs, step_seconds, busy_now)))
+            if had_work:  # a turn that began idle includes the wait for its first command
+                busy_seconds += time.perf_counter() - turn_start
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the API process is gone: so is the core
+    except BaseException as exc:  # noqa: BLE001
+        logger.exception("engine core failed")
+        try:
+            pipe.send_bytes(codec.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
+        except OSError:
+            pass
+
+
+def _metrics_once(outputs: CoreOutputs, timed: set[str]) -> None:
+    """Metrics cross once, with a request's first token (``timed``: the requests whose did)."""
+    for out in outputs.outputs:
+        if out.request_id in timed or out.metrics is None or out.metrics.first_token_time is None:
+            out.metrics = None
+        else:
+            timed.add(out.request_id)
+        if out.finished:
+            timed.discard(out.request_id)
+
+
+class MPClient:
+    """A ``CoreClient`` whose core runs in a child process (see the module docs).
+
+    Called from one thread (the stepping one), except ``submit`` and ``abort``, which any
+    thread may call.
+    """
+
+    def __init__(
+        self, args: EngineArgs, *, start_timeout_s: float = 600.0, core_timeout_s: float = DEFAULT_CORE_TIMEOUT_S,
+    ) -> None:
+        if not (math.isfinite(core_timeout_s) and core_timeout_s > 0):
+            raise ValueError(f"core_timeout_s={core_timeout_s!r} is out of range: allowed a finite number of seconds > 0")
+        self.core_timeout_s = core_timeout_s  # silent this long: liveness() says engine_unresponsive
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        # Not a daemon: the core may start tensor-parallel workers of its own. It still never
+        # outlives this process: it exits on end of file, and the finalizer stops it at exit.
+        self._process = ctx.Process(target=core_main, args=(child, args, heartbeat_interval(core_timeout_s)),
+                                    name="pagedrs-engine-core", daemon=False)
+        self._process.start()
+        child.close()
+        self._acks: dict[str, AckCallback] = {}  # adds sent, not yet answered
+        self._acks_lock = threading.Lock()
+        # Every message to the core goes through one sender thread: in order, and a full pipe
+        # (the core mid-step) never blocks an HTTP handler's event loop.
+        self._outbox: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
+        self._send_errors: list[BaseException] = []
+        self._sender = threading.Thread(target=send_loop, args=(self._conn, self._outbox, self._send_errors),
+                                        name="pagedrs-core-sender", daemon=True)
+        self._sender.start()
+        self._inbox: queue.Queue[Optional[bytes]] = queue.Queue(INBOX_MESSAGES)
+        self._link = Link(heard=time.monotonic())
+        self._receiver = threading.Thread(target=receive_loop, args=(self._conn, self._process, self._inbox, self._link),
+                                          name="pagedrs-core-receiver", daemon=True)
+        self._stop_args = (self._conn, self._process, self._outbox, self._sender, self._receiver, self._inbox, self._link)
+        self._finalizer = weakref.finalize(self, stop_core, *self._stop_args, stop_message=codec.encode(Stop()))
+        if not self._conn.poll(start_timeout_s):
+            self.shutdown()
+            raise EngineCoreError(f"the engine core did not start within {start_timeout_s} s")
+        ready = self._first_reply()
+        if isinstance(ready, CoreFailed):
+            self.shutdown()
+            raise ValueError(f"the engine core could not start: {ready.message}")
+        self._link.heard = time.monotonic()
+        self._receiver.start()
+        self.ready: Ready = ready
+        self._stats: EngineStats = ready.stats
+        self.step_seconds = self.busy_seconds = 0.0
+        self._buffered = CoreOutputs()
+
+    # ---- CoreClient -------------------------------------------------------------------
+
+    def submit(self, request: CoreRequest, on_ack: AckCallback) -> None:
+        """Sends an add without waiting; ``on_ack(error)`` runs on the stepping thread when the core answers."""
+        with self._acks_lock:
+            if request.request_id in self._acks:
+                raise ValueError(f"request_id={request.request_id!r} is already in flight; request ids must be unique")
+            self._acks[request.request_id] = on_ack
+        self._outbox.put(codec.encode(Add(request)))
+
+    def add(self, request: CoreRequest) -> None:
+        """The blocking form of ``submit``: returns once the core took the request, raises its refusal."""
+        result: list[Optional[BaseException]] = []
+        self.submit(request, result.append)
+        while not result:
+            self._take(self._recv(None))  # outputs of earlier requests may come first: they are buffered
+        if result[0] is not None:
+            raise result[0]
+
+    def abort(self, request_id: str) -> None:
+        """Fire and forget; an add still on its way is aborted too (the abort follows it)."""
+        self._outbox.put(codec.encode(Abort(request_id)))
+
+    def finish_sample(self, command: FinishSample) -> None:
+        self._outbox.put(codec.encode(command))
+
+    def step(self, timeout_s: float = 0.5) -> CoreOutputs:
+        """The outputs of the core's steps since the last call; waits up to ``timeout_s`` for one."""
+        if not self._buffered.outputs and (message := self._recv(timeout_s)) is not None:
+            self._take(message)
+        while (message := self._recv(0)) is not None:
+            self._take(message)
+        outputs, self._buffered = self._buffered, CoreOutputs()
+        return outputs
+
+    def awaiting(self, request_id: str) -> bool:
+        """Whether the add of ``request_id`` is sent and not yet answered."""
+        with self._acks_lock:
+            return request_id in self._acks
+
+    def pending(self) -> bool:
+        """Adds not yet answered, or outputs not yet taken."""
+        return bool(self._acks) or bool(self._buffered.outputs)
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the core (its requests aborted, its pages freed), waiting up to ``timeout_s`` per stage."""
+        if self._finalizer.detach() is not None:
+            stop_core(*self._stop_args, timeout_s=timeout_s, stop_message=codec.encode(Stop()))
+
+    # ---- liveness -----------------------------------------------------------------------
+
+    def check_alive(self) -> None:
+        """Takes in what the core sent without waiting; raises ``EngineCoreDeadError`` once it is gone."""
+        while (message := self._recv(0)) is not None:
+            self._take(message)
+
+    def liveness(self) -> Optional[tuple[str, str]]:
+        """``(code, message)`` while the core cannot serve (gone, or silent for ``core_timeout_s``); else None."""
+        if self._link.gone is not None:
+            return ENGINE_DEAD, self._link.gone
+        silent_s = time.monotonic() - self._link.heard
+        if silent_s > self.core_timeout_s:
+            return ("engine_unresponsive", f"the engine core has not answered for {silent_s:.1f} s "
+                    f"(--core-timeout={self.core_timeout_s:g} s): it is stopped, hung or starved")
+        return None
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        """The core's exit code once it is reaped (negative: the signal that killed it); None while it runs."""
+        return self._process.exitcode
+
+    def is_alive(self) -> bool:
+        return self._process.is_alive()
+
+    # ---- the pipe -----------------------------------------------------------------------
+
+    def _recv(self, timeout_s: Optional[float]) -> Optional[Any]:
+        """The core's next message, waiting up to ``timeout_s`` (None: for ever); None when none came."""
+        try:
+            raw = self._inbox.get(timeout=timeout_s) if timeout_s != 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if raw is None:  # the receiver reaped the core
+            self._inbox.put_nowait(None)  # every later call says so too
+            self._fail_pending_acks(error := EngineCoreDeadError(self._link.gone or "the engine core is gone"))
+            raise error
+        message = codec.decode(raw)
+        if isinstance(message, CoreFailed):
+            self._fail_pending_acks(error := EngineCoreDeadError(f"the engine core failed: {message.message}"))
+            raise error
+        return message
+
+    def _fail_pending_acks(self, error: BaseException) -> None:
+        with self._acks_lock:
+            pending, self._acks = self._acks, {}
+        for on_ack in pending.values():
+            on_ack(error)
+
+    def _first_reply(self) -> Any:
+        try:
+            return codec.decode(self._conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            self._process.join(REAP_TIMEOUT_S)  # reaped: its exit code is real
+            raise EngineCoreError(f"the engine core exited during start-up ({describe_exit(self._process.exitcode)})") from exc
+
+    def _take(self, message: Any) -> None:
+        if isinstance(message, (Added, AddRefused)):
+            with self._acks_lock:
+                on_ack = self._acks.pop(message.request_id, None)
+            if on_ack is not None:
+                on_ack(None if isinstance(message, Added) else ValueError(message.message))
+        elif isinstance(message, StepOutputs):
+            self._buffered.outputs.extend(message.outputs.outputs)
+            if message.outputs.stats is not None:
+                self._stats = message.outputs.stats
+            self.step_seconds, self.busy_seconds = message.step_seconds, message.busy_seconds

@@ -1,0 +1,286 @@
+"""Where text ends: the one place that turns the core's token ids into outputs.
+
+Per request and sample it keeps the detokenizer, the text, the logprobs handed out and
+what was already reported. Its rules, applied token by token to what the core sends:
+
+* a sample the core ended by a stop token (EOS or ``stop_token_ids``): that token is in
+  ``token_ids`` but not in the text, and held-back bytes are flushed;
+* a stop string (a text rule: only text can tell which token completes it) ends the
+  sample at that token: the text is cut at the string (or after it, with
+  ``include_stop_str_in_output``), later tokens are dropped, and the core is told with a
+  ``FinishSample`` (reason "stop", ``stop_reason`` the string). In the same process the
+  core hears it before its next step; a core in another process may have computed one
+  token more, which never reaches an output;
+* ended by ``length``: the last token is text, then held-back bytes are flushed;
+* aborted or failed: no flush;
+* while a sample runs, text that may still be the start of a stop string is held back.
+
+``best_of > n`` ranks the finished samples by cumulative log-probability here, summed over
+the tokens kept (so cut where a stop string cut the text), best first, ties by index; beam
+search's hypotheses come ranked and scored from the core, and their text is made here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Optional, Union
+
+from pagedrs.beam_search import BeamSearchParams
+from pagedrs.core.continuation import RequestShape, request_shape
+from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, FinishSample, RequestMetrics
+from pagedrs.frontend.input_processor import ProcessedRequest
+from pagedrs.outputs import CompletionOutput, RequestOutput
+from pagedrs.sampling_params import SamplingParams
+from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Command = Union[FinishSample, Abort]
+
+
+@dataclass
+class SampleText:
+    """One sample's output as the front end builds it."""
+
+    index: int
+    detokenizer: Optional[IncrementalDetokenizer]  # None: beam search (its text is decoded once, at the end)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # visible text (a matched stop string cut off)
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+    logprobs: Optional[list[dict[int, float]]] = None  # per token, when params.logprobs asked
+    cumulative_logprob: Optional[float] = None
+    score: Optional[float] = None  # beam search: the hypothesis' length-penalized score
+    sent_tokens: int = 0  # tokens already reported
+    sent_chars: int = 0  # characters of text already reported
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: Union[SamplingParams, BeamSearchParams]
+    shape: RequestShape
+    samples: list[SampleText]  # by index
+    metrics: RequestMetrics
+    num_cached_tokens: Optional[int] = None
+    error: Optional[str] = None
+    ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
+
+    @property
+    def finished(self) -> bool:
+        return self.ended is not None or (
+            len(self.samples) == self.shape.num_samples and all(s.finished for s in self.samples))
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, RequestState] = {}
+
+    @property
+    def requests(self) -> Mapping[str, RequestState]:
+        """The unfinished requests' text state, by id (read-only)."""
+        return MappingProxyType(self._requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, processed: ProcessedRequest, queued_time: float) -> None:
+        params = processed.params
+        arrival = queued_time if processed.arrival_time is None else min(processed.arrival_time, queued_time)
+        state = RequestState(processed.request_id, processed.prompt, processed.prompt_token_ids, params,
+                             request_shape(params), [], RequestMetrics(arrival, queued_time))
+        self._sample(state, 0)  # its detokenizer exists from the start
+        self._requests[processed.request_id] = state
+
+    def remove(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        """Ends the request as "abort"; its final output (None when it is not known here)."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        self._end(state, "abort")
+        return self._output(state)
+
+    def fail_all(self) -> None:
+        """The engine is dead: every request has ended (the core reports none of them)."""
+        self._requests.clear()
+
+    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[Command]]:
+        """The core's outputs as RequestOutputs, and what the core must be told (stop strings found,
+        requests that failed here)."""
+        results: list[RequestOutput] = []
+        commands: list[Command] = []
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is None:
+                continue  # aborted or failed here; the core has been told
+            if out.metrics is not None:
+                state.metrics = out.metrics
+            if out.num_cached_tokens is not None:
+                state.num_cached_tokens = out.num_cached_tokens
+            try:
+                for c in out.samples:
+                    self._take(state, c, commands)
+            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer: this request fails, the others go on
+                state.error = state.error or f"{type(exc).__name__}: {exc}"
+                self._end(state, "error")
+                commands.append(Abort(state.request_id))
+            if out.error is not None:
+                state.error = state.error or out.error
+                self._end(state, "error")
+            finished = state.finished
+            if finished:
+                del self._requests[out.request_id]
+                if state.ended is None and state.shape.num_outputs < state.shape.num_samples:
+                    _rank_by_cumulative_logprob(state)
+            if state.shape.streams or finished:  # beam search, best_of > n: the final output only
+                results.append(self._output(state, with_metrics=out.metrics is not None))
+        return results, commands
+
+    # ---- one sample's tokens -----------------------------------------------------------
+
+    def _sample(self, state: RequestState, index: int) -> SampleText:
+        while len(state.samples) <= index:
+            detok = None
+            if isinstance(state.params, SamplingParams):
+                detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens)
+            state.samples.append(SampleText(len(state.samples), detok))
+        return state.samples[index]
+
+    def _take(self, state: RequestState, c: CoreSampleOutput, commands: list[Command]) -> None:
+        s = self._sample(state, c.index)
+        if s.finished:
+            return  # a stop string ended it here; the core computed on before it heard
+        params = state.params
+        if isinstance(params, BeamSearchParams):
+            self._take_hypothesis(s, c, params)
+            return
+        stopped_by_text = False
+        last = len(c.new_token_ids) - 1
+        for i, token in enumerate(c.new_token_ids):
+            reason = c.finish_reason if i == last else None
+            s.token_ids.append(token)
+            s.cumulative_logprob = (s.cumulative_logprob or 0.0) + c.logprobs[i]  # always: best_of ranks by it
+            if c.top_logprobs is not None:
+                if s.logprobs is None:
+                    s.logprobs = []
+                s.logprobs.append(c.top_logprobs[i])  # in place: a copy per token would be quadratic
+            if reason == "stop":  # a stop token: not part of the text
+                if params.detokenize:
+                    s.text += _detok(s).flush()
+                break
+            if params.detokenize:
+                previous = len(s.text)
+                s.text += _detok(s).step([token])
+                if params.stop and len(s.token_ids) > params.min_tokens and _apply_stop_strings(s, params, previous):
+                    stopped_by_text = True
+                    if reason is None:  # the core's sequence goes on: end it there too
+                        commands.append(FinishSample(state.request_id, s.index, "stop", s.stop_reason))
+                    break
+            if reason == "length" and params.detokenize:
+                s.text += _detok(s).flush()
+        if not stopped_by_text and c.finish_reason is not None:
+            s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+
+    def _take_hypothesis(self, s: SampleText, c: CoreSampleOutput, params: BeamSearchParams) -> None:
+        """A beam-search output (it comes once): a hypothesis, or a live beam of an ended search."""
+        s.token_ids = list(c.new_token_ids)
+        s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+        s.cumulative_logprob, s.score = c.cumulative_logprob, c.score
+        if c.finish_reason in ("stop", "length"):  # a stop token is in token_ids, not in the text
+            shown = s.token_ids[:-1] if c.finish_reason == "stop" else s.token_ids
+            s.text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+
+    # ---- outputs ---------------------------------------------------------------------
+
+    def _end(self, state: RequestState, reason: str) -> None:
+        for s in state.samples:
+            if not s.finished:
+                s.finish_reason = reason
+        for index in range(len(state.samples), state.shape.num_samples):  # samples never forked
+            self._sample(state, index).finish_reason = reason
+        state.ended = state.ended or reason
+
+    def _output(self, state: RequestState, with_metrics: bool = True) -> RequestOutput:
+        """The output since the previous one: cumulative fields plus deltas; the metrics when
+        they came with it (a client in another process sends them once, with the first token)."""
+        finished = state.finished
+        stops = state.params.stop if isinstance(state.params, SamplingParams) else ()
+        outs = []
+        for s in state.samples[: state.shape.num_outputs] if finished else state.samples:
+            # Hold back text that might still turn out to be the start of a stop string.
+            hold = 0 if s.finished else max((len(x) for x in stops or ()), default=1) - 1
+            visible = max(len(s.text) - hold, s.sent_chars)
+            outs.append(CompletionOutput(
+                index=s.index,
+                text=s.text[:visible],
+                token_ids=list(s.token_ids),
+                delta_text=s.text[s.sent_chars : visible],
+                delta_token_ids=s.token_ids[s.sent_tokens :],
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                # the sample's own growing list, not a copy (a copy per step is quadratic in
+                # the output length); a consumer that keeps it past the next step copies it
+                logprobs=s.logprobs,
+                cumulative_logprob=s.cumulative_logprob,
+                score=s.score,
+            ))
+            s.sent_tokens = len(s.token_ids)
+            s.sent_chars = visible
+        metrics = state.metrics.as_dict() if with_metrics else {}
+        if with_metrics and finished and "finished_time" not in metrics:  # it ended here (a stop string, an abort)
+            metrics["finished_time"] = time.monotonic()
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            error=state.error,
+            metrics=metrics,
+            num_cached_tokens=state.num_cached_tokens,
+        )
+
+
+def _detok(s: SampleText) -> IncrementalDetokenizer:
+    assert s.detokenizer is not None
+    return s.detokenizer
+
+
+def _apply_stop_strings(sample: SampleText, params: SamplingParams, previous: int) -> bool:
+    """Finds a stop string that ends in the newest text; cuts the text at it."""
+    stops: list[str] = params.stop  # type: ignore[assignment]  # normalized to a list by SamplingParams
+    longest = max(len(s) for s in stops)
+    search_from = max(0, previous - longest + 1)
+    best: Optional[tuple[int, str]] = None
+    for stop in stops:
+        at = sample.text.find(stop, search_from)
+        if at != -1 and (best is None or at < best[0]):
+            best = (at, stop)
+    if best is None:
+        return False
+    at, stop = best
+    sample.text = sample.text[: at + len(stop)] if params.include_stop_str_in_output else sample.text[:at]
+    sample.finish_reason, sample.stop_reason = "stop", stop
+    return True
+
+
+def _rank_by_cumulative_logprob(state: RequestState) -> None:
+    """Best first (ties: the lower index first), renumbered, so that the first n are the output."""
+    ranked = sorted(state.samples, key=lambda s: (-(s.cumulative_logprob or 0.0), s.index))
+    for index, s in enumerate(ranked):
+        s.index = index
+    state.samples = ranked

@@ -1,0 +1,97 @@
+"""Sink: where one engine request's outputs go, as deltas, and what its latency was.
+
+The engine thread turns each ``RequestOutput`` into a ``RequestDelta`` (snapshots, copied
+here: the handler reads them after the engine moved on), records the request's latency
+(time to first token, inter-token latency, and where the first token's time went), and
+puts the delta on the handler's ``DeltaStream``. One sink per engine request; the
+EngineLoop keeps them by request id and owns nothing else about a request's output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pagedrs.server.deltas import DeltaStream, RequestDelta, SampleDelta
+from pagedrs.server.metrics import ServerMetrics
+from pagedrs.server.request_trace import RequestTrace
+
+__all__ = ["Sink"]
+
+
+@dataclass
+class Sink:
+    """One engine request's delta stream and latency bookkeeping (engine thread only)."""
+
+    stream: DeltaStream
+    tag: int  # which prompt of the HTTP request this engine request serves
+    arrival: float
+    deadline: float | None = None  # time.monotonic() past which it is aborted with a 504 (request_timeout_s)
+    last_token_time: float | None = None
+    timed: bool = False  # its first token's metrics are recorded
+    num_cached_tokens: int = 0  # as last reported (the engine may report it with the first output only)
+
+    def delta_of(self, output: Any) -> RequestDelta:
+        """``output`` (a RequestOutput) as the delta its handler reads."""
+        reported = getattr(output, "num_cached_tokens", None)  # None: not in this output
+        if reported is not None:
+            self.num_cached_tokens = int(reported)
+        return RequestDelta(
+            tag=self.tag,
+            request_id=output.request_id,
+            prompt_token_ids=list(output.prompt_token_ids),
+            samples=[_snapshot(c) for c in output.outputs],
+            finished=bool(output.finished),
+            error=getattr(output, "error", None),
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+    def observe(self, output: Any, delta: RequestDelta, metrics: ServerMetrics, trace: RequestTrace | None,
+                now: float) -> None:
+        """Records the latency ``output`` shows: its first token's breakdown once, TTFT or ITL when
+        it carries tokens, and the finish reasons when it is the last."""
+        stamps = getattr(output, "metrics", None) or {}
+        if not self.timed and "first_token_time" in stamps:
+            self.timed = True
+            self._observe_first_token(output.request_id, stamps, metrics, trace, now)
+        if any(s.token_ids for s in delta.samples):
+            if self.last_token_time is None:
+                metrics.time_to_first_token.observe(now - self.arrival)
+            else:
+                metrics.inter_token_latency.observe(now - self.last_token_time)
+            self.last_token_time = now
+        if delta.finished:
+            for s in delta.samples:
+                metrics.requests.labels(finish_reason=str(s.finish_reason)).inc()
+
+    def _observe_first_token(self, request_id: str, stamps: dict[str, float], metrics: ServerMetrics,
+                             trace: RequestTrace | None, now: float) -> None:
+        """Where the time to a request's first token went (the engine's stamps, then ours)."""
+        queued, scheduled = stamps.get("queued_time"), stamps.get("first_scheduled_time")
+        if queued is None or scheduled is None:
+            return
+        metrics.handoff_time.observe(max(0.0, queued - self.arrival))
+        metrics.queue_time.observe(scheduled - queued)
+        metrics.prefill_time.observe(stamps["first_token_time"] - scheduled)
+        if trace is not None:
+            trace.record(request_id, self.arrival, stamps, now)
+
+    def fail(self, request_id: str, message: str, status: int, code: str | None) -> bool:
+        """Hands the handler ``message`` as the request's last delta."""
+        return self.stream.put(RequestDelta(self.tag, request_id, [], [], finished=True, error=message,
+                                            error_status=status, error_code=code))
+
+
+def _snapshot(completion: Any) -> SampleDelta:
+    new_ids = list(completion.delta_token_ids)
+    logprobs = None
+    if completion.logprobs is not None and new_ids:
+        logprobs = [dict(d) for d in completion.logprobs[-len(new_ids):]]
+    return SampleDelta(
+        index=completion.index,
+        text=completion.delta_text,
+        token_ids=new_ids,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )

@@ -1,0 +1,102 @@
+"""Both core clients serve the same outputs: the core in this process (InprocClient) and in its
+own process (MPClient, behind the server's RemoteEngine), where every text is made by the
+API process's OutputProcessor from token ids alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pagedrs import BeamSearchParams, Engine, EngineArgs, SamplingParams
+from pagedrs.server.engine_core import RemoteEngine
+
+KW = dict(block_size=4, num_gpu_blocks=256, max_model_len=96, swap_space_gb=0.001)
+PROMPTS = ["hello world", "the cat sat", [5, 6, 7, 8, 9]]
+CASES = {
+    "greedy": SamplingParams(max_tokens=12, temperature=0),
+    "stop_strings": SamplingParams(max_tokens=24, temperature=1.0, seed=3, stop=["e", "a"]),
+    "include_stop": SamplingParams(max_tokens=24, temperature=1.0, seed=4, stop=[" "], include_stop_str_in_output=True),
+    "n_with_stops": SamplingParams(max_tokens=12, temperature=1.0, seed=6, n=3, stop=["o"], logprobs=1),
+    "best_of": SamplingParams(max_tokens=12, temperature=1.0, seed=7, n=2, best_of=4, stop=["e", "s"]),
+    "stop_tokens": SamplingParams(max_tokens=24, temperature=1.0, seed=10, stop_token_ids=[5, 9, 11, 20, 30]),
+    "beam": BeamSearchParams(beam_width=3, max_tokens=8),
+}
+
+
+def _rounded(value: object) -> object:
+    """Log-probabilities to 4 decimals: the two processes may run the model with different thread
+    counts (an earlier test sets this one's), which moves the last bits of a float."""
+    if isinstance(value, float):
+        return round(value, 4)
+    if isinstance(value, list):
+        return [{t: round(lp, 4) for t, lp in d.items()} for d in value]
+    return value
+
+
+def _run(engine: Engine) -> dict[str, list]:
+    got: dict[str, list] = {}
+    for name, params in CASES.items():
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"{name}-{i}", prompt, params)
+        texts: dict[str, str] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                for c in out.outputs:
+                    texts[f"{out.request_id}/{c.index}"] = texts.get(f"{out.request_id}/{c.index}", "") + c.delta_text
+                if out.finished:
+                    got[out.request_id] = [(c.index, c.text, texts.get(f"{out.request_id}/{c.index}"), c.token_ids,
+                                            c.finish_reason, c.stop_reason, _rounded(c.logprobs), _rounded(c.score))
+                                           for c in out.outputs]
+    return got
+
+
+def test_the_in_process_and_the_multiprocess_client_give_the_same_outputs(tiny_llama_dir) -> None:
+    args = EngineArgs(model=str(tiny_llama_dir), **KW)
+    with Engine(args) as inproc:
+        want = _run(inproc)
+    remote = RemoteEngine(args)
+    try:
+        got = _run(remote)
+    finally:
+        remote.shutdown(timeout_s=5.0)
+    assert any(isinstance(o[5], str) for outs in want.values() for o in outs), "the workload must hit stop strings"
+    assert got == want
+
+
+@pytest.mark.parametrize("client", ["inproc", "mp"])
+def test_submit_and_abort_mean_the_same_on_both_clients(tiny_llama_dir, client: str) -> None:
+    """The serving loop's way in (``submit`` from another thread, answered at a step boundary)
+    and ``abort`` (of a running request, and of an add still on its way) behave alike on both
+    clients: the refusal is raised at submit, each final output comes from the core with a later
+    step, and no page is left."""
+    args = EngineArgs(model=str(tiny_llama_dir), **KW)
+    engine = RemoteEngine(args) if client == "mp" else Engine(args)  # RemoteEngine: Engine on the mp client
+    try:
+        acks: dict[str, BaseException | None] = {}
+        params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+        submitter = threading.Thread(target=lambda: [
+            engine.submit(rid, "hello world", params, 0, lambda error, rid=rid: acks.__setitem__(rid, error))
+            for rid in ("running", "on-its-way")])
+        submitter.start()
+        submitter.join()
+        with pytest.raises(ValueError, match="max_model_len"):
+            engine.submit("too-long", [5] * 500, params, 0, lambda error: acks.__setitem__("too-long", error))
+        assert engine.abort("on-its-way"), "an add on its way is abortable"
+        assert not engine.abort("never-added")
+        finals: dict[str, object] = {}
+        steps = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0].finish_reason
+                elif out.request_id == "running" and len(out.outputs[0].token_ids) >= 3:
+                    engine.abort("running")
+            steps += 1
+            assert steps < 200, "the engine never went idle"
+        assert acks == {"running": None, "on-its-way": None}
+        assert finals == {"running": "abort", "on-its-way": "abort"}
+        stats = engine.stats()
+        assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"], f"pages left: {stats}"
+    finally:
+        engine.shutdown()

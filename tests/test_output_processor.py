@@ -1,0 +1,96 @@
+"""The front end decides where text ends (frontend/output_processor.py): stop strings cut at
+the exact token, the core is told once, tokens a core computed past a stop string never reach
+an output, and best_of > n ranks by the log-probability of the tokens kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, FinishSample, RequestMetrics
+from pagedrs.frontend.input_processor import InputProcessor
+from pagedrs.frontend.output_processor import OutputProcessor
+from pagedrs.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir) -> Tokenizer:
+    return Tokenizer.from_folder(tiny_llama_dir, {0})
+
+
+def _processor(tokenizer: Tokenizer, params: SamplingParams, prompt: str = "x") -> OutputProcessor:
+    out = OutputProcessor(tokenizer)
+    processed = InputProcessor(tokenizer, 10**6, 512, 16).process("r", prompt, params, 0)
+    out.add(processed, queued_time=1.0)
+    return out
+
+
+def _core_output(tokens: list[int], finish: str | None = None, finished: bool = False, index: int = 0) -> CoreOutput:
+    sample = CoreSampleOutput(index, tokens, logprobs=[-0.5] * len(tokens), finish_reason=finish)
+    return CoreOutput("r", [sample], finished, RequestMetrics(0.5, 1.0))
+
+
+def test_a_stop_string_cuts_the_text_at_its_token_and_finishes_the_sample_in_the_core_once(tokenizer) -> None:
+    ids = tokenizer.encode("hello world and more", add_special_tokens=False)
+    cut = next(i for i in range(1, len(ids) + 1) if "lo w" in tokenizer.decode(ids[:i]))  # the token completing it
+    out = _processor(tokenizer, SamplingParams(max_tokens=64, stop=["lo w"]))
+    results, commands = out.process([_core_output(ids)])
+    (result,) = results
+    c = result.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == ("hel", "stop", "lo w")
+    assert c.token_ids == ids[:cut], "the tokens after the one that completed the stop string are dropped"
+    assert c.cumulative_logprob == pytest.approx(-0.5 * cut)
+    assert result.finished and "finished_time" in result.metrics
+    assert commands == [FinishSample("r", 0, "stop", "lo w")]
+    # a core in another process computed one token more before it heard: it reaches no output
+    assert out.process([_core_output([ids[0]], finish="stop", finished=True)]) == ([], [])
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_it_cannot(tokenizer) -> None:
+    ids = tokenizer.encode("abcd", add_special_tokens=False)
+    out = _processor(tokenizer, SamplingParams(max_tokens=64, stop=["cdX"]))
+    deltas = []
+    for token in ids:
+        (result,), _ = out.process([_core_output([token])])
+        deltas.append(result.outputs[0].delta_text)
+    assert "".join(deltas) == "ab", "the last two characters could still begin 'cdX'"
+    (result,), _ = out.process([_core_output([], finish="length", finished=True)])
+    assert result.outputs[0].delta_text == "cd" and result.outputs[0].text == "abcd"
+
+
+def test_a_stop_token_is_in_token_ids_but_not_in_the_text(tokenizer) -> None:
+    ids = tokenizer.encode("ab", add_special_tokens=False)
+    out = _processor(tokenizer, SamplingParams(max_tokens=64, stop_token_ids=[ids[-1]]))
+    sample = CoreSampleOutput(0, ids, [-1.0] * len(ids), finish_reason="stop", stop_reason=ids[-1])
+    (result,), commands = out.process([CoreOutput("r", [sample], True, RequestMetrics(0.5, 1.0))])
+    c = result.outputs[0]
+    assert (c.token_ids, c.text, c.stop_reason, commands) == (ids, tokenizer.decode(ids[:-1]), ids[-1], [])
+
+
+def test_a_failing_detokenizer_ends_its_request_and_aborts_it_in_the_core(tokenizer, monkeypatch) -> None:
+    out = _processor(tokenizer, SamplingParams(max_tokens=64, n=2))
+    monkeypatch.setattr(out.requests["r"].samples[0].detokenizer, "step", lambda ids: 1 / 0)
+    (result,), commands = out.process([_core_output([5])])
+    assert result.finished and "ZeroDivisionError" in result.error
+    assert [c.finish_reason for c in result.outputs] == ["error", "error"], "the sample never forked ends too"
+    assert commands == [Abort("r")] and "r" not in out
+
+
+def test_best_of_ranks_by_the_logprob_of_the_tokens_a_stop_string_kept(tiny_llama_dir) -> None:
+    """best_of=5, n=2 returns the two best of the five samples that n=5 returns (the same seeds
+    draw the same samples), ranked by the sum of their kept tokens' log-probabilities."""
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=256, max_model_len=96))
+
+    def run(**kw: object) -> list:
+        engine.add_request("q", "the cat sat", SamplingParams(max_tokens=16, temperature=1.0, seed=7, stop=["e", "s"],
+                                                              logprobs=0, **kw))
+        done = [o for _ in range(200) for o in engine.step() if o.finished]
+        return done[0].outputs
+
+    every = run(n=5)
+    assert any(isinstance(c.stop_reason, str) for c in every), "the workload must hit a stop string"
+    for c in every:  # the cumulative logprob counts exactly the tokens kept
+        assert c.cumulative_logprob == pytest.approx(sum(d[t] for d, t in zip(c.logprobs, c.token_ids)))
+    best = run(n=2, best_of=5)
+    want = sorted(every, key=lambda c: (-c.cumulative_logprob, c.index))[:2]
+    assert [(c.index, c.text, c.token_ids) for c in best] == [(i, c.text, c.token_ids) for i, c in enumerate(want)]
