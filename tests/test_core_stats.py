@@ -103,3 +103,27 @@ def test_core_stats_is_a_frozen_snapshot() -> None:
         before.num_steps = 7  # type: ignore[misc]
     _drive(sched, seed=3, steps=5)
     assert before.num_steps == 0 and sched.core_stats().num_steps == 5
+
+
+def test_engine_stats_are_built_from_core_stats_and_name_a_missing_field() -> None:
+    """EngineStats takes every core counter from CoreStats by name; a field neither the core
+    nor the engine gives is an error naming it, never a silent zero."""
+    from dataclasses import fields
+
+    from pagedrs.stats import EngineStats
+
+    sched = _paged()
+    _drive(sched, seed=5)
+    core = sched.core_stats()
+    engine_fields = {f.name for f in fields(EngineStats)} - set(CoreStats.fields)
+    derived = {"kv_reserved_slots", "kv_live_slots", "kv_utilization", "kv_waste_pct", "prefix_hit_rate",
+               "kv_bytes_to_host", "kv_bytes_from_host", "kv_bytes_to_disk", "kv_bytes_from_disk",
+               "swap_bytes_out", "swap_bytes_in", "step_swap_bytes_out", "step_swap_bytes_in"}
+    given = {name: 1 for name in engine_fields - derived}
+    given["kv_bytes_per_block"], given["kv_layout"] = 64, "paged"
+    stats = EngineStats.build(core, **given)
+    assert stats.prefix_hits == core.prefix_hits > 0 and stats.num_steps == core.num_steps
+    assert stats.kv_bytes_to_host == 64 * (core.swap_out_blocks + core.host_cache_saves)
+    del given["peak_running"]
+    with pytest.raises(TypeError, match="'peak_running' is neither a CoreStats field nor given by the engine"):
+        EngineStats.build(core, **given)

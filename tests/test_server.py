@@ -75,9 +75,10 @@ class Served:
             time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama_dir: Path) -> Iterator[Served]:
-    with live_server(tiny_llama_dir, ENGINE_KW, MODEL) as live:
+@pytest.fixture(scope="module", params=["in-process", "core-process"])
+def served(tiny_llama_dir: Path, request: pytest.FixtureRequest) -> Iterator[Served]:
+    """The served path on both core clients: every test here must pass on each."""
+    with live_server(tiny_llama_dir, ENGINE_KW, MODEL, core_process=request.param == "core-process") as live:
         yield Served(live)
 
 

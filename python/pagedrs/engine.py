@@ -52,6 +52,7 @@ class Engine:
         self.max_model_len = info.max_model_len
         self.inputs = InputProcessor(self.tokenizer, info.vocab_size, self.max_model_len, args.max_n)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._aborting: set[str] = set()  # aborted, their final output not yet processed
 
     # ---- the in-process core, for tests and benchmarks that look inside ---------------
 
@@ -140,8 +141,11 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Ends a request now and frees its pages (an add still on its way too); its final output
         comes with the next step, from the core, as every other output does."""
+        if request_id in self._aborting:
+            return False  # aborted once already; its final output is on its way
         if request_id not in self.output_processor and not self.client.awaiting(request_id):
             return False
+        self._aborting.add(request_id)
         self.client.abort(request_id)
         return True
 
@@ -157,7 +161,8 @@ class Engine:
         return bool(len(self.output_processor)) or self.client.pending()
 
     def num_unfinished(self) -> int:
-        return len(self.output_processor)
+        """Requests not finished and not aborted (an aborted one's final output may still be on its way)."""
+        return len(self.output_processor) - sum(1 for r in self._aborting if r in self.output_processor)
 
     def step(self) -> list[RequestOutput]:
         """Runs one core step; returns an output for every request that progressed
@@ -169,8 +174,11 @@ class Engine:
         except Exception as exc:
             if is_engine_fatal(exc):  # the core ended every request; so does the front end
                 self.output_processor.fail_all()
+                self._aborting.clear()
             raise
         results, commands = self.output_processor.process(core_outputs.outputs)
+        if self._aborting:
+            self._aborting -= {r.request_id for r in results if r.finished}
         for command in commands:
             if isinstance(command, FinishSample):
                 self.client.finish_sample(command)
@@ -192,6 +200,7 @@ class Engine:
         releases the core (its disk store closed, tensor-parallel workers exited). Once."""
         for request_id in list(self.output_processor.requests):
             self.output_processor.abort(request_id)
+        self._aborting.clear()
         self.client.shutdown(timeout_s)
 
     def __enter__(self) -> Engine:

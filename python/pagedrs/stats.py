@@ -2,16 +2,19 @@
 
 ``Engine.stats()`` keeps returning a dict (``EngineStats.as_dict()``) for callers that
 index by name, tests outside this repository among them; code inside pagedrs reads the
-fields of ``Engine.typed_stats()``. Core counters come from ``Scheduler.stats()`` by the
-same names; a key the core stops providing raises ``KeyError`` here instead of making a
-metric vanish.
+fields of ``Engine.typed_stats()``. Core counters come from ``Scheduler.core_stats()`` (the
+Rust core's typed, frozen ``CoreStats``) by the same names: a counter the core stops
+providing raises ``AttributeError`` here instead of making a metric vanish, and a field
+that is neither the core's nor given by the engine is a ``TypeError`` naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedrs._core import CoreStats
 
 
 @dataclass(frozen=True)
@@ -94,32 +97,36 @@ class EngineStats:
     memory_rss_bytes: int  # resident set of the process now (0 where /proc is missing)
 
     @classmethod
-    def build(cls, core: Mapping[str, Any], **engine: Any) -> EngineStats:
-        """From ``Scheduler.stats()`` plus the engine's own fields; both must be complete."""
-        reserved, live = int(core["reserved_slots"]), int(core["live_slots"])
+    def build(cls, core: CoreStats, **engine: Any) -> EngineStats:
+        """From ``Scheduler.core_stats()`` plus the engine's own fields; both must be complete."""
+        reserved, live = core.reserved_slots, core.live_slots
         utilization = live / reserved if reserved else 1.0
         derived = dict(
             kv_reserved_slots=reserved,
             kv_live_slots=live,
             kv_utilization=utilization,
             kv_waste_pct=100.0 * (1.0 - utilization),
-            prefix_hit_rate=(core["prefix_hits"] / core["prefix_queries"]) if core["prefix_queries"] else 0.0,
+            prefix_hit_rate=(core.prefix_hits / core.prefix_queries) if core.prefix_queries else 0.0,
         )
         per_block = int(engine["kv_bytes_per_block"])
         derived.update(
-            kv_bytes_to_host=per_block * (core["swap_out_blocks"] + core["host_cache_saves"]),
-            kv_bytes_from_host=per_block * (core["swap_in_blocks"] + core["prefix_hits_host"]),
-            kv_bytes_to_disk=per_block * core["disk_writes"],
-            kv_bytes_from_disk=per_block * core["prefix_hits_disk"],
-            swap_bytes_out=per_block * core["num_pages_swapped_out"],
-            swap_bytes_in=per_block * core["num_pages_swapped_in"],
-            step_swap_bytes_out=per_block * core["step_pages_swapped_out"],
-            step_swap_bytes_in=per_block * core["step_pages_swapped_in"],
+            kv_bytes_to_host=per_block * (core.swap_out_blocks + core.host_cache_saves),
+            kv_bytes_from_host=per_block * (core.swap_in_blocks + core.prefix_hits_host),
+            kv_bytes_to_disk=per_block * core.disk_writes,
+            kv_bytes_from_disk=per_block * core.prefix_hits_disk,
+            swap_bytes_out=per_block * core.num_pages_swapped_out,
+            swap_bytes_in=per_block * core.num_pages_swapped_in,
+            step_swap_bytes_out=per_block * core.step_pages_swapped_out,
+            step_swap_bytes_in=per_block * core.step_pages_swapped_in,
         )
         values = {**derived, **engine}
+        core_fields = set(type(core).fields)
         for f in fields(cls):
-            if f.name not in values:
-                values[f.name] = core[f.name]
+            if f.name in values:
+                continue
+            if f.name not in core_fields:
+                raise TypeError(f"EngineStats.build: {f.name!r} is neither a CoreStats field nor given by the engine")
+            values[f.name] = getattr(core, f.name)
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:

@@ -227,7 +227,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         memory = self.executor.memory_bytes()
         return EngineStats.build(
-            self.scheduler.stats(),
+            self.scheduler.core_stats(),
             num_cpu_blocks=self.scheduler_config.num_cpu_blocks,
             kv_layout=self.args.kv_layout,
             block_size=self.args.block_size,

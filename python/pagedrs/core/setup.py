@@ -12,7 +12,8 @@ import torch
 from pagedrs._core import Scheduler, SchedulerConfig
 from pagedrs.attention import AttentionBackend
 from pagedrs.engine_args import EngineArgs
-from pagedrs.executor import Executor, LocalExecutor, make_executor, plan_tiers
+from pagedrs.executor import Executor, make_executor, plan_tiers
+from pagedrs.executor.base import DiskTierHandle
 from pagedrs.memory import KvPlan
 from pagedrs.models.config import ModelConfig
 from pagedrs.step_input import Transfer
@@ -65,25 +66,26 @@ def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBack
         sliding_window=_uniform_sliding_window(config) if args.kv_layout == "paged" else None,
     )
     scheduler = Scheduler(scheduler_config)
-    if tiers.seed is not None:
-        seed = tiers.seed
+    disk = executor.disk_tier()
+    if disk is not None:
+        seed = disk.seed
         scheduler.seed_disk(seed.slots, seed.hashes, seed.parents, seed.tokens, seed.invalidated)
-        assert isinstance(executor, LocalExecutor)  # plan_tiers opens a store for no other
-        executor.set_page_meta(scheduler.disk_pages)
+        disk.set_page_meta(scheduler.disk_pages)
         # A clean shutdown also flushes the cached pages to disk first.
         closer.detach()
-        closer = weakref.finalize(owner, functools.partial(_flush_and_close, scheduler, executor))
+        closer = weakref.finalize(owner, functools.partial(_flush_and_close, scheduler, executor, disk))
     # The layout's rules decide the host pool (none for the contiguous baseline).
     executor.init_kv_cache(scheduler_config.num_gpu_blocks, scheduler_config.num_cpu_blocks)
     return CoreParts(executor, max_model_len, plan, tiers.host_cache_blocks, scheduler_config, scheduler, closer)
 
 
-def _flush_and_close(scheduler: Scheduler, executor: LocalExecutor) -> None:
+def _flush_and_close(scheduler: Scheduler, executor: Executor, disk: DiskTierHandle) -> None:
     """Clean shutdown of the disk tier: every cached page the disk lacks goes to it, then
-    the store is made durable and closed. Takes no core, so it can run at collection."""
+    the store is made durable and closed (by the executor's shutdown). Takes no core, so it
+    can run at collection."""
     try:
         transfers = [Transfer(int(i), str(s), str(d), p) for i, s, d, p in scheduler.flush_to_disk()]
-        executor.run_transfers(transfers)
+        disk.run_transfers(transfers)
         scheduler.complete_transfers([t.id for t in transfers])
     finally:
         executor.shutdown()

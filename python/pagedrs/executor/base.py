@@ -15,7 +15,7 @@ engine reaches it only through ``Executor.disk_tier()``, a ``DiskTierHandle`` or
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
@@ -31,8 +31,7 @@ class TierPlan:
     """The page-cache tiers below the device, in blocks."""
 
     host_cache_blocks: int  # host blocks for evicted prefix pages (added to the swap pool)
-    disk_blocks: int  # slots of the disk store that opened (0 = off)
-    seed: Optional[SeedPages]  # the pages the disk store already holds
+    disk_blocks: int  # slots of the disk store that opened (0 = off; its pages: Executor.disk_tier().seed)
 
 
 class DiskTierHandle(Protocol):

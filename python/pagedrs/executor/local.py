@@ -97,20 +97,8 @@ class LocalExecutor:
         """The open store (tests watch its reads and writes)."""
         return self._disk.store if self._disk is not None else None
 
-    def open_disk_store(self) -> tuple[int, SeedPages]:
-        """(slots, the pages it holds) of ``open_disk_tier()``; the disk path must be set."""
-        disk = self.open_disk_tier()
-        assert disk is not None, "open_disk_store needs EngineArgs.kv_disk_path"
-        return disk.num_slots, disk.seed
-
     def take_failed_disk_slots(self) -> list[int]:
         return self._disk.take_failed_disk_slots() if self._disk is not None else []
-
-    def set_page_meta(self, page_meta: PageMeta) -> None:
-        """``disk_tier().set_page_meta``: where disk writes get each slot's (hash, parent, tokens)."""
-        if self._disk is None:
-            raise RuntimeError("LocalExecutor.set_page_meta without an open disk tier")
-        self._disk.set_page_meta(page_meta)
 
     # ---- steps --------------------------------------------------------------------
 

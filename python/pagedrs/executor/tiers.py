@@ -26,17 +26,17 @@ def _plan_tiers(executor: Executor, args: EngineArgs, plan: KvPlan) -> TierPlan:
     """Sizes the host cache (any executor: each rank keeps its own host pool) and opens the
     disk store through the executor (``Executor.open_disk_tier``: one that cannot hold one refuses)."""
     if args.kv_layout != "paged":
-        return TierPlan(0, 0, None)  # the contiguous baseline caches nothing
+        return TierPlan(0, 0)  # the contiguous baseline caches nothing
     host = host_cache_blocks(args.kv_host_cache_gb, plan.bytes_per_block, device_type=torch.device(args.device).type)
     if args.kv_disk_path is None:
-        return TierPlan(host, 0, None)
+        return TierPlan(host, 0)
     refusal = disk_tier_refusal(args)
     if refusal is not None:
         raise DiskTierError(args.kv_disk_path, refusal)
     disk = executor.open_disk_tier()
     if disk is None:
         raise DiskTierError(args.kv_disk_path, f"{type(executor).__name__} opened no disk tier")
-    return TierPlan(host, disk.num_slots, disk.seed)
+    return TierPlan(host, disk.num_slots)
 
 
 def disk_tier_refusal(args: EngineArgs) -> Optional[str]:
