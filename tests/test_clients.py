@@ -5,6 +5,7 @@ API process's OutputProcessor from token ids alone."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -98,5 +99,42 @@ def test_submit_and_abort_mean_the_same_on_both_clients(tiny_llama_dir, client: 
         assert finals == {"running": "abort", "on-its-way": "abort"}
         stats = engine.stats()
         assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"], f"pages left: {stats}"
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("client", ["inproc", "mp"])
+def test_a_stop_string_frees_its_pages_and_the_stats_say_so_without_another_step(tiny_llama_dir, client: str) -> None:
+    """The front end ends a sample at a stop string and tells the core (FinishSample); the core
+    frees its pages and, in its own process, sends the stats that changed: ``stats()`` shows
+    nothing held although no request is left to step (a stale page count once leaked here)."""
+    args = EngineArgs(model=str(tiny_llama_dir), **KW)
+    engine = RemoteEngine(args) if client == "mp" else Engine(args)
+    try:
+        def run(request_id: str, params: SamplingParams) -> tuple[str, object]:
+            engine.add_request(request_id, "the cat sat", params)
+            text, reason = "", None
+            while engine.has_unfinished():
+                for out in engine.step():
+                    text += out.outputs[0].delta_text
+                    reason = out.outputs[0].finish_reason if out.finished else reason
+            return text, reason
+
+        full, _ = run("full", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        at = next(i for i in range(1, len(full) - 1) if full[i:i + 2].isprintable() and full[i:i + 2].strip())
+        cut, reason = run("cut", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[full[at:at + 2]]))
+        assert (cut, reason) == (full[:full.index(full[at:at + 2])], "stop")
+        deadline = time.monotonic() + 10
+        while (stats := engine.stats())["num_running"] or stats["num_free_gpu_blocks"] != stats["num_gpu_blocks"]:
+            assert time.monotonic() < deadline, f"the stats never showed the stopped request freed: {stats}"
+            time.sleep(0.01)
+        assert stats["num_unfinished_requests"] == 0
+        # A core in its own process may have computed one token past the stop before it heard:
+        # that output is taken by the next step and dropped (its request already ended here).
+        for _ in range(3):
+            if not engine.has_unfinished():
+                break
+            assert engine.step() == []
+        assert not engine.has_unfinished()
     finally:
         engine.shutdown()

@@ -83,7 +83,6 @@ class Engine:
         """The core's unfinished requests (their sequences and token ids), by id; read-only."""
         return self.core.requests
 
-    _requests = requests  # bench/beam.py reads it (bench/ is not this change's to edit)
 
     @property
     def sequences(self) -> Mapping[int, Any]:

@@ -37,7 +37,7 @@ def _peaks(engine: Any, prompt: list[int], params: Any) -> tuple[int, int]:
         engine.step()
         stats = engine.stats()
         peak_used = max(peak_used, stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"])
-        request = engine._requests.get("beam")
+        request = engine.requests.get("beam")
         if request is not None:
             live = [s.seq_id for s in request.samples if engine.scheduler.contains(s.seq_id)]
             private = sum(-(-engine.scheduler.num_tokens(seq) // bs) for seq in live)

@@ -121,6 +121,10 @@ def core_main(conn: Connection, args: EngineArgs, heartbeat_s: float = 1.0) -> N
                     busy = core.has_unfinished()
                 elif isinstance(command, FinishSample):
                     core.finish_sample(command.request_id, command.index, command.reason, command.stop_reason)
+                    if command.request_id not in core.requests:  # it ended: the stats it changed go back now
+                        sent = CoreOutputs([], core.stats())
+                        pipe.send_bytes(codec.encode(StepOutputs(sent, step_seconds, busy_seconds)))
+                    busy = core.has_unfinished()
                 elif isinstance(command, Stop):
                     core.shutdown()
                     return
@@ -253,6 +257,11 @@ class MPClient:
         return bool(self._acks) or bool(self._buffered.outputs)
 
     def stats(self) -> EngineStats:
+        """The core's latest stats, after taking in what it sent (a stop string's freed pages)."""
+        try:
+            self.check_alive()
+        except EngineCoreDeadError:
+            pass  # step() and check_alive() report the death; the stats stay the last the core sent
         return self._stats
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

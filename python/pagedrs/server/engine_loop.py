@@ -191,12 +191,11 @@ class EngineLoop:
         deadline = None if self.request_timeout_s is None else arrival + self.request_timeout_s
         sink = Sink(out, tag, arrival, deadline)
         command = _Add(request_id, prompt, params, priority, sink, cache_salt)
-        with self._lock:
-            self._pending_adds += 1
         # The add reaches the engine at once, from this thread, instead of after the step the
         # loop thread is in; the engine admits every add of a burst at one step boundary and
         # answers each on the loop thread (_on_ack).
         with self._lock:
+            self._pending_adds += 1
             self._unacked[request_id] = command
         try:
             self.engine.submit(request_id, prompt, params, priority, functools.partial(self._on_ack, command),
@@ -252,6 +251,7 @@ class EngineLoop:
                     self._step()
                 else:
                     self.engine.check_alive()  # a core that died while idle is noticed now, not at the next request
+                    self._refresh_stats()  # what the core sent since (a stop string's freed pages) reaches /metrics
         except BaseException as exc:  # noqa: BLE001 - the loop must report, not vanish
             self.fatal_error = f"{type(exc).__name__}: {exc}"
             self.engine_dead = is_engine_fatal(exc)
