@@ -94,3 +94,21 @@ def test_best_of_ranks_by_the_logprob_of_the_tokens_a_stop_string_kept(tiny_llam
     best = run(n=2, best_of=5)
     want = sorted(every, key=lambda c: (-c.cumulative_logprob, c.index))[:2]
     assert [(c.index, c.text, c.token_ids) for c in best] == [(i, c.text, c.token_ids) for i, c in enumerate(want)]
+
+
+def test_several_core_steps_in_one_call_make_one_output_whose_logprobs_match_its_tokens(tokenizer) -> None:
+    """A core in another process may deliver several steps at once. Each request then gets one
+    output with every new token, and its logprobs (the sample's growing list) line up with its
+    token ids; one output per core step once handed out entries of later tokens."""
+    ids = tokenizer.encode("hello world", add_special_tokens=False)[:3]
+    out = _processor(tokenizer, SamplingParams(max_tokens=64, logprobs=1))
+
+    def step(token: int) -> CoreOutput:
+        sample = CoreSampleOutput(0, [token], logprobs=[-0.5], top_logprobs=[{token: -0.5}])
+        return CoreOutput("r", [sample], False, None)
+
+    results, _ = out.process([step(t) for t in ids])
+    (result,) = results
+    c = result.outputs[0]
+    assert c.delta_token_ids == ids and c.token_ids == ids
+    assert [next(iter(d)) for d in c.logprobs] == ids

@@ -120,9 +120,14 @@ class OutputProcessor:
 
     def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[Command]]:
         """The core's outputs as RequestOutputs, and what the core must be told (stop strings found,
-        requests that failed here)."""
-        results: list[RequestOutput] = []
+        requests that failed here).
+
+        One RequestOutput per request per call, after all of its core outputs in ``outputs`` are
+        taken: a client in another process may deliver several core steps at once, and the
+        cumulative fields (``logprobs`` is the sample's own growing list) must match the deltas
+        of the output that carries them."""
         commands: list[Command] = []
+        touched: dict[str, tuple[RequestState, bool]] = {}  # request id -> (state, its metrics came)
         for out in outputs:
             state = self._requests.get(out.request_id)
             if state is None:
@@ -141,13 +146,14 @@ class OutputProcessor:
             if out.error is not None:
                 state.error = state.error or out.error
                 self._end(state, "error")
-            finished = state.finished
-            if finished:
+            earlier = touched.get(out.request_id)
+            touched[out.request_id] = (state, (earlier is not None and earlier[1]) or out.metrics is not None)
+            if state.finished:
                 del self._requests[out.request_id]
                 if state.ended is None and state.shape.num_outputs < state.shape.num_samples:
                     _rank_by_cumulative_logprob(state)
-            if state.shape.streams or finished:  # beam search, best_of > n: the final output only
-                results.append(self._output(state, with_metrics=out.metrics is not None))
+        results = [self._output(state, with_metrics=with_metrics) for state, with_metrics in touched.values()
+                   if state.shape.streams or state.finished]  # beam search, best_of > n: the final output only
         return results, commands
 
     # ---- one sample's tokens -----------------------------------------------------------
