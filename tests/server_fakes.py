@@ -51,6 +51,7 @@ class FakeEngine:
     def __init__(self, max_model_len: int = 64, permits: threading.Semaphore | None = None) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_model_len = max_model_len
+        self.vocab_size = 0x110000  # every code point (one token per character)
         self.model_name = "fake"
         self.permits = permits  # when set, every step takes one (waiting at most a minute)
         self.fail_next_step = False

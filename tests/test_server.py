@@ -368,3 +368,16 @@ def test_serve_cli_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> 
     assert "ServerOptions.max_request_bytes=10 is out of range: allowed >= 1024" in capsys.readouterr().err
     assert main(["--read-timeout", "0"]) == 2
     assert "read_timeout_s=0.0 is out of range" in capsys.readouterr().err
+
+
+def test_tokenize_and_detokenize_use_the_models_tokenizer(served: Served, offline: LLM) -> None:
+    tok = offline.engine.tokenizer
+    for add_special in (True, False):
+        got = httpx.post(served.url + "/tokenize", json={"model": MODEL, "prompt": PROMPTS[3],
+                                                         "add_special_tokens": add_special}).json()
+        assert got["tokens"] == tok.encode(PROMPTS[3], add_special_tokens=add_special)
+        assert got["count"] == len(got["tokens"]) and got["max_model_len"] == MAX_MODEL_LEN
+    back = httpx.post(served.url + "/detokenize", json={"model": MODEL, "tokens": got["tokens"]}).json()
+    assert back["prompt"] == tok.decode(got["tokens"], skip_special_tokens=False)
+    too_big = httpx.post(served.url + "/detokenize", json={"model": MODEL, "tokens": [offline.engine.vocab_size]})
+    assert too_big.status_code == 400 and "must be in [0," in too_big.json()["error"]["message"]

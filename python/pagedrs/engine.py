@@ -50,6 +50,7 @@ class Engine:
         self.tokenizer = info.tokenizer
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size  # token ids are in [0, vocab_size)
         self.inputs = InputProcessor(self.tokenizer, info.vocab_size, self.max_model_len, args.max_n)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._aborting: set[str] = set()  # aborted, their final output not yet processed

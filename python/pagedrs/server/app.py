@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import pagedrs
-from pagedrs.server import chat, completions
+from pagedrs.server import chat, completions, tokenize
 from pagedrs.server.engine_loop import EngineLoop
 from pagedrs.server.errors import APIError, install_error_handlers
 from pagedrs.server.guard import Gate
@@ -61,6 +61,7 @@ def build_app(
         max_waiting=max_waiting,
         max_model_len=max_model_len,
         kv_pool_tokens=int(stats.get("num_gpu_blocks", 0)) * int(stats.get("block_size", 0)) or max_model_len,
+        vocab_size=int(engine.vocab_size),
         tokenizer=engine.tokenizer,
         prompts=PromptTokenizer(engine.tokenizer, max_model_len, options.tokenizer_threads),
         max_seqs_per_request=options.max_seqs_per_request,
@@ -97,6 +98,14 @@ def build_app(
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response | Any:
         return await _serve(chat, ctx, body, request)
+
+    @app.post("/tokenize")
+    async def create_tokenize(body: tokenize.TokenizeRequest) -> tokenize.TokenizeResponse:
+        return await tokenize.tokenize(ctx, body)
+
+    @app.post("/detokenize")
+    async def create_detokenize(body: tokenize.DetokenizeRequest) -> tokenize.DetokenizeResponse:
+        return await tokenize.detokenize(ctx, body)
 
     return app
 

@@ -74,6 +74,7 @@ class EngineLike(Protocol):
     """
 
     max_model_len: int
+    vocab_size: int
     tokenizer: Any
 
     def submit(

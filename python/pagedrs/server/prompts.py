@@ -48,10 +48,17 @@ class PromptTokenizer:
         self.max_chars = max_model_len * chars_per_token_bound(tokenizer)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="pagedrs-tokenize")
 
-    async def encode(self, text: str, param: str) -> list[int]:
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         self._check_has_tokenizer("a text prompt", param)
         self._check_chars(len(text), param)
-        return await self._run(self.tokenizer.encode, text)
+        if add_special_tokens:
+            return await self._run(self.tokenizer.encode, text)
+        return await self._run(functools.partial(self.tokenizer.encode, add_special_tokens=False), text)
+
+    async def decode(self, ids: list[int]) -> str:
+        """Token ids to text (special tokens kept: what the ids are), off the event loop."""
+        self._check_has_tokenizer("detokenizing", "tokens")
+        return await self._run(functools.partial(self.tokenizer.decode, skip_special_tokens=False), ids)
 
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         self._check_has_tokenizer("a chat conversation", "messages")

@@ -43,6 +43,7 @@ class ServerContext:
     max_waiting: int  # a request that would make the waiting queue longer than this gets a 503
     max_model_len: int
     kv_pool_tokens: int  # token slots in the device KV pool: no request can grow past this
+    vocab_size: int  # token ids are in [0, vocab_size)
     tokenizer: Any
     prompts: PromptTokenizer  # text -> token ids, off the event loop and off the engine thread
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # prompts x sequences per prompt, at most
