@@ -35,7 +35,7 @@ def test_every_step_splits_into_ordered_parts_that_add_up_to_it(report: dict) ->
 def test_fixed_and_per_layer_parts_are_the_line_through_both_depths(report: dict) -> None:
     assert [r["batch"] for r in report["rows"]] == [1, 3]
     for row in report["rows"]:
-        assert set(row["measured"]) == {*PARTS, *DETAIL, "step"}
+        assert set(row["measured"]) == {*PARTS, *DETAIL, "step", "core"}
         for key in row["measured"]:
             shallow, deep = row["shallow"][key], row["measured"][key]
             assert row["fixed"][key] + 1 * row["per_layer"][key] == pytest.approx(shallow, abs=1e-12)
@@ -52,10 +52,10 @@ def test_report_prints_its_machine_and_serializes(report: dict, tmp_path: Path) 
 def test_split_step_names_each_interval() -> None:
     at = {"schedule": 1.0, "schedule_end": 2.0, "execute": 2.5, "forward": 3.0, "forward_end": 5.0, "head": 5.5,
           "head_end": 6.0, "execute_end": 7.0, "complete": 7.2, "complete_end": 7.5, "sampling": 8.0,
-          "sampling_end": 9.0}
+          "sampling_end": 9.0, "core": 0.7, "core_end": 9.5}
     parts = split_step(at, start=0.5, end=10.0)
-    assert parts == {"schedule": 1.0, "inputs": 1.0, "runner": 4.0, "sampling": 1.5, "output": 2.0,
-                     "forward": 2.0, "head": 0.5, "step": 9.5}
+    assert parts == {"schedule": 1.0, "inputs": 1.0, "runner": 4.0, "sampling": 1.5, "output": 1.5,
+                     "frontend": 0.5, "forward": 2.0, "head": 0.5, "step": 9.5, "core": 9.0}
 
 
 def test_cli_registers_the_bench_with_its_layers() -> None:

@@ -10,8 +10,8 @@ Workload per batch size B (1, 32, 256): B requests of ``prompt`` random tokens, 
 ``steps`` steady decode steps (no request finishes in them) are timed part by part. Stamps taken
 at the part boundaries of each ``Engine.step`` split it into parts that add up to it::
 
-    Engine.step ─► schedule() ─► StepInput, metadata, attention plan ─► forward ─► head ─► sample ─► decide, append, outputs, front end
-     "output" ─┘ "schedule"   │          "inputs"                    │ "runner" (per layer) │"sampling"│          "output"
+    Engine.step ─► schedule() ─► StepInput, metadata, plan ─► forward ─► head ─► sample ─► decide, append, outputs ─► RequestOutputs
+     "output" ─┘ "schedule"   │          "inputs"           │ "runner" (per layer) │"sampling"│         "output"       │ "frontend"
 
 - ``schedule``: the Rust ``Scheduler.schedule()`` call;
 - ``inputs``: from the plan to the model's first op (``StepInput``, the queue bookkeeping, the
@@ -19,8 +19,10 @@ at the part boundaries of each ``Engine.step`` split it into parts that add up t
 - ``runner``: the forward pass and the output head (``forward`` and ``head`` apart); the only part
   that grows with the depth;
 - ``sampling``: the core's sampling rows and ``sample()``;
-- ``output``: the rest (the Rust ``complete_step``, continuation policies, appends, ``CoreOutput`` and the
-  front end's ``RequestOutput``; also the client's inbox before ``schedule``).
+- ``output``: the rest of the core's step (the Rust ``complete_step``, continuation policies, appends,
+  ``CoreOutput``; also the client's inbox before ``schedule``);
+- ``frontend``: the front end's ``OutputProcessor`` (``RequestOutput``; with a core in its own process,
+  ``client="mp"``, this part runs beside the core's next step). ``core`` = the step without it.
 
 Each depth runs on its own engine; the step at ``--layers`` N is reported as measured, and the
 two depths (1 and N) give every part a fixed cost and a per-layer cost by a straight line through
@@ -45,7 +47,7 @@ from pagedrs.bench.config import BenchConfig
 from pagedrs.bench.engine_runner import greedy_params, progress
 from pagedrs.bench.report import Column, markdown_table, render
 
-PARTS = ("schedule", "inputs", "runner", "sampling", "output")  # in step order; they add up to "step"
+PARTS = ("schedule", "inputs", "runner", "sampling", "output", "frontend")  # in step order; they add up to "step"
 DETAIL = ("forward", "head")  # inside "runner"
 SMOLLM2_LAYERS = 30
 
@@ -172,12 +174,13 @@ def stamped(engine: Any, stamps: _Stamps) -> Iterator[None]:
     core.scheduler = _TimedScheduler(scheduler, stamps)
     runner.model = _TimedModel(model, stamps)
     core.executor.execute = stamps.around(core.executor.execute, "execute", "execute_end")
+    core.step = stamps.around(core.step, "core", "core_end")
     step_module._sample_attributed = stamps.around(sample_fn, "sampling", "sampling_end")  # type: ignore[attr-defined]
     try:
         yield
     finally:
         core.scheduler, runner.model, step_module._sample_attributed = scheduler, model, sample_fn
-        del core.executor.execute
+        del core.executor.execute, core.step
 
 
 def split_step(at: dict[str, float], start: float, end: float) -> dict[str, float]:
@@ -187,11 +190,13 @@ def split_step(at: dict[str, float], start: float, end: float) -> dict[str, floa
         "inputs": at["forward"] - at["schedule_end"],
         "runner": at["execute_end"] - at["forward"],
         "sampling": at["sampling_end"] - at["complete_end"],
-        "output": (at["schedule"] - start) + (at["complete_end"] - at["execute_end"]) + (end - at["sampling_end"]),
+        "output": (at["schedule"] - start) + (at["complete_end"] - at["execute_end"]) + (at["core_end"] - at["sampling_end"]),
+        "frontend": end - at["core_end"],
         "forward": at["forward_end"] - at["forward"],
         "head": at["head_end"] - at["head"],
     }
     parts["step"] = end - start
+    parts["core"] = parts["step"] - parts["frontend"]
     return parts
 
 
@@ -271,9 +276,10 @@ def _flat_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for r in data["rows"]:
         row: dict[str, Any] = {"batch": r["batch"]}
-        for k in ("step", *PARTS):
+        for k in ("step", "core", *PARTS):
             row[k] = r["measured"][k] * 1e3
         row["fixed"] = r["fixed"]["step"] * 1e3
+        row["fixed_core"] = r["fixed"]["core"] * 1e3
         row["per_layer"] = r["per_layer"]["step"] * 1e3
         row["fixed_runner"] = r["fixed"]["runner"] * 1e3
         row["per_layer_runner"] = r["per_layer"]["runner"] * 1e3
@@ -284,8 +290,10 @@ def _flat_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
 _COLUMNS = [
     Column("batch", "batch"),
     Column("step ms", "step", "{:.2f}"),
+    Column("core ms", "core", "{:.2f}"),
     *(Column(f"{p} ms", p, "{:.2f}") for p in PARTS),
     Column("fixed ms", "fixed", "{:.2f}"),
+    Column("core fixed ms", "fixed_core", "{:.2f}"),
     Column("per layer ms", "per_layer", "{:.3f}"),
     Column("runner fixed ms", "fixed_runner", "{:.2f}"),
 ]
@@ -300,7 +308,7 @@ def markdown(data: dict[str, Any], machine: str) -> str:
         f"on {spec['device']}.",
         "Parts (ms, at the full depth): schedule = Rust Scheduler.schedule(); inputs = StepInput, metadata, tensors, "
         "attention plan; runner = forward + head; sampling = sampling rows + sample(); output = continuation, "
-        "appends, outputs, front end.",
+        "appends, CoreOutputs; frontend = OutputProcessor (RequestOutputs); core = step - frontend.",
         f"fixed / per layer: a line through the step at {lo} and {hi} layers (fixed = extrapolated to 0 layers).",
     ]
     return render("Host cost of a decode step (negligible compute)", markdown_table(_flat_rows(data), _COLUMNS),
