@@ -58,6 +58,8 @@ class EngineCore:
             BeamSearchParams: BeamSearch(self.eos_token_ids, self.max_model_len),
         }
         self._requests: dict[str, Request] = {}
+        # requests that may still be waiting for their first token (note_scheduled's only concern)
+        self._unstarted: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Sample]] = {}
         self._seq_ids = itertools.count(1)
         self._arrivals = itertools.count()
@@ -115,6 +117,7 @@ class EngineCore:
             self._requests[request_id] = request
             undo(lambda: self._requests.pop(request_id, None))
             self._by_seq[seq_id] = (request, first)
+            self._unstarted[request_id] = request
 
     def abort(self, request_id: str) -> Optional[CoreOutput]:
         """Ends a request now and frees its pages; its final output (None when it is not here)."""
@@ -197,6 +200,11 @@ class EngineCore:
         (vLLM's first_scheduled_time): the step that starts at ``start`` runs them."""
         self.num_steps += 1
         self.peak_running = max(self.peak_running, self.scheduler.num_running)
+        for request_id, request in list(self._unstarted.items()):
+            if request.metrics.first_token_time is not None or request.finished:
+                del self._unstarted[request_id]
+        if not self._unstarted:  # a steady decode step: nothing to note, no loop over the batch
+            return
         seen: set[str] = set()
         for seq_id in step.seq_ids.tolist():
             entry = self._by_seq.get(seq_id)
@@ -218,7 +226,7 @@ class EngineCore:
             out = request.output(request.policy.streams_tokens)
             if out is not None:
                 outputs.append(out)
-            if request.finished:
+            if out.finished if out is not None else request.finished:
                 self._requests.pop(request.request_id, None)
         return outputs
 

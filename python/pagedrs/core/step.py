@@ -202,7 +202,7 @@ def _decide(core: EngineCore, ctx: StepContext) -> list[tuple[Request, Decision]
         ctx.touched[request.request_id] = request
         if request.error is not None:
             continue  # this request already failed in this step
-        step_rows = [StepRow(s, logits[row], drawn.get(row, [])) for row, s in request_rows]
+        step_rows = [StepRow(s, logits, row, drawn.get(row, [])) for row, s in request_rows]
         try:
             decision = request.policy.on_step(request, step_rows, core.sample_factory(request))
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the engine down
