@@ -195,6 +195,7 @@ def test_decode_buckets_planned_with_numpy_equal_the_per_sequence_plan(seed):
         for name in ("rows", "out_rows", "tables", "mask"):
             a, b = getattr(g, name), getattr(w, name)
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+        assert got[0].tables.is_contiguous()  # _attend_bucket views it flat
 
 
 def _pretend_cupy(monkeypatch) -> None:

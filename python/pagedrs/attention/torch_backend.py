@@ -221,16 +221,18 @@ def _plan_decode_buckets(meta: AttentionMetadata, block_size: int) -> list[_Buck
     buckets = []
     for key in np.unique(keys):  # ascending, as sorted(groups)
         seqs = np.flatnonzero(keys == key)
+        every = len(seqs) == len(lens)  # seqs ascending: then they are arange(S), and nothing is gathered
         num_blocks = int(blocks[seqs].max())
         index = torch.from_numpy(seqs).to(device)
-        seq_lens = meta.seq_lens[index].long()[:, None, None]  # [S, 1, 1]
+        seq_lens = (meta.seq_lens if every else meta.seq_lens[index]).long()[:, None, None]  # [S, 1, 1]
+        tables = meta.block_tables[:, 0:num_blocks] if every else meta.block_tables[index, 0:num_blocks]
         k_pos = torch.arange(0, num_blocks * block_size, device=device)[None, None, :]
         buckets.append(_Bucket(
             rows=index[:, None],
-            rows_are_all=len(seqs) == len(lens),  # seqs ascending: then it is arange(S)
+            rows_are_all=every,
             out_rows=index,
             keep=None,
-            tables=meta.block_tables[index, 0:num_blocks].long().clamp_min(0),
+            tables=tables.long().clamp_min(0),
             mask=(k_pos < seq_lens)[:, None],
         ))
     return buckets
