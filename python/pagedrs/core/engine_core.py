@@ -58,7 +58,7 @@ class EngineCore:
             BeamSearchParams: BeamSearch(self.eos_token_ids, self.max_model_len),
         }
         self._requests: dict[str, Request] = {}
-        # requests that may still be waiting for their first token (note_scheduled's only concern)
+        # every unfinished request still waiting for its first token (note_scheduled's only concern)
         self._unstarted: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Sample]] = {}
         self._seq_ids = itertools.count(1)
@@ -124,6 +124,7 @@ class EngineCore:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        self._unstarted.pop(request_id, None)
         self._end_request(request, "abort")
         return request.output(streams_tokens=True)
 
@@ -140,6 +141,7 @@ class EngineCore:
         if request.finished:
             request.metrics.finished_time = time.monotonic()
             del self._requests[request_id]
+            self._unstarted.pop(request_id, None)
 
     def step(self) -> CoreOutputs:
         """Runs one scheduler step; an output for every request that progressed or ended
@@ -200,9 +202,6 @@ class EngineCore:
         (vLLM's first_scheduled_time): the step that starts at ``start`` runs them."""
         self.num_steps += 1
         self.peak_running = max(self.peak_running, self.scheduler.num_running)
-        for request_id, request in list(self._unstarted.items()):
-            if request.metrics.first_token_time is not None or request.finished:
-                del self._unstarted[request_id]
         if not self._unstarted:  # a steady decode step: nothing to note, no loop over the batch
             return
         seen: set[str] = set()
@@ -226,8 +225,11 @@ class EngineCore:
             out = request.output(request.policy.streams_tokens)
             if out is not None:
                 outputs.append(out)
-            if out.finished if out is not None else request.finished:
+            finished = out.finished if out is not None else request.finished
+            if finished:
                 self._requests.pop(request.request_id, None)
+            if self._unstarted and (finished or request.metrics.first_token_time is not None):
+                self._unstarted.pop(request.request_id, None)
         return outputs
 
     # ---- reporting and lifecycle ----------------------------------------------------------
