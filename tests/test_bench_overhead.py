@@ -27,15 +27,17 @@ def test_every_step_splits_into_ordered_parts_that_add_up_to_it(report: dict) ->
             steps = report["steps"][depth][batch]
             assert len(steps) == TINY.steps
             for s in steps:
-                assert all(s[p] >= 0 for p in (*PARTS, *DETAIL)), s  # every boundary fired, in step order
-                assert sum(s[p] for p in PARTS) == pytest.approx(s["step"], rel=1e-6, abs=1e-9)
-                assert s["forward"] + s["head"] <= s["runner"] * (1 + 1e-9)
+                for clock in ("", "cpu_"):  # wall time, this thread's CPU time
+                    assert all(s[clock + p] >= 0 for p in (*PARTS, *DETAIL)), s  # every boundary fired, in order
+                    assert sum(s[clock + p] for p in PARTS) == pytest.approx(s[clock + "step"], rel=1e-6, abs=1e-9)
+                    assert s[clock + "forward"] + s[clock + "head"] <= s[clock + "runner"] * (1 + 1e-9)
 
 
 def test_fixed_and_per_layer_parts_are_the_line_through_both_depths(report: dict) -> None:
     assert [r["batch"] for r in report["rows"]] == [1, 3]
     for row in report["rows"]:
-        assert set(row["measured"]) == {*PARTS, *DETAIL, "step", "core"}
+        names = {*PARTS, *DETAIL, "step", "core"}
+        assert set(row["measured"]) == names | {f"cpu_{k}" for k in names}
         for key in row["measured"]:
             shallow, deep = row["shallow"][key], row["measured"][key]
             assert row["fixed"][key] + 1 * row["per_layer"][key] == pytest.approx(shallow, abs=1e-12)
