@@ -25,8 +25,8 @@ import torch
 
 import pagedrs.core.step as step_module
 from pagedrs import LLM, SamplingParams
-from pagedrs.step_input import StepInput
 from pagedrs.bench.machine import describe_machine
+from pagedrs.step_input import StepInput
 
 
 class _TimedScheduler:
