@@ -321,8 +321,9 @@ def markdown(data: dict[str, Any], machine: str) -> str:
         "appends, CoreOutputs; frontend = OutputProcessor (RequestOutputs); core = step - frontend.",
         f"fixed / per layer: a line through the step at {lo} and {hi} layers (fixed = extrapolated to 0 layers).",
     ]
-    notes.append("The same steps in this thread's CPU time (what a shared machine's waits for a core leave out):")
-    table = markdown_table(_flat_rows(data), _COLUMNS) + "\n\n" + markdown_table(_flat_rows(data, "cpu_"), _COLUMNS)
+    table = ("Wall time:\n\n" + markdown_table(_flat_rows(data), _COLUMNS)
+             + "\n\nCPU time of the stepping thread (a shared machine's waits for a core left out):\n\n"
+             + markdown_table(_flat_rows(data, "cpu_"), _COLUMNS))
     return render("Host cost of a decode step (negligible compute)", table, notes, machine)
 
 
