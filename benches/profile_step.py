@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-import pagedrs.engine as engine_module
+import pagedrs.core.step as step_module
 from pagedrs import LLM, SamplingParams
 from pagedrs.bench.machine import describe_machine
+from pagedrs.step_input import StepInput
 
 
 class _TimedScheduler:
@@ -90,7 +91,7 @@ def main() -> None:
     engine = llm.engine
     acc: dict[str, float] = collections.defaultdict(float)
     engine.scheduler = _TimedScheduler(engine.scheduler, acc)  # type: ignore[assignment]
-    from_plan = engine_module.StepInput.from_plan
+    from_plan = StepInput.from_plan
 
     def timed_from_plan(plan: Any) -> Any:
         start = time.perf_counter()
@@ -99,10 +100,12 @@ def main() -> None:
         finally:
             acc["StepInput.from_plan"] += time.perf_counter() - start
 
-    engine_module.StepInput.from_plan = staticmethod(timed_from_plan)  # type: ignore[method-assign]
+    StepInput.from_plan = staticmethod(timed_from_plan)  # type: ignore[method-assign]
     _timed(engine.executor, "execute", "executor.execute (inputs + forward)", acc)
-    for name in ("_rows", "_draws", "_sample_attributed", "_decide", "_carry_out", "_collect"):
-        _timed(engine, name, f"engine.{name}", acc)
+    for name in ("_rows", "_draws", "_sample_attributed", "_decide", "_carry_out"):  # the step's phases
+        _timed(step_module, name, f"core.step.{name}", acc)
+    _timed(engine.core, "_collect", "core._collect", acc)
+    _timed(engine.output_processor, "process", "front end: OutputProcessor.process", acc)
     _time_linears(engine.executor.loaded.model, acc)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, 120).tolist()} for _ in range(args.batch)]

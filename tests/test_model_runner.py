@@ -162,6 +162,42 @@ def test_torch_backend_buckets_match_per_sequence_attention():
                                _reference_attention(query[:4], key_cache, value_cache, dm, 0.3))
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_buckets_planned_with_numpy_equal_the_per_sequence_plan(seed):
+    """A decode-only step's buckets (the NumPy plan) hold exactly the tensors the general loop makes:
+    random lengths over several buckets, pages released by a window (-1), shared pages or not."""
+    from pagedrs.attention import AttentionMetadata
+    from pagedrs.attention.torch_backend import _may_share_pages, _plan_buckets, _plan_buckets_loop, _plan_decode_buckets
+
+    rng = np.random.default_rng(seed)
+    bs, num_seqs = 4, int(rng.integers(1, 40))
+    seq_lens = rng.integers(1, 90, num_seqs).tolist()
+    width = -(-max(seq_lens) // bs) + int(rng.integers(0, 3))
+    tables = torch.from_numpy(rng.permutation(num_seqs * width)[: num_seqs * width].reshape(num_seqs, width)).int()
+    if seed % 3 == 1:
+        tables[:, 0] = -1  # released out of a window: never shared
+    if seed % 3 == 2 and num_seqs > 1:
+        tables[1, 0] = tables[0, 0]  # a shared first page: the general loop (it plans the cascade)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(num_seqs, dtype=torch.long), query_start_loc=torch.arange(num_seqs + 1).int(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, max_query_len=1,
+        max_seq_len=max(seq_lens), query_start_loc_cpu=list(range(num_seqs + 1)), seq_lens_cpu=seq_lens,
+    )
+    want = _plan_buckets_loop(meta, bs)
+    assert want[0].cascade is None or _may_share_pages(meta)
+    if seed % 3 == 2 and num_seqs > 1:
+        assert _may_share_pages(meta)  # the loop plans it (the engine tests check its outputs)
+        return
+    got = _plan_decode_buckets(meta, bs)
+    assert len(got) == len(want) and len(_plan_buckets(meta, bs)) == len(want)
+    for g, w in zip(got, want):
+        assert g.cascade is None and g.keep is None and w.keep is None and g.rows_are_all == w.rows_are_all
+        for name in ("rows", "out_rows", "tables", "mask"):
+            a, b = getattr(g, name), getattr(w, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+        assert got[0].tables.is_contiguous()  # _attend_bucket views it flat
+
+
 def _pretend_cupy(monkeypatch) -> None:
     """find_spec("cupy") answers as on a CUDA machine; nothing here touches a GPU."""
     import importlib.util

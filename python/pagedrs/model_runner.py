@@ -79,6 +79,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)
         if not compute_logits:
             return hidden.new_empty((0, vocab))
+        if step.num_tokens == step.num_seqs:  # decode only: every token is its sequence's last
+            return self.model.compute_logits(hidden)
         last = meta.query_start_loc[1:].long() - 1
         return self.model.compute_logits(hidden[last])
 
@@ -110,6 +112,6 @@ class ModelRunner:
             block_tables=torch.from_numpy(step.block_tables).int().to(dev),
             max_query_len=int(query_lens.max()),
             max_seq_len=int(step.seq_lens.max()),
-            query_start_loc_cpu=[int(x) for x in q],
-            seq_lens_cpu=[int(x) for x in step.seq_lens],
+            query_start_loc_cpu=q.tolist(),
+            seq_lens_cpu=step.seq_lens.tolist(),
         )

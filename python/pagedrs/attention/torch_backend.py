@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -128,6 +129,14 @@ def _plan_buckets(meta: AttentionMetadata, block_size: int, sliding_window: int 
     buckets keep the padded work under about four times the real work (2x in each
     dimension), in a handful of calls per layer.
     """
+    decode_only = meta.query_start_loc_cpu == list(range(len(meta.seq_lens_cpu) + 1))
+    if sliding_window is None and decode_only and not _may_share_pages(meta):
+        return _plan_decode_buckets(meta, block_size)
+    return _plan_buckets_loop(meta, block_size, sliding_window)
+
+
+def _plan_buckets_loop(meta: AttentionMetadata, block_size: int, sliding_window: int | None = None) -> list[_Bucket]:
+    """``_plan_buckets`` for any step (prefill chunks, windows, shared pages), one sequence at a time."""
     starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     device = meta.block_tables.device
     buckets: list[_Bucket] = []
@@ -183,6 +192,48 @@ def _plan_buckets(meta: AttentionMetadata, block_size: int, sliding_window: int 
             # -1 marks a page the core released out of the window (fully masked here): read page 0
             tables=meta.block_tables[index, skip:num_blocks].long().clamp_min(0),
             mask=mask[:, None],
+        ))
+    return buckets
+
+
+def _may_share_pages(meta: AttentionMetadata) -> bool:
+    """Whether the cascade path may apply (CPU, two or more sequences whose first pages are the same):
+    ``plan_cascade`` groups sequences by their first page, and without a shared one it plans nothing."""
+    tables = meta.block_tables
+    if tables.device.type != "cpu" or tables.shape[0] < 2 or tables.shape[1] == 0:
+        return False
+    first = tables[:, 0].numpy()
+    first = first[first >= 0]
+    return bool(np.unique(first).size < first.size)
+
+
+def _plan_decode_buckets(meta: AttentionMetadata, block_size: int) -> list[_Bucket]:
+    """``_plan_buckets`` of a decode-only step without a window and without shared pages, with
+    NumPy instead of a Python loop over the batch: the same buckets (sequences grouped by the
+    bit length of their block counts, in ascending order) holding the same tensors.
+
+    Every query length is 1, so row i of the step is sequence i's one token, and the causal
+    mask of a bucket is "key position < length"."""
+    lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+    blocks = -(-lens // block_size)
+    keys = np.frexp(blocks.astype(np.float64))[1]  # int.bit_length of each count (exact below 2**53)
+    device = meta.block_tables.device
+    buckets = []
+    for key in np.unique(keys):  # ascending, as sorted(groups)
+        seqs = np.flatnonzero(keys == key)
+        every = len(seqs) == len(lens)  # seqs ascending: then they are arange(S), and nothing is gathered
+        num_blocks = int(blocks[seqs].max())
+        index = torch.from_numpy(seqs).to(device)
+        seq_lens = (meta.seq_lens if every else meta.seq_lens[index]).long()[:, None, None]  # [S, 1, 1]
+        tables = meta.block_tables[:, 0:num_blocks] if every else meta.block_tables[index, 0:num_blocks]
+        k_pos = torch.arange(0, num_blocks * block_size, device=device)[None, None, :]
+        buckets.append(_Bucket(
+            rows=index[:, None],
+            rows_are_all=every,
+            out_rows=index,
+            keep=None,
+            tables=tables.long().clamp_min(0),
+            mask=(k_pos < seq_lens)[:, None],
         ))
     return buckets
 

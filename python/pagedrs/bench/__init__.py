@@ -7,7 +7,8 @@ and, run on their own, ``serve`` (HTTP through ``pagedrs serve`` vs the offline 
 ``beam`` (beam search pages, shared vs private copies), ``multiturn`` (device / host / disk
 page tiers on returning chat users), ``limits`` (the machine's read bandwidth and GEMM
 FLOP/s), ``decode`` (tokens/s per weight format and batch size, next to those limits) and
-``tp`` (tensor parallelism, 2 ranks vs 1).
+``tp`` (tensor parallelism, 2 ranks vs 1) and ``overhead`` (the host's cost of a decode step, part by
+part, on a model of negligible compute).
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -27,7 +28,7 @@ from pagedrs.bench.config import BenchConfig
 
 BENCHES = ("throughput", "prefix", "preemption", "allocator")
 # Run only when named: they start servers, take long, or measure the machine rather than the KV manager.
-EXTRA_BENCHES = ("serve", "beam", "multiturn", "limits", "decode", "tp")
+EXTRA_BENCHES = ("serve", "beam", "multiturn", "limits", "decode", "tp", "overhead")
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-offline", action="store_true", help="serve: skip the offline engine runs")
     p.add_argument("--serve-args", default="", metavar="FLAGS",
                    help="serve: extra `pagedrs serve` flags, e.g. \"--max-num-batched-tokens 512\"")
+    p.add_argument("--layers", type=int, metavar="N", help="overhead: layers of the deep model (default 30)")
     p.add_argument(
         "--threads",
         type=int,
@@ -70,6 +72,9 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.num_requests is not None and args.num_requests < 1:
         print(f"--num-requests must be >= 1, got {args.num_requests}", file=sys.stderr)
+        return 2
+    if args.layers is not None and args.layers < 1:
+        print(f"--layers must be >= 1, got {args.layers}", file=sys.stderr)
         return 2
     if args.threads is not None:  # before any model exists, so every system runs alike
         if args.threads < 1:
@@ -94,6 +99,7 @@ def main(argv: list[str]) -> int:
         serve_workloads=("random", "prefix") if args.workload == "both" else (args.workload,),
         serve_offline=not args.no_offline,
         serve_args=tuple(shlex.split(args.serve_args)),
+        layers=args.layers,
     )
     from pagedrs.bench.machine import describe_machine
     from pagedrs.bench.plots import PLOTTERS

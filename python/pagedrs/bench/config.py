@@ -20,3 +20,4 @@ class BenchConfig:
     serve_workloads: tuple[str, ...] = ("random", "prefix")  # serve bench: which workloads
     serve_offline: bool = True  # serve bench: also run the offline engine on each workload
     serve_args: tuple[str, ...] = ()  # serve bench: extra `pagedrs serve` flags
+    layers: int | None = None  # overhead bench: the deep model's layers (default SmolLM2's 30)

@@ -59,8 +59,15 @@ def request_shape(params: Union[SamplingParams, BeamSearchParams]) -> RequestSha
 @dataclass
 class StepRow:
     sample: Sample  # whose sequence produced the row
-    logits: torch.Tensor  # float32 [V], the row's raw logits
+    step_logits: torch.Tensor  # float32 [rows, V], the step's raw logits
+    row: int  # this row's index in ``step_logits``
     drawn: list[tuple[Sample, SampleResult]] = field(default_factory=list)  # the sampler's tokens for ``draws``
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """float32 [V], the row's raw logits (a view, made only for a policy that reads them: an
+        indexed view per row and step was a tenth of a batch-256 step's host time)."""
+        return self.step_logits[self.row]
 
 
 @dataclass

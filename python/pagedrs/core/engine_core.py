@@ -58,6 +58,8 @@ class EngineCore:
             BeamSearchParams: BeamSearch(self.eos_token_ids, self.max_model_len),
         }
         self._requests: dict[str, Request] = {}
+        # every unfinished request still waiting for its first token (note_scheduled's only concern)
+        self._unstarted: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Sample]] = {}
         self._seq_ids = itertools.count(1)
         self._arrivals = itertools.count()
@@ -115,12 +117,14 @@ class EngineCore:
             self._requests[request_id] = request
             undo(lambda: self._requests.pop(request_id, None))
             self._by_seq[seq_id] = (request, first)
+            self._unstarted[request_id] = request
 
     def abort(self, request_id: str) -> Optional[CoreOutput]:
         """Ends a request now and frees its pages; its final output (None when it is not here)."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        self._unstarted.pop(request_id, None)
         self._end_request(request, "abort")
         return request.output(streams_tokens=True)
 
@@ -137,6 +141,7 @@ class EngineCore:
         if request.finished:
             request.metrics.finished_time = time.monotonic()
             del self._requests[request_id]
+            self._unstarted.pop(request_id, None)
 
     def step(self) -> CoreOutputs:
         """Runs one scheduler step; an output for every request that progressed or ended
@@ -197,6 +202,8 @@ class EngineCore:
         (vLLM's first_scheduled_time): the step that starts at ``start`` runs them."""
         self.num_steps += 1
         self.peak_running = max(self.peak_running, self.scheduler.num_running)
+        if not self._unstarted:  # a steady decode step: nothing to note, no loop over the batch
+            return
         seen: set[str] = set()
         for seq_id in step.seq_ids.tolist():
             entry = self._by_seq.get(seq_id)
@@ -218,8 +225,11 @@ class EngineCore:
             out = request.output(request.policy.streams_tokens)
             if out is not None:
                 outputs.append(out)
-            if request.finished:
+            finished = out.finished if out is not None else request.finished
+            if finished:
                 self._requests.pop(request.request_id, None)
+            if self._unstarted and (finished or request.metrics.first_token_time is not None):
+                self._unstarted.pop(request.request_id, None)
         return outputs
 
     # ---- reporting and lifecycle ----------------------------------------------------------

@@ -92,7 +92,12 @@ class Request:
     def finished(self) -> bool:
         if self.ended is not None or self.hypotheses is not None:
             return True
-        return len(self.samples) == self.num_samples and all(s.finished for s in self.samples)
+        if len(self.samples) != self.num_samples:
+            return False
+        for s in self.samples:  # asked several times per request and step: no generator
+            if s.finish_reason is None:
+                return False
+        return True
 
     def output(self, streams_tokens: bool) -> Optional[CoreOutput]:
         """The output since the previous one; None when there is nothing worth sending

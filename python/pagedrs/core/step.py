@@ -202,7 +202,7 @@ def _decide(core: EngineCore, ctx: StepContext) -> list[tuple[Request, Decision]
         ctx.touched[request.request_id] = request
         if request.error is not None:
             continue  # this request already failed in this step
-        step_rows = [StepRow(s, logits[row], drawn.get(row, [])) for row, s in request_rows]
+        step_rows = [StepRow(s, logits, row, drawn.get(row, [])) for row, s in request_rows]
         try:
             decision = request.policy.on_step(request, step_rows, core.sample_factory(request))
         except Exception as exc:  # noqa: BLE001 - one request's failure must not take the engine down
@@ -223,17 +223,17 @@ def _carry_out(core: EngineCore, ctx: StepContext) -> None:
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         core.num_generated += decision.num_tokens
-        parents = {c.parent.seq_id for c in decision.continuations if c.sample is not c.parent}
+        forks = [c for c in decision.continuations if c.sample is not c.parent]
+        parents = {c.parent.seq_id for c in forks}
         for s in decision.finished:
             if s.seq_id not in parents:
                 core.release(s.seq_id)
         try:
-            for c in decision.continuations:
-                if c.sample is not c.parent:
-                    core.fork(request, c.parent, c.sample)
+            for c in forks:
+                core.fork(request, c.parent, c.sample)
         except Exception as exc:  # noqa: BLE001 - e.g. the contiguous layout has no room for a child
             core.fail(request, exc, ctx.touched)
-        appends.extend((request, c.sample, c.token_id) for c in decision.continuations)
+        appends += [(request, c.sample, c.token_id) for c in decision.continuations]
     appends = [a for a in appends if a[0].error is None]
     if appends:
         _append(core, appends, ctx.touched)

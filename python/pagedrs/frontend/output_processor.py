@@ -75,8 +75,14 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return self.ended is not None or (
-            len(self.samples) == self.shape.num_samples and all(s.finished for s in self.samples))
+        if self.ended is not None:
+            return True
+        if len(self.samples) != self.shape.num_samples:
+            return False
+        for s in self.samples:  # asked several times per request and step: no generator
+            if s.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -225,10 +231,11 @@ class OutputProcessor:
         they came with it (a client in another process sends them once, with the first token)."""
         finished = state.finished
         stops = state.params.stop if isinstance(state.params, SamplingParams) else ()
+        # Hold back text that might still turn out to be the start of a stop string.
+        longest_hold = max(map(len, stops)) - 1 if stops else 0
         outs = []
         for s in state.samples[: state.shape.num_outputs] if finished else state.samples:
-            # Hold back text that might still turn out to be the start of a stop string.
-            hold = 0 if s.finished else max((len(x) for x in stops or ()), default=1) - 1
+            hold = 0 if s.finish_reason is not None else longest_hold
             visible = max(len(s.text) - hold, s.sent_chars)
             outs.append(CompletionOutput(
                 index=s.index,

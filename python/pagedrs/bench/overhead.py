@@ -1,0 +1,340 @@
+"""The host's share of a decode step (``pagedrs bench overhead``): where a step goes when compute is negligible.
+
+Model: a random-weight llama whose math costs next to nothing (vocabulary 512, hidden 64,
+one attention head and one KV head of 64, MLP 128) at SmolLM2's depth (30 layers; ``--layers``),
+so a step's time is the engine's own: Python, op dispatch and the Rust core. That is the floor a
+GPU step cannot go below without CUDA graphs and asynchronous scheduling.
+
+Workload per batch size B (1, 32, 256): B requests of ``prompt`` random tokens, greedy and
+``ignore_eos``, submitted at once; the prefill and a few warm-up decode steps run untimed, then
+``steps`` steady decode steps (no request finishes in them) are timed part by part. Stamps taken
+at the part boundaries of each ``Engine.step`` split it into parts that add up to it::
+
+    Engine.step ─► schedule() ─► StepInput, metadata, plan ─► forward ─► head ─► sample ─► decide, append, outputs ─► RequestOutputs
+     "output" ─┘ "schedule"   │          "inputs"           │ "runner" (per layer) │"sampling"│         "output"       │ "frontend"
+
+- ``schedule``: the Rust ``Scheduler.schedule()`` call;
+- ``inputs``: from the plan to the model's first op (``StepInput``, the queue bookkeeping, the
+  runner's metadata, tensors and the attention backend's per-step plan);
+- ``runner``: the forward pass and the output head (``forward`` and ``head`` apart); the only part
+  that grows with the depth;
+- ``sampling``: the core's sampling rows and ``sample()``;
+- ``output``: the rest of the core's step (the Rust ``complete_step``, continuation policies, appends,
+  ``CoreOutput``; also the client's inbox before ``schedule``);
+- ``frontend``: the front end's ``OutputProcessor`` (``RequestOutput``; with a core in its own process,
+  ``client="mp"``, this part runs beside the core's next step). ``core`` = the step without it.
+
+Each depth runs on its own engine; the step at ``--layers`` N is reported as measured, and the
+two depths (1 and N) give every part a fixed cost and a per-layer cost by a straight line through
+them (``fixed = t(1) - per_layer``). Medians over the timed steps, in wall time and, beside it, in
+the CPU time of the stepping thread (``time.thread_time``; torch runs one thread here), which the
+waits of a shared machine leave out.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedrs.bench.config import BenchConfig
+from pagedrs.bench.engine_runner import greedy_params, progress
+from pagedrs.bench.report import Column, markdown_table, render
+
+PARTS = ("schedule", "inputs", "runner", "sampling", "output", "frontend")  # in step order; they add up to "step"
+DETAIL = ("forward", "head")  # inside "runner"
+SMOLLM2_LAYERS = 30
+
+
+@dataclass(frozen=True)
+class OverheadSpec:
+    batch_sizes: tuple[int, ...] = (1, 32, 256)
+    layers: int = SMOLLM2_LAYERS  # the deep model; the shallow one has 1 layer
+    prompt_len: int = 32
+    warmup_steps: int = 3
+    steps: int = 20  # timed decode steps per batch size
+    device: str = "cpu"
+    block_size: int = 16
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+def write_model(folder: Path, layers: int, seed: int = 0) -> Path:
+    """A llama of negligible compute with random weights, as a Hugging Face folder (no transformers needed)."""
+    import torch
+    from safetensors.torch import save_file
+
+    vocab, hidden, heads, head_dim, inter = 512, 64, 1, 64, 128
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": 1, "head_dim": head_dim, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": True, "bos_token_id": 0, "eos_token_id": 1,
+        "torch_dtype": "float32",
+    }
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (heads * head_dim, hidden), p + "self_attn.k_proj.weight": (head_dim, hidden),
+            p + "self_attn.v_proj.weight": (head_dim, hidden), p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        })
+    gen = torch.Generator().manual_seed(seed)
+    state = {k: (torch.ones(s) if k.endswith("norm.weight") else torch.randn(s, generator=gen) * 0.2)
+             for k, s in shapes.items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file(state, str(folder / "model.safetensors"))
+    return folder
+
+
+def build_overhead_engine(folder: Path, spec: OverheadSpec) -> Any:
+    import torch
+
+    from pagedrs import Engine, EngineArgs
+
+    batch = max(spec.batch_sizes)
+    tokens_per_seq = spec.prompt_len + spec.warmup_steps + spec.steps + 2
+    blocks = batch * (-(-tokens_per_seq // spec.block_size) + 1) + 16
+    return Engine(EngineArgs(
+        model=str(folder), device=spec.device, dtype="float32", weight_dtype="float32", skip_tokenizer_init=True,
+        cpu_threads=torch.get_num_threads(), max_num_seqs=batch, num_gpu_blocks=blocks, block_size=spec.block_size,
+        max_num_batched_tokens=max(2048, batch * spec.prompt_len), max_model_len=tokens_per_seq + 16,
+    ))
+
+
+# ---- stamping the step ------------------------------------------------------------------------
+
+class _Stamps:
+    """Named perf_counter stamps of the step being timed (a name stamped twice keeps its first)."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, float] = {}  # time.perf_counter
+        self.cpu: dict[str, float] = {}  # time.thread_time: this thread's CPU time (torch's one thread)
+        self.counts: dict[str, int] = {}
+
+    def stamp(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.at.setdefault(name, time.perf_counter())
+        self.cpu.setdefault(name, time.thread_time())
+
+    def clear(self) -> None:
+        self.at.clear()
+        self.cpu.clear()
+        self.counts.clear()
+
+    def around(self, fn: Callable[..., Any], start: str, end: str) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            self.stamp(start)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.stamp(end)
+
+        return wrapper
+
+
+class _TimedScheduler:
+    """The core's scheduler with ``schedule`` stamped (a pyclass's methods cannot be patched)."""
+
+    def __init__(self, inner: Any, stamps: _Stamps) -> None:
+        self._inner = inner
+        self.schedule = stamps.around(inner.schedule, "schedule", "schedule_end")
+        self.complete_step = stamps.around(inner.complete_step, "complete", "complete_end")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _TimedModel:
+    """The runner's model with the forward pass and the output head stamped."""
+
+    def __init__(self, inner: Any, stamps: _Stamps) -> None:
+        self._inner = inner
+        self._call = stamps.around(inner, "forward", "forward_end")
+        self.compute_logits = stamps.around(inner.compute_logits, "head", "head_end")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextmanager
+def stamped(engine: Any, stamps: _Stamps) -> Iterator[None]:
+    """Stamps the part boundaries of every step ``engine`` runs while inside (undone on exit)."""
+    import pagedrs.core.step as step_module
+
+    core = engine.core
+    runner = core.executor.runner
+    scheduler, model, sample_fn = core.scheduler, runner.model, step_module._sample_attributed
+    core.scheduler = _TimedScheduler(scheduler, stamps)
+    runner.model = _TimedModel(model, stamps)
+    core.executor.execute = stamps.around(core.executor.execute, "execute", "execute_end")
+    core.step = stamps.around(core.step, "core", "core_end")
+    step_module._sample_attributed = stamps.around(sample_fn, "sampling", "sampling_end")  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        core.scheduler, runner.model, step_module._sample_attributed = scheduler, model, sample_fn
+        del core.executor.execute, core.step
+
+
+def split_step(at: dict[str, float], start: float, end: float) -> dict[str, float]:
+    """Seconds of each part (PARTS, DETAIL) and of the step, from one step's stamps."""
+    parts = {
+        "schedule": at["schedule_end"] - at["schedule"],
+        "inputs": at["forward"] - at["schedule_end"],
+        "runner": at["execute_end"] - at["forward"],
+        "sampling": at["sampling_end"] - at["complete_end"],
+        "output": (at["schedule"] - start) + (at["complete_end"] - at["execute_end"]) + (at["core_end"] - at["sampling_end"]),
+        "frontend": end - at["core_end"],
+        "forward": at["forward_end"] - at["forward"],
+        "head": at["head_end"] - at["head"],
+    }
+    parts["step"] = end - start
+    parts["core"] = parts["step"] - parts["frontend"]
+    return parts
+
+
+# ---- the measurement --------------------------------------------------------------------------
+
+def time_decode_steps(engine: Any, spec: OverheadSpec, batch: int, seed: int) -> list[dict[str, float]]:
+    """Each timed steady decode step of ``batch`` requests, split into its parts (seconds of wall
+    time; ``cpu_<part>``: of this thread's CPU time, which a shared machine's waits leave out)."""
+    rng = np.random.default_rng(seed)
+    max_tokens = 1 + spec.warmup_steps + spec.steps + 1  # prefill's token, warm-up, timed, one to finish
+    for i in range(batch):
+        prompt = rng.integers(2, 512, size=spec.prompt_len).tolist()  # never EOS (1) or BOS (0)
+        engine.add_request(f"o{seed}-{i}", {"prompt_token_ids": prompt}, greedy_params(max_tokens))
+    started: set[str] = set()
+    while len(started) < batch:  # the prefill (one step when max_num_batched_tokens covers it)
+        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+    for _ in range(spec.warmup_steps):
+        engine.step()
+    rows = []
+    stamps = _Stamps()
+    with stamped(engine, stamps):
+        for _ in range(spec.steps):
+            stamps.clear()
+            start, cpu_start = time.perf_counter(), time.thread_time()
+            outputs = engine.step()
+            end, cpu_end = time.perf_counter(), time.thread_time()
+            if len(outputs) != batch or any(o.finished for o in outputs):
+                raise RuntimeError(f"a timed step of batch {batch} was not a steady decode step of {batch} requests")
+            if any(n != 1 for n in stamps.counts.values()):
+                raise RuntimeError(f"a part boundary fired more than once in one step: {stamps.counts}")
+            cpu = split_step(stamps.cpu, cpu_start, cpu_end)
+            rows.append({**split_step(stamps.at, start, end), **{f"cpu_{k}": v for k, v in cpu.items()}})
+    while engine.has_unfinished():
+        engine.step()
+    return rows
+
+
+def _median_parts(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, Any]:
+    """Median seconds per part at each depth and batch size, with the fixed and per-layer split."""
+    depths = (1, spec.layers) if spec.layers > 1 else (1, 2)
+    per_depth: dict[int, dict[int, dict[str, float]]] = {}
+    steps: dict[int, dict[int, list[dict[str, float]]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(folder_root or tmp)
+        for depth in depths:
+            engine = build_overhead_engine(write_model(root / f"layers{depth}", depth), spec)
+            try:
+                time_decode_steps(engine, OverheadSpec(batch_sizes=(1,), prompt_len=4, warmup_steps=1, steps=1,
+                                                       device=spec.device, block_size=spec.block_size),
+                                  1, seed=99)  # first-call costs out of the timing
+                per_depth[depth], steps[depth] = {}, {}
+                for batch in spec.batch_sizes:
+                    progress(f"overhead: {depth} layer(s), batch {batch}")
+                    rows = time_decode_steps(engine, spec, batch, seed=batch)
+                    steps[depth][batch] = rows
+                    per_depth[depth][batch] = _median_parts(rows)
+            finally:
+                engine.shutdown()
+    lo, hi = depths
+    table = []
+    for batch in spec.batch_sizes:
+        shallow, deep = per_depth[lo][batch], per_depth[hi][batch]
+        per_layer = {k: (deep[k] - shallow[k]) / (hi - lo) for k in deep}
+        fixed = {k: shallow[k] - lo * per_layer[k] for k in deep}
+        table.append({"batch": batch, "layers": hi, "measured": deep, "shallow": shallow,
+                      "per_layer": per_layer, "fixed": fixed})
+    return {"spec": asdict(spec), "depths": list(depths), "rows": table,
+            "steps": {str(d): {str(b): v for b, v in by_batch.items()} for d, by_batch in steps.items()}}
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+def _flat_rows(data: dict[str, Any], clock: str = "") -> list[dict[str, Any]]:
+    """Milliseconds per table column; ``clock`` "cpu_" for the CPU-time table."""
+    out = []
+    for r in data["rows"]:
+        row: dict[str, Any] = {"batch": r["batch"]}
+        for k in ("step", "core", *PARTS):
+            row[k] = r["measured"][clock + k] * 1e3
+        row["fixed"] = r["fixed"][clock + "step"] * 1e3
+        row["fixed_core"] = r["fixed"][clock + "core"] * 1e3
+        row["per_layer"] = r["per_layer"][clock + "step"] * 1e3
+        row["fixed_runner"] = r["fixed"][clock + "runner"] * 1e3
+        out.append(row)
+    return out
+
+
+_COLUMNS = [
+    Column("batch", "batch"),
+    Column("step ms", "step", "{:.2f}"),
+    Column("core ms", "core", "{:.2f}"),
+    *(Column(f"{p} ms", p, "{:.2f}") for p in PARTS),
+    Column("fixed ms", "fixed", "{:.2f}"),
+    Column("core fixed ms", "fixed_core", "{:.2f}"),
+    Column("per layer ms", "per_layer", "{:.3f}"),
+    Column("runner fixed ms", "fixed_runner", "{:.2f}"),
+]
+
+
+def markdown(data: dict[str, Any], machine: str) -> str:
+    spec = data["spec"]
+    lo, hi = data["depths"]
+    notes = [
+        f"Random llama: vocabulary 512, hidden 64, 1 head and 1 KV head of 64, MLP 128; {spec['layers']} layers; "
+        f"greedy decode of {spec['prompt_len']}-token prompts, median of {spec['steps']} steady steps per batch "
+        f"on {spec['device']}.",
+        "Parts (ms, at the full depth): schedule = Rust Scheduler.schedule(); inputs = StepInput, metadata, tensors, "
+        "attention plan; runner = forward + head; sampling = sampling rows + sample(); output = continuation, "
+        "appends, CoreOutputs; frontend = OutputProcessor (RequestOutputs); core = step - frontend.",
+        f"fixed / per layer: a line through the step at {lo} and {hi} layers (fixed = extrapolated to 0 layers).",
+    ]
+    table = ("Wall time:\n\n" + markdown_table(_flat_rows(data), _COLUMNS)
+             + "\n\nCPU time of the stepping thread (a shared machine's waits for a core left out):\n\n"
+             + markdown_table(_flat_rows(data, "cpu_"), _COLUMNS))
+    return render("Host cost of a decode step (negligible compute)", table, notes, machine)
+
+
+def spec_from_config(cfg: BenchConfig) -> OverheadSpec:
+    quick = OverheadSpec(prompt_len=16, warmup_steps=2, steps=8)
+    spec = quick if cfg.quick else OverheadSpec()
+    return OverheadSpec(**{**asdict(spec), "layers": cfg.layers or spec.layers, "device": cfg.device,
+                           "block_size": cfg.block_size})
+
+
+def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
+    data = measure(spec_from_config(cfg))
+    data["machine"] = machine
+    return data, markdown(data, machine)
