@@ -84,14 +84,14 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if isinstance(self.json, str):
             self.json = _parse_schema(self.json)
+        if self.json is not None:  # before it is written as text, which recurses
+            depth = _json_depth(self.json)
+            if depth > MAX_SCHEMA_DEPTH:
+                _fail_structured("json", f"<a schema nested {depth} deep>", f"nesting depth at most {MAX_SCHEMA_DEPTH}")
         spec = self.spec
         if len(spec.encode("utf-8", "surrogatepass")) > MAX_STRUCTURED_SPEC_BYTES:
             _fail_structured(self.kind, f"<{len(spec)} characters>",
                              f"at most {MAX_STRUCTURED_SPEC_BYTES} bytes of text")
-        if self.json is not None:
-            depth = _json_depth(self.json)
-            if depth > MAX_SCHEMA_DEPTH:
-                _fail_structured("json", f"<a schema nested {depth} deep>", f"nesting depth at most {MAX_SCHEMA_DEPTH}")
 
     @property
     def kind(self) -> str:
@@ -100,10 +100,11 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str:
-        """The constraint as text, the same for equal constraints (JSON with sorted keys): the
-        key under which its compiled grammar is cached."""
+        """The constraint as text, the same for equal constraints (a schema's JSON text rewritten
+        without its whitespace; its keys keep their order, which is the order of the answer's
+        properties): the key under which its compiled grammar is cached."""
         if self.json is not None:
-            return json.dumps(self.json, sort_keys=True, ensure_ascii=False)
+            return json.dumps(self.json, ensure_ascii=False, separators=(",", ":"))
         if self.choice is not None:
             return json.dumps(self.choice, ensure_ascii=False)
         if self.json_object:
