@@ -28,6 +28,7 @@ from openai.types import completion_create_params as completion_types  # noqa: E
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam  # noqa: E402
 from openai.types.chat import completion_create_params as chat_types  # noqa: E402
 
+from pagedrs.sampling_params import StructuredOutputsParams  # noqa: E402
 from pagedrs.server.field_policy import IGNORED_FIELDS  # noqa: E402
 from pagedrs.server.options import ServerOptions  # noqa: E402
 from server_fakes import MODEL, FakeEngine, Served, served_factory  # noqa: E402
@@ -195,6 +196,8 @@ HONOURED: dict[str, dict[str, tuple[dict[str, Any], Callable[[Reply], None]]]] =
         "max_completion_tokens": ({"max_completion_tokens": 2}, _completion_tokens(2)),
         "logprobs": ({"logprobs": True}, _chat_logprobs(0)),
         "top_logprobs": ({"logprobs": True, "top_logprobs": 2}, _chat_logprobs(2)),
+        "response_format": ({"response_format": {"type": "json_object"}},
+                            _params_has(structured_outputs=StructuredOutputsParams(json_object=True))),
     },
 }
 # field -> a plausible value that the server must refuse (not supported yet)
@@ -213,7 +216,6 @@ REFUSED: dict[str, dict[str, Any]] = {
         "prompt_cache_options": {"ttl": "30m"},
         "prompt_cache_retention": "24h",
         "reasoning_effort": "low",
-        "response_format": {"type": "json_object"},
         "service_tier": "flex",
         "store": True,
         "tool_choice": "auto",
@@ -362,16 +364,37 @@ def test_every_stream_option_is_honoured_or_refused(served: Served) -> None:
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("name,value", [
     ("banana", 1),                                  # a name nobody defines
-    ("response_format", {"type": "banana"}),        # the issue's example
     ("prompt_logprobs", 1),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= 'a'"),
+    ("guided_decoding_backend", "xgrammar"),
+    ("guided_whitespace_pattern", " *"),
 ])
 def test_extensions_and_unknown_fields_are_refused(served: Served, path: str, name: str, value: Any) -> None:
     error = assert_refused(send(served, path, {name: value}), name)
     assert ("not a field this server knows" if name == "banana" else "not supported yet") in error["message"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_an_unknown_response_format_type_is_refused(served: Served, path: str) -> None:
+    error = assert_refused(send(served, path, {"response_format": {"type": "banana"}}), "response_format")  # the issue's example
+    assert "json_schema" in error["message"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("fragment, expected", [
+    ({"guided_json": {"type": "object"}}, StructuredOutputsParams(json={"type": "object"})),
+    ({"guided_regex": "a+"}, StructuredOutputsParams(regex="a+")),
+    ({"guided_choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),  # GBNF
+    ({"structured_outputs": {"choice": ["a"]}}, StructuredOutputsParams(choice=["a"])),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
+     StructuredOutputsParams(json={"type": "object"})),
+    ({"guided_regex": "a+", "guided_decoding_backend": "llguidance"}, StructuredOutputsParams(regex="a+")),
+])
+def test_structured_outputs_reach_the_engine(served: Served, path: str, fragment: Any, expected: Any) -> None:
+    """vLLM's names and OpenAI's response_format (server/structured.py), as the engine's SamplingParams."""
+    reply = send(served, path, fragment)
+    assert reply.status == 200, reply.http.text
+    assert reply.params.structured_outputs == expected
 
 
 @pytest.mark.parametrize("path,fragment", [

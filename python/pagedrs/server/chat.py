@@ -29,6 +29,7 @@ from pagedrs.server.serving import (
     refuse_unstreamable,
     sse,
 )
+from pagedrs.server.structured import structured_outputs
 from pagedrs.server.tokens import token_text, top_logprobs
 
 
@@ -52,6 +53,7 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
         kwargs["max_tokens"] = max(1, min(room, ctx.kv_pool_tokens - len(prompt_ids)))
     if body.logprobs:
         kwargs["logprobs"] = body.top_logprobs or 0
+    kwargs["structured_outputs"] = await structured_outputs(body)
     params = ctx.make_params(kwargs)
     refuse_unstreamable(body.stream, params)
     return Generation(ctx, [prompt_ids], params, priority=body.priority, cache_salt=body.cache_salt)

@@ -118,7 +118,7 @@ CacheSalt = Annotated[StrictStr, AfterValidator(_valid_unicode), AfterValidator(
 
 # Reasons for the fields OpenAI (or vLLM) defines that pagedrs does not implement yet.
 _TOOLS = "tool and function calling is not implemented"
-_STRUCTURED = "structured outputs / guided decoding are not implemented"
+_GUIDED = "vLLM's guided decoding options beyond the constraint itself"
 _AUDIO = "pagedrs generates text only"
 
 
@@ -146,6 +146,47 @@ class StreamOptions(_Strict):
     include_obfuscation: Annotated[Any, not_supported("stream obfuscation", False)] = None
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``: the schema the answer follows."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", populate_by_name=True)
+
+    name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # the answer always follows the schema: true and false alike
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_only_with_its_type(self) -> ResponseFormat:
+        if self.json_schema is not None and self.type != "json_schema":
+            raise PydanticCustomError("json_schema_without_type",
+                                      'json_schema is only allowed with type "json_schema", not {type}',
+                                      {"type": repr(self.type)})
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (its StructuredOutputsParams): exactly one of these."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", populate_by_name=True)
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:  # "json", as the client and StructuredOutputsParams say
+        dumped = super().model_dump(**kwargs)
+        if "json_" in dumped:
+            dumped["json"] = dumped.pop("json_")
+        return dumped
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by both endpoints (see field_policy.py for what is refused and ignored)."""
 
@@ -163,16 +204,17 @@ class _SamplingRequest(_Strict):
     logit_bias: Annotated[Any, not_supported("token biases are not applied", {})] = None
     user: Text | None = None  # ignored on purpose (field_policy.IGNORED_FIELDS)
     cache_salt: CacheSalt | None = None  # vLLM's: requests share cached pages only under the same salt
-    response_format: Annotated[Any, not_supported(_STRUCTURED, {"type": "text"})] = None
+    # structured outputs (server/structured.py): one of these per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None  # vLLM's older names
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     # vLLM's extensions that pagedrs does not implement yet
     prompt_logprobs: Annotated[Any, not_supported("prompt log-probabilities are not computed")] = None
-    guided_json: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_regex: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_choice: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_grammar: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_decoding_backend: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_whitespace_pattern: Annotated[Any, not_supported(_STRUCTURED)] = None
-    structured_outputs: Annotated[Any, not_supported(_STRUCTURED)] = None
+    guided_decoding_backend: Annotated[Any, not_supported(_GUIDED + ": the backend is llguidance", "llguidance")] = None
+    guided_whitespace_pattern: Annotated[Any, not_supported(_GUIDED + ": JSON is generated compact")] = None
     # extensions (vLLM's names)
     top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
