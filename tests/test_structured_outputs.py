@@ -320,3 +320,41 @@ def test_abort_frees_the_grammar_state_and_pages(tiny_llama_dir):
     engine.step()
     assert all(s.grammar is None for s in samples)
     assert not engine.has_unfinished()
+
+
+# ---- the other tiny models and SmolLM2 --------------------------------------------------------------
+
+
+def test_greedy_equals_transformers_on_every_tiny_model(tiny_model_dir):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    tokenizer = llguidance.hf.from_tokenizer(hf_tok, n_vocab=hf.config.vocab_size)
+    engine = make_engine(tiny_model_dir)
+    prompts = prompts_for(engine, 4, seed=9)
+    for kind in ("json", "grammar"):
+        done = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, structured_outputs=CONSTRAINTS[kind]))
+        for i, prompt in enumerate(prompts):
+            assert done[f"r{i}"][0].token_ids == hf_constrained(hf, tokenizer, CONSTRAINTS[kind], prompt, MAX_NEW), (kind, i)
+
+
+def test_smollm2_greedy_json_equals_transformers(hf_smollm2):
+    """A real tokenizer (49152 tokens, byte-level BPE with merges) and a model that writes sensible JSON."""
+    engine = Engine(EngineArgs(model="smollm2-135m", weight_dtype="float32", block_size=16, num_gpu_blocks=64,
+                               max_model_len=512))
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0}},
+              "required": ["city", "country", "population"], "additionalProperties": False}
+    constraint = StructuredOutputsParams(json=schema)
+    questions = ["Name a large city, as JSON.", "Which city is the capital of France? Answer in JSON."]
+    prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in questions]
+    done = run(engine, prompts, SamplingParams(temperature=0.0, max_tokens=60, n=2, structured_outputs=constraint))
+    tokenizer = llguidance.hf.from_tokenizer(engine.tokenizer.hf, n_vocab=hf_smollm2.config.vocab_size)
+    for i, prompt in enumerate(prompts):
+        expected = hf_constrained(hf_smollm2, tokenizer, constraint, prompt, 60)
+        for sample in done[f"r{i}"]:
+            assert sample.token_ids == expected
+            assert sample.finish_reason == "stop", sample.text
+            jsonschema.validate(json.loads(sample.text), schema)

@@ -59,9 +59,11 @@ class StructuredOutputsParams:
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
-    json_object: bool = False
+    json_object: Optional[bool] = False
 
     def __post_init__(self) -> None:
+        if self.json_object is None:  # vLLM's default
+            self.json_object = False
         given = [k for k in STRUCTURED_KINDS if (getattr(self, k) is not None if k != "json_object" else self.json_object)]
         if len(given) != 1:
             raise ValueError(
