@@ -168,6 +168,21 @@ def _ok(reply: Reply) -> None:
     assert reply.status == 200, reply.http.text
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _prompt_starts(text: str) -> Callable[[Reply], None]:
+    def check(reply: Reply) -> None:
+        assert reply.prompt_text().startswith(text), reply.prompt_text()
+
+    return check
+
+
+def _forces_one_call(reply: Reply) -> None:
+    schema = reply.params.structured_outputs.json
+    assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1, schema
+
+
 SHARED_HONOURED: dict[str, tuple[dict[str, Any], Callable[[Reply], None]]] = {
     "model": ({"model": MODEL}, _ok),
     "n": ({"n": 2}, _choices(2)),
@@ -198,10 +213,14 @@ HONOURED: dict[str, dict[str, tuple[dict[str, Any], Callable[[Reply], None]]]] =
         "top_logprobs": ({"logprobs": True, "top_logprobs": 2}, _chat_logprobs(2)),
         "response_format": ({"response_format": {"type": "json_object"}},
                             _params_has(structured_outputs=StructuredOutputsParams(json_object=True))),
+        "tools": ({"tools": [_TOOL], "tool_choice": "none"}, _prompt_starts("<tool:f><user>")),
+        "tool_choice": ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                        _params_has(structured_outputs=StructuredOutputsParams(json={"type": "object"}))),
+        "parallel_tool_calls": ({"tools": [_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+                                _forces_one_call),
     },
 }
 # field -> a plausible value that the server must refuse (not supported yet)
-_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED: dict[str, dict[str, Any]] = {
     COMPLETIONS: {"logit_bias": {"97": 5}, "suffix": "!"},
     CHAT: {
@@ -211,15 +230,12 @@ REFUSED: dict[str, dict[str, Any]] = {
         "functions": [{"name": "f", "parameters": {"type": "object"}}],
         "modalities": ["text", "audio"],
         "moderation": {"model": "omni-moderation-latest"},
-        "parallel_tool_calls": False,
         "prediction": {"type": "content", "content": "abc"},
         "prompt_cache_options": {"ttl": "30m"},
         "prompt_cache_retention": "24h",
         "reasoning_effort": "low",
         "service_tier": "flex",
         "store": True,
-        "tool_choice": "auto",
-        "tools": [_TOOL],
         "verbosity": "low",
         "web_search_options": {},
     },

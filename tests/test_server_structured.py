@@ -222,3 +222,76 @@ def test_a_body_nested_10000_deep_is_a_400(served: LiveServer) -> None:
     assert "parsing the body" in r.json()["error"]["message"]  # Python's JSON parser stops at its recursion limit
     assert httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
                       timeout=60).status_code == 200
+
+
+# ---- tool calling forced by a grammar ----------------------------------------------------------------
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+@pytest.mark.parametrize("choice", ["required", "named", "required_one"])
+def test_forced_tool_calls_are_well_formed(client: openai.OpenAI, choice: str) -> None:
+    kw: dict[str, Any] = {"tool_choice": "required"}
+    if choice == "named":
+        kw = {"tool_choice": {"type": "function", "function": {"name": "add"}}}
+    if choice == "required_one":
+        kw["parallel_tool_calls"] = False
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, n=6, seed=2, temperature=1.0,
+                                         max_tokens=200, **kw)
+    for c in out.choices:
+        assert c.finish_reason == "tool_calls", c.message
+        assert c.message.content is None and c.message.tool_calls
+        if choice != "required":
+            assert len(c.message.tool_calls) == 1
+        for call in c.message.tool_calls:
+            assert call.type == "function" and call.id.startswith("call_")
+            assert call.function.name in SCHEMAS and (choice != "named" or call.function.name == "add")
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_choice_none_answers_in_text(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                         temperature=0.0, max_tokens=6)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content is not None
+
+
+def _too_many_tools() -> list[dict[str, Any]]:
+    return [{"type": "function", "function": {"name": f"f{i}"}} for i in range(10_000)]
+
+
+TOOL_ERRORS = {
+    "auto without a parser": ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "tool-call parser"),
+    "tools without tool_choice (auto)": ({"tools": TOOLS}, "tool_choice", "tool-call parser"),
+    "unknown named function": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                               "tool_choice", "not in tools"),
+    "tool_choice without tools": ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    "invalid tool schema": ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+                             "tool_choice": "required"}, "tools", "objectx"),
+    "10,000 functions": ({"tools": _too_many_tools(), "tool_choice": "required"}, "tools", "128"),
+    "duplicate names": ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "same name"),
+    "streamed forced call": ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream", "not supported yet"),
+    "forced call and response_format": ({"tools": TOOLS, "tool_choice": "required",
+                                         "response_format": {"type": "json_object"}}, "tool_choice", "not both"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOOL_ERRORS))
+def test_bad_tool_requests_are_400_naming_the_field(served: LiveServer, case: str) -> None:
+    extra, param, words = TOOL_ERRORS[case]
+    r = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4, **extra},
+                   timeout=60)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    ok = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
+                    timeout=60)
+    assert ok.status_code == 200

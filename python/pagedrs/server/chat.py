@@ -29,8 +29,9 @@ from pagedrs.server.serving import (
     refuse_unstreamable,
     sse,
 )
-from pagedrs.server.structured import structured_outputs
+from pagedrs.server.structured import checked, structured_outputs
 from pagedrs.server.tokens import token_text, top_logprobs
+from pagedrs.server.tools import tool_calls, tool_constraint
 
 
 async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation:
@@ -40,7 +41,12 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
     ctx.check_fanout(1, body.n, body.best_of)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-    prompt_ids = await ctx.prompts.render_chat(body.messages, body.add_generation_prompt)
+    schema, forced = tool_constraint(body)
+    if forced is not None and body.stream:
+        raise bad_request("stream=true with a forced tool call (tool_choice \"required\" or a named function) is not "
+                          "supported yet; set stream=false", param="stream")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    prompt_ids = await ctx.prompts.render_chat(body.messages, body.add_generation_prompt, tools)
     room = ctx.room(len(prompt_ids), "messages")
     kwargs = body.sampling_kwargs()
     if body.max_completion_tokens is not None:
@@ -54,9 +60,16 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
     if body.logprobs:
         kwargs["logprobs"] = body.top_logprobs or 0
     kwargs["structured_outputs"] = await structured_outputs(body)
+    if forced is not None:
+        if kwargs["structured_outputs"] is not None:
+            raise bad_request("a forced tool call is already a structured output: send tool_choice or "
+                              "response_format / structured_outputs / guided_*, not both", param="tool_choice")
+        kwargs["structured_outputs"] = await checked("tools", "json", schema)
     params = ctx.make_params(kwargs)
     refuse_unstreamable(body.stream, params)
-    return Generation(ctx, [prompt_ids], params, priority=body.priority, cache_salt=body.cache_salt)
+    gen = Generation(ctx, [prompt_ids], params, priority=body.priority, cache_salt=body.cache_salt)
+    gen.forced_call = forced
+    return gen
 
 
 def _logprobs(ctx: ServerContext, k: int, token_ids: list[int], entries: list[dict[int, float]]) -> ChatLogprobs:
@@ -76,16 +89,19 @@ async def complete(ctx: ServerContext, body: ChatCompletionRequest, gen: Generat
     """Run a submitted non-streaming request to the end."""
     states = await gen.collect()
     k = body.top_logprobs or 0
-    choices = [
-        ChatChoice(
+    choices = []
+    for index, state in states.items():
+        message, reason = ChatResponseMessage(content="".join(state.text)), state.finish_reason
+        calls = tool_calls(gen.forced_call, message.content or "") if gen.forced_call and reason == "stop" else None
+        if calls is not None:
+            message, reason = ChatResponseMessage(content=None, tool_calls=calls), "tool_calls"
+        choices.append(ChatChoice(
             index=index,
-            message=ChatResponseMessage(content="".join(state.text)),
+            message=message,
             logprobs=_logprobs(ctx, k, state.token_ids, state.logprobs) if body.logprobs else None,
-            finish_reason=state.finish_reason,
+            finish_reason=reason,
             stop_reason=state.stop_reason,
-        )
-        for index, state in states.items()
-    ]
+        ))
     completion_tokens = sum(len(s.token_ids) for s in states.values())
     return ChatCompletionResponse(
         id=random_id("chatcmpl"), created=now_s(), model=ctx.model_name, choices=choices,

@@ -117,7 +117,8 @@ StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterV
 CacheSalt = Annotated[StrictStr, AfterValidator(_valid_unicode), AfterValidator(_salt_size)]
 
 # Reasons for the fields OpenAI (or vLLM) defines that pagedrs does not implement yet.
-_TOOLS = "tool and function calling is not implemented"
+_TOOLS = ("tool calls in the conversation history and the legacy functions API are not implemented "
+          "(tools with tool_choice \"required\" or a named function are)")
 _GUIDED = "vLLM's guided decoding options beyond the constraint itself"
 _AUDIO = "pagedrs generates text only"
 
@@ -185,6 +186,30 @@ class StructuredOutputs(_Strict):
         if "json_" in dumped:
             dumped["json"] = dumped.pop("json_")
         return dumped
+
+
+MAX_TOOLS = 128  # functions per request: each one's schema is part of the grammar
+
+
+class ToolFunction(_Strict):
+    name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any JSON object
+    strict: StrictBool | None = None  # the call always follows the schema: true and false alike
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _SamplingRequest(_Strict):
@@ -287,9 +312,10 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: Annotated[dict[Text, Text], Field(max_length=MAX_METADATA_ENTRIES)] | None = None
     prompt_cache_key: Text | None = None
     # OpenAI's fields that pagedrs does not implement yet (null, or the value named, is what pagedrs does)
-    tools: Annotated[Any, not_supported(_TOOLS)] = None
-    tool_choice: Annotated[Any, not_supported(_TOOLS, "none")] = None
-    parallel_tool_calls: Annotated[Any, not_supported(_TOOLS)] = None
+    # tool calling (server/tools.py): "required" and a named function, forced by a grammar
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: Annotated[Any, not_supported(_TOOLS)] = None
     function_call: Annotated[Any, not_supported(_TOOLS, "none")] = None
     modalities: Annotated[Any, not_supported(_AUDIO, ["text"])] = None
@@ -377,9 +403,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

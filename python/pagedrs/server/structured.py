@@ -36,7 +36,11 @@ async def structured_outputs(body: Any) -> Optional[StructuredOutputsParams]:
     if len(found) > 1:
         names = ", ".join(name for name, _, _ in found)
         raise bad_request(f"{names} each ask for structured output: send one of them", param=found[1][0])
-    name, kind, value = found[0]
+    return await checked(*found[0])
+
+
+async def checked(name: str, kind: str, value: Any) -> StructuredOutputsParams:
+    """``StructuredOutputsParams(kind=value)``, compiled once off the event loop; a 400 naming ``name`` otherwise."""
     try:
         params = StructuredOutputsParams(**{kind: value})
         await asyncio.to_thread(grammar.check, params)

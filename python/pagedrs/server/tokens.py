@@ -21,17 +21,21 @@ def top_logprobs(tokenizer: Any, entry: dict[int, float], k: int) -> list[tuple[
     return [(token_text(tokenizer, token_id), logprob) for token_id, logprob in ranked]
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The conversation through the model's chat template, as prompt token ids.
 
-    The template is given each message's role and content (its text parts joined): every
-    other message field is refused by the request model, so nothing a client sent is lost here.
+    The template is given each message's role and content (its text parts joined), and the
+    request's ``tools`` when it has some (transformers' ``apply_chat_template(tools=...)``; a
+    template that does not render them ignores them): every other message field is refused
+    by the request model, so nothing a client sent is lost here.
     """
     if not messages:
         raise bad_request("messages is empty: send at least one message", param="messages")
     plain = [{"role": m.role, "content": _content_text(m)} for m in messages]
+    extra = {"tools": tools} if tools else {}
     try:
-        return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
+        return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra))
     except (ValueError, TemplateError) as exc:  # no chat template, or the template rejected the conversation
         raise bad_request(str(exc), param="messages") from exc
 
