@@ -295,3 +295,25 @@ def test_bad_tool_requests_are_400_naming_the_field(served: LiveServer, case: st
     ok = httpx.post(served.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2},
                     timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_tool_call_round_trip(client: openai.OpenAI, offline: LLM) -> None:
+    """call -> the tool's result as a 'tool' message -> the answer; the history reaches the template."""
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0, max_tokens=200,
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+    call = first.choices[0].message.tool_calls[0]
+    history = [*MESSAGES, first.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                            temperature=0.0, max_tokens=8)
+    assert answer.choices[0].message.content is not None and answer.choices[0].message.tool_calls is None
+    rendered = offline.engine.tokenizer.apply_chat_template([
+        *MESSAGES,
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.id, "type": "function", "function": {
+            "name": "add", "arguments": json.loads(call.function.arguments)}}]},
+        {"role": "tool", "content": "42", "tool_call_id": call.id},
+    ], tools=TOOLS)
+    assert answer.usage.prompt_tokens == len(rendered)
+    bad = [*history[:-1], {**history[-1], "tool_calls": history[1]["tool_calls"]}]  # tool_calls on a tool message
+    with pytest.raises(openai.BadRequestError, match="tool_calls belongs on 'assistant' messages"):
+        client.chat.completions.create(model=MODEL, messages=bad, max_tokens=2)

@@ -34,7 +34,7 @@ IGNORED_FIELDS: dict[str, str] = {
 }
 
 # Message roles the chat template is given as they are.
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def not_supported(reason: str, *honoured: Any) -> AfterValidator:
@@ -59,9 +59,9 @@ def not_supported(reason: str, *honoured: Any) -> AfterValidator:
 def check_role(role: str) -> str:
     if role in CHAT_ROLES:
         return role
-    if role in ("tool", "function"):
+    if role == "function":
         raise PydanticCustomError(
-            "not_supported", "{role} messages are not supported yet (tool calling is not implemented)",
+            "not_supported", "{role} messages are not supported yet (the legacy functions API): use 'tool' messages",
             {"role": repr(role)},
         )
     raise PydanticCustomError(

@@ -117,8 +117,7 @@ StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterV
 CacheSalt = Annotated[StrictStr, AfterValidator(_valid_unicode), AfterValidator(_salt_size)]
 
 # Reasons for the fields OpenAI (or vLLM) defines that pagedrs does not implement yet.
-_TOOLS = ("tool calls in the conversation history and the legacy functions API are not implemented "
-          "(tools with tool_choice \"required\" or a named function are)")
+_TOOLS = "the legacy functions API is not implemented: use tools and tool_choice"
 _GUIDED = "vLLM's guided decoding options beyond the constraint itself"
 _AUDIO = "pagedrs generates text only"
 
@@ -290,15 +289,36 @@ class ChatContentPart(_Strict):
         return data
 
 
+class CalledFunction(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it back
+
+
+class HistoryToolCall(_Strict):
+    """A call an earlier assistant turn made (as this server answered it)."""
+
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Annotated[Text, AfterValidator(check_role)]
     content: Text | list[ChatContentPart] | None = None
     name: Annotated[Any, not_supported("message names: the chat template is given role and content only")] = None
-    tool_calls: Annotated[Any, not_supported(_TOOLS)] = None
-    tool_call_id: Annotated[Any, not_supported(_TOOLS)] = None
+    tool_calls: Annotated[list[HistoryToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages: the call they answer
     function_call: Annotated[Any, not_supported(_TOOLS)] = None
     refusal: Annotated[Any, not_supported("refusals of earlier turns are not rendered")] = None
     audio: Annotated[Any, not_supported(_AUDIO)] = None
+
+    @model_validator(mode="after")
+    def _tool_fields_on_their_roles(self) -> ChatMessage:
+        for name, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+            if getattr(self, name) is not None and self.role != role:
+                raise PydanticCustomError("wrong_role", "{name} belongs on {role} messages, not on {actual} ones",
+                                          {"name": name, "role": repr(role), "actual": repr(self.role)})
+        return self
 
 
 class ChatCompletionRequest(_SamplingRequest):

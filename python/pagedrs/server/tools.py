@@ -11,8 +11,9 @@ is well formed on any model, whatever its chat template (which is given ``tools`
   tool-call format, and pagedrs has none yet: a 400, as vLLM answers without ``--tool-call-parser``.
 
 A complete answer comes back as ``message.tool_calls`` with ``finish_reason: "tool_calls"``; one
-cut by ``max_tokens`` stays text with ``"length"``. Not yet: streaming a forced call (a 400), and
-``tool`` / assistant ``tool_calls`` messages in the history (refused by the request model).
+cut by ``max_tokens`` stays text with ``"length"``. The next turn sends that assistant message
+back with a ``tool`` message per result (``server/tokens.py`` hands both to the template). Not
+yet: streaming a forced call (a 400).
 """
 
 from __future__ import annotations
