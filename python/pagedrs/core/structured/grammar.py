@@ -40,9 +40,9 @@ def _check(kind: str, spec: str) -> str:
     """'' when ``spec`` compiles, else llguidance's error; cached, as a front end sees the same schemas again."""
     try:
         text = _grammar_text(kind, spec)
-    except ValueError as exc:
-        return str(exc)
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
+    except Exception as exc:  # noqa: BLE001 - whatever the converter raises, the spec is what is wrong
+        return f"{type(exc).__name__}: {exc}"
     return messages[0].strip() if is_error else ""
 
 
