@@ -278,7 +278,6 @@ TOOL_ERRORS = {
                              "tool_choice": "required"}, "tools", "objectx"),
     "10,000 functions": ({"tools": _too_many_tools(), "tool_choice": "required"}, "tools", "128"),
     "duplicate names": ({"tools": [TOOLS[0], TOOLS[0]], "tool_choice": "required"}, "tools", "same name"),
-    "streamed forced call": ({"tools": TOOLS, "tool_choice": "required", "stream": True}, "stream", "not supported yet"),
     "forced call and response_format": ({"tools": TOOLS, "tool_choice": "required",
                                          "response_format": {"type": "json_object"}}, "tool_choice", "not both"),
 }
@@ -317,3 +316,15 @@ def test_a_tool_call_round_trip(client: openai.OpenAI, offline: LLM) -> None:
     bad = [*history[:-1], {**history[-1], "tool_calls": history[1]["tool_calls"]}]  # tool_calls on a tool message
     with pytest.raises(openai.BadRequestError, match="tool_calls belongs on 'assistant' messages"):
         client.chat.completions.create(model=MODEL, messages=bad, max_tokens=2)
+
+
+def test_a_streamed_forced_call_equals_the_non_streamed_one(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="required", temperature=0.0,
+                              max_tokens=200)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+        (i, t.function.name, t.function.arguments) for i, t in enumerate(whole.message.tool_calls)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    assert not any(c.choices[0].delta.content for c in chunks)

@@ -16,6 +16,7 @@ from pagedrs.server.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
     now_s,
@@ -42,9 +43,6 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
     schema, forced = tool_constraint(body)
-    if forced is not None and body.stream:
-        raise bad_request("stream=true with a forced tool call (tool_choice \"required\" or a named function) is not "
-                          "supported yet; set stream=false", param="stream")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt_ids = await ctx.prompts.render_chat(body.messages, body.add_generation_prompt, tools)
     room = ctx.room(len(prompt_ids), "messages")
@@ -125,6 +123,28 @@ def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> 
         return event([ChatChunkChoice(index=index, delta=ChatDelta(content=sample.text or None), logprobs=logprobs,
                                       finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)])
 
+    held: dict[int, tuple[list[str], list[int], list[dict[int, float]]]] = {}  # choice -> text, tokens, logprobs
+
+    def render_forced(index: int, sample: SampleDelta) -> str:
+        """A forced tool call is held until it is complete, then sent as one ``delta.tool_calls``
+        chunk (a call cut by max_tokens: as text)."""
+        text, token_ids, entries = held.setdefault(index, ([], [], []))
+        text.append(sample.text)
+        token_ids += sample.token_ids
+        entries += sample.logprobs or []
+        if sample.finish_reason is None:
+            return ""
+        del held[index]
+        whole = SampleDelta(sample.index, "".join(text), token_ids, entries if body.logprobs else None,
+                            sample.finish_reason, sample.stop_reason)
+        calls = tool_calls(gen.forced_call, whole.text) if sample.finish_reason == "stop" else None
+        if calls is None:
+            return render(index, whole)
+        logprobs = _logprobs(ctx, k, token_ids, entries) if body.logprobs else None
+        deltas = [ToolCallDelta(index=i, **call) for i, call in enumerate(calls)]
+        return event([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas), logprobs=logprobs,
+                                      finish_reason="tool_calls")])
+
     prologue = [event([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(gen.n)]
     usage_event = (lambda usage: event([], usage)) if body.include_usage else None
-    return event_stream(gen, prologue, render, usage_event)
+    return event_stream(gen, prologue, render if gen.forced_call is None else render_forced, usage_event)

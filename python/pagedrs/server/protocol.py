@@ -457,9 +457,14 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ToolCallDelta(ToolCall):
+    index: int  # which call of the message (a client joins the chunks of one call by it)
+
+
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

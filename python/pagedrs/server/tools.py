@@ -12,8 +12,9 @@ is well formed on any model, whatever its chat template (which is given ``tools`
 
 A complete answer comes back as ``message.tool_calls`` with ``finish_reason: "tool_calls"``; one
 cut by ``max_tokens`` stays text with ``"length"``. The next turn sends that assistant message
-back with a ``tool`` message per result (``server/tokens.py`` hands both to the template). Not
-yet: streaming a forced call (a 400).
+back with a ``tool`` message per result (``server/tokens.py`` hands both to the template).
+Streamed, a forced call is held until complete and sent as one ``delta.tool_calls`` chunk (each
+call whole, with its ``index``; OpenAI sends the arguments in pieces, which clients join the same way).
 """
 
 from __future__ import annotations
