@@ -345,7 +345,7 @@ def test_smollm2_greedy_json_equals_transformers(hf_smollm2):
                                max_model_len=512))
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                "country": {"type": "string", "maxLength": 30},
-                                               "population": {"type": "integer", "minimum": 0}},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99_999_999}},
               "required": ["city", "country", "population"], "additionalProperties": False}
     constraint = StructuredOutputsParams(json=schema)
     questions = ["Name a large city, as JSON.", "Which city is the capital of France? Answer in JSON."]
