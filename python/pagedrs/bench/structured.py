@@ -35,15 +35,15 @@ SCHEMA = {
     "required": ["name", "age", "role", "tags", "address", "score"],
     "additionalProperties": False,
 }
-COMPILE_CASES = {
+COMPILE_CASES: dict[str, dict[str, Any]] = {
     "json schema (nested, 6 properties)": {"json": SCHEMA},
     "json_object": {"json_object": True},
     "regex (an e-mail address)": {"regex": r"[a-z0-9._]{1,20}@[a-z0-9]{1,20}\.(com|org|net)"},
     "choice (8 strings)": {"choice": ["red", "orange", "yellow", "green", "blue", "indigo", "violet", "black"]},
     "grammar (Lark arithmetic)": {"grammar": 'start: expr\nexpr: term (("+"|"-") term)*\nterm: NUM | "(" expr ")"\nNUM: /[0-9]{1,4}/'},
 }
-FULL = {"batches": (1, 32), "max_tokens": 64}
-QUICK = {"batches": (1, 8), "max_tokens": 24}
+FULL: dict[str, Any] = {"batches": (1, 32), "max_tokens": 64}
+QUICK: dict[str, Any] = {"batches": (1, 8), "max_tokens": 24}
 QUESTIONS = ["Describe a person as JSON.", "Invent a user record.", "Give me a JSON profile of a chef.",
              "A customer, as JSON, please."]
 

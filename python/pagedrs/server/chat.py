@@ -16,6 +16,7 @@ from pagedrs.server.protocol import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
+    ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
@@ -92,7 +93,8 @@ async def complete(ctx: ServerContext, body: ChatCompletionRequest, gen: Generat
         message, reason = ChatResponseMessage(content="".join(state.text)), state.finish_reason
         calls = tool_calls(gen.forced_call, message.content or "") if gen.forced_call and reason == "stop" else None
         if calls is not None:
-            message, reason = ChatResponseMessage(content=None, tool_calls=calls), "tool_calls"
+            message = ChatResponseMessage(content=None, tool_calls=[ToolCall.model_validate(c) for c in calls])
+            reason = "tool_calls"
         choices.append(ChatChoice(
             index=index,
             message=message,
