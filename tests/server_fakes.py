@@ -42,8 +42,10 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        text = "".join(f"<tool:{t['function']['name']}>" for t in tools or [])
+        text += "".join(f"<{m['role']}>{m['content']}" for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 

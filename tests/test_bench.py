@@ -123,3 +123,16 @@ def test_limits_and_decode_quick_write_bounds_next_to_tokens_per_s(tiny_llama_di
         assert row["ratio_to_bound"] == pytest.approx(row["decode_tok_per_s"] / row["bound"])
         assert row["cpu_ratio_to_bound"] == pytest.approx(row["decode_tok_per_cpu_s"] / row["bound"])
     assert "Machine:" in (out / "decode.md").read_text()
+
+
+def test_structured_quick_reports_mask_cost_and_compiles_once(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert bench.main(["structured", "--quick", "--model", str(tiny_llama_dir), "--block-size", "4", "--out", str(out)]) == 0
+    data = json.loads((out / "structured.json").read_text())
+    assert [r["batch"] for r in data["rows"]] == list(data["settings"]["batches"])
+    for row in data["rows"]:
+        assert row["free_full_steps"] > 0 and row["json_full_steps"] > 0
+        assert 0 < row["json_mask_ms"] < row["json_step_ms"]
+        assert 0 < row["mask_share_pct"] < 100
+    assert [c["compiles"] for c in data["compiles"]] == [1] * len(data["compiles"])  # the second request hit the cache
+    assert "masks' share of the step" in (out / "structured.md").read_text()

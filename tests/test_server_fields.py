@@ -28,6 +28,7 @@ from openai.types import completion_create_params as completion_types  # noqa: E
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam  # noqa: E402
 from openai.types.chat import completion_create_params as chat_types  # noqa: E402
 
+from pagedrs.sampling_params import StructuredOutputsParams  # noqa: E402
 from pagedrs.server.field_policy import IGNORED_FIELDS  # noqa: E402
 from pagedrs.server.options import ServerOptions  # noqa: E402
 from server_fakes import MODEL, FakeEngine, Served, served_factory  # noqa: E402
@@ -167,6 +168,21 @@ def _ok(reply: Reply) -> None:
     assert reply.status == 200, reply.http.text
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _prompt_starts(text: str) -> Callable[[Reply], None]:
+    def check(reply: Reply) -> None:
+        assert reply.prompt_text().startswith(text), reply.prompt_text()
+
+    return check
+
+
+def _forces_one_call(reply: Reply) -> None:
+    schema = reply.params.structured_outputs.json
+    assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1, schema
+
+
 SHARED_HONOURED: dict[str, tuple[dict[str, Any], Callable[[Reply], None]]] = {
     "model": ({"model": MODEL}, _ok),
     "n": ({"n": 2}, _choices(2)),
@@ -195,10 +211,16 @@ HONOURED: dict[str, dict[str, tuple[dict[str, Any], Callable[[Reply], None]]]] =
         "max_completion_tokens": ({"max_completion_tokens": 2}, _completion_tokens(2)),
         "logprobs": ({"logprobs": True}, _chat_logprobs(0)),
         "top_logprobs": ({"logprobs": True, "top_logprobs": 2}, _chat_logprobs(2)),
+        "response_format": ({"response_format": {"type": "json_object"}},
+                            _params_has(structured_outputs=StructuredOutputsParams(json_object=True))),
+        "tools": ({"tools": [_TOOL], "tool_choice": "none"}, _prompt_starts("<tool:f><user>")),
+        "tool_choice": ({"tools": [_TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+                        _params_has(structured_outputs=StructuredOutputsParams(json={"type": "object"}))),
+        "parallel_tool_calls": ({"tools": [_TOOL], "tool_choice": "required", "parallel_tool_calls": False},
+                                _forces_one_call),
     },
 }
 # field -> a plausible value that the server must refuse (not supported yet)
-_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 REFUSED: dict[str, dict[str, Any]] = {
     COMPLETIONS: {"logit_bias": {"97": 5}, "suffix": "!"},
     CHAT: {
@@ -208,16 +230,12 @@ REFUSED: dict[str, dict[str, Any]] = {
         "functions": [{"name": "f", "parameters": {"type": "object"}}],
         "modalities": ["text", "audio"],
         "moderation": {"model": "omni-moderation-latest"},
-        "parallel_tool_calls": False,
         "prediction": {"type": "content", "content": "abc"},
         "prompt_cache_options": {"ttl": "30m"},
         "prompt_cache_retention": "24h",
         "reasoning_effort": "low",
-        "response_format": {"type": "json_object"},
         "service_tier": "flex",
         "store": True,
-        "tool_choice": "auto",
-        "tools": [_TOOL],
         "verbosity": "low",
         "web_search_options": {},
     },
@@ -265,7 +283,7 @@ def test_the_ignored_list_is_exactly_what_the_walk_ignores() -> None:
 
 # --- messages, content parts, stream_options ------------------------------------------------------
 
-REFUSED_ROLES = ("tool", "function")
+REFUSED_ROLES = ("function",)
 # role -> field -> how it is treated ("honoured", or a plausible value that must be refused)
 MESSAGE_FIELDS: dict[str, dict[str, Any]] = {
     "developer": {"role": "honoured", "content": "honoured", "name": "alice"},
@@ -274,9 +292,9 @@ MESSAGE_FIELDS: dict[str, dict[str, Any]] = {
     "assistant": {
         "role": "honoured", "content": "honoured", "name": "alice", "audio": {"id": "audio-1"},
         "function_call": {"name": "f", "arguments": "{}"}, "refusal": "I cannot",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+        "tool_calls": "honoured",  # test_server_structured.py: the tool-call round trip
     },
-    "tool": {"role": "refused", "content": "moot", "tool_call_id": "moot"},
+    "tool": {"role": "honoured", "content": "honoured", "tool_call_id": "honoured"},
     "function": {"role": "refused", "content": "moot", "name": "moot"},
 }
 TEXT_PART_FIELDS = {"type": "honoured", "text": "honoured", "prompt_cache_breakpoint": {"mode": "explicit"}}
@@ -362,16 +380,37 @@ def test_every_stream_option_is_honoured_or_refused(served: Served) -> None:
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("name,value", [
     ("banana", 1),                                  # a name nobody defines
-    ("response_format", {"type": "banana"}),        # the issue's example
     ("prompt_logprobs", 1),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= 'a'"),
+    ("guided_decoding_backend", "xgrammar"),
+    ("guided_whitespace_pattern", " *"),
 ])
 def test_extensions_and_unknown_fields_are_refused(served: Served, path: str, name: str, value: Any) -> None:
     error = assert_refused(send(served, path, {name: value}), name)
     assert ("not a field this server knows" if name == "banana" else "not supported yet") in error["message"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_an_unknown_response_format_type_is_refused(served: Served, path: str) -> None:
+    error = assert_refused(send(served, path, {"response_format": {"type": "banana"}}), "response_format")  # the issue's example
+    assert "json_schema" in error["message"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("fragment, expected", [
+    ({"guided_json": {"type": "object"}}, StructuredOutputsParams(json={"type": "object"})),
+    ({"guided_regex": "a+"}, StructuredOutputsParams(regex="a+")),
+    ({"guided_choice": ["a", "b"]}, StructuredOutputsParams(choice=["a", "b"])),
+    ({"guided_grammar": 'root ::= "a"'}, StructuredOutputsParams(grammar='root ::= "a"')),  # GBNF
+    ({"structured_outputs": {"choice": ["a"]}}, StructuredOutputsParams(choice=["a"])),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
+     StructuredOutputsParams(json={"type": "object"})),
+    ({"guided_regex": "a+", "guided_decoding_backend": "llguidance"}, StructuredOutputsParams(regex="a+")),
+])
+def test_structured_outputs_reach_the_engine(served: Served, path: str, fragment: Any, expected: Any) -> None:
+    """vLLM's names and OpenAI's response_format (server/structured.py), as the engine's SamplingParams."""
+    reply = send(served, path, fragment)
+    assert reply.status == 200, reply.http.text
+    assert reply.params.structured_outputs == expected
 
 
 @pytest.mark.parametrize("path,fragment", [

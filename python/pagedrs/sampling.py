@@ -13,7 +13,9 @@ Order (vLLM's): repetition / frequency / presence penalties -> min_tokens mask
 Logprobs follow vLLM's default: the log-softmax of the model's *raw* logits,
 before penalties, temperature and truncation, so they describe the model rather
 than the sampler settings (and a greedy and a sampled request report the same
-numbers for the same token).
+numbers for the same token). Under structured outputs the core masks the logits with
+the grammar before they get here (core/step.py), so they are the log-softmax of the
+*constrained* distribution, as in vLLM: tokens the grammar forbids have -inf.
 
 Stop strings and max_tokens are the engine's job, not this module's.
 """

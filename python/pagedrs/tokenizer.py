@@ -65,11 +65,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """The model's own chat template, rendered to text and then encoded without extra special tokens."""
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The model's own chat template (given ``tools`` when set), rendered to text and then encoded
+        without extra special tokens."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt instead")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
 
 
@@ -104,7 +107,8 @@ class TokenIdsOnly(Tokenizer):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         raise self.refuse("a chat conversation")
 
 

@@ -30,6 +30,7 @@ from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestM
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
 from pagedrs.core.step import StepContext, run_step
+from pagedrs.core.structured.backend import GrammarCompiler
 from pagedrs.engine_args import EngineArgs
 from pagedrs.rollback import Rollback
 from pagedrs.sampling_params import SamplingParams
@@ -57,6 +58,7 @@ class EngineCore:
             SamplingParams: IndependentSamples(self.eos_token_ids, self.max_model_len),
             BeamSearchParams: BeamSearch(self.eos_token_ids, self.max_model_len),
         }
+        self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
         self._requests: dict[str, Request] = {}
         # every unfinished request still waiting for its first token (note_scheduled's only concern)
         self._unstarted: dict[str, Request] = {}
@@ -96,6 +98,9 @@ class EngineCore:
         num_samples = request_shape(params).num_samples
         seq_id = next(self._seq_ids)
         first = self._new_sample(seq_id, 0, params)
+        structured = params.structured_outputs if isinstance(params, SamplingParams) else None
+        if structured is not None:  # compiled (or taken from the cache) before anything changes
+            first.grammar = self.grammars.new_state(structured)
         arrival = next(self._arrivals)
         queued = time.monotonic()
         arrival_time = queued if core_request.arrival_time is None else min(core_request.arrival_time, queued)
@@ -162,20 +167,32 @@ class EngineCore:
             generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**64)
         return Sample(seq_id=seq_id, index=index, generator=generator)
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured outputs' grammars for this model's tokenizer (and its LRU)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.loaded.tokenizer.hf, self.loaded.config.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def sample_factory(self, request: Request) -> Callable[[int], Sample]:
         """``new_sample(index)`` for the request's policy: a sample with a fresh sequence id,
         not yet in the scheduler (``fork`` puts it there)."""
         return lambda index: self._new_sample(next(self._seq_ids), index, request.params)
 
     def fork(self, request: Request, parent: Sample, child: Sample) -> None:
+        if parent.grammar is not None and child.grammar is None:  # a child that drew nothing yet
+            child.grammar = parent.grammar.clone()
         with Rollback() as undo:
             self.scheduler.fork(parent.seq_id, child.seq_id)
             undo(lambda: self.scheduler.finish(child.seq_id))
             self._by_seq[child.seq_id] = (request, child)
 
     def release(self, seq_id: int) -> None:
-        if self._by_seq.pop(seq_id, None) is not None and self.scheduler.contains(seq_id):
-            self.scheduler.finish(seq_id)
+        entry = self._by_seq.pop(seq_id, None)
+        if entry is not None:
+            entry[1].grammar = None  # its matcher goes with its sequence
+            if self.scheduler.contains(seq_id):
+                self.scheduler.finish(seq_id)
 
     def fail(self, request: Request, exc: BaseException, touched: dict[str, Request]) -> None:
         """Ends one request with finish_reason "error"; the engine and other requests go on."""

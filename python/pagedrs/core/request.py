@@ -3,6 +3,13 @@ end by token rules (EOS, stop_token_ids, max_tokens, min_tokens, the context len
 
 The core never holds text. Stop strings are a text rule: the front end finds them and
 finishes the sample here with ``FinishSample`` (``EngineCore.finish_sample``).
+
+A sample under a grammar (``SamplingParams.structured_outputs``) feeds each token to its
+``GrammarState``. Where the grammar accepts, its mask allows EOS; once it is complete it
+allows nothing else, so the next token is EOS and the sample ends with "stop" (one more
+step; the EOS is a stop token like any other: in ``token_ids``, not in the text). That
+EOS ends it even with ``ignore_eos``: the grammar forced it. The grammar does not make an
+answer end by itself: ``max_tokens`` still ends it with "length", however incomplete.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pagedrs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # continuation.py imports this module
     from pagedrs.core.continuation import BeamRequest, ContinuationPolicy
+    from pagedrs.core.structured.state import GrammarState
 
 
 @dataclass
@@ -34,6 +42,7 @@ class Sample:
     stop_reason: Union[int, str, None] = None
     cumulative_logprob: Optional[float] = None  # beam search: the beam's running score
     sent_tokens: int = 0  # tokens already in an output
+    grammar: Optional[GrammarState] = None  # structured outputs: the matcher of its tokens so far
 
     @property
     def finished(self) -> bool:
@@ -137,6 +146,10 @@ def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optio
     num_out = len(sample.token_ids)
     is_eos = token in eos_token_ids and not params.ignore_eos
     is_stop_token = token in params.stop_token_ids
+    if sample.grammar is not None:
+        if not sample.grammar.consume(token):  # its mask allowed the token: a bug if so
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: {sample.grammar.error}")
+        is_eos = token in eos_token_ids  # the grammar allows EOS only where the answer may end
     if (is_eos or is_stop_token) and num_out > params.min_tokens:
         sample.finish_reason, sample.stop_reason = "stop", (token if is_stop_token else None)
     elif num_out >= params.max_tokens or len(request.prompt_token_ids) + num_out >= max_model_len:

@@ -30,6 +30,7 @@ import torch
 from pagedrs.core.continuation import Decision, StepRow
 from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
+from pagedrs.core.structured.mask import apply_grammar_masks
 from pagedrs.kv_tiers.errors import CorruptPageError
 from pagedrs.sampling import SampleResult, SamplingRow, sample
 from pagedrs.sampling_params import SamplingParams
@@ -152,8 +153,25 @@ def _draws(core: EngineCore, ctx: StepContext) -> list[tuple[int, Request, Sampl
             except Exception as exc:  # noqa: BLE001
                 core.fail(request, exc, ctx.touched)
                 break
+            _inherit_grammar(state, samples)
             draws.extend((row, request, s) for s in samples)
     return draws
+
+
+def _inherit_grammar(parent: Sample, samples: list[Sample]) -> None:
+    """A child drawing from its parent's row (a fork: n > 1, best_of) gets a copy of the
+    parent's grammar state, as of that row."""
+    if parent.grammar is not None:
+        for s in samples:
+            if s.grammar is None:
+                s.grammar = parent.grammar.clone()
+
+
+def _constrained(logits: torch.Tensor, part: list[tuple[int, Request, Sample]]) -> torch.Tensor:
+    """Structured outputs: each draw's logits with the tokens its grammar does not allow at -inf,
+    before the sampler sees them; so penalties, temperature, top-k/top-p and the logprobs act
+    on the constrained distribution (vLLM's order). ``logits`` itself when no draw has a grammar."""
+    return apply_grammar_masks(logits, [s.grammar for _, _, s in part])
 
 
 def _sample_attributed(core: EngineCore, ctx: StepContext) -> list[Optional[SampleResult]]:
@@ -173,13 +191,14 @@ def _sample_attributed(core: EngineCore, ctx: StepContext) -> list[Optional[Samp
         # indexed copy (18 us at batch 1, a 6 MB copy at 32; sample() never writes into them)
         part_logits = logits if index == list(range(logits.shape[0])) else logits[index]
         try:
-            results.extend(sample(part_logits, rows))
+            results.extend(sample(_constrained(part_logits, part), rows))
             continue
         except Exception:  # noqa: BLE001 - find the row(s) that fail
             pass
-        for (row, request, _), srow in zip(part, rows):
+        for draw, srow in zip(part, rows):
+            row, request, _ = draw
             try:
-                results.extend(sample(logits[[row]], [srow]))
+                results.extend(sample(_constrained(logits[[row]], [draw]), [srow]))
             except Exception as exc:  # noqa: BLE001
                 core.fail(request, exc, ctx.touched)
                 results.append(None)

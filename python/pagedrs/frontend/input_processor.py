@@ -16,6 +16,7 @@ import numpy as np
 
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.protocol import CoreRequest
+from pagedrs.core.structured import grammar
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.tokenizer import TokenIdsOnly
 
@@ -90,8 +91,21 @@ class InputProcessor:
                 f"request {request_id!r}: stop strings need a tokenizer, but the engine was built with "
                 "skip_tokenizer_init=True; use stop_token_ids instead"
             )
+        self._check_structured(request_id, params)
         text, token_ids = self._tokenize(request_id, prompt)
         return ProcessedRequest(request_id, text, token_ids, params, int(priority), arrival_time, cache_salt)
+
+    def _check_structured(self, request_id: str, params: Union[SamplingParams, BeamSearchParams]) -> None:
+        """A grammar that does not compile is refused here, with llguidance's message (cached per spec)."""
+        structured = params.structured_outputs if isinstance(params, SamplingParams) else None
+        if structured is None:
+            return
+        if isinstance(self.tokenizer, TokenIdsOnly):
+            raise ValueError(
+                f"request {request_id!r}: structured_outputs need a tokenizer (the grammar is matched against "
+                "its tokens), but the engine was built with skip_tokenizer_init=True"
+            )
+        grammar.check(structured)
 
     def _tokenize(self, request_id: str, prompt: Any) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):

@@ -26,6 +26,7 @@ from pagedrs.server.serving import (
     refuse_unstreamable,
     sse,
 )
+from pagedrs.server.structured import structured_outputs
 from pagedrs.server.tokens import token_text, top_logprobs
 
 
@@ -54,6 +55,7 @@ async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
     kwargs.setdefault("max_tokens", min(DEFAULT_COMPLETION_MAX_TOKENS, room))
     if body.logprobs is not None:
         kwargs["logprobs"] = body.logprobs
+    kwargs["structured_outputs"] = await structured_outputs(body)
     params = ctx.make_params(kwargs)
     refuse_unstreamable(body.stream, params)
     gen = Generation(ctx, prompt_ids, params, priority=body.priority, cache_salt=body.cache_salt)

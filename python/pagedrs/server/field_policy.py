@@ -7,8 +7,8 @@ Every name a client sends in a request body (and in each message, content part a
 * **ignored on purpose**: listed in ``IGNORED_FIELDS`` with the reason; only fields whose
   value cannot change what is generated qualify (docs/limits_and_safety.md lists them);
 * **not supported yet**: declared with ``not_supported(reason, *honoured_values)``: null, and
-  any value that asks for what pagedrs does anyway (``response_format: {"type": "text"}``,
-  ``store: false``), is accepted; any other value is a 400 naming the field;
+  any value that asks for what pagedrs does anyway (``store: false``,
+  ``guided_decoding_backend: "llguidance"``), is accepted; any other value is a 400 naming the field;
 * **unknown**: any other name is a 400 naming it (``extra="forbid"``; ``name_unknown_fields``
   rewrites pydantic's "Extra inputs are not permitted" into a message a client can act on).
 
@@ -34,7 +34,7 @@ IGNORED_FIELDS: dict[str, str] = {
 }
 
 # Message roles the chat template is given as they are.
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def not_supported(reason: str, *honoured: Any) -> AfterValidator:
@@ -59,9 +59,9 @@ def not_supported(reason: str, *honoured: Any) -> AfterValidator:
 def check_role(role: str) -> str:
     if role in CHAT_ROLES:
         return role
-    if role in ("tool", "function"):
+    if role == "function":
         raise PydanticCustomError(
-            "not_supported", "{role} messages are not supported yet (tool calling is not implemented)",
+            "not_supported", "{role} messages are not supported yet (the legacy functions API): use 'tool' messages",
             {"role": repr(role)},
         )
     raise PydanticCustomError(

@@ -60,11 +60,12 @@ class PromptTokenizer:
         self._check_has_tokenizer("detokenizing", "tokens")
         return await self._run(functools.partial(self.tokenizer.decode, skip_special_tokens=False), ids)
 
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         self._check_has_tokenizer("a chat conversation", "messages")
         chars = sum(_content_chars(m) for m in messages)
         self._check_chars(chars, "messages")
-        return await self._run(render_chat, self.tokenizer, messages, add_generation_prompt)
+        return await self._run(render_chat, self.tokenizer, messages, add_generation_prompt, tools)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

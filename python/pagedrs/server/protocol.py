@@ -117,8 +117,8 @@ StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterV
 CacheSalt = Annotated[StrictStr, AfterValidator(_valid_unicode), AfterValidator(_salt_size)]
 
 # Reasons for the fields OpenAI (or vLLM) defines that pagedrs does not implement yet.
-_TOOLS = "tool and function calling is not implemented"
-_STRUCTURED = "structured outputs / guided decoding are not implemented"
+_TOOLS = "the legacy functions API is not implemented: use tools and tool_choice"
+_GUIDED = "vLLM's guided decoding options beyond the constraint itself"
 _AUDIO = "pagedrs generates text only"
 
 
@@ -146,6 +146,71 @@ class StreamOptions(_Strict):
     include_obfuscation: Annotated[Any, not_supported("stream obfuscation", False)] = None
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``: the schema the answer follows."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", populate_by_name=True)
+
+    name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None  # the answer always follows the schema: true and false alike
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_only_with_its_type(self) -> ResponseFormat:
+        if self.json_schema is not None and self.type != "json_schema":
+            raise PydanticCustomError("json_schema_without_type",
+                                      'json_schema is only allowed with type "json_schema", not {type}',
+                                      {"type": repr(self.type)})
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (its StructuredOutputsParams): exactly one of these."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", populate_by_name=True)
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:  # "json", as the client and StructuredOutputsParams say
+        dumped = super().model_dump(**kwargs)
+        if "json_" in dumped:
+            dumped["json"] = dumped.pop("json_")
+        return dumped
+
+
+MAX_TOOLS = 128  # functions per request: each one's schema is part of the grammar
+
+
+class ToolFunction(_Strict):
+    name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any JSON object
+    strict: StrictBool | None = None  # the call always follows the schema: true and false alike
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: ToolFunction
+
+
+class NamedFunction(_Strict):
+    name: Text
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _SamplingRequest(_Strict):
     """Fields shared by both endpoints (see field_policy.py for what is refused and ignored)."""
 
@@ -163,16 +228,17 @@ class _SamplingRequest(_Strict):
     logit_bias: Annotated[Any, not_supported("token biases are not applied", {})] = None
     user: Text | None = None  # ignored on purpose (field_policy.IGNORED_FIELDS)
     cache_salt: CacheSalt | None = None  # vLLM's: requests share cached pages only under the same salt
-    response_format: Annotated[Any, not_supported(_STRUCTURED, {"type": "text"})] = None
+    # structured outputs (server/structured.py): one of these per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | Text | None = None  # vLLM's older names
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = None
+    guided_grammar: Text | None = None
     # vLLM's extensions that pagedrs does not implement yet
     prompt_logprobs: Annotated[Any, not_supported("prompt log-probabilities are not computed")] = None
-    guided_json: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_regex: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_choice: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_grammar: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_decoding_backend: Annotated[Any, not_supported(_STRUCTURED)] = None
-    guided_whitespace_pattern: Annotated[Any, not_supported(_STRUCTURED)] = None
-    structured_outputs: Annotated[Any, not_supported(_STRUCTURED)] = None
+    guided_decoding_backend: Annotated[Any, not_supported(_GUIDED + ": the backend is llguidance", "llguidance")] = None
+    guided_whitespace_pattern: Annotated[Any, not_supported(_GUIDED + ": JSON is generated compact")] = None
     # extensions (vLLM's names)
     top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: float | None = None
@@ -223,15 +289,36 @@ class ChatContentPart(_Strict):
         return data
 
 
+class CalledFunction(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it back
+
+
+class HistoryToolCall(_Strict):
+    """A call an earlier assistant turn made (as this server answered it)."""
+
+    id: Text
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Annotated[Text, AfterValidator(check_role)]
     content: Text | list[ChatContentPart] | None = None
     name: Annotated[Any, not_supported("message names: the chat template is given role and content only")] = None
-    tool_calls: Annotated[Any, not_supported(_TOOLS)] = None
-    tool_call_id: Annotated[Any, not_supported(_TOOLS)] = None
+    tool_calls: Annotated[list[HistoryToolCall], Field(max_length=MAX_TOOLS)] | None = None  # assistant messages
+    tool_call_id: Text | None = None  # tool messages: the call they answer
     function_call: Annotated[Any, not_supported(_TOOLS)] = None
     refusal: Annotated[Any, not_supported("refusals of earlier turns are not rendered")] = None
     audio: Annotated[Any, not_supported(_AUDIO)] = None
+
+    @model_validator(mode="after")
+    def _tool_fields_on_their_roles(self) -> ChatMessage:
+        for name, role in (("tool_calls", "assistant"), ("tool_call_id", "tool")):
+            if getattr(self, name) is not None and self.role != role:
+                raise PydanticCustomError("wrong_role", "{name} belongs on {role} messages, not on {actual} ones",
+                                          {"name": name, "role": repr(role), "actual": repr(self.role)})
+        return self
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -245,9 +332,10 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: Annotated[dict[Text, Text], Field(max_length=MAX_METADATA_ENTRIES)] | None = None
     prompt_cache_key: Text | None = None
     # OpenAI's fields that pagedrs does not implement yet (null, or the value named, is what pagedrs does)
-    tools: Annotated[Any, not_supported(_TOOLS)] = None
-    tool_choice: Annotated[Any, not_supported(_TOOLS, "none")] = None
-    parallel_tool_calls: Annotated[Any, not_supported(_TOOLS)] = None
+    # tool calling (server/tools.py): "required" and a named function, forced by a grammar
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: Annotated[Any, not_supported(_TOOLS)] = None
     function_call: Annotated[Any, not_supported(_TOOLS, "none")] = None
     modalities: Annotated[Any, not_supported(_AUDIO, ["text"])] = None
@@ -335,9 +423,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -357,9 +457,14 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class ToolCallDelta(ToolCall):
+    index: int  # which call of the message (a client joins the chunks of one call by it)
+
+
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

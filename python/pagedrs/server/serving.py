@@ -165,6 +165,7 @@ class Generation:
         self.priority = priority
         self.n: int = params.n
         self.echo_texts: list[str | None] = [None] * len(prompts)  # the text of text prompts, for echo
+        self.forced_call: Any = None  # chat: a tools.ForcedCall, how to read the answer back as tool calls
         self.id_base = random_id("req")
         self.client_request_id: str | None = None  # X-Request-Id as the client sent it
         self.client_salt = cache_salt  # the request's cache_salt field (validated by the model)

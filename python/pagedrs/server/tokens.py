@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from jinja2 import TemplateError
@@ -21,19 +22,42 @@ def top_logprobs(tokenizer: Any, entry: dict[int, float], k: int) -> list[tuple[
     return [(token_text(tokenizer, token_id), logprob) for token_id, logprob in ranked]
 
 
-def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The conversation through the model's chat template, as prompt token ids.
 
-    The template is given each message's role and content (its text parts joined): every
-    other message field is refused by the request model, so nothing a client sent is lost here.
+    The template is given each message's role and content (its text parts joined), and the
+    request's ``tools`` when it has some (transformers' ``apply_chat_template(tools=...)``; a
+    template that does not render them ignores them): every other message field is refused
+    by the request model, so nothing a client sent is lost here.
     """
     if not messages:
         raise bad_request("messages is empty: send at least one message", param="messages")
-    plain = [{"role": m.role, "content": _content_text(m)} for m in messages]
+    plain = [_for_template(i, m) for i, m in enumerate(messages)]
+    extra = {"tools": tools} if tools else {}
     try:
-        return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt))
+        return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra))
     except (ValueError, TemplateError) as exc:  # no chat template, or the template rejected the conversation
         raise bad_request(str(exc), param="messages") from exc
+
+
+def _for_template(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates take it: role and content; an assistant's tool calls with their
+    arguments as an object (transformers' convention); a tool message's ``tool_call_id``."""
+    plain: dict[str, Any] = {"role": message.role, "content": _content_text(message)}
+    if message.tool_call_id is not None:
+        plain["tool_call_id"] = message.tool_call_id
+    if message.tool_calls is not None:
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError as exc:
+                raise bad_request(f"messages.{index}.tool_calls.{j}.function.arguments is not JSON: {exc}",
+                                  param="messages") from None
+            calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+        plain["tool_calls"] = calls
+    return plain
 
 
 def _content_text(message: ChatMessage) -> str:

@@ -1,0 +1,62 @@
+"""One sample's grammar state: the llguidance matcher that has consumed its generated tokens.
+
+It lives with the sample (``core.request.Sample.grammar``), not with its pages: a preempted
+sample, swapped or recomputed, keeps it, since its tokens do not change; a forked sample
+gets a ``clone``; a finished or aborted one drops it (``EngineCore.release``).
+"""
+
+from __future__ import annotations
+
+import llguidance
+
+
+class GrammarState:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size  # the grammar's tokenizer's: the width of its masks, in bits
+        self.num_consumed = 0
+
+    def consume(self, token_id: int) -> bool:
+        """Advances by one sampled token; False (and the matcher in its error state) when the
+        grammar does not allow it. EOS is allowed where the grammar accepts."""
+        ok = self.matcher.consume_token(token_id)
+        if ok:
+            self.num_consumed += 1
+        return ok
+
+    def fill_mask(self, bitmask_row_ptr: int, num_bytes: int) -> None:
+        """The allowed next tokens, one bit per token id (little-endian int32 words), written at the pointer."""
+        self.matcher.unsafe_compute_mask_ptr(bitmask_row_ptr, num_bytes)
+
+    def clone(self) -> GrammarState:
+        """An independent copy (a fork: n > 1, best_of)."""
+        copy = GrammarState(self.matcher.deep_copy(), self.vocab_size)
+        copy.num_consumed = self.num_consumed
+        return copy
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forgets the last ``num_tokens`` consumed (speculative decoding's rejected proposals)."""
+        if not 0 <= num_tokens <= self.num_consumed:
+            raise ValueError(f"rollback({num_tokens}): only {self.num_consumed} tokens were consumed")
+        if num_tokens and not self.matcher.rollback(num_tokens):
+            raise RuntimeError(f"the grammar could not roll back {num_tokens} tokens: {self.matcher.get_error()}")
+        self.num_consumed -= num_tokens
+
+    def validate_tokens(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` (proposed tokens, in order) the grammar would accept from here."""
+        return self.matcher.validate_tokens(token_ids)
+
+    @property
+    def is_accepting(self) -> bool:
+        """The output so far is a complete answer (EOS may end it)."""
+        return self.matcher.is_accepting()
+
+    @property
+    def is_stopped(self) -> bool:
+        """Nothing more can follow (the answer is complete, or the matcher failed: see ``error``)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        """llguidance's error message; '' while the matcher is fine."""
+        return self.matcher.get_error() if self.matcher.is_error() else ""
