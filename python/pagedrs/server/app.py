@@ -17,7 +17,8 @@ from pagedrs.server.guard import Gate
 from pagedrs.server.metrics import CONTENT_TYPE_LATEST
 from pagedrs.server.options import ServerOptions
 from pagedrs.server.prompts import PromptTokenizer
-from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now_s
+from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest, now_s
+from pagedrs.server.responses import ModelCard, ModelList
 from pagedrs.server.serving import Generation, ServerContext, unless_disconnected
 from pagedrs.server.shutdown import DrainState
 

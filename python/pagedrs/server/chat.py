@@ -6,11 +6,11 @@ from collections.abc import AsyncIterator
 
 from pagedrs.server.deltas import SampleDelta
 from pagedrs.server.errors import bad_request
-from pagedrs.server.protocol import (
+from pagedrs.server.protocol import ChatCompletionRequest, now_s, random_id
+from pagedrs.server.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -20,8 +20,6 @@ from pagedrs.server.protocol import (
     ToolCallDelta,
     TopLogprob,
     Usage,
-    now_s,
-    random_id,
 )
 from pagedrs.server.serving import (
     Generation,

@@ -7,16 +7,8 @@ from collections.abc import AsyncIterator
 
 from pagedrs.server.deltas import SampleDelta
 from pagedrs.server.errors import bad_request
-from pagedrs.server.protocol import (
-    DEFAULT_COMPLETION_MAX_TOKENS,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-    now_s,
-    random_id,
-)
+from pagedrs.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest, now_s, random_id
+from pagedrs.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
 from pagedrs.server.serving import (
     Generation,
     SampleState,

@@ -40,27 +40,13 @@ from typing import Any, Protocol
 from pagedrs.core.protocol import is_engine_fatal
 from pagedrs.server.deltas import DeltaStream
 from pagedrs.server.metrics import ServerMetrics
+from pagedrs.server.refusals import ENGINE_DEAD, REQUEST_TIMEOUT, DeadEngineRefusal, RequestTimeoutError
 from pagedrs.server.request_trace import RequestTrace
 from pagedrs.server.sinks import Sink
 
 logger = logging.getLogger("pagedrs.server")
 
 
-class DeadEngineRefusal(Exception):
-    """A request refused because the engine is dead (an ``EngineDeadError``).
-
-    Not a RuntimeError, as ``EngineDeadError`` is: handlers answer a RuntimeError from a
-    stopped loop as "shutting down, retry later" (503 server_unavailable, "overloaded"),
-    and a dead engine is not overloaded (the app answers this one 503 engine_dead).
-    """
-
-
-class RequestTimeoutError(TimeoutError):
-    """A request had no finished output within the loop's ``request_timeout_s`` (HTTP 504)."""
-
-
-# error_code of the error deltas (OpenAI's `code`), and the HTTP status of each
-ENGINE_DEAD, REQUEST_TIMEOUT = "engine_dead", "request_timeout"
 _DEAD_STATUS = 500  # as vLLM answers a request its dead engine failed; /health says 503
 _TIMEOUT_STATUS = 504
 

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedrs.server.engine_loop import ENGINE_DEAD, REQUEST_TIMEOUT, DeadEngineRefusal, RequestTimeoutError
+from pagedrs.server.refusals import ENGINE_DEAD, REQUEST_TIMEOUT, DeadEngineRefusal, RequestTimeoutError
 
 # OpenAI's error `type` for each status the server uses.
 _ERROR_TYPES: dict[int, str] = {

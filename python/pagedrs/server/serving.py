@@ -27,7 +27,8 @@ from pagedrs.server.engine_loop import EngineLoop
 from pagedrs.server.errors import APIError, bad_request
 from pagedrs.server.options import DEFAULT_MAX_SEQS_PER_REQUEST
 from pagedrs.server.prompts import PromptTokenizer
-from pagedrs.server.protocol import Usage, random_id
+from pagedrs.server.protocol import random_id
+from pagedrs.server.responses import Usage
 from pagedrs.server.tenants import engine_salt
 
 T = TypeVar("T")

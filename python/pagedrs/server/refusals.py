@@ -1,0 +1,27 @@
+"""How the engine loop refuses or ends a request it cannot serve: the exception types a handler
+gets from ``EngineLoop.add`` and the ``error_code`` values of error deltas.
+
+Their own module so that ``server/errors.py`` maps them to HTTP answers without importing the
+loop itself.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ENGINE_DEAD", "REQUEST_TIMEOUT", "DeadEngineRefusal", "RequestTimeoutError"]
+
+
+class DeadEngineRefusal(Exception):
+    """A request refused because the engine is dead (an ``EngineDeadError``).
+
+    Not a RuntimeError, as ``EngineDeadError`` is: handlers answer a RuntimeError from a
+    stopped loop as "shutting down, retry later" (503 server_unavailable, "overloaded"),
+    and a dead engine is not overloaded (the app answers this one 503 engine_dead).
+    """
+
+
+class RequestTimeoutError(TimeoutError):
+    """A request had no finished output within the loop's ``request_timeout_s`` (HTTP 504)."""
+
+
+# error_code of the error deltas (OpenAI's `code`)
+ENGINE_DEAD, REQUEST_TIMEOUT = "engine_dead", "request_timeout"
