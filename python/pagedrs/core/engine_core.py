@@ -26,6 +26,7 @@ import torch
 from pagedrs.attention import AttentionBackend
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, IndependentSamples, request_shape
+from pagedrs.core.fast_rows import FastRows
 from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestMetrics
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
@@ -63,6 +64,7 @@ class EngineCore:
         # every unfinished request still waiting for its first token (note_scheduled's only concern)
         self._unstarted: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Sample]] = {}
+        self.fast_rows = FastRows(self)  # the plain decode rows, kept from step to step (core/fast_rows.py)
         self._seq_ids = itertools.count(1)
         self._arrivals = itertools.count()
         self.num_generated = 0
@@ -189,6 +191,7 @@ class EngineCore:
 
     def release(self, seq_id: int) -> None:
         entry = self._by_seq.pop(seq_id, None)
+        self.fast_rows.forget(seq_id)
         if entry is not None:
             entry[1].grammar = None  # its matcher goes with its sequence
             if self.scheduler.contains(seq_id):

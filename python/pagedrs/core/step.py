@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, cast
 
-import numpy as np
 import torch
 
+from pagedrs.core import fast_rows
 from pagedrs.core.continuation import Decision, StepRow
 from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
@@ -86,11 +86,10 @@ def run_step(core: EngineCore, ctx: StepContext) -> None:
     core.scheduler.complete_transfers(core.executor.take_completed_transfers())
     core.scheduler.complete_step(step.step_id, True)  # what it wrote becomes a prefix hit
     drop_failed_disk_writes(core)
-    ctx.rows = _rows(core, step)
-    ctx.draws = _draws(core, ctx)
-    ctx.results = _sample_attributed(core, ctx) if ctx.draws else []
+    fast, tokens, logprobs = _sample(core, ctx, step)
     ctx.decisions = _decide(core, ctx)
-    _carry_out(core, ctx)
+    appends = fast_rows.record(core, fast, tokens, logprobs, ctx.touched) if fast.rows else ([], [], [])
+    _carry_out(core, ctx, appends)
 
 
 def on_failed_step(core: EngineCore, step: StepInput, exc: BaseException, touched: dict[str, Request]) -> None:
@@ -132,10 +131,33 @@ def drop_failed_disk_writes(core: EngineCore) -> None:
 # ---- sample -------------------------------------------------------------------------------
 
 
-def _rows(core: EngineCore, step: StepInput) -> Rows:
+def _sample(core: EngineCore, ctx: StepContext, step: StepInput) -> tuple[fast_rows.FastStep, list[int], list[float]]:
+    """The plain rows' tokens in one batched draw (core/fast_rows.py; returned with their
+    log-probabilities), the other rows' the generic way (``ctx.rows``, ``ctx.draws``, ``ctx.results``)."""
+    fast, slow = core.fast_rows.split(step.seq_ids.tolist(), step.do_sample.tolist())
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    if fast.rows:
+        assert ctx.logits is not None
+        try:
+            tokens, logprobs = fast_rows.draw(ctx.logits, fast)
+        except Exception:  # noqa: BLE001 - the generic path finds the row that fails and ends its request
+            slow = sorted(slow + fast.index)
+            fast = fast_rows.FastStep([], [])
+    ctx.rows = _rows(core, step, slow)
+    ctx.draws = _draws(core, ctx)
+    ctx.results = _sample_attributed(core, ctx) if ctx.draws else []
+    return fast, tokens, logprobs
+
+
+def _rows(core: EngineCore, step: StepInput, index: list[int]) -> Rows:
+    """The sampling rows at logits rows ``index`` (those the fast rows did not take), by request."""
     rows: Rows = {}
-    for row, (seq_id, sampled) in enumerate(zip(step.seq_ids.tolist(), step.do_sample.tolist())):
-        entry = core.sequence(seq_id) if sampled else None
+    if not index:
+        return rows
+    seq_ids = step.seq_ids.tolist()
+    for row in index:
+        entry = core.sequence(seq_ids[row])
         if entry is not None:
             request, state = entry
             rows.setdefault(request.request_id, (request, []))[1].append((row, state))
@@ -232,10 +254,11 @@ def _decide(core: EngineCore, ctx: StepContext) -> list[tuple[Request, Decision]
     return decisions
 
 
-def _carry_out(core: EngineCore, ctx: StepContext) -> None:
+def _carry_out(core: EngineCore, ctx: StepContext, fast: tuple[list[int], list[int], list[Request]]) -> None:
     """Frees of sequences no fork reads, then the forks (a parent that goes on more than
-    once is forked before any append), then one batched append, then the other frees.
-    Freeing early lets a pruned beam's pages serve this step's copies-on-write."""
+    once is forked before any append), then one batched append (the fast rows' continuations,
+    ``fast``, with the others), then the other frees. Freeing early lets a pruned beam's pages
+    serve this step's copies-on-write."""
     now = time.monotonic()
     appends: list[tuple[Request, Sample, int]] = []
     for request, decision in ctx.decisions:
@@ -254,8 +277,13 @@ def _carry_out(core: EngineCore, ctx: StepContext) -> None:
             core.fail(request, exc, ctx.touched)
         appends += [(request, c.sample, c.token_id) for c in decision.continuations]
     appends = [a for a in appends if a[0].error is None]
+    ids, tokens, owners = fast
     if appends:
-        _append(core, appends, ctx.touched)
+        ids = ids + [s.seq_id for _, s, _ in appends]
+        tokens = tokens + [t for _, _, t in appends]
+        owners = owners + [r for r, _, _ in appends]
+    if ids:
+        _append(core, ids, tokens, owners, ctx.touched)
     for request, decision in ctx.decisions:
         for s in decision.finished:  # also after a failure: a policy may have dropped them from samples
             core.release(s.seq_id)
@@ -263,17 +291,15 @@ def _carry_out(core: EngineCore, ctx: StepContext) -> None:
             request.metrics.finished_time = now
 
 
-def _append(core: EngineCore, appends: list[tuple[Request, Sample, int]], touched: dict[str, Request]) -> None:
-    ids = np.asarray([s.seq_id for _, s, _ in appends], dtype=np.uint64)
-    tokens = np.asarray([t for _, _, t in appends], dtype=np.uint32)
+def _append(core: EngineCore, ids: list[int], tokens: list[int], owners: list[Request],
+            touched: dict[str, Request]) -> None:
     try:
-        core.scheduler.append_tokens(ids, tokens)  # all or nothing
+        core.scheduler.append_tokens(*fast_rows.as_arrays(ids, tokens))  # all or nothing
     except Exception:  # noqa: BLE001 - find the sequence(s) the core refuses
-        for request, s, token in appends:
+        for request, seq_id, token in zip(owners, ids, tokens):
             if request.error is not None:
                 continue
             try:
-                core.scheduler.append_tokens(np.asarray([s.seq_id], dtype=np.uint64),
-                                             np.asarray([token], dtype=np.uint32))
+                core.scheduler.append_tokens(*fast_rows.as_arrays([seq_id], [token]))
             except Exception as exc:  # noqa: BLE001
                 core.fail(request, exc, touched)
