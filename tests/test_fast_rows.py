@@ -9,7 +9,6 @@ import torch
 
 from pagedrs import SamplingParams
 from pagedrs.core import fast_rows
-
 from test_engine import make_engine, make_prompts
 
 
