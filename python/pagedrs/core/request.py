@@ -97,6 +97,7 @@ class Request:
     ended: Optional[str] = None  # "abort" or "error": it ended before its samples did
     error: Optional[str] = None
     _rule: Optional[TokenRule] = None  # token_rule(), made at its first token
+    _timed: bool = False  # an output with its first token's metrics went out
 
     def token_rule(self, eos_token_ids: frozenset[int], max_model_len: int) -> TokenRule:
         """Its token rules (SamplingParams only), made once."""
@@ -134,7 +135,14 @@ class Request:
         if self.ended is not None:  # samples never forked end too
             samples.extend(CoreSampleOutput(i, [], finish_reason=self.ended)
                            for i in range(len(samples), self.num_samples))
-        return CoreOutput(self.request_id, samples, finished, self.metrics, self.error, self.num_cached_tokens)
+        # Metrics go out until the output with its first token, then with the final one: in
+        # between nothing in them changes (a RequestMetrics.as_dict per request and step was
+        # a tenth of a batch-256 step's host time).
+        metrics: Optional[RequestMetrics] = None
+        if finished or not self._timed:
+            metrics = self.metrics
+            self._timed = self.metrics.first_token_time is not None
+        return CoreOutput(self.request_id, samples, finished, metrics, self.error, self.num_cached_tokens)
 
 
 @dataclass(frozen=True)
