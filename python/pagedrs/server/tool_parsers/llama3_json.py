@@ -55,9 +55,12 @@ class Llama3JsonParser(ToolParser):
                 self._state = "between"
         elif c == ";":  # between
             self._state, self._raw = "next", ""
-        elif c not in _WS:
+        elif c in _WS:
+            self._raw += c  # the text after the calls keeps its leading whitespace
+        else:
             self._state = "plain"
-            self._text(c)
+            self._text(self._raw + c)
+            self._raw = ""
 
     def _match_tag(self, c: str) -> bool:
         """At the start: True once <|python_tag|> is complete; other text makes the answer plain."""
@@ -76,5 +79,5 @@ class Llama3JsonParser(ToolParser):
 
     def _flush(self) -> None:
         if self._state == "tagged":
-            self._text(self._raw)
+            self._text(self._raw)  # <|python_tag|> and nothing after it: content
         self._raw, self._state = "", "plain"
