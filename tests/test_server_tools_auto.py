@@ -187,6 +187,22 @@ def test_parallel_tool_calls_false_returns_the_first_call(client: openai.OpenAI)
     assert (content, [n for n, _ in streamed], finish) == ("Sure.", ["add"], ["tool_calls"])
 
 
+def test_each_of_n_sampled_choices_is_read_on_its_own(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=7, n=3, max_tokens=200,
+                              extra_body={"structured_outputs": {"regex": _regex(CALLS_IN_FORMAT["hermes"])}})
+    out = client.chat.completions.create(**kw)
+    args = [[json.loads(c.function.arguments) for c in choice.message.tool_calls] for choice in out.choices]
+    assert [choice.finish_reason for choice in out.choices] == ["tool_calls"] * 3
+    assert all(a[0].keys() == {"a", "b"} and a[1].keys() == {"city"} for a in args)
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            for t in choice.delta.tool_calls or []:
+                streamed[choice.index] = streamed.get(choice.index, "") + t.function.arguments
+    whole = {i: "".join(c.function.arguments for c in choice.message.tool_calls) for i, choice in enumerate(out.choices)}
+    assert streamed == whole  # seeded: the same samples, each choice through its own parser
+
+
 def test_streamed_logprobs_cover_every_token_held_back_or_not(client: openai.OpenAI) -> None:
     """Tokens of markup are held back from the chunks; their logprobs ride on the next chunk sent."""
     kw: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0, max_tokens=200, logprobs=True,
@@ -195,6 +211,22 @@ def test_streamed_logprobs_cover_every_token_held_back_or_not(client: openai.Ope
     chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs]
     streamed = [t.token for c in chunks for t in c.choices[0].logprobs.content]
     assert streamed == [t.token for t in whole.logprobs.content] and len(streamed) > 20
+
+
+def test_a_call_cut_by_max_tokens_is_text_whole_and_a_started_call_streamed(client: openai.OpenAI, offline: LLM) -> None:
+    """The one case where the two answers differ (tools.py): the stream had sent the call's start."""
+    regex = _regex(CALLS_IN_FORMAT["hermes"])
+    prompt = offline.engine.tokenizer.apply_chat_template(MESSAGES, tools=TOOLS)
+    params = SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=StructuredOutputsParams(regex=regex))
+    ids = offline.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+    decode = offline.engine.tokenizer.decode
+    cut = next(n for n in range(len(ids)) if '"arguments": {"a": ' in decode(ids[:n]))  # inside the arguments
+    kw: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0, max_tokens=cut,
+                              extra_body={"structured_outputs": {"regex": regex}})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (decode(ids[:cut]), None, "length")
+    content, streamed, finish = _streamed(client, **kw)
+    assert (content, finish) == ("Sure.", ["length"]) and streamed[0][0] == "add" and streamed[0][1].startswith("{")
 
 
 def test_a_call_of_an_unknown_function_stays_content(client: openai.OpenAI, offline: LLM) -> None:
