@@ -28,7 +28,7 @@ _SAME_NAME = (
     "model", "device", "dtype", "weight_dtype", "block_size", "num_gpu_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size",
-    "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb",
+    "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling",
 )
 
 
@@ -61,6 +61,11 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
         "in a row): a new request's first token costs its prefill alone. Default: on for `serve --device cpu`, "
         "where a step costs the sum of its parts (measured: steady TTFT p50 -30%%, throughput unchanged), "
         "off elsewhere (a GPU runs decodes beside a prefill almost for free)",
+    )
+    p.add_argument(
+        "--async-scheduling", action="store_true",
+        help="plan and launch step N+1 before step N is sampled (vLLM's async scheduling): the device does not wait "
+        "for the host's sampling and outputs; same outputs. Not with --tensor-parallel-size > 1 or --kv-disk-path",
     )
     p.add_argument("--kv-layout", default=d["kv_layout"], choices=["paged", "contiguous"])
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")

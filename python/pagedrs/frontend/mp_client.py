@@ -26,6 +26,7 @@ later call raises ``EngineCoreDeadError``. The pipe's threads: frontend/core_pip
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import multiprocessing as mp
@@ -86,6 +87,12 @@ def core_main(conn: Connection, args: EngineArgs, heartbeat_s: float = 1.0) -> N
     except BaseException as exc:  # noqa: BLE001 - report why the core cannot start
         pipe.send_bytes(codec.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
         return
+    # What exists now (torch, the model, the tokenizer: ~200k objects) lives as long as the
+    # process: out of the cyclic collector's reach, a full collection no longer walks it (vLLM
+    # does the same). Measured at batch 256 in-process: the worst step of 60 went from 148 ms
+    # (a full collection) to 19 ms; the median did not move.
+    gc.collect()
+    gc.freeze()
     tok = core.loaded.tokenizer
     pipe.send_bytes(codec.encode(Ready(
         pid=os.getpid(), tokenizer_folder=None if tok.hf is None else str(tok.hf.name_or_path),

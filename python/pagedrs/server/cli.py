@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         if trace is not None:
             trace.close()
         return 2
+    gc.collect()
+    gc.freeze()  # the server's objects so far live as long as it does: out of full collections (mp_client.core_main)
     loop = EngineLoop(engine, trace=trace, request_timeout_s=options.request_timeout_s)
     loop.start()
     app = build_app(loop, args.served_model_name or args.model, args.max_waiting, options)
