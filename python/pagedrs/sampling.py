@@ -66,13 +66,14 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=device)
         temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in rows], device=device)
         x = x / temps[:, None]
-        x = apply_min_p(x, torch.tensor([r.params.min_p for r in rows], device=device))
-        x = apply_top_k_top_p(
-            x,
-            # top_k beyond the vocabulary keeps everything; clamping keeps the tensor in range
-            torch.tensor([min(r.params.top_k, x.shape[1]) if r.params.top_k > 0 else x.shape[1] for r in rows], device=device),
-            torch.tensor([r.params.top_p for r in rows], device=device),
-        )
+        min_p = [r.params.min_p for r in rows]
+        x = apply_min_p(x, torch.tensor(min_p, device=device), active=any(v > 0 for v in min_p))
+        vocab = x.shape[1]
+        # top_k beyond the vocabulary keeps everything; clamping keeps the tensor in range
+        top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        x = apply_top_k_top_p(x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device),
+                              active=any(k < vocab for k in top_k) or any(v < 1.0 for v in top_p))
         sampled = _exponential_race(torch.softmax(x, dim=-1), rows)
         token_ids = torch.where(is_greedy, greedy_ids, sampled)
     return _results(token_ids, raw, rows)
@@ -128,18 +129,21 @@ def mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return masked
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below ``min_p`` times the row's top probability."""
-    if not bool((min_p > 0).any()):
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor, active: bool | None = None) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability.
+    ``active``: whether any row has min_p > 0, known on the host (the caller's settings), so
+    a GPU step does not wait for the device to answer it; None: asked of the tensor."""
+    if not (bool((min_p > 0).any()) if active is None else active):
         return logits
     probs = torch.softmax(logits, dim=-1)
     threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's ``k`` largest logits, then its smallest set with probability mass >= ``p``."""
-    if bool((k >= logits.shape[1]).all()) and bool((p >= 1.0).all()):
+def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, active: bool | None = None) -> torch.Tensor:
+    """Keep each row's ``k`` largest logits, then its smallest set with probability mass >= ``p``.
+    ``active`` as in ``apply_min_p``: whether any row truncates, known on the host."""
+    if not active if active is not None else (bool((k >= logits.shape[1]).all()) and bool((p >= 1.0).all())):
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     kth = sorted_logits.gather(1, (logits.shape[1] - k.long()).clamp(min=0)[:, None])

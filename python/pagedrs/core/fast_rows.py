@@ -123,12 +123,13 @@ def draw(logits: torch.Tensor, fast: FastStep) -> tuple[list[int], list[float]]:
         device = raw.device
         vocab = raw.shape[1]
         x = raw / torch.tensor([r.temperature for r in rows], device=device)[:, None]
-        x = apply_min_p(x, torch.tensor([r.min_p for r in rows], device=device))
-        x = apply_top_k_top_p(
-            x,
-            torch.tensor([min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows], device=device),
-            torch.tensor([r.top_p for r in rows], device=device),
-        )
+        min_p = [r.min_p for r in rows]
+        x = apply_min_p(x, torch.tensor(min_p, device=device), active=any(v > 0 for v in min_p))
+        top_k = [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows]
+        top_p = [r.top_p for r in rows]
+        # the host knows which rows truncate: no device-to-host wait before the draw
+        x = apply_top_k_top_p(x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device),
+                              active=any(k < vocab for k in top_k) or any(v < 1.0 for v in top_p))
         probs = torch.softmax(x, dim=-1)
         sampled = argmax_rows(probs / torch.empty_like(probs).exponential_().clamp_min(1e-30))
         token_ids = torch.where(torch.tensor([r.greedy for r in rows], device=device), greedy_ids, sampled)
