@@ -26,6 +26,7 @@ import torch
 from pagedrs.attention import AttentionBackend
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, IndependentSamples, request_shape
+from pagedrs.core.prefix_cache import cached_tokens_by_tier
 from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestMetrics
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
@@ -231,6 +232,7 @@ class EngineCore:
             seen.add(request.request_id)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = self.scheduler.num_cached_tokens_of(seq_id)
+                request.cached_tokens_by_tier = cached_tokens_by_tier(self.scheduler, seq_id)
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = start
                 metrics.num_steps_queued = self.num_steps - 1 - request.queued_step

@@ -93,6 +93,7 @@ class Request:
     metrics: RequestMetrics
     queued_step: int = 0  # the core's step count when it was queued
     num_cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission
+    cached_tokens_by_tier: Optional[dict[str, int]] = None  # that count by tier (core/prefix_cache.py)
     hypotheses: Optional[list[Hypothesis]] = None  # beam search, once it ended
     ended: Optional[str] = None  # "abort" or "error": it ended before its samples did
     error: Optional[str] = None
@@ -126,7 +127,8 @@ class Request:
         if self.ended is not None:  # samples never forked end too
             samples.extend(CoreSampleOutput(i, [], finish_reason=self.ended)
                            for i in range(len(samples), self.num_samples))
-        return CoreOutput(self.request_id, samples, finished, self.metrics, self.error, self.num_cached_tokens)
+        return CoreOutput(self.request_id, samples, finished, self.metrics, self.error, self.num_cached_tokens,
+                          self.cached_tokens_by_tier)
 
 
 def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optional[dict[int, float]],
