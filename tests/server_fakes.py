@@ -133,6 +133,18 @@ class FakeEngine:
         with self._lock:
             return bool(self._requests) or bool(self._inbox)
 
+    def reset_prefix_cache(self) -> Any:
+        """As ``Engine.reset_prefix_cache``: refused while requests are unfinished, else every cached prefix forgotten."""
+        from pagedrs.core.protocol import CacheReset
+        from pagedrs.errors import PrefixCacheBusyError
+
+        self._record("reset_prefix_cache", None)
+        if self.has_unfinished():
+            raise PrefixCacheBusyError(f"cannot reset the prefix cache while {len(self._requests)} request(s) are in the engine")
+        dropped = sum(len(prefixes) for prefixes in self._cached.values())
+        self._cached.clear()
+        return CacheReset(dropped, 0, 0)
+
     def check_alive(self) -> None:
         pass  # the Engine API: an engine in this process is alive while it steps
 
@@ -286,12 +298,13 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(
     model_dir: Path, engine_kw: dict[str, Any], model_name: str, max_waiting: int = 64, *, core_process: bool = False,
-    trace: Any = None,
+    trace: Any = None, options: Any = None,
 ) -> Iterator[LiveServer]:
     """Serve the model in ``model_dir`` on 127.0.0.1 for the duration of the block.
 
     ``core_process``: the engine runs in its own process behind a RemoteEngine, as
     ``pagedrs serve`` runs it by default. ``trace``: a RequestTrace the loop writes to.
+    ``options``: the app's ServerOptions (API keys, the admin key).
     """
     from pagedrs import Engine, EngineArgs
     from pagedrs.server import BackgroundServer, EngineLoop, build_app
@@ -300,7 +313,7 @@ def live_server(
     args = EngineArgs(model=str(model_dir), **engine_kw)
     engine = RemoteEngine(args) if core_process else Engine(args)
     loop = EngineLoop(engine, trace=trace)
-    app = build_app(loop, model_name, max_waiting=max_waiting)
+    app = build_app(loop, model_name, max_waiting=max_waiting, options=options)
     http = BackgroundServer(app)
     loop.start()
     http.start()

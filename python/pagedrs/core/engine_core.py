@@ -259,6 +259,7 @@ class EngineCore:
             self.scheduler.core_stats(),
             num_cpu_blocks=self.scheduler_config.num_cpu_blocks,
             kv_layout=self.args.kv_layout,
+            eviction_policy=self.args.eviction_policy,
             block_size=self.args.block_size,
             num_generated_tokens=self.num_generated,
             peak_running=self.peak_running,
