@@ -133,6 +133,18 @@ class FakeEngine:
         with self._lock:
             return bool(self._requests) or bool(self._inbox)
 
+    def reset_prefix_cache(self) -> Any:
+        """As ``Engine.reset_prefix_cache``: refused while requests are unfinished, else every cached prefix forgotten."""
+        from pagedrs.core.protocol import CacheReset
+        from pagedrs.errors import PrefixCacheBusyError
+
+        self._record("reset_prefix_cache", None)
+        if self.has_unfinished():
+            raise PrefixCacheBusyError(f"cannot reset the prefix cache while {len(self._requests)} request(s) are in the engine")
+        dropped = sum(len(prefixes) for prefixes in self._cached.values())
+        self._cached.clear()
+        return CacheReset(dropped, 0, 0)
+
     def check_alive(self) -> None:
         pass  # the Engine API: an engine in this process is alive while it steps
 
@@ -292,7 +304,7 @@ def live_server(
 
     ``core_process``: the engine runs in its own process behind a RemoteEngine, as
     ``pagedrs serve`` runs it by default. ``trace``: a RequestTrace the loop writes to.
-    ``options``: the app's ServerOptions (default: ServerOptions()).
+    ``options``: the app's ServerOptions (API keys, the admin key).
     """
     from pagedrs import Engine, EngineArgs
     from pagedrs.server import BackgroundServer, EngineLoop, build_app

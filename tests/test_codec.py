@@ -27,7 +27,8 @@ def _outputs() -> p.CoreOutputs:
         p.CoreSampleOutput(1, [7], [-0.1], None, "stop", 7),
         p.CoreSampleOutput(2, [1, 2, 3], [], None, "length", None, cumulative_logprob=-3.5, score=-1.75),
     ]
-    return p.CoreOutputs([p.CoreOutput("r", samples, True, metrics, "ValueError: x", 16),
+    return p.CoreOutputs([p.CoreOutput("r", samples, True, metrics, "ValueError: x", 16,
+                                       {"device": 8, "host": 4, "disk": 4}),
                           p.CoreOutput("s", [], False, None)], _stats())
 
 
@@ -44,6 +45,9 @@ MESSAGES = [
     codec.AddRefused("a", "request 'a' already exists"),
     codec.CoreFailed("RuntimeError: gone"),
     codec.StepOutputs(_outputs(), 1.25, 2.5),
+    p.ResetPrefixCache(),
+    p.CacheReset(3, 2, 1),
+    p.CacheReset(0, 0, 0, refused="cannot reset the prefix cache while 1 request(s) are in the engine"),
 ]
 
 

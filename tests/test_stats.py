@@ -17,6 +17,7 @@ def test_every_metric_reads_a_field_of_engine_stats():
     keys = {key for key, _ in metrics._GAUGES.values()}
     keys |= {k for ks, _ in metrics._COUNTERS.values() for k in ks}
     keys |= {k for _, ks, _ in [*metrics._LABELED_GAUGES.values(), *metrics._LABELED_COUNTERS.values()] for k in ks.values()}
+    keys |= {k for _, label_key, key, _ in metrics._COUNTERS_BY_STRING.values() for k in (label_key, key)}
     assert keys - names <= metrics.OPTIONAL_KEYS, f"metrics read keys EngineStats lacks: {sorted(keys - names)}"
     assert CONTRACT_KEYS <= names
 

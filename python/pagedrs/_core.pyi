@@ -133,6 +133,7 @@ class SchedulerConfig:
         admission_min_ratio: float = 0.1,
         admission_decay_steps: int = 600,
         prefill_first: bool = False,  # a step that admits a prompt runs no decodes (never twice in a row)
+        eviction_policy: str = "lru",  # "lru" | "lfu" (LFU with dynamic aging): which cached page a tier gives up first
     ) -> None: ...
     @property
     def num_gpu_blocks(self) -> int: ...
@@ -145,6 +146,8 @@ class SchedulerConfig:
     def block_size(self) -> int: ...
     @property
     def watermark_blocks(self) -> int: ...
+    @property
+    def eviction_policy(self) -> str: ...
     @property
     def num_disk_blocks(self) -> int:
         """Disk page slots the layout uses (0 when off, and for the contiguous baseline)."""
@@ -246,6 +249,10 @@ class Scheduler:
         """Drops disk slots whose page was lost; returns how many were dropped."""
     def num_cached_tokens_of(self, seq_id: int) -> int | None:
         """Prompt tokens the sequence's first admission found cached (None before it)."""
+    def num_cached_tokens_by_tier_of(self, seq_id: int) -> tuple[int, int, int] | None:
+        """That count split by tier (device, host, disk); None before the admission or once its pages are dropped."""
+    def reset_prefix_cache(self) -> tuple[int, int, int]:
+        """Forgets every cached page on every tier; the pages dropped (device, host, disk). ValueError while pages are held."""
     def append_tokens(self, seq_ids: npt.NDArray[np.uint64], token_ids: npt.NDArray[np.uint32]) -> None:
         """One token per sequence, all or nothing."""
     def append_placeholders(self, seq_ids: npt.NDArray[np.uint64]) -> None:

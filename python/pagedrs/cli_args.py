@@ -28,7 +28,7 @@ _SAME_NAME = (
     "model", "device", "dtype", "weight_dtype", "block_size", "num_gpu_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size",
-    "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling",
+    "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy",
 )
 
 
@@ -68,6 +68,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
         "for the host's sampling and outputs; same outputs. Not with --tensor-parallel-size > 1 or --kv-disk-path",
     )
     p.add_argument("--kv-layout", default=d["kv_layout"], choices=["paged", "contiguous"])
+    p.add_argument("--eviction-policy", default=d["eviction_policy"], choices=["lru", "lfu"],
+                   help="which cached prefix page goes first: least recently used (default) or least "
+                   "frequently used with aging (SGLang's --radix-eviction-policy lfu)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--cpu-threads", type=int, default=d["cpu_threads"], help=cpu_threads_help)
     _add_parallel_and_tier_args(p)

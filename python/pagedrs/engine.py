@@ -20,7 +20,7 @@ from typing import Any, Optional
 from pagedrs.attention import AttentionBackend
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.engine_core import EngineCore
-from pagedrs.core.protocol import Abort, FinishSample, is_engine_fatal
+from pagedrs.core.protocol import Abort, CacheReset, FinishSample, is_engine_fatal
 from pagedrs.engine_args import EngineArgs
 from pagedrs.frontend.client import AckCallback, InprocClient, start_client
 from pagedrs.frontend.input_processor import InputProcessor, PromptType
@@ -194,6 +194,11 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """``typed_stats()`` as a dict (the engine contract's string keys)."""
         return self.typed_stats().as_dict()
+
+    def reset_prefix_cache(self) -> CacheReset:
+        """Forgets every cached page on every tier, the disk store's too (stepping thread); the pages
+        each tier dropped. PrefixCacheBusyError, nothing cleared, while requests are unfinished."""
+        return self.client.reset_prefix_cache()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Aborts what is left, flushes the cached KV pages to the disk tier (when on), and

@@ -50,6 +50,9 @@ class EngineArgs:
     # Plan and launch step N+1 before step N is sampled (vLLM's async_scheduling; core/async_step.py):
     # the device never waits for the host's sampling and output handling. Same outputs.
     async_scheduling: bool = False
+    # Which cached page every tier gives up first: "lru" (least recently released) or "lfu"
+    # (least frequently hit, with dynamic aging so a once-hot prefix does not stay for ever).
+    eviction_policy: str = "lru"
     host_cache_evicted: bool = False  # legacy switch: host-cache evicted pages in the swap pool's free blocks
     # Host tier for evicted prefix pages, added to the swap pool (GiB; 0 = off).
     # None = auto: min(4 GiB, 10% of MemAvailable) on CUDA, 0 on a CPU device (as swap_space_gb).
@@ -92,6 +95,7 @@ class EngineArgs:
         choice("dtype", _DTYPES)
         choice("weight_dtype", _WEIGHT_DTYPES)
         choice("admission_policy", ("expected_growth", "prompt_only"))
+        choice("eviction_policy", ("lru", "lfu"))
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):

@@ -6,7 +6,7 @@ the base layer, so that any layer may raise or catch them.
 
 from __future__ import annotations
 
-__all__ = ["EngineCoreDeadError", "EngineCoreError", "EngineDeadError"]
+__all__ = ["EngineCoreDeadError", "EngineCoreError", "EngineDeadError", "PrefixCacheBusyError"]
 
 
 class EngineDeadError(RuntimeError):
@@ -25,3 +25,8 @@ class EngineCoreError(RuntimeError):
 
 class EngineCoreDeadError(EngineCoreError, EngineDeadError):
     """The engine core process died (or failed and exited) after it started: it will never step again."""
+
+
+class PrefixCacheBusyError(RuntimeError):
+    """A reset of the prefix cache was refused because requests are in the engine (their pages
+    are in use, as vLLM's reset refuses while blocks are held); nothing was cleared. Not fatal."""

@@ -6,6 +6,7 @@ from collections.abc import Generator, Sequence
 from typing import Any, Optional, Union
 
 from pagedrs.beam_search import NEG, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedrs.core.protocol import CacheReset
 from pagedrs.engine import Engine, PromptType
 from pagedrs.engine_args import EngineArgs
 from pagedrs.outputs import RequestOutput
@@ -31,6 +32,12 @@ class LLM:
     def shutdown(self) -> None:
         """``Engine.shutdown``: aborts what is left, releases the workers, the disk tier and the KV pools."""
         self.engine.shutdown()
+
+    def reset_prefix_cache(self) -> CacheReset:
+        """Forgets every cached prefix page on the device, host and disk tiers (vLLM's
+        ``LLM.reset_prefix_cache``, which its CPU tier once survived: vLLM issue 57727). Returns
+        the pages each tier dropped; raises ``PrefixCacheBusyError`` while requests run."""
+        return self.engine.reset_prefix_cache()
 
     def _next_id(self) -> str:
         self._ids += 1

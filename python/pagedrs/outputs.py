@@ -36,3 +36,6 @@ class RequestOutput:
     # prompt tokens whose K/V the core reused from the prefix cache at the request's first
     # admission (any tier); None until it was first scheduled (OpenAI's cached_tokens)
     num_cached_tokens: Optional[int] = None
+    # that count by the tier the tokens were found on, {"device": .., "host": .., "disk": ..}
+    # (a host or disk hit was copied back to the device first); None until first scheduled
+    cached_tokens_by_tier: Optional[dict[str, int]] = None

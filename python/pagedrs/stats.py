@@ -34,6 +34,7 @@ class EngineStats:
     block_size: int
     kv_bytes_per_block: int
     kv_layout: str
+    eviction_policy: str  # "lru" | "lfu": which cached page each tier gives up first (EngineArgs.eviction_policy)
     # requests and sequences
     num_running: int
     num_waiting: int

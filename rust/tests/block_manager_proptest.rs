@@ -12,7 +12,7 @@ use proptest::test_runner::RngSeed;
 use std::collections::BTreeMap;
 
 use pagedrs::block_manager::window::first_needed_pos;
-use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, SwapInStatus, Tier, NULL_BLOCK};
+use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, EvictionPolicyKind, SwapInStatus, Tier, NULL_BLOCK};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -50,8 +50,9 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn config() -> impl Strategy<Value = BlockManagerConfig> {
     let window = prop_oneof![Just(None), (1usize..10).prop_map(Some)];
-    (4usize..16, 1usize..5, 0usize..10, any::<bool>(), any::<bool>(), prop_oneof![Just(0usize), 1usize..8], window).prop_map(
-        |(gpu, bs, cpu, prefix, host, disk, window)| BlockManagerConfig {
+    let policy = prop_oneof![Just(EvictionPolicyKind::Lru), Just(EvictionPolicyKind::Lfu)];
+    ((4usize..16, 1usize..5, 0usize..10, any::<bool>(), any::<bool>(), prop_oneof![Just(0usize), 1usize..8], window), policy).prop_map(
+        |((gpu, bs, cpu, prefix, host, disk, window), eviction_policy)| BlockManagerConfig {
             num_gpu_blocks: gpu,
             block_size: bs,
             num_cpu_blocks: cpu,
@@ -60,6 +61,7 @@ fn config() -> impl Strategy<Value = BlockManagerConfig> {
             host_cache_evicted: host,
             num_disk_blocks: disk,
             sliding_window: window,
+            eviction_policy,
         },
     )
 }

@@ -250,6 +250,7 @@ fn build(cfg: &Setup) -> Scheduler {
         host_cache_evicted: cfg.host_cache_evicted,
         num_disk_blocks: cfg.disk_blocks,
         watermark: cfg.watermark,
+        eviction_policy: Default::default(),
     };
     let mut s = Scheduler::build(sched, kv).expect("a valid configuration");
     s.set_whole_sequence_swap(cfg.whole_sequence_swap);

@@ -14,6 +14,10 @@ has evicted most of its pages. The tier sets compared:
     warm restart      +host+disk, the engine shut down after turn 2 and a new one started
                       on the same store (device and host empty, the disk store reopened)
 
+Every set runs under the default eviction policy (LRU); ``device`` and ``+host+disk`` run
+again under LFU with aging (``EngineArgs.eviction_policy="lfu"``), so the table compares the
+two policies' hit rates on the same conversations.
+
 Reported per set: prefix hit rate by tier (hit blocks / queried blocks), prefill tokens
 computed, KV bytes moved between tiers, output tokens/s and time to first token
 (median, p99; from a request's submission). Greedy outputs are identical in every set
@@ -38,6 +42,7 @@ from pagedrs.bench.report import Column, markdown_table, render
 FULL = dict(users=48, turns=4, system_tokens=256, user_tokens=64, reply_tokens=32, concurrency=4)
 QUICK = dict(users=8, turns=3, system_tokens=64, user_tokens=32, reply_tokens=8, concurrency=2)
 SETS = ("device", "host", "host_disk", "warm_restart")
+POLICY_SETS = {"device_lfu": "device", "host_disk_lfu": "host_disk"}  # run under LFU: set -> its LRU twin
 _COUNTERS = ("prefix_queries", "prefix_hits", "prefix_hits_device", "prefix_hits_host", "prefix_hits_disk",
              "num_prompt_tokens_computed", "num_generated_tokens", "kv_bytes_to_host", "kv_bytes_from_host",
              "kv_bytes_to_disk", "kv_bytes_from_disk")
@@ -172,6 +177,12 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
                 kw.update(kv_disk_path=f"{tmp}/{name}", kv_disk_gb=disk_gb)
             progress(f"multiturn: {name}")
             data[name] = _run_set(name, cfg, s, geo.vocab_size, kw)
+        for name, twin in POLICY_SETS.items():
+            kw = dict(common, kv_host_cache_gb=host_gb[twin], eviction_policy="lfu")
+            if twin == "host_disk":
+                kw.update(kv_disk_path=f"{tmp}/{name}", kv_disk_gb=disk_gb)
+            progress(f"multiturn: {name}")
+            data[name] = _run_set(name, cfg, s, geo.vocab_size, kw)
     dev, host = data["device"], data["host"]
     data["prefill_reduction_host_x"] = dev["prefill_tokens_computed"] / max(1, host["prefill_tokens_computed"])
     data["ttft_p50_speedup_host_x"] = dev["ttft_p50_s"] / host["ttft_p50_s"] if host["ttft_p50_s"] else 0.0
@@ -180,7 +191,8 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     return data, _markdown(data, machine)
 
 
-_LABELS = {"device": "device only", "host": "+host", "host_disk": "+host+disk", "warm_restart": "warm restart (+host+disk)"}
+_LABELS = {"device": "device only", "host": "+host", "host_disk": "+host+disk", "warm_restart": "warm restart (+host+disk)",
+           "device_lfu": "device only, LFU", "host_disk_lfu": "+host+disk, LFU"}
 _COLUMNS = [
     Column("tiers", "label"),
     Column("hit rate", "hit_rate_pct", "{:.1f}%"),
@@ -196,7 +208,7 @@ _COLUMNS = [
 
 
 def _markdown(data: dict[str, Any], machine: str) -> str:
-    rows = [{"label": _LABELS[n], "mb_moved": data[n]["bytes_moved"] / 2**20, **data[n]} for n in SETS]
+    rows = [{"label": _LABELS[n], "mb_moved": data[n]["bytes_moved"] / 2**20, **data[n]} for n in (*SETS, *POLICY_SETS)]
     s = data["settings"]
     warm = data["warm_restart"]
     notes = [
@@ -210,6 +222,9 @@ def _markdown(data: dict[str, Any], machine: str) -> str:
         f"Warm restart: {warm.get('pages_on_disk_at_restart', 0)} pages on disk at restart; "
         f"{warm.get('restart_hit_pct', 0.0):.1f}% of the pages of the conversations before the restart were hits "
         f"in the turn after it (target 90%).",
+        "Eviction policy, hit rate LRU -> LFU: " + "; ".join(
+            f"{_LABELS[twin]} {data[twin]['hit_rate_pct']:.1f}% -> {data[name]['hit_rate_pct']:.1f}%"
+            for name, twin in POLICY_SETS.items()) + " (every other row: LRU).",
         f"Model {data['model']}. Hit rates are over prompt blocks eligible for a hit.",
     ]
     return render("Multi-turn chat: device, host and disk page tiers", markdown_table(rows, _COLUMNS), notes, machine)

@@ -28,6 +28,7 @@ from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.async_step import AsyncScheduler
 from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, IndependentSamples, request_shape
 from pagedrs.core.fast_rows import FastRows
+from pagedrs.core.prefix_cache import cached_tokens_by_tier
 from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestMetrics
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
@@ -257,6 +258,7 @@ class EngineCore:
             seen.add(request.request_id)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = self.scheduler.num_cached_tokens_of(seq_id)
+                request.cached_tokens_by_tier = cached_tokens_by_tier(self.scheduler, seq_id)
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = start
                 metrics.num_steps_queued = self.num_steps - 1 - request.queued_step
@@ -283,6 +285,7 @@ class EngineCore:
             self.scheduler.core_stats(),
             num_cpu_blocks=self.scheduler_config.num_cpu_blocks,
             kv_layout=self.args.kv_layout,
+            eviction_policy=self.args.eviction_policy,
             block_size=self.args.block_size,
             num_generated_tokens=self.num_generated,
             peak_running=self.peak_running,

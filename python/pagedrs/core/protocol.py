@@ -91,6 +91,8 @@ class CoreOutput:
     metrics: Optional[RequestMetrics]  # None: unchanged since the previous output (a client may send them once)
     error: Optional[str] = None  # set when the core ended it with finish_reason "error"
     num_cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission; None until scheduled
+    # that count by the tier the tokens were found on: {"device": .., "host": .., "disk": ..}
+    cached_tokens_by_tier: Optional[dict[str, int]] = None
 
 
 @dataclass
@@ -122,7 +124,22 @@ class FinishSample:
     stop_reason: Union[int, str, None]  # the stop string
 
 
-Command = Union[Add, Abort, FinishSample]
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """Forget every cached page on every tier (device, host, disk): the core answers ``CacheReset``."""
+
+
+@dataclass(frozen=True)
+class CacheReset:
+    """The core's answer to ``ResetPrefixCache``: the pages each tier dropped, or why it refused."""
+
+    device: int
+    host: int
+    disk: int
+    refused: Optional[str] = None  # set when requests held pages: nothing was cleared (PrefixCacheBusyError)
+
+
+Command = Union[Add, Abort, FinishSample, ResetPrefixCache]
 
 
 # ---- errors --------------------------------------------------------------------------------

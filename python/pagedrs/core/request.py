@@ -93,6 +93,7 @@ class Request:
     metrics: RequestMetrics
     queued_step: int = 0  # the core's step count when it was queued
     num_cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission
+    cached_tokens_by_tier: Optional[dict[str, int]] = None  # that count by tier (core/prefix_cache.py)
     hypotheses: Optional[list[Hypothesis]] = None  # beam search, once it ended
     ended: Optional[str] = None  # "abort" or "error": it ended before its samples did
     error: Optional[str] = None
@@ -142,7 +143,8 @@ class Request:
         if finished or not self._timed:
             metrics = self.metrics
             self._timed = self.metrics.first_token_time is not None
-        return CoreOutput(self.request_id, samples, finished, metrics, self.error, self.num_cached_tokens)
+        return CoreOutput(self.request_id, samples, finished, metrics, self.error, self.num_cached_tokens,
+                          self.cached_tokens_by_tier)
 
 
 @dataclass(frozen=True)

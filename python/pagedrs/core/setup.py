@@ -64,6 +64,7 @@ def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBack
         host_cache_evicted=args.host_cache_evicted or tiers.host_cache_blocks > 0,
         num_disk_blocks=tiers.disk_blocks,
         sliding_window=_uniform_sliding_window(config) if args.kv_layout == "paged" else None,
+        eviction_policy=args.eviction_policy,
     )
     scheduler = Scheduler(scheduler_config)
     disk = executor.disk_tier()

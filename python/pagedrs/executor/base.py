@@ -63,6 +63,11 @@ class DiskTierHandle(Protocol):
         """Disk slots whose write failed after it was queued, since the last call (the core drops them)."""
         ...
 
+    def erase_pages(self) -> None:
+        """Invalidates every page the store holds, durably (a reset of the prefix cache: the core
+        dropped them from its index, and a restart must not seed them back)."""
+        ...
+
     def close(self) -> None:
         """Makes the store's pages durable and closes it; idempotent."""
         ...

@@ -189,5 +189,8 @@ class _LocalDiskTier:
     def take_failed_disk_slots(self) -> list[int]:
         return self.store.take_failed_slots()
 
+    def erase_pages(self) -> None:
+        self.store.erase_pages()
+
     def close(self) -> None:
         self.store.close()

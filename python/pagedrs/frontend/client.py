@@ -20,7 +20,8 @@ from typing import Any, Optional, Protocol, Union
 
 from pagedrs.attention import AttentionBackend
 from pagedrs.core.engine_core import EngineCore
-from pagedrs.core.protocol import Abort, CoreOutputs, CoreRequest, FinishSample
+from pagedrs.core.prefix_cache import reset_prefix_cache
+from pagedrs.core.protocol import Abort, CacheReset, CoreOutputs, CoreRequest, FinishSample
 from pagedrs.engine_args import EngineArgs
 from pagedrs.stats import EngineStats
 from pagedrs.tokenizer import TokenIdsOnly, Tokenizer
@@ -61,6 +62,11 @@ class CoreClient(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def reset_prefix_cache(self) -> CacheReset:
+        """Forgets every cached page on every tier, between two steps (stepping thread); raises
+        PrefixCacheBusyError, nothing cleared, while requests are in the core."""
+        ...
 
     def check_alive(self) -> None:
         """Takes in what the core sent without waiting; raises EngineDeadError once it is gone."""
@@ -154,6 +160,10 @@ class InprocClient:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def reset_prefix_cache(self) -> CacheReset:
+        self._apply_inbox()  # adds already submitted count as requests in the core
+        return reset_prefix_cache(self.core)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         with self._lock:

@@ -68,7 +68,8 @@ class StepOutputs:
 
 
 # Every message type, front end -> core and back; the index is the tag on the wire.
-MESSAGES: tuple[type, ...] = (p.Add, p.Abort, p.FinishSample, Stop, Ready, Added, AddRefused, CoreFailed, StepOutputs)
+MESSAGES: tuple[type, ...] = (p.Add, p.Abort, p.FinishSample, Stop, Ready, Added, AddRefused, CoreFailed, StepOutputs,
+                              p.ResetPrefixCache, p.CacheReset)
 _TAGS = {cls: i for i, cls in enumerate(MESSAGES)}
 
 

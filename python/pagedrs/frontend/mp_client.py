@@ -40,16 +40,20 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
+from pagedrs.core.prefix_cache import answer_reset
 from pagedrs.core.protocol import (
     Abort,
     Add,
+    CacheReset,
     CoreOutputs,
     CoreRequest,
     EngineCoreDeadError,
     EngineCoreError,
     FinishSample,
+    ResetPrefixCache,
 )
 from pagedrs.engine_args import EngineArgs
+from pagedrs.errors import PrefixCacheBusyError
 from pagedrs.frontend import codec
 from pagedrs.frontend.codec import Added, AddRefused, CoreFailed, Ready, StepOutputs, Stop
 from pagedrs.frontend.core_pipe import (
@@ -132,6 +136,8 @@ def core_main(conn: Connection, args: EngineArgs, heartbeat_s: float = 1.0) -> N
                         sent = CoreOutputs([], core.stats())
                         pipe.send_bytes(codec.encode(StepOutputs(sent, step_seconds, busy_seconds)))
                     busy = core.has_unfinished()
+                elif isinstance(command, ResetPrefixCache):  # between steps, as every command
+                    pipe.send_bytes(codec.encode(answer_reset(core)))
                 elif isinstance(command, Stop):
                     core.shutdown()
                     return
@@ -218,6 +224,7 @@ class MPClient:
         self._stats: EngineStats = ready.stats
         self.step_seconds = self.busy_seconds = 0.0
         self._buffered = CoreOutputs()
+        self._reset_answer: Optional[CacheReset] = None  # the core's answer to the latest ResetPrefixCache
 
     # ---- CoreClient -------------------------------------------------------------------
 
@@ -270,6 +277,16 @@ class MPClient:
         except EngineCoreDeadError:
             pass  # step() and check_alive() report the death; the stats stay the last the core sent
         return self._stats
+
+    def reset_prefix_cache(self) -> CacheReset:
+        """Sent after every command before it; waits for the core's answer (outputs that come first are buffered)."""
+        self._reset_answer = None
+        self._outbox.put(codec.encode(ResetPrefixCache()))
+        while (answer := self._reset_answer) is None:
+            self._take(self._recv(None))
+        if answer.refused is not None:
+            raise PrefixCacheBusyError(answer.refused)
+        return answer
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stops the core (its requests aborted, its pages freed), waiting up to ``timeout_s`` per stage."""
@@ -338,6 +355,8 @@ class MPClient:
                 on_ack = self._acks.pop(message.request_id, None)
             if on_ack is not None:
                 on_ack(None if isinstance(message, Added) else ValueError(message.message))
+        elif isinstance(message, CacheReset):
+            self._reset_answer = message
         elif isinstance(message, StepOutputs):
             self._buffered.outputs.extend(message.outputs.outputs)
             if message.outputs.stats is not None:

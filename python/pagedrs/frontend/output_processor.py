@@ -70,6 +70,7 @@ class RequestState:
     samples: list[SampleText]  # by index
     metrics: RequestMetrics
     num_cached_tokens: Optional[int] = None
+    cached_tokens_by_tier: Optional[dict[str, int]] = None
     error: Optional[str] = None
     ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
 
@@ -142,6 +143,7 @@ class OutputProcessor:
                 state.metrics = out.metrics
             if out.num_cached_tokens is not None:
                 state.num_cached_tokens = out.num_cached_tokens
+                state.cached_tokens_by_tier = out.cached_tokens_by_tier
             try:
                 for c in out.samples:
                     self._take(state, c, commands)
@@ -265,6 +267,7 @@ class OutputProcessor:
             error=state.error,
             metrics=metrics,
             num_cached_tokens=state.num_cached_tokens,
+            cached_tokens_by_tier=state.cached_tokens_by_tier,
         )
 
 

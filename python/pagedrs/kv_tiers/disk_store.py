@@ -297,6 +297,12 @@ class DiskPageStore:
             record = self._format.pack(generation, int(hashes[i]), int(parents[i]), tokens[i], pages[i].tobytes())
             self._writer.put(slot, generation, record)
 
+    def erase_pages(self) -> None:
+        """Every page made invalid, durably (a reset of the prefix cache): a restart seeds none back."""
+        if self._fd is not None:
+            self._writer.erase_all()
+            os.fsync(self._f)
+
     def take_failed_slots(self) -> list[int]:
         """The slots whose last write failed since the last call (ascending): the core must
         drop them from its disk index. A read of one raises CorruptPageError meanwhile."""

@@ -72,6 +72,17 @@ class SlotWriter:
             self._failed.discard(slot)
         self.queue.put((slot, generation, record))
 
+    def erase_all(self) -> None:
+        """Once the queued records are written, invalidates every slot that holds one (a reset of
+        the prefix cache: the next open must seed nothing); the slots then hold no page."""
+        self.wait()
+        with self._lock:
+            held = np.flatnonzero(self.current != NO_PAGE).tolist()
+            self.current[:] = NO_PAGE
+            self._failed.clear()
+        for slot in held:
+            self._invalidate(slot)
+
     def take_failed(self) -> list[int]:
         with self._lock:
             failed, self._failed = sorted(self._failed), set()

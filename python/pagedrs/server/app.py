@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import pagedrs
-from pagedrs.server import chat, completions, tokenize
+from pagedrs.server import cache_admin, chat, completions, tokenize
 from pagedrs.server.engine_loop import EngineLoop
 from pagedrs.server.errors import APIError, install_error_handlers
 from pagedrs.server.guard import Gate
@@ -108,6 +108,10 @@ def build_app(
     @app.post("/detokenize")
     async def create_detokenize(body: tokenize.DetokenizeRequest) -> tokenize.DetokenizeResponse:
         return await tokenize.detokenize(ctx, body)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> cache_admin.PrefixCacheResetResponse:
+        return await cache_admin.reset_prefix_cache(ctx)
 
     return app
 

@@ -50,6 +50,7 @@ class RequestDelta:
     error_status: int = 500  # the HTTP status the error maps to (503: the server is shutting down)
     error_code: str | None = None  # OpenAI's `code`: ENGINE_DEAD, REQUEST_TIMEOUT, or None
     num_cached_tokens: int = 0  # prompt tokens whose K/V the engine reused (RequestOutput.num_cached_tokens)
+    cached_tokens_by_tier: dict[str, int] | None = None  # that count by tier (RequestOutput.cached_tokens_by_tier)
 
 
 class DeltaStream:
@@ -128,6 +129,7 @@ def merge_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
         prompt_token_ids=earlier.prompt_token_ids or later.prompt_token_ids,
         samples=[samples[i] for i in sorted(samples)],
         num_cached_tokens=later.num_cached_tokens or earlier.num_cached_tokens,
+        cached_tokens_by_tier=later.cached_tokens_by_tier or earlier.cached_tokens_by_tier,
     )
 
 

@@ -39,6 +39,7 @@ from typing import Any, Protocol
 
 from pagedrs.core.protocol import is_engine_fatal
 from pagedrs.server.deltas import DeltaStream
+from pagedrs.server.loop_call import LoopCall
 from pagedrs.server.metrics import ServerMetrics
 from pagedrs.server.refusals import ENGINE_DEAD, REQUEST_TIMEOUT, DeadEngineRefusal, RequestTimeoutError
 from pagedrs.server.request_trace import RequestTrace
@@ -107,7 +108,7 @@ class _Wake:
     """Nothing to apply: wakes an idle loop so it steps the engine, which answers the add just submitted."""
 
 
-_Command = _Abort | _FailAll | _Stop | _Wake
+_Command = _Abort | _FailAll | _Stop | _Wake | LoopCall
 
 
 class EngineLoop:
@@ -199,6 +200,13 @@ class EngineLoop:
         """Ask the engine to drop the request (no-op if it already finished). Does not wait."""
         self._commands.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (loop_call.py); its result or error."""
+        if not self.is_alive():
+            raise RuntimeError(f"the engine loop is not running ({self.fatal_error or 'stopped'})")
+        self._commands.put(command := LoopCall(fn))
+        return await asyncio.wrap_future(command.result)
+
     def fail_all(self, message: str, status: int = 503) -> None:
         """Abort every request in flight (each gets an error delta) and refuse new ones. Does not wait."""
         self._commands.put(_FailAll(message, status))
@@ -273,6 +281,8 @@ class EngineLoop:
             elif isinstance(command, _FailAll):
                 self._closed = command.message
                 self._fail_all(command.message, command.status)
+            elif isinstance(command, LoopCall):
+                command.run(self.engine)
         self._refresh_stats()
 
     def _on_ack(self, command: _Add, error: BaseException | None) -> None:
@@ -362,7 +372,9 @@ class EngineLoop:
     def _fail_queued_commands(self) -> None:
         with self._lock:
             unacked, self._unacked = list(self._unacked.values()), {}
-        self._take_commands(block=False)  # aborts and wakes: nothing waits on them
+        for queued in self._take_commands(block=False):  # aborts and wakes: nothing waits on them; calls do
+            if isinstance(queued, LoopCall):
+                queued.cancel("the engine loop stopped before the call ran")
         for command in unacked:
             if not command.accepted.done():
                 with self._lock:

@@ -41,6 +41,9 @@ Send = Callable[[Message], Awaitable[None]]
 
 _OPEN_PATHS = ("/health",)  # answered even while draining, and without a key
 ADMIN_PATHS = ("/metrics",)  # the operator's: the admin key when one is set (the counters span every tenant)
+# The cache's admin endpoints (server/cache_admin.py): the admin key when one is set, else any
+# tenant's key, and never open: a server started without any key refuses them (403).
+CACHE_ADMIN_PATHS = ("/reset_prefix_cache", "/v1/cache")
 
 
 class BodyTooLarge(HTTPException):
@@ -101,6 +104,9 @@ class Gate:
     def _refusal(self, scope: Scope) -> APIError | None:
         path: str = scope["path"]
         keys = self._keys_for(path)
+        if not keys and _is_cache_admin(path):
+            return APIError(403, f"{path} is an admin endpoint and this server has no key to open it: start it "
+                            "with --admin-api-key (or --api-key)", code="admin_key_required")
         if keys:
             tenant, problem = self._authenticate(_header(scope, b"authorization"), keys)
             if problem is not None:
@@ -124,6 +130,8 @@ class Gate:
         """The keys that open ``path`` (key -> tenant); empty when it is open to anyone."""
         if path in ADMIN_PATHS:
             return {} if self.options.metrics_public else (self._admin or self._keys)
+        if _is_cache_admin(path):
+            return self._admin or self._keys
         return self._keys if path.startswith("/v1/") or path == "/v1" else {}
 
     @staticmethod
@@ -164,6 +172,10 @@ class Gate:
             return message
 
         return limited_receive
+
+
+def _is_cache_admin(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in CACHE_ADMIN_PATHS)
 
 
 def _raw_header(scope: Scope, name: bytes) -> bytes | None:

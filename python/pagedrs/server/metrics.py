@@ -92,6 +92,12 @@ _COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
         ("window_released_blocks",), "KV pages given back because they fell out of every sliding window."),
 }
 
+# Counters labeled by a string the engine reports (name without _total -> (label, its stats key, counted key, help))
+_COUNTERS_BY_STRING: dict[str, tuple[str, str, str, str]] = {
+    "pagedrs_prefix_cache_evictions": (
+        "policy", "eviction_policy", "evictions", "Cached device pages whose content was dropped, by eviction policy."),
+}
+
 # Latency buckets (seconds) from a few ms (GPU decode) to a minute (CPU prefill under load).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -108,6 +114,12 @@ class ServerMetrics:
                                 for name, (label, _, doc) in _LABELED_GAUGES.items()}
         self._labeled_counters = {name: Counter(name, doc, [label], registry=self.registry)
                                   for name, (label, _, doc) in _LABELED_COUNTERS.items()}
+        self._string_counters = {name: Counter(name, doc, [label], registry=self.registry)
+                                 for name, (label, _, _, doc) in _COUNTERS_BY_STRING.items()}
+        self.prefix_cache_resets = Counter(
+            "pagedrs_prefix_cache_resets", "Resets of the prefix cache (POST /reset_prefix_cache), by outcome.",
+            ["outcome"], registry=self.registry,
+        )
         self.requests = Counter(
             "pagedrs_requests_finished", "Requests finished, by reason.", ["finish_reason"], registry=self.registry
         )
@@ -154,6 +166,10 @@ class ServerMetrics:
                 if key in stats:
                     self._advance(name + ":" + value, self._labeled_counters[name].labels(**{label: value}),
                                   float(stats[key]))
+        for name, (label, label_key, key, _) in _COUNTERS_BY_STRING.items():
+            if label_key in stats and key in stats:
+                value = str(stats[label_key])
+                self._advance(f"{name}:{value}", self._string_counters[name].labels(**{label: value}), float(stats[key]))
         for name, (summed, _) in _COUNTERS.items():
             if all(k in stats for k in summed):
                 self._advance(name, self._counters[name], float(sum(stats[k] for k in summed)))

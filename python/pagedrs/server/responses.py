@@ -12,8 +12,19 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field
 
 
+class CachedTokensByTier(BaseModel):
+    """A pagedrs extension of OpenAI's usage: where the cached prompt tokens were found. A host
+    or disk hit was copied back to the device instead of recomputed; the three add up to
+    ``cached_tokens``."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose K/V the engine reused from its prefix cache
+    cached_tokens_by_tier: CachedTokensByTier = Field(default_factory=CachedTokensByTier)  # pagedrs extension
 
 
 class Usage(BaseModel):
@@ -23,12 +34,15 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+           cached_by_tier: dict[str, int] | None = None) -> Usage:
+        """``cached_by_tier``: {"device", "host", "disk"} tokens (None: all zero)."""
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=cached_tokens, cached_tokens_by_tier=CachedTokensByTier(**(cached_by_tier or {}))),
         )
 
 

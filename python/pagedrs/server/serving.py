@@ -175,6 +175,7 @@ class Generation:
         self.stream: DeltaStream | None = None  # made in submit(), on the handler's event loop
         self.prompt_token_ids: dict[int, list[int]] = {}
         self.cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens the engine reused
+        self.cached_by_tier: dict[int, dict[str, int]] = {}  # prompt index -> those tokens by tier
         self._unfinished: set[str] = set()
 
     def bind(self, request: Request) -> None:
@@ -237,6 +238,8 @@ class Generation:
                 if delta.prompt_token_ids:
                     self.prompt_token_ids[delta.tag] = delta.prompt_token_ids
                     self.cached_tokens[delta.tag] = delta.num_cached_tokens
+                    if delta.cached_tokens_by_tier is not None:
+                        self.cached_by_tier[delta.tag] = delta.cached_tokens_by_tier
                 yield delta
         finally:
             self.abort()
@@ -261,7 +264,8 @@ class Generation:
     def usage(self, completion_tokens: int) -> Usage:
         """Summed over the prompts: their tokens, of which the engine found ``cached_tokens`` in its cache."""
         prompt_tokens = sum(len(ids) for ids in self.prompt_token_ids.values())
-        return Usage.of(prompt_tokens, completion_tokens, cached_tokens=sum(self.cached_tokens.values()))
+        by_tier = {tier: sum(split.get(tier, 0) for split in self.cached_by_tier.values()) for tier in ("device", "host", "disk")}
+        return Usage.of(prompt_tokens, completion_tokens, cached_tokens=sum(self.cached_tokens.values()), cached_by_tier=by_tier)
 
     def abort(self) -> None:
         for request_id in self._unfinished:

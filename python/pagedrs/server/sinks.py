@@ -30,12 +30,16 @@ class Sink:
     last_token_time: float | None = None
     timed: bool = False  # its first token's metrics are recorded
     num_cached_tokens: int = 0  # as last reported (the engine may report it with the first output only)
+    cached_tokens_by_tier: dict[str, int] | None = None  # likewise
 
     def delta_of(self, output: Any) -> RequestDelta:
         """``output`` (a RequestOutput) as the delta its handler reads."""
         reported = getattr(output, "num_cached_tokens", None)  # None: not in this output
         if reported is not None:
             self.num_cached_tokens = int(reported)
+        by_tier = getattr(output, "cached_tokens_by_tier", None)
+        if by_tier is not None:
+            self.cached_tokens_by_tier = dict(by_tier)
         return RequestDelta(
             tag=self.tag,
             request_id=output.request_id,
@@ -44,6 +48,7 @@ class Sink:
             finished=bool(output.finished),
             error=getattr(output, "error", None),
             num_cached_tokens=self.num_cached_tokens,
+            cached_tokens_by_tier=self.cached_tokens_by_tier,
         )
 
     def observe(self, output: Any, delta: RequestDelta, metrics: ServerMetrics, trace: RequestTrace | None,

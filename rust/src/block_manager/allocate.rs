@@ -133,16 +133,19 @@ impl BlockManager {
         for hit in &plan.hits {
             match *hit {
                 Hit::Gpu(b) => {
+                    self.gpu.cache.note_hit(b);
                     self.gpu.retain(b, 1);
                     table.push(b);
                     continue;
                 }
                 Hit::Host(c) => {
                     num_host_hits += 1;
+                    self.cpu.cache.note_hit(c);
                     self.cpu.retain(c, 1);
                 }
                 Hit::Disk(d) => {
                     num_disk_hits += 1;
+                    self.disk.cache.note_hit(d);
                     self.disk.retain(d, 1);
                 }
             }
@@ -175,7 +178,8 @@ impl BlockManager {
             let parent = plan.hashes.last().copied().unwrap_or(root);
             self.count_misses(tokens, num_hits, parent);
         }
-        let seq_state = Sequence::on_device(table, tokens.to_vec(), plan.hashes, num_hits * bs, plan.skipped, root);
+        let mut seq_state = Sequence::on_device(table, tokens.to_vec(), plan.hashes, num_hits * bs, plan.skipped, root);
+        seq_state.hit_blocks = [num_hits - num_host_hits - num_disk_hits, num_host_hits, num_disk_hits];
         self.seqs.insert(seq, seq_state);
         Ok(num_hits * bs)
     }

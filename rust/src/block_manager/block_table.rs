@@ -38,12 +38,26 @@ pub(crate) struct Sequence {
     pub(crate) released: usize,
     /// The seed of this sequence's hash chain (the manager's root, or a salted one).
     pub(crate) root: u64,
+    /// Blocks its allocation found cached, by the tier they were found on: device
+    /// (window placeholders included), host, disk (see `reset::cached_tokens_by_tier`).
+    pub(crate) hit_blocks: [usize; 3],
 }
 
 impl Sequence {
     /// A sequence on the device: every entry a device block (or a released placeholder).
     pub(crate) fn on_device(table: Vec<BlockId>, tokens: Vec<TokenId>, hashes: Vec<u64>, committed: usize, released: usize, root: u64) -> Self {
-        Sequence { on_host: vec![false; table.len()], num_host: 0, paused: false, table, tokens, hashes, committed, released, root }
+        Sequence {
+            on_host: vec![false; table.len()],
+            num_host: 0,
+            paused: false,
+            table,
+            tokens,
+            hashes,
+            committed,
+            released,
+            root,
+            hit_blocks: [0; 3],
+        }
     }
 
     /// The hash of the block before block `i` of the chain (the root for the first).

@@ -8,25 +8,28 @@
 //!  committed         |<------ hashed, cacheable ------>|       (full blocks only)
 //! ```
 //!
-//! Files: [`tier`] (pool + refcounts + cache of one tier), [`prefix_cache`] (hashes,
-//! LRU), `allocate` (prefix lookup, allocate, commit), [`block_table`] (append, COW,
+//! Files: [`tier`] (pool + refcounts + cache of one tier), [`prefix_cache`] (hashes),
+//! [`eviction`] (which cached page goes first: LRU or LFU with aging), `allocate` (prefix lookup, allocate, commit), [`block_table`] (append, COW,
 //! fork, free), `swap` (swapping sequences to the host), `tiers` (evicted pages moving
 //! device → host → disk, miss reasons, the persistent disk tier's seeding and flush),
 //! `page_swap` (a paused sequence's pages moved to the host one by one),
 //! [`transfer`] (copies between tiers as values), [`window`] (pages released out of a
-//! sliding window), `invariants`.
+//! sliding window), `reset` (the prefix cache cleared on every tier; per-tier hits),
+//! `invariants`.
 //!
 //! The manager is single-owner (`&mut self`); the page pool underneath is lock-free so
 //! that other components may take and return raw blocks concurrently.
 
 mod allocate;
 pub(crate) mod block_table;
+pub mod eviction;
 mod invariants;
 mod lru;
 mod page_swap;
 mod plan;
 pub(crate) mod prefix_cache;
 mod publish;
+mod reset;
 mod swap;
 pub(crate) mod tier;
 mod tiers;
@@ -39,14 +42,17 @@ use tier::TierPool;
 
 use crate::error::invalid;
 pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
+pub use eviction::EvictionPolicyKind;
+pub use reset::PrefixCacheReset;
+pub use tiers::{DiskPage, MissReason};
+pub use transfer::{Transfer, TransferId};
+pub use window::NULL_BLOCK;
 
 /// A token not sampled yet: asynchronous scheduling plans a sequence's next step before its
 /// previous step's token is known, and the runner fills the input from the device. No block
 /// holding one is hashed (so none is ever a prefix-cache hit) until `set_token` gives it.
 pub const PLACEHOLDER_TOKEN: TokenId = TokenId::MAX;
-pub use tiers::{DiskPage, MissReason};
-pub use transfer::{Transfer, TransferId};
-pub use window::NULL_BLOCK;
+
 use tiers::MissLog;
 use transfer::{Pending, Pin};
 
@@ -76,6 +82,8 @@ pub struct BlockManagerConfig {
     /// be released (see [`window`]) and prefix hits need only the window. `None` (full
     /// attention, or a model that mixes full and windowed layers) keeps every page.
     pub sliding_window: Option<usize>,
+    /// Which cached page every tier gives up first when it needs a block (see [`eviction`]).
+    pub eviction_policy: EvictionPolicyKind,
 }
 
 impl BlockManagerConfig {
@@ -90,6 +98,7 @@ impl BlockManagerConfig {
             host_cache_evicted: false,
             num_disk_blocks: 0,
             sliding_window: None,
+            eviction_policy: EvictionPolicyKind::Lru,
         }
     }
 }
@@ -216,9 +225,9 @@ impl BlockManager {
             ));
         }
         Ok(BlockManager {
-            gpu: TierPool::new(cfg.num_gpu_blocks, cfg.block_size),
-            cpu: TierPool::new(cfg.num_cpu_blocks, cfg.block_size),
-            disk: TierPool::new(cfg.num_disk_blocks, cfg.block_size),
+            gpu: TierPool::new(cfg.num_gpu_blocks, cfg.block_size, cfg.eviction_policy),
+            cpu: TierPool::new(cfg.num_cpu_blocks, cfg.block_size, cfg.eviction_policy),
+            disk: TierPool::new(cfg.num_disk_blocks, cfg.block_size, cfg.eviction_policy),
             seqs: IdMap::default(),
             stats: BlockManagerStats::default(),
             root: root_seed(cfg.cache_salt),

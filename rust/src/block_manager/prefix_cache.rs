@@ -1,5 +1,5 @@
 //! Content addressing of full, committed blocks of one tier: chained hashes, the
-//! hash → block map, each cached block's tokens, and the LRU evictable set.
+//! hash → block map, each cached block's tokens, and the evictable set (see `eviction`).
 //!
 //! A block's hash is `xxh3(tokens of the block, seed = hash of the previous block)`,
 //! the first block seeded by the root (which folds in the optional cache salt). A hit
@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::lru::EvictableList;
+use super::eviction::{EvictionPolicy, EvictionPolicyKind};
 use crate::error::{BlockId, TokenId};
 
 /// Seed of the first block's hash when there is no cache salt.
@@ -92,19 +92,19 @@ pub(crate) struct PrefixCache {
     parent: Vec<u64>,
     /// `tokens[b * bs .. (b + 1) * bs]`: the tokens whose K/V block `b` caches.
     tokens: Vec<TokenId>,
-    /// Cached blocks with refcount 0, least recently used first.
-    pub(crate) evictable: EvictableList,
+    /// Cached blocks with refcount 0, in the order the eviction policy gives them up.
+    pub(crate) evictable: Box<dyn EvictionPolicy>,
 }
 
 impl PrefixCache {
-    pub(crate) fn new(num_blocks: usize, block_size: usize) -> Self {
+    pub(crate) fn new(num_blocks: usize, block_size: usize, policy: EvictionPolicyKind) -> Self {
         PrefixCache {
             block_size,
             map: IdMap::default(),
             hash: vec![None; num_blocks],
             parent: vec![0; num_blocks],
             tokens: vec![0; num_blocks * block_size],
-            evictable: EvictableList::new(num_blocks),
+            evictable: policy.build(num_blocks),
         }
     }
 
@@ -113,6 +113,12 @@ impl PrefixCache {
     pub(crate) fn lookup(&self, hash: u64, parent: u64, tokens: &[TokenId]) -> Option<BlockId> {
         let &b = self.map.get(&hash)?;
         (self.parent[b as usize] == parent && self.block_tokens(b) == tokens).then_some(b)
+    }
+
+    /// A prefix hit on cached block `b` (its eviction policy may count it).
+    #[inline]
+    pub(crate) fn note_hit(&mut self, b: BlockId) {
+        self.evictable.record_use(b);
     }
 
     pub(crate) fn contains_hash(&self, hash: u64) -> bool {
@@ -154,6 +160,7 @@ impl PrefixCache {
     /// Returns the hash it had.
     pub(crate) fn uncache(&mut self, b: BlockId) -> Option<u64> {
         let hash = self.hash[b as usize].take()?;
+        self.evictable.forget(b);
         let removed = self.map.remove(&hash);
         debug_assert_eq!(removed, Some(b), "hash map and block hash disagree on block {b}");
         Some(hash)
@@ -182,7 +189,7 @@ mod tests {
 
     #[test]
     fn hit_needs_equal_tokens_and_parent() {
-        let mut c = PrefixCache::new(4, 2);
+        let mut c = PrefixCache::new(4, 2, EvictionPolicyKind::Lru);
         let root = root_seed(None);
         let h = block_hash(root, &[1, 2]);
         assert!(c.insert(3, h, root, &[1, 2]));

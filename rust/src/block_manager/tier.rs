@@ -3,8 +3,9 @@
 //!
 //! Block states (invariant 1): *free* (on the pool, refcount 0, no hash), *in use*
 //! (refcount ≥ 1, hashed or not), *cached and evictable* (refcount 0, hashed, on the
-//! LRU list). `num_free()` counts the first and the last.
+//! evictable set). `num_free()` counts the first and the last.
 
+use super::eviction::EvictionPolicyKind;
 use super::prefix_cache::PrefixCache;
 use crate::error::BlockId;
 use crate::page_pool::{PagePool, RefCounts};
@@ -18,11 +19,11 @@ pub(crate) struct TierPool {
 }
 
 impl TierPool {
-    pub(crate) fn new(num_blocks: usize, block_size: usize) -> Self {
+    pub(crate) fn new(num_blocks: usize, block_size: usize, policy: EvictionPolicyKind) -> Self {
         TierPool {
             pool: PagePool::new(num_blocks),
             refs: RefCounts::new(num_blocks),
-            cache: PrefixCache::new(num_blocks, block_size),
+            cache: PrefixCache::new(num_blocks, block_size, policy),
             release_batch: Vec::new(),
         }
     }
@@ -38,7 +39,7 @@ impl TierPool {
     }
 
     /// Takes `n` blocks with refcount 1 into `out`: never-cached ones first, then the
-    /// least recently used cached ones, whose ids (with the hash they had) are appended
+    /// cached ones the eviction policy gives up first, whose ids (with the hash they had) are appended
     /// to `evicted`. Returns `false`, changing nothing, when fewer than `n` are free.
     pub(crate) fn take(&mut self, n: usize, out: &mut Vec<BlockId>, evicted: &mut Vec<(BlockId, u64)>) -> bool {
         if n > self.num_free() {
@@ -49,7 +50,7 @@ impl TierPool {
         let took = self.pool.take_into(from_pool, out);
         debug_assert!(took, "pool had {from_pool} free under &mut");
         for _ in from_pool..n {
-            let b = self.cache.evictable.pop_front().expect("num_free counted this block");
+            let b = self.cache.evictable.pop_victim().expect("num_free counted this block");
             let hash = self.cache.uncache(b).expect("evictable blocks are hashed");
             evicted.push((b, hash));
             out.push(b);
@@ -87,7 +88,7 @@ impl TierPool {
     pub(crate) fn release(&mut self, b: BlockId, n: u32) {
         if self.refs.sub_exclusive(b, n) == 0 {
             if self.cache.hash_of(b).is_some() {
-                self.cache.evictable.push_back(b);
+                self.cache.evictable.push(b);
             } else {
                 self.release_batch.push(b);
             }

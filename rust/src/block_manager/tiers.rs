@@ -3,13 +3,13 @@
 //! a prefix hit on either brings it back to the device (see `allocate`).
 //!
 //! ```text
-//!   device ──evict──► host (LRU) ──evict──► disk (LRU, persistent) ──evict──► forgotten
+//!   device ──evict──► host ──evict──► disk (persistent) ──evict──► forgotten
 //!      ▲                 │                     │                            (miss reason kept)
 //!      └──── prefix hit ─┴─────────────────────┘
 //! ```
 //!
-//! Each tier is a [`TierPool`](super::tier::TierPool) with its own prefix cache and LRU
-//! list; the host cache lives in the swap pool (`cpu`), where a swap-out may reclaim
+//! Each tier is a [`TierPool`](super::tier::TierPool) with its own prefix cache and evictable
+//! set (ordered by the manager's eviction policy, see `eviction`); the host cache lives in the swap pool (`cpu`), where a swap-out may reclaim
 //! its pages (they are evictable) and idle swap space serves as cache. A page that
 //! leaves the last tier is recorded in a bounded [`MissLog`], so that a later miss on it
 //! says why it missed.
@@ -201,7 +201,7 @@ impl BlockManager {
                 && self.disk.cache.insert(p.slot, p.hash, p.parent, &p.tokens);
             if ok {
                 seeded[p.slot as usize] = true;
-                self.disk.cache.evictable.push_back(p.slot);
+                self.disk.cache.evictable.push(p.slot);
                 count += 1;
             }
         }

@@ -55,6 +55,7 @@ impl PyBlockManager {
             host_cache_evicted,
             num_disk_blocks,
             sliding_window,
+            eviction_policy: Default::default(),
         };
         Ok(PyBlockManager {
             inner: BlockManager::new(cfg).map_err(core_err)?,

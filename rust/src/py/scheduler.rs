@@ -173,6 +173,19 @@ impl PyScheduler {
         self.inner.num_cached_tokens_of(seq_id).map_err(to_py_err)
     }
 
+    /// `num_cached_tokens_of` split by tier: (device, host, disk) tokens; None before the
+    /// admission, or when its pages were dropped since.
+    fn num_cached_tokens_by_tier_of(&self, seq_id: SeqId) -> PyResult<Option<(usize, usize, usize)>> {
+        Ok(self.inner.num_cached_tokens_by_tier_of(seq_id).map_err(to_py_err)?.map(|[d, h, k]| (d, h, k)))
+    }
+
+    /// Forgets every cached page on every tier; returns the pages each dropped as
+    /// (device, host, disk). ValueError, nothing changed, while a sequence holds pages.
+    fn reset_prefix_cache(&mut self) -> PyResult<(usize, usize, usize)> {
+        let r = self.inner.reset_prefix_cache().map_err(to_py_err)?;
+        Ok((r.device, r.host, r.disk))
+    }
+
     /// Records one sampled token per sequence (batched: equal-length arrays), all or
     /// nothing: an unknown, repeated or full sequence anywhere in the list changes none.
     fn append_tokens(&mut self, seq_ids: PyReadonlyArray1<'_, u64>, token_ids: PyReadonlyArray1<'_, u32>) -> PyResult<()> {

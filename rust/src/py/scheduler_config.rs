@@ -3,6 +3,7 @@
 use pyo3::prelude::*;
 
 use super::convert::core_err as to_py_err;
+use crate::block_manager::EvictionPolicyKind;
 use crate::scheduler::{AdmissionConfig, AdmissionPolicy, KvConfig, KvLayout, PreemptionCost, PreemptionMode, SchedulerConfig};
 
 /// Every setting of a scheduler and its KV memory, in one value (`pagedrs.EngineArgs`
@@ -24,7 +25,7 @@ impl PySchedulerConfig {
         watermark = 0.0, aging_steps = 100, swap_cost_per_block = 1.0,
         recompute_cost_per_token = 1.0, host_cache_evicted = false, num_disk_blocks = 0,
         sliding_window = None, admission_policy = "expected_growth", admission_init_ratio = 0.7, admission_min_ratio = 0.1,
-        admission_decay_steps = 600, prefill_first = false
+        admission_decay_steps = 600, prefill_first = false, eviction_policy = "lru"
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -50,6 +51,7 @@ impl PySchedulerConfig {
         admission_min_ratio: f64,
         admission_decay_steps: u64,
         prefill_first: bool,
+        eviction_policy: &str,
     ) -> PyResult<Self> {
         let layout = KvLayout::parse(kv_layout, contiguous_reserve).map_err(to_py_err)?;
         let sched = SchedulerConfig {
@@ -77,6 +79,7 @@ impl PySchedulerConfig {
             host_cache_evicted,
             num_disk_blocks,
             watermark,
+            eviction_policy: EvictionPolicyKind::parse(eviction_policy).map_err(to_py_err)?,
         };
         kv.validate().map_err(to_py_err)?;
         sched.validate().map_err(to_py_err)?;
@@ -110,6 +113,11 @@ impl PySchedulerConfig {
     #[getter]
     fn sliding_window(&self) -> Option<usize> {
         self.sched.sliding_window
+    }
+    /// "lru" or "lfu": which cached page each tier gives up first.
+    #[getter]
+    fn eviction_policy(&self) -> &'static str {
+        self.kv.eviction_policy.name()
     }
     /// Device blocks an admission leaves free (0 for the contiguous baseline).
     #[getter]

@@ -1,5 +1,6 @@
 //! Scheduler settings, validated once at construction.
 
+use crate::block_manager::EvictionPolicyKind;
 use crate::error::CoreError;
 
 /// How a preempted sequence gives its device pages back.
@@ -92,6 +93,8 @@ pub struct KvConfig {
     pub num_disk_blocks: usize,
     /// Fraction of device blocks an admission must leave free, in `[0, 1)` (paged only).
     pub watermark: f64,
+    /// Which cached page each tier gives up first (paged only; the baseline caches nothing).
+    pub eviction_policy: EvictionPolicyKind,
 }
 
 impl KvConfig {

@@ -10,7 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use crate::block_manager::{BlockId, BlockManagerStats, DiskPage, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
+use crate::block_manager::{BlockId, BlockManagerStats, DiskPage, PrefixCacheReset, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
 use crate::error::{CoreError, Tier};
 use crate::scheduler::kv_space::{CopyPairs, KvSpace};
 
@@ -297,6 +297,12 @@ impl KvSpace for ContiguousSpace {
     }
 
     // ---- counters: nothing cached, no prefix query ever made
+    fn cached_tokens_by_tier(&self, seq: SeqId) -> Result<[usize; 3], CoreError> {
+        self.region(seq).map(|_| [0; 3])
+    }
+    fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError> {
+        Ok(PrefixCacheReset::default()) // nothing is ever cached
+    }
     fn num_cached_blocks(&self) -> (usize, usize, usize) {
         (0, 0, 0)
     }

@@ -19,7 +19,7 @@
 use std::collections::HashSet;
 
 pub use crate::block_manager::CopyPairs;
-use crate::block_manager::{BlockId, BlockManagerStats, DiskPage, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
+use crate::block_manager::{BlockId, BlockManagerStats, DiskPage, PrefixCacheReset, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
 use crate::error::CoreError;
 
 pub trait KvSpace: Send + Sync {
@@ -45,6 +45,11 @@ pub trait KvSpace: Send + Sync {
     fn num_cached_tokens(&self, tokens: &[TokenId], root: u64) -> usize;
     /// Takes pages for `tokens`; returns how many leading tokens already have K/V.
     fn admit(&mut self, seq: SeqId, tokens: &[TokenId], reserve_tokens: usize, root: u64) -> Result<usize, CoreError>;
+    /// What `admit` found cached for `seq`, per tier it was found on: `[device, host, disk]`.
+    fn cached_tokens_by_tier(&self, seq: SeqId) -> Result<[usize; 3], CoreError>;
+    /// Forgets every cached page on every tier (see `BlockManager::reset_prefix_cache`);
+    /// refused while a sequence holds pages.
+    fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError>;
 
     // ---- a sequence's pages
     fn blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError>;

@@ -26,6 +26,7 @@
 //! life is in `lifecycle`, the counters in `stats`, a step's after `schedule` in `steps`.
 
 mod admission;
+mod cache_ops;
 pub mod config;
 pub mod contiguous;
 pub mod kv_space;
@@ -127,6 +128,7 @@ impl Scheduler {
                     num_disk_blocks: kv.effective_disk_blocks(),
                     cache_salt: None,
                     sliding_window: None,
+                    eviction_policy: kv.eviction_policy,
                 };
                 Self::paged_with_watermark(sched, bm, kv.watermark_blocks())
             }

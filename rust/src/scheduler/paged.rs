@@ -3,7 +3,7 @@
 use std::collections::HashSet;
 
 use super::kv_space::{CopyPairs, KvSpace};
-use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, DiskPage, SeqId, SwapInStatus, TokenId, Transfer, TransferId, NULL_BLOCK};
+use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, DiskPage, PrefixCacheReset, SeqId, SwapInStatus, TokenId, Transfer, TransferId, NULL_BLOCK};
 use crate::error::CoreError;
 
 impl KvSpace for BlockManager {
@@ -27,6 +27,12 @@ impl KvSpace for BlockManager {
     }
     fn salted_root(&self, salt: Option<&[u8]>) -> u64 {
         BlockManager::salted_root(self, salt)
+    }
+    fn cached_tokens_by_tier(&self, seq: SeqId) -> Result<[usize; 3], CoreError> {
+        BlockManager::cached_tokens_by_tier(self, seq)
+    }
+    fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError> {
+        BlockManager::reset_prefix_cache(self)
     }
     fn begin_step(&mut self, step: u64) {
         BlockManager::begin_step(self, step)
