@@ -25,6 +25,8 @@ def _stub_members() -> dict[str, set[str]]:
             members[node.name] = names
         elif isinstance(node, ast.FunctionDef):
             members[node.name] = set()
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):  # a module constant
+            members[node.target.id] = set()
     return members
 
 
