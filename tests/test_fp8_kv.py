@@ -11,6 +11,8 @@ is tests/test_fp8_kernels_emulated.py.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
 import math
 from dataclasses import dataclass
@@ -124,6 +126,35 @@ def test_torch_attention_over_fp8_pages_equals_attention_over_the_dequantized_pa
     want = TorchAttentionBackend().forward(query, dequantize(kc, k_scale, torch.float32), dequantize(vc, v_scale, torch.float32),
                                            meta, head**-0.5)  # fmt: skip
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
+                    reason="needs a CUDA device and CuPy")  # fmt: skip
+@pytest.mark.parametrize("fp8", list(FP8.values()))
+def test_the_gpu_kernels_write_the_torch_backends_bytes_and_attend_alike(fp8: torch.dtype) -> None:
+    """On a GPU the kernels convert in hardware on sm_89+ (cuda/dtype.cuh): the same bytes as
+    torch's conversion, and attention within bf16 rounding of the torch backend's."""
+    from pagedrs.attention.cuda_backend import CudaAttentionBackend
+
+    gen = torch.Generator().manual_seed(6)
+    num_blocks, block, kv_heads, heads, head, n = 40, 16, 2, 8, 128, 300
+    scales = (torch.tensor([0.5], device="cuda"), torch.tensor([2.0], device="cuda"))
+    meta = AttentionMetadata(torch.arange(n, device="cuda"), torch.tensor([0, n], dtype=torch.int32, device="cuda"),
+                             torch.tensor([n], dtype=torch.int32, device="cuda"),
+                             torch.randperm(num_blocks, generator=gen)[:19].int()[None].cuda(), n, n, [0, n], [n])  # fmt: skip
+    meta.slot_mapping = (meta.block_tables[0].long()[torch.arange(n, device="cuda") // block] * block
+                         + torch.arange(n, device="cuda") % block)  # fmt: skip
+    key, value, query = ((torch.randn((n, h, head), generator=gen) * 60).to(torch.bfloat16).cuda() for h in (kv_heads, kv_heads, heads))
+    caches = {}
+    for name, backend in (("torch", TorchAttentionBackend(kv_scales=scales)), ("cuda", CudaAttentionBackend(kv_scales=scales))):
+        kc, vc = (torch.zeros((num_blocks, block, kv_heads, head), dtype=fp8, device="cuda") for _ in range(2))
+        backend.write_kv(key, value, kc, vc, meta)
+        out = backend.forward(query, kc, vc, dataclasses.replace(meta, plan=None), head**-0.5)
+        caches[name] = (kc.view(torch.uint8).cpu(), vc.view(torch.uint8).cpu(), out.float().cpu())
+    assert torch.equal(caches["torch"][0], caches["cuda"][0]) and torch.equal(caches["torch"][1], caches["cuda"][1])
+    want, got = caches["torch"][2], caches["cuda"][2]
+    assert float((got - want).abs().max() / want.abs().max()) <= 2e-2
 
 
 # ---------------------------------------------------------------- engines and tiers
