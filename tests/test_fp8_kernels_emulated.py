@@ -107,6 +107,12 @@ def test_float_to_fp8_rounds_to_nearest_even_and_saturates_like_torch(convert, f
 @pytest.mark.parametrize("fmt", list(FP8))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_write_kv_quantizes_exactly_the_slots(fmt: str, dtype: torch.dtype) -> None:
+    check_fp8_write_kv(fmt, dtype, "reverse")
+
+
+def check_fp8_write_kv(fmt: str, dtype: torch.dtype, schedule: str, files=None) -> None:
+    """reshape_and_cache into an fp8 cache (outliers saturate, scales not 1) == torch's bytes, and
+    the torch backend writes the same bytes; ``files`` replaces cuda/ (the mutation check)."""
     fp8 = FP8[fmt]
     gen = torch.Generator().manual_seed(11)
     num_blocks, block, kv_heads, head, tokens = 9, 16, 2, 64, 29
@@ -118,7 +124,7 @@ def test_write_kv_quantizes_exactly_the_slots(fmt: str, dtype: torch.dtype) -> N
     kc = torch.full((num_blocks, block, kv_heads, head), 0x7F, dtype=torch.uint8).view(fp8)  # NaN
     vc = kc.clone()
     k_scale, v_scale = torch.tensor([0.5]), torch.tensor([0.03125])
-    runtime = EmulatedRuntime(schedule="reverse")
+    runtime = EmulatedRuntime(schedule=schedule, files=files)
     ops.reshape_and_cache(key, value, kc, vc, slots, runtime, k_scale=k_scale, v_scale=v_scale)
     assert [n for n, _, _ in runtime.launches] == [f"pagedrs::reshape_and_cache_kernel<{_cpp(dtype)}, {CPP[fmt]}>"]
     keep = slots >= 0
@@ -159,9 +165,9 @@ def test_kernels_refuse_missing_or_misplaced_scales() -> None:
 
 
 def check_fp8_attention(fmt, dtype, seq_lens, q_lens, kv_heads, group, head, block, num_sms, schedule, variant,
-                        seed=0, window=None, parts=None):  # fmt: skip
+                        seed=0, window=None, parts=None, files=None):  # fmt: skip
     """The backend over an fp8 cache == the float64 reference over the dequantized cache, within the
-    query dtype's rounding; poisoned slots hold the fp8 NaN code."""
+    query dtype's rounding; poisoned slots hold the fp8 NaN code; ``files`` replaces cuda/."""
     fp8 = FP8[fmt]
     q, kc, vc, clean_k, clean_v, clean_tables, meta = _case(torch.float64, seq_lens, q_lens, kv_heads, group, head,
                                                             block, seed, window)  # fmt: skip
@@ -174,7 +180,7 @@ def check_fp8_attention(fmt, dtype, seq_lens, q_lens, kv_heads, group, head, blo
     scale = head**-0.5
     want = TorchAttentionBackend().forward(q.double(), clean_kq.double() * ks, clean_vq.double() * vs, ref_meta, scale,
                                            sliding_window=window)  # fmt: skip
-    runtime = EmulatedRuntime(schedule=schedule, seed=seed)
+    runtime = EmulatedRuntime(schedule=schedule, seed=seed, files=files)
     backend = CudaAttentionBackend(num_sms=num_sms, runtime=runtime, variant=variant, split_rule=V1,
                                    kv_scales=(k_scale, v_scale))  # V1: num_sms 1 = one pass, 1000 = split
     out = torch.full(q.shape, float("nan"), dtype=dtype)

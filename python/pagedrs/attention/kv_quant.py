@@ -10,7 +10,7 @@ emulator agree on these bits, so a page written by one is read right by the othe
 Scales: one K scale and one V scale (float32 tensors of one element on the cache's device:
 the kernels read them through pointers), 1.0 unless given — vLLM's default for a checkpoint
 without calibrated scales. On SmolLM2, per-layer scales calibrated from a prefill (amax / 448,
-and vLLM's ``calculate_kv_scales``: amax / 200 for K, / 100 for V) did no consistently better
+and vLLM's ``calculate_kv_scales``: amax / 200 for K, / 100 for V) did not do consistently better
 (benches/fp8_kv_scales.py; the README's fp8 section). Unit scales also make a page mean the same
 in every process, so the disk tier can keep fp8 pages across restarts (its geometry records the
 kv dtype and the scale rule).
