@@ -97,6 +97,20 @@ def test_kv_size_reports_the_fp8_capacity(capsys) -> None:
         main(["kv-size", "--model", "llama-3.1-70b", "--tokens", "8", "--kv-cache-dtype", "fp4"])
 
 
+def test_serve_and_generate_take_kv_cache_dtype() -> None:
+    from pagedrs.cli import build_parser
+    from pagedrs.cli_args import engine_kwargs
+    from pagedrs.server.cli import build_parser as serve_parser
+
+    gen = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp8_e5m2"])
+    assert engine_kwargs(gen)["kv_cache_dtype"] == "fp8_e5m2"
+    serve = serve_parser().parse_args(["--kv-cache-dtype", "fp8_e4m3"])
+    assert engine_kwargs(serve)["kv_cache_dtype"] == "fp8_e4m3"
+    assert engine_kwargs(serve_parser().parse_args([]))["kv_cache_dtype"] == "auto"
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--kv-cache-dtype", "fp8"])
+
+
 # ---------------------------------------------------------------- the torch backend
 
 
