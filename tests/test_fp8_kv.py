@@ -198,6 +198,25 @@ def test_swapping_and_prefix_hits_move_fp8_pages_bit_for_bit(tiny_llama_dir, kv:
     tight.shutdown()
 
 
+def test_tensor_parallel_ranks_store_fp8_pages_like_one_rank(tiny_llama_dir) -> None:
+    """Each rank stores its own KV heads in fp8 with the same unit scales: the greedy tokens of
+    tensor_parallel_size=2 equal one rank's (the tiny llama's 2 KV heads are split)."""
+    from test_tensor_parallel import BASE, prompts_for, run
+
+    from pagedrs import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    one = Engine(EngineArgs(model=str(tiny_llama_dir), kv_cache_dtype="fp8_e4m3", **BASE))
+    want = run(one, prompts_for(), params)
+    one.shutdown()
+    two = Engine(EngineArgs(model=str(tiny_llama_dir), kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, **BASE))
+    try:
+        assert two.executor.shard.local.runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert run(two, prompts_for(), params) == want
+    finally:
+        two.shutdown()
+
+
 def test_a_disk_store_of_other_kv_pages_is_never_read(tiny_llama_dir, tmp_path, caplog) -> None:
     import logging
 
