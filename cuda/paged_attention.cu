@@ -28,6 +28,14 @@
 // Split-K: gridDim.z partitions of `part_tokens` keys each (counted from the block's
 // first key) write a normalized partial output and (max, sum); attention_reduce_kernel
 // merges them.
+//
+// Cache storage type C: T (16-bit or float32, as the queries) or an 8-bit type of
+// dtype.cuh (fp8 KV cache). Either way the kernels load the same elements per vector
+// (16 / sizeof(T)), 16 bytes of T or 8 bytes of fp8, and compute in fp32. A stored key k
+// means k * k_scale and a value v * v_scale: k_scale is folded into the scaled query
+// (q . k k_scale = (q k_scale) . k) and v_scale into the normalized output, so the inner
+// loops convert and never multiply by a scale. The scales are device pointers (read once
+// per block), so a captured launch keeps reading the current value.
 #include "dtype.cuh"
 
 namespace pagedrs {
@@ -68,8 +76,8 @@ struct AttnShape {
   static_assert((TILE * NVEC) % kThreads == 0, "V tile must split evenly over threads");
 };
 
-template <typename T, int HEAD, int BLOCK>
-__device__ __forceinline__ const T* kv_row(const T* __restrict__ cache, const int* __restrict__ table, int t,
+template <typename C, int HEAD, int BLOCK>
+__device__ __forceinline__ const C* kv_row(const C* __restrict__ cache, const int* __restrict__ table, int t,
                                            int num_kv_heads, int kv_head) {
   const long long block = table[t / BLOCK];
   return cache + ((block * BLOCK + t % BLOCK) * num_kv_heads + kv_head) * HEAD;
@@ -114,27 +122,34 @@ __device__ __forceinline__ void mark_empty_partition(float* __restrict__ part_ml
 }
 
 // grid (num_kv_heads, num_work_items, num_parts), block kThreads, static shared memory < 48 KiB.
-template <typename T, int HEAD, int BLOCK>
+template <typename T, typename C, int HEAD, int BLOCK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_kernel(
     T* __restrict__ out,                      // [num_tokens, num_heads, HEAD]; written when num_parts == 1
     float* __restrict__ part_out,             // [num_tokens, num_heads, num_parts, HEAD]; when num_parts > 1
     float* __restrict__ part_ml,              // [num_tokens, num_heads, num_parts, 2] (max, sum); when > 1
     const T* __restrict__ query,              // [num_tokens, num_heads, HEAD], token stride q_token_stride
-    const T* __restrict__ key_cache,          // [num_blocks, BLOCK, num_kv_heads, HEAD]
-    const T* __restrict__ value_cache,        // [num_blocks, BLOCK, num_kv_heads, HEAD]
+    const C* __restrict__ key_cache,          // [num_blocks, BLOCK, num_kv_heads, HEAD]
+    const C* __restrict__ value_cache,        // [num_blocks, BLOCK, num_kv_heads, HEAD]
     const int* __restrict__ block_tables,     // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens,         // [num_seqs] context length including the new tokens
     const int* __restrict__ query_start_loc,  // [num_seqs + 1] seq i owns tokens [q[i], q[i+1])
     const int* __restrict__ work_items,       // [num_work_items, 2] (seq, first row of the block)
     int max_blocks_per_seq, int num_kv_heads, int group, long long q_token_stride, float scale,
     int part_tokens,                          // keys per split-K partition; one pass: 2^30 (any value >= the span)
-    int window) {                             // row at position p sees keys (p - window, p]; <= 0: all (causal)
+    int window,                               // row at position p sees keys (p - window, p]; <= 0: all (causal)
+    const float* __restrict__ k_scale,        // [1] a stored key k means k * k_scale (1 when C == T)
+    const float* __restrict__ v_scale) {      // [1] a stored value v means v * v_scale
   using S = AttnShape<T, HEAD>;
   constexpr int VEC = S::VEC, NVEC = S::NVEC, TPT = S::TPT, TILE = S::TILE;
+  using KV = CacheVec<C, VEC>;  // VEC elements of the cache: one load
+  using raw_t = typename KV::raw_t;
+  // V of a tile in the cache's type, and after the last tile the slice reduction's floats
+  constexpr int kVBytes = TILE * HEAD * static_cast<int>(sizeof(C));
+  constexpr int kRedBytes = kThreads * VEC * static_cast<int>(sizeof(float));
 
   __shared__ float q_s[kMaxRows][HEAD];    // scaled queries
   __shared__ float p_s[kMaxRows][TILE];    // scores, then probabilities, of the current tile
-  __shared__ __align__(16) T v_s[TILE * HEAD];  // V of the current tile; reused for the slice reduction
+  __shared__ __align__(16) unsigned char v_s[kVBytes > kRedBytes ? kVBytes : kRedBytes];
   __shared__ float m_s[kMaxRows], l_s[kMaxRows], alpha_s[kMaxRows];
   __shared__ int first_s[kMaxRows], last_s[kMaxRows];  // key positions each row may see: [first, last]
 
@@ -149,6 +164,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
     mark_empty_partition(part_ml, work, group, num_heads, kv_head);
     return;
   }
+  const float q_scale = scale * *k_scale, out_scale = *v_scale;
 
   for (int idx = tid; idx < nrows * NVEC; idx += kThreads) {
     const int r = idx / NVEC, vi = idx % NVEC, grow = row0 + r;
@@ -156,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
     float f[VEC];
     vec_to_float<T>(reinterpret_cast<const uint4*>(q)[vi], f);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) q_s[r][vi * VEC + e] = f[e] * scale;
+    for (int e = 0; e < VEC; ++e) q_s[r][vi * VEC + e] = f[e] * q_scale;
   }
   for (int r = tid; r < nrows; r += kThreads) {
     m_s[r] = kNegInf();
@@ -181,24 +197,24 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
   const int grp = tid / TPT, glane = tid % TPT;
   for (int tile = kbeg; tile < kend; tile += TILE) {
     // 1. issue every load of the tile before using any of them
-    uint4 kreg[S::TOK_PER_GRP][S::VPT];
+    raw_t kreg[S::TOK_PER_GRP][S::VPT];
 #pragma unroll
     for (int i = 0; i < S::TOK_PER_GRP; ++i) {
       const int t = tile + i * S::NGRP + grp;
-      const T* krow = t < kend ? kv_row<T, HEAD, BLOCK>(key_cache, table, t, num_kv_heads, kv_head) : nullptr;
+      const C* krow = t < kend ? kv_row<C, HEAD, BLOCK>(key_cache, table, t, num_kv_heads, kv_head) : nullptr;
 #pragma unroll
       for (int j = 0; j < S::VPT; ++j) {
         const int vi = glane + j * TPT;
-        kreg[i][j] = (krow != nullptr && vi < NVEC) ? reinterpret_cast<const uint4*>(krow)[vi] : make_uint4(0, 0, 0, 0);
+        kreg[i][j] = (krow != nullptr && vi < NVEC) ? reinterpret_cast<const raw_t*>(krow)[vi] : KV::Raw::zero();
       }
     }
-    uint4 vreg[S::V_PER_THREAD];
+    raw_t vreg[S::V_PER_THREAD];
 #pragma unroll
     for (int j = 0; j < S::V_PER_THREAD; ++j) {
       const int idx = tid + j * kThreads, t = tile + idx / NVEC;
       vreg[j] = t < kend
-                    ? reinterpret_cast<const uint4*>(kv_row<T, HEAD, BLOCK>(value_cache, table, t, num_kv_heads, kv_head))[idx % NVEC]
-                    : make_uint4(0, 0, 0, 0);  // zeros, never garbage: p = 0 times NaN would poison the sum
+                    ? reinterpret_cast<const raw_t*>(kv_row<C, HEAD, BLOCK>(value_cache, table, t, num_kv_heads, kv_head))[idx % NVEC]
+                    : KV::Raw::zero();  // zeros, never garbage: p = 0 times NaN would poison the sum
     }
     __syncthreads();  // the previous tile is done with p_s, v_s, alpha_s; q_s, first_s and last_s are ready
 
@@ -208,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
       const int tl = i * S::NGRP + grp, t = tile + tl;
       float kf[S::VPT][VEC];
 #pragma unroll
-      for (int j = 0; j < S::VPT; ++j) vec_to_float<T>(kreg[i][j], kf[j]);
+      for (int j = 0; j < S::VPT; ++j) cache_to_float<C, VEC>(kreg[i][j], kf[j]);
       for (int r = 0; r < nrows; ++r) {
         float dot = 0.f;
 #pragma unroll
@@ -226,7 +242,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
     }
     // 3. stage V, then online softmax, one warp per row
 #pragma unroll
-    for (int j = 0; j < S::V_PER_THREAD; ++j) reinterpret_cast<uint4*>(v_s)[tid + j * kThreads] = vreg[j];
+    for (int j = 0; j < S::V_PER_THREAD; ++j) reinterpret_cast<raw_t*>(v_s)[tid + j * kThreads] = vreg[j];
     __syncthreads();
     for (int r = warp; r < nrows; r += kWarps) {
       float mx = kNegInf();
@@ -264,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
       for (int tl = slice; tl < tile_len; tl += nslice) {
         const float p = p_s[r][tl];
         float vf[VEC];
-        vec_to_float<T>(reinterpret_cast<const uint4*>(v_s)[tl * NVEC + vi], vf);
+        cache_to_float<C, VEC>(reinterpret_cast<const raw_t*>(v_s)[tl * NVEC + vi], vf);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) acc[k][e] += p * vf[e];
       }
@@ -304,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) paged_attention_ker
     const float l = l_s[r];
     if (l == 0.f) continue;  // a row with no key in this partition; the reduce skips it
     const long long row = static_cast<long long>(q_begin + grow / group) * num_heads + kv_head * group + grow % group;
-    const float inv = 1.f / l;
+    const float inv = 1.f / l * out_scale;
     float o[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) o[e] = acc[k][e] * inv;
@@ -401,17 +417,19 @@ __device__ __forceinline__ long long kv_offset(const int* __restrict__ table, in
 
 // This lane's vectors of its SLOTS keys; zeros where the key is past the partition (p = 0
 // times garbage could be NaN) or the vector past head_dim.
-template <typename T, int HEAD>
-__device__ __forceinline__ void load_slots(uint4 (&dst)[WarpShape<T, HEAD>::SLOTS][WarpShape<T, HEAD>::VPT],
-                                           const T* __restrict__ cache,
-                                           const long long (&off)[WarpShape<T, HEAD>::SLOTS], int gl) {
+template <typename T, typename C, int HEAD>
+__device__ __forceinline__ void load_slots(
+    typename CacheVec<C, WarpShape<T, HEAD>::VEC>::raw_t (&dst)[WarpShape<T, HEAD>::SLOTS][WarpShape<T, HEAD>::VPT],
+    const C* __restrict__ cache, const long long (&off)[WarpShape<T, HEAD>::SLOTS], int gl) {
   using W = WarpShape<T, HEAD>;
+  using KV = CacheVec<C, W::VEC>;
 #pragma unroll
   for (int j = 0; j < W::SLOTS; ++j)
 #pragma unroll
     for (int v = 0; v < W::VPT; ++v) {
       const int vi = gl + v * W::L;
-      dst[j][v] = (off[j] >= 0 && vi < W::NVEC) ? reinterpret_cast<const uint4*>(cache + off[j])[vi] : make_uint4(0, 0, 0, 0);
+      dst[j][v] = (off[j] >= 0 && vi < W::NVEC) ? reinterpret_cast<const typename KV::raw_t*>(cache + off[j])[vi]
+                                                : KV::Raw::zero();
     }
 }
 
@@ -426,17 +444,19 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 }
 
 // grid (num_kv_heads, num_work_items, num_parts), block kThreads; work items of up to kRowsV2 rows.
-template <typename T, int HEAD, int BLOCK>
+template <typename T, typename C, int HEAD, int BLOCK>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v2_kernel(
     T* __restrict__ out, float* __restrict__ part_out, float* __restrict__ part_ml, const T* __restrict__ query,
-    const T* __restrict__ key_cache, const T* __restrict__ value_cache, const int* __restrict__ block_tables,
+    const C* __restrict__ key_cache, const C* __restrict__ value_cache, const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc, const int* __restrict__ work_items,
     int max_blocks_per_seq, int num_kv_heads, int group, long long q_token_stride, float scale, int part_tokens,
-    int window,            // every argument so far as in paged_attention_kernel
+    int window, const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale,  // every argument so far as in paged_attention_kernel
     int prefetch_chunks) {  // > 0: also pull the chunk that many past the next one into L2 (no registers held)
   using W = WarpShape<T, HEAD>;
   constexpr int VEC = W::VEC, NVEC = W::NVEC, L = W::L, VPT = W::VPT, S = W::S, R = kRowsV2, SLOTS = W::SLOTS;
   constexpr int STRIDE = kWarps * W::CHUNK;  // keys between a warp's chunks
+  using raw_t = typename CacheVec<C, VEC>::raw_t;  // VEC elements of the cache: one load
 
   __shared__ float acc_s[kWarps][R][HEAD];  // each warp's unnormalized output, for the final merge
   __shared__ float mw_s[kWarps][R], lw_s[kWarps][R];  // each warp's (max in base 2, sum) per row
@@ -454,7 +474,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
     return;
   }
 
-  // This lane's slice of every row's query, scaled into base 2; zeros for absent rows.
+  // This lane's slice of every row's query, scaled into base 2 (and by k_scale); zeros for absent rows.
+  const float q_scale = scale * kLog2e * *k_scale, out_scale = *v_scale;
   float q[R][VPT][VEC];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -465,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
         const T* qrow = query + static_cast<long long>(q_begin + grow / group) * q_token_stride + (kv_head * group + grow % group) * HEAD;
         vec_to_float<T>(reinterpret_cast<const uint4*>(qrow)[vi], q[r][v]);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) q[r][v][e] *= scale * kLog2e;
+        for (int e = 0; e < VEC; ++e) q[r][v][e] *= q_scale;
       } else {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) q[r][v][e] = 0.f;
@@ -487,22 +508,22 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
   float m_run = kNegInf(), l_run = 0.f;  // my_r's running max (base 2, same in all its lanes); this lane's part of its sum
 
   long long off[SLOTS];
-  uint4 kreg[SLOTS][VPT], vreg[SLOTS][VPT];
+  raw_t kreg[SLOTS][VPT], vreg[SLOTS][VPT];
   int c = kbeg + warp * W::CHUNK;  // warp-uniform: every shuffle below is reached by the whole warp
   if (c < kend) {
 #pragma unroll
     for (int j = 0; j < SLOTS; ++j) off[j] = kv_offset<HEAD, BLOCK>(table, c + j * S + sl, kend, num_kv_heads, kv_head);
-    load_slots<T, HEAD>(kreg, key_cache, off, gl);
+    load_slots<T, C, HEAD>(kreg, key_cache, off, gl);
   }
   for (; c < kend; c += STRIDE) {
-    if (W::EARLY_V) load_slots<T, HEAD>(vreg, value_cache, off, gl);  // in flight during the scores
+    if (W::EARLY_V) load_slots<T, C, HEAD>(vreg, value_cache, off, gl);  // in flight during the scores
 
     float s[SLOTS * R];
 #pragma unroll
     for (int j = 0; j < SLOTS; ++j) {
       float kf[VPT][VEC];
 #pragma unroll
-      for (int v = 0; v < VPT; ++v) vec_to_float<T>(kreg[j][v], kf[v]);
+      for (int v = 0; v < VPT; ++v) cache_to_float<C, VEC>(kreg[j][v], kf[v]);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float dot = 0.f;
@@ -513,7 +534,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
         s[j * R + r] = dot;
       }
     }
-    if (!W::EARLY_V) load_slots<T, HEAD>(vreg, value_cache, off, gl);  // K is dead now: fewer live registers
+    if (!W::EARLY_V) load_slots<T, C, HEAD>(vreg, value_cache, off, gl);  // K is dead now: fewer live registers
     const int next = c + STRIDE;  // the next chunk's K: in flight during the softmax and p @ V
     const int ahead = next + prefetch_chunks * STRIDE;  // warp-uniform; prefetches change no result
     if (prefetch_chunks > 0 && ahead < kend) {
@@ -529,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
     if (W::EARLY_V && next < kend) {
 #pragma unroll
       for (int j = 0; j < SLOTS; ++j) off[j] = kv_offset<HEAD, BLOCK>(table, next + j * S + sl, kend, num_kv_heads, kv_head);
-      load_slots<T, HEAD>(kreg, key_cache, off, gl);
+      load_slots<T, C, HEAD>(kreg, key_cache, off, gl);
     }
 
     Butterfly<L / 2>::run(s, gl);
@@ -557,7 +578,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
     for (int j = 0; j < SLOTS; ++j) {
       float vf[VPT][VEC];
 #pragma unroll
-      for (int v = 0; v < VPT; ++v) vec_to_float<T>(vreg[j][v], vf[v]);
+      for (int v = 0; v < VPT; ++v) cache_to_float<C, VEC>(vreg[j][v], vf[v]);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const float pr = __shfl_sync(0xffffffffu, p, sl * L + j * R + r);
@@ -570,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
     if (!W::EARLY_V && next < kend) {  // the L = 32 layouts load the next K only now, with V dead
 #pragma unroll
       for (int j = 0; j < SLOTS; ++j) off[j] = kv_offset<HEAD, BLOCK>(table, next + j * S + sl, kend, num_kv_heads, kv_head);
-      load_slots<T, HEAD>(kreg, key_cache, off, gl);
+      load_slots<T, C, HEAD>(kreg, key_cache, off, gl);
     }
   }
 
@@ -625,7 +646,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSmV2) paged_attention_v
       part_ml[(row * num_parts + part) * 2 + 1] = total;
     }
     if (total == 0.f) continue;
-    const float inv = 1.f / total;
+    const float inv = 1.f / total * out_scale;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) o[e] *= inv;
     if (num_parts == 1) {

@@ -23,17 +23,23 @@ from pagedrs.kernels.ops import contiguous_runs
 def test_dispatch_table_is_the_documented_product() -> None:
     assert HEAD_SIZES == (64, 80, 96, 128, 256)
     assert BLOCK_SIZES == (8, 16, 32)
-    assert len(SUPPORTED) == 3 * 5 * 3
+    # every dtype with a cache of its own dtype, and the 16-bit dtypes with either fp8 cache
+    assert len(SUPPORTED) == 3 * 5 * 3 + 2 * 2 * 5 * 3
     entry = lookup(torch.bfloat16, 128, 16)
-    assert entry.attention == "pagedrs::paged_attention_kernel<pagedrs::bf16_t, 128, 16>"
+    assert entry.attention == "pagedrs::paged_attention_kernel<pagedrs::bf16_t, pagedrs::bf16_t, 128, 16>"
     assert entry.reduce == "pagedrs::attention_reduce_kernel<pagedrs::bf16_t>"
-    assert lookup("float32", 64, 8).reshape_and_cache == "pagedrs::reshape_and_cache_kernel<float>"
+    assert lookup("float32", 64, 8).reshape_and_cache == "pagedrs::reshape_and_cache_kernel<float, float>"
     assert entry.attention_kernel("v1") == entry.attention
-    assert entry.attention_kernel("v2") == "pagedrs::paged_attention_v2_kernel<pagedrs::bf16_t, 128, 16>"
+    assert entry.attention_kernel("v2") == "pagedrs::paged_attention_v2_kernel<pagedrs::bf16_t, pagedrs::bf16_t, 128, 16>"
+    fp8 = lookup(torch.float16, 64, 8, cache_dtype=torch.float8_e5m2)
+    assert fp8.attention == "pagedrs::paged_attention_kernel<pagedrs::half_t, pagedrs::fp8_e5m2_t, 64, 8>"
+    assert fp8.reshape_and_cache == "pagedrs::reshape_and_cache_kernel<pagedrs::half_t, pagedrs::fp8_e5m2_t>"
+    assert fp8.reduce == "pagedrs::attention_reduce_kernel<pagedrs::half_t>"  # the output is the queries' dtype
+    assert lookup("bfloat16", 64, 8, cache_dtype="bfloat16") == lookup("bfloat16", 64, 8)
     with pytest.raises(ValueError, match=r"variant='v3'; expected one of \['v1', 'v2'\]"):
         entry.attention_kernel("v3")
-    # 45 attention instances of each variant + 3 reduce + 3 cache instances + copy_blocks
-    assert len(all_name_expressions()) == 97
+    # 105 attention instances of each variant + 3 reduce + 7 cache instances + copy_blocks
+    assert len(all_name_expressions()) == 221
 
 
 @pytest.mark.parametrize(("dtype", "head", "block"), [("float16", 72, 16), ("float64", 128, 16), ("bfloat16", 128, 64)])
@@ -42,7 +48,7 @@ def test_unsupported_combination_lists_supported_values(dtype: str, head: int, b
         lookup(dtype, head, block)
     msg = str(err.value)
     assert f"dtype={dtype}, head_size={head}, block_size={block}" in msg
-    assert "['float16', 'bfloat16', 'float32']" in msg
+    assert "['float16', 'bfloat16', 'float32']" in msg and "['float8_e4m3fn', 'float8_e5m2']" in msg
     assert "[64, 80, 96, 128, 256]" in msg and "[8, 16, 32]" in msg
 
 
@@ -108,8 +114,13 @@ def test_nvrtc_compiles_one_entry_per_dtype_for_sm80_and_sm90() -> None:
 
     v1 = [lookup(d, 128, 16).attention for d in ("float16", "bfloat16", "float32")]
     v2 = [lookup(d, h, 16).attention_v2 for d in ("float16", "bfloat16") for h in (64, 128)]
-    exprs = v1 + v2 + ["pagedrs::attention_reduce_kernel<float>", "pagedrs::reshape_and_cache_kernel<pagedrs::half_t>",
-                       "pagedrs::copy_blocks_kernel"]  # fmt: skip
+    fp8 = [lookup("bfloat16", 128, 16, cache_dtype=c).attention_kernel(v) for c in ("float8_e4m3fn", "float8_e5m2")
+           for v in ("v1", "v2")]  # software conversion on sm_80, hardware on sm_90
+    v2 += fp8[1::2]
+    exprs = v1 + v2 + fp8[0::2] + ["pagedrs::attention_reduce_kernel<float>",
+                                   "pagedrs::reshape_and_cache_kernel<pagedrs::half_t, pagedrs::half_t>",
+                                   "pagedrs::reshape_and_cache_kernel<pagedrs::bf16_t, pagedrs::fp8_e4m3_t>",
+                                   "pagedrs::copy_blocks_kernel"]  # fmt: skip
     for arch in ("sm_80", "sm_90"):
         reports, warnings = compile_arch(arch, exprs)
         assert warnings == []

@@ -351,7 +351,7 @@ def check_write_kv(dtype_name: str, schedule: str, files=None) -> None:
     meta.slot_mapping = slots
     runtime = EmulatedRuntime(schedule=schedule, files=files)
     CudaAttentionBackend(runtime=runtime).write_kv(key, value, kc, vc, meta)
-    assert [name for name, _, _ in runtime.launches] == [f"pagedrs::reshape_and_cache_kernel<{_CPP[dtype_name]}>"]
+    assert [name for name, _, _ in runtime.launches] == [f"pagedrs::reshape_and_cache_kernel<{_CPP[dtype_name]}, {_CPP[dtype_name]}>"]
     flat_k, flat_v = kc.view(-1, kv_heads, head), vc.view(-1, kv_heads, head)
     keep = slots >= 0
     assert torch.equal(flat_k[slots[keep]], key[keep])

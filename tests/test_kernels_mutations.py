@@ -19,6 +19,7 @@ from cuda_emu.build import SUPPORTED_MACHINE
 from cuda_emu.mutations import MUTATIONS, Mutation, mutated_files
 from cuda_emu.runtime import EmulationError
 from pagedrs.kernels import sources
+from test_fp8_kernels_emulated import check_fp8_attention, check_fp8_write_kv
 from test_kernels_emulated import check_attention, check_copy_blocks, check_write_kv
 
 torch.set_num_threads(1)
@@ -56,6 +57,11 @@ def battery(files, schedule: str):
         # the v2 kernel on prefill rows: per-row causal limits and window starts
         yield partial(check_attention, dtype, [33, 200, 17, 61], [33, 40, 1, 15], 2, 1, 64, 16, num_sms=132,
                       schedule=schedule, files=files, window=50, variant="v2-all")  # fmt: skip
+    # an fp8 cache with scales that are not 1: both variants, split-K, and the quantizing write
+    yield partial(check_fp8_write_kv, "e4m3", torch.bfloat16, schedule, files=files)
+    for variant in ("v1", "v2"):
+        yield partial(check_fp8_attention, "e4m3", torch.bfloat16, [1, 17, 1100], [1, 1, 1], 2, 4, 128, 16, 1000,
+                      schedule, variant, parts="split", files=files)  # fmt: skip
 
 
 def first_failure(files) -> str | None:

@@ -59,11 +59,11 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
     from pagedrs.kv_size import kv_size, tp_layout
 
     try:
-        result: dict[str, Any] = dict(kv_size(args.model, args.tokens, args.seqs, args.dtype))
+        result: dict[str, Any] = dict(kv_size(args.model, args.tokens, args.seqs, args.dtype, args.kv_cache_dtype))
         if args.tensor_parallel_size is not None:
             result["tensor_parallel"] = tp_layout(
                 args.model, args.tokens, args.seqs, args.dtype, args.tensor_parallel_size, args.device_memory_gb,
-                args.memory_utilization, args.block_size, args.max_model_len)
+                args.memory_utilization, args.block_size, args.max_model_len, args.kv_cache_dtype)
     except (ValueError, KeyError) as exc:
         print(f"pagedrs kv-size: error: {exc}", file=sys.stderr)
         return 2
@@ -83,7 +83,8 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         gb = 1e9
-        print(f"{args.model} ({args.dtype}): {result['bytes_per_token']:,} bytes/token, "
+        kv = f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+        print(f"{args.model} ({args.dtype}{kv}): {result['bytes_per_token']:,} bytes/token, "
               f"{result['bytes_per_sequence'] / gb:.2f} GB per {args.tokens}-token sequence, "
               f"{result['total_bytes'] / gb:.1f} GB for {args.seqs} sequences")
     return 0
@@ -123,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--tokens", type=int, required=True)
     k.add_argument("--seqs", type=int, default=1)
     k.add_argument("--dtype", default="float16")
+    k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                   help="pages in the model dtype (auto) or in 8 bits (fp8: 1 byte per element)")
     k.add_argument("--json", action="store_true")
     k.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="also print weights and KV per device and the sequences each layout admits")

@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from pagedrs.engine_args import EngineArgs
+from pagedrs.engine_args import KV_CACHE_DTYPES, EngineArgs
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 
@@ -28,7 +28,7 @@ _SAME_NAME = (
     "model", "device", "dtype", "weight_dtype", "block_size", "num_gpu_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size",
-    "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy",
+    "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
 )
 
 
@@ -71,6 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
     p.add_argument("--eviction-policy", default=d["eviction_policy"], choices=["lru", "lfu"],
                    help="which cached prefix page goes first: least recently used (default) or least "
                    "frequently used with aging (SGLang's --radix-eviction-policy lfu)")
+    p.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
+                   help="KV pages in the model dtype (auto) or 8-bit fp8 with per-tensor scales (2x bf16's tokens)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--cpu-threads", type=int, default=d["cpu_threads"], help=cpu_threads_help)
     _add_parallel_and_tier_args(p)

@@ -14,6 +14,8 @@ _PREEMPTION = ("swap", "recompute", "auto")
 _RESERVE = ("max_model_len", "request")
 _DTYPES = ("float32", "float16", "bfloat16")
 _WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+# auto: pages in the model dtype; fp8_*: 8-bit pages with per-tensor scales (attention/kv_quant.py)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass
@@ -75,6 +77,9 @@ class EngineArgs:
     # As in vLLM: build no tokenizer (a folder with config + safetensors only). Prompts must
     # be token ids; outputs carry token ids and empty text.
     skip_tokenizer_init: bool = False
+    # KV pages in the model dtype ("auto") or in 8 bits ("fp8_e4m3", "fp8_e5m2": twice the tokens of
+    # bf16 pages in the same bytes, four times float32's), scaled per tensor (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -96,6 +101,11 @@ class EngineArgs:
         choice("weight_dtype", _WEIGHT_DTYPES)
         choice("admission_policy", ("expected_growth", "prompt_only"))
         choice("eviction_policy", ("lru", "lfu"))
+        choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
+            raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}, which needs kv_layout='paged'; "
+                             f"kv_layout={self.kv_layout!r} is the traditional baseline and stores the model dtype "
+                             "(use kv_cache_dtype='auto' with it)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):

@@ -3,16 +3,23 @@
     bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element
 
 Llama 3.1 70B in float16: 2 x 80 x 8 x 128 x 2 = 327,680 bytes per token, about
-1.34 GB for one 4096-token sequence and about 344 GB for 256 such users.
+1.34 GB for one 4096-token sequence and about 344 GB for 256 such users. With
+``--kv-cache-dtype fp8_e4m3`` (or ``fp8_e5m2``) the pages hold 1 byte per element whatever
+``--dtype`` is: half of that, the same pool holding twice the tokens.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pagedrs.models.kv_geometry import DTYPE_BYTES, KvGeometry, geometry_from_dict, read_config_json
 
-__all__ = ["DTYPE_BYTES", "PRESETS", "KvGeometry", "geometry_from_config", "kv_size", "resolve", "tp_layout"]
+__all__ = ["DTYPE_BYTES", "KV_CACHE_DTYPES", "PRESETS", "KvGeometry", "geometry_from_config", "kv_itemsize", "kv_size",
+           "resolve", "tp_layout"]
+
+# EngineArgs.kv_cache_dtype -> bytes per stored element (None: the model dtype's)
+KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 # Published architecture figures (config.json of each model).
@@ -50,17 +57,27 @@ def resolve(model: str) -> KvGeometry:
     return PRESETS[model.lower()] if model.lower() in PRESETS else geometry_from_config(Path(model))
 
 
-def kv_size(model: str, tokens: int, seqs: int = 1, dtype: str = "float16") -> dict[str, int]:
-    if tokens < 1 or seqs < 1:
-        raise ValueError(f"tokens is {tokens} and seqs is {seqs}; both must be >= 1")
+def kv_itemsize(dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """Bytes per stored K or V element: the model dtype's, or 1 for an fp8 cache."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype is {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
-    per_token = resolve(model).bytes_per_token(dtype)
-    return {
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype is {kv_cache_dtype!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[dtype]
+
+
+def kv_size(model: str, tokens: int, seqs: int = 1, dtype: str = "float16", kv_cache_dtype: str = "auto") -> dict[str, Any]:
+    if tokens < 1 or seqs < 1:
+        raise ValueError(f"tokens is {tokens} and seqs is {seqs}; both must be >= 1")
+    per_token = resolve(model).bytes_per_element_token(kv_itemsize(dtype, kv_cache_dtype))
+    result: dict[str, Any] = {
         "bytes_per_token": per_token,
         "bytes_per_sequence": per_token * tokens,
         "total_bytes": per_token * tokens * seqs,
     }
+    if kv_cache_dtype != "auto":
+        result["kv_cache_dtype"] = kv_cache_dtype
+    return result
 
 
 def tp_layout(
@@ -73,6 +90,7 @@ def tp_layout(
     memory_utilization: float,
     block_size: int,
     max_model_len: int,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, float | int]:
     """Weights and KV per device under tensor parallelism, and the sequences each layout admits.
 
@@ -87,14 +105,14 @@ def tp_layout(
         raise ValueError(f"tensor_parallel_size is {tensor_parallel_size}; it must be >= 1")
     if model.lower() not in PARAMETERS:
         raise ValueError(f"no parameter count for {model!r}; presets with one: {', '.join(PARAMETERS)}")
-    itemsize = DTYPE_BYTES[dtype]
+    itemsize, kv_item = DTYPE_BYTES[dtype], kv_itemsize(dtype, kv_cache_dtype)
     kv_heads_per_device = max(1, geometry.num_kv_heads // tensor_parallel_size)
-    per_token_device = KvGeometry(geometry.num_layers, kv_heads_per_device, geometry.head_dim).bytes_per_element_token(itemsize)
+    per_token_device = KvGeometry(geometry.num_layers, kv_heads_per_device, geometry.head_dim).bytes_per_element_token(kv_item)
     weights_device = PARAMETERS[model.lower()] * itemsize / tensor_parallel_size
     kv_budget = device_memory_gb * 1e9 * memory_utilization - weights_device
     slots = max(0, int(kv_budget // per_token_device))
     paged_seq_slots = -(-tokens // block_size) * block_size
-    total_kv = geometry.bytes_per_token(dtype) * tokens * seqs
+    total_kv = geometry.bytes_per_element_token(kv_item) * tokens * seqs
     return {
         "tensor_parallel_size": tensor_parallel_size,
         "weights_bytes_per_device": int(weights_device),

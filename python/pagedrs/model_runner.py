@@ -30,6 +30,7 @@ class ModelRunner:
         num_cpu_blocks: int,
         block_size: int,
         backend: AttentionBackend | None = None,
+        kv_cache_dtype: torch.dtype | None = None,  # what pages are stored in; None: the model dtype
     ) -> None:
         if num_gpu_blocks < 1 or num_cpu_blocks < 0 or block_size < 1:
             raise ValueError(
@@ -42,15 +43,18 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.block_size = block_size
+        self.kv_dtype = kv_cache_dtype if kv_cache_dtype is not None else self.dtype
         self.backend = backend if backend is not None else get_backend(
-            self.device, dtype=self.dtype, head_size=self.config.head_dim, block_size=block_size
+            self.device, dtype=self.dtype, head_size=self.config.head_dim, block_size=block_size,
+            kv_cache_dtype=self.kv_dtype,
         )
         self.backend.check_model(self.config)
-        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_gpu_blocks, block_size), dtype=self.dtype,
+        self.backend.check_kv_cache_dtype(self.kv_dtype)
+        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_gpu_blocks, block_size), dtype=self.kv_dtype,
                                     device=self.device)
         self.cpu_cache = torch.zeros(
             self.model.kv_cache_shape(num_cpu_blocks, block_size),
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device="cpu",
             pin_memory=self.device.type == "cuda" and torch.cuda.is_available(),
         )

@@ -25,6 +25,7 @@ def get_backend(
     dtype: torch.dtype | None = None,
     head_size: int | None = None,
     block_size: int | None = None,
+    kv_cache_dtype: torch.dtype | None = None,  # the pages' dtype when not ``dtype`` (an fp8 cache)
 ) -> AttentionBackend:
     """The attention backend for a device and, when given, a KV-cache geometry.
 
@@ -54,7 +55,7 @@ def get_backend(
         from pagedrs.kernels.dispatch import lookup
 
         try:
-            lookup(dtype, int(head_size), int(block_size))  # type: ignore[arg-type]
+            lookup(dtype, int(head_size), int(block_size), cache_dtype=kv_cache_dtype)  # type: ignore[arg-type]
         except ValueError as exc:
             reason = str(exc)
     if reason is None:

@@ -13,6 +13,10 @@ every layer is a single indexed copy)::
 Slot ``s`` is ``(s // block_size, s % block_size)``. The host tier mirrors the
 same layout with ``num_cpu_blocks`` blocks (pinned memory on CUDA).
 
+The cache may hold the model dtype or an 8-bit type (``EngineArgs.kv_cache_dtype``; see
+``pagedrs.attention.kv_quant``): a backend that reads fp8 pages says so (``reads_fp8``) and
+quantizes in ``write_kv`` and dequantizes in ``forward`` with its per-tensor scales.
+
 Backends: ``TorchAttentionBackend`` (CPU and CUDA; the reference) and
 ``CudaAttentionBackend`` (CuPy raw kernels from ``cuda/``).
 """
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagedrs.attention.kv_quant import KvScales, is_fp8, unit_scales
 
 
 @dataclass
@@ -55,6 +61,22 @@ class AttentionBackend(ABC):
     """What a model layer needs from attention; one instance per runner."""
 
     name: str
+    reads_fp8: bool = False  # whether write_kv and forward handle an fp8 cache (kv_quant)
+
+    def __init__(self, kv_scales: KvScales | None = None) -> None:
+        # (k_scale, v_scale) of an fp8 cache, float32 [1] each on the cache's device; None: 1.0 (vLLM's default)
+        self._kv_scales = kv_scales
+
+    def kv_scales(self, device: torch.device) -> KvScales:
+        """The fp8 cache's (k_scale, v_scale) on ``device``."""
+        return self._kv_scales if self._kv_scales is not None else unit_scales(device)
+
+    def check_kv_cache_dtype(self, dtype: torch.dtype) -> None:
+        """Raises ValueError when this backend cannot store pages in ``dtype``: an fp8 cache is never
+        handed to a backend that would read its bytes as something else."""
+        if is_fp8(dtype) and not self.reads_fp8:
+            raise ValueError(f"kv_cache_dtype: the {self.name!r} attention backend cannot read a {dtype} KV cache; "
+                             "use kv_cache_dtype='auto' or a backend that reads fp8 pages (torch, cuda)")
 
     def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int) -> Any:
         """Plans the step once, before the forward pass, and keeps the plan on ``meta.plan``.

@@ -116,6 +116,7 @@ def attend_cascade(
     rows: torch.Tensor,  # int64 [S]: each sequence's (single) query row
     cascade: Cascade,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an fp8 cache's (k_scale, v_scale) (kv_quant)
 ) -> torch.Tensor:  # [S, h, d]
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     num_seqs = cascade.num_seqs
@@ -126,18 +127,23 @@ def attend_cascade(
     q = query[rows].view(num_seqs, kv_heads, group, head_dim)
     out = q.new_empty(num_seqs, kv_heads, group, head_dim)
     lse = q.new_empty(num_seqs, kv_heads, group, dtype=torch.float32)
+
+    def pages(cache: torch.Tensor, index: torch.Tensor, which: int) -> torch.Tensor:
+        got = cache[index]
+        return got if kv_scales is None else got.to(query.dtype).mul_(kv_scales[which])  # fp8: widen what is read
+
     for part in cascade.own:
         n, keys = part.seqs.shape[0], part.tables.shape[1] * block_size
-        k = key_cache[part.tables].view(n, keys, kv_heads, head_dim).transpose(1, 2)
-        v = value_cache[part.tables].view(n, keys, kv_heads, head_dim).transpose(1, 2)
+        k = pages(key_cache, part.tables, 0).view(n, keys, kv_heads, head_dim).transpose(1, 2)
+        v = pages(value_cache, part.tables, 1).view(n, keys, kv_heads, head_dim).transpose(1, 2)
         o, part_lse = flash(q[part.seqs], k, v, 0.0, False, attn_mask=part.mask, scale=scale)  # [n, kvh, g, d], [n, kvh, g]
         out[part.seqs] = o
         lse[part.seqs] = part_lse
     for shared in cascade.groups:
         members = shared.seqs.shape[0]
         length = shared.blocks.shape[0] * block_size
-        ks = key_cache[shared.blocks].view(1, length, kv_heads, head_dim).transpose(1, 2)
-        vs = value_cache[shared.blocks].view(1, length, kv_heads, head_dim).transpose(1, 2)
+        ks = pages(key_cache, shared.blocks, 0).view(1, length, kv_heads, head_dim).transpose(1, 2)
+        vs = pages(value_cache, shared.blocks, 1).view(1, length, kv_heads, head_dim).transpose(1, 2)
         qs = q[shared.seqs].permute(1, 0, 2, 3).reshape(1, kv_heads, members * group, head_dim)
         o_shared, lse_shared = flash(qs, ks, vs, 0.0, False, scale=scale)
         o_shared = o_shared.view(kv_heads, members, group, head_dim).permute(1, 0, 2, 3)

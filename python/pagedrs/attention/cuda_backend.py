@@ -23,6 +23,10 @@ per four tokens of group 4. ``variant`` defaults to ``$PAGEDRS_ATTENTION_KERNEL`
 ``DEFAULT_VARIANT``; v2's L2 prefetch distance ``v2_prefetch`` to ``$PAGEDRS_V2_PREFETCH``,
 else ``DEFAULT_V2_PREFETCH``.
 
+An fp8 cache (``attention.kv_quant``): the kernels take the cache's type beside the queries'
+(``dispatch.FP8_CACHE_TYPES``) and the backend's (k_scale, v_scale) as device pointers; the
+write quantizes, the attention converts on load (in software on sm_80, see cuda/dtype.cuh).
+
 ``runtime`` (``pagedrs.kernels.loader.KernelRuntime``) runs the kernels: CuPy on a
 GPU by default; the tests pass the CPU emulator of ``tests/cuda_emu``, which runs
 this very class, its planning and ``ops`` on CPU tensors.
@@ -38,6 +42,7 @@ import numpy as np
 import torch
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
+from pagedrs.attention.kv_quant import KvScales, is_fp8
 from pagedrs.kernels import loader, ops
 from pagedrs.kernels.dispatch import VARIANTS
 from pagedrs.kernels.planning import ROWS_PER_ITEM, RULES, SplitPlan, SplitRule, plan_split, visible_keys, work_items
@@ -94,6 +99,7 @@ class _StepPlan:
 
 class CudaAttentionBackend(AttentionBackend):
     name = "cuda"
+    reads_fp8 = True
 
     def __init__(
         self,
@@ -102,7 +108,9 @@ class CudaAttentionBackend(AttentionBackend):
         variant: str | None = None,
         split_rule: SplitRule | None = None,  # the split-K rule's numbers; None: the variant's (planning.RULES)
         v2_prefetch: int | None = None,  # None: $PAGEDRS_V2_PREFETCH, else DEFAULT_V2_PREFETCH
+        kv_scales: KvScales | None = None,  # an fp8 cache's (k_scale, v_scale); None: 1.0 (kv_quant)
     ) -> None:
+        super().__init__(kv_scales)
         variant = variant if variant is not None else os.environ.get("PAGEDRS_ATTENTION_KERNEL") or DEFAULT_VARIANT
         if variant not in VARIANTS:
             raise ValueError(
@@ -128,7 +136,8 @@ class CudaAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
-        ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, self._runtime)
+        k_scale, v_scale = self._scales(key_cache)
+        ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping, self._runtime, k_scale, v_scale)
 
     def forward(
         self,
@@ -138,19 +147,21 @@ class CudaAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,  # attend to the last W positions only (Mistral); None = all
-        out: torch.Tensor | None = None,  # [T, num_heads, head_dim] of the cache dtype; allocated when None
+        out: torch.Tensor | None = None,  # [T, num_heads, head_dim] of the kernels' dtype; allocated when None
     ) -> torch.Tensor:
         group = query.shape[1] // key_cache.shape[2]
         plan = meta.plan  # planned once by the runner; direct callers plan here
         if not (isinstance(plan, _StepPlan) and plan.group == group and plan.owner is self):
             plan = self.plan(meta, key_cache.shape[1], query.shape[1], key_cache.shape[2])
-        if out is None:
-            out = torch.empty(query.shape, dtype=key_cache.dtype, device=query.device)
+        if out is None:  # the cache's dtype; with an fp8 cache the queries'
+            out = torch.empty(query.shape, dtype=query.dtype if is_fp8(key_cache.dtype) else key_cache.dtype,
+                              device=query.device)  # fmt: skip
         split = plan.split_for(sliding_window)
+        k_scale, v_scale = self._scales(key_cache)
         for variant, items in plan.launches:
             ops.paged_attention(
                 out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                items, scale, split, self._runtime, sliding_window, variant, self.v2_prefetch,
+                items, scale, split, self._runtime, sliding_window, variant, self.v2_prefetch, k_scale, v_scale,
             )  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
@@ -177,6 +188,10 @@ class CudaAttentionBackend(AttentionBackend):
         num_blocks = launches[0][1].shape[0] * num_kv_heads
         meta.plan = _StepPlan(meta, self, group, tuple(launches), num_blocks, self._num_sms, self._split_rule)
         return meta.plan
+
+    def _scales(self, cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The scale tensors ``ops`` takes: the backend's for an fp8 cache, none for any other."""
+        return self.kv_scales(cache.device) if is_fp8(cache.dtype) else (None, None)
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         ops.copy_blocks(kv_cache, pairs, self._runtime)

@@ -19,6 +19,10 @@ Bucket of S sequences, query rows padded to ``max_q`` by repeating the last real
 A sliding window ``W`` (Mistral) narrows each row to transformers' rule, the last
 ``W`` positions including its own: key ``k`` is visible to query ``q`` when
 ``q - W < k <= q``. Pages wholly before every row's window are not gathered.
+
+An fp8 cache (``kv_quant``): ``write_kv`` quantizes the new rows (``kv_quant.quantize``, the
+kernels' bits) and scatters their bytes; attention dequantizes only the pages it gathers, into
+the query's dtype. Copies and swaps move bytes (CPU torch has no ``index_copy_`` for fp8).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.attention.cascade import Cascade, attend_cascade, plan_cascade
+from pagedrs.attention.kv_quant import KvScales, dequantize, is_fp8, quantize
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,14 @@ class _StepPlan:
         return buckets
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as uint8 (same bytes), for the indexed copies CPU torch lacks for fp8; others as they are."""
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    reads_fp8 = True
 
     def write_kv(
         self,
@@ -72,7 +83,12 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> None:
         # [num_blocks, block_size, h, d] -> [num_slots, h, d]; slot = block * block_size + offset.
         num_kv_heads, head_dim = key_cache.shape[-2:]
-        if key.dtype != key_cache.dtype:  # (a no-op .to() still costs a call per layer)
+        if is_fp8(key_cache.dtype):
+            k_scale, v_scale = self.kv_scales(key_cache.device)
+            key = quantize(key, k_scale, key_cache.dtype).view(torch.uint8)
+            value = quantize(value, v_scale, value_cache.dtype).view(torch.uint8)
+            key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        elif key.dtype != key_cache.dtype:  # (a no-op .to() still costs a call per layer)
             key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
@@ -96,11 +112,12 @@ class TorchAttentionBackend(AttentionBackend):
         planned = meta.plan if isinstance(meta.plan, _StepPlan) and meta.plan.block_size == block_size else None
         plan = planned or self.plan(meta, block_size)  # planned by the runner; direct callers plan here
         buckets = plan.buckets if sliding_window is None else plan.windowed(sliding_window)
+        scales = self.kv_scales(key_cache.device) if is_fp8(key_cache.dtype) else None
         if len(buckets) == 1 and buckets[0].keep is None and buckets[0].rows.shape[0] == query.shape[0]:
-            return _attend(query, key_cache, value_cache, buckets[0], scale)  # all decode, one bucket
+            return _attend(query, key_cache, value_cache, buckets[0], scale, scales)  # all decode, one bucket
         out = torch.empty_like(query)
         for b in buckets:
-            o = _attend(query, key_cache, value_cache, b, scale)
+            o = _attend(query, key_cache, value_cache, b, scale, scales)
             out.index_copy_(0, b.out_rows, o if b.keep is None else o.index_select(0, b.keep))
         return out
 
@@ -108,6 +125,7 @@ class TorchAttentionBackend(AttentionBackend):
         if pairs.numel() == 0:
             return
         pairs = pairs.to(kv_cache.device)
+        kv_cache = _bytes(kv_cache)
         # index_select makes a copy first, so a block that is both a source and a destination is safe.
         kv_cache.index_copy_(2, pairs[:, 1], kv_cache.index_select(2, pairs[:, 0]))
 
@@ -116,6 +134,9 @@ class TorchAttentionBackend(AttentionBackend):
             return
         # Only a host-to-device copy may be asynchronous: a device-to-host one with
         # non_blocking=True could be read on the host before it has landed.
+        if src_cache.dtype != dst_cache.dtype:
+            raise ValueError(f"swap between caches of {src_cache.dtype} and {dst_cache.dtype}: pages are moved, never converted")
+        src_cache, dst_cache = _bytes(src_cache), _bytes(dst_cache)
         moved = src_cache.index_select(2, pairs[:, 0].to(src_cache.device))
         moved = moved.to(dst_cache.device, non_blocking=dst_cache.device.type == "cuda")
         dst_cache.index_copy_(2, pairs[:, 1].to(dst_cache.device), moved)
@@ -239,11 +260,12 @@ def _plan_decode_buckets(meta: AttentionMetadata, block_size: int) -> list[_Buck
 
 
 def _attend(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, bucket: _Bucket, scale: float
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, bucket: _Bucket, scale: float,
+    kv_scales: KvScales | None = None,  # an fp8 cache's (k_scale, v_scale); None: the cache holds real values
 ) -> torch.Tensor:
     if bucket.cascade is not None:
-        return attend_cascade(query, key_cache, value_cache, bucket.rows[:, 0], bucket.cascade, scale)
-    return _attend_bucket(query, key_cache, value_cache, bucket, scale)
+        return attend_cascade(query, key_cache, value_cache, bucket.rows[:, 0], bucket.cascade, scale, kv_scales)
+    return _attend_bucket(query, key_cache, value_cache, bucket, scale, kv_scales)
 
 
 def _attend_bucket(
@@ -252,6 +274,7 @@ def _attend_bucket(
     value_cache: torch.Tensor,
     bucket: _Bucket,
     scale: float,
+    kv_scales: KvScales | None = None,
 ) -> torch.Tensor:  # [S * max_q, h, d]: row s * max_q + j is slot j of the bucket's sequence s
     """One padded, masked SDPA over the bucket's sequences and their pages."""
     num_seqs, max_q = bucket.rows.shape
@@ -261,6 +284,8 @@ def _attend_bucket(
     pages = bucket.tables.view(-1)  # index_select over a flat index: about half of advanced indexing's cost
     k = key_cache.index_select(0, pages).view(num_seqs, keys, num_kv_heads, head_dim)
     v = value_cache.index_select(0, pages).view(num_seqs, keys, num_kv_heads, head_dim)
+    if kv_scales is not None:  # fp8 pages: only the gathered ones are widened
+        k, v = dequantize(k, kv_scales[0], query.dtype), dequantize(v, kv_scales[1], query.dtype)
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bucket.mask, scale=scale, enable_gqa=True
     )  # [S, h, max_q, d]

@@ -8,6 +8,7 @@ import functools
 import torch
 
 from pagedrs.attention import AttentionBackend
+from pagedrs.attention.kv_quant import SCALE_RULE, is_fp8, resolve_kv_cache_dtype
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor.base import DiskTierHandle
 from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, model_fingerprint
@@ -17,6 +18,7 @@ from pagedrs.kv_tiers.sizing import resolved_swap_space_gb
 from pagedrs.kv_tiers.store_layout import SeedPages
 from pagedrs.memory import KvPlan, plan_kv_memory
 from pagedrs.model_runner import ModelRunner
+from pagedrs.models.kv_geometry import KvGeometry
 from pagedrs.models.loader import load_model
 from pagedrs.step_input import StepInput, Transfer
 
@@ -41,6 +43,7 @@ class LocalExecutor:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.loaded = load_model(args.model, dtype=args.dtype, device=self.device, weight_dtype=args.weight_dtype,
                                  skip_tokenizer_init=args.skip_tokenizer_init)
+        self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.loaded.dtype)  # what pages are stored in
         self._backend = attention_backend
         self.runner: ModelRunner | None = None
         self._completed: list[int] = []
@@ -50,7 +53,9 @@ class LocalExecutor:
         args = self.args
         num_parameters = sum(p.numel() for p in self.loaded.model.parameters())
         return plan_kv_memory(
-            bytes_per_token=self.loaded.config.kv_bytes_per_token(args.dtype, kv_heads=self.loaded.model.kv_heads_per_rank),
+            # the one formula (models.kv_geometry) at the pages' itemsize: 1 byte for an fp8 cache
+            bytes_per_token=KvGeometry(self.loaded.config.num_hidden_layers, self.loaded.model.kv_heads_per_rank,
+                                       self.loaded.config.head_dim).bytes_per_element_token(self.kv_dtype.itemsize),
             block_size=args.block_size,
             num_parameters=num_parameters,
             device=self.device,
@@ -77,7 +82,9 @@ class LocalExecutor:
             num_layers=c.num_hidden_layers,
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
-            itemsize=torch.empty(0, dtype=self.loaded.dtype).element_size(),
+            itemsize=self.kv_dtype.itemsize,
+            # an fp8 store's storage and scale rule: a store of other pages is refused, never misread
+            kv_cache=f"{str(self.kv_dtype).removeprefix('torch.')}/scales:{SCALE_RULE}" if is_fp8(self.kv_dtype) else "auto",
         )
         slot_bytes = DiskPageStore(args.kv_disk_path, num_slots=1, geometry=geometry).slot_bytes
         num_slots = int(args.kv_disk_gb * 2**30) // slot_bytes
@@ -109,6 +116,7 @@ class LocalExecutor:
             num_cpu_blocks=num_cpu_blocks,
             block_size=self.args.block_size,
             backend=self._backend,
+            kv_cache_dtype=self.kv_dtype,
         )
         if self._disk is not None:
             self.runner.disk = self._disk.runner_tier()

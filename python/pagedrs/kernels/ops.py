@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from pagedrs.kernels import loader
-from pagedrs.kernels.dispatch import COPY_BLOCKS, lookup
+from pagedrs.kernels.dispatch import COPY_BLOCKS, FP8_CACHE_TYPES, KernelEntry, dtype_name, lookup
 from pagedrs.kernels.planning import MAX_PARTS, SplitPlan
 
 _ATTN_THREADS = 128  # kThreads in cuda/paged_attention.cu
@@ -35,6 +35,42 @@ def _rows_ok(t: torch.Tensor, what: str) -> torch.Tensor:
     return t
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}  # device -> float32 [1] holding 1.0 (16-bit caches)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a cache of ``dtype`` is an 8-bit cache the kernels convert (dispatch.FP8_CACHE_TYPES)."""
+    return dtype_name(dtype) in FP8_CACHE_TYPES
+
+
+def _entry(x: torch.Tensor, cache: torch.Tensor, head_size: int, block_size: int) -> tuple[KernelEntry, torch.dtype]:
+    """The dispatch entry for inputs ``x`` (queries, or new K/V) over ``cache``, and the dtype ``x`` is passed in:
+    the cache's own for a 16-bit or float32 cache (converted as before), ``x``'s for an fp8 cache."""
+    if is_fp8(cache.dtype):
+        return lookup(x.dtype, head_size, block_size, cache_dtype=cache.dtype), x.dtype
+    return lookup(cache.dtype, head_size, block_size), cache.dtype
+
+
+def _scale_args(entry: KernelEntry, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                device: torch.device) -> tuple[np.uint64, np.uint64]:
+    """Pointers to the per-tensor K and V scales: an fp8 cache needs both (float32, one element, on the
+    cache's device); any other cache takes none and gets 1.0 (an exact multiply)."""
+    if not entry.is_fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale are for an fp8 cache; this cache is {entry.cache}")
+        unit = _UNIT_SCALES.get(device)
+        if unit is None:
+            unit = _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return loader.ptr(unit), loader.ptr(unit)
+    ptrs = []
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None or t.dtype != torch.float32 or t.numel() != 1 or t.device != device:
+            got = "None" if t is None else f"{t.dtype} of {t.numel()} elements on {t.device}"
+            raise ValueError(f"{name} of a {entry.cache} cache must be a float32 tensor of one element on {device}; got {got}")
+        ptrs.append(loader.ptr(t))
+    return ptrs[0], ptrs[1]
+
+
 def paged_attention(
     out: torch.Tensor,  # [num_tokens, num_heads, head_size], fully written
     query: torch.Tensor,  # [num_tokens, num_heads, head_size]
@@ -50,6 +86,8 @@ def paged_attention(
     sliding_window: int | None = None,  # the token at position p sees keys (p - W, p]; None: all
     variant: str = "v1",  # the attention kernel (dispatch.VARIANTS)
     prefetch_chunks: int = 0,  # v2: L2 prefetch distance in chunks past the next (0: none); ignored by v1
+    k_scale: torch.Tensor | None = None,  # float32 [1]: an fp8 cache's per-tensor scales (stored x = x / scale)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``.
 
@@ -74,14 +112,15 @@ def paged_attention(
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc), ("work_items", work_items)):
         if t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 tensor, got {t.dtype} contiguous={t.is_contiguous()}")
-    if not (out.is_contiguous() and out.shape == query.shape and out.dtype == key_cache.dtype):
-        raise ValueError(f"out must be contiguous {tuple(query.shape)} {key_cache.dtype}, got {tuple(out.shape)} {out.dtype}")
+    entry, io_dtype = _entry(query, key_cache, head_size, block_size)
+    if not (out.is_contiguous() and out.shape == query.shape and out.dtype == io_dtype):
+        raise ValueError(f"out must be contiguous {tuple(query.shape)} {io_dtype}, got {tuple(out.shape)} {out.dtype}")
     if block_tables.shape[1] * block_size > _ONE_PASS_TOKENS:
         raise ValueError(f"block_tables of {block_tables.shape[1]} pages of {block_size} tokens exceed the kernels' "
                          f"{_ONE_PASS_TOKENS} positions per sequence")  # fmt: skip
-    entry = lookup(key_cache.dtype, head_size, block_size)
     device = query.device
-    query = _rows_ok(query.to(key_cache.dtype), "query")
+    scales = _scale_args(entry, k_scale, v_scale, key_cache.device)
+    query = _rows_ok(query.to(io_dtype), "query")
     group = num_heads // num_kv_heads
     grid = (num_kv_heads, work_items.shape[0], plan.num_parts)
     if work_items.shape[0] == 0:
@@ -99,6 +138,7 @@ def paged_attention(
         loader.i32(num_kv_heads), loader.i32(group), loader.i64(query.stride(0)), loader.f32(scale),
         loader.i32(plan.part_tokens if plan.num_parts > 1 else _ONE_PASS_TOKENS),
         loader.i32(0 if sliding_window is None else min(sliding_window, 2**31 - 1)),  # 0: no window
+        *scales,
     )  # fmt: skip
     if variant == "v2":
         if isinstance(prefetch_chunks, bool) or not isinstance(prefetch_chunks, int) or not 0 <= prefetch_chunks <= 64:
@@ -118,21 +158,24 @@ def reshape_and_cache(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # int64 [num_tokens]; negative slots are skipped
     runtime: loader.KernelRuntime = loader.CUPY,
+    k_scale: torch.Tensor | None = None,  # float32 [1]: an fp8 cache stores key / k_scale (saturated)
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Scatters the step's new K/V rows into their cache slots."""
+    """Scatters the step's new K/V rows into their cache slots (an fp8 cache: quantized, see cuda/dtype.cuh)."""
     if key.shape[0] == 0:
         return
     _, block_size, num_kv_heads, head_size = key_cache.shape
-    entry = lookup(key_cache.dtype, head_size, block_size)
-    key = _rows_ok(key.to(key_cache.dtype).reshape(key.shape[0], -1), "key")
-    value = _rows_ok(value.to(key_cache.dtype).reshape(value.shape[0], -1), "value")
+    entry, io_dtype = _entry(key, key_cache, head_size, block_size)
+    scales = _scale_args(entry, k_scale, v_scale, key_cache.device)
+    key = _rows_ok(key.to(io_dtype).reshape(key.shape[0], -1), "key")
+    value = _rows_ok(value.to(io_dtype).reshape(value.shape[0], -1), "value")
     slot_mapping = slot_mapping.to(device=key.device, dtype=torch.int64).contiguous()
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         raise ValueError("key_cache and value_cache must be contiguous")
     fn = runtime.kernel(entry, entry.reshape_and_cache, key.device)
     args = (
         loader.ptr(key_cache), loader.ptr(value_cache), loader.ptr(key), loader.ptr(value), loader.ptr(slot_mapping),
-        loader.i64(key.stride(0)), loader.i64(value.stride(0)), loader.i32(num_kv_heads * head_size),
+        loader.i64(key.stride(0)), loader.i64(value.stride(0)), loader.i32(num_kv_heads * head_size), *scales,
     )  # fmt: skip
     runtime.launch(fn, (key.shape[0],), (128,), args, key.device)
 

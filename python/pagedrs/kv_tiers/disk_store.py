@@ -44,7 +44,7 @@ import os
 import secrets
 import struct
 import zlib
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -97,7 +97,8 @@ class DiskPageStore:
     # ---- open and close ------------------------------------------------------------
 
     def _header_fields(self) -> dict:
-        return dict(format=FORMAT_VERSION, num_slots=self.num_slots, slot_bytes=self.slot_bytes, **asdict(self.geometry))
+        return dict(format=FORMAT_VERSION, num_slots=self.num_slots, slot_bytes=self.slot_bytes,
+                    **self.geometry.header_fields())
 
     def open(self) -> SeedPages:
         """Locks and opens (or creates) the store; returns the valid pages it holds.
@@ -133,7 +134,8 @@ class DiskPageStore:
         size = os.fstat(self._f).st_size
         header, problem = self._read_header(size)
         expected = self._header_fields()
-        mismatch = None if header is None else [k for k in expected if header.get(k) != expected[k]]
+        keys = [*expected, *(() if "kv_cache" in expected else ("kv_cache",))]  # an fp8 header read as auto too
+        mismatch = None if header is None else [k for k in keys if header.get(k) != expected.get(k)]
         if header is not None and not mismatch:
             self._format = replace(self._format, epoch=int(header["epoch"]))
             seed = self._scan(size)

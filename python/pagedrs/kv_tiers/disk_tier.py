@@ -43,6 +43,7 @@ class DiskTier:
             return
         raw = self.store.read(pairs[:, 0].astype(np.uint32))
         layers, two, _, bs, heads, dim = cache.shape
-        pages = torch.from_numpy(raw).view(cache.dtype).reshape(len(pairs), layers, two, bs, heads, dim)
+        pages = torch.from_numpy(raw).reshape(len(pairs), layers, two, bs, heads, dim * cache.element_size())
         dst = torch.from_numpy(pairs[:, 1].astype(np.int64)).to(cache.device)
-        cache.index_copy_(2, dst, pages.permute(1, 2, 0, 3, 4, 5).to(cache.device))
+        # as bytes: the page's bits go back unchanged whatever the dtype (CPU torch has no fp8 index_copy_)
+        cache.view(torch.uint8).index_copy_(2, dst, pages.permute(1, 2, 0, 3, 4, 5).to(cache.device))

@@ -3,7 +3,7 @@ geometry (what its bytes mean), and the pages a store hands the core when it ope
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -23,6 +23,17 @@ class StoreGeometry:
     num_kv_heads: int
     head_dim: int
     itemsize: int
+    # "auto": pages in ``dtype``; else the 8-bit storage and its scale rule ("float8_e4m3fn/scales:unit",
+    # attention/kv_quant.py): a store of e4m3 pages is never read as e5m2, nor with other scales
+    kv_cache: str = "auto"
+
+    def header_fields(self) -> dict:
+        """The fields a store's header records; ``kv_cache`` only when not "auto", so that stores written
+        before it existed still open (their pages are in ``dtype``, which ``auto`` means)."""
+        fields = asdict(self)
+        if self.kv_cache == "auto":
+            del fields["kv_cache"]
+        return fields
 
     @property
     def page_bytes(self) -> int:
