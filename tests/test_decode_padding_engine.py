@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedrs import Engine, EngineArgs, SamplingParams
-from pagedrs.decode_graphs import capture_sizes
+from pagedrs.decode_graphs import DecodePadding, capture_sizes
 from pagedrs.model_runner import ModelRunner
 
 torch.set_num_threads(1)
@@ -134,3 +134,43 @@ def test_the_scratch_page_comes_out_of_kv_cache_memory(tiny_llama_dir):
     assert runner.kv_cache.shape[2] == 2**20 // per_block
     assert runner.static is not None and runner.static.scratch_block == padded.stats()["num_gpu_blocks"]
     assert runner.padding.table_width == 16  # ceil(64 / 4)
+
+
+class _EagerGraphs:
+    """Stands in for DecodeGraphs on the CPU: a "replay" runs the padded forward on the model as it
+    was at capture (not through the runner's attribute, which a benchmark may wrap)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.sizes, self.replays = runner.padding.sizes, 0
+        model, backend, views, bs = runner.model, runner.backend, runner.kv_views, runner.block_size
+        width = runner.padding.table_width * bs
+
+        def forward(step):
+            backend.plan_padded_decode(step.meta, bs, model.heads_per_rank, model.kv_heads_per_rank, width)
+            return model.compute_logits(model(step.input_ids, step.positions, views, step.meta, backend))
+
+        self._forward = forward
+
+    def replay(self, step):
+        self.replays += 1
+        return self._forward(step)
+
+
+def test_bench_overhead_stamps_a_graph_replay_as_the_forward_pass(tmp_path):
+    """`pagedrs bench overhead --device cuda` runs with CUDA graphs: a replay calls no model, so the
+    benchmark stamps the replay itself (here with a stand-in graph set on a padded CPU engine)."""
+    from pagedrs.bench import overhead
+
+    spec = overhead.OverheadSpec(batch_sizes=(3,), layers=2, prompt_len=4, warmup_steps=1, steps=3)
+    engine = overhead.build_overhead_engine(overhead.write_model(tmp_path / "m", 2), spec)
+    plain = overhead.time_decode_steps(engine, spec, 3, seed=0)
+    runner = engine.core.executor.runner
+    padded_runner = ModelRunner(runner.loaded, num_gpu_blocks=runner.num_gpu_blocks, num_cpu_blocks=0,
+                                block_size=runner.block_size, backend=runner.backend,
+                                padding=DecodePadding(sizes=(1, 2, 4), table_width=8))  # fmt: skip
+    padded_runner.graphs = graphs = _EagerGraphs(padded_runner)
+    engine.core.executor.runner = padded_runner
+    rows = overhead.time_decode_steps(engine, spec, 3, seed=1)
+    assert graphs.replays >= spec.steps and len(rows) == len(plain) == spec.steps
+    # the head runs inside the replay: its own part is the two stamps' distance, nothing
+    assert all(0 < r["head"] < r["forward"] / 10 and r["runner"] >= r["forward"] for r in rows)
