@@ -24,7 +24,15 @@ from pagedrs.attention.cuda_backend import CudaAttentionBackend
 from pagedrs.kernels.dispatch import VARIANTS
 from pagedrs.kernels.planning import V1
 from test_kernels_emulated import DTYPES, _case, _rel_err
-from test_kernels_engine import emulated_engine, hf_greedy, make_head64_model, prompts, run_all
+from test_kernels_engine import (
+    WINDOW,
+    emulated_engine,
+    hf_greedy,
+    make_head64_model,
+    prompts,
+    run_all,
+    window_requests,
+)
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.skipif(not SUPPORTED_MACHINE, reason="the CUDA emulator runs on x86-64 only")
@@ -146,3 +154,25 @@ def test_padded_decode_on_the_emulated_kernels_equals_transformers(head64_llama,
         items = plan.work_items.shape[0]
         assert (engine.loaded.config.num_key_value_heads, items, plan.split.num_parts) in padded[items]
         assert plan.split.num_parts == (8 if split else 1)
+
+
+@pytest.fixture(scope="module")
+def mistral_window(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("head64-mistral-window-padded")
+    return folder, make_head64_model("mistral", folder, seed=2, sliding_window=WINDOW)
+
+
+def test_padded_decode_with_a_sliding_window_equals_transformers(mistral_window) -> None:
+    """The fixed split of a window covers min(table width, window) keys; released pages (the core's
+    placeholder ids in the tables) stay unread with the fixed width too."""
+    folder, hf = mistral_window
+    runtime = EmulatedRuntime(schedule="reverse", seed=4)
+    backend = CudaAttentionBackend(num_sms=1000, runtime=runtime, variant="v2", split_rule=V1)
+    engine = Engine(EngineArgs(model=str(folder), block_size=8, num_gpu_blocks=64, max_model_len=2048, watermark=0.0,
+                               max_num_batched_tokens=16, enable_prefix_caching=True, pad_decode=True),
+                    attention_backend=backend)  # fmt: skip
+    requests = window_requests(engine.loaded.config.vocab_size)
+    assert run_all(engine, requests) == {rid: [hf_greedy(hf, p, 40)] for rid, (p, _) in requests.items()}
+    assert engine.stats()["window_released_blocks"] > 0
+    plans = list(backend._padded_plans.values())
+    assert plans and all(plan.split_for(WINDOW).num_parts == 1 and plan.split.num_parts == 8 for plan in plans)

@@ -220,3 +220,22 @@ def test_a_replay_that_differs_from_eager_by_one_bit_turns_graphs_off_naming_the
     with caplog.at_level(logging.WARNING, logger="pagedrs.engine"):
         assert wrong.validate(kv, num_blocks=6, vocab_size=50) == 2
     assert wrong.sizes == () and "decode batch size 2 differs" in caplog.text
+
+
+class _BrokenCapture(_StandInGraphs):
+    def _capture_one(self, size, pool):
+        if size == 2:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        if size == 4:
+            raise RuntimeError("CUDA error: out of memory (capture invalidated)")
+        return super()._capture_one(size, pool)
+
+
+def test_a_capture_that_fails_otherwise_turns_graphs_off_and_an_oom_runtime_error_only_drops_its_size(caplog) -> None:
+    static = StaticDecodeInputs(DecodePadding(sizes=(1, 2, 4, 8), table_width=3), scratch_block=6, block_size=4,
+                                device=torch.device("cpu"))  # fmt: skip
+    graphs = _BrokenCapture(static, _forward_of(static), oom_above=8)
+    with caplog.at_level(logging.WARNING, logger="pagedrs.engine"):
+        assert graphs.capture((1, 2, 4, 8)) == ()
+    assert graphs.dropped == [4] and graphs.failed == 2
+    assert "capturing decode batch size 2 failed" in caplog.text and "not permitted" in caplog.text

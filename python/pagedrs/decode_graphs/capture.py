@@ -57,6 +57,7 @@ class DecodeGraphs:
         self._forward = forward  # the eager padded forward: logits [P, vocab] (ModelRunner.padded_forward)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}  # size -> (torch.cuda.CUDAGraph, its logits)
         self.dropped: list[int] = []  # sizes whose capture ran out of memory
+        self.failed: int | None = None  # the size whose capture failed otherwise (then no graph is kept)
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -69,7 +70,13 @@ class DecodeGraphs:
         for size in sorted(sizes, reverse=True):
             try:
                 self._graphs[size] = self._capture_one(size, pool)
-            except torch.cuda.OutOfMemoryError:
+            except Exception as exc:  # noqa: BLE001 - a failed capture costs speed, never the engine
+                if not _out_of_memory(exc):
+                    logger.warning("CUDA graphs: capturing decode batch size %d failed (%s: %s); CUDA graphs are off",
+                                   size, type(exc).__name__, exc)  # fmt: skip
+                    self._graphs.clear()
+                    self.failed = size
+                    break
                 self.dropped.append(size)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -128,6 +135,11 @@ class DecodeGraphs:
             self.static.fill_padding()
             _synchronize()
         return None
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure, also when it surfaces as the RuntimeError of an invalidated capture."""
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def _synchronize() -> None:

@@ -147,6 +147,8 @@ class LocalExecutor:
             else:
                 logger.warning("CUDA graphs: none in use on %s (backend %s); decode steps run eagerly",
                                self.device, self.runner.backend.name)  # fmt: skip
+                if self.args.pad_decode is None:  # padding was for the graphs: decode steps run as they come
+                    self.runner.padding = None
 
     def run_transfers(self, transfers: list[Transfer]) -> None:
         """Runs tier copies outside a step (the shutdown flush), synchronously."""
