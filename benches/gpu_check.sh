@@ -6,14 +6,15 @@
 #                                                          # (tests/test_gpu_check_dry.py runs it in make test)
 # Each step writes its output under DIR (default gpu_check_out/) as soon as it ends, so a run cut
 # short keeps what ran; DIR/summary.txt lists each step's exit status and seconds.
-#  1. kernels.txt        pytest -m gpu tests/test_kernels.py (every kernel vs the float64 reference)   45 s
-#  2. gpu_kernels.txt    benches/gpu_kernels.py: the attention kernels' table (decode GB/s, split-K, ...) 45 s
+#  1. kernels.txt        pytest -m gpu tests/test_kernels.py (every kernel vs the float64 reference)   40 s
+#  2. gpu_kernels.txt    benches/gpu_kernels.py: the attention kernels' table (decode GB/s, split-K, ...) 40 s
 #  3. e2e/decode.json    benches/gpu_e2e.py: SmolLM2 geometry, random weights, bf16, batch 1/32/256:
-#                        eager vs padded-eager vs CUDA graphs (tokens/s, step ms, GPU busy share)      100 s
-#     e2e/throughput.json bench throughput's workload: paged vs contiguous vs transformers, equal KV    (same)
-#  4. overhead.json      pagedrs bench overhead --device cuda (the host's share of a step)              40 s
-#  5. engine_tests.txt   pytest -m gpu: CUDA graphs vs eager vs transformers, the engine on CUDA,
-#                        TP over NCCL (these need transformers for their tiny models)                 60 s
+#                        eager vs padded-eager vs CUDA graphs (tokens/s, step ms, GPU busy share)       60 s
+#  4. e2e/throughput.json bench throughput's QUICK workload (16 requests): paged vs contiguous vs
+#                        transformers (when installed) at equal KV memory                               75 s
+#  5. overhead.json      pagedrs bench overhead --device cuda (the host's share of a step)              35 s
+#  6. engine_tests.txt   pytest -m gpu: CUDA graphs vs eager vs transformers, the engine on CUDA,
+#                        TP over NCCL (these need transformers for their tiny models)                 50 s
 # Budget: about 5 minutes in all (each step has its own timeout; a step that fails does not stop the rest).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ while [[ $# -gt 0 ]]; do
         --out) OUT="$2"; shift 2 ;;
         --out=*) OUT="${1#--out=}"; shift ;;
         --dry-run) DRY=1; shift ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) WHEEL="$1"; shift ;;
     esac
 done
@@ -43,9 +44,10 @@ fi
 
 if [[ $DRY == 1 ]]; then
     # pytest steps only collect (their tests are gpu-marked: they would all skip here)
-    DEVICE=cpu; E2E_FLAGS=(--device cpu --quick); OVERHEAD_FLAGS=(--device cpu --quick --layers 2); PYTEST_FLAGS=(--collect-only)
+    # a shared CPU is slow and noisy: the dry run's timeouts are 4x the GPU run's
+    TIME_SCALE=4; DEVICE=cpu; E2E_FLAGS=(--device cpu --quick); OVERHEAD_FLAGS=(--device cpu --quick --layers 2); PYTEST_FLAGS=(--collect-only)
 else
-    DEVICE=cuda; E2E_FLAGS=(--device cuda); OVERHEAD_FLAGS=(--device cuda); PYTEST_FLAGS=()
+    TIME_SCALE=1; DEVICE=cuda; E2E_FLAGS=(--device cuda); OVERHEAD_FLAGS=(--device cuda); PYTEST_FLAGS=()
 fi
 
 status=0
@@ -55,7 +57,7 @@ step() {
     local name=$1 limit=$2 file=$3
     shift 3
     local start=$SECONDS rc
-    timeout "$limit" "$@" > >(tee "$OUT/$file") 2>&1
+    timeout $((limit * TIME_SCALE)) "$@" > >(tee "$OUT/$file") 2>&1
     rc=$?
     echo "$name rc=$rc seconds=$((SECONDS - start))" >> "$OUT/summary.txt"
     [[ $rc == 0 ]] || status=$rc
@@ -75,16 +77,18 @@ PYEOF
 [[ $status == 0 ]] || exit $status
 
 # --noconftest: tests/conftest.py builds tiny transformers models this step does not need.
-step kernels 45 kernels.txt "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider "${PYTEST_FLAGS[@]}" tests/test_kernels.py
+step kernels 40 kernels.txt "$PY" -m pytest -q -m gpu --noconftest -p no:cacheprovider "${PYTEST_FLAGS[@]}" tests/test_kernels.py
 if [[ $DRY == 1 ]]; then  # its emulated run takes minutes: `python benches/gpu_kernels.py --emulate` proves it
     echo "gpu_kernels skipped in the dry run (benches/gpu_kernels.py --emulate: minutes on the CPU)" | tee -a "$OUT/summary.txt"
 else
-    step gpu_kernels 45 gpu_kernels.txt "$PY" benches/gpu_kernels.py
+    step gpu_kernels 40 gpu_kernels.txt "$PY" benches/gpu_kernels.py
 fi
-step e2e 100 e2e.txt "$PY" benches/gpu_e2e.py --out "$OUT/e2e" "${E2E_FLAGS[@]}"
-step overhead 40 overhead.txt "$PY" -m pagedrs.cli bench overhead "${OVERHEAD_FLAGS[@]}" --json "$OUT/overhead.json"
+step e2e_decode 60 e2e_decode.txt "$PY" benches/gpu_e2e.py --sections decode --out "$OUT/e2e" "${E2E_FLAGS[@]}"
+step e2e_throughput 75 e2e_throughput.txt "$PY" benches/gpu_e2e.py --sections throughput --quick --out "$OUT/e2e" \
+    "${E2E_FLAGS[@]}"
+step overhead 35 overhead.txt "$PY" -m pagedrs.cli bench overhead "${OVERHEAD_FLAGS[@]}" --json "$OUT/overhead.json"
 if "$PY" -c "import transformers" 2>/dev/null; then
-    step engine_tests 60 engine_tests.txt "$PY" -m pytest -q -m gpu -p no:cacheprovider "${PYTEST_FLAGS[@]}" tests/test_decode_graphs_gpu.py \
+    step engine_tests 50 engine_tests.txt "$PY" -m pytest -q -m gpu -p no:cacheprovider "${PYTEST_FLAGS[@]}" tests/test_decode_graphs_gpu.py \
         tests/test_engine.py tests/test_kernels_engine.py tests/test_tensor_parallel.py
 else
     echo "engine_tests skipped: transformers is not installed" | tee -a "$OUT/summary.txt"

@@ -9,12 +9,13 @@ Sections (each writes ``--out DIR/<section>.json`` as soon as it has run, so a r
 keeps what ran):
 
 * ``decode``: batch 1, 32, 256 x ``max_tokens`` new tokens after a 32-token prompt, greedy,
-  ignore_eos, bf16; modes ``eager`` (enforce_eager), ``padded`` (the padded path without graphs:
+  ignore_eos, bf16 (``TIMED_STEPS`` steady decode steps timed, then the requests are aborted); modes ``eager`` (enforce_eager), ``padded`` (the padded path without graphs:
   the graphs' eager twin) and ``graphs``. Per batch and mode: decode tokens/s over the steady
   decode steps, their median step time, and the GPU busy share of those steps: the kernels'
   device time (torch.profiler) over the wall time of a few profiled steps.
-* ``throughput``: ``pagedrs bench throughput``'s workload (QUICK with ``--quick``) on one KV byte
-  budget: paged, contiguous, and transformers when it is installed (skipped otherwise).
+* ``throughput``: ``pagedrs bench throughput``'s workload (QUICK, or FULL without ``--quick``;
+  ``--requests`` of them) on one KV byte budget: paged, contiguous, and transformers when it is
+  installed (skipped otherwise).
 
 ``--device cpu --quick`` (what ``gpu_check.sh --dry-run`` runs) takes every code path on the CPU in
 seconds with a 2-layer model of the same widths cut down; its numbers say nothing about a GPU.
@@ -41,6 +42,7 @@ SMOLLM2 = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "
 TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 512}  # fmt: skip
 PROMPT_LEN = 32
+TIMED_STEPS = 40  # decode steps timed per batch and mode (the requests are then aborted)
 MODES = {"eager": {"enforce_eager": True}, "padded": {"enforce_eager": True, "pad_decode": True}, "graphs": {}}
 
 
@@ -116,10 +118,12 @@ def decode_run(engine: Any, batch: int, max_tokens: int, device: str, seed: int)
     share = kernel_share(engine, profiled, device)
     times: list[float] = []
     remaining = max_tokens - 3 - profiled - 1
-    for _ in range(max(1, remaining)):
+    for _ in range(max(1, min(remaining, TIMED_STEPS))):
         start = time.perf_counter()
         engine.step()  # returns once the sampled ids are on the host: the step's GPU work is done
         times.append(time.perf_counter() - start)
+    for r in range(batch):  # the steady state is measured: the rest of the tokens would only cost time
+        engine.abort(f"b{batch}-{r}")
     while engine.has_unfinished():
         engine.step()
     step_s = statistics.median(times)
@@ -175,8 +179,10 @@ def section_throughput(args: argparse.Namespace, folder: Path, write: Any) -> No
     geo = kv_geometry(folder, args.dtype)
     spec = dataclasses.replace(QUICK if args.quick else FULL, max_model_len=min((QUICK if args.quick else FULL).max_model_len,
                                                                                  geo.context_len))  # fmt: skip
-    if args.device == "cpu":
-        spec = dataclasses.replace(spec, num_requests=4)
+    spec = dataclasses.replace(spec, num_requests=args.requests)
+    if args.device == "cpu" and args.quick:  # the code path in seconds: short prompts and outputs
+        spec = dataclasses.replace(spec, prompt=dataclasses.replace(spec.prompt, mean=8, maximum=16),
+                                   output=dataclasses.replace(spec.output, mean=8, maximum=16))  # fmt: skip
     workload = synthetic_workload(spec, geo.vocab_size)
     budget = make_budget(geo, spec.max_model_len, budget_seqs=4, block_size=16)
     results: dict[str, Any] = {"kv_budget": budget.to_dict(), "workload": workload.summary(), "device": args.device}
@@ -226,11 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--quick", action="store_true", help="small sizes (with --device cpu: seconds)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {list(SECTIONS)}")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="throughput requests (default 16; 4 with --device cpu --quick): transformers' static "
+                             "batch of 2 under the 4-sequence budget makes each one cost seconds")
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
     args.dtype = args.dtype or ("float32" if cpu else "bfloat16")
     args.batches = (1, 4) if cpu and args.quick else (1, 32, 256)
     args.max_tokens = 12 if cpu and args.quick else 128
+    args.requests = args.requests or (4 if cpu and args.quick else 16)
     args.out.mkdir(parents=True, exist_ok=True)
 
     def write(section: str, data: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ def test_the_dry_run_runs_every_step_and_writes_each_result(tmp_path: Path) -> N
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = (out / "summary.txt").read_text().splitlines()
     steps = {line.split()[0]: line for line in summary}
-    for name in ("environment", "kernels", "e2e", "overhead"):
+    for name in ("environment", "kernels", "e2e_decode", "e2e_throughput", "overhead", "engine_tests"):
         assert f"{name} rc=0" in steps[name], summary
     assert "DRY RUN" in (out / "environment.txt").read_text()
     decode = json.loads((out / "e2e" / "decode.json").read_text())
