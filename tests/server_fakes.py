@@ -286,12 +286,13 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(
     model_dir: Path, engine_kw: dict[str, Any], model_name: str, max_waiting: int = 64, *, core_process: bool = False,
-    trace: Any = None,
+    trace: Any = None, options: Any = None,
 ) -> Iterator[LiveServer]:
     """Serve the model in ``model_dir`` on 127.0.0.1 for the duration of the block.
 
     ``core_process``: the engine runs in its own process behind a RemoteEngine, as
     ``pagedrs serve`` runs it by default. ``trace``: a RequestTrace the loop writes to.
+    ``options``: the app's ServerOptions (default: ServerOptions()).
     """
     from pagedrs import Engine, EngineArgs
     from pagedrs.server import BackgroundServer, EngineLoop, build_app
@@ -300,7 +301,7 @@ def live_server(
     args = EngineArgs(model=str(model_dir), **engine_kw)
     engine = RemoteEngine(args) if core_process else Engine(args)
     loop = EngineLoop(engine, trace=trace)
-    app = build_app(loop, model_name, max_waiting=max_waiting)
+    app = build_app(loop, model_name, max_waiting=max_waiting, options=options)
     http = BackgroundServer(app)
     loop.start()
     http.start()

@@ -323,8 +323,12 @@ def test_a_streamed_forced_call_equals_the_non_streamed_one(client: openai.OpenA
                               max_tokens=200)
     whole = client.chat.completions.create(**kw).choices[0]
     chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
-    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-    assert [(t.index, t.function.name, t.function.arguments) for t in calls] == [
+    joined: dict[int, tuple[str, str]] = {}  # index -> (name, arguments), joined the way a client joins them
+    for t in (t for c in chunks for t in (c.choices[0].delta.tool_calls or [])):
+        name, arguments = joined.get(t.index, (t.function.name, ""))
+        joined[t.index] = (name, arguments + t.function.arguments)
+    assert [(i, *joined[i]) for i in sorted(joined)] == [
         (i, t.function.name, t.function.arguments) for i, t in enumerate(whole.message.tool_calls)]
+    assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks) > len(joined)  # arguments in pieces
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
     assert not any(c.choices[0].delta.content for c in chunks)

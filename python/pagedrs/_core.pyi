@@ -9,6 +9,8 @@ import numpy.typing as npt
 TokenIds = Sequence[int] | npt.NDArray[np.uint32] | npt.NDArray[np.int32] | npt.NDArray[np.int64] | npt.NDArray[np.uint64]
 """A list of ints, or a 1-D NumPy array (uint32/int32 read zero-copy; int64/uint64 converted)."""
 
+PLACEHOLDER_TOKEN: int  # a token not sampled yet (asynchronous scheduling); never hashed into the prefix cache
+
 class OutOfBlocksError(RuntimeError):
     """The KV-cache pool cannot serve the request now; nothing was changed."""
 
@@ -246,6 +248,14 @@ class Scheduler:
         """Prompt tokens the sequence's first admission found cached (None before it)."""
     def append_tokens(self, seq_ids: npt.NDArray[np.uint64], token_ids: npt.NDArray[np.uint32]) -> None:
         """One token per sequence, all or nothing."""
+    def append_placeholders(self, seq_ids: npt.NDArray[np.uint64]) -> None:
+        """Asynchronous scheduling: each sequence's next token is PLACEHOLDER_TOKEN until resolved."""
+    def resolve_placeholders(self, seq_ids: npt.NDArray[np.uint64], token_ids: npt.NDArray[np.uint32]) -> int:
+        """The sampled tokens of the oldest placeholders; sequences gone meanwhile are skipped."""
+    def drop_placeholders(self, seq_ids: npt.NDArray[np.uint64]) -> int:
+        """Takes back placeholders whose tokens never come (their step failed)."""
+    def set_max_steps_in_flight(self, n: int) -> None:
+        """1: a step runs before the next is planned (default); 2: asynchronous scheduling."""
     def complete_transfers(self, ids: Sequence[int]) -> None:
         """The runner finished these transfers; their host pins are released (all or nothing)."""
     def seed_disk(

@@ -47,6 +47,9 @@ class EngineArgs:
     # such steps in a row): a new request's first token costs its prefill alone, not its
     # prefill plus a decode of the whole batch; the decodes wait one step (vLLM v0's order).
     prefill_first: bool = False
+    # Plan and launch step N+1 before step N is sampled (vLLM's async_scheduling; core/async_step.py):
+    # the device never waits for the host's sampling and output handling. Same outputs.
+    async_scheduling: bool = False
     host_cache_evicted: bool = False  # legacy switch: host-cache evicted pages in the swap pool's free blocks
     # Host tier for evicted prefix pages, added to the swap pool (GiB; 0 = off).
     # None = auto: min(4 GiB, 10% of MemAvailable) on CUDA, 0 on a CPU device (as swap_space_gb).
@@ -108,11 +111,18 @@ class EngineArgs:
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
         at_least("aging_steps", 0)
-        for name in ("prefill_first", "enforce_eager"):
+        for name in ("prefill_first", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} is {getattr(self, name)!r}; it must be True or False")
         if self.pad_decode is not None and not isinstance(self.pad_decode, bool):
             raise ValueError(f"pad_decode is {self.pad_decode!r}; it must be True, False or None")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling=True with tensor_parallel_size={self.tensor_parallel_size}: not supported "
+                             "yet; allowed: async_scheduling=False, or tensor_parallel_size=1")
+        if self.async_scheduling and self.kv_disk_path is not None:
+            raise ValueError(f"async_scheduling=True with kv_disk_path={str(self.kv_disk_path)!r}: not supported yet "
+                             "(the disk tier's writes are not ordered with an asynchronous step); allowed: "
+                             "async_scheduling=False, or kv_disk_path=None")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -55,10 +55,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     if not rows:
         return []
     device = logits.device
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    raw = logits.float()
     # Neither writes into the caller's logits; with no penalty and no min_tokens mask (a greedy
     # batch, usually) they return them as they are, uncopied.
-    x = mask_min_tokens(apply_penalties(logits.float(), rows), rows)
+    x = mask_min_tokens(apply_penalties(raw, rows), rows)
     greedy_ids = argmax_rows(x)
     if all(r.params.is_greedy for r in rows):
         token_ids = greedy_ids
@@ -75,7 +75,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         )
         sampled = _exponential_race(torch.softmax(x, dim=-1), rows)
         token_ids = torch.where(is_greedy, greedy_ids, sampled)
-    return _results(token_ids, logprobs, rows)
+    return _results(token_ids, raw, rows)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -176,11 +176,33 @@ def _token_counts(token_lists: list[list[int]], num_seqs: int, vocab: int, devic
     return padded[:, :vocab]
 
 
-def _results(token_ids: torch.Tensor, logprobs: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
+def chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(float32 [S]: each row's log-probability of its token under the raw logits, the full
+    log-softmax [S, V] when it was made on the way, else None). No device-to-host copy: the
+    caller chooses when to read them.
+
+    On a GPU, ``x[t] - logsumexp(x)``: one reduction per row, no [S, V] result written. On the
+    CPU the fused log-softmax is faster than torch's logsumexp (38 against 53 ms at 256 x 49,152
+    on one thread: logsumexp is not fused there), so the CPU keeps it."""
+    index = token_ids[:, None].long()
+    if raw.device.type == "cpu":
+        full = torch.log_softmax(raw, dim=-1)
+        return full.gather(1, index)[:, 0], full
+    return raw.gather(1, index)[:, 0] - torch.logsumexp(raw, dim=-1), None
+
+
+def _results(token_ids: torch.Tensor, raw: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     ids = token_ids.tolist()
-    chosen = logprobs.gather(1, token_ids[:, None].long())[:, 0].tolist()
+    chosen_t, full = chosen_logprobs(raw, token_ids)
+    chosen = chosen_t.tolist()
     max_k = max((r.params.logprobs or 0) for r in rows)
-    top_vals, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    top_vals = top_ids = None
+    where: dict[int, int] = {}
+    if max_k:  # alternatives only for the rows that asked for them
+        asking = [i for i, r in enumerate(rows) if r.params.logprobs]
+        where = {row: j for j, row in enumerate(asking)}
+        full_rows = full[asking] if full is not None else torch.log_softmax(raw[asking], dim=-1)
+        top_vals, top_ids = full_rows.topk(max_k, dim=-1)
     results = []
     for i, r in enumerate(rows):
         top: dict[int, float] | None = None
@@ -188,7 +210,8 @@ def _results(token_ids: torch.Tensor, logprobs: torch.Tensor, rows: list[Samplin
             k = r.params.logprobs
             top = {}
             if k and top_ids is not None and top_vals is not None:
-                top = dict(zip(top_ids[i, :k].tolist(), top_vals[i, :k].tolist(), strict=True))
+                j = where[i]
+                top = dict(zip(top_ids[j, :k].tolist(), top_vals[j, :k].tolist(), strict=True))
             top[ids[i]] = chosen[i]
         results.append(SampleResult(token_id=ids[i], logprob=chosen[i], top_logprobs=top))
     return results

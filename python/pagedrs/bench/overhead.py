@@ -18,7 +18,7 @@ at the part boundaries of each ``Engine.step`` split it into parts that add up t
   runner's metadata, tensors and the attention backend's per-step plan);
 - ``runner``: the forward pass and the output head (``forward`` and ``head`` apart); the only part
   that grows with the depth;
-- ``sampling``: the core's sampling rows and ``sample()``;
+- ``sampling``: the core's sampling rows, the fast rows' batched draw and ``sample()`` for the others;
 - ``output``: the rest of the core's step (the Rust ``complete_step``, continuation policies, appends,
   ``CoreOutput``; also the client's inbox before ``schedule``);
 - ``frontend``: the front end's ``OutputProcessor`` (``RequestOutput``; with a core in its own process,
@@ -179,12 +179,12 @@ def stamped(engine: Any, stamps: _Stamps) -> Iterator[None]:
 
     core = engine.core
     runner = core.executor.runner
-    scheduler, model, sample_fn = core.scheduler, runner.model, step_module._sample_attributed
+    scheduler, model, sample_fn = core.scheduler, runner.model, step_module._sample
     core.scheduler = _TimedScheduler(scheduler, stamps)
     runner.model = _TimedModel(model, stamps)
     core.executor.execute = stamps.around(core.executor.execute, "execute", "execute_end")
     core.step = stamps.around(core.step, "core", "core_end")
-    step_module._sample_attributed = stamps.around(sample_fn, "sampling", "sampling_end")  # type: ignore[attr-defined]
+    step_module._sample = stamps.around(sample_fn, "sampling", "sampling_end")  # type: ignore[attr-defined]
     graphs = runner.graphs  # CUDA graphs: a replay is the forward pass and the head (head stamped as empty)
     if graphs is not None:
         timed_replay = stamps.around(graphs.replay, "forward", "forward_end")
@@ -199,7 +199,7 @@ def stamped(engine: Any, stamps: _Stamps) -> Iterator[None]:
     try:
         yield
     finally:
-        core.scheduler, runner.model, step_module._sample_attributed = scheduler, model, sample_fn
+        core.scheduler, runner.model, step_module._sample = scheduler, model, sample_fn
         del core.executor.execute, core.step
         if graphs is not None:
             del graphs.replay

@@ -25,13 +25,16 @@ import torch
 
 from pagedrs.attention import AttentionBackend
 from pagedrs.beam_search import BeamSearchParams
+from pagedrs.core.async_step import AsyncScheduler
 from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, IndependentSamples, request_shape
+from pagedrs.core.fast_rows import FastRows
 from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestMetrics
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
 from pagedrs.core.step import StepContext, run_step
 from pagedrs.core.structured.backend import GrammarCompiler
 from pagedrs.engine_args import EngineArgs
+from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.rollback import Rollback
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.stats import EngineStats
@@ -63,6 +66,11 @@ class EngineCore:
         # every unfinished request still waiting for its first token (note_scheduled's only concern)
         self._unstarted: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Sample]] = {}
+        self.fast_rows = FastRows(self)  # the plain decode rows, kept from step to step (core/fast_rows.py)
+        self._async: Optional[AsyncScheduler] = None
+        if args.async_scheduling:  # steps complete on a worker; two in flight (core/async_step.py)
+            self.executor = AsyncExecution(self.executor)
+            self._async = AsyncScheduler(self, self.executor)
         self._seq_ids = itertools.count(1)
         self._arrivals = itertools.count()
         self.num_generated = 0
@@ -131,6 +139,8 @@ class EngineCore:
             return None
         self._unstarted.pop(request_id, None)
         self._end_request(request, "abort")
+        if not self._requests:
+            self._drain()
         return request.output(streams_tokens=True)
 
     def finish_sample(self, request_id: str, index: int, reason: str, stop_reason: Union[int, str, None]) -> None:
@@ -147,15 +157,30 @@ class EngineCore:
             request.metrics.finished_time = time.monotonic()
             del self._requests[request_id]
             self._unstarted.pop(request_id, None)
+            if not self._requests:
+                self._drain()
 
     def step(self) -> CoreOutputs:
         """Runs one scheduler step; an output for every request that progressed or ended
         (beam search: only once it finished)."""
         if not self._requests:
+            self._drain()
             return CoreOutputs()
-        ctx = StepContext(start=time.monotonic())
-        run_step(self, ctx)
-        return CoreOutputs(self._collect(ctx.touched))
+        if self._async is not None:
+            ctx = self._async.step(time.monotonic())
+        else:
+            ctx = StepContext(start=time.monotonic())
+            run_step(self, ctx)
+        outputs = CoreOutputs(self._collect(ctx.touched))
+        if not self._requests:
+            self._drain()
+        return outputs
+
+    def _drain(self) -> None:
+        """Asynchronous scheduling: the step in flight is waited for and reported once no
+        request is left (an idle core has no step open and no page held)."""
+        if self._async is not None and self._async.in_flight:
+            self._async.drain()
 
     # ---- what the step calls ------------------------------------------------------------
 
@@ -189,6 +214,7 @@ class EngineCore:
 
     def release(self, seq_id: int) -> None:
         entry = self._by_seq.pop(seq_id, None)
+        self.fast_rows.forget(seq_id)
         if entry is not None:
             entry[1].grammar = None  # its matcher goes with its sequence
             if self.scheduler.contains(seq_id):
@@ -274,6 +300,9 @@ class EngineCore:
         releases the executor (its disk store closed, tensor-parallel workers exited). Once."""
         for request_id in list(self._requests):
             self.abort(request_id)
+        self._drain()
+        if isinstance(self.executor, AsyncExecution):
+            self.executor.stop()  # its worker first; the closer shuts the wrapped executor down
         self._closer()
 
     def check_invariants(self) -> None:

@@ -96,6 +96,15 @@ class Request:
     hypotheses: Optional[list[Hypothesis]] = None  # beam search, once it ended
     ended: Optional[str] = None  # "abort" or "error": it ended before its samples did
     error: Optional[str] = None
+    _rule: Optional[TokenRule] = None  # token_rule(), made at its first token
+    _timed: bool = False  # an output with its first token's metrics went out
+
+    def token_rule(self, eos_token_ids: frozenset[int], max_model_len: int) -> TokenRule:
+        """Its token rules (SamplingParams only), made once."""
+        if self._rule is None:
+            assert isinstance(self.params, SamplingParams)
+            self._rule = TokenRule.of(self.params, len(self.prompt_token_ids), eos_token_ids, max_model_len)
+        return self._rule
 
     @property
     def finished(self) -> bool:
@@ -126,7 +135,39 @@ class Request:
         if self.ended is not None:  # samples never forked end too
             samples.extend(CoreSampleOutput(i, [], finish_reason=self.ended)
                            for i in range(len(samples), self.num_samples))
-        return CoreOutput(self.request_id, samples, finished, self.metrics, self.error, self.num_cached_tokens)
+        # Metrics go out until the output with its first token, then with the final one: in
+        # between nothing in them changes (a RequestMetrics.as_dict per request and step was
+        # a tenth of a batch-256 step's host time).
+        metrics: Optional[RequestMetrics] = None
+        if finished or not self._timed:
+            metrics = self.metrics
+            self._timed = self.metrics.first_token_time is not None
+        return CoreOutput(self.request_id, samples, finished, metrics, self.error, self.num_cached_tokens)
+
+
+@dataclass(frozen=True)
+class TokenRule:
+    """A sampled request's token rules, made once per request (``Request.token_rule``): what
+    ``record_token`` and the core's fast rows (core/fast_rows.py) both decide by."""
+
+    stops: frozenset[int]  # tokens that end a sample with "stop": EOS unless ignore_eos, and stop_token_ids
+    stop_token_ids: frozenset[int]  # of those, the ones reported as stop_reason
+    eos_token_ids: frozenset[int]  # a grammar's end: EOS ends it even with ignore_eos (the grammar forced it)
+    min_tokens: int  # no "stop" before this many outputs
+    limit: int  # outputs at which a sample ends with "length": max_tokens, or what max_model_len leaves
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_len: int, eos_token_ids: frozenset[int], max_model_len: int) -> TokenRule:
+        stop_ids = frozenset(params.stop_token_ids)
+        stops = stop_ids if params.ignore_eos else stop_ids | eos_token_ids
+        return cls(stops, stop_ids, eos_token_ids, params.min_tokens, min(params.max_tokens, max_model_len - prompt_len))
+
+    def finish(self, sample: Sample, token: int, num_out: int, stop_ids: frozenset[int]) -> None:
+        """Sets the sample's finish reason when ``token``, its ``num_out``-th output, ends it."""
+        if token in stop_ids and num_out > self.min_tokens:
+            sample.finish_reason, sample.stop_reason = "stop", (token if token in self.stop_token_ids else None)
+        elif num_out >= self.limit:
+            sample.finish_reason = "length"
 
 
 def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optional[dict[int, float]],
@@ -134,6 +175,7 @@ def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optio
     """Appends one sampled token and decides by token rules whether the sample is finished."""
     params = request.params
     assert isinstance(params, SamplingParams)
+    rule = request.token_rule(eos_token_ids, max_model_len)
     sample.token_ids.append(token)
     sample.logprobs.append(logprob)
     if params.logprobs is not None:
@@ -143,14 +185,9 @@ def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optio
         if sample.top_logprobs is None:
             sample.top_logprobs = []
         sample.top_logprobs.append(entry)
-    num_out = len(sample.token_ids)
-    is_eos = token in eos_token_ids and not params.ignore_eos
-    is_stop_token = token in params.stop_token_ids
+    stop_ids = rule.stops
     if sample.grammar is not None:
         if not sample.grammar.consume(token):  # its mask allowed the token: a bug if so
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: {sample.grammar.error}")
-        is_eos = token in eos_token_ids  # the grammar allows EOS only where the answer may end
-    if (is_eos or is_stop_token) and num_out > params.min_tokens:
-        sample.finish_reason, sample.stop_reason = "stop", (token if is_stop_token else None)
-    elif num_out >= params.max_tokens or len(request.prompt_token_ids) + num_out >= max_model_len:
-        sample.finish_reason = "length"
+        stop_ids = rule.stop_token_ids | rule.eos_token_ids  # the grammar allows EOS only where the answer may end
+    rule.finish(sample, token, len(sample.token_ids), stop_ids)

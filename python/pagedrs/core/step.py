@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, cast
 
-import numpy as np
 import torch
 
+from pagedrs.core import fast_rows
 from pagedrs.core.continuation import Decision, StepRow
 from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
@@ -61,14 +62,7 @@ class StepContext:
 def run_step(core: EngineCore, ctx: StepContext) -> None:
     """Runs one step; what it did is in ``ctx.touched``. Raises ``EngineDeadError`` (or the
     executor's own fatal error) after ending every request when the engine cannot go on."""
-    try:
-        plan = core.scheduler.schedule()
-    except RuntimeError as exc:  # planning failed part-way: the core is in no known state
-        dead = EngineDeadError(f"the scheduler failed while it planned a step: {exc}")
-        core.fail_all(dead, ctx.touched)
-        raise dead from exc
-    ctx.step = step = StepInput.from_plan(plan)
-    core.note_scheduled(step, ctx.start)
+    step = plan_step(core, ctx)
     try:
         ctx.logits = core.executor.execute(step)
     except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the engine
@@ -83,14 +77,53 @@ def run_step(core: EngineCore, ctx: StepContext) -> None:
         core.scheduler.complete_transfers(core.executor.take_completed_transfers())
         core.scheduler.complete_step(step.step_id, False)
         raise
+    finish_step(core, ctx)
+
+
+def plan_step(core: EngineCore, ctx: StepContext) -> StepInput:
+    """The scheduler's next step as the executor takes it (``ctx.step``); a failed plan ends
+    every request and raises ``EngineDeadError``."""
+    try:
+        plan = core.scheduler.schedule()
+    except RuntimeError as exc:  # planning failed part-way: the core is in no known state
+        dead = EngineDeadError(f"the scheduler failed while it planned a step: {exc}")
+        core.fail_all(dead, ctx.touched)
+        raise dead from exc
+    ctx.step = step = StepInput.from_plan(plan)
+    core.note_scheduled(step, ctx.start)
+    return step
+
+
+def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int] = frozenset(),
+                on_tokens: Optional[Callable[[dict[int, int]], None]] = None) -> None:
+    """After the executor ran ``ctx.step`` (its logits in ``ctx.logits``): reports it done,
+    samples, decides and carries out. Asynchronous scheduling (core/async_step.py): the
+    sequences in ``placeholders`` already hold a placeholder for the token they draw now;
+    ``on_tokens`` gets their tokens as soon as they are drawn (the next step, already
+    launched, waits for them), the scheduler's placeholders are resolved with them instead
+    of an append, and a sequence that ends now has its extra row in the next step dropped."""
+    step = ctx.step
+    assert step is not None
     core.scheduler.complete_transfers(core.executor.take_completed_transfers())
     core.scheduler.complete_step(step.step_id, True)  # what it wrote becomes a prefix hit
     drop_failed_disk_writes(core)
-    ctx.rows = _rows(core, step)
-    ctx.draws = _draws(core, ctx)
-    ctx.results = _sample_attributed(core, ctx) if ctx.draws else []
+    fast, tokens, logprobs = _sample(core, ctx, step)
+    if placeholders:
+        drawn = {row.sample.seq_id: t for row, t in zip(fast.rows, tokens)}
+        for (_, _, s), result in zip(ctx.draws, ctx.results):
+            if result is not None:
+                drawn[s.seq_id] = result.token_id
+        given = {seq_id: drawn[seq_id] for seq_id in placeholders if seq_id in drawn}
+        if on_tokens is not None:
+            on_tokens(given)
+        core.scheduler.resolve_placeholders(*fast_rows.as_arrays(list(given), list(given.values())))
+        for seq_id in placeholders - given.keys():  # a row that drew nothing: its request failed (and let go)
+            entry = core.sequence(seq_id)
+            if entry is not None:  # never left with a placeholder nobody fills
+                core.fail(entry[0], RuntimeError(f"sequence {seq_id} drew no token for its placeholder"), ctx.touched)
     ctx.decisions = _decide(core, ctx)
-    _carry_out(core, ctx)
+    appends = fast_rows.record(core, fast, tokens, logprobs, ctx.touched) if fast.rows else ([], [], [])
+    _carry_out(core, ctx, appends, placeholders)
 
 
 def on_failed_step(core: EngineCore, step: StepInput, exc: BaseException, touched: dict[str, Request]) -> None:
@@ -132,10 +165,33 @@ def drop_failed_disk_writes(core: EngineCore) -> None:
 # ---- sample -------------------------------------------------------------------------------
 
 
-def _rows(core: EngineCore, step: StepInput) -> Rows:
+def _sample(core: EngineCore, ctx: StepContext, step: StepInput) -> tuple[fast_rows.FastStep, list[int], list[float]]:
+    """The plain rows' tokens in one batched draw (core/fast_rows.py; returned with their
+    log-probabilities), the other rows' the generic way (``ctx.rows``, ``ctx.draws``, ``ctx.results``)."""
+    fast, slow = core.fast_rows.split(step.seq_ids.tolist(), step.do_sample.tolist())
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    if fast.rows:
+        assert ctx.logits is not None
+        try:
+            tokens, logprobs = fast_rows.draw(ctx.logits, fast)
+        except Exception:  # noqa: BLE001 - the generic path finds the row that fails and ends its request
+            slow = sorted(slow + fast.index)
+            fast = fast_rows.FastStep([], [])
+    ctx.rows = _rows(core, step, slow)
+    ctx.draws = _draws(core, ctx)
+    ctx.results = _sample_attributed(core, ctx) if ctx.draws else []
+    return fast, tokens, logprobs
+
+
+def _rows(core: EngineCore, step: StepInput, index: list[int]) -> Rows:
+    """The sampling rows at logits rows ``index`` (those the fast rows did not take), by request."""
     rows: Rows = {}
-    for row, (seq_id, sampled) in enumerate(zip(step.seq_ids.tolist(), step.do_sample.tolist())):
-        entry = core.sequence(seq_id) if sampled else None
+    if not index:
+        return rows
+    seq_ids = step.seq_ids.tolist()
+    for row in index:
+        entry = core.sequence(seq_ids[row])
         if entry is not None:
             request, state = entry
             rows.setdefault(request.request_id, (request, []))[1].append((row, state))
@@ -232,10 +288,13 @@ def _decide(core: EngineCore, ctx: StepContext) -> list[tuple[Request, Decision]
     return decisions
 
 
-def _carry_out(core: EngineCore, ctx: StepContext) -> None:
+def _carry_out(core: EngineCore, ctx: StepContext, fast: tuple[list[int], list[int], list[Request]],
+               resolved: frozenset[int] = frozenset()) -> None:
     """Frees of sequences no fork reads, then the forks (a parent that goes on more than
-    once is forked before any append), then one batched append, then the other frees.
-    Freeing early lets a pruned beam's pages serve this step's copies-on-write."""
+    once is forked before any append), then one batched append (the fast rows' continuations,
+    ``fast``, with the others), then the other frees. Freeing early lets a pruned beam's pages
+    serve this step's copies-on-write. The sequences in ``resolved`` have their token in the
+    scheduler already (a resolved placeholder): they are not appended again."""
     now = time.monotonic()
     appends: list[tuple[Request, Sample, int]] = []
     for request, decision in ctx.decisions:
@@ -254,8 +313,16 @@ def _carry_out(core: EngineCore, ctx: StepContext) -> None:
             core.fail(request, exc, ctx.touched)
         appends += [(request, c.sample, c.token_id) for c in decision.continuations]
     appends = [a for a in appends if a[0].error is None]
+    ids, tokens, owners = fast
     if appends:
-        _append(core, appends, ctx.touched)
+        ids = ids + [s.seq_id for _, s, _ in appends]
+        tokens = tokens + [t for _, _, t in appends]
+        owners = owners + [r for r, _, _ in appends]
+    if resolved and ids:
+        keep = [i for i, seq_id in enumerate(ids) if seq_id not in resolved]
+        ids, tokens, owners = [ids[i] for i in keep], [tokens[i] for i in keep], [owners[i] for i in keep]
+    if ids:
+        _append(core, ids, tokens, owners, ctx.touched)
     for request, decision in ctx.decisions:
         for s in decision.finished:  # also after a failure: a policy may have dropped them from samples
             core.release(s.seq_id)
@@ -263,17 +330,15 @@ def _carry_out(core: EngineCore, ctx: StepContext) -> None:
             request.metrics.finished_time = now
 
 
-def _append(core: EngineCore, appends: list[tuple[Request, Sample, int]], touched: dict[str, Request]) -> None:
-    ids = np.asarray([s.seq_id for _, s, _ in appends], dtype=np.uint64)
-    tokens = np.asarray([t for _, _, t in appends], dtype=np.uint32)
+def _append(core: EngineCore, ids: list[int], tokens: list[int], owners: list[Request],
+            touched: dict[str, Request]) -> None:
     try:
-        core.scheduler.append_tokens(ids, tokens)  # all or nothing
+        core.scheduler.append_tokens(*fast_rows.as_arrays(ids, tokens))  # all or nothing
     except Exception:  # noqa: BLE001 - find the sequence(s) the core refuses
-        for request, s, token in appends:
+        for request, seq_id, token in zip(owners, ids, tokens):
             if request.error is not None:
                 continue
             try:
-                core.scheduler.append_tokens(np.asarray([s.seq_id], dtype=np.uint64),
-                                             np.asarray([token], dtype=np.uint32))
+                core.scheduler.append_tokens(*fast_rows.as_arrays([seq_id], [token]))
             except Exception as exc:  # noqa: BLE001
                 core.fail(request, exc, touched)

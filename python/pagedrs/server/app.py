@@ -67,6 +67,7 @@ def build_app(
         prompts=PromptTokenizer(engine.tokenizer, max_model_len, options.tokenizer_threads),
         max_seqs_per_request=options.max_seqs_per_request,
         prefix_cache_isolation=options.prefix_cache_isolation,
+        tool_call_parser=options.tool_call_parser,
     )
     drain = DrainState()
     app = FastAPI(title="pagedrs", version=pagedrs.__version__)

@@ -16,8 +16,6 @@ from pagedrs.server.responses import (
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
-    ToolCall,
-    ToolCallDelta,
     TopLogprob,
     Usage,
 )
@@ -31,7 +29,7 @@ from pagedrs.server.serving import (
 )
 from pagedrs.server.structured import checked, structured_outputs
 from pagedrs.server.tokens import token_text, top_logprobs
-from pagedrs.server.tools import tool_calls, tool_constraint
+from pagedrs.server.tools import ToolStream, finish_reason_with_calls, read_answer, tool_constraint
 
 
 async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation:
@@ -41,7 +39,7 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
     ctx.check_fanout(1, body.n, body.best_of)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", param="top_logprobs")
-    schema, forced = tool_constraint(body)
+    schema, reading = tool_constraint(body, ctx.tool_call_parser)
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     prompt_ids = await ctx.prompts.render_chat(body.messages, body.add_generation_prompt, tools)
     room = ctx.room(len(prompt_ids), "messages")
@@ -57,15 +55,17 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
     if body.logprobs:
         kwargs["logprobs"] = body.top_logprobs or 0
     kwargs["structured_outputs"] = await structured_outputs(body)
-    if forced is not None:
+    if schema is not None:
         if kwargs["structured_outputs"] is not None:
             raise bad_request("a forced tool call is already a structured output: send tool_choice or "
                               "response_format / structured_outputs / guided_*, not both", param="tool_choice")
         kwargs["structured_outputs"] = await checked("tools", "json", schema)
+    if reading is not None and reading.needs_special_tokens and body.skip_special_tokens is None:
+        kwargs["skip_special_tokens"] = False  # the parser's marker is a special token: keep it in the text
     params = ctx.make_params(kwargs)
     refuse_unstreamable(body.stream, params)
     gen = Generation(ctx, [prompt_ids], params, priority=body.priority, cache_salt=body.cache_salt)
-    gen.forced_call = forced
+    gen.tool_reading = reading
     return gen
 
 
@@ -89,10 +89,10 @@ async def complete(ctx: ServerContext, body: ChatCompletionRequest, gen: Generat
     choices = []
     for index, state in states.items():
         message, reason = ChatResponseMessage(content="".join(state.text)), state.finish_reason
-        calls = tool_calls(gen.forced_call, message.content or "") if gen.forced_call and reason == "stop" else None
-        if calls is not None:
-            message = ChatResponseMessage(content=None, tool_calls=[ToolCall.model_validate(c) for c in calls])
-            reason = "tool_calls"
+        if gen.tool_reading is not None:
+            content, calls = read_answer(gen.tool_reading, message.content or "", reason)
+            message = ChatResponseMessage(content=content, tool_calls=calls or None)
+            reason = finish_reason_with_calls(reason, bool(calls))
         choices.append(ChatChoice(
             index=index,
             message=message,
@@ -123,28 +123,32 @@ def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> 
         return event([ChatChunkChoice(index=index, delta=ChatDelta(content=sample.text or None), logprobs=logprobs,
                                       finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)])
 
-    held: dict[int, tuple[list[str], list[int], list[dict[int, float]]]] = {}  # choice -> text, tokens, logprobs
+    tool_streams: dict[int, ToolStream] = {}
+    unsent: dict[int, tuple[list[int], list[dict[int, float]]]] = {}  # choice -> tokens, logprobs not yet in a chunk
 
-    def render_forced(index: int, sample: SampleDelta) -> str:
-        """A forced tool call is held until it is complete, then sent as one ``delta.tool_calls``
-        chunk (a call cut by max_tokens: as text)."""
-        text, token_ids, entries = held.setdefault(index, ([], [], []))
-        text.append(sample.text)
+    def render_tools(index: int, sample: SampleDelta) -> str:
+        """The answer through its tool parser: content and ``delta.tool_calls`` chunks, in the
+        order the text has them; the sample's logprobs ride on its first chunk."""
+        tools = tool_streams.setdefault(index, ToolStream(gen.tool_reading))
+        token_ids, entries = unsent.setdefault(index, ([], []))
         token_ids += sample.token_ids
         entries += sample.logprobs or []
-        if sample.finish_reason is None:
-            return ""
-        del held[index]
-        whole = SampleDelta(sample.index, "".join(text), token_ids, entries if body.logprobs else None,
-                            sample.finish_reason, sample.stop_reason)
-        calls = tool_calls(gen.forced_call, whole.text) if sample.finish_reason == "stop" else None
-        if calls is None:
-            return render(index, whole)
-        logprobs = _logprobs(ctx, k, token_ids, entries) if body.logprobs else None
-        deltas = [ToolCallDelta(index=i, **call) for i, call in enumerate(calls)]
-        return event([ChatChunkChoice(index=index, delta=ChatDelta(tool_calls=deltas), logprobs=logprobs,
-                                      finish_reason="tool_calls")])
+        finished = sample.finish_reason is not None
+        deltas = [ChatDelta(content=part) if isinstance(part, str) else ChatDelta(tool_calls=part)
+                  for part in tools.parts(sample.text, finished)]
+        if finished and not deltas:
+            deltas = [ChatDelta()]
+        events = []
+        for i, delta in enumerate(deltas):
+            logprobs = _logprobs(ctx, k, token_ids, entries) if body.logprobs and i == 0 else None
+            last = finished and i == len(deltas) - 1
+            reason = finish_reason_with_calls(sample.finish_reason, tools.has_calls) if last else None
+            events.append(event([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason,
+                                                 stop_reason=sample.stop_reason if last else None)]))
+        if deltas:
+            del unsent[index]
+        return "".join(events)
 
     prologue = [event([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))]) for i in range(gen.n)]
     usage_event = (lambda usage: event([], usage)) if body.include_usage else None
-    return event_stream(gen, prologue, render if gen.forced_call is None else render_forced, usage_event)
+    return event_stream(gen, prologue, render if gen.tool_reading is None else render_tools, usage_event)

@@ -12,6 +12,7 @@ from pagedrs.cli_args import add_engine_args
 from pagedrs.cli_args import engine_kwargs as shared_engine_kwargs
 from pagedrs.server.options import PREFIX_CACHE_ISOLATION, ServerOptions
 from pagedrs.server.tenants import load_api_key_file
+from pagedrs.server.tool_parsers import TOOL_CALL_PARSERS
 
 DEFAULT_MAX_WAITING = 1024
 # `pagedrs serve`'s exit status after its engine died: a supervisor (systemd Restart=on-failure,
@@ -40,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
         "scheduled, got its first token and that token was dispatched (time.monotonic; `bench serve` reads it)",
     )
     _add_safety_arguments(p.add_argument_group("limits and access"))
+    p.add_argument(
+        "--tool-call-parser", default=None, metavar="{" + ",".join(TOOL_CALL_PARSERS) + "}",
+        help="read tool calls out of answers in this model family's format, for tool_choice \"auto\" (OpenAI's "
+        "default when tools are sent): hermes (Qwen2/Qwen2.5/Hermes <tool_call> blocks), llama3_json (Llama 3.x "
+        "JSON calls), mistral ([TOOL_CALLS] and a list) (default: none; \"auto\" is then a 400)",
+    )
     engine = p.add_argument_group("engine")
     add_engine_args(engine, cpu_threads_help=(
         "torch threads of the engine on the CPU (default: $PAGEDRS_CPU_THREADS, else every core this "
@@ -127,6 +134,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         tokenizer_threads=args.tokenizer_threads,
         core_timeout_s=args.core_timeout,
         request_timeout_s=args.request_timeout,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -49,6 +49,8 @@ class ServerOptions:
     # "per-tenant": requests share cached prefix pages only within their tenant (the cache_salt)
     prefix_cache_isolation: str = "shared"
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # past it a request gets 400
+    # how tool_choice "auto" reads answers: a name of tool_parsers.PARSERS (None: "auto" is a 400)
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -63,6 +65,7 @@ class ServerOptions:
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"ServerOptions.{name}={value!r} is out of range: allowed {allowed}")
+        _check_tool_call_parser(self.tool_call_parser)
         _check_seconds("--core-timeout", "core_timeout_s", self.core_timeout_s, none_ok=False)
         _check_seconds("--request-timeout", "request_timeout_s", self.request_timeout_s, none_ok=True)
         if self.api_key is not None and not self.api_key.strip():
@@ -81,6 +84,14 @@ class ServerOptions:
         if self.api_key is not None:
             keys.setdefault(self.api_key, DEFAULT_TENANT)
         return keys
+
+
+def _check_tool_call_parser(name: str | None) -> None:
+    from pagedrs.server.tool_parsers import TOOL_CALL_PARSERS
+
+    if name is not None and name not in TOOL_CALL_PARSERS:
+        raise ValueError(f"--tool-call-parser={name!r} (ServerOptions.tool_call_parser) is not a parser: allowed "
+                         f"{', '.join(TOOL_CALL_PARSERS)} (or no flag: tool_choice \"auto\" is refused)")
 
 
 def _check_seconds(flag: str, name: str, value: float | None, none_ok: bool) -> None:

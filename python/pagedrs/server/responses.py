@@ -115,8 +115,21 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class ToolCallDelta(ToolCall):
-    index: int  # which call of the message (a client joins the chunks of one call by it)
+class FunctionCallDelta(BaseModel):
+    """A stream's tool-call chunks carry only what they add: the fields left out are absent, not null."""
+
+    name: str | None = Field(default=None, exclude_if=_unset)  # the call's first chunk only
+    arguments: str | None = Field(default=None, exclude_if=_unset)  # the next piece of the JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """One chunk of one call: the first has ``id``, ``type``, ``function.name`` and ``arguments: ""``,
+    the next ones ``index`` and pieces of ``function.arguments`` (a client joins them by ``index``)."""
+
+    index: int  # which call of the message
+    id: str | None = Field(default=None, exclude_if=_unset)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_unset)
+    function: FunctionCallDelta
 
 
 class ChatDelta(BaseModel):

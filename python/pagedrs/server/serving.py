@@ -49,6 +49,7 @@ class ServerContext:
     prompts: PromptTokenizer  # text -> token ids, off the event loop and off the engine thread
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # prompts x sequences per prompt, at most
     prefix_cache_isolation: str = "shared"  # or "per-tenant": the engine's cache salt names the tenant
+    tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice "auto" reads answers (None: refused)
 
     def check_model(self, requested: str) -> None:
         if requested != self.model_name:
@@ -166,7 +167,7 @@ class Generation:
         self.priority = priority
         self.n: int = params.n
         self.echo_texts: list[str | None] = [None] * len(prompts)  # the text of text prompts, for echo
-        self.forced_call: Any = None  # chat: a tools.ForcedCall, how to read the answer back as tool calls
+        self.tool_reading: Any = None  # chat: a tools.ToolReading, how to read the answers back as tool calls
         self.id_base = random_id("req")
         self.client_request_id: str | None = None  # X-Request-Id as the client sent it
         self.client_salt = cache_salt  # the request's cache_salt field (validated by the model)

@@ -1,82 +1,166 @@
-"""Tool calling on /v1/chat/completions, where a grammar can force it: ``tool_choice`` "required" or
-a named function. The tools' JSON schemas become one structured-outputs constraint, so the call
-is well formed on any model, whatever its chat template (which is given ``tools`` to render).
+"""Tool calling on /v1/chat/completions: which ``tool_choice`` asks for what, and how the answer is
+read back as ``message.tool_calls`` (whole, or as ``delta.tool_calls`` chunks when streamed).
 
-* ``"required"``: the answer is a JSON array of ``{"name": <a tool's name>, "parameters": <its
+* ``"required"``: a grammar forces a JSON array of ``{"name": <a tool's name>, "parameters": <its
   schema>}`` objects, at least one (exactly one with ``parallel_tool_calls: false``), vLLM's form;
-* a named function (``{"type": "function", "function": {"name": ...}}``): the answer is that
+* a named function (``{"type": "function", "function": {"name": ...}}``): a grammar forces that
   function's arguments, a JSON object following its ``parameters`` schema;
 * ``"none"``: the tools are rendered, nothing is forced, the answer is text;
-* ``"auto"`` (OpenAI's default when ``tools`` is sent) needs a parser for the model family's own
-  tool-call format, and pagedrs has none yet: a 400, as vLLM answers without ``--tool-call-parser``.
+* ``"auto"`` (OpenAI's default when ``tools`` is sent): nothing is forced; the answer is read by
+  the parser of the model family's own format, ``pagedrs serve --tool-call-parser NAME``
+  (``tool_parsers``: hermes, llama3_json, mistral). A block that does not parse, or names a
+  function that is not in ``tools``, is not a call: it stays in ``content``. With
+  ``parallel_tool_calls: false`` only the first call is returned (later ones are dropped, from
+  the calls and from the content alike). Without a parser "auto" is a 400, as vLLM answers
+  without ``--tool-call-parser``.
 
-A complete answer comes back as ``message.tool_calls`` with ``finish_reason: "tool_calls"``; one
-cut by ``max_tokens`` stays text with ``"length"``. The next turn sends that assistant message
-back with a ``tool`` message per result (``server/tokens.py`` hands both to the template).
-Streamed, a forced call is held until complete and sent as one ``delta.tool_calls`` chunk (each
-call whole, with its ``index``; OpenAI sends the arguments in pieces, which clients join the same way).
+Both ways of answering read the text with the same parser (``tool_parsers.base`` has the rules),
+so a stream sends the same calls, arguments and content as the whole answer: a call's first chunk
+carries ``index``, ``id``, ``type``, ``function.name`` and ``function.arguments: ""``, the next
+ones ``index`` and pieces of the arguments as the model writes them. A response with calls ends
+with ``finish_reason: "tool_calls"`` (or ``"length"`` when ``max_tokens`` cut what followed them).
+A call cut by ``max_tokens`` is no call: the whole answer returns it as text with ``"length"``;
+a stream has already sent its start (and a forced answer cut short is text, all of it).
+The next turn sends the assistant message back with a ``tool`` message per result
+(``server/tokens.py`` hands both to the template).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pagedrs.server.errors import bad_request
+from pagedrs.server.responses import FunctionCallDelta, ToolCall, ToolCallDelta
+from pagedrs.server.tool_parsers import (
+    PARSERS,
+    TOOL_CALL_PARSERS,
+    CallArgs,
+    CallBroken,
+    CallStart,
+    Event,
+    ForcedListParser,
+    NamedCallParser,
+    Text,
+    ToolParser,
+    read_calls,
+)
 
-AUTO_REFUSED = ('tool_choice "auto" needs a tool-call parser for this model\'s format, and this server has none '
-                '(pagedrs has no --tool-call-parser yet); send tool_choice "required", a named function, or "none"')
+AUTO_REFUSED = ('tool_choice "auto" (the default when tools are sent) needs a tool-call parser for this model\'s '
+                f'format: start the server with --tool-call-parser {{{",".join(TOOL_CALL_PARSERS)}}}; or send '
+                'tool_choice "required", a named function, or "none"')
 
 
 @dataclass(frozen=True)
-class ForcedCall:
-    """How the answer to a forced call is read back: ``name`` for a named function, else a list of calls."""
+class ToolReading:
+    """How one request's answers are read back as tool calls: a fresh parser per choice."""
 
-    name: Optional[str]
+    new_parser: Callable[[], ToolParser]
+    forced: bool  # a grammar forces the call: an answer that did not end by "stop" is text, all of it
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        return self.new_parser().needs_special_tokens
 
 
-def tool_constraint(body: Any) -> tuple[Optional[dict[str, Any]], Optional[ForcedCall]]:
-    """(the JSON schema that forces the call, how to read it) for the request's tools; (None, None)
-    when nothing is forced. A 400 naming ``tool_choice`` or ``tools`` when it cannot be served."""
+def tool_constraint(body: Any, parser_name: Optional[str]) -> tuple[Optional[dict[str, Any]], Optional[ToolReading]]:
+    """(the JSON schema that forces the call, or None; how to read the answer, or None for plain
+    text) for the request's tools under ``parser_name`` (--tool-call-parser, None: none). A 400
+    naming ``tool_choice`` or ``tools`` when it cannot be served."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
             raise bad_request(f"tool_choice {_shown(choice)} needs tools: send the tools to call", param="tool_choice")
         return None, None
-    if choice is None or choice == "auto":
-        raise bad_request(AUTO_REFUSED, param="tool_choice")
-    if choice == "none":
-        return None, None
     schemas = {t.function.name: t.function.parameters or {"type": "object"} for t in body.tools}
     if len(schemas) != len(body.tools):
         raise bad_request("tools has two functions of the same name; each name must be unique", param="tools")
+    names = frozenset(schemas)
+    max_calls = 1 if body.parallel_tool_calls is False else None
+    if choice is None or choice == "auto":
+        if parser_name is None:
+            raise bad_request(AUTO_REFUSED, param="tool_choice")
+        parser = PARSERS[parser_name]
+        return None, ToolReading(lambda: parser(names, max_calls), forced=False)
+    if choice == "none":
+        return None, None
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": schema},
                   "required": ["name", "parameters"], "additionalProperties": False} for name, schema in schemas.items()]
         array: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                                  "minItems": 1}
-        if body.parallel_tool_calls is False:
+        if max_calls == 1:
             array["maxItems"] = 1
-        return array, ForcedCall(None)
+        return array, ToolReading(lambda: ForcedListParser(names, max_calls), forced=True)
     name = choice.function.name
     if name not in schemas:
         raise bad_request(f"tool_choice names the function {name!r}, which is not in tools ({', '.join(schemas)})",
                           param="tool_choice")
-    return schemas[name], ForcedCall(name)
+    return schemas[name], ToolReading(lambda: NamedCallParser(name), forced=True)
 
 
-def tool_calls(forced: ForcedCall, text: str) -> Optional[list[dict[str, Any]]]:
-    """The calls in a complete forced answer, in OpenAI's shape; None when the text is not one (cut short)."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    calls = [(forced.name, value)] if forced.name is not None else [(c["name"], c["parameters"]) for c in value]
-    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-            for name, arguments in calls]
+def read_answer(reading: ToolReading, text: str, finish_reason: Optional[str]) -> tuple[Optional[str], list[ToolCall]]:
+    """A whole answer: (content, calls). A forced answer that did not end by "stop" is all content."""
+    if reading.forced and finish_reason != "stop":
+        return text, []
+    parser = reading.new_parser()
+    read = read_calls(parser.feed(text) + parser.finish())
+    return read.content, [_call(name, arguments) for name, arguments in read.calls]
+
+
+def finish_reason_with_calls(finish_reason: Optional[str], has_calls: bool) -> Optional[str]:
+    """"tool_calls" for an answer with calls that ended by itself; a cut one keeps "length"."""
+    return "tool_calls" if has_calls and finish_reason == "stop" else finish_reason
+
+
+class ToolStream:
+    """One streamed choice's answer as chunk parts: content, and ``delta.tool_calls`` the OpenAI way."""
+
+    def __init__(self, reading: ToolReading) -> None:
+        self.parser = reading.new_parser()
+        self.has_calls = False  # a call was announced (its chunks are sent: the answer has calls)
+
+    def parts(self, text: str, finished: bool) -> list[str | list[ToolCallDelta]]:
+        """What ``text`` (the next piece of the answer) adds, in order: content strings and lists of
+        tool-call deltas (one chunk each). ``finished``: the answer ends after it."""
+        events = self.parser.feed(text) + (self.parser.finish() if finished else [])
+        parts: list[str | list[ToolCallDelta]] = []
+        for event in events:
+            delta = self._delta(event)
+            if isinstance(delta, str):
+                parts.append(delta)
+            elif delta is not None:
+                last = parts[-1] if parts else None
+                if isinstance(last, list):
+                    last.append(delta)
+                else:
+                    parts.append([delta])
+        return parts
+
+    def _delta(self, event: Event) -> str | ToolCallDelta | None:
+        if isinstance(event, Text):
+            return event.text
+        if isinstance(event, CallStart):
+            self.has_calls = True
+            return ToolCallDelta(index=event.index, id=_call_id(), type="function",
+                                 function=FunctionCallDelta(name=event.name, arguments=""))
+        if isinstance(event, CallArgs):
+            return ToolCallDelta(index=event.index, function=FunctionCallDelta(arguments=event.piece))
+        if isinstance(event, CallBroken):
+            return None  # already announced: the client has its start, and nothing more comes
+        return None  # CallEnd: the arguments are complete, nothing to send
+
+
+def _call(name: str, arguments: str) -> ToolCall:
+    return ToolCall.model_validate({"id": _call_id(), "type": "function",
+                                    "function": {"name": name, "arguments": arguments}})
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _shown(choice: Any) -> str:

@@ -13,7 +13,7 @@
 use super::plan::{Hit, Plan};
 use super::prefix_cache::block_hash;
 use super::window::NULL_BLOCK;
-use super::{BlockManager, Sequence};
+use super::{BlockManager, Sequence, PLACEHOLDER_TOKEN};
 use crate::error::{invalid, BlockId, CoreError, SeqId, Tier, TokenId};
 
 impl BlockManager {
@@ -180,6 +180,30 @@ impl BlockManager {
         Ok(num_hits * bs)
     }
 
+    /// Gives the token at `pos` of `seq`, recorded as [`PLACEHOLDER_TOKEN`] while its step
+    /// was planned before it was sampled (asynchronous scheduling), and hashes the blocks
+    /// it completes up to the committed count (they become prefix-cache hits like any other,
+    /// once their step is reported done). A swapped-out sequence is hashed when it commits next.
+    /// `in_flight`: the step that computes `pos` is still open, the one being planned last
+    /// (its publication waits for it, as a commit's does); otherwise the blocks are published now.
+    pub fn set_token(&mut self, seq: SeqId, pos: usize, token: TokenId, in_flight: bool) -> Result<(), CoreError> {
+        let s = self.seqs.get_mut(&seq).ok_or(CoreError::UnknownSequence(seq))?;
+        match s.tokens.get_mut(pos) {
+            Some(t) if *t == PLACEHOLDER_TOKEN => *t = token,
+            Some(t) => return Err(invalid!("set_token of sequence {seq}: position {pos} holds token {t}, not a placeholder")),
+            None => return Err(invalid!("set_token of sequence {seq}: position {pos} is past its {} tokens", s.tokens.len())),
+        }
+        let (committed, swapped) = (s.committed, s.swapped());
+        if swapped {
+            return Ok(());
+        }
+        let defer = self.defer_publish;
+        self.defer_publish = defer && in_flight;
+        let done = self.commit(seq, committed);
+        self.defer_publish = defer;
+        done
+    }
+
     /// Declares the K/V of the first `num_computed_tokens` tokens written (or written in
     /// this step before anything reads it). Full blocks up to there join the prefix
     /// cache; a block merely reserved for a prompt still being prefilled never does.
@@ -200,6 +224,9 @@ impl BlockManager {
             for i in s.hashes.len()..s.committed / bs {
                 let parent = s.parent_hash(i);
                 let block = &s.tokens[i * bs..(i + 1) * bs];
+                if block.contains(&PLACEHOLDER_TOKEN) {
+                    break; // its token is not known yet (asynchronous scheduling): hashed once set_token gives it
+                }
                 let h = block_hash(parent, block);
                 // Already hashed (shared with a fork that committed first) or the same content
                 // cached in another block: either way this block stays as it is. A placeholder

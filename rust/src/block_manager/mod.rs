@@ -39,6 +39,11 @@ use tier::TierPool;
 
 use crate::error::invalid;
 pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
+
+/// A token not sampled yet: asynchronous scheduling plans a sequence's next step before its
+/// previous step's token is known, and the runner fills the input from the device. No block
+/// holding one is hashed (so none is ever a prefix-cache hit) until `set_token` gives it.
+pub const PLACEHOLDER_TOKEN: TokenId = TokenId::MAX;
 pub use tiers::{DiskPage, MissReason};
 pub use transfer::{Transfer, TransferId};
 pub use window::NULL_BLOCK;

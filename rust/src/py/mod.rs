@@ -14,6 +14,7 @@ pub(crate) use convert::OutOfBlocksError;
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OutOfBlocksError", m.py().get_type::<OutOfBlocksError>())?;
+    m.add("PLACEHOLDER_TOKEN", crate::block_manager::PLACEHOLDER_TOKEN)?;
     m.add_class::<block_manager::PyBlockManager>()?;
     scheduler::register(m)?;
     cuda_sources::register(m)?;

@@ -188,6 +188,37 @@ impl PyScheduler {
         self.inner.append_tokens(&items).map_err(to_py_err)
     }
 
+    /// Asynchronous scheduling: each sequence's next token is a placeholder until
+    /// `resolve_placeholders` gives it (see `Scheduler::append_placeholders`).
+    fn append_placeholders(&mut self, seq_ids: PyReadonlyArray1<'_, u64>) -> PyResult<()> {
+        self.inner.append_placeholders(seq_ids.as_slice()?).map_err(to_py_err)
+    }
+
+    /// The sampled tokens of the oldest placeholders; sequences no longer here are skipped.
+    /// Returns how many were resolved.
+    fn resolve_placeholders(&mut self, seq_ids: PyReadonlyArray1<'_, u64>, token_ids: PyReadonlyArray1<'_, u32>) -> PyResult<usize> {
+        let (ids, tokens) = (seq_ids.as_slice()?, token_ids.as_slice()?);
+        if ids.len() != tokens.len() {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "seq_ids has {} entries but token_ids has {}; they must match",
+                ids.len(),
+                tokens.len()
+            )));
+        }
+        let items: Vec<(SeqId, u32)> = ids.iter().copied().zip(tokens.iter().copied()).collect();
+        self.inner.resolve_placeholders(&items).map_err(to_py_err)
+    }
+
+    /// Takes back the placeholders whose tokens will never come (their step failed).
+    fn drop_placeholders(&mut self, seq_ids: PyReadonlyArray1<'_, u64>) -> PyResult<usize> {
+        self.inner.drop_placeholders(seq_ids.as_slice()?).map_err(to_py_err)
+    }
+
+    /// Sets how many steps may be in flight (1: synchronous, the default; 2: asynchronous scheduling).
+    fn set_max_steps_in_flight(&mut self, n: usize) -> PyResult<()> {
+        self.inner.set_max_steps_in_flight(n).map_err(to_py_err)
+    }
+
     /// Reports transfers (ids from `StepPlan.transfers`) finished: their host pins go.
     fn complete_transfers(&mut self, ids: Vec<u64>) -> PyResult<()> {
         self.inner.complete_transfers(&ids).map_err(to_py_err)

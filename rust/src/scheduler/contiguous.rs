@@ -148,6 +148,10 @@ impl KvSpace for ContiguousSpace {
         // A region never grows: an append past it cannot be served by any number of free blocks.
         Ok(if region.num_tokens + num_new_tokens <= capacity { 0 } else { usize::MAX })
     }
+    fn set_token(&mut self, seq: SeqId, _pos: usize, _token: TokenId, _in_flight: bool) -> Result<(), CoreError> {
+        // no token content here (no prefix cache): only the region must exist
+        self.regions.get(&seq).map(|_| ()).ok_or(CoreError::UnknownSequence(seq))
+    }
     fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<CopyPairs, CoreError> {
         let block_size = self.block_size;
         let region = self.regions.get_mut(&seq).ok_or(CoreError::UnknownSequence(seq))?;

@@ -50,6 +50,8 @@ pub trait KvSpace: Send + Sync {
     fn blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError>;
     fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<CopyPairs, CoreError>;
     fn commit(&mut self, seq: SeqId, num_computed_tokens: usize) -> Result<(), CoreError>;
+    /// A placeholder token at `pos` is now known (asynchronous scheduling; see `BlockManager::set_token`).
+    fn set_token(&mut self, seq: SeqId, pos: usize, token: TokenId, in_flight: bool) -> Result<(), CoreError>;
     /// Child shares (paged) or copies (contiguous: returned pairs) the parent's pages.
     fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<CopyPairs, CoreError>;
     fn free(&mut self, seq: SeqId) -> Result<(), CoreError>;

@@ -3,7 +3,7 @@
 
 use super::sequence::{SeqStatus, Sequence};
 use super::Scheduler;
-use crate::block_manager::{SeqId, TokenId};
+use crate::block_manager::{SeqId, TokenId, PLACEHOLDER_TOKEN};
 use crate::error::CoreError;
 
 impl Scheduler {
@@ -79,6 +79,7 @@ impl Scheduler {
             parked: false,
             root: self.kv.salted_root(cache_salt),
             cached_tokens: None,
+            placeholders: 0,
         };
         self.seqs.insert(id, seq);
         self.waiting.push(id);
@@ -93,8 +94,79 @@ impl Scheduler {
     /// Records one sampled token per sequence, all or nothing: every id must be known,
     /// listed once and below `max_model_len`, or no sequence changes.
     pub fn append_tokens(&mut self, items: &[(SeqId, TokenId)]) -> Result<(), CoreError> {
-        let mut seen = std::collections::HashSet::with_capacity(items.len());
-        for &(id, _) in items {
+        self.check_appendable(items.iter().map(|&(id, _)| id))?;
+        for &(id, token) in items {
+            let seq = self.seqs.get_mut(&id).expect("checked above");
+            seq.tokens.push(token);
+            seq.parked = false;
+        }
+        Ok(())
+    }
+
+    /// Asynchronous scheduling: each sequence gets its next token as a placeholder
+    /// (`PLACEHOLDER_TOKEN`), so the next `schedule` plans its decode before the token is
+    /// sampled; `resolve_placeholders` gives the tokens, `drop_placeholders` takes them
+    /// back. Same checks as `append_tokens`, all or nothing.
+    pub fn append_placeholders(&mut self, ids: &[SeqId]) -> Result<(), CoreError> {
+        self.check_appendable(ids.iter().copied())?;
+        for id in ids {
+            let seq = self.seqs.get_mut(id).expect("checked above");
+            seq.tokens.push(PLACEHOLDER_TOKEN);
+            seq.placeholders += 1;
+            seq.parked = false;
+        }
+        Ok(())
+    }
+
+    /// The sampled tokens of placeholders, oldest placeholder first. A sequence that is no
+    /// longer here (finished or aborted meanwhile) is skipped; one without a placeholder is
+    /// an error (nothing changes for it). Returns how many were resolved.
+    pub fn resolve_placeholders(&mut self, items: &[(SeqId, TokenId)]) -> Result<usize, CoreError> {
+        let mut resolved = 0;
+        for &(id, token) in items {
+            if token == PLACEHOLDER_TOKEN {
+                return Err(CoreError::InvalidArgument(format!("sequence {id}: token {token} is the placeholder itself")));
+            }
+            let Some(seq) = self.seqs.get_mut(&id) else { continue };
+            if seq.placeholders == 0 {
+                return Err(CoreError::InvalidArgument(format!("sequence {id} has no placeholder to resolve")));
+            }
+            let pos = seq.tokens.len() - seq.placeholders;
+            seq.tokens[pos] = token;
+            seq.placeholders -= 1;
+            let in_kv = pos < seq.kv_tokens;
+            if in_kv {
+                self.kv.set_token(id, pos, token, !self.open_steps.is_empty())?;
+            }
+            resolved += 1;
+        }
+        Ok(resolved)
+    }
+
+    /// Takes back the placeholders of sequences whose token will never come (the step that
+    /// was to sample it failed). Only placeholders not yet in the KV space can go: a
+    /// failed step has reset its sequences to be recomputed, so theirs are not.
+    pub fn drop_placeholders(&mut self, ids: &[SeqId]) -> Result<usize, CoreError> {
+        let mut dropped = 0;
+        for id in ids {
+            let Some(seq) = self.seqs.get_mut(id) else { continue };
+            while seq.placeholders > 0 {
+                if seq.tokens.len() <= seq.kv_tokens {
+                    return Err(CoreError::InvalidArgument(format!(
+                        "sequence {id}: its placeholder is in the KV space already; only a reset sequence's can be dropped"
+                    )));
+                }
+                seq.tokens.pop();
+                seq.placeholders -= 1;
+                dropped += 1;
+            }
+        }
+        Ok(dropped)
+    }
+
+    fn check_appendable(&self, ids: impl Iterator<Item = SeqId>) -> Result<(), CoreError> {
+        let mut seen = std::collections::HashSet::new();
+        for id in ids {
             let seq = self.seqs.get(&id).ok_or(CoreError::UnknownSequence(id))?;
             if !seen.insert(id) {
                 return Err(CoreError::InvalidArgument(format!("sequence {id} is listed twice; one token per sequence per call")));
@@ -105,11 +177,6 @@ impl Scheduler {
                     self.config.max_model_len
                 )));
             }
-        }
-        for &(id, token) in items {
-            let seq = self.seqs.get_mut(&id).expect("checked above");
-            seq.tokens.push(token);
-            seq.parked = false;
         }
         Ok(())
     }
@@ -173,3 +240,4 @@ impl Scheduler {
         Ok(())
     }
 }
+

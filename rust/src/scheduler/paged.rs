@@ -60,6 +60,9 @@ impl KvSpace for BlockManager {
     fn commit(&mut self, seq: SeqId, num_computed_tokens: usize) -> Result<(), CoreError> {
         BlockManager::commit(self, seq, num_computed_tokens)
     }
+    fn set_token(&mut self, seq: SeqId, pos: usize, token: TokenId, in_flight: bool) -> Result<(), CoreError> {
+        BlockManager::set_token(self, seq, pos, token, in_flight)
+    }
     fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<CopyPairs, CoreError> {
         BlockManager::fork(self, parent, child).map(|()| Vec::new())
     }

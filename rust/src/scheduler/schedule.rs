@@ -249,7 +249,7 @@ impl Scheduler {
         let seqs = &self.seqs;
         self.waiting.sort_by_key(|id| seqs[id].waiting_rank(now, aging));
         // Parked sequences (see `Sequence::parked`) stay out until they get a token.
-        while let Some(id) = self.waiting.iter().copied().find(|id| !self.seqs[id].parked) {
+        while let Some(id) = self.waiting.iter().copied().find(|id| !self.seqs[id].parked && self.seqs[id].placeholders == 0) {
             if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
                 break;
             }

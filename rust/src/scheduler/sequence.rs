@@ -55,6 +55,10 @@ pub struct Sequence {
     pub root: u64,
     /// Prompt tokens whose K/V its first admission found cached (None before it).
     pub cached_tokens: Option<usize>,
+    /// Trailing tokens not sampled yet (`PLACEHOLDER_TOKEN`: asynchronous scheduling planned
+    /// the step that computes them before the step that samples them finished). A waiting
+    /// sequence with one is not admitted: a prefill would compute a token nobody knows.
+    pub placeholders: usize,
 }
 
 impl Sequence {
@@ -90,7 +94,7 @@ impl Sequence {
     pub fn waits_for_token(&self) -> bool {
         match self.status {
             SeqStatus::Running => self.num_computed == self.kv_tokens && self.kv_tokens == self.tokens.len(),
-            SeqStatus::Waiting => self.parked,
+            SeqStatus::Waiting => self.parked || self.placeholders > 0,
             SeqStatus::Swapped => self.kv_tokens == self.tokens.len(),
         }
     }

@@ -1,0 +1,169 @@
+"""The core's persistent batch of plain decode rows: the steady state of a serving step, in arrays.
+
+Most rows of a busy decode step belong to requests that ask for nothing special: one sample,
+no logprobs, no penalties, no seed, no grammar, past ``min_tokens``. For them the generic path
+(core/step.py: a ``SamplingRow``, a policy call, a ``Decision``, a ``Continuation`` per row)
+costs ~20 us of Python per row and step, which at batch 256 is most of the host's fixed cost
+(issue 25). Here such rows are sampled in one batched call, their token rules are one lookup
+each, and their appends join the step's one batched append.
+
+The persistent part: each sequence's ``FastRow`` is made once, the first time the sequence
+samples, and kept until the core releases the sequence (``FastRows.forget``): a step reads the
+rows it needs from this table by sequence id instead of rebuilding them (vLLM v1's
+``InputBatch``, updated by the diff of sequences added and released). A row that is not plain
+(or not yet past ``min_tokens``) goes the generic way; both paths draw the same greedy tokens
+and report the same log-probabilities (``sampling.chosen_logprobs`` in both).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+
+from pagedrs.core.continuation import IndependentSamples
+from pagedrs.core.request import Request, Sample, TokenRule
+from pagedrs.sampling import apply_min_p, apply_top_k_top_p, argmax_rows, chosen_logprobs
+from pagedrs.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedrs.core.engine_core import EngineCore
+
+
+@dataclass(frozen=True)
+class FastRow:
+    """One plain sequence's row settings, made once."""
+
+    request: Request
+    sample: Sample
+    rule: TokenRule
+    greedy: bool
+    temperature: float  # 1.0 when greedy
+    top_k: int  # 0: off
+    top_p: float
+    min_p: float
+
+
+@dataclass
+class FastStep:
+    """The plain rows of one step: their logits rows and settings, in step order."""
+
+    index: list[int]  # logits rows
+    rows: list[FastRow]
+
+
+def is_plain(request: Request, sample: Sample) -> bool:
+    """Whether the sequence's rows can take the fast path (checked once per sequence)."""
+    params = request.params
+    return (isinstance(params, SamplingParams) and isinstance(request.policy, IndependentSamples)
+            and request.num_samples == 1 and sample.grammar is None and sample.generator is None
+            and params.seed is None and params.logprobs is None and params.structured_outputs is None
+            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
+            and params.presence_penalty == 0.0)
+
+
+class FastRows:
+    """The table of plain rows by sequence id (None: a sequence that is not plain)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+        self._rows: dict[int, Optional[FastRow]] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def forget(self, seq_id: int) -> None:
+        self._rows.pop(seq_id, None)
+
+    def _make(self, seq_id: int) -> Optional[FastRow]:
+        entry = self._core.sequence(seq_id)
+        if entry is None or not is_plain(*entry):
+            return None
+        request, sample = entry
+        params = request.params
+        assert isinstance(params, SamplingParams)
+        greedy = params.is_greedy
+        return FastRow(request, sample, request.token_rule(self._core.eos_token_ids, self._core.max_model_len),
+                       greedy, 1.0 if greedy else params.temperature, params.top_k, params.top_p, params.min_p)
+
+    def split(self, seq_ids: list[int], do_sample: list[bool]) -> tuple[FastStep, list[int]]:
+        """The step's sampling rows: the plain ones, and the logits rows of the rest."""
+        fast = FastStep([], [])
+        slow: list[int] = []
+        table = self._rows
+        for i, (seq_id, sampled) in enumerate(zip(seq_ids, do_sample)):
+            if not sampled:
+                continue
+            if seq_id in table:
+                row = table[seq_id]
+            else:
+                row = table[seq_id] = self._make(seq_id)
+            if row is not None and len(row.sample.token_ids) >= row.rule.min_tokens:
+                fast.index.append(i)
+                fast.rows.append(row)
+            else:
+                slow.append(i)
+        return fast, slow
+
+
+def draw(logits: torch.Tensor, fast: FastStep) -> tuple[list[int], list[float]]:
+    """One token per plain row, and its log-probability under the raw logits (sampling.py's
+    order: greedy rows take the argmax; the others temperature, min-p, top-k, top-p, then the
+    exponential race on the global generator, as unseeded rows do there)."""
+    rows = fast.rows
+    whole = len(fast.index) == logits.shape[0] and fast.index[-1] == len(fast.index) - 1
+    raw = logits.float() if whole else logits[fast.index].float()
+    greedy_ids = argmax_rows(raw)
+    if all(r.greedy for r in rows):
+        token_ids = greedy_ids
+    else:
+        device = raw.device
+        vocab = raw.shape[1]
+        x = raw / torch.tensor([r.temperature for r in rows], device=device)[:, None]
+        x = apply_min_p(x, torch.tensor([r.min_p for r in rows], device=device))
+        x = apply_top_k_top_p(
+            x,
+            torch.tensor([min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows], device=device),
+            torch.tensor([r.top_p for r in rows], device=device),
+        )
+        probs = torch.softmax(x, dim=-1)
+        sampled = argmax_rows(probs / torch.empty_like(probs).exponential_().clamp_min(1e-30))
+        token_ids = torch.where(torch.tensor([r.greedy for r in rows], device=device), greedy_ids, sampled)
+    chosen, _ = chosen_logprobs(raw, token_ids)
+    return token_ids.tolist(), chosen.tolist()
+
+
+def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[float],
+           touched: dict[str, Request]) -> tuple[list[int], list[int], list[Request]]:
+    """Each plain row's token joins its sample, its token rule decides; finished samples are
+    released. Returns the (sequence ids, tokens, requests) to append."""
+    now = time.monotonic()
+    ids: list[int] = []
+    appended: list[int] = []
+    owners: list[Request] = []
+    for row, token, logprob in zip(fast.rows, tokens, logprobs):
+        s, request = row.sample, row.request
+        s.token_ids.append(token)
+        s.logprobs.append(logprob)
+        rule = row.rule
+        rule.finish(s, token, len(s.token_ids), rule.stops)
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        touched[request.request_id] = request
+        if s.finish_reason is None:
+            ids.append(s.seq_id)
+            appended.append(token)
+            owners.append(request)
+        else:
+            core.release(s.seq_id)
+            metrics.finished_time = now
+    core.num_generated += len(tokens)
+    return ids, appended, owners
+
+
+def as_arrays(ids: list[int], tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(ids, dtype=np.uint64), np.asarray(tokens, dtype=np.uint32)
