@@ -174,3 +174,14 @@ def test_bench_overhead_stamps_a_graph_replay_as_the_forward_pass(tmp_path):
     assert graphs.replays >= spec.steps and len(rows) == len(plain) == spec.steps
     # the head runs inside the replay: its own part is the two stamps' distance, nothing
     assert all(0 < r["head"] < r["forward"] / 10 and r["runner"] >= r["forward"] for r in rows)
+
+
+def test_padded_decode_under_asynchronous_scheduling_equals_the_synchronous_engine(tiny_llama_dir):
+    """Placeholder input ids are filled before the step reaches the runner; the padded path then copies
+    them into its static buffers like any other id."""
+    ps = prompts(256, 6, shared=5, seed=9)
+    lengths = [5, 9, 13, 7, 11, 3]
+    sync, _, _ = run(tiny_llama_dir, ps, lengths, pad_decode=False)
+    padded_async, engine, log = run(tiny_llama_dir, ps, lengths, pad_decode=True, async_scheduling=True)
+    assert padded_async == sync
+    assert any(s is not None and len(t) < s for t, s in zip(log.tables, log.sizes, strict=True))
