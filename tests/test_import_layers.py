@@ -34,7 +34,7 @@ LAYERS: dict[str, int] = {
     # 1 model: the model, its kernels and attention, the KV tiers' storage, memory planning
     "models": 1, "kernels": 1, "attention": 1, "kv_tiers": 1, "memory": 1,
     # 2 runner: one step on one device, and the sampler
-    "model_runner": 2, "sampling": 2,
+    "model_runner": 2, "sampling": 2, "decode_graphs": 2,
     # 3 executor: where the runner runs (this process, or tensor-parallel workers)
     "executor": 3, "distributed": 3,
     # 4 core: scheduling, requests and their continuation (token ids only)

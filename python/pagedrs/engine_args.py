@@ -80,6 +80,14 @@ class EngineArgs:
     # KV pages in the model dtype ("auto") or in 8 bits ("fp8_e4m3", "fp8_e5m2": twice the tokens of
     # bf16 pages in the same bytes, four times float32's), scaled per tensor (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # CUDA: decode steps run as CUDA graphs (one per padded batch size, vLLM's capture list) unless
+    # True. Ignored on the CPU, where nothing is captured.
+    enforce_eager: bool = False
+    # The padded decode path (pagedrs.decode_graphs): decode-only steps padded to a capture size in
+    # static buffers, padding rows on a reserved scratch page. None = on exactly when CUDA graphs
+    # are (CUDA, enforce_eager False, one rank); True also on the CPU (the path the graphs run,
+    # without them: for tests) or with enforce_eager (the graphs' eager twin); False turns graphs off too.
+    pad_decode: Optional[bool] = None
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -117,10 +125,11 @@ class EngineArgs:
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
         at_least("aging_steps", 0)
-        if not isinstance(self.prefill_first, bool):
-            raise ValueError(f"prefill_first is {self.prefill_first!r}; it must be True or False")
-        if not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling is {self.async_scheduling!r}; it must be True or False")
+        for name in ("prefill_first", "enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} is {getattr(self, name)!r}; it must be True or False")
+        if self.pad_decode is not None and not isinstance(self.pad_decode, bool):
+            raise ValueError(f"pad_decode is {self.pad_decode!r}; it must be True, False or None")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(f"async_scheduling=True with tensor_parallel_size={self.tensor_parallel_size}: not supported "
                              "yet; allowed: async_scheduling=False, or tensor_parallel_size=1")
@@ -132,6 +141,16 @@ class EngineArgs:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization is {self.gpu_memory_utilization!r}; it must be in (0, 1]")
+
+    def uses_decode_graphs(self) -> bool:
+        """CUDA graphs for decode: on CUDA, with one rank, unless enforce_eager or pad_decode=False."""
+        return (str(self.device).startswith("cuda") and not self.enforce_eager and self.pad_decode is not False
+                and self.tensor_parallel_size == 1)  # fmt: skip
+
+    def uses_decode_padding(self) -> bool:
+        """The padded decode path: wherever graphs are, and wherever pad_decode=True asks for it (one rank:
+        tensor-parallel ranks run decode steps as they come)."""
+        return self.tensor_parallel_size == 1 and (self.pad_decode is True or self.uses_decode_graphs())
 
     def resolved_cpu_threads(self) -> int:
         """cpu_threads, else $PAGEDRS_CPU_THREADS, else 1 (see the field's comment)."""

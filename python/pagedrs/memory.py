@@ -50,15 +50,23 @@ def plan_kv_memory(
     kv_cache_memory: int | None,
     gpu_memory_utilization: float,
     swap_space_gb: float,
+    reserved_blocks: int = 0,
+    headroom_bytes: int = 0,
 ) -> KvPlan:
+    """Pages per tier. ``reserved_blocks``: device blocks the executor allocates beside the pool and
+    never gives the scheduler (the padded decode path's scratch page); they come out of a pool sized
+    from bytes (``kv_cache_memory`` or the device's free memory), and are extra to an explicit
+    ``num_gpu_blocks``, which is what the scheduler gets. ``headroom_bytes``: device memory left
+    outside the pool when it is sized from the device's free memory (the CUDA graphs' pool)."""
     bytes_per_block = bytes_per_token * block_size
     if num_gpu_blocks is None:
         if kv_cache_memory is None:
-            kv_cache_memory = _default_kv_bytes(device, gpu_memory_utilization)
-        num_gpu_blocks = kv_cache_memory // bytes_per_block
+            kv_cache_memory = max(0, _default_kv_bytes(device, gpu_memory_utilization) - headroom_bytes)
+        num_gpu_blocks = kv_cache_memory // bytes_per_block - reserved_blocks
         if num_gpu_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory is {kv_cache_memory} bytes; one block of {block_size} tokens needs {bytes_per_block}"
+                + (f", and {reserved_blocks} more are reserved (the padded decode path's scratch page)" if reserved_blocks else "")
             )
     num_cpu_blocks = int(swap_space_gb * 2**30) // bytes_per_block
     host_bw, flops = _DEVICE_SPEEDS["cuda" if device.type == "cuda" else "cpu"]

@@ -8,6 +8,11 @@ tensor per memory tier, ``[num_layers, 2, num_blocks, block_size, kv_heads_per_r
 so that a copy or a swap of a block across every layer and both K and V is a single
 indexed copy along dim 2. The disk tier, when there is one, is a ``DiskTier``
 (pagedrs.kv_tiers) that gathers and scatters the same slices to a page store.
+
+With ``padding`` (pagedrs.decode_graphs) the device tier has one block more than
+the scheduler's ``num_gpu_blocks``: the scratch page (id ``num_gpu_blocks``) that padding rows
+of a padded decode step write and read; decode-only steps then run padded to a capture size,
+through a CUDA graph of that size when ``capture_graphs`` captured one.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from pagedrs.attention import AttentionBackend, AttentionMetadata, get_backend
+from pagedrs.decode_graphs import DecodeGraphs, DecodePadding, PaddedStep, StaticDecodeInputs, padded_size
 from pagedrs.kv_tiers.disk_tier import DiskTier
 from pagedrs.models.interface import KvModel
 from pagedrs.models.loader import LoadedModel
@@ -31,6 +37,7 @@ class ModelRunner:
         block_size: int,
         backend: AttentionBackend | None = None,
         kv_cache_dtype: torch.dtype | None = None,  # what pages are stored in; None: the model dtype
+        padding: DecodePadding | None = None,  # pad decode-only steps (and reserve the scratch page)
     ) -> None:
         if num_gpu_blocks < 1 or num_cpu_blocks < 0 or block_size < 1:
             raise ValueError(
@@ -50,7 +57,9 @@ class ModelRunner:
         )
         self.backend.check_model(self.config)
         self.backend.check_kv_cache_dtype(self.kv_dtype)
-        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_gpu_blocks, block_size), dtype=self.kv_dtype,
+        self.padding = padding
+        scratch = 1 if padding is not None else 0  # the scratch page, past the scheduler's blocks
+        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_gpu_blocks + scratch, block_size), dtype=self.kv_dtype,
                                     device=self.device)
         self.cpu_cache = torch.zeros(
             self.model.kv_cache_shape(num_cpu_blocks, block_size),
@@ -61,6 +70,12 @@ class ModelRunner:
         # each layer's (key, value) views, made once: the forward pass would otherwise make 60 views a step
         self.kv_views = self.model.kv_layer_views(self.kv_cache)
         self.disk: DiskTier | None = None  # set by the executor when a disk tier is on
+        self.num_gpu_blocks = num_gpu_blocks  # the scheduler's; the scratch page, when there is one, is this id
+        self.static: StaticDecodeInputs | None = None
+        if padding is not None:
+            self.static = StaticDecodeInputs(padding, scratch_block=num_gpu_blocks, block_size=block_size,
+                                             device=self.device)  # fmt: skip
+        self.graphs: DecodeGraphs | None = None  # set by capture_graphs
 
     @torch.inference_mode()
     def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
@@ -75,6 +90,14 @@ class ModelRunner:
         vocab = self.config.vocab_size
         if step.num_tokens == 0:
             return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
+        size = self.padded_size(step) if compute_logits else None
+        if size is not None:
+            assert self.static is not None  # padded_size is None without it
+            padded = self.static.fill(step, size)
+            graphs = self.graphs
+            if graphs is not None and size in graphs.sizes:
+                return graphs.replay(padded)[: padded.num_real].clone()  # the graph's buffer is reused
+            return self.padded_forward(padded)[: padded.num_real]
         meta = self.build_metadata(step)
         # The attention plan of the step, once, before any layer reads it (not inside forward).
         self.backend.plan(meta, self.block_size, self.model.heads_per_rank, self.model.kv_heads_per_rank)
@@ -87,6 +110,37 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         last = meta.query_start_loc[1:].long() - 1
         return self.model.compute_logits(hidden[last])
+
+    def padded_size(self, step: StepInput) -> int | None:
+        """The capture size a step runs padded to: decode-only steps of at most the largest size whose
+        tables fit the fixed width; None (run as is) for everything else."""
+        padding = self.padding
+        if padding is None or step.num_tokens != step.num_seqs or step.block_tables.shape[1] > padding.table_width:
+            return None
+        sizes = self.graphs.sizes if self.graphs is not None else padding.sizes
+        return padded_size(sizes, step.num_seqs)
+
+    def padded_forward(self, step: PaddedStep) -> torch.Tensor:
+        """float32 logits [P, vocab] of a padded decode step, eagerly (also what a graph captures)."""
+        assert self.padding is not None
+        model = self.model
+        max_keys = self.padding.table_width * self.block_size
+        self.backend.plan_padded_decode(step.meta, self.block_size, model.heads_per_rank, model.kv_heads_per_rank,
+                                        max_keys)  # fmt: skip
+        hidden = model(step.input_ids, step.positions, self.kv_views, step.meta, self.backend)
+        return model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> tuple[int, ...]:
+        """Captures the padded decode forward of every capture size (CUDA, a backend that supports
+        it), then checks each graph against the eager forward; returns the sizes that run as graphs."""
+        if self.static is None or self.device.type != "cuda" or not self.backend.supports_decode_graphs:
+            return ()
+        graphs = DecodeGraphs(self.static, self.padded_forward)
+        graphs.capture(self.static.padding.sizes)
+        if graphs.sizes and graphs.validate(self.kv_cache, self.num_gpu_blocks, self.config.vocab_size) is None:
+            self.graphs = graphs
+        return self.graphs.sizes if self.graphs is not None else ()
 
     def run_transfers(self, transfers: tuple[Transfer, ...] | list[Transfer]) -> None:
         """Runs tier copies in list order; the tier names map to storage here."""

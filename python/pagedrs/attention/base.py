@@ -61,6 +61,10 @@ class AttentionBackend(ABC):
     """What a model layer needs from attention; one instance per runner."""
 
     name: str
+    # Whether a decode forward planned by plan_padded_decode launches the same work at every
+    # step of a capture size, so that a CUDA graph of it may be replayed (the CUDA kernels: yes;
+    # the PyTorch reference plans buckets and masks from the step's lengths on the host: no).
+    supports_decode_graphs: bool = False
     reads_fp8: bool = False  # whether write_kv and forward handle an fp8 cache (kv_quant)
 
     def __init__(self, kv_scales: KvScales | None = None) -> None:
@@ -85,6 +89,15 @@ class AttentionBackend(ABC):
         that need no plan keep the default.
         """
         return None
+
+    def plan_padded_decode(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int,
+                           max_keys: int) -> Any:
+        """Plans a padded decode step (``pagedrs.decode_graphs``): ``meta.num_seqs`` is a
+        capture size, every block table is ``max_keys / block_size`` pages wide, and a CUDA graph may
+        replay what the forward pass launches with this plan. A backend whose launches depend on
+        the step's contexts must make them depend on ``meta.num_seqs`` and ``max_keys`` only here;
+        one that launches nothing context-dependent plans as usual."""
+        return self.plan(meta, block_size, num_heads, num_kv_heads)
 
     @abstractmethod
     def write_kv(

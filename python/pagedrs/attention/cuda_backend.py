@@ -45,7 +45,16 @@ from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.attention.kv_quant import KvScales, is_fp8
 from pagedrs.kernels import loader, ops
 from pagedrs.kernels.dispatch import VARIANTS
-from pagedrs.kernels.planning import ROWS_PER_ITEM, RULES, SplitPlan, SplitRule, plan_split, visible_keys, work_items
+from pagedrs.kernels.planning import (
+    ROWS_PER_ITEM,
+    RULES,
+    SplitPlan,
+    SplitRule,
+    plan_fixed_split,
+    plan_split,
+    visible_keys,
+    work_items,
+)
 
 # v2 for decode rows: on an H200 (2026-11-30, benches/gpu_kernels.py) it read KV at 60% of copy bandwidth
 # at 64 x 4096 against v1's 28% (2.16x; 2.44x at 64 x 16384, 1.5-3.1x elsewhere), outputs within bf16
@@ -69,6 +78,23 @@ class _StepPlan:
     # sliding window (None: full causal) -> split-K plan over the keys a block reads;
     # filled by the first layer of the step that attends with that window
     splits: dict[int | None, SplitPlan] = field(default_factory=dict)
+    # A padded decode plan (plan_padded_decode): the split covers this many keys whatever the
+    # step's contexts, and its split-K partials live in buffers kept here (by num_parts), so a
+    # CUDA graph captured with this plan finds the same grid, arguments and buffers at replay.
+    fixed_keys: int | None = None
+    split_buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def static_split_buffers(self, split: SplitPlan, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fixed plan's split-K partials for ``split`` (shared by every layer: they run one after
+        another on one stream); None for a per-step plan, whose launches allocate their own."""
+        if self.fixed_keys is None or split.num_parts == 1:
+            return None
+        buffers = self.split_buffers.get(split.num_parts)
+        if buffers is None:
+            tokens, heads, head_size = query.shape
+            buffers = self.split_buffers[split.num_parts] = ops.split_buffers_for(
+                tokens, heads, split.num_parts, head_size, query.device)
+        return buffers
 
     @property
     def work_items(self) -> torch.Tensor:
@@ -82,7 +108,10 @@ class _StepPlan:
 
     def split_for(self, sliding_window: int | None) -> SplitPlan:
         split = self.splits.get(sliding_window)
-        if split is None:
+        if split is None and self.fixed_keys is not None:
+            split = plan_fixed_split(self.num_blocks, self.fixed_keys, self.num_sms, self.rule, sliding_window)
+            self.splits[sliding_window] = split
+        elif split is None:
             meta = self.meta
             starts = meta.query_start_loc_cpu
             q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
@@ -100,6 +129,7 @@ class _StepPlan:
 class CudaAttentionBackend(AttentionBackend):
     name = "cuda"
     reads_fp8 = True
+    supports_decode_graphs = True
 
     def __init__(
         self,
@@ -127,6 +157,7 @@ class CudaAttentionBackend(AttentionBackend):
         self._num_sms = num_sms  # None: read from the device on first use
         self._runtime = runtime if runtime is not None else loader.CUPY
         self._swap_streams: dict[torch.device, Any] = {}  # device -> the runtime's side stream for swaps
+        self._padded_plans: dict[tuple[Any, ...], _StepPlan] = {}  # plan_padded_decode's, one per capture size
 
     def write_kv(
         self,
@@ -158,10 +189,11 @@ class CudaAttentionBackend(AttentionBackend):
                               device=query.device)  # fmt: skip
         split = plan.split_for(sliding_window)
         k_scale, v_scale = self._scales(key_cache)
+        buffers = plan.static_split_buffers(split, query)
         for variant, items in plan.launches:
             ops.paged_attention(
                 out, query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                items, scale, split, self._runtime, sliding_window, variant, self.v2_prefetch, k_scale, v_scale,
+                items, scale, split, self._runtime, sliding_window, variant, self.v2_prefetch, k_scale, v_scale, buffers,
             )  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
@@ -192,6 +224,27 @@ class CudaAttentionBackend(AttentionBackend):
     def _scales(self, cache: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The scale tensors ``ops`` takes: the backend's for an fp8 cache, none for any other."""
         return self.kv_scales(cache.device) if is_fp8(cache.dtype) else (None, None)
+
+    def plan_padded_decode(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int,
+                           max_keys: int) -> _StepPlan:
+        """The plan of a padded decode step of ``meta.num_seqs`` rows (a capture size), the same object
+        for every step of that size: its work items (on the device), its split over ``max_keys``
+        (``planning.plan_fixed_split``) and its split-K buffers do not depend on the step's contexts."""
+        group = num_heads // num_kv_heads
+        key = (meta.num_seqs, group, num_kv_heads, max_keys, meta.block_tables.device)
+        plan = self._padded_plans.get(key)
+        if plan is None:
+            if not meta.is_decode_only:
+                raise ValueError(f"plan_padded_decode needs a decode-only step; max_query_len={meta.max_query_len}")
+            items = work_items(np.ones(meta.num_seqs, dtype=np.int64), group, ROWS_PER_ITEM[self.variant])
+            if self._num_sms is None:
+                self._num_sms = self._runtime.num_sms(meta.block_tables.device)
+            launches = ((self.variant, torch.from_numpy(items).to(meta.block_tables.device)),)
+            plan = self._padded_plans[key] = _StepPlan(
+                meta, self, group, launches, items.shape[0] * num_kv_heads, self._num_sms, self._split_rule,
+                fixed_keys=max_keys)
+        meta.plan = plan
+        return plan
 
     def copy_blocks(self, kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
         ops.copy_blocks(kv_cache, pairs, self._runtime)

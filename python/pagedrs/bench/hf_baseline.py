@@ -74,8 +74,8 @@ def run_hf(model: Any, requests: list[BenchRequest], batch_size: int, bytes_per_
             new = max(r.max_tokens for r in batch)
             rec = _StepRecorder(start)
             model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(model.device),  # (benches/gpu_e2e.py runs the model on a GPU)
+                attention_mask=mask.to(model.device),
                 max_new_tokens=new,
                 do_sample=False,
                 eos_token_id=None,

@@ -185,11 +185,24 @@ def stamped(engine: Any, stamps: _Stamps) -> Iterator[None]:
     core.executor.execute = stamps.around(core.executor.execute, "execute", "execute_end")
     core.step = stamps.around(core.step, "core", "core_end")
     step_module._sample = stamps.around(sample_fn, "sampling", "sampling_end")  # type: ignore[attr-defined]
+    graphs = runner.graphs  # CUDA graphs: a replay is the forward pass and the head (head stamped as empty)
+    if graphs is not None:
+        timed_replay = stamps.around(graphs.replay, "forward", "forward_end")
+
+        def replay(step: Any) -> Any:
+            out = timed_replay(step)
+            stamps.stamp("head")
+            stamps.stamp("head_end")
+            return out
+
+        graphs.replay = replay
     try:
         yield
     finally:
         core.scheduler, runner.model, step_module._sample = scheduler, model, sample_fn
         del core.executor.execute, core.step
+        if graphs is not None:
+            del graphs.replay
 
 
 def split_step(at: dict[str, float], start: float, end: float) -> dict[str, float]:

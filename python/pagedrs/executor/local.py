@@ -4,11 +4,13 @@ with the disk page store (the one executor that can have one)."""
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from pagedrs.attention import AttentionBackend
 from pagedrs.attention.kv_quant import SCALE_RULE, is_fp8, resolve_kv_cache_dtype
+from pagedrs.decode_graphs import DecodePadding, capture_sizes, graph_headroom_bytes
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor.base import DiskTierHandle
 from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, model_fingerprint
@@ -21,6 +23,8 @@ from pagedrs.model_runner import ModelRunner
 from pagedrs.models.kv_geometry import KvGeometry
 from pagedrs.models.loader import load_model
 from pagedrs.step_input import StepInput, Transfer
+
+logger = logging.getLogger("pagedrs.engine")
 
 
 class LocalExecutor:
@@ -48,10 +52,28 @@ class LocalExecutor:
         self.runner: ModelRunner | None = None
         self._completed: list[int] = []
         self._disk: _LocalDiskTier | None = None
+        self.padding = self._decode_padding()
+        self.decode_graph_sizes: tuple[int, ...] = ()  # the capture sizes that run as CUDA graphs
+
+    def _decode_padding(self) -> DecodePadding | None:
+        """The padded decode path's shapes (EngineArgs.uses_decode_padding), or None."""
+        args = self.args
+        if not args.uses_decode_padding():
+            return None
+        max_model_len = args.max_model_len or self.loaded.config.max_position_embeddings
+        return DecodePadding(sizes=capture_sizes(args.max_num_seqs), table_width=-(-max_model_len // args.block_size))
 
     def plan_kv_memory(self) -> KvPlan:
+        """The pools for EngineArgs; with the padded decode path, one device block fewer for the
+        scheduler than the bytes hold (the scratch page), and with CUDA graphs the pool sized from
+        free memory leaves ``graph_headroom_bytes`` for the graphs' memory pool."""
         args = self.args
         num_parameters = sum(p.numel() for p in self.loaded.model.parameters())
+        headroom = 0
+        if self.padding is not None and args.uses_decode_graphs():
+            headroom = graph_headroom_bytes(self.loaded.config, self.padding.sizes[-1],
+                                            torch.empty(0, dtype=self.loaded.dtype).element_size(),
+                                            self.padding.table_width * args.block_size)  # fmt: skip
         return plan_kv_memory(
             # the one formula (models.kv_geometry) at the pages' itemsize: 1 byte for an fp8 cache
             bytes_per_token=KvGeometry(self.loaded.config.num_hidden_layers, self.loaded.model.kv_heads_per_rank,
@@ -63,6 +85,8 @@ class LocalExecutor:
             kv_cache_memory=args.kv_cache_memory,
             gpu_memory_utilization=args.gpu_memory_utilization,
             swap_space_gb=resolved_swap_space_gb(args.swap_space_gb, device_type=self.device.type),
+            reserved_blocks=1 if self.padding is not None else 0,
+            headroom_bytes=headroom,
         )
 
     # ---- the disk tier ------------------------------------------------------------
@@ -110,6 +134,8 @@ class LocalExecutor:
     # ---- steps --------------------------------------------------------------------
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocates the pools (and the scratch page past them with the padded decode path), then
+        captures the decode graphs: they bake in the cache's addresses, so only now."""
         self.runner = ModelRunner(
             self.loaded,
             num_gpu_blocks=num_gpu_blocks,
@@ -117,9 +143,20 @@ class LocalExecutor:
             block_size=self.args.block_size,
             backend=self._backend,
             kv_cache_dtype=self.kv_dtype,
+            padding=self.padding,
         )
         if self._disk is not None:
             self.runner.disk = self._disk.runner_tier()
+        if self.padding is not None and self.args.uses_decode_graphs():
+            self.decode_graph_sizes = self.runner.capture_graphs()
+            if self.decode_graph_sizes:
+                logger.info("CUDA graphs: decode batch sizes %s captured; wider decode steps run eagerly",
+                            list(self.decode_graph_sizes))  # fmt: skip
+            else:
+                logger.warning("CUDA graphs: none in use on %s (backend %s); decode steps run eagerly",
+                               self.device, self.runner.backend.name)  # fmt: skip
+                if self.args.pad_decode is None:  # padding was for the graphs: decode steps run as they come
+                    self.runner.padding = None
 
     def run_transfers(self, transfers: list[Transfer]) -> None:
         """Runs tier copies outside a step (the shutdown flush), synchronously."""

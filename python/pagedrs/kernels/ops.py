@@ -88,6 +88,9 @@ def paged_attention(
     prefetch_chunks: int = 0,  # v2: L2 prefetch distance in chunks past the next (0: none); ignored by v1
     k_scale: torch.Tensor | None = None,  # float32 [1]: an fp8 cache's per-tensor scales (stored x = x / scale)
     v_scale: torch.Tensor | None = None,
+    # split-K partials (float32 [num_tokens, num_heads, num_parts, head_size], [..., 2]) to reuse; None:
+    # allocated here. A CUDA graph needs the same buffers at every replay (split_buffers below).
+    split_buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Causal attention of every new token over its pages; split-K when ``plan.num_parts > 1``.
 
@@ -125,9 +128,17 @@ def paged_attention(
     grid = (num_kv_heads, work_items.shape[0], plan.num_parts)
     if work_items.shape[0] == 0:
         return
-    if plan.num_parts > 1:
-        part_out = torch.empty((num_tokens, num_heads, plan.num_parts, head_size), dtype=torch.float32, device=device)
-        part_ml = torch.empty((num_tokens, num_heads, plan.num_parts, 2), dtype=torch.float32, device=device)
+    if plan.num_parts > 1 and split_buffers is not None:
+        part_out, part_ml = split_buffers
+        want = ((num_tokens, num_heads, plan.num_parts, head_size), (num_tokens, num_heads, plan.num_parts, 2))
+        got = (tuple(part_out.shape), tuple(part_ml.shape))
+        if got != want or part_out.dtype != torch.float32 or part_ml.dtype != torch.float32 or not (
+            part_out.is_contiguous() and part_ml.is_contiguous()
+        ):
+            raise ValueError(f"split_buffers must be contiguous float32 of shapes {want}, got {got} "
+                             f"{part_out.dtype}/{part_ml.dtype}")  # fmt: skip
+    elif plan.num_parts > 1:
+        part_out, part_ml = split_buffers_for(num_tokens, num_heads, plan.num_parts, head_size, device)
     else:
         part_out = part_ml = out  # never touched by the single-pass kernel
     fn = runtime.kernel(entry, entry.attention_kernel(variant), device)
@@ -149,6 +160,15 @@ def paged_attention(
         reduce = runtime.kernel(entry, entry.reduce, device)
         reduce_args = (loader.ptr(out), loader.ptr(part_out), loader.ptr(part_ml), loader.i32(plan.num_parts), loader.i32(head_size))
         runtime.launch(reduce, (num_heads, num_tokens), (128,), reduce_args, device)
+
+
+def split_buffers_for(
+    num_tokens: int, num_heads: int, num_parts: int, head_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh split-K partials for one launch: (part_out, part_ml) as ``paged_attention`` reads them."""
+    part_out = torch.empty((num_tokens, num_heads, num_parts, head_size), dtype=torch.float32, device=device)
+    part_ml = torch.empty((num_tokens, num_heads, num_parts, 2), dtype=torch.float32, device=device)
+    return part_out, part_ml
 
 
 def reshape_and_cache(

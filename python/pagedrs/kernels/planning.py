@@ -86,6 +86,23 @@ def plan_split(num_blocks: int, max_context: int, num_sms: int, rule: SplitRule 
     return SplitPlan(num_parts=-(-max_context // part_tokens), part_tokens=part_tokens)
 
 
+def plan_fixed_split(num_blocks: int, max_keys: int, num_sms: int, rule: SplitRule = V1,
+                     sliding_window: int | None = None) -> SplitPlan:
+    """The split of a decode launch that must not change from step to step (a CUDA graph bakes
+    ``num_parts`` into its grid and ``part_tokens`` into its arguments): the rule applied to the
+    longest key range any decode token of the pool can read, ``max_keys`` (the block tables'
+    fixed width in tokens), or the window when it is shorter.
+
+    Shorter contexts leave trailing partitions empty; both kernels mark an empty partition
+    (``mark_empty_partition`` in cuda/paged_attention.cu) and the reduce kernel skips it, so the
+    result is the attention over the real keys, only summed in another order than the per-step
+    split's."""
+    if max_keys <= 0:
+        raise ValueError(f"plan_fixed_split needs max_keys > 0, got {max_keys}")
+    keys = max_keys if sliding_window is None else min(max_keys, sliding_window)
+    return plan_split(num_blocks, keys, num_sms, rule)
+
+
 def visible_keys(seq_lens: list[int], query_lens: list[int], sliding_window: int | None) -> int:
     """The longest key range one thread block reads: the context, or with a window W, the
     W keys of a sequence's first new token and the keys its later new tokens add."""
