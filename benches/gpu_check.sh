@@ -83,7 +83,7 @@ if [[ $DRY == 1 ]]; then  # its emulated run takes minutes: `python benches/gpu_
 else
     step gpu_kernels 40 gpu_kernels.txt "$PY" benches/gpu_kernels.py
 fi
-step e2e_decode 60 e2e_decode.txt "$PY" benches/gpu_e2e.py --sections decode --out "$OUT/e2e" "${E2E_FLAGS[@]}"
+step e2e_decode 80 e2e_decode.txt "$PY" benches/gpu_e2e.py --sections decode --out "$OUT/e2e" "${E2E_FLAGS[@]}"
 step e2e_throughput 75 e2e_throughput.txt "$PY" benches/gpu_e2e.py --sections throughput --quick --out "$OUT/e2e" \
     "${E2E_FLAGS[@]}"
 step overhead 35 overhead.txt "$PY" -m pagedrs.cli bench overhead "${OVERHEAD_FLAGS[@]}" --json "$OUT/overhead.json"

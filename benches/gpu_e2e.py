@@ -10,7 +10,7 @@ keeps what ran):
 
 * ``decode``: batch 1, 32, 256 x ``max_tokens`` new tokens after a 32-token prompt, greedy,
   ignore_eos, bf16 (``TIMED_STEPS`` steady decode steps timed, then the requests are aborted); modes ``eager`` (enforce_eager), ``padded`` (the padded path without graphs:
-  the graphs' eager twin) and ``graphs``. Per batch and mode: decode tokens/s over the steady
+  the graphs' eager twin), ``graphs`` and ``graphs+async`` (asynchronous scheduling on top). Per batch and mode: decode tokens/s over the steady
   decode steps, their median step time, and the GPU busy share of those steps: the kernels'
   device time (torch.profiler) over the wall time of a few profiled steps.
 * ``throughput``: ``pagedrs bench throughput``'s workload (QUICK, or FULL without ``--quick``;
@@ -43,7 +43,8 @@ TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hid
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 512}  # fmt: skip
 PROMPT_LEN = 32
 TIMED_STEPS = 40  # decode steps timed per batch and mode (the requests are then aborted)
-MODES = {"eager": {"enforce_eager": True}, "padded": {"enforce_eager": True, "pad_decode": True}, "graphs": {}}
+MODES = {"eager": {"enforce_eager": True}, "padded": {"enforce_eager": True, "pad_decode": True}, "graphs": {},
+         "graphs+async": {"async_scheduling": True}}
 
 
 def write_model(folder: Path, geometry: dict[str, int], seed: int = 0) -> Path:

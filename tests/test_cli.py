@@ -146,7 +146,8 @@ def test_every_engine_field_has_a_flag_or_is_an_api_only_knob():
 
     from pagedrs.engine_args import EngineArgs
 
-    api_only = {"watermark", "aging_steps", "max_n", "contiguous_reserve", "host_cache_evicted"}
+    # pad_decode: the padded decode path without CUDA graphs, a testing knob (graphs turn it on by themselves)
+    api_only = {"watermark", "aging_steps", "max_n", "contiguous_reserve", "host_cache_evicted", "pad_decode"}
     fields = {f.name for f in dataclasses.fields(EngineArgs)}
     assert set(_serve_kwargs([])) | api_only == fields
     assert set(_offline_kwargs("generate", [])) | api_only | {"prefill_first", "seed", "skip_tokenizer_init"} == fields

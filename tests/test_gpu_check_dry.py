@@ -36,7 +36,7 @@ def test_the_dry_run_runs_every_step_and_writes_each_result(tmp_path: Path) -> N
         assert f"{name} rc=0" in steps[name], summary
     assert "DRY RUN" in (out / "environment.txt").read_text()
     decode = json.loads((out / "e2e" / "decode.json").read_text())
-    assert set(decode["modes"]) == {"eager", "padded", "graphs"}
+    assert set(decode["modes"]) == {"eager", "padded", "graphs", "graphs+async"}
     for mode, row in decode["modes"].items():
         assert [b["batch"] for b in row["batches"]] == [1, 4]
         assert all(b["tokens_per_s"] > 0 and b["decode_steps_timed"] >= 1 for b in row["batches"])

@@ -29,6 +29,7 @@ _SAME_NAME = (
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
+    "enforce_eager",
 )
 
 
@@ -62,6 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
         "where a step costs the sum of its parts (measured: steady TTFT p50 -30%%, throughput unchanged), "
         "off elsewhere (a GPU runs decodes beside a prefill almost for free)",
     )
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly (no CUDA graphs for decode steps); ignored on the CPU")
     p.add_argument(
         "--async-scheduling", action="store_true",
         help="plan and launch step N+1 before step N is sampled (vLLM's async scheduling): the device does not wait "

@@ -10,6 +10,12 @@ failed one must not write anything.
 
 Everything else of the ``Executor`` protocol passes through to the wrapped executor, serialized
 with the worker where it touches the runner (``execute`` runs on the worker too).
+
+On a GPU the worker returns once the step's kernels are enqueued (the logits are still being
+computed); the core's sampling then waits for them, and the next step's kernels are enqueued as
+soon as its tokens are known, while the core makes step N's outputs and plans N+2. The tokens
+still make one round trip through the host per step (a device-side fill from the sampled-ids
+buffer would remove it; not done yet).
 """
 
 from __future__ import annotations
@@ -44,7 +50,10 @@ class AsyncExecution:
 
     def __init__(self, inner: Executor) -> None:
         self._inner = inner
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrs-step")
+        device = getattr(inner, "device", None)
+        # a thread's current CUDA device is its own: the worker runs on the executor's
+        initializer = (lambda: torch.cuda.set_device(device)) if isinstance(device, torch.device) and device.type == "cuda" else None
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedrs-step", initializer=initializer)
         self._lock = threading.Lock()
         self._completed: list[int] = []
 
