@@ -197,3 +197,42 @@ def test_fill_placeholders_takes_each_rows_token():
 def test_bad_settings_are_refused_by_name(kw, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):
         EngineArgs(model="smollm2-135m", **kw)
+
+
+def test_an_interrupt_mid_step_gives_both_steps_back_and_the_requests_finish_unchanged(tiny_llama_dir, monkeypatch):
+    """Ctrl-C while a step runs (here: raised inside the worker's forward): step() raises it, the
+    step and the one launched after it are reported failed, and stepping on recomputes them to
+    the synchronous engine's tokens, every page freed."""
+    probe = make_engine(tiny_llama_dir)
+    prompts = make_prompts(probe, 4, seed=6)
+    want = _outputs(make_engine(tiny_llama_dir), prompts, _greedy(10))
+    engine = make_engine(tiny_llama_dir, async_scheduling=True)
+    inner = engine.core.executor.inner
+    real = inner.execute
+    calls = {"n": 0}
+
+    def execute(step):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(step)
+
+    monkeypatch.setattr(inner, "execute", execute)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, _greedy(10))
+    done: dict = {}
+    interrupted = 0
+    while engine.has_unfinished():
+        try:
+            outs = engine.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+            assert not engine.core.scheduler.open_steps(), "an interrupted step left a step open"
+            continue
+        for out in outs:
+            if out.finished:
+                done[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason, None,
+                                         c.cumulative_logprob) for c in out.outputs]
+        engine.check_invariants()
+    assert interrupted == 1
+    assert {k: v[0][:4] for k, v in done.items()} == {k: v[0][:4] for k, v in want.items()}
