@@ -145,3 +145,14 @@ def test_bad_prompt_logprobs_are_refused_naming_the_field(value):
 def test_beam_search_with_prompt_logprobs_is_refused():
     with pytest.raises(ValueError, match="prompt_logprobs.*beam search"):
         SamplingParams(use_beam_search=True, n=2, temperature=0.0, prompt_logprobs=1)
+
+
+def test_a_recompute_preemption_keeps_them_exact(tiny_llama_dir, hf_model):
+    """A pool too small for all three: one is preempted and recomputed; every entry still matches."""
+    eng = make(tiny_llama_dir, num_gpu_blocks=14, max_num_batched_tokens=8, max_num_seqs=4)
+    prompts = {f"r{i}": prompt(18, seed=10 + i) for i in range(3)}
+    done = run(eng, {rid: (p, greedy(14, prompt_logprobs=2)) for rid, p in prompts.items()})
+    assert eng.stats()["num_recompute_preemptions"] >= 1
+    for rid, p in prompts.items():
+        check(hf_model, p, done[rid].prompt_logprobs, 2)
+        assert list(done[rid].outputs[0].token_ids) == hf_greedy(hf_model, p, 14)

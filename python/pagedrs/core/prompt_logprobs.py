@@ -21,6 +21,7 @@ are (sampling.py); each entry is ``{prompt token: logprob}`` followed by the top
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ from pagedrs.step_input import StepInput
 
 if TYPE_CHECKING:
     from pagedrs.core.engine_core import EngineCore
+
+logger = logging.getLogger("pagedrs.engine")
 
 # A salt no user salt can equal (those are UTF-8 text, and 0xff is never a UTF-8 byte).
 _SALT_PREFIX = b"\xffprompt_logprobs:"
@@ -101,6 +104,9 @@ def record(logits: torch.Tensor, planned: list[PromptRows]) -> None:
         params = request.params
         assert isinstance(params, SamplingParams) and params.prompt_logprobs is not None
         k = params.prompt_logprobs
+        if rows.first > 0 and rows.first - 1 not in request.prompt_logprobs:  # never: its salt is its own
+            logger.error("request %s: prompt positions before %d were neither computed nor recorded (a prefix "
+                         "reused?); its prompt_logprobs will be missing", request.request_id, rows.first)
         full = torch.log_softmax(logits[rows.rows].float(), dim=-1)
         targets = request.prompt_token_ids[rows.first + 1 : rows.first + 1 + len(rows.rows)]
         chosen = full.gather(1, torch.tensor(targets, device=full.device)[:, None].long())[:, 0].tolist()
