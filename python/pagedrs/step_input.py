@@ -3,7 +3,8 @@
 The scheduler (Rust, ``pagedrs._core.Scheduler``) decides; the executor runs.
 Everything here is plain integers in NumPy arrays, batched for the whole step.
 ``StepInput`` is the Python twin of the core's ``StepPlan`` (rust/src/py/scheduler.rs):
-the same fields, converted once by :meth:`StepInput.from_plan`; ``tests/test_step_input.py``
+the same fields (but ``CORE_FILLED``, which the Python core sets), converted once by
+:meth:`StepInput.from_plan`; ``tests/test_step_codec.py``
 fails when the two sides name different fields.
 
 Token layout of one step (S scheduled sequences, T tokens in all)::
@@ -28,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-TIERS = ("gpu", "cpu", "disk")
-# fields the Python core fills after the plan (the core's StepPlan has none of them)
-CORE_FILLED = frozenset({"logit_rows"})  # the tier names the core uses; the executor maps each to its storage
+TIERS = ("gpu", "cpu", "disk")  # the tier names the core uses; the executor maps each to its storage
+# fields the Python core fills after the plan (core/prompt_logprobs.py); the core's StepPlan has none of them
+CORE_FILLED = frozenset({"logit_rows"})
 
 
 def _empty_pairs() -> np.ndarray:
