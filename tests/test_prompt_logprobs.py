@@ -156,3 +156,17 @@ def test_a_recompute_preemption_keeps_them_exact(tiny_llama_dir, hf_model):
     for rid, p in prompts.items():
         check(hf_model, p, done[rid].prompt_logprobs, 2)
         assert list(done[rid].outputs[0].token_ids) == hf_greedy(hf_model, p, 14)
+
+
+def test_two_tensor_parallel_ranks_give_them_too(tiny_llama_dir, hf_model):
+    """Rank 0 returns the extra rows; the workers get logit_rows through the step codec and ignore them."""
+    pytest.importorskip("psutil")
+    eng = Engine(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, block_size=4, num_gpu_blocks=64,
+                            max_model_len=128, swap_space_gb=0.001, cpu_threads=1, max_num_batched_tokens=8))
+    try:
+        ids = prompt(15, seed=8)
+        done = run(eng, {"t": (ids, greedy(3, prompt_logprobs=2))})
+        check(hf_model, ids, done["t"].prompt_logprobs, 2)
+        assert list(done["t"].outputs[0].token_ids) == hf_greedy(hf_model, ids, 3)
+    finally:
+        eng.shutdown()
