@@ -380,7 +380,6 @@ def test_every_stream_option_is_honoured_or_refused(served: Served) -> None:
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 @pytest.mark.parametrize("name,value", [
     ("banana", 1),                                  # a name nobody defines
-    ("prompt_logprobs", 1),
     ("guided_decoding_backend", "xgrammar"),
     ("guided_whitespace_pattern", " *"),
 ])

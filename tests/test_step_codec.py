@@ -9,7 +9,7 @@ import pytest
 
 from pagedrs import _core
 from pagedrs.distributed.step_codec import decode, encode
-from pagedrs.step_input import StepInput, Transfer
+from pagedrs.step_input import CORE_FILLED, StepInput, Transfer
 
 
 def _assert_equal(a: StepInput, b: StepInput) -> None:
@@ -66,7 +66,7 @@ def test_hand_made_steps_with_transfers_round_trip():
         seq_lens=np.array([9, 3], dtype=np.int32), block_tables=rng.integers(0, 50, (2, 3)).astype(np.int32),
         seq_ids=np.array([3, 2**63 + 5], dtype=np.uint64), do_sample=np.array([True, False]),
         transfers=(Transfer(7, "gpu", "cpu", rng.integers(0, 9, (3, 2))), Transfer(2**40, "cpu", "gpu", np.zeros((0, 2), np.int64))),
-        copies=rng.integers(0, 9, (1, 2)),
+        copies=rng.integers(0, 9, (1, 2)), logit_rows=np.array([0, 2, 3], dtype=np.int64),
     )
     _assert_equal(decode(encode(step)), step)
     with pytest.raises(ValueError, match="not a step buffer"):
@@ -77,4 +77,5 @@ def test_step_input_names_exactly_the_fields_of_the_core_step_plan():
     """One definition per side of the boundary: a field added to one side fails here."""
     plan_fields = {name for name, value in inspect.getmembers(_core.StepPlan) if not name.startswith("_")}
     plan_fields.discard("num_seqs")  # a derived property on both sides
-    assert plan_fields == set(StepInput.__dataclass_fields__)
+    assert plan_fields == set(StepInput.__dataclass_fields__) - CORE_FILLED
+    assert CORE_FILLED <= set(StepInput.__dataclass_fields__)

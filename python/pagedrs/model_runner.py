@@ -79,7 +79,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
-        """float32 logits [S, vocab]: row i for the last new token of scheduled sequence i.
+        """float32 logits [S + E, vocab]: row i for the last new token of scheduled sequence i, then
+        one row per token row in ``step.logit_rows`` (E of them; a decode-only step has none).
 
         ``compute_logits=False`` (tensor-parallel workers: rank 0 samples) skips the output
         head and returns an empty tensor."""
@@ -109,6 +110,8 @@ class ModelRunner:
         if step.num_tokens == step.num_seqs:  # decode only: every token is its sequence's last
             return self.model.compute_logits(hidden)
         last = meta.query_start_loc[1:].long() - 1
+        if len(step.logit_rows):  # prompt_logprobs: those prompt rows too, after the last rows
+            last = torch.cat([last, torch.from_numpy(step.logit_rows).long().to(self.device)])
         return self.model.compute_logits(hidden[last])
 
     def padded_size(self, step: StepInput) -> int | None:

@@ -39,3 +39,6 @@ class RequestOutput:
     # that count by the tier the tokens were found on, {"device": .., "host": .., "disk": ..}
     # (a host or disk hit was copied back to the device first); None until first scheduled
     cached_tokens_by_tier: Optional[dict[str, int]] = None
+    # SamplingParams.prompt_logprobs: per prompt token {its id: logprob, then the top-k alternatives},
+    # the first token's entry None (vLLM's shape); None until the whole prompt ran, and when not asked
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None

@@ -32,6 +32,7 @@ MAX_TOKENS_LIMIT = 2**31 - 1  # the context length caps generation far below thi
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40
 # overflows to inf and the softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5
+MAX_PROMPT_LOGPROBS = 20  # top alternatives per prompt token (vLLM's max_logprobs default)
 MAX_BEAM_WIDTH = 256  # the core forks up to k beams per step; this keeps one request's share bounded
 EARLY_STOPPING = (True, False, "never")  # transformers' meanings
 
@@ -194,6 +195,10 @@ class SamplingParams:
     early_stopping: bool | Literal["never"] = False  # beam search only: transformers' meanings
     # a grammar the output must follow (JSON schema, regex, choice, grammar); None: free text
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # None = off; k: every prompt token after the first gets its logprob plus the top-k alternatives
+    # (RequestOutput.prompt_logprobs, first entry None). Such a request bypasses the prefix cache.
+    # Last field: a field added at the end travels through the multiprocess codec unchanged.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -229,6 +234,10 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             _fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS
+        ):
+            _fail("prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_PROMPT_LOGPROBS}]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search",
                      "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -280,6 +289,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _conflict("logprobs", self.logprobs, "allowed only None (a hypothesis reports its cumulative_logprob "
                       "and score, not per-token logprobs)")
+        if self.prompt_logprobs is not None:
+            _conflict("prompt_logprobs", self.prompt_logprobs, "allowed only None (not implemented with beam search; "
+                      "run the prompt once with SamplingParams(prompt_logprobs=k, max_tokens=1) instead)")
         if self.top_k not in (0, -1):
             _conflict("top_k", self.top_k, "allowed only 0 or -1 (beam search does not sample)")
         if self.stop:

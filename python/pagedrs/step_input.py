@@ -3,7 +3,8 @@
 The scheduler (Rust, ``pagedrs._core.Scheduler``) decides; the executor runs.
 Everything here is plain integers in NumPy arrays, batched for the whole step.
 ``StepInput`` is the Python twin of the core's ``StepPlan`` (rust/src/py/scheduler.rs):
-the same fields, converted once by :meth:`StepInput.from_plan`; ``tests/test_step_input.py``
+the same fields (but ``CORE_FILLED``, which the Python core sets), converted once by
+:meth:`StepInput.from_plan`; ``tests/test_step_codec.py``
 fails when the two sides name different fields.
 
 Token layout of one step (S scheduled sequences, T tokens in all)::
@@ -29,6 +30,8 @@ from typing import Any
 import numpy as np
 
 TIERS = ("gpu", "cpu", "disk")  # the tier names the core uses; the executor maps each to its storage
+# fields the Python core fills after the plan (core/prompt_logprobs.py); the core's StepPlan has none of them
+CORE_FILLED = frozenset({"logit_rows"})
 
 
 def _empty_pairs() -> np.ndarray:
@@ -58,11 +61,14 @@ class StepInput:
     transfers: tuple[Transfer, ...] = ()  # tier copies, run first and in order
     copies: np.ndarray = field(default_factory=_empty_pairs)  # int64 [N, 2] (src_block, dst_block) on the device
     step_id: int = 0  # the core's id of this step: Scheduler.complete_step(step_id, ok) once it ran or failed
+    # int64 [E]  token rows whose logits come back too, after the S last rows: the prompt rows of
+    # requests with prompt_logprobs (core/prompt_logprobs.py); empty for every other step
+    logit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @classmethod
     def from_plan(cls, plan: Any) -> StepInput:
         """The single conversion from the core's ``StepPlan``."""
-        values = {f.name: getattr(plan, f.name) for f in fields(cls)}
+        values = {f.name: getattr(plan, f.name) for f in fields(cls) if f.name not in CORE_FILLED}
         values["transfers"] = tuple(Transfer(int(i), str(s), str(d), p) for i, s, d, p in plan.transfers)
         return cls(**values)
 

@@ -25,6 +25,7 @@ import torch
 
 from pagedrs.attention import AttentionBackend
 from pagedrs.beam_search import BeamSearchParams
+from pagedrs.core import prompt_logprobs
 from pagedrs.core.async_step import AsyncScheduler
 from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, IndependentSamples, request_shape
 from pagedrs.core.fast_rows import FastRows
@@ -67,6 +68,8 @@ class EngineCore:
         # every unfinished request still waiting for its first token (note_scheduled's only concern)
         self._unstarted: dict[str, Request] = {}
         self._by_seq: dict[int, tuple[Request, Sample]] = {}
+        # requests with prompt_logprobs whose prompt rows are not all in yet (core/prompt_logprobs.py)
+        self.prompt_logprob_requests: dict[str, Request] = {}
         self.fast_rows = FastRows(self)  # the plain decode rows, kept from step to step (core/fast_rows.py)
         self._async: Optional[AsyncScheduler] = None
         if args.async_scheduling:  # steps complete on a worker; two in flight (core/async_step.py)
@@ -117,6 +120,11 @@ class EngineCore:
                           policy=policy, state=policy.start(params), num_samples=num_samples,
                           metrics=RequestMetrics(arrival_time, queued), queued_step=self.num_steps)
         salt = None if core_request.cache_salt is None else core_request.cache_salt.encode("utf-8")
+        if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            request.prompt_logprobs = {}
+        with_rows = prompt_logprobs.wants(params, len(core_request.prompt_token_ids))
+        if with_rows:  # a cached prefix computes no logits: this request reuses none
+            salt = prompt_logprobs.unique_salt(arrival)
         with Rollback() as undo:
             self.scheduler.add_sequence(
                 seq_id,
@@ -132,6 +140,8 @@ class EngineCore:
             undo(lambda: self._requests.pop(request_id, None))
             self._by_seq[seq_id] = (request, first)
             self._unstarted[request_id] = request
+            if with_rows:
+                self.prompt_logprob_requests[request_id] = request
 
     def abort(self, request_id: str) -> Optional[CoreOutput]:
         """Ends a request now and frees its pages; its final output (None when it is not here)."""

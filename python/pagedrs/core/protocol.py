@@ -93,6 +93,8 @@ class CoreOutput:
     num_cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission; None until scheduled
     # that count by the tier the tokens were found on: {"device": .., "host": .., "disk": ..}
     cached_tokens_by_tier: Optional[dict[str, int]] = None
+    # SamplingParams.prompt_logprobs: vLLM's list (first entry None), in one output only, once complete
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
 
 @dataclass

@@ -97,6 +97,9 @@ class Request:
     hypotheses: Optional[list[Hypothesis]] = None  # beam search, once it ended
     ended: Optional[str] = None  # "abort" or "error": it ended before its samples did
     error: Optional[str] = None
+    # prompt_logprobs asked (core/prompt_logprobs.py): prompt position p -> the entry of token p + 1
+    prompt_logprobs: Optional[dict[int, dict[int, float]]] = None
+    prompt_logprobs_sent: bool = False
     _rule: Optional[TokenRule] = None  # token_rule(), made at its first token
     _timed: bool = False  # an output with its first token's metrics went out
 
@@ -106,6 +109,18 @@ class Request:
             assert isinstance(self.params, SamplingParams)
             self._rule = TokenRule.of(self.params, len(self.prompt_token_ids), eos_token_ids, max_model_len)
         return self._rule
+
+    @property
+    def prompt_logprobs_complete(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) >= len(self.prompt_token_ids) - 1
+
+    def take_prompt_logprobs(self) -> Optional[list[Optional[dict[int, float]]]]:
+        """vLLM's ``prompt_logprobs`` (first entry None) once every position is in, and only once."""
+        entries = self.prompt_logprobs
+        if entries is None or self.prompt_logprobs_sent or not self.prompt_logprobs_complete:
+            return None
+        self.prompt_logprobs_sent = True
+        return [None, *(entries[p] for p in range(len(self.prompt_token_ids) - 1))]
 
     @property
     def finished(self) -> bool:
@@ -144,7 +159,7 @@ class Request:
             metrics = self.metrics
             self._timed = self.metrics.first_token_time is not None
         return CoreOutput(self.request_id, samples, finished, metrics, self.error, self.num_cached_tokens,
-                          self.cached_tokens_by_tier)
+                          self.cached_tokens_by_tier, self.take_prompt_logprobs())
 
 
 @dataclass(frozen=True)

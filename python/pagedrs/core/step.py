@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 
-from pagedrs.core import fast_rows
+from pagedrs.core import fast_rows, prompt_logprobs
 from pagedrs.core.continuation import Decision, StepRow
 from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
@@ -57,6 +57,7 @@ class StepContext:
     results: list[Optional[SampleResult]] = field(default_factory=list)  # per draw; None: that request failed
     decisions: list[tuple[Request, Decision]] = field(default_factory=list)
     touched: dict[str, Request] = field(default_factory=dict)  # requests that progressed or ended: their outputs
+    prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # prompt_logprobs' rows
 
 
 def run_step(core: EngineCore, ctx: StepContext) -> None:
@@ -89,7 +90,8 @@ def plan_step(core: EngineCore, ctx: StepContext) -> StepInput:
         dead = EngineDeadError(f"the scheduler failed while it planned a step: {exc}")
         core.fail_all(dead, ctx.touched)
         raise dead from exc
-    ctx.step = step = StepInput.from_plan(plan)
+    step, ctx.prompt_rows = prompt_logprobs.plan(core, StepInput.from_plan(plan))
+    ctx.step = step
     core.note_scheduled(step, ctx.start)
     return step
 
@@ -107,6 +109,9 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
     core.scheduler.complete_transfers(core.executor.take_completed_transfers())
     core.scheduler.complete_step(step.step_id, True)  # what it wrote becomes a prefix hit
     drop_failed_disk_writes(core)
+    if ctx.prompt_rows:
+        assert ctx.logits is not None
+        prompt_logprobs.record(ctx.logits, ctx.prompt_rows)
     fast, tokens, logprobs = _sample(core, ctx, step)
     if placeholders:
         drawn = {row.sample.seq_id: t for row, t in zip(fast.rows, tokens)}

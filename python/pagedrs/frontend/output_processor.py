@@ -71,6 +71,7 @@ class RequestState:
     metrics: RequestMetrics
     num_cached_tokens: Optional[int] = None
     cached_tokens_by_tier: Optional[dict[str, int]] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # once the core sent them
     error: Optional[str] = None
     ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
 
@@ -144,6 +145,8 @@ class OutputProcessor:
             if out.num_cached_tokens is not None:
                 state.num_cached_tokens = out.num_cached_tokens
                 state.cached_tokens_by_tier = out.cached_tokens_by_tier
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
             try:
                 for c in out.samples:
                     self._take(state, c, commands)
@@ -268,6 +271,7 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=state.num_cached_tokens,
             cached_tokens_by_tier=state.cached_tokens_by_tier,
+            prompt_logprobs=state.prompt_logprobs,
         )
 
 

@@ -3,12 +3,12 @@ best_of and beam search (``use_beam_search``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from pagedrs.server.deltas import SampleDelta
 from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import DEFAULT_COMPLETION_MAX_TOKENS, CompletionRequest, now_s, random_id
-from pagedrs.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, Usage
+from pagedrs.server.responses import CompletionChoice, CompletionLogprobs, CompletionResponse, PromptLogprob, Usage
 from pagedrs.server.serving import (
     Generation,
     SampleState,
@@ -26,8 +26,6 @@ async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
     """Check the request, tokenize its prompts and build its engine requests (not yet submitted)."""
     ctx.check_model(body.model)
     check_stream_options(body)
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", param="echo")
     prompts = _prompts(body.prompt)
     if len(prompts) > max(1, ctx.max_waiting):  # 400, not 503: no amount of waiting would admit it
         raise bad_request(
@@ -47,6 +45,10 @@ async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
     kwargs.setdefault("max_tokens", min(DEFAULT_COMPLETION_MAX_TOKENS, room))
     if body.logprobs is not None:
         kwargs["logprobs"] = body.logprobs
+    if body.prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = body.prompt_logprobs
+    if _echo_logprobs(body):  # the prompt's tokens lead choices[].logprobs (OpenAI's legacy echo)
+        kwargs["prompt_logprobs"] = max(body.logprobs or 0, body.prompt_logprobs or 0)
     kwargs["structured_outputs"] = await structured_outputs(body)
     params = ctx.make_params(kwargs)
     refuse_unstreamable(body.stream, params)
@@ -66,6 +68,10 @@ def _prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str 
     return [p if isinstance(p, str) else list(p) for p in prompt]  # type: ignore[arg-type]
 
 
+def _echo_logprobs(body: CompletionRequest) -> bool:
+    return body.echo and body.logprobs is not None
+
+
 def _echo_text(ctx: ServerContext, gen: Generation, tag: int) -> str:
     text = gen.echo_texts[tag]
     return text if text is not None else str(ctx.tokenizer.decode(gen.prompts[tag]))
@@ -78,15 +84,16 @@ class _LogprobBuilder:
         self.ctx, self.top_k, self.offset = ctx, top_k, offset
         self.value = CompletionLogprobs()
 
-    def add(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> CompletionLogprobs:
+    def add(self, token_ids: list[int], logprobs: Sequence[dict[int, float] | None]) -> CompletionLogprobs:
+        """The next tokens; an entry None (the prompt's first token) has null logprobs."""
         part = CompletionLogprobs()
         for token_id, entry in zip(token_ids, logprobs, strict=True):
             text = token_text(self.ctx.tokenizer, token_id)
             part.tokens.append(text)
-            part.token_logprobs.append(entry.get(token_id))
-            top = top_logprobs(self.ctx.tokenizer, entry, self.top_k)
+            part.token_logprobs.append(None if entry is None else entry.get(token_id))
+            top = top_logprobs(self.ctx.tokenizer, entry, self.top_k) if entry is not None else []
             # keyed by text: distinct tokens with the same text keep the likeliest one
-            part.top_logprobs.append(dict(reversed(top)) if self.top_k else None)
+            part.top_logprobs.append(dict(reversed(top)) if self.top_k and entry is not None else None)
             part.text_offset.append(self.offset)
             self.offset += len(text)
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -99,15 +106,62 @@ async def complete(ctx: ServerContext, body: CompletionRequest, gen: Generation)
     states = await gen.collect()
     choices: list[CompletionChoice] = []
     for index, state in states.items():
-        prefix = _echo_text(ctx, gen, index // gen.n) if body.echo else ""
+        tag = index // gen.n
+        prefix = _echo_text(ctx, gen, tag) if body.echo else ""
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _LogprobBuilder(ctx, body.logprobs, len(prefix)).add(state.token_ids, state.logprobs)
-        choices.append(_choice(index, prefix + "".join(state.text), logprobs, state))
+            builder = _LogprobBuilder(ctx, body.logprobs, len(prefix))
+            if _echo_logprobs(body):
+                _add_prompt(builder, gen, tag)
+            builder.add(state.token_ids, state.logprobs)
+            logprobs = builder.value
+        choice = _choice(index, prefix + "".join(state.text), logprobs, state)
+        choice.prompt_logprobs = _vllm_prompt_logprobs(ctx, body, gen, tag)
+        choices.append(choice)
     completion_tokens = sum(len(s.token_ids) for s in states.values())
     return CompletionResponse(
         id=random_id("cmpl"), created=now_s(), model=ctx.model_name, choices=choices, usage=gen.usage(completion_tokens)
     )
+
+
+def _add_prompt(builder: _LogprobBuilder, gen: Generation, tag: int) -> CompletionLogprobs:
+    """The prompt's tokens first (offsets from 0); the generated ones then start at the echo's length."""
+    after = builder.offset
+    builder.offset = 0
+    part = builder.add(gen.prompts[tag], _prompt_entries(gen, tag))
+    builder.offset = after
+    return part
+
+
+def _prompt_entries(gen: Generation, tag: int) -> list[dict[int, float] | None]:
+    entries = gen.prompt_logprobs.get(tag)
+    if entries is None:  # the engine sends them with the first token, before anything is rendered
+        raise RuntimeError(f"prompt {tag}: the engine sent no prompt logprobs")
+    return entries
+
+
+def _vllm_prompt_logprobs(ctx: ServerContext, body: CompletionRequest, gen: Generation,
+                          tag: int) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a choice: per position token id -> Logprob; rank 1.. among the top k."""
+    if body.prompt_logprobs is None:
+        return None
+    out: list[dict[str, PromptLogprob] | None] = []
+    for position, entry in enumerate(_prompt_entries(gen, tag)):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        prompt_token = gen.prompts[tag][position]
+        values = {}
+        for rank, (token_id, logprob) in enumerate(ranked[: body.prompt_logprobs], start=1):
+            values[str(token_id)] = PromptLogprob(logprob=logprob, rank=rank,
+                                                  decoded_token=token_text(ctx.tokenizer, token_id))
+        if str(prompt_token) not in values:
+            values = {str(prompt_token): PromptLogprob(logprob=entry[prompt_token], rank=None,
+                                                       decoded_token=token_text(ctx.tokenizer, prompt_token)),
+                      **values}
+        out.append(values)
+    return out
 
 
 def _choice(index: int, text: str, logprobs: CompletionLogprobs | None, state: SampleState) -> CompletionChoice:
@@ -129,16 +183,33 @@ def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> Asyn
 
     builders: dict[int, _LogprobBuilder] = {}
 
+    started: set[int] = set()  # choices that sent a chunk
+
     def render(index: int, sample: SampleDelta) -> str:
+        """A choice's chunk; its first also carries vLLM's prompt_logprobs, and with echo and logprobs it is
+        preceded by the echo with the prompt's logprobs (known only now, after the prefill)."""
+        tag, head = index // gen.n, ""
+        prompt_logprobs = None
+        if index not in started:
+            started.add(index)
+            prompt_logprobs = _vllm_prompt_logprobs(ctx, body, gen, tag)
+            if _echo_logprobs(body):
+                assert body.logprobs is not None
+                text = _echo_text(ctx, gen, tag)
+                builders[index] = _LogprobBuilder(ctx, body.logprobs, len(text))
+                head = event([CompletionChoice(index=index, text=text, logprobs=_add_prompt(builders[index], gen, tag),
+                                               prompt_logprobs=prompt_logprobs)])
+                prompt_logprobs = None
         logprobs = None
         if body.logprobs is not None:
             builder = builders.setdefault(index, _LogprobBuilder(ctx, body.logprobs, 0))
             logprobs = builder.add(sample.token_ids, sample.logprobs or [])
-        return event([CompletionChoice(index=index, text=sample.text, logprobs=logprobs,
-                                       finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)])
+        return head + event([CompletionChoice(index=index, text=sample.text, logprobs=logprobs,
+                                              finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
+                                              prompt_logprobs=prompt_logprobs)])
 
     prologue = []
-    if body.echo:
+    if body.echo and not _echo_logprobs(body):  # with logprobs the echo waits for them (render)
         for tag in range(len(gen.prompts)):
             text = _echo_text(ctx, gen, tag)
             prologue += [event([CompletionChoice(index=gen.choice_index(tag, i), text=text)]) for i in range(gen.n)]

@@ -51,6 +51,7 @@ class RequestDelta:
     error_code: str | None = None  # OpenAI's `code`: ENGINE_DEAD, REQUEST_TIMEOUT, or None
     num_cached_tokens: int = 0  # prompt tokens whose K/V the engine reused (RequestOutput.num_cached_tokens)
     cached_tokens_by_tier: dict[str, int] | None = None  # that count by tier (RequestOutput.cached_tokens_by_tier)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # RequestOutput.prompt_logprobs, once complete
 
 
 class DeltaStream:
@@ -130,6 +131,7 @@ def merge_deltas(earlier: RequestDelta, later: RequestDelta) -> RequestDelta:
         samples=[samples[i] for i in sorted(samples)],
         num_cached_tokens=later.num_cached_tokens or earlier.num_cached_tokens,
         cached_tokens_by_tier=later.cached_tokens_by_tier or earlier.cached_tokens_by_tier,
+        prompt_logprobs=later.prompt_logprobs or earlier.prompt_logprobs,
     )
 
 

@@ -236,7 +236,7 @@ class _SamplingRequest(_Strict):
     guided_choice: list[Text] | None = None
     guided_grammar: Text | None = None
     # vLLM's extensions that pagedrs does not implement yet
-    prompt_logprobs: Annotated[Any, not_supported("prompt log-probabilities are not computed")] = None
+    prompt_logprobs: Annotated[Any, not_supported("prompt log-probabilities are served by /v1/completions only")] = None
     guided_decoding_backend: Annotated[Any, not_supported(_GUIDED + ": the backend is llguidance", "llguidance")] = None
     guided_whitespace_pattern: Annotated[Any, not_supported(_GUIDED + ": JSON is generated compact")] = None
     # extensions (vLLM's names)
@@ -267,6 +267,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     echo: StrictBool = False
     logprobs: Int | None = None
+    prompt_logprobs: Int | None = None  # vLLM's: SamplingParams.prompt_logprobs (bounded there)
     suffix: Annotated[Any, not_supported("text after the completion (insertion)", "")] = None
 
 

@@ -63,12 +63,23 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's log-probability at one prompt position."""
+
+    logprob: float
+    rank: int | None = None  # 1-based among the top alternatives; None: the prompt token, outside them
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's prompt_logprobs (asked for with prompt_logprobs=k): per prompt token, token id -> its Logprob;
+    # the first token's entry null
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -176,6 +176,7 @@ class Generation:
         self.prompt_token_ids: dict[int, list[int]] = {}
         self.cached_tokens: dict[int, int] = {}  # prompt index -> prompt tokens the engine reused
         self.cached_by_tier: dict[int, dict[str, int]] = {}  # prompt index -> those tokens by tier
+        self.prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}  # prompt index -> its prompt logprobs
         self._unfinished: set[str] = set()
 
     def bind(self, request: Request) -> None:
@@ -240,6 +241,8 @@ class Generation:
                     self.cached_tokens[delta.tag] = delta.num_cached_tokens
                     if delta.cached_tokens_by_tier is not None:
                         self.cached_by_tier[delta.tag] = delta.cached_tokens_by_tier
+                if delta.prompt_logprobs is not None:
+                    self.prompt_logprobs[delta.tag] = delta.prompt_logprobs
                 yield delta
         finally:
             self.abort()

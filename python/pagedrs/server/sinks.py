@@ -49,6 +49,7 @@ class Sink:
             error=getattr(output, "error", None),
             num_cached_tokens=self.num_cached_tokens,
             cached_tokens_by_tier=self.cached_tokens_by_tier,
+            prompt_logprobs=getattr(output, "prompt_logprobs", None),
         )
 
     def observe(self, output: Any, delta: RequestDelta, metrics: ServerMetrics, trace: RequestTrace | None,
