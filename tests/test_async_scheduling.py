@@ -68,6 +68,23 @@ def _both(model_dir, prompts, params, **kw) -> tuple[dict, dict, Engine]:
     return sync, _outputs(engine, prompts, params), engine
 
 
+def _fail_on_call(engine: Engine, monkeypatch, which: int, exc: BaseException):
+    """The executor's forward (on the worker) raises ``exc`` on its ``which``-th call, once;
+    returns the real one."""
+    inner = engine.core.executor.inner
+    real = inner.execute
+    calls = {"n": 0}
+
+    def execute(step):
+        calls["n"] += 1
+        if calls["n"] == which:
+            raise exc
+        return real(step)
+
+    monkeypatch.setattr(inner, "execute", execute)
+    return real
+
+
 def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
@@ -148,17 +165,7 @@ def test_aborts_and_a_request_ending_mid_flight_free_every_page(tiny_llama_dir):
 
 def test_a_failed_step_ends_its_requests_and_caches_nothing_it_wrote(tiny_llama_dir, hf_model, monkeypatch):
     engine = make_engine(tiny_llama_dir, async_scheduling=True)
-    inner = engine.core.executor.inner
-    real = inner.execute
-    calls = {"n": 0}
-
-    def execute(step):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected: the forward failed")
-        return real(step)
-
-    monkeypatch.setattr(inner, "execute", execute)
+    real = _fail_on_call(engine, monkeypatch, 3, RuntimeError("injected: the forward failed"))
     prompts = make_prompts(engine, 3, seed=5)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, _greedy(8))
@@ -169,7 +176,7 @@ def test_a_failed_step_ends_its_requests_and_caches_nothing_it_wrote(tiny_llama_
                 done[out.request_id] = out
         engine.check_invariants()
     assert all("injected" in (o.error or "") for o in done.values()), {k: o.error for k, o in done.items()}
-    monkeypatch.setattr(inner, "execute", real)
+    monkeypatch.setattr(engine.core.executor.inner, "execute", real)
     # the engine goes on, and what the failed step wrote is no prefix hit (the same prompts again)
     again = _outputs(engine, prompts, _greedy(8))
     for i, p in enumerate(prompts):
@@ -208,17 +215,7 @@ def test_an_interrupt_mid_step_gives_both_steps_back_and_the_requests_finish_unc
     prompts = make_prompts(probe, 4, seed=6)
     want = _outputs(make_engine(tiny_llama_dir), prompts, _greedy(10))
     engine = make_engine(tiny_llama_dir, async_scheduling=True)
-    inner = engine.core.executor.inner
-    real = inner.execute
-    calls = {"n": 0}
-
-    def execute(step):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return real(step)
-
-    monkeypatch.setattr(inner, "execute", execute)
+    _fail_on_call(engine, monkeypatch, 4, KeyboardInterrupt())
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, _greedy(10))
     done: dict = {}

@@ -189,15 +189,7 @@ impl PyScheduler {
     /// Records one sampled token per sequence (batched: equal-length arrays), all or
     /// nothing: an unknown, repeated or full sequence anywhere in the list changes none.
     fn append_tokens(&mut self, seq_ids: PyReadonlyArray1<'_, u64>, token_ids: PyReadonlyArray1<'_, u32>) -> PyResult<()> {
-        let (ids, tokens) = (seq_ids.as_slice()?, token_ids.as_slice()?);
-        if ids.len() != tokens.len() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "seq_ids has {} entries but token_ids has {}; they must match",
-                ids.len(),
-                tokens.len()
-            )));
-        }
-        let items: Vec<(SeqId, u32)> = ids.iter().copied().zip(tokens.iter().copied()).collect();
+        let items = token_pairs(&seq_ids, &token_ids)?;
         self.inner.append_tokens(&items).map_err(to_py_err)
     }
 
@@ -210,15 +202,7 @@ impl PyScheduler {
     /// The sampled tokens of the oldest placeholders; sequences no longer here are skipped.
     /// Returns how many were resolved.
     fn resolve_placeholders(&mut self, seq_ids: PyReadonlyArray1<'_, u64>, token_ids: PyReadonlyArray1<'_, u32>) -> PyResult<usize> {
-        let (ids, tokens) = (seq_ids.as_slice()?, token_ids.as_slice()?);
-        if ids.len() != tokens.len() {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "seq_ids has {} entries but token_ids has {}; they must match",
-                ids.len(),
-                tokens.len()
-            )));
-        }
-        let items: Vec<(SeqId, u32)> = ids.iter().copied().zip(tokens.iter().copied()).collect();
+        let items = token_pairs(&seq_ids, &token_ids)?;
         self.inner.resolve_placeholders(&items).map_err(to_py_err)
     }
 
@@ -394,4 +378,17 @@ impl PyScheduler {
     fn check_invariants(&self) -> PyResult<()> {
         self.inner.check_invariants().map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
+}
+
+/// `(sequence, token)` pairs from two equal-length arrays; a length mismatch names both lengths.
+fn token_pairs(seq_ids: &PyReadonlyArray1<'_, u64>, token_ids: &PyReadonlyArray1<'_, u32>) -> PyResult<Vec<(SeqId, u32)>> {
+    let (ids, tokens) = (seq_ids.as_slice()?, token_ids.as_slice()?);
+    if ids.len() != tokens.len() {
+        return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "seq_ids has {} entries but token_ids has {}; they must match",
+            ids.len(),
+            tokens.len()
+        )));
+    }
+    Ok(ids.iter().copied().zip(tokens.iter().copied()).collect())
 }
