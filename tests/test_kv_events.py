@@ -151,6 +151,13 @@ def test_a_subscriber_rebuilds_every_tier_from_the_stream(tiny_llama_dir, hf_mod
         assert mirror.kinds[("AllBlocksCleared", "*")] == 1 and mirror.tiers["GPU"]
         assert eng.stats()["kv_events_published"] == n
 
+        pytest.importorskip("prometheus_client")
+        from pagedrs.server.metrics import ServerMetrics
+
+        metrics = ServerMetrics()
+        metrics.update_from_stats(eng.stats())
+        assert f"pagedrs_kv_events_published_total {float(n)}" in metrics.render().decode()
+
         # The replay socket resends exactly the batches from the asked sequence number on.
         tail = sub.replay(last)
         assert [s for s, _ in tail] == list(range(last, max(sub.batches) + 1))
@@ -212,5 +219,8 @@ def test_serve_flags_reach_engine_args():
 
     p = argparse.ArgumentParser()
     add_engine_args(p, cpu_threads_help="")
-    kw = engine_kwargs(p.parse_args(["--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558"]))
-    assert (kw["kv_events_endpoint"], kw["kv_events_replay_endpoint"]) == ("tcp://*:5557", "tcp://*:5558")
+    kw = engine_kwargs(p.parse_args(["--kv-events-endpoint", "tcp://*:5557", "--kv-events-replay-endpoint", "tcp://*:5558",
+                                     "--kv-events-buffer-steps", "7"]))
+    assert (kw["kv_events_endpoint"], kw["kv_events_replay_endpoint"], kw["kv_events_buffer_steps"]) == (
+        "tcp://*:5557", "tcp://*:5558", 7)
+    assert engine_kwargs(p.parse_args([]))["kv_events_endpoint"] is None, "off by default"

@@ -29,7 +29,7 @@ _SAME_NAME = (
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
-    "kv_events_endpoint", "kv_events_replay_endpoint",
+    "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps",
 )
 
 
@@ -103,3 +103,5 @@ def _add_parallel_and_tier_args(p: argparse.ArgumentParser | argparse._ArgumentG
                    "ZMQ PUB here, e.g. tcp://*:5557 (default: off)")
     p.add_argument("--kv-events-replay-endpoint", default=d["kv_events_replay_endpoint"],
                    help="ZMQ ROUTER address that resends missed event batches by sequence number, e.g. tcp://*:5558")
+    p.add_argument("--kv-events-buffer-steps", type=int, default=d["kv_events_buffer_steps"],
+                   help="event batches kept for replay (default: %(default)s)")
