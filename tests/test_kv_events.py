@@ -167,9 +167,11 @@ def test_a_subscriber_rebuilds_every_tier_from_the_stream(tiny_llama_dir, hf_mod
         eng.shutdown()
 
 
-def test_a_late_subscriber_gets_the_snapshot_by_replay(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_late_subscriber_gets_the_snapshot_by_replay(tiny_llama_dir, tmp_path, async_scheduling):
     endpoint, replay = f"ipc://{tmp_path}/events", f"ipc://{tmp_path}/replay"
-    eng = engine(tiny_llama_dir, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay)
+    eng = engine(tiny_llama_dir, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay,
+                 async_scheduling=async_scheduling, num_gpu_blocks=12)
     try:
         prompts = conversations(eng.loaded.config.vocab_size, users=3)
         serve(eng, prompts)
@@ -224,3 +226,21 @@ def test_serve_flags_reach_engine_args():
     assert (kw["kv_events_endpoint"], kw["kv_events_replay_endpoint"], kw["kv_events_buffer_steps"]) == (
         "tcp://*:5557", "tcp://*:5558", 7)
     assert engine_kwargs(p.parse_args([]))["kv_events_endpoint"] is None, "off by default"
+
+
+def test_an_endpoint_in_use_is_an_error_naming_the_field(tmp_path):
+    import socket
+
+    from pagedrs.core.kv_events import KvEventPublisher
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    first = KvEventPublisher(f"tcp://*:{port}", None, block_size=4)
+    try:
+        with pytest.raises(ValueError, match=rf"kv_events_endpoint is 'tcp://\*:{port}': cannot open it"):
+            KvEventPublisher(f"tcp://*:{port}", None, block_size=4)
+        with pytest.raises(ValueError, match=rf"kv_events_replay_endpoint is 'tcp://\*:{port}': cannot open it"):
+            KvEventPublisher(f"ipc://{tmp_path}/ok", f"tcp://*:{port}", block_size=4)
+    finally:
+        first.close()
