@@ -198,6 +198,7 @@ class CoreStats:
     window_released_blocks: int
     host_cache_saves: int
     disk_writes: int
+    kv_events_published: int
     num_disk_blocks: int
     num_cached_gpu_blocks: int
     num_cached_cpu_blocks: int
@@ -253,6 +254,18 @@ class Scheduler:
         """That count split by tier (device, host, disk); None before the admission or once its pages are dropped."""
     def reset_prefix_cache(self) -> tuple[int, int, int]:
         """Forgets every cached page on every tier; the pages dropped (device, host, disk). ValueError while pages are held."""
+    def enable_kv_events(self) -> None:
+        """KV events on (off by default); the first take announces what is cached now."""
+    def take_kv_events(
+        self,
+    ) -> list[
+        tuple[Literal["BlockStored"], list[int], int | None, list[int], str]
+        | tuple[Literal["BlockRemoved"], list[int], str]
+        | tuple[Literal["AllBlocksCleared"]]
+    ]:
+        """The tiers' cache changes since the last take, in order; medium "GPU", "CPU" or "DISK"."""
+    def cached_hashes(self, medium: str) -> list[int]:
+        """Sorted hashes of the pages the tier `medium` caches now."""
     def append_tokens(self, seq_ids: npt.NDArray[np.uint64], token_ids: npt.NDArray[np.uint32]) -> None:
         """One token per sequence, all or nothing."""
     def append_placeholders(self, seq_ids: npt.NDArray[np.uint64]) -> None:

@@ -30,6 +30,7 @@ _SAME_NAME = (
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
     "enforce_eager",
+    "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps",
 )
 
 
@@ -100,3 +101,10 @@ def _add_parallel_and_tier_args(p: argparse.ArgumentParser | argparse._ArgumentG
                    "0 on the CPU; 0 = off)")
     p.add_argument("--kv-disk-path", default=d["kv_disk_path"], help="directory of the persistent disk page tier (default: off)")
     p.add_argument("--kv-disk-gb", type=float, default=d["kv_disk_gb"], help="size of the disk page tier (default: %(default)s)")
+    p.add_argument("--kv-events-endpoint", default=d["kv_events_endpoint"],
+                   help="publish vLLM-format KV events (BlockStored/BlockRemoved/AllBlocksCleared) for routers over "
+                   "ZMQ PUB here, e.g. tcp://*:5557 (default: off)")
+    p.add_argument("--kv-events-replay-endpoint", default=d["kv_events_replay_endpoint"],
+                   help="ZMQ ROUTER address that resends missed event batches by sequence number, e.g. tcp://*:5558")
+    p.add_argument("--kv-events-buffer-steps", type=int, default=d["kv_events_buffer_steps"],
+                   help="event batches kept for replay (default: %(default)s)")

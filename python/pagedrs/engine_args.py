@@ -88,6 +88,13 @@ class EngineArgs:
     # are (CUDA, enforce_eager False, one rank); True also on the CPU (the path the graphs run,
     # without them: for tests) or with enforce_eager (the graphs' eager twin); False turns graphs off too.
     pad_decode: Optional[bool] = None
+    # KV events for routers (core/kv_events.py): vLLM's BlockStored / BlockRemoved / AllBlocksCleared
+    # over ZMQ PUB at this endpoint ("tcp://*:5557" binds, "tcp://host:port" connects; None = off, and
+    # the core logs nothing), a ROUTER endpoint resending missed batches by sequence number, and how
+    # many batches it keeps for that.
+    kv_events_endpoint: Optional[str] = None
+    kv_events_replay_endpoint: Optional[str] = None
+    kv_events_buffer_steps: int = 10_000
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -125,6 +132,7 @@ class EngineArgs:
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
         at_least("aging_steps", 0)
+        _check_kv_events(self)
         for name in ("prefill_first", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} is {getattr(self, name)!r}; it must be True or False")
@@ -166,3 +174,21 @@ class EngineArgs:
         if value < 1:
             raise ValueError(f"{CPU_THREADS_ENV} is {env!r}; it must be an integer >= 1")
         return value
+
+
+_ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+
+
+def _check_kv_events(args: EngineArgs) -> None:
+    """The KV-event endpoints are ZMQ addresses; a replay endpoint needs the event endpoint."""
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = getattr(args, name)
+        if value is not None and (not isinstance(value, str) or not value.startswith(_ZMQ_TRANSPORTS)):
+            raise ValueError(f"{name} is {value!r}; it must be a ZMQ address starting with "
+                             f"{', '.join(_ZMQ_TRANSPORTS)} (e.g. 'tcp://*:5557'), or None")
+    if args.kv_events_replay_endpoint is not None and args.kv_events_endpoint is None:
+        raise ValueError(f"kv_events_replay_endpoint is {args.kv_events_replay_endpoint!r} but kv_events_endpoint is None; "
+                         "replay resends published batches: set kv_events_endpoint too")
+    steps = args.kv_events_buffer_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"kv_events_buffer_steps is {steps!r}; it must be an integer >= 1")

@@ -66,6 +66,7 @@ class EngineStats:
     prefix_misses_invalidated: int  # the disk store had it but was for another model / dtype / geometry
     host_cache_saves: int  # evicted device pages kept on the host
     disk_writes: int  # pages written to the disk tier
+    kv_events_published: int  # KV events (BlockStored / BlockRemoved / AllBlocksCleared) sent to routers
     evictions: int
     cow_copies: int
     swap_out_blocks: int

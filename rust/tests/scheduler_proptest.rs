@@ -9,13 +9,14 @@
 //! context back through its block table, from the first position its window needs.
 //! After every step the scheduler's invariants hold. At the end every sequence carries
 //! exactly the tokens a deterministic model gives it without any memory pressure (an
-//! aborted one a prefix of them), and every page on every tier is free again.
+//! aborted one a prefix of them), and every page on every tier is free again. KV events
+//! are on: after every step the stream alone rebuilds what each tier caches.
 
 use proptest::prelude::*;
 use proptest::test_runner::RngSeed;
 use std::collections::BTreeMap;
 
-use pagedrs::block_manager::Tier;
+use pagedrs::block_manager::{KvEvent, Tier};
 use pagedrs::scheduler::{
     AdmissionConfig, AdmissionPolicy, KvConfig, KvLayout, PreemptionCost, PreemptionMode, ReservePolicy, Scheduler, SchedulerConfig,
     SchedulerOutput,
@@ -254,7 +255,38 @@ fn build(cfg: &Setup) -> Scheduler {
     };
     let mut s = Scheduler::build(sched, kv).expect("a valid configuration");
     s.set_whole_sequence_swap(cfg.whole_sequence_swap);
+    s.enable_kv_events();
     s
+}
+
+/// A router's view of the cache from the KV events alone: the page hashes on each tier.
+#[derive(Default)]
+struct EventMirror(BTreeMap<Tier, std::collections::BTreeSet<u64>>);
+
+impl EventMirror {
+    /// Applies what the scheduler logged since the last call, then compares with its tiers.
+    fn sync(&mut self, s: &mut Scheduler, when: &str) -> Result<(), TestCaseError> {
+        for e in s.take_kv_events() {
+            match e {
+                KvEvent::Stored { tier, hashes, .. } => {
+                    for h in hashes {
+                        prop_assert!(self.0.entry(tier).or_default().insert(h), "{}: page {} stored twice on {}", when, h, tier);
+                    }
+                }
+                KvEvent::Removed { tier, hashes } => {
+                    for h in hashes {
+                        prop_assert!(self.0.entry(tier).or_default().remove(&h), "{}: page {} left {} unannounced", when, h, tier);
+                    }
+                }
+                KvEvent::AllCleared => self.0.clear(),
+            }
+        }
+        for tier in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
+            let mine: Vec<u64> = self.0.get(&tier).map(|set| set.iter().copied().collect()).unwrap_or_default();
+            prop_assert_eq!(mine, s.cached_hashes(tier), "{}: the event stream disagrees with tier {}", when, tier);
+        }
+        Ok(())
+    }
 }
 
 /// Runs the workload to the end; returns how many forks had to wait for a region.
@@ -279,6 +311,7 @@ fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<
         chaos.map_or(n, |c| mix(c ^ draws.wrapping_mul(0x2545_F491_4F6C_DD1D)) % n)
     };
     let mut s = build(&cfg);
+    let mut mirror = EventMirror::default();
     let window = s.config().sliding_window;
     let bs = cfg.block_size;
     let mut runner = Runner {
@@ -358,6 +391,7 @@ fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<
             }
         }
         s.check_invariants().map_err(|e| TestCaseError::fail(format!("after step {step}: {e}")))?;
+        mirror.sync(&mut s, &format!("after step {step}"))?;
         for (i, &id) in out.seq_ids.iter().enumerate() {
             if failed || !out.do_sample[i] {
                 continue;
@@ -438,6 +472,7 @@ fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<
     prop_assert_eq!(s.kv().num_free_host_blocks(), runner.cpu.len() / bs, "host pages leaked");
     prop_assert_eq!(s.kv().num_pinned_host_blocks(), 0);
     s.check_invariants().map_err(TestCaseError::fail)?;
+    mirror.sync(&mut s, "after the flush to disk")?;
     Ok(s.stats().num_deferred_forks)
 }
 

@@ -55,6 +55,7 @@ class EngineCore:
         self.num_host_cache_blocks = parts.num_host_cache_blocks
         self.max_model_len = parts.max_model_len
         self._closer = parts.closer
+        self.kv_events = parts.kv_events  # the routers' KV event publisher (core/kv_events.py), fed after each step
         self.loaded = self.executor.loaded
         self.eos_token_ids = frozenset(self.loaded.tokenizer.eos_token_ids)
         self.max_num_seqs = args.max_num_seqs
@@ -185,6 +186,7 @@ class EngineCore:
         outputs = CoreOutputs(self._collect(ctx.touched))
         if not self._requests:
             self._drain()
+        self.kv_events.publish(self.scheduler)
         return outputs
 
     def _drain(self) -> None:

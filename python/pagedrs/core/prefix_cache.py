@@ -35,6 +35,7 @@ def answer_reset(core: EngineCore) -> CacheReset:
         device, host, disk = core.scheduler.reset_prefix_cache()
     except ValueError as exc:  # a step or a copy still in flight: the core's own refusal
         return CacheReset(0, 0, 0, refused=str(exc))
+    core.kv_events.publish(core.scheduler)  # AllBlocksCleared now, not at the next request's step
     store = core.executor.disk_tier()
     if store is not None:
         store.erase_pages()  # or the next start would seed the dropped pages back from the file

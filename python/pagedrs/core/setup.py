@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from pagedrs._core import Scheduler, SchedulerConfig
 from pagedrs.attention import AttentionBackend
+from pagedrs.core.kv_events import KvEvents, NoKvEvents, make_kv_events
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor import Executor, make_executor, plan_tiers
 from pagedrs.executor.base import DiskTierHandle
@@ -28,6 +30,7 @@ class CoreParts:
     scheduler_config: SchedulerConfig
     scheduler: Scheduler
     closer: weakref.finalize  # releases the executor (flushing the disk tier first): once
+    kv_events: KvEvents  # the routers' event publisher (core/kv_events.py), closed by the closer
 
 
 def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBackend | None) -> CoreParts:
@@ -77,7 +80,21 @@ def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBack
         closer = weakref.finalize(owner, functools.partial(_flush_and_close, scheduler, executor, disk))
     # The layout's rules decide the host pool (none for the contiguous baseline).
     executor.init_kv_cache(scheduler_config.num_gpu_blocks, scheduler_config.num_cpu_blocks)
-    return CoreParts(executor, max_model_len, plan, tiers.host_cache_blocks, scheduler_config, scheduler, closer)
+    kv_events = make_kv_events(args.kv_events_endpoint, args.kv_events_replay_endpoint, args.kv_events_buffer_steps, scheduler)
+    if not isinstance(kv_events, NoKvEvents):  # closed before the executor: its last batch is sent
+        detached = closer.detach()
+        assert detached is not None, "the closer was made above and has not run"
+        _, release, release_args, _ = detached
+        closer = weakref.finalize(owner, functools.partial(_close_all, kv_events, functools.partial(release, *release_args)))
+    return CoreParts(executor, max_model_len, plan, tiers.host_cache_blocks, scheduler_config, scheduler, closer, kv_events)
+
+
+def _close_all(kv_events: KvEvents, release: Callable[[], None]) -> None:
+    """The publisher first (it sends what is queued), then the executor (and the disk tier)."""
+    try:
+        kv_events.close()
+    finally:
+        release()
 
 
 def _flush_and_close(scheduler: Scheduler, executor: Executor, disk: DiskTierHandle) -> None:

@@ -88,6 +88,8 @@ _COUNTERS: dict[str, tuple[tuple[str, ...], str]] = {
     "pagedrs_preemptions": (("num_preemptions",), "Sequence groups preempted (swap or recompute)."),
     "pagedrs_swapped_pages": (("swap_out_blocks", "swap_in_blocks"), "KV pages moved between device and host."),
     "pagedrs_generated_tokens": (("num_generated_tokens",), "Tokens sampled."),
+    "pagedrs_kv_events_published": (
+        ("kv_events_published",), "KV events (BlockStored, BlockRemoved, AllBlocksCleared) published to routers."),
     "pagedrs_window_released_pages": (
         ("window_released_blocks",), "KV pages given back because they fell out of every sliding window."),
 }

@@ -119,6 +119,9 @@ impl BlockManager {
         }
         self.check_prompt(Some(seq), tokens)?;
         let plan = self.plan(tokens, root);
+        if let Some(ev) = &mut self.kv_events {
+            ev.roots.insert(root);
+        }
         let available = self.gpu.num_free();
         if plan.cost > available {
             return Err(CoreError::OutOfBlocks { tier: Tier::Gpu, needed: plan.cost, available });

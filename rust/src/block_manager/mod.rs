@@ -24,6 +24,7 @@ mod allocate;
 pub(crate) mod block_table;
 pub mod eviction;
 mod invariants;
+pub mod kv_events;
 mod lru;
 mod page_swap;
 mod plan;
@@ -43,6 +44,7 @@ use tier::TierPool;
 use crate::error::invalid;
 pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
 pub use eviction::EvictionPolicyKind;
+pub use kv_events::KvEvent;
 pub use reset::PrefixCacheReset;
 pub use tiers::{DiskPage, MissReason};
 pub use transfer::{Transfer, TransferId};
@@ -148,6 +150,8 @@ pub struct BlockManagerStats {
     pub window_released_blocks: u64,
     /// Disk pages dropped from the tier's index because their write or read failed.
     pub disk_pages_invalidated: u64,
+    /// KV events handed out by `take_kv_events` (see `kv_events`).
+    pub kv_events_published: u64,
 }
 
 /// The KV-cache memory of one model: every tier and every sequence's block table.
@@ -192,6 +196,8 @@ pub struct BlockManager {
     defer_publish: bool,
     /// Device blocks written by steps not yet reported, each pinned (see `publish`).
     publications: publish::Publications,
+    /// KV events' state (see `kv_events`); None while they are off.
+    kv_events: Option<kv_events::EventState>,
     /// Scratch: blocks taken in one call.
     taken: Vec<BlockId>,
     /// Scratch: (block, hash) of the device blocks evicted in one call.
@@ -242,6 +248,7 @@ impl BlockManager {
             cow_pins: Vec::new(),
             defer_publish: false,
             publications: Default::default(),
+            kv_events: None,
             taken: Vec::new(),
             evicted: Vec::new(),
             cfg,

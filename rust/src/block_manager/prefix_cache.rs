@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use super::eviction::{EvictionPolicy, EvictionPolicyKind};
+use super::kv_events::{PageEvent, TierLog};
 use crate::error::{BlockId, TokenId};
 
 /// Seed of the first block's hash when there is no cache salt.
@@ -94,6 +95,8 @@ pub(crate) struct PrefixCache {
     tokens: Vec<TokenId>,
     /// Cached blocks with refcount 0, in the order the eviction policy gives them up.
     pub(crate) evictable: Box<dyn EvictionPolicy>,
+    /// Every insert and uncache, while KV events are on (see `kv_events`).
+    pub(crate) log: Option<TierLog>,
 }
 
 impl PrefixCache {
@@ -105,6 +108,7 @@ impl PrefixCache {
             parent: vec![0; num_blocks],
             tokens: vec![0; num_blocks * block_size],
             evictable: policy.build(num_blocks),
+            log: None,
         }
     }
 
@@ -153,6 +157,9 @@ impl PrefixCache {
         self.parent[b as usize] = parent;
         let start = b as usize * self.block_size;
         self.tokens[start..start + self.block_size].copy_from_slice(tokens);
+        if let Some(log) = &mut self.log {
+            log.push(PageEvent::Stored { hash, parent, tokens: tokens.to_vec() });
+        }
         true
     }
 
@@ -163,6 +170,9 @@ impl PrefixCache {
         self.evictable.forget(b);
         let removed = self.map.remove(&hash);
         debug_assert_eq!(removed, Some(b), "hash map and block hash disagree on block {b}");
+        if let Some(log) = &mut self.log {
+            log.push(PageEvent::Removed { hash });
+        }
         Some(hash)
     }
 

@@ -61,6 +61,7 @@ impl BlockManager {
         }
         // A slot dropped while a copy pinned it went back to the pool with its pin.
         self.disk_invalidated_pinned.clear();
+        self.note_all_cleared();
         Ok(report)
     }
 }

@@ -79,6 +79,7 @@ core_stats_class! {
     window_released_blocks: u64,
     host_cache_saves: u64,
     disk_writes: u64,
+    kv_events_published: u64,
     num_disk_blocks: usize,
     num_cached_gpu_blocks: usize,
     num_cached_cpu_blocks: usize,

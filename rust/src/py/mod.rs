@@ -4,6 +4,7 @@ mod block_manager;
 pub(crate) mod convert;
 mod core_stats;
 mod cuda_sources;
+mod kv_events;
 mod scheduler;
 mod scheduler_config;
 

@@ -186,6 +186,22 @@ impl PyScheduler {
         Ok((r.device, r.host, r.disk))
     }
 
+    /// Turns KV events on (off by default); the first take announces what is cached now.
+    fn enable_kv_events(&mut self) {
+        self.inner.enable_kv_events()
+    }
+
+    /// The tiers' cache changes since the last take, in order, as vLLM's KV events (see
+    /// `py/kv_events.rs` for the tuples); medium "GPU", "CPU" or "DISK". Empty while off.
+    fn take_kv_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        super::kv_events::to_list(py, self.inner.take_kv_events())
+    }
+
+    /// Sorted hashes of the pages the tier `medium` ("GPU", "CPU", "DISK") caches now.
+    fn cached_hashes(&self, medium: &str) -> PyResult<Vec<u64>> {
+        Ok(self.inner.cached_hashes(super::kv_events::tier_of(medium)?))
+    }
+
     /// Records one sampled token per sequence (batched: equal-length arrays), all or
     /// nothing: an unknown, repeated or full sequence anywhere in the list changes none.
     fn append_tokens(&mut self, seq_ids: PyReadonlyArray1<'_, u64>, token_ids: PyReadonlyArray1<'_, u32>) -> PyResult<()> {

@@ -2,8 +2,8 @@
 //! admission found cached on each tier, and a reset of every tier.
 
 use super::Scheduler;
-use crate::block_manager::{PrefixCacheReset, SeqId};
-use crate::error::CoreError;
+use crate::block_manager::{KvEvent, PrefixCacheReset, SeqId};
+use crate::error::{CoreError, Tier};
 
 impl Scheduler {
     /// The split of [`num_cached_tokens_of`](Self::num_cached_tokens_of) by the tier the
@@ -39,5 +39,21 @@ impl Scheduler {
             )));
         }
         self.kv.reset_prefix_cache()
+    }
+
+    /// Turns KV events on: every page joining or leaving a tier's prefix cache is logged
+    /// for [`take_kv_events`](Self::take_kv_events), starting with what is cached now.
+    pub fn enable_kv_events(&mut self) {
+        self.kv.enable_kv_events()
+    }
+
+    /// The tiers' cache changes since the last take, in order (empty while off).
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.kv.take_kv_events()
+    }
+
+    /// Sorted hashes of the pages `tier` caches now.
+    pub fn cached_hashes(&self, tier: Tier) -> Vec<u64> {
+        self.kv.cached_hashes(tier)
     }
 }

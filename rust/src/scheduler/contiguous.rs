@@ -303,6 +303,13 @@ impl KvSpace for ContiguousSpace {
     fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError> {
         Ok(PrefixCacheReset::default()) // nothing is ever cached
     }
+    fn enable_kv_events(&mut self) {} // nothing is ever cached: no event to send
+    fn take_kv_events(&mut self) -> Vec<crate::block_manager::KvEvent> {
+        Vec::new()
+    }
+    fn cached_hashes(&self, _tier: Tier) -> Vec<u64> {
+        Vec::new()
+    }
     fn num_cached_blocks(&self) -> (usize, usize, usize) {
         (0, 0, 0)
     }

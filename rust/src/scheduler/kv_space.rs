@@ -20,7 +20,8 @@ use std::collections::HashSet;
 
 pub use crate::block_manager::CopyPairs;
 use crate::block_manager::{BlockId, BlockManagerStats, DiskPage, PrefixCacheReset, SeqId, SwapInStatus, TokenId, Transfer, TransferId};
-use crate::error::CoreError;
+use crate::block_manager::KvEvent;
+use crate::error::{CoreError, Tier};
 
 pub trait KvSpace: Send + Sync {
     // ---- the device pool
@@ -50,6 +51,12 @@ pub trait KvSpace: Send + Sync {
     /// Forgets every cached page on every tier (see `BlockManager::reset_prefix_cache`);
     /// refused while a sequence holds pages.
     fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError>;
+    /// KV events for routers (see `block_manager::kv_events`): on from now, off by default.
+    fn enable_kv_events(&mut self);
+    /// The cache changes since the last take (empty while off).
+    fn take_kv_events(&mut self) -> Vec<KvEvent>;
+    /// Sorted hashes of the pages `tier` caches now.
+    fn cached_hashes(&self, tier: Tier) -> Vec<u64>;
 
     // ---- a sequence's pages
     fn blocks_to_append(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize, CoreError>;

@@ -4,7 +4,8 @@ use std::collections::HashSet;
 
 use super::kv_space::{CopyPairs, KvSpace};
 use crate::block_manager::{BlockId, BlockManager, BlockManagerStats, DiskPage, PrefixCacheReset, SeqId, SwapInStatus, TokenId, Transfer, TransferId, NULL_BLOCK};
-use crate::error::CoreError;
+use crate::block_manager::KvEvent;
+use crate::error::{CoreError, Tier};
 
 impl KvSpace for BlockManager {
     fn block_size(&self) -> usize {
@@ -33,6 +34,15 @@ impl KvSpace for BlockManager {
     }
     fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError> {
         BlockManager::reset_prefix_cache(self)
+    }
+    fn enable_kv_events(&mut self) {
+        BlockManager::enable_kv_events(self)
+    }
+    fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        BlockManager::take_kv_events(self)
+    }
+    fn cached_hashes(&self, tier: Tier) -> Vec<u64> {
+        BlockManager::cached_hashes(self, tier)
     }
     fn begin_step(&mut self, step: u64) {
         BlockManager::begin_step(self, step)

@@ -114,6 +114,8 @@ pub struct CoreStats {
     /// Evicted device blocks whose content was kept on the host tier.
     pub host_cache_saves: u64,
     pub disk_writes: u64,
+    /// KV events handed to the publisher (`take_kv_events`).
+    pub kv_events_published: u64,
     // cached pages per tier, pins and utilization now
     pub num_disk_blocks: usize,
     pub num_cached_gpu_blocks: usize,
@@ -171,6 +173,7 @@ impl Scheduler {
             window_released_blocks: bm.window_released_blocks,
             host_cache_saves: bm.host_cache_evictions_saved,
             disk_writes: bm.disk_writes,
+            kv_events_published: bm.kv_events_published,
             num_disk_blocks: kv.num_disk_blocks(),
             num_cached_gpu_blocks: cached_gpu,
             num_cached_cpu_blocks: cached_cpu,
