@@ -54,29 +54,36 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
         raise ValueError(f"sample: {logits.shape[0]} logit rows but {len(rows)} sampling rows")
     if not rows:
         return []
-    device = logits.device
     raw = logits.float()
     # Neither writes into the caller's logits; with no penalty and no min_tokens mask (a greedy
     # batch, usually) they return them as they are, uncopied.
     x = mask_min_tokens(apply_penalties(raw, rows), rows)
-    greedy_ids = argmax_rows(x)
-    if all(r.params.is_greedy for r in rows):
-        token_ids = greedy_ids
-    else:
-        is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=device)
-        temps = torch.tensor([1.0 if r.params.is_greedy else r.params.temperature for r in rows], device=device)
-        x = x / temps[:, None]
-        min_p = [r.params.min_p for r in rows]
-        x = apply_min_p(x, torch.tensor(min_p, device=device), active=any(v > 0 for v in min_p))
-        vocab = x.shape[1]
-        # top_k beyond the vocabulary keeps everything; clamping keeps the tensor in range
-        top_k = [min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows]
-        top_p = [r.params.top_p for r in rows]
-        x = apply_top_k_top_p(x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device),
-                              active=any(k < vocab for k in top_k) or any(v < 1.0 for v in top_p))
-        sampled = _exponential_race(torch.softmax(x, dim=-1), rows)
-        token_ids = torch.where(is_greedy, greedy_ids, sampled)
+    token_ids = draw(
+        x, [r.params.is_greedy for r in rows], [r.params.temperature for r in rows], [r.params.min_p for r in rows],
+        [r.params.top_k for r in rows], [r.params.top_p for r in rows], [r.generator for r in rows],
+    )
     return _results(token_ids, raw, rows)
+
+
+def draw(x: torch.Tensor, greedy: list[bool], temperature: list[float], min_p: list[float], top_k: list[int],
+         top_p: list[float], generators: list[torch.Generator | None] | None = None) -> torch.Tensor:
+    """int64 [S]: one token per row of ``x`` (penalized and masked already): the argmax for greedy
+    rows; for the others temperature, min-p, top-k (0 or less: off), top-p, then one draw by the
+    exponential race (a row with a generator draws its own noise). The settings are the host's
+    lists, so whether any row truncates is known without asking the device."""
+    greedy_ids = argmax_rows(x)
+    if all(greedy):
+        return greedy_ids
+    device = x.device
+    vocab = x.shape[1]
+    x = x / torch.tensor([1.0 if g else t for g, t in zip(greedy, temperature)], device=device)[:, None]
+    x = apply_min_p(x, torch.tensor(min_p, device=device), active=any(v > 0 for v in min_p))
+    # top_k beyond the vocabulary keeps everything; clamping keeps the tensor in range
+    k = [min(v, vocab) if v > 0 else vocab for v in top_k]
+    x = apply_top_k_top_p(x, torch.tensor(k, device=device), torch.tensor(top_p, device=device),
+                          active=any(v < vocab for v in k) or any(v < 1.0 for v in top_p))
+    sampled = _exponential_race(torch.softmax(x, dim=-1), generators or [None] * len(greedy))
+    return torch.where(torch.tensor(greedy, device=device), greedy_ids, sampled)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -155,12 +162,12 @@ def apply_top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, ac
     return sorted_logits.scatter(1, order, sorted_logits)
 
 
-def _exponential_race(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """argmax(p / q) with q ~ Exp(1) per token samples from p; seeded rows draw q from their own generator."""
     q = torch.empty_like(probs).exponential_()
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            q[i].exponential_(generator=r.generator)
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            q[i].exponential_(generator=generator)
     return argmax_rows(probs / q.clamp_min(1e-30))
 
 

@@ -99,22 +99,8 @@ class AsyncScheduler:
         """Waits for the step in flight and reports it (nothing left to sample from it: its
         requests ended meanwhile); the scheduler has no step open afterwards."""
         pending, self._in_flight = self._in_flight, None
-        if pending is None:
-            return
-        core = self._core
-        try:
-            pending.logits.result()
-            ok = True
-        except BaseException:  # noqa: BLE001 - its failure ends no request: none is left in it
-            ok = False
-        finally:
-            pending.tokens.cancel()
-        core.scheduler.complete_transfers(self._execution.take_completed_transfers())
-        assert pending.ctx.step is not None
-        if pending.ctx.step.step_id in core.scheduler.open_steps():
-            core.scheduler.complete_step(pending.ctx.step.step_id, ok)
-        if pending.placeholders:
-            core.scheduler.drop_placeholders(np.asarray(sorted(pending.placeholders), dtype=np.uint64))
+        if pending is not None:
+            self._report(pending, ok=None)
 
     # ---- the parts ---------------------------------------------------------------------
 
@@ -196,13 +182,19 @@ class AsyncScheduler:
 
     def _settle(self, current: InFlight) -> None:
         """The engine is going down (a failed plan): wait for the launched step, report it failed."""
-        current.tokens.cancel()
+        self._report(current, ok=False)
+
+    def _report(self, pending: InFlight, ok: Optional[bool]) -> None:
+        """Waits for a launched step whose rows nobody samples and reports it, if still open:
+        ``ok``, or (None) whether it ran. Its tokens never come (its successor, if any, does not run)."""
+        pending.tokens.cancel()
         try:
-            current.logits.result()
-        except BaseException:  # noqa: BLE001, S110 - it is discarded either way
-            pass
-        step = self._core.scheduler
-        self._core.scheduler.complete_transfers(self._execution.take_completed_transfers())
-        assert current.ctx.step is not None
-        if current.ctx.step.step_id in step.open_steps():
-            step.complete_step(current.ctx.step.step_id, False)
+            pending.logits.result()
+            ran = True
+        except BaseException:  # noqa: BLE001 - its failure ends no request: none is left in it
+            ran = False
+        scheduler = self._core.scheduler
+        scheduler.complete_transfers(self._execution.take_completed_transfers())
+        assert pending.ctx.step is not None
+        if pending.ctx.step.step_id in scheduler.open_steps():
+            scheduler.complete_step(pending.ctx.step.step_id, ran if ok is None else ok)

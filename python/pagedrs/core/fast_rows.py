@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
+from pagedrs import sampling
 from pagedrs.core.continuation import IndependentSamples
 from pagedrs.core.request import Request, Sample, TokenRule
-from pagedrs.sampling import apply_min_p, apply_top_k_top_p, argmax_rows, chosen_logprobs
 from pagedrs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -110,30 +110,14 @@ class FastRows:
 
 
 def draw(logits: torch.Tensor, fast: FastStep) -> tuple[list[int], list[float]]:
-    """One token per plain row, and its log-probability under the raw logits (sampling.py's
-    order: greedy rows take the argmax; the others temperature, min-p, top-k, top-p, then the
-    exponential race on the global generator, as unseeded rows do there)."""
+    """One token per plain row (``sampling.draw``, the generic path's draw: no penalty, no
+    min_tokens mask, no seed here), and its log-probability under the raw logits."""
     rows = fast.rows
     whole = len(fast.index) == logits.shape[0] and fast.index[-1] == len(fast.index) - 1
     raw = logits.float() if whole else logits[fast.index].float()
-    greedy_ids = argmax_rows(raw)
-    if all(r.greedy for r in rows):
-        token_ids = greedy_ids
-    else:
-        device = raw.device
-        vocab = raw.shape[1]
-        x = raw / torch.tensor([r.temperature for r in rows], device=device)[:, None]
-        min_p = [r.min_p for r in rows]
-        x = apply_min_p(x, torch.tensor(min_p, device=device), active=any(v > 0 for v in min_p))
-        top_k = [min(r.top_k, vocab) if r.top_k > 0 else vocab for r in rows]
-        top_p = [r.top_p for r in rows]
-        # the host knows which rows truncate: no device-to-host wait before the draw
-        x = apply_top_k_top_p(x, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device),
-                              active=any(k < vocab for k in top_k) or any(v < 1.0 for v in top_p))
-        probs = torch.softmax(x, dim=-1)
-        sampled = argmax_rows(probs / torch.empty_like(probs).exponential_().clamp_min(1e-30))
-        token_ids = torch.where(torch.tensor([r.greedy for r in rows], device=device), greedy_ids, sampled)
-    chosen, _ = chosen_logprobs(raw, token_ids)
+    token_ids = sampling.draw(raw, [r.greedy for r in rows], [r.temperature for r in rows], [r.min_p for r in rows],
+                              [r.top_k for r in rows], [r.top_p for r in rows])
+    chosen, _ = sampling.chosen_logprobs(raw, token_ids)
     return token_ids.tolist(), chosen.tolist()
 
 
