@@ -13,6 +13,11 @@ pub type BlockId = u32;
 /// A token id.
 pub type TokenId = u32;
 
+/// A token not sampled yet: asynchronous scheduling plans a sequence's next step before its
+/// previous step's token is known, and the runner fills the input from the device. No block
+/// holding one is hashed (so none is ever a prefix-cache hit) until `BlockManager::set_token` gives it.
+pub const PLACEHOLDER_TOKEN: TokenId = TokenId::MAX;
+
 /// A memory tier: device (GPU) pages, host (CPU) pages, or page slots of the
 /// persistent disk store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -194,6 +194,7 @@ class EngineCore:
         request is left (an idle core has no step open and no page held)."""
         if self._async is not None and self._async.in_flight:
             self._async.drain()
+            self.kv_events.publish(self.scheduler)  # what the drained step published, now rather than next step
 
     # ---- what the step calls ------------------------------------------------------------
 

@@ -42,18 +42,13 @@ use prefix_cache::{root_seed, IdMap};
 use tier::TierPool;
 
 use crate::error::invalid;
-pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId};
+pub use crate::error::{BlockId, CoreError, SeqId, Tier, TokenId, PLACEHOLDER_TOKEN};
 pub use eviction::EvictionPolicyKind;
 pub use kv_events::KvEvent;
 pub use reset::PrefixCacheReset;
 pub use tiers::{DiskPage, MissReason};
 pub use transfer::{Transfer, TransferId};
 pub use window::NULL_BLOCK;
-
-/// A token not sampled yet: asynchronous scheduling plans a sequence's next step before its
-/// previous step's token is known, and the runner fills the input from the device. No block
-/// holding one is hashed (so none is ever a prefix-cache hit) until `set_token` gives it.
-pub const PLACEHOLDER_TOKEN: TokenId = TokenId::MAX;
 
 use tiers::MissLog;
 use transfer::{Pending, Pin};
