@@ -321,3 +321,5 @@ class Scheduler:
 
 def cuda_sources() -> list[tuple[str, str]]:
     """File name -> text of the CUDA kernel sources compiled into this extension."""
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: bytes | None = None) -> list[int]:
+    """The hashes of the full blocks of `token_ids`, as a scheduler names them (cached_hashes, KV events)."""

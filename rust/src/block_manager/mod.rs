@@ -48,6 +48,7 @@ pub use kv_events::KvEvent;
 pub use reset::PrefixCacheReset;
 pub use tiers::{DiskPage, MissReason};
 pub use transfer::{Transfer, TransferId};
+pub use prefix_cache::prompt_block_hashes;
 pub use window::NULL_BLOCK;
 
 use tiers::MissLog;

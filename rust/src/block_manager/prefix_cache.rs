@@ -56,6 +56,24 @@ pub(crate) fn block_hash(parent: u64, tokens: &[TokenId]) -> u64 {
     }
 }
 
+/// The chained hashes of the full blocks of `tokens`, seeded as a scheduler seeds a prompt
+/// salted with `salt` (its manager unsalted, as the engine builds it): what a replica's
+/// prefix cache and its KV events call these blocks, so a router outside the replica can
+/// score a prompt against a replica's cached hashes exactly.
+pub fn prompt_block_hashes(tokens: &[TokenId], block_size: usize, salt: Option<&[u8]>) -> Vec<u64> {
+    let mut parent = salted_root(root_seed(None), salt);
+    if block_size == 0 {
+        return Vec::new();
+    }
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            parent = block_hash(parent, block);
+            parent
+        })
+        .collect()
+}
+
 /// Hasher for keys that are already well-mixed (xxh3 hashes) or small ids: one multiply.
 #[derive(Default, Clone, Copy)]
 pub(crate) struct IdHasher(u64);

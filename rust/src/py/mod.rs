@@ -5,6 +5,7 @@ pub(crate) mod convert;
 mod core_stats;
 mod cuda_sources;
 mod kv_events;
+mod prefix_hashes;
 mod scheduler;
 mod scheduler_config;
 
@@ -19,5 +20,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_manager::PyBlockManager>()?;
     scheduler::register(m)?;
     cuda_sources::register(m)?;
+    prefix_hashes::register(m)?;
     Ok(())
 }

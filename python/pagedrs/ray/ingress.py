@@ -1,0 +1,113 @@
+"""The HTTP entry of the Ray app: it computes each request's route and relays the replica's answer.
+
+Everything the server decides (validation, limits, the API key, errors, SSE) happens in the
+replica, in the server's own app (``replica.py``). The ingress does three things only:
+- bounds the body at the ASGI level (``max_request_bytes``: 413), since uvicorn's protocol
+  layer (``server/connection.py``) is not in front of Ray's proxy;
+- computes the route key (``route_key.route_of``) that ``CacheAffinityRouter`` reads;
+- relays the response, and retries once on another replica when the one it chose died
+  before sending anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pagedrs.ray.asgi import ForwardedRequest, ResponseStart
+from pagedrs.ray.replica import ReplicaInfo
+from pagedrs.ray.route_key import route_of
+
+logger = logging.getLogger(__name__)
+
+DIED_BEFORE_ANSWER_RETRIES = 1
+
+
+def _error(status: int, message: str, code: str, param: Optional[str] = None) -> Any:
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
+                                   "param": param, "code": code}}, status_code=status)
+
+
+def _replica_died(exc: BaseException) -> bool:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError))
+
+
+class PagedrsIngress:
+    def __init__(self, replicas: Any, max_request_bytes: int) -> None:
+        self._replicas = replicas.options(stream=True)
+        self._describe = replicas.describe
+        self._max_request_bytes = int(max_request_bytes)
+        self._info: Optional[ReplicaInfo] = None
+        self._info_lock = asyncio.Lock()
+
+    async def _replica_info(self) -> ReplicaInfo:
+        async with self._info_lock:
+            if self._info is None:
+                self._info = await self._describe.remote()
+            return self._info
+
+    def __serve_build_asgi_app__(self) -> Any:
+        app = FastAPI(title="pagedrs (Ray Serve)", openapi_url=None, docs_url=None, redoc_url=None)
+
+        @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+        async def relay(request: Request, path: str) -> Any:
+            size = request.headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > self._max_request_bytes:
+                return _error(413, f"the request body has {size} bytes; at most {self._max_request_bytes} allowed "
+                                   "(--max-request-bytes)", "request_too_large")
+            body = bytearray()
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > self._max_request_bytes:
+                    return _error(413, f"the request body has more than {self._max_request_bytes} bytes "
+                                       "(--max-request-bytes)", "request_too_large")
+            forwarded = ForwardedRequest(
+                method=request.method, path=request.url.path, query_string=request.url.query.encode("latin-1"),
+                headers=[(k.lower(), v) for k, v in request.headers.raw], body=bytes(body),
+                client=(request.client.host, request.client.port) if request.client else ("unknown", 0),
+            )
+            info = await self._replica_info()
+            route = route_of(forwarded.path, forwarded.body, forwarded.headers, info)
+            for attempt in range(DIED_BEFORE_ANSWER_RETRIES + 1):
+                stream = self._replicas.handle.remote(forwarded, route=route)
+                try:
+                    start = await stream.__anext__()
+                except StopAsyncIteration:
+                    return _error(502, "the replica closed the response before its status line", "bad_gateway")
+                except Exception as exc:  # noqa: BLE001 - a replica that died before answering: once more elsewhere
+                    if _replica_died(exc) and attempt < DIED_BEFORE_ANSWER_RETRIES:
+                        logger.warning("replica died before answering (%s); retrying on another", exc)
+                        continue
+                    return _error(503, f"the replica failed before answering: {type(exc).__name__}", "replica_unavailable")
+                assert isinstance(start, ResponseStart)
+                headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
+                           if k.lower() not in (b"content-length", b"transfer-encoding")}
+                sse = headers.get("content-type", "").startswith("text/event-stream")
+                return StreamingResponse(self._body(stream, sse), status_code=start.status, headers=headers,
+                                         media_type=None)
+            raise AssertionError("unreachable")
+
+        return app
+
+    @staticmethod
+    async def _body(stream: Any, sse: bool) -> AsyncIterator[bytes]:
+        """The replica's body chunks; a replica that dies mid-stream ends an SSE stream with an error
+        event, and cuts any other body short (the client sees a truncated response, never a hang)."""
+        try:
+            async for chunk in stream:
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 - the stream cannot go on: say so, never hang
+            logger.warning("replica failed mid-stream: %s", exc)
+            if not sse:
+                raise
+            yield (b'data: {"error": {"message": "the replica serving this stream failed: '
+                   + type(exc).__name__.encode() + b'", "type": "server_error", "code": "replica_failed"}}\n\n')
+        finally:
+            stream.cancel()  # the client left (or the stream ended): the replica aborts the request

@@ -1,0 +1,73 @@
+"""The block hashes of a request's prompt, computed at the ingress as a replica will.
+
+The server renders a request to token ids (``completions.prepare`` / ``chat.prepare``);
+this does the part routing needs with the same pieces (the protocol's models, the same
+tokenizer, ``tokens.render_chat``, ``tenants.engine_salt``) and hashes full blocks with
+the engine's own chain (``pagedrs._core.prompt_block_hashes``). A body that does not
+parse gets no key (``[]``: routed by load alone); the replica then answers it with the
+server's own 400, so nothing here decides what is valid.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from pagedrs._core import prompt_block_hashes
+from pagedrs.ray.replica import ReplicaInfo
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def prompt_ids(path: str, body: dict[str, Any], tokenizer: Any) -> Optional[list[int]]:
+    """The first prompt's token ids, or None when the body names none the router can read."""
+    from pagedrs.server.protocol import ChatCompletionRequest, CompletionRequest
+    from pagedrs.server.tokens import render_chat
+
+    if path == CHAT_PATH:
+        chat = ChatCompletionRequest.model_validate(body)
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+        return list(render_chat(tokenizer, chat.messages, chat.add_generation_prompt, tools))
+    if path == COMPLETIONS_PATH:
+        prompt: Any = CompletionRequest.model_validate(body).prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # several prompts: the first one's route
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt))
+        return [int(t) for t in prompt] if isinstance(prompt, list) else None
+    return None
+
+
+def bearer(headers: list[tuple[bytes, bytes]]) -> Optional[str]:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            text = value.decode("latin-1")
+            return text[7:].strip() if text[:7].lower() == "bearer " else None
+    return None
+
+
+def route_of(path: str, raw_body: bytes, headers: list[tuple[bytes, bytes]], info: ReplicaInfo) -> list[int]:
+    """The prompt's block hashes under the salt the replica will use; [] when there is none."""
+    from pagedrs.server.tenants import engine_salt, tenant_of
+
+    if not info.enable_prefix_caching:
+        return []
+    try:
+        body = json.loads(raw_body)
+        if not isinstance(body, dict):
+            return []
+        ids = prompt_ids(path, body, info.tokenizer)
+        if not ids:
+            return []
+        tenant = None
+        if info.prefix_cache_isolation == "per-tenant":
+            token = bearer(headers)
+            tenant = tenant_of(token, dict(info.api_keys or {})) if token is not None else None
+            if tenant is None:
+                return []  # the replica answers 401
+        client_salt = body.get("cache_salt")
+        salt = engine_salt(info.prefix_cache_isolation, tenant, client_salt if isinstance(client_salt, str) else None)
+        return prompt_block_hashes(ids, info.block_size, None if salt is None else salt.encode("utf-8"))
+    except (ValueError, TypeError, KeyError, OverflowError):  # pydantic's ValidationError is a ValueError
+        return []

@@ -1,0 +1,61 @@
+"""Which replica gets a request: the longest cached prefix, within a bounded load.
+
+Pure decisions, no Ray: ``router.py`` feeds them the replicas Ray Serve knows and the
+digests the replicas report; the tests drive them directly.
+
+A replica's digest is the set of block hashes its device tier caches (``cached_hashes``,
+the same names its KV events use), reported every ``routing_stats_period_s``; between two
+digests the router adds the hashes of each prompt it sends there (the replica caches them
+once it has run the prompt), so a burst of one conversation follows its first request.
+A digest replaces that guess whole: what the replica evicted meanwhile is gone at once.
+
+Bounded load (consistent hashing with bounded loads, Mirrokni et al.): a replica whose load
+exceeds ``(1 + epsilon) x`` the mean (plus one request, so an idle pool still shares) is
+not eligible, so a hot prefix spreads out instead of piling onto one replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_EPSILON = 0.25  # the bounded-load slack: at most 1.25 x the mean (+1)
+
+
+@dataclass
+class ReplicaView:
+    """What the router knows of one replica."""
+
+    key: Hashable  # Ray's ReplicaID (anything hashable in tests)
+    load: float  # requests queued or running there
+    cached: set[int] = field(default_factory=set)  # its last digest plus what was sent since
+
+
+def matched_blocks(prompt_hashes: Sequence[int], cached: set[int]) -> int:
+    """How many leading blocks of the prompt the replica holds: a chain breaks at its first miss."""
+    n = 0
+    for h in prompt_hashes:
+        if h not in cached:
+            break
+        n += 1
+    return n
+
+
+def eligible(replicas: Sequence[ReplicaView], epsilon: float = DEFAULT_EPSILON) -> list[ReplicaView]:
+    """The replicas within the load bound; never empty when ``replicas`` is not."""
+    if not replicas:
+        return []
+    mean = sum(r.load for r in replicas) / len(replicas)
+    bound = (1.0 + epsilon) * mean + 1.0
+    within = [r for r in replicas if r.load <= bound]
+    return within or [min(replicas, key=lambda r: r.load)]
+
+
+def rank(prompt_hashes: Sequence[int], replicas: Sequence[ReplicaView],
+         epsilon: float = DEFAULT_EPSILON) -> list[list[ReplicaView]]:
+    """Ray Serve's ranks: first the eligible replicas by (longest match, least load), then the rest
+    by load. Ties in match length go to the least loaded, so with no match this is least-load."""
+    ok = eligible(replicas, epsilon)
+    first = sorted(ok, key=lambda r: (-matched_blocks(prompt_hashes, r.cached), r.load))
+    rest = sorted((r for r in replicas if r not in ok), key=lambda r: r.load)
+    return [first[:1], first[1:] + rest] if len(first) > 1 or rest else [first]
