@@ -12,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test bench lint build clean test-rust test-python check-kernels fuzz
+.PHONY: demo test bench lint build clean test-rust test-python check-kernels fuzz test-ray bench-dp
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -56,6 +56,21 @@ test-kernels: build
 test-kernels-asan: build
 	PAGEDRS_EMU_ASAN=1 ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD=$$(g++ -print-file-name=libasan.so) \
 		$(PY) -m pytest -q --capture=sys $(KERNEL_TESTS)
+
+# The Ray Serve app (pagedrs.ray) on a local Ray cluster of 2 replicas. Ray is an optional extra
+# (pagedrs[ray]); `make test` runs the parts that need no Ray (tests/test_ray_routing.py) and skips
+# these, which need ~3 minutes on 2 cores, most of it Ray starting up.
+RAY_SPEC := ray[serve]==2.60.0
+RAY_STAMP := $(VENV)/.ray-stamp
+$(RAY_STAMP): $(DEPS_STAMP)
+	$(PY) -m pip install -q "$(RAY_SPEC)" -c requirements-dev.txt
+	touch $@
+
+test-ray: build $(RAY_STAMP)
+	PAGEDRS_TEST_RAY=1 $(PY) -m pytest -q tests/test_ray_serve.py tests/test_ray_routing.py
+
+bench-dp: build $(RAY_STAMP)
+	$(VENV)/bin/pagedrs bench dp --out bench-out
 
 bench: build
 	cargo bench --bench allocator -- --noplot

@@ -39,32 +39,54 @@ def test_matched_blocks_stops_at_the_first_miss():
 
 
 def test_rank_prefers_the_longest_prefix_then_the_least_load():
-    a, b, c = ReplicaView("a", 2, {1, 2}), ReplicaView("b", 0, {1}), ReplicaView("c", 1, set())
+    # 3 in flight on 3 replicas: capacity ceil(1.25 x 4 / 3) = 2, so a load of 1 may take one more
+    a, b, c = ReplicaView("a", 1, {1, 2}), ReplicaView("b", 0, {1}), ReplicaView("c", 2, set())
     assert [[v.key for v in t] for t in rank([1, 2, 3], [a, b, c])] == [["a"], ["b", "c"]]
-    assert [[v.key for v in t] for t in rank([9], [a, b, c])] == [["b"], ["c", "a"]]  # no match: least load
-    a.load = 3  # mean 4/3, bound 1.25 x 4/3 + 1 = 2.67: over it, the prefix no longer wins
+    assert [[v.key for v in t] for t in rank([9], [a, b, c])] == [["b"], ["a", "c"]]  # no match: least load
+    a.load = 2  # 4 in flight: capacity ceil(1.25 x 5 / 3) = 3: still within
+    assert rank([1, 2, 3], [a, b, c])[0][0].key == "a"
+    a.load = 3  # 5 in flight: capacity ceil(1.25 x 6 / 3) = 3: a full replica loses the prefix's pull
     assert [[v.key for v in t] for t in rank([1, 2, 3], [a, b, c])] == [["b"], ["c", "a"]]
 
 
 def test_bounded_load_routes_a_hot_prefix_away():
-    hot = ReplicaView("hot", 10, {1, 2, 3})
-    cold = ReplicaView("cold", 0, set())
-    # mean 5, bound 1.25 x 5 + 1 = 7.25: the replica holding the prefix is over it
+    hot, cold = ReplicaView("hot", 2, {1, 2, 3}), ReplicaView("cold", 0, set())
+    # 2 in flight on 2: capacity ceil(1.25 x 3 / 2) = 2, and the hot one holds 2 already
     assert [v.key for v in eligible([hot, cold])] == ["cold"]
     assert rank([1, 2, 3], [hot, cold])[0][0].key == "cold"
-    hot.load = 2  # mean 1, bound 2.25
-    assert rank([1, 2, 3], [hot, cold])[0][0].key == "hot"  # within the bound: the cache wins
+    hot.load = 1  # capacity ceil(1.25 x 2 / 2) = 2: within, the cache wins
+    assert rank([1, 2, 3], [hot, cold])[0][0].key == "hot"
 
 
-def test_bounded_load_keeps_any_replica_under_a_steady_stream():
-    """Every request carries the same prefix; loads grow with what is routed: no replica ends
-    up with more than (1 + epsilon) x the mean + 1 requests (the issue's bound is 1.5 x)."""
-    views = [ReplicaView(k, 0, {7}) for k in "abcd"]
-    for _ in range(400):
-        views_ranked = rank([7], views)
-        views_ranked[0][0].load += 1
-    loads = [v.load for v in views]
-    assert max(loads) <= 1.25 * (sum(loads) / len(loads)) + 1, loads
+def test_bounded_load_never_leaves_every_replica_out():
+    views = [ReplicaView("a", 5, set()), ReplicaView("b", 5, set())]
+    assert eligible(views, epsilon=0.0) == views  # capacity ceil(11 / 2) = 6
+
+
+def test_a_hot_prefix_never_overloads_its_replica():
+    """Every request has the same prefix, cached on replica 0, whose hits make its requests finish
+    twice as fast: at every decision the chosen replica stays within ceil(1.25 x the mean in flight),
+    so the hot one never holds more than 1.5 x the mean of what is in flight (the issue's bound).
+    It does serve more requests in all than the others: it frees its slots sooner (that is the
+    point of routing by the cache, not a pile-up; `bench dp` reports both numbers)."""
+    import random
+
+    rnd = random.Random(0)
+    views = [ReplicaView(0, 0, {7}), *(ReplicaView(k, 0, set()) for k in (1, 2, 3))]
+    total = [0, 0, 0, 0]
+    worst = 0.0
+    for _ in range(2000):
+        chosen = rank([7], views)[0][0]
+        chosen.load += 1
+        total[chosen.key] += 1
+        in_flight = sum(v.load for v in views)
+        if in_flight >= 8:  # a steady 8 in flight (the ratio of the first few requests says nothing)
+            worst = max(worst, max(v.load for v in views) / (in_flight / len(views)))
+            done = rnd.choices(views, weights=[v.load * (2 if v.key == 0 else 1) for v in views])[0]
+            done.load -= 1
+    assert worst <= 1.5, worst
+    # at most 3 of the 8 in flight, finishing twice as fast: 6 / 11 = 55% of the requests, not all of them
+    assert total[0] == max(total) and total[0] < 0.6 * sum(total), total
 
 
 @pytest.mark.parametrize(("kw", "field"), [

@@ -1,4 +1,4 @@
-"""The `pagedrs` command: generate, chat, kv-size, demo, bench, serve."""
+"""The `pagedrs` command: generate, chat, kv-size, demo, bench, serve, serve-ray."""
 
 from __future__ import annotations
 
@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     # bench and serve parse their own flags.
     sub.add_parser("bench", help="benchmarks (see `pagedrs bench --help`)", add_help=False)
     sub.add_parser("serve", help="OpenAI-compatible HTTP server", add_help=False)
+    sub.add_parser("serve-ray", help="the server as data-parallel replicas on Ray Serve", add_help=False)
     return parser
 
 
@@ -158,6 +159,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from pagedrs.server import main as serve_main
 
         return serve_main(argv[1:])
+    if argv and argv[0] == "serve-ray":
+        from pagedrs.ray.cli import main as serve_ray_main
+
+        return serve_ray_main(argv[1:])
     args = build_parser().parse_args(argv)
     from pagedrs.kv_tiers.errors import DiskTierError
 

@@ -18,7 +18,7 @@ from pagedrs.engine_args import EngineArgs
 from pagedrs.ray.replica import ReplicaConfig
 from pagedrs.ray.routing import DEFAULT_EPSILON
 
-ROUTINGS = ("cache", "pow2")
+ROUTINGS = ("cache", "approx", "pow2")  # approx: the cache router without digests (router.py)
 DEFAULT_ROUTING_STATS_PERIOD_S = 0.5
 REPLICA_DEPLOYMENT = "PagedrsReplica"
 INGRESS_DEPLOYMENT = "PagedrsIngress"
@@ -64,9 +64,9 @@ def build_app(engine_args: EngineArgs, num_replicas: int = 2, routing: str = "ca
     )
     router = (
         RequestRouterConfig(request_router_class="pagedrs.ray.router:CacheAffinityRouter",
-                            request_router_kwargs={"epsilon": epsilon},
+                            request_router_kwargs={"epsilon": epsilon, "use_digests": routing == "cache"},
                             request_routing_stats_period_s=routing_stats_period_s)
-        if routing == "cache" else
+        if routing in ("cache", "approx") else
         RequestRouterConfig(request_routing_stats_period_s=routing_stats_period_s)
     )
     replica = serve.deployment(

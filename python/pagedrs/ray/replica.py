@@ -19,6 +19,18 @@ from typing import Any, Optional, Union
 
 from pagedrs.ray.asgi import ForwardedRequest, ResponseStart, forward
 
+REPLICA_HEADER = b"x-pagedrs-replica"
+
+
+def _replica_name() -> str:
+    """This replica's actor name in Ray ("SERVE_REPLICA::app#deployment#id"); "" outside Serve."""
+    try:
+        from ray import serve
+
+        return str(serve.get_replica_context().replica_id.to_full_id_str())
+    except Exception:  # noqa: BLE001 - not in a Serve replica (tests build one directly)
+        return ""
+
 
 @dataclass(frozen=True)
 class ReplicaConfig:
@@ -55,11 +67,16 @@ class PagedrsReplica:
         self._loop.start()
         self._app = build_app(self._loop, config.model_name, config.max_waiting, self._options)
         self._digests = itertools.count()
+        self._name = _replica_name()
+
 
     async def handle(self, request: ForwardedRequest,
                      route: Optional[list[int]] = None) -> AsyncIterator[Union[ResponseStart, bytes]]:
-        """The response to one forwarded request (``route`` is the router's, unused here)."""
+        """The response to one forwarded request (``route`` is the router's, unused here), with
+        ``x-pagedrs-replica`` naming the replica that answered (Ray's actor name of it)."""
         async for item in forward(self._app, request):
+            if isinstance(item, ResponseStart):
+                item = ResponseStart(item.status, [*item.headers, (REPLICA_HEADER, self._name.encode("latin-1"))])
             yield item
 
     def describe(self) -> ReplicaInfo:

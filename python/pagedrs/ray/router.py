@@ -24,8 +24,12 @@ logger = logging.getLogger(__name__)
 class CacheAffinityRouter(RequestRouter):
     """Longest cached prefix among the replicas within (1 + epsilon) x the mean load."""
 
-    def initialize_state(self, epsilon: float = DEFAULT_EPSILON, **kwargs: Any) -> None:
+    def initialize_state(self, epsilon: float = DEFAULT_EPSILON, use_digests: bool = True, **kwargs: Any) -> None:
+        """``use_digests=False``: the approximate router (``routing="approx"``), which predicts each
+        replica's cache from the requests it sent there and never learns what was evicted, the way
+        Ray's ``PrefixCacheAffinityRouter`` does (that one needs ``ray[llm]``, which needs vLLM)."""
         self._epsilon = float(epsilon)
+        self._use_digests = bool(use_digests)
         self._views: dict[ReplicaID, ReplicaView] = {}
         self._digest_seen: dict[ReplicaID, int] = {}  # the digest's sequence number, per replica
         self._inflight: dict[str, ReplicaID] = {}  # internal request id -> where it went
@@ -36,7 +40,7 @@ class CacheAffinityRouter(RequestRouter):
         view = self._views.get(rid)
         if view is None:
             view = self._views[rid] = ReplicaView(key=rid, load=0.0)
-        stats = replica.routing_stats or {}
+        stats = (replica.routing_stats or {}) if self._use_digests else {}
         seq = int(stats.get("seq", -1))
         if seq > self._digest_seen.get(rid, -1):  # a new digest replaces the guesses since the last
             self._digest_seen[rid] = seq

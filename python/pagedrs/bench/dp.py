@@ -1,0 +1,196 @@
+"""Data-parallel replicas on Ray Serve: what routing by the cache buys (``pagedrs bench dp``).
+
+One local Ray cluster, 2 replicas of the model, each with its own KV pool sized so that one
+replica cannot hold every conversation but two can. Each routing in turn — ``cache`` (the
+replicas' digests of cached block hashes, pagedrs.ray.router), ``approx`` (the same router
+predicting from what it sent, never told of evictions: how Ray's PrefixCacheAffinityRouter
+works, which needs ``ray[llm]`` and so vLLM) and ``pow2`` (Ray's default, power of two
+choices) — serves the same three workloads over HTTP through the ingress:
+
+    multiturn   users come back with their conversation so far (a shared system prompt, then
+                their own messages) plus a new message; turns interleaved across users
+    shared      requests with one long system prompt and a short distinct question each
+    random      random prompts: nothing to share (routing must not make it worse)
+
+Replies are greedy; a next turn extends the previous prompt with a new message (not with the
+reply: the replies' text cannot travel back as token ids), the same for every routing.
+Reported per routing and workload: prefill tokens computed (prompt tokens minus cached, from
+each response's usage), prefix hit rate, served tokens/s (completion tokens over the wall
+time), and the most requests one replica got over the mean.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import socket
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from pagedrs.bench.config import BenchConfig
+from pagedrs.bench.engine_runner import progress
+from pagedrs.bench.model_spec import kv_geometry, resolve_model
+from pagedrs.bench.report import Column, markdown_table, render
+
+ROUTINGS = ("cache", "approx", "pow2")
+WORKLOADS = ("multiturn", "shared", "random")
+FULL = dict(users=16, turns=4, system_tokens=192, user_tokens=48, reply_tokens=16, shared_requests=48,
+            shared_prefix=384, question_tokens=16, random_requests=32, random_tokens=128, concurrency=4)
+QUICK = dict(users=8, turns=3, system_tokens=64, user_tokens=32, reply_tokens=8, shared_requests=16,
+             shared_prefix=128, question_tokens=8, random_requests=12, random_tokens=64, concurrency=4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _workloads(s: dict[str, int], vocab: int, seed: int = 0) -> dict[str, list[list[list[int]]]]:
+    """Per workload, its rounds: the prompts of a round run concurrently, rounds one after another."""
+    rng = np.random.default_rng(seed)
+
+    def draw(n: int) -> list[int]:
+        return [int(t) for t in rng.integers(100, vocab - 100, n)]
+    system = draw(s["system_tokens"])
+    history = [list(system) for _ in range(s["users"])]
+    multiturn = []
+    for _ in range(s["turns"]):
+        for u in range(s["users"]):
+            history[u] = history[u] + draw(s["user_tokens"])
+        multiturn.append([list(h) for h in history])
+    prefix = draw(s["shared_prefix"])
+    shared = [[prefix + draw(s["question_tokens"]) for _ in range(s["shared_requests"])]]
+    random_ = [[draw(s["random_tokens"]) for _ in range(s["random_requests"])]]
+    return {"multiturn": multiturn, "shared": shared, "random": random_}
+
+
+def _serve_rounds(url: str, model: str, rounds: list[list[list[int]]], s: dict[str, int]) -> dict[str, Any]:
+    import httpx
+
+    counts: Counter[str] = Counter()
+    prompt_tokens = cached_tokens = completion_tokens = 0
+    latencies: list[float] = []
+    spans: list[tuple[str, float, float]] = []  # (replica, start, end) of each request
+
+    def one(prompt: list[int]) -> tuple[str, dict[str, Any], float, float]:
+        start = time.perf_counter()
+        r = httpx.post(url + "/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": s["reply_tokens"],
+                                                      "temperature": 0.0, "ignore_eos": True}, timeout=600)
+        if r.status_code != 200:
+            raise RuntimeError(f"bench dp: a request failed with {r.status_code}: {r.text[:300]}")
+        return r.headers.get("x-pagedrs-replica", "?"), r.json()["usage"], start, time.perf_counter()
+
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(s["concurrency"]) as pool:
+        for prompts in rounds:
+            for replica, usage, start, end in pool.map(one, prompts):
+                spans.append((replica, start, end))
+                latency = end - start
+                counts[replica] += 1
+                prompt_tokens += usage["prompt_tokens"]
+                cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                completion_tokens += usage["completion_tokens"]
+                latencies.append(latency)
+    wall = time.perf_counter() - started
+    mean = sum(counts.values()) / max(1, len(counts))
+    return {
+        "prefill_tokens_computed": prompt_tokens - cached_tokens, "prompt_tokens": prompt_tokens,
+        "hit_rate_pct": 100.0 * cached_tokens / max(1, prompt_tokens), "tokens_per_s": completion_tokens / wall,
+        "wall_s": wall, "latency_p50_s": statistics.median(latencies), "requests_per_replica": dict(counts),
+        "max_over_mean": max(counts.values()) / mean if counts else 0.0,
+        "peak_in_flight_over_mean": _peak_in_flight_ratio(spans, len(counts)),
+    }
+
+
+def _peak_in_flight_ratio(spans: list[tuple[str, float, float]], replicas: int) -> float:
+    """The worst, over the moments a request started with every client slot busy, of the busiest
+    replica's requests in flight over the mean: what the bounded-load rule caps (not the totals, in
+    which a replica whose hits finish sooner serves more)."""
+    worst = 0.0
+    for _, t, _ in spans:
+        live = Counter(r for r, start, end in spans if start <= t < end)
+        total = sum(live.values())
+        if total >= 2 * replicas:
+            worst = max(worst, max(live.values()) / (total / replicas))
+    return worst
+
+
+def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
+    import ray
+    from ray import serve
+
+    from pagedrs import EngineArgs
+    from pagedrs.ray import build_app
+
+    s = dict(QUICK if cfg.quick else FULL)
+    folder = resolve_model(cfg.model)
+    geo = kv_geometry(folder, cfg.dtype)
+    bs = cfg.block_size
+    longest = s["system_tokens"] + s["turns"] * s["user_tokens"]
+    conv_blocks = -(-(longest + s["reply_tokens"]) // bs)
+    # One replica holds about 60% of the conversations; the two together all of them.
+    blocks = max(s["concurrency"] * conv_blocks + 4, int(0.6 * s["users"] * conv_blocks))
+    engine_args = EngineArgs(model=str(folder), device=cfg.device, dtype=cfg.dtype, weight_dtype="float32",
+                             block_size=bs, num_gpu_blocks=blocks, kv_host_cache_gb=0, swap_space_gb=0,
+                             max_model_len=max(longest, s["shared_prefix"] + s["question_tokens"]) + s["reply_tokens"] + bs,
+                             max_num_seqs=s["concurrency"], cpu_threads=1)
+    work = _workloads(s, geo.vocab_size)
+    data: dict[str, Any] = {"settings": {**s, "block_size": bs, "blocks_per_replica": blocks, "replicas": 2,
+                                         "conversation_blocks": conv_blocks}, "model": cfg.model, "machine": machine}
+    ray.init(include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        for routing in ROUTINGS:
+            progress(f"dp: {routing}: starting 2 replicas")
+            serve.run(build_app(engine_args, num_replicas=2, routing=routing, model_name="m"), name="pagedrs-dp",
+                      route_prefix="/")
+            for name in WORKLOADS:
+                progress(f"dp: {routing}: {name}")
+                data[f"{routing}/{name}"] = _serve_rounds(f"http://127.0.0.1:{port}", "m", work[name], s)
+            serve.delete("pagedrs-dp")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    for name in WORKLOADS:
+        pow2 = data[f"pow2/{name}"]
+        for routing in ("cache", "approx"):
+            row = data[f"{routing}/{name}"]
+            row["prefill_vs_pow2_x"] = row["prefill_tokens_computed"] / max(1, pow2["prefill_tokens_computed"])
+            row["tokens_per_s_vs_pow2_x"] = row["tokens_per_s"] / pow2["tokens_per_s"] if pow2["tokens_per_s"] else 0.0
+    return data, _markdown(data, machine)
+
+
+_COLUMNS = [
+    Column("workload", "workload"), Column("routing", "routing"),
+    Column("prefill tokens computed", "prefill_tokens_computed"), Column("vs pow2", "prefill_vs_pow2_x", "{:.2f}x"),
+    Column("hit rate", "hit_rate_pct", "{:.1f}%"), Column("tokens/s", "tokens_per_s", "{:.1f}"),
+    Column("vs pow2", "tokens_per_s_vs_pow2_x", "{:.2f}x"), Column("requests max/mean", "max_over_mean", "{:.2f}"),
+    Column("in flight max/mean", "peak_in_flight_over_mean", "{:.2f}"),
+]
+
+
+def _markdown(data: dict[str, Any], machine: str) -> str:
+    rows = [{"workload": w, "routing": r, **data[f"{r}/{w}"]} for w in WORKLOADS for r in ROUTINGS]
+    s = data["settings"]
+    notes = [
+        f"2 replicas on a local Ray cluster, {s['blocks_per_replica']} blocks of {s['block_size']} tokens each (a "
+        f"conversation reaches {s['conversation_blocks']}); {s['concurrency']} requests in flight; greedy, "
+        f"{s['reply_tokens']} tokens per reply.",
+        f"multiturn: {s['users']} users x {s['turns']} turns, system prompt {s['system_tokens']} tokens, "
+        f"messages {s['user_tokens']}; shared: {s['shared_requests']} requests on a {s['shared_prefix']}-token prefix; "
+        f"random: {s['random_requests']} prompts of {s['random_tokens']}.",
+        "Goals (issue 28): cache routing's prefill tokens <= 0.6x pow2's and tokens/s >= 1.3x on multiturn; never "
+        "worse than pow2 on random; no replica over 1.5x the mean requests. 'requests max/mean': of all requests "
+        "(a replica whose hits finish sooner serves more); 'in flight max/mean': the worst moment, what the "
+        "bounded-load rule caps (ceil(1.25 x the mean)).",
+        "tokens/s comes from one run per routing, one after another: on a shared machine it moves with the load; "
+        "prefill tokens and hit rates do not.",
+        f"Model {data['model']}.",
+    ]
+    return render("Data-parallel replicas on Ray Serve: routing by the cache", markdown_table(rows, _COLUMNS), notes,
+                  machine)
