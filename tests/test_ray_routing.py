@@ -206,3 +206,17 @@ def test_a_reader_that_leaves_aborts_the_stream(tiny_llama_dir: Path):
         from server_fakes import assert_nothing_left
         stats = assert_nothing_left(live.loop)
         assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--read-timeout", "5"], "--read-timeout"), (["--engine-in-process"], "--engine-in-process"),
+    (["--request-trace", "/tmp/x.jsonl"], "--request-trace"), (["--num-replicas", "0"], "num_replicas"),
+    (["--routing-epsilon", "nan"], "epsilon"), (["--routing-stats-period", "-1"], "routing_stats_period_s"),
+])
+def test_serve_ray_refuses_what_it_cannot_honour(capsys, flags: list[str], named: str):
+    """Before Ray starts: a flag of `serve` that means nothing behind Ray's proxy, or a bad Ray setting,
+    exits 2 naming it (never silently ignored)."""
+    from pagedrs.ray.cli import main
+
+    assert main(["--model", "unused", *flags]) == 2
+    assert named in capsys.readouterr().err

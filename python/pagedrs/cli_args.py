@@ -27,7 +27,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 _SAME_NAME = (
     "model", "device", "dtype", "weight_dtype", "block_size", "num_gpu_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size",
+    "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size", "distributed_executor_backend",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
     "enforce_eager",
     "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps",
@@ -96,6 +96,9 @@ def _add_parallel_and_tier_args(p: argparse.ArgumentParser | argparse._ArgumentG
     d = _DEFAULTS
     p.add_argument("--tensor-parallel-size", type=int, default=d["tensor_parallel_size"],
                    help="ranks of tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA)")
+    p.add_argument("--distributed-executor-backend", default=d["distributed_executor_backend"], choices=["mp", "ray"],
+                   help="how ranks 1..N-1 start: mp = processes on this machine; ray = Ray actors in a placement "
+                   "group, on any node of the Ray cluster (default: %(default)s)")
     p.add_argument("--kv-host-cache-gb", type=float, default=d["kv_host_cache_gb"],
                    help="host tier for evicted prefix pages (default: min(4 GiB, 10%% of available RAM) on CUDA, "
                    "0 on the CPU; 0 = off)")

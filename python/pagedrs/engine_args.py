@@ -74,6 +74,10 @@ class EngineArgs:
     # Ranks of tensor parallelism (torch.distributed: gloo on the CPU, NCCL on CUDA); rank 0
     # is this process and owns the one scheduler.
     tensor_parallel_size: int = 1
+    # How ranks 1..N-1 start (vLLM's name): "mp" spawns processes on this machine; "ray" starts them
+    # as Ray actors in one placement group (one bundle per device), on any node of the cluster this
+    # process is connected to: tensor parallelism across machines (pagedrs.distributed.ray_workers).
+    distributed_executor_backend: str = "mp"
     # As in vLLM: build no tokenizer (a folder with config + safetensors only). Prompts must
     # be token ids; outputs carry token ids and empty text.
     skip_tokenizer_init: bool = False
@@ -117,6 +121,7 @@ class EngineArgs:
         choice("admission_policy", ("expected_growth", "prompt_only"))
         choice("eviction_policy", ("lru", "lfu"))
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        choice("distributed_executor_backend", ("mp", "ray"))
         if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
             raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}, which needs kv_layout='paged'; "
                              f"kv_layout={self.kv_layout!r} is the traditional baseline and stores the model dtype "

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+from torch.distributed import ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,10 @@ class TensorParallel:
 
 
 _STATE = TensorParallel()
+# The group rank 0's commands travel in (step buffers, headers, the pool's MIN, barriers): gloo,
+# beside the model's default group. Those are CPU tensors, which an NCCL group refuses, so on CUDA
+# the model's all-reduces take NCCL and the control messages this one (vLLM does the same).
+_CONTROL: list[Optional[ProcessGroup]] = [None]
 _COLLECTIVE_SECONDS = [0.0]  # wall time this process spent inside all_reduce_ (benchmarks read it)
 
 
@@ -29,6 +35,24 @@ def set_tensor_parallel(rank: int, size: int) -> None:
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"tensor parallel rank {rank} of size {size}: need size >= 1 and 0 <= rank < size")
     _STATE = TensorParallel(rank, size)
+
+
+def set_control_group(group: Optional[ProcessGroup]) -> None:
+    """Every rank, right after joining: ``dist.new_group(backend="gloo")`` (None when leaving)."""
+    _CONTROL[0] = group
+
+
+def join_control_group() -> None:
+    """Every rank, in the same order, right after joining the default group."""
+    group = torch.distributed.new_group(backend="gloo")
+    if not isinstance(group, ProcessGroup):  # every rank is a member: this cannot be NON_GROUP_MEMBER
+        raise RuntimeError(f"this rank is not in the tensor-parallel control group ({group!r})")
+    _CONTROL[0] = group
+
+
+def control_group() -> Optional[ProcessGroup]:
+    """The control messages' gloo group (None: the default group)."""
+    return _CONTROL[0]
 
 
 def tp_rank() -> int:

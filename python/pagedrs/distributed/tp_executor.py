@@ -13,7 +13,10 @@ copy-on-write and swap pairs) applies to all. The pool is what the smallest rank
 
 Processes: workers are started with ``torch.multiprocessing`` (spawn) and joined through
 ``torch.distributed`` (a TCP store on 127.0.0.1 with a free port; gloo on the CPU, NCCL on
-CUDA). One process hosts one tensor-parallel engine at a time (the group is the process's
+CUDA), or, with ``distributed_executor_backend="ray"``, as Ray actors on any node of a cluster
+(``ray_workers.py``; the store at rank 0's node address). Rank 0's commands travel in a gloo
+control group beside the model's (``parallel_state.control_group``): they are CPU tensors.
+One process hosts one tensor-parallel engine at a time (the group is the process's
 default ``torch.distributed`` group). Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) the existing group is used
 instead: rank 0 returns an executor and every other rank runs the worker loop and exits.
 
@@ -62,7 +65,8 @@ class ExecutorDeadError(EngineDeadError):
     EngineDeadError: the serving loop stops instead of failing request after request)."""
 
 
-def _backend_name(device: torch.device) -> str:
+def backend_name(device: torch.device) -> str:
+    """The model's collectives' backend (the control messages always take gloo)."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -95,6 +99,7 @@ class TPExecutor:
         self.size = args.tensor_parallel_size
         self.device = torch.device(args.device)
         self._workers: list[Any] = []
+        self._ray: Any = None  # ray_workers.RayWorkers with distributed_executor_backend="ray"
         self._exit_hook: Any = None
         self._dead: str | None = None
         self._stopping = False
@@ -112,11 +117,15 @@ class TPExecutor:
             if world != self.size:
                 raise ValueError(f"torchrun started {world} processes but tensor_parallel_size is {self.size}")
             if not dist.is_initialized():
-                dist.init_process_group(_backend_name(self.device), timeout=_COLLECTIVE_TIMEOUT)
+                dist.init_process_group(backend_name(self.device), timeout=_COLLECTIVE_TIMEOUT)
             parallel_state.set_tensor_parallel(rank, world)
+            parallel_state.join_control_group()
             if rank != 0:
                 run_worker(args, rank, world, attention_backend)
                 raise SystemExit(0)
+        elif args.distributed_executor_backend == "ray":
+            self._start_ray_workers()
+            parallel_state.set_tensor_parallel(0, self.size)
         else:
             self._spawn_workers()
             parallel_state.set_tensor_parallel(0, self.size)
@@ -146,13 +155,42 @@ class TPExecutor:
         self._exit_hook = functools.partial(_shutdown_at_exit, weakref.ref(self))
         atexit.register(self._exit_hook)
         try:
-            dist.init_process_group(_backend_name(self.device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
+            dist.init_process_group(backend_name(self.device), init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                     world_size=self.size, timeout=_COLLECTIVE_TIMEOUT)
+            parallel_state.join_control_group()
         except BaseException:
             self._kill_workers()
             raise
 
+    def _start_ray_workers(self) -> None:
+        from pagedrs.distributed.ray_workers import RayWorkers
+
+        self._ray = RayWorkers(self.args, self.size, _COLLECTIVE_TIMEOUT.total_seconds())
+        try:
+            dist.init_process_group(backend_name(self.device), init_method=self._ray.init_method, rank=0,
+                                    world_size=self.size, timeout=_COLLECTIVE_TIMEOUT)
+            parallel_state.join_control_group()
+        except BaseException:
+            self._kill_workers()
+            raise
+
+    def worker_node_ids(self) -> list[str]:
+        """The Ray nodes of ranks 1..N-1 (``distributed_executor_backend="ray"``; [] otherwise)."""
+        return self._ray.node_ids() if self._ray is not None else []
+
     def _watch_workers(self) -> None:
+        if self._ray is not None:
+            while self._dead is None:
+                why = self._ray.wait_exit(1.0)
+                if why is None:
+                    continue
+                with self._reap_lock:
+                    if self._stopping:
+                        return
+                    if self._dead is None:
+                        self._dead = why
+                        logger.error("%s; the engine cannot run another step", self._dead)
+            return
         from multiprocessing.connection import wait
 
         alive = {p.sentinel: p for p in self._workers}
@@ -168,6 +206,8 @@ class TPExecutor:
                         logger.error("%s; the engine cannot run another step", self._dead)
 
     def _kill_workers(self) -> None:
+        if self._ray is not None:
+            self._ray.kill()
         for p in self._workers:
             if p.is_alive():
                 p.kill()
@@ -179,10 +219,11 @@ class TPExecutor:
             raise ExecutorDeadError(self._dead)
 
     def _command(self, command: int, payload: bytes = b"", a: int = 0, b: int = 0) -> None:
+        group = parallel_state.control_group()
         header = torch.tensor([command, len(payload), a, b], dtype=torch.int64)
-        dist.broadcast(header, src=0)
+        dist.broadcast(header, src=0, group=group)
         if payload:
-            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0)
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=group)
 
     def _guarded(self, fn: Any) -> Any:
         self._check_alive()
@@ -202,7 +243,7 @@ class TPExecutor:
             self._command(_PLAN)
             local = self.shard.plan()
             counts = torch.tensor([local.num_gpu_blocks, local.num_cpu_blocks], dtype=torch.int64)
-            dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=parallel_state.control_group())
             from dataclasses import replace
 
             return replace(local, num_gpu_blocks=int(counts[0]), num_cpu_blocks=int(counts[1]))
@@ -213,7 +254,7 @@ class TPExecutor:
         def init() -> None:
             self._command(_INIT, a=num_gpu_blocks, b=num_cpu_blocks)
             self.shard.local.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
-            dist.barrier()
+            dist.barrier(group=parallel_state.control_group())
 
         self._guarded(init)
 
@@ -258,7 +299,7 @@ class TPExecutor:
             self._stopping = True
         if self._exit_hook is not None:
             atexit.unregister(self._exit_hook)
-        workers_alive = all(p.is_alive() for p in self._workers)
+        workers_alive = all(p.is_alive() for p in self._workers) and (self._ray is None or self._ray.all_alive())
         if self._dead is None and workers_alive and dist.is_initialized() and not _launched_by_torchrun():
             try:
                 self._command(_STOP)
@@ -266,6 +307,8 @@ class TPExecutor:
                 pass
         for p in self._workers:
             p.join(10)
+        if self._ray is not None:
+            self._ray.join(10)
         self._kill_workers()
         self._dead = self._dead or "shut down"
         if dist.is_initialized() and not _launched_by_torchrun():
@@ -273,6 +316,7 @@ class TPExecutor:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        parallel_state.set_control_group(None)
         parallel_state.set_tensor_parallel(0, 1)  # this process may build a one-rank engine again
 
 
@@ -290,9 +334,10 @@ def _worker_entry(args: EngineArgs, rank: int, size: int, port: int, parent_pid:
     """A spawned worker: join the group, then serve rank 0's commands until STOP."""
     _exit_with_parent(parent_pid)
     device = torch.device(args.device)
-    dist.init_process_group(_backend_name(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend_name(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size, timeout=_COLLECTIVE_TIMEOUT)
     parallel_state.set_tensor_parallel(rank, size)
+    parallel_state.join_control_group()
     try:
         run_worker(args, rank, size, None)
     finally:
@@ -325,20 +370,21 @@ def _exit_with_parent(parent_pid: int) -> None:
 def run_worker(args: EngineArgs, rank: int, size: int, attention_backend: AttentionBackend | None) -> None:
     """Ranks 1..N-1: hold a shard and run every command rank 0 broadcasts."""
     shard = _Shard(args, rank, size, attention_backend)
+    group = parallel_state.control_group()
     while True:
         header = torch.empty(4, dtype=torch.int64)
-        dist.broadcast(header, src=0)
+        dist.broadcast(header, src=0, group=group)
         command, length, a, b = (int(x) for x in header)
         if command == _PLAN:
             local = shard.plan()
             counts = torch.tensor([local.num_gpu_blocks, local.num_cpu_blocks], dtype=torch.int64)
-            dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
         elif command == _INIT:
             shard.local.init_kv_cache(a, b)
-            dist.barrier()
+            dist.barrier(group=group)
         elif command == _STEP:
             buf = torch.empty(length, dtype=torch.uint8)
-            dist.broadcast(buf, src=0)
+            dist.broadcast(buf, src=0, group=group)
             shard.local.execute(decode(buf.numpy()), compute_logits=False)
             shard.local.take_completed_transfers()
         elif command == _STOP:

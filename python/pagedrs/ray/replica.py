@@ -98,6 +98,17 @@ class PagedrsReplica:
     async def stats(self) -> dict[str, Any]:
         return dict(self._loop.stats())
 
+    async def placement(self) -> dict[str, Any]:
+        """Where this replica's ranks run: its own Ray node, and its tensor-parallel workers' nodes."""
+        import ray
+
+        def workers(engine: Any) -> list[str]:
+            nodes = getattr(engine.core.executor, "worker_node_ids", None)
+            return list(nodes()) if callable(nodes) else []
+
+        return {"node_id": str(ray.get_runtime_context().get_node_id()),
+                "worker_node_ids": await self._loop.call(workers)}
+
     def __del__(self) -> None:
         """Ray Serve's replica shutdown: what is left is aborted, its pages freed, the core released."""
         loop = getattr(self, "_loop", None)
