@@ -45,7 +45,6 @@ TINY_LAYERS = 4  # the "very small model": hidden 64, one KV head, 4 layers, voc
 class MapModel:
     name: str  # label in tables and JSON
     path: str  # what EngineArgs.model gets
-    skip_tokenizer: bool = False  # the random model has no tokenizer; prompts are token ids anyway
 
 
 def require_matplotlib() -> None:
@@ -71,7 +70,7 @@ def _engine(model: MapModel, layout: str, cell: MapCell, budget: KVBudget, grid:
         max_model_len=grid.max_total_len,
         max_num_seqs=cell.concurrency,
         enable_prefix_caching=layout == "paged",  # the contiguous baseline cannot share
-        skip_tokenizer_init=model.skip_tokenizer,
+        skip_tokenizer_init=True,  # prompts and outputs are token ids; the random model has no tokenizer
         seed=grid.seed,
     )
 
@@ -162,7 +161,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
         tiny = write_model(Path(tmp), layers=TINY_LAYERS)
         # Its runs take milliseconds: three repeats at least, so the median means something.
         corners = dataclasses.replace(grid.corners(), repeats=max(3, grid.repeats))
-        maps.append(run_map(MapModel(f"tiny random llama ({TINY_LAYERS} layers, hidden 64)", str(tiny), True), corners, cfg))
+        maps.append(run_map(MapModel(f"tiny random llama ({TINY_LAYERS} layers, hidden 64)", str(tiny)), corners, cfg))
     data: dict[str, Any] = {"maps": maps, "dtype": cfg.dtype, "device": cfg.device, "machine": machine}
     if cfg.plot:
         from pagedrs.bench.map_plot import plot_map
