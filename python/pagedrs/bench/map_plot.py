@@ -1,5 +1,9 @@
 """Heatmaps of `pagedrs bench map`: paged / contiguous tokens/s, one panel per shared-prefix share.
 
+The ratio drawn is per CPU-second of the engine process (``ratio_cpu``; torch runs one thread), not
+per wall second: on a shared machine the wall clock mostly measures the neighbours, the CPU time the
+engine's own work (the wall-clock ratio is in the JSON and the table beside it).
+
 Columns are concurrency, rows the spread of lengths; each cell is annotated with its ratio.
 The colours diverge at 1 (blue: paged faster, orange: contiguous faster, on a log scale so 2x
 and 0.5x look alike), and the seeds' "skip it" cells, concurrency 1 and spread 1, are outlined
@@ -28,7 +32,7 @@ def plot_model(m: dict[str, Any], plot_dir: str, filename: str) -> str:
     shares = sorted({c["share"] for c in cells})
     concurrency = sorted({c["concurrency"] for c in cells})
     spreads = sorted({c["spread"] for c in cells})
-    by_key = {(c["share"], c["spread"], c["concurrency"]): c["ratio"] for c in cells}
+    by_key = {(c["share"], c["spread"], c["concurrency"]): c["ratio_cpu"] for c in cells}
     ratios = list(by_key.values())
     bound = max(2.0, *(max(r, 1 / r) for r in ratios))  # symmetric in log: 1 sits in the middle
     norm = LogNorm(vmin=1 / bound, vmax=bound)
@@ -56,7 +60,7 @@ def plot_model(m: dict[str, Any], plot_dir: str, filename: str) -> str:
         ax.set_xlabel("concurrency", fontsize=8)
         ax.set_title(f"shared prefix {share:.0%}", fontsize=9)
     axes[0][0].set_ylabel("length spread (max/min)", fontsize=8)
-    fig.suptitle(f"paged / contiguous tokens/s, equal KV memory: {m['model']}", fontsize=9)
+    fig.suptitle(f"paged / contiguous tokens per CPU-second, equal KV memory: {m['model']}", fontsize=9)
     if image is not None:
         ticks = [t for t in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0) if 1 / bound <= t <= bound]
         bar = fig.colorbar(image, cax=axes[0][-1], ticks=ticks)
