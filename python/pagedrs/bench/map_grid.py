@@ -95,8 +95,9 @@ class MapGrid:
 # Short outputs (20 tokens at spread 1, 2 at the shortest): about 12 minutes for SmolLM2 on 2 loaded cores.
 QUICK = MapGrid(concurrency=(1, 8, 32), spreads=(1, 4, 10), shares=(0.0, 0.9), max_total_len=40,
                 requests_per_user=1)
+# 84 cells, three runs per layout each: hours on 2 CPU cores.
 FULL = MapGrid(concurrency=(1, 2, 4, 8, 16, 32, 64), spreads=(1, 2, 4, 10), shares=(0.0, 0.5, 0.9),
-               max_total_len=160, repeats=3)
+               max_total_len=160, requests_per_user=1, min_requests=8, repeats=3)
 
 
 def total_lengths(spread: float, max_total_len: int, n: int, rng: np.random.Generator) -> list[int]:
