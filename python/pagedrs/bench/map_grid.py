@@ -50,7 +50,7 @@ class MapGrid:
     spreads: tuple[float, ...]  # max / min of total lengths; 1 = equal lengths
     shares: tuple[float, ...]  # fraction of every prompt that is the common system prompt
     max_total_len: int  # L: the longest request (prompt + output) and both layouts' max_model_len
-    prompt_fraction: float = 0.5
+    prompt_fraction: float = 0.5  # of each total; the rest is output
     requests_per_user: int = 2  # requests per unit of concurrency
     min_requests: int = 4  # at least this many per cell (a single user still sends several)
     budget_seqs: int = 4  # pool = this many contiguous reservations of L tokens
@@ -92,12 +92,13 @@ class MapGrid:
         return max(self.min_requests, self.requests_per_user * cell.concurrency)
 
 
-# Short outputs (20 tokens at spread 1, 2 at the shortest): about 12 minutes for SmolLM2 on 2 loaded cores.
-QUICK = MapGrid(concurrency=(1, 8, 32), spreads=(1, 4, 10), shares=(0.0, 0.9), max_total_len=40,
-                requests_per_user=1)
+# Short outputs (15 tokens at spread 1) after prompts of 45, whose 90% system part spans two
+# 16-token pages: 13 minutes for SmolLM2 plus the tiny corners on 2 cores at load ~6.5 (README).
+QUICK = MapGrid(concurrency=(1, 8, 32), spreads=(1, 4, 10), shares=(0.0, 0.9), max_total_len=60,
+                prompt_fraction=0.75, requests_per_user=1)
 # 84 cells, three runs per layout each: hours on 2 CPU cores.
 FULL = MapGrid(concurrency=(1, 2, 4, 8, 16, 32, 64), spreads=(1, 2, 4, 10), shares=(0.0, 0.5, 0.9),
-               max_total_len=160, requests_per_user=1, min_requests=8, repeats=3)
+               max_total_len=160, prompt_fraction=0.75, requests_per_user=1, min_requests=8, repeats=3)
 
 
 def total_lengths(spread: float, max_total_len: int, n: int, rng: np.random.Generator) -> list[int]:
