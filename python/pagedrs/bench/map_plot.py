@@ -38,7 +38,7 @@ def plot_model(m: dict[str, Any], plot_dir: str, filename: str) -> str:
     norm = LogNorm(vmin=1 / bound, vmax=bound)
     width = 0.6 + 0.55 * len(concurrency)
     # The last, narrow column holds the colour bar (tight_layout places it; a shared colorbar would overlap).
-    fig, axes = plt.subplots(1, len(shares) + 1, figsize=(width * len(shares) + 1.0, 0.5 * len(spreads) + 1.7),
+    fig, axes = plt.subplots(1, len(shares) + 1, figsize=(max(5.0, width * len(shares) + 1.0), 0.5 * len(spreads) + 1.9),
                              squeeze=False, gridspec_kw={"width_ratios": [width] * len(shares) + [0.15]})
     image = None
     for ax, share in zip(axes[0], shares):
@@ -60,7 +60,7 @@ def plot_model(m: dict[str, Any], plot_dir: str, filename: str) -> str:
         ax.set_xlabel("concurrency", fontsize=8)
         ax.set_title(f"shared prefix {share:.0%}", fontsize=9)
     axes[0][0].set_ylabel("length spread (max/min)", fontsize=8)
-    fig.suptitle(f"paged / contiguous tokens per CPU-second, equal KV memory: {m['model']}", fontsize=9)
+    fig.suptitle(f"paged / contiguous tokens per CPU-second, equal KV memory\n{m['model']}", fontsize=9)
     if image is not None:
         ticks = [t for t in (0.25, 0.5, 1.0, 2.0, 4.0, 8.0) if 1 / bound <= t <= bound]
         bar = fig.colorbar(image, cax=axes[0][-1], ticks=ticks)
