@@ -82,11 +82,11 @@ def _cfg(**kw: object) -> BenchConfig:
 
 
 def test_two_cells_paged_and_contiguous_agree_token_for_token(tiny_llama_dir: Path, tmp_path: Path, no_leaked_pages: list) -> None:
-    grid = MapGrid((1, 8), (10,), (0.9,), max_total_len=40, requests_per_user=1)
+    grid = MapGrid((1, 8), (10,), (0.9,), max_total_len=30, requests_per_user=1)
     data = run_map(MapModel("tiny", str(tiny_llama_dir)), grid, _cfg())
     pool = data["kv_pool"]
     geo = kv_geometry(tiny_llama_dir, "float32")
-    assert pool["num_gpu_blocks"] == 4 * 10 and pool["bytes"] == 40 * 4 * geo.bytes_per_token
+    assert pool["num_gpu_blocks"] == 4 * 8 and pool["bytes"] == 32 * 4 * geo.bytes_per_token  # ceil(30 / 4) = 8
     # one pool for every engine, both layouts (the leak fixture records every engine built)
     layouts = sorted({e.args.kv_layout for e in no_leaked_pages})
     assert layouts == ["contiguous", "paged"]
