@@ -93,7 +93,7 @@ class MapGrid:
 
 
 # Short outputs (15 tokens at spread 1) after prompts of 45, whose 90% system part spans two
-# 16-token pages: 13 minutes for SmolLM2 plus the tiny corners on 2 cores at load ~6.5 (README).
+# 16-token pages: 12.6 minutes for SmolLM2 plus the tiny corners on 2 cores at load ~11 (README).
 QUICK = MapGrid(concurrency=(1, 8, 32), spreads=(1, 4, 10), shares=(0.0, 0.9), max_total_len=60,
                 prompt_fraction=0.75, requests_per_user=1)
 # 84 cells, three runs per layout each: hours on 2 CPU cores.
