@@ -9,8 +9,9 @@ page tiers on returning chat users), ``limits`` (the machine's read bandwidth an
 FLOP/s), ``decode`` (tokens/s per weight format and batch size, next to those limits),
 ``tp`` (tensor parallelism, 2 ranks vs 1), ``overhead`` (the host's cost of a decode step, part by
 part, on a model of negligible compute), ``structured`` (grammar masks per step, compile times),
-``salt`` (the prefix cache's timing side channel across tenants, shared vs salted) and ``dp``
-(data-parallel replicas on Ray Serve: cache routing vs an approximate prefix router vs power of two).
+``salt`` (the prefix cache's timing side channel across tenants, shared vs salted), ``map``
+(paged vs contiguous tokens/s over concurrency x length spread x shared prefix, as heatmaps) and
+``dp`` (data-parallel replicas on Ray Serve: cache routing vs an approximate prefix router vs power of two).
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -30,7 +31,7 @@ from pagedrs.bench.config import BenchConfig
 
 BENCHES = ("throughput", "prefix", "preemption", "allocator")
 # Run only when named: they start servers, take long, or measure the machine rather than the KV manager.
-EXTRA_BENCHES = ("serve", "beam", "multiturn", "limits", "decode", "tp", "overhead", "structured", "salt", "dp")
+EXTRA_BENCHES = ("serve", "beam", "multiturn", "limits", "decode", "tp", "overhead", "structured", "salt", "map", "dp")
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:
@@ -58,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-offline", action="store_true", help="serve: skip the offline engine runs")
     p.add_argument("--serve-args", default="", metavar="FLAGS",
                    help="serve: extra `pagedrs serve` flags, e.g. \"--max-num-batched-tokens 512\"")
+    p.add_argument("--no-plot", action="store_true",
+                   help="map: write JSON and markdown only (no heatmaps; matplotlib not needed)")
     p.add_argument("--layers", type=int, metavar="N", help="overhead: layers of the deep model (default 30)")
     p.add_argument(
         "--threads",
@@ -102,6 +105,7 @@ def main(argv: list[str]) -> int:
         serve_offline=not args.no_offline,
         serve_args=tuple(shlex.split(args.serve_args)),
         layers=args.layers,
+        plot=not args.no_plot,
     )
     from pagedrs.bench.machine import describe_machine
     from pagedrs.bench.plots import PLOTTERS
