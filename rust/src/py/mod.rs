@@ -4,6 +4,7 @@ mod block_manager;
 pub(crate) mod convert;
 mod core_stats;
 mod cuda_sources;
+mod gemv;
 mod kv_events;
 mod scheduler;
 mod scheduler_config;
@@ -19,5 +20,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_manager::PyBlockManager>()?;
     scheduler::register(m)?;
     cuda_sources::register(m)?;
+    gemv::register(m)?;
     Ok(())
 }
