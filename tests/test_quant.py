@@ -73,13 +73,15 @@ def reference(smollm2):
 
 
 @pytest.mark.parametrize(("weight_dtype", "min_agreement", "max_ppl_ratio"), [("int8", 0.90, 1.02),
-                                                                              ("int4", 0.95, 1.10)])
+                                                                              ("int4", 0.95, 1.10),
+                                                                              ("gguf", 0.98, 1.0057)])
 def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtype, min_agreement, max_ppl_ratio):
     prompts, continuations, ppl_fp32 = reference
     quantized = load_model("smollm2-135m", weight_dtype=weight_dtype)
     assert quantized.weight_format.name == weight_dtype
-    # the output head is int8 in both formats (a packed copy of the tied table); the lookup stays exact
-    assert quantized.model.lm_head.method.name == "int8"
+    # the output head is int8 in both aten formats (a packed copy of the tied table), the file's Q8_0 in
+    # gguf; the lookup stays exact
+    assert quantized.model.lm_head.method.name == ("gguf" if weight_dtype == "gguf" else "int8")
     assert quantized.model.model.embed_tokens.weight.dtype == torch.float32
     agree = total = 0
     first_miss = []
@@ -97,10 +99,12 @@ def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtyp
     assert ppl / ppl_fp32 <= max_ppl_ratio
 
 
-def test_auto_on_the_q4_1_gguf_is_int4_where_bf16_is_fast(smollm2):
+def test_auto_on_the_q4_1_gguf_is_gguf_where_the_gemv_has_simd(smollm2):
+    from pagedrs.models.gguf_linear import cpu_runs_gguf_kernel
     from pagedrs.models.quant import cpu_has_fast_bf16
 
     auto = load_model("smollm2-135m")
-    assert auto.weight_format.name == ("int4" if cpu_has_fast_bf16() else "float32")
+    expected = "gguf" if cpu_runs_gguf_kernel() else ("int4" if cpu_has_fast_bf16() else "float32")
+    assert auto.weight_format.name == expected
     assert smollm2.weight_format.name == "float32"
     assert auto.dtype == torch.float32  # activations (and the KV cache) stay float32 whatever the weights

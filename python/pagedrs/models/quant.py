@@ -31,9 +31,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from pagedrs.models.gguf_linear import GGUF_BLOCK_TYPES, GgufLinearMethod, cpu_runs_gguf_kernel
 from pagedrs.models.layers import DenseLinearMethod, LinearBase, LinearMethod
 
-WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4")
+WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 COMPUTE_DTYPE = torch.bfloat16  # what the packed kernels multiply in
 INT4_GROUP_SIZE = 32  # GGUF Q4_1's block; every SmolLM2/Llama width is a multiple of it
 
@@ -149,16 +150,20 @@ def cpu_has_fast_bf16() -> bool:
 class WeightFormat:
     """A resolved ``weight_dtype`` (never "auto"): builds the linear method of each layer."""
 
-    name: str  # float32 | bfloat16 | int8 | int4 (float32 means "the activations' dtype", the exact path)
+    name: str  # float32 | bfloat16 | int8 | int4 | gguf (float32 means "the activations' dtype", the exact path)
     params_dtype: torch.dtype  # the model's activation dtype
 
     def head_method(self, in_features: int, out_features: int) -> LinearMethod:
-        """The output head's method: int8 where the body is int4 (see the module docs)."""
+        """The output head's method: int8 where the body is int4 (see the module docs); gguf in the file's format."""
+        if self.name == "gguf":
+            return _gguf_method(self.params_dtype)
         if self.name == "int4":
             return Int8WeightOnlyMethod(self.params_dtype)
         return self.method(in_features, out_features)
 
     def method(self, in_features: int, out_features: int) -> LinearMethod:
+        if self.name == "gguf":
+            return _gguf_method(self.params_dtype)
         if self.name == "int4" and Int4WeightOnlyMethod.can_pack(in_features, out_features):
             return Int4WeightOnlyMethod(self.params_dtype)
         if self.name in ("int4", "int8"):
@@ -170,22 +175,32 @@ class WeightFormat:
 
 def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_types: list[str] | None,
                           device: torch.device) -> WeightFormat:
-    """``auto`` -> the exact dense path for Hugging Face folders; for a quantized GGUF the nearest
-    format with a CPU kernel (Q4_* -> int4, other quantized types -> int8), on a CPU with fast bf16.
+    """``auto`` -> the exact dense path for Hugging Face folders; for a GGUF mostly in Q4_0 / Q4_1 / Q8_0
+    on a CPU where the Rust GEMV has a SIMD kernel, ``gguf`` (its own blocks); for another quantized
+    GGUF the nearest format with a CPU kernel (Q4_* -> int4, other quantized types -> int8), on a
+    CPU with fast bf16.
     ``bfloat16`` on a CPU without AVX512-BF16 / AMX stays float32.
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype {weight_dtype!r} is not supported; allowed: {', '.join(WEIGHT_DTYPES)}")
     if weight_dtype != "auto":
-        if weight_dtype in ("int8", "int4") and device.type != "cpu":
+        if weight_dtype in ("int8", "int4", "gguf") and device.type != "cpu":
             raise ValueError(f"weight_dtype {weight_dtype!r} runs on the CPU only (device {device.type!r}); "
                              "use float32 or bfloat16 there")
         if weight_dtype == "bfloat16" and device.type == "cpu" and not cpu_has_fast_bf16():
             return WeightFormat("float32", params_dtype)  # emulated bf16 GEMMs are slower than float32 ones
         return WeightFormat(weight_dtype, params_dtype)
-    if gguf_types is None or device.type != "cpu" or params_dtype != torch.float32 or not cpu_has_fast_bf16():
+    if gguf_types is None or device.type != "cpu" or params_dtype != torch.float32:
+        return WeightFormat("float32", params_dtype)
+    if gguf_types and max(set(gguf_types), key=gguf_types.count) in GGUF_BLOCK_TYPES and cpu_runs_gguf_kernel():
+        return WeightFormat("gguf", params_dtype)  # the file's own blocks through the Rust GEMV (models/gguf_linear.py)
+    if not cpu_has_fast_bf16():
         return WeightFormat("float32", params_dtype)
     return WeightFormat(nearest_format(gguf_types), params_dtype)
+
+
+def _gguf_method(params_dtype: torch.dtype) -> LinearMethod:
+    return GgufLinearMethod(params_dtype)
 
 
 def nearest_format(gguf_types: list[str]) -> str:
