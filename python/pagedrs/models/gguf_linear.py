@@ -44,7 +44,7 @@ class GgufLinearMethod(LinearMethod):
                              "use int4, int8 or float32")
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32, device=device),
                                     requires_grad=False)
-        layer.gguf_matrix = None
+        layer.gguf_matrix = None  # type: ignore[assignment]  # set by install()
 
     @staticmethod
     def install(layer: LinearBase, matrix: Any) -> None:
