@@ -113,3 +113,38 @@ def test_embedded_head_through_the_kernel() -> None:
     xq, _ = _quantized_activations(x)
     y = mat.matmul(x)
     assert np.abs(y - xq @ w.T).max() <= 1e-4 * np.abs(xq @ w.T).max()
+
+
+@pytest.fixture(scope="module")
+def gguf_model():
+    from pagedrs.models import load_model
+
+    return load_model("smollm2-135m", weight_dtype="gguf")
+
+
+def test_gguf_layers_hold_the_files_blocks(gguf_model) -> None:
+    """Fused QKV = the file's q, k, v blocks (Q/K rows unpermuted), multiplied exactly as one GgufMatrix."""
+    from pagedrs.models.gguf_loader import open_gguf, unpermute_qk
+    from pagedrs.models.loader import embedded_model_path
+
+    model = gguf_model.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight is None and qkv.gguf_matrix.format == "q4_1" and qkv.gguf_matrix.rows == 960
+    assert model.lm_head.gguf_matrix.format == "q8_0" and model.lm_head.gguf_matrix.rows == 49152
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup stays exact
+    reader = open_gguf(embedded_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    config = gguf_model.config
+
+    def deq(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return torch.from_numpy(dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64))
+
+    w = torch.cat([unpermute_qk(deq("blk.0.attn_q.weight"), config.num_attention_heads),
+                   unpermute_qk(deq("blk.0.attn_k.weight"), config.num_key_value_heads), deq("blk.0.attn_v.weight")])
+    x = torch.randn(2, 576)
+    xq, _ = _quantized_activations(x.numpy())
+    y = model.bind()[0].qkv(x)
+    expected = torch.from_numpy(xq) @ w.T
+    assert (y.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert model.weight_bytes() == sum(t.n_bytes for t in reader.tensors if len(t.shape) == 2 and t.name != "output.weight")
