@@ -190,6 +190,7 @@ def test_weight_format_picks_methods_and_falls_back_where_int4_cannot_pack():
 def test_auto_is_exact_for_hf_folders_and_nearest_for_quantized_gguf(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(quant, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: False)  # no SIMD GEMV: the aten formats
     assert resolve_weight_format("auto", F32, gguf_types=None, device=cpu).name == "float32"
     assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"] * 7 + ["Q8_0"], device=cpu).name == "int4"
     assert resolve_weight_format("auto", F32, gguf_types=["Q8_0", "Q6_K"], device=cpu).name == "int8"
@@ -205,6 +206,13 @@ def test_auto_is_exact_for_hf_folders_and_nearest_for_quantized_gguf(monkeypatch
         resolve_weight_format("int3", F32, gguf_types=None, device=cpu)
     with pytest.raises(ValueError, match="weight_dtype 'int8' runs on the CPU only"):
         resolve_weight_format("int8", F32, gguf_types=None, device=torch.device("cuda"))
+    # With the Rust GEMV's SIMD kernel: a GGUF mostly in Q4_0/Q4_1/Q8_0 keeps its own blocks, bf16 or not.
+    monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: True)
+    assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"] * 7 + ["Q8_0"], device=cpu).name == "gguf"
+    assert resolve_weight_format("auto", F32, gguf_types=["Q6_K", "Q6_K", "Q8_0"], device=cpu).name == "float32"
+    assert resolve_weight_format("auto", F32, gguf_types=None, device=cpu).name == "float32"
+    with pytest.raises(ValueError, match="weight_dtype 'gguf' runs on the CPU only"):
+        resolve_weight_format("gguf", F32, gguf_types=None, device=torch.device("cuda"))
 
 
 @pytest.mark.parametrize("method_cls", [DenseLinearMethod, Int8WeightOnlyMethod, Int4WeightOnlyMethod])

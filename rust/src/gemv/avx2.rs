@@ -87,9 +87,9 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                 }
                 if format == Format::Q4_1 {
                     let dsum = _mm256_set1_ps(*acts.dsum.get_unchecked(ab));
-                    for h in 0..2 {
+                    for (h, acc) in acc.iter_mut().enumerate() {
                         let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * TILE + h * 16) as *const __m128i));
-                        acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(mw, dsum));
+                        *acc = _mm256_add_ps(*acc, _mm256_mul_ps(mw, dsum));
                     }
                 }
             }

@@ -3,6 +3,9 @@
 //! `dpbusd` multiplies unsigned by signed bytes and adds groups of four into 32 bits without
 //! saturation. Q4: nibbles are the unsigned operand. Q8_0: weights `w ^ 0x80` (= w + 128) are
 //! the unsigned operand and `128 * sum(a)` is subtracted after. Float steps as in `scalar.rs`.
+//!
+//! The AVX-512 intrinsics are stable since Rust 1.89: this file needs that compiler although the
+//! crate still declares 1.82 (raising `rust-version` turns on lints across other modules).
 
 use std::arch::x86_64::*;
 

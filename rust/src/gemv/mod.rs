@@ -20,7 +20,9 @@ pub mod quantize;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+// AVX-512 intrinsics are stable since Rust 1.89 (see avx512.rs).
 #[cfg(target_arch = "x86_64")]
+#[clippy::msrv = "1.89"]
 pub mod avx512;
 
 use rayon::prelude::*;

@@ -47,10 +47,10 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                     }
                 };
                 let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
-                *acc = *acc + (dw * acts.d[ab]) * isum as f32;
+                *acc += (dw * acts.d[ab]) * isum as f32;
                 if format == Format::Q4_1 {
                     let mw = f16_to_f32(u16::from_le_bytes([blk[2 * TILE + 2 * j], blk[2 * TILE + 2 * j + 1]]));
-                    *acc = *acc + mw * acts.dsum[ab];
+                    *acc += mw * acts.dsum[ab];
                 }
             }
         }
