@@ -13,7 +13,11 @@ of the stream bound. Medians of CPU time (the machine may be shared).
 timed twice: in the layout the loader keeps (column-major on an MKL CPU,
 ``models/layers.py``) and row-major as in the checkpoint, the evidence for that choice.
 
-    python benches/linear_streaming.py [--threads 1] [--formats float32,bfloat16,int8,int4] [--rows 1]
+``gguf`` is the Rust GEMV over the file's own blocks (``models/gguf_linear.py``). ``--clock wall``
+times wall-clock seconds instead, the fair clock with ``--threads 2`` (CPU time adds up the
+workers, and the GEMV's pool spins briefly between calls).
+
+    python benches/linear_streaming.py [--threads 1] [--formats float32,bfloat16,int8,int4,gguf] [--rows 1]
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from pagedrs.models import load_model
 from pagedrs.models.layers import LinearBase
 
 
-def kernel_pass_seconds(model: torch.nn.Module, rows: int = 1, repeats: int = 7) -> float:
-    """Median CPU seconds of one pass over the model's linear closures at M = ``rows``."""
+def kernel_pass_seconds(model: torch.nn.Module, rows: int = 1, repeats: int = 7, clock: str = "cpu") -> float:
+    """Median CPU (or wall-clock) seconds of one pass over the model's linear closures at M = ``rows``."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
     layers = model.bind()  # type: ignore[operator]  # LlamaForCausalLM.bind
     calls = []
     for layer in layers:
@@ -54,9 +59,9 @@ def kernel_pass_seconds(model: torch.nn.Module, rows: int = 1, repeats: int = 7)
     with torch.inference_mode():
         one_pass()
         for _ in range(repeats):
-            start = time.process_time()
+            start = now()
             one_pass()
-            samples.append(time.process_time() - start)
+            samples.append(now() - start)
     return statistics.median(samples)
 
 
@@ -66,6 +71,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--formats", default="float32,bfloat16,int8,int4")
     parser.add_argument("--rows", default="1", help="comma-separated batch rows (M) per pass")
+    parser.add_argument("--clock", default="cpu", choices=["cpu", "wall"])
     args = parser.parse_args()
     try:
         all_rows = [int(r) for r in args.rows.split(",")]
@@ -90,12 +96,25 @@ def main() -> None:
             if label:
                 _to_row_major(loaded.model)
             for rows in all_rows:
-                seconds = kernel_pass_seconds(loaded.model, rows)
+                seconds = kernel_pass_seconds(loaded.model, rows, clock=args.clock)
                 bound = bandwidth / weight_bytes * rows
                 print(f"| {name}{label} | {rows} | {seconds * 1e3:.2f} | {weight_bytes / seconds / 1e9:.1f} | "
                       f"{rows / seconds:.0f} | {bound:.0f} | {rows / seconds / bound:.0%} |")
         del loaded
-    print(f"Machine: {describe_machine().describe()}")
+    print(f"Machine: {describe_machine().describe()}; {cpu_flags()}; clock {args.clock}")
+
+
+def cpu_flags() -> str:
+    """The instruction sets the kernels care about, from /proc/cpuinfo, and the GEMV kernels detected."""
+    from pagedrs._core import gemv_kernels
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        flags = set()
+    names = ("avx2", "avx512_vnni", "avx512_bf16", "amx_int8")
+    return "flags " + " ".join(f"{n}={'yes' if n in flags else 'no'}" for n in names) + f", gemv kernels {gemv_kernels()}"
 
 
 def _column_major(module: torch.nn.Module) -> bool:

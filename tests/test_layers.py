@@ -205,6 +205,10 @@ def test_auto_is_exact_for_hf_folders_and_nearest_for_quantized_gguf(monkeypatch
         resolve_weight_format("int3", F32, gguf_types=None, device=cpu)
     with pytest.raises(ValueError, match="weight_dtype 'int8' runs on the CPU only"):
         resolve_weight_format("int8", F32, gguf_types=None, device=torch.device("cuda"))
+    # gguf (the Rust GEMV over the file's blocks) only when asked for by name (models/quant.py says why)
+    assert resolve_weight_format("gguf", F32, gguf_types=["Q4_1"], device=cpu).name == "gguf"
+    with pytest.raises(ValueError, match="weight_dtype 'gguf' runs on the CPU only"):
+        resolve_weight_format("gguf", F32, gguf_types=None, device=torch.device("cuda"))
 
 
 @pytest.mark.parametrize("method_cls", [DenseLinearMethod, Int8WeightOnlyMethod, Int4WeightOnlyMethod])

@@ -13,6 +13,11 @@ Bounds (issue 12): int8 agreement >= 90% and perplexity within 2%; int4 perplexi
 10%, and (our own guard, measured 99%) agreement >= 95%. Both formats quantize the output
 head to int8 (an int4 head measured 88% agreement). The embedded GGUF is Q4_1: its float32 weights
 already sit on a 4-bit grid, which int4 (group 32) re-quantizes almost exactly.
+
+gguf (the file's own Q4_1 / Q8_0 blocks through the Rust GEMV, activations int8 per block of 32)
+measured 187/192 = 97.4% agreement and perplexity -0.51%: issue 30 asks for agreement within one
+point of int4's 99.0%, which this misses by 0.6 points (a float32 head instead of Q8_0 measured
+96.4%, so the loss is the body's activation rounding, not the head). The bound here guards 97%.
 """
 
 from __future__ import annotations
@@ -73,13 +78,15 @@ def reference(smollm2):
 
 
 @pytest.mark.parametrize(("weight_dtype", "min_agreement", "max_ppl_ratio"), [("int8", 0.90, 1.02),
-                                                                              ("int4", 0.95, 1.10)])
+                                                                              ("int4", 0.95, 1.10),
+                                                                              ("gguf", 0.97, 1.0057)])
 def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtype, min_agreement, max_ppl_ratio):
     prompts, continuations, ppl_fp32 = reference
     quantized = load_model("smollm2-135m", weight_dtype=weight_dtype)
     assert quantized.weight_format.name == weight_dtype
-    # the output head is int8 in both formats (a packed copy of the tied table); the lookup stays exact
-    assert quantized.model.lm_head.method.name == "int8"
+    # the output head is int8 in both aten formats (a packed copy of the tied table), the file's Q8_0 in
+    # gguf; the lookup stays exact
+    assert quantized.model.lm_head.method.name == ("gguf" if weight_dtype == "gguf" else "int8")
     assert quantized.model.model.embed_tokens.weight.dtype == torch.float32
     agree = total = 0
     first_miss = []
@@ -98,6 +105,7 @@ def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtyp
 
 
 def test_auto_on_the_q4_1_gguf_is_int4_where_bf16_is_fast(smollm2):
+    """gguf is asked for by name (models/quant.py: its agreement is short of issue 30's bound)."""
     from pagedrs.models.quant import cpu_has_fast_bf16
 
     auto = load_model("smollm2-135m")

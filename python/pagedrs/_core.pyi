@@ -321,5 +321,29 @@ class Scheduler:
 
 def cuda_sources() -> list[tuple[str, str]]:
     """File name -> text of the CUDA kernel sources compiled into this extension."""
+
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: bytes | None = None) -> list[int]:
     """The hashes of the full blocks of `token_ids`, as a scheduler names them (cached_hashes, KV events)."""
+
+class GgufMatrix:
+    """A GGUF-quantized weight ``[rows, cols]`` (Q4_0 / Q4_1 / Q8_0 raw block bytes) repacked once for the
+    Rust GEMV kernels; ``matmul`` quantizes ``x`` per block of 32 to int8 and releases the GIL.
+    Bad bytes, shapes or non-finite scales raise ValueError naming the tensor."""
+
+    def __init__(self, data: npt.NDArray[np.uint8], rows: int, cols: int, format: str, name: str = "weight") -> None: ...
+    @property
+    def rows(self) -> int: ...
+    @property
+    def cols(self) -> int: ...
+    @property
+    def format(self) -> Literal["q4_0", "q4_1", "q8_0"]: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes one product streams (the GGUF tensor's size)."""
+    def matmul(self, x: object, threads: int = 1, kernel: str | None = None) -> npt.NDArray[np.float32]:
+        """``x @ W.T`` [M, rows] for a float32 [M, cols] array or CPU tensor; ``kernel`` None = the fastest."""
+
+def gemv_kernels() -> list[str]:
+    """The GEMV kernels this CPU runs (run-time detection), slowest first: "scalar", "avx2", "avx512_vnni"."""

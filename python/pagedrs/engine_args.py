@@ -13,7 +13,7 @@ _LAYOUTS = ("paged", "contiguous")
 _PREEMPTION = ("swap", "recompute", "auto")
 _RESERVE = ("max_model_len", "request")
 _DTYPES = ("float32", "float16", "bfloat16")
-_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 # auto: pages in the model dtype; fp8_*: 8-bit pages with per-tensor scales (attention/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 

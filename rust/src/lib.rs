@@ -10,6 +10,7 @@
 //! - [`page_pool`]: the lock-free pool of free block ids of one tier.
 //! - [`block_manager`]: block tables, refcounts, copy-on-write, prefix cache, swap tiers.
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption.
+//! - [`gemv`]: GEMV over GGUF block formats (the CPU decode's linear layers), the one tensor kernel here.
 //! - `py` (feature `python`): the PyO3 bindings, and nothing else of PyO3.
 
 pub mod sync;
@@ -17,6 +18,7 @@ pub mod error;
 pub mod page_pool;
 pub mod block_manager;
 pub mod scheduler;
+pub mod gemv;
 
 #[cfg(feature = "python")]
 mod py;

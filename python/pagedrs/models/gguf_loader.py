@@ -249,3 +249,29 @@ def _atomic_write_text(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+def gguf_raw_linears(path: Path, config: dict[str, Any]) -> dict[str, tuple[np.ndarray, int, str]]:
+    """Raw block bytes of every 2-D Q4_0 / Q4_1 / Q8_0 tensor, by transformers name:
+    (uint8 [rows, bytes per row], cols, GGUF type name). Q/K rows are unpermuted like the
+    dequantized path (rows are whole block runs, so permuting rows of bytes is exact)."""
+    from pagedrs.models.gguf_linear import GGUF_BLOCK_TYPES
+
+    reader = open_gguf(path)
+    permuted = _ARCHITECTURES[_field(reader, "general.architecture")][1]
+    out: dict[str, tuple[np.ndarray, int, str]] = {}
+    for t in reader.tensors:
+        if len(t.shape) != 2 or t.tensor_type.name not in GGUF_BLOCK_TYPES or t.name == "rope_freqs.weight":
+            continue
+        name = _hf_name(t.name, path)
+        cols, rows = int(t.shape[0]), int(t.shape[1])
+        data = np.asarray(t.data, dtype=np.uint8)
+        if data.size % rows:
+            raise ValueError(f"GGUF tensor {t.name!r} in {str(path)!r}: {data.size} bytes do not split into {rows} rows")
+        blocks = torch.from_numpy(data.reshape(rows, -1).copy())  # a writable copy: the reader maps the file read-only
+        if permuted and name.endswith("q_proj.weight"):
+            blocks = unpermute_qk(blocks, config["num_attention_heads"])
+        elif permuted and name.endswith("k_proj.weight"):
+            blocks = unpermute_qk(blocks, config["num_key_value_heads"])
+        out[name] = (blocks.contiguous().numpy(), cols, t.tensor_type.name)
+    return out

@@ -104,6 +104,9 @@ def load_model(
             return _load_gguf(ggufs[0], ggufs[0].stem, torch_dtype, device, weight_dtype, skip_tokenizer_init)
         raise ValueError(f"model folder {str(path)!r} has no config.json (and not exactly one .gguf file)")
     fmt = resolve_weight_format(weight_dtype, torch_dtype, gguf_types=None, device=device)
+    if fmt.name == "gguf":
+        raise ValueError(f"weight_dtype 'gguf' needs a GGUF file; {str(path)!r} is a Hugging Face folder "
+                         "(use int4, int8, bfloat16 or float32)")
     return load_hf_folder(path, torch_dtype, device, name=path.name, weight_format=fmt,
                           skip_tokenizer_init=skip_tokenizer_init)
 
@@ -115,7 +118,14 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, 
     folder = convert_gguf_cached(path)
     types = linear_tensor_types(path) if weight_dtype == "auto" else None
     fmt = resolve_weight_format(weight_dtype, dtype, gguf_types=types, device=device)
-    return load_hf_folder(folder, dtype, device, name=name, weight_format=fmt, skip_tokenizer_init=skip_tokenizer_init)
+    loaded = load_hf_folder(folder, dtype, device, name=name, weight_format=fmt, skip_tokenizer_init=skip_tokenizer_init)
+    if fmt.name == "gguf":
+        from pagedrs.models.gguf_linear import install_gguf_weights
+        from pagedrs.models.gguf_loader import gguf_raw_linears
+
+        raw = gguf_raw_linears(path, json.loads((folder / "config.json").read_text()))
+        install_gguf_weights(loaded.model, raw, tied=loaded.config.tie_word_embeddings)
+    return loaded
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, name: str,

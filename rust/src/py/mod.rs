@@ -4,6 +4,7 @@ mod block_manager;
 pub(crate) mod convert;
 mod core_stats;
 mod cuda_sources;
+mod gemv;
 mod kv_events;
 mod prefix_hashes;
 mod scheduler;
@@ -21,5 +22,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     scheduler::register(m)?;
     cuda_sources::register(m)?;
     prefix_hashes::register(m)?;
+    gemv::register(m)?;
     Ok(())
 }

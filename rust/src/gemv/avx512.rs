@@ -1,0 +1,83 @@
+//! The AVX-512 VNNI kernel (`vpdpbusd`): one 16-row tile, one row per 32-bit lane of a zmm.
+//!
+//! `dpbusd` multiplies unsigned by signed bytes and adds groups of four into 32 bits without
+//! saturation. Q4: nibbles are the unsigned operand. Q8_0: weights `w ^ 0x80` (= w + 128) are
+//! the unsigned operand and `128 * sum(a)` is subtracted after. Float steps as in `scalar.rs`.
+//!
+//! The AVX-512 intrinsics are stable since Rust 1.89: this file needs that compiler although the
+//! crate still declares 1.82 (raising `rust-version` turns on lints across other modules).
+
+use std::arch::x86_64::*;
+
+use super::format::{Format, QK};
+use super::pack::TILE;
+use super::quantize::QuantizedActs;
+
+/// Whether this CPU can run the kernel.
+pub fn supported() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Same contract as `scalar::tile`.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW and VNNI (`supported()`); slice lengths as in
+/// `avx2::tile`'s `# Safety`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    let tbb = TILE * format.block_bytes();
+    let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
+    let low = _mm512_set1_epi8(0x0f);
+    let flip = _mm512_set1_epi8(-128);
+    for mi in 0..acts.m {
+        let mut acc = _mm512_setzero_ps();
+        for b in 0..blocks {
+            let ab = mi * blocks + b;
+            // SAFETY: b < blocks and ab < m * blocks, so every offset below stays inside the
+            // slices whose lengths the caller guarantees; all loads are unaligned.
+            unsafe {
+                let blk = tile.as_ptr().add(b * tbb);
+                let q = blk.add(qoff);
+                let a = acts.qs.as_ptr().add(ab * QK);
+                // Four activation bytes broadcast to every lane (a macro: closures lose the target features).
+                macro_rules! bc {
+                    ($i:expr) => {
+                        _mm512_set1_epi32((a.add($i) as *const i32).read_unaligned())
+                    };
+                }
+                let mut isum = _mm512_setzero_si512();
+                match format {
+                    Format::Q4_0 | Format::Q4_1 => {
+                        for v in 0..4 {
+                            let raw = _mm512_loadu_si512(q.add(v * 64) as *const __m512i);
+                            let lo = _mm512_and_si512(raw, low);
+                            let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                            isum = _mm512_dpbusd_epi32(isum, lo, bc!(8 * v));
+                            isum = _mm512_dpbusd_epi32(isum, hi, bc!(8 * v + 4));
+                        }
+                        if format == Format::Q4_0 {
+                            isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * *acts.sum.get_unchecked(ab)));
+                        }
+                    }
+                    Format::Q8_0 => {
+                        for v in 0..8 {
+                            let w = _mm512_xor_si512(_mm512_loadu_si512(q.add(v * 64) as *const __m512i), flip);
+                            isum = _mm512_dpbusd_epi32(isum, w, bc!(4 * v));
+                        }
+                        isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * *acts.sum.get_unchecked(ab)));
+                    }
+                }
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+                let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(s, _mm512_cvtepi32_ps(isum)));
+                if format == Format::Q4_1 {
+                    let mw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * TILE) as *const __m256i));
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(mw, _mm512_set1_ps(*acts.dsum.get_unchecked(ab))));
+                }
+            }
+        }
+        let o = &mut out[mi * TILE..(mi + 1) * TILE];
+        // SAFETY: `o` has exactly 16 f32, room for one unaligned 16-lane store.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
+    }
+}

@@ -1,0 +1,138 @@
+//! GEMV / small GEMM (M = 1..8 rows) over GGUF block formats, with int8 activations.
+//!
+//! Why: batch-1 decode on a CPU streams every weight once per token, so it is bound by
+//! memory bandwidth, and aten's int4/int8 kernels reach under 40% of it at M = 1. This
+//! module reads the GGUF blocks as they are (Q4_0, Q4_1, Q8_0), repacked once into 16-row
+//! tiles ([`pack`]), quantizes the activations per block of 32 ([`quantize`]) and computes
+//! integer dot products on the best kernel the CPU has, detected at run time ([`Kernel`]).
+//!
+//! Every kernel returns the same bits: integer sums inside a block, then the same f32 ops
+//! in block order per row (see [`scalar`]). Bounds are checked here, at the boundary.
+//!
+//! Files: [`format`] (block formats), [`pack`] (tiles), [`quantize`] (activations),
+//! [`scalar`] / [`avx2`] / [`avx512`] (kernels), [`pool`] (threads), [`error`].
+
+pub mod error;
+pub mod format;
+pub mod pack;
+pub mod pool;
+pub mod quantize;
+pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+// AVX-512 intrinsics are stable since Rust 1.89 (see avx512.rs).
+#[cfg(target_arch = "x86_64")]
+#[clippy::msrv = "1.89"]
+pub mod avx512;
+
+use rayon::prelude::*;
+
+pub use error::GemvError;
+pub use format::{Format, QK};
+pub use pack::{PackedMatrix, TILE};
+
+/// An implementation of the tile kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernel {
+    Scalar,
+    Avx2,
+    Avx512Vnni,
+}
+
+impl Kernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kernel::Scalar => "scalar",
+            Kernel::Avx2 => "avx2",
+            Kernel::Avx512Vnni => "avx512_vnni",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Kernel> {
+        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512Vnni].into_iter().find(|k| k.name() == name)
+    }
+
+    /// Whether this CPU can run it (detected at run time).
+    pub fn supported(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => avx2::supported(),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => avx512::supported(),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Every kernel this CPU runs, scalar first.
+    pub fn available() -> Vec<Kernel> {
+        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512Vnni].into_iter().filter(|k| k.supported()).collect()
+    }
+
+    /// The fastest kernel this CPU runs.
+    pub fn best() -> Kernel {
+        *Kernel::available().last().expect("scalar is always available")
+    }
+
+    fn run(self, w: &PackedMatrix, t: usize, acts: &quantize::QuantizedActs, out: &mut [f32]) {
+        let tile = w.tile(t);
+        match self {
+            Kernel::Scalar => scalar::tile(w.format, tile, w.blocks(), acts, out),
+            // SAFETY: `matmul` checked `supported()` for this kernel; `tile` is one whole tile
+            // of `blocks` blocks, `acts` holds `m * blocks` blocks and `out` is `m * 16` long.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => unsafe { avx2::tile(w.format, tile, w.blocks(), acts, out) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512Vnni => unsafe { avx512::tile(w.format, tile, w.blocks(), acts, out) },
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!("matmul checked supported()"),
+        }
+    }
+}
+
+impl PackedMatrix {
+    /// `out[m, N] = x[m, K] @ W^T` with `x` quantized per block of 32 to int8.
+    ///
+    /// Output rows are split over a persistent pool of `threads` workers (1: the calling
+    /// thread alone). Errors name the tensor: a shape mismatch, a non-finite input, an
+    /// unsupported kernel, `threads == 0`.
+    pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32], threads: usize, kernel: Kernel) -> Result<(), GemvError> {
+        let input = |reason: String| GemvError::Input { tensor: self.name.clone(), reason };
+        if m == 0 {
+            return Err(input("x has 0 rows; need >= 1".to_string()));
+        }
+        if x.len() != m * self.cols {
+            return Err(input(format!("x has {} values; [{m}, {}] needs {}", x.len(), self.cols, m * self.cols)));
+        }
+        if out.len() != m * self.rows {
+            return Err(input(format!("out has {} values; [{m}, {}] needs {}", out.len(), self.rows, m * self.rows)));
+        }
+        if !kernel.supported() {
+            return Err(input(format!("kernel {:?} is not supported by this CPU", kernel.name())));
+        }
+        let acts = quantize::quantize(x, m, self.cols)
+            .map_err(|(row, col)| GemvError::NonFiniteInput { tensor: self.name.clone(), row, col })?;
+        let chunk = m * TILE;
+        let mut tiled = vec![0f32; self.tiles() * chunk];
+        if threads == 1 {
+            for (t, o) in tiled.chunks_exact_mut(chunk).enumerate() {
+                kernel.run(self, t, &acts, o);
+            }
+        } else {
+            let pool = pool::pool(threads)?;
+            pool.install(|| {
+                tiled.par_chunks_exact_mut(chunk).enumerate().for_each(|(t, o)| kernel.run(self, t, &acts, o));
+            });
+        }
+        for (t, o) in tiled.chunks_exact(chunk).enumerate() {
+            let n0 = t * TILE;
+            let width = TILE.min(self.rows - n0);
+            for mi in 0..m {
+                out[mi * self.rows + n0..][..width].copy_from_slice(&o[mi * TILE..][..width]);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,59 @@
+//! The portable kernel: one 16-row tile, any CPU. The reference the SIMD kernels must equal bit for bit.
+//!
+//! Per row and block: the exact integer dot product `isum` (Q4_0: of `q - 8`), then, in this
+//! order, `acc = acc + (d_w * d_a) * isum` and for Q4_1 `acc = acc + m_w * (d_a * sum_a)`,
+//! blocks in order. The SIMD kernels do the same f32 operations lane by lane.
+
+use super::format::{f16_to_f32, Format, QK};
+use super::pack::TILE;
+use super::quantize::QuantizedActs;
+
+/// `out[mi * 16 + j]` = row `j` of the tile times activation row `mi`.
+pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    let tbb = TILE * format.block_bytes();
+    let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
+    for mi in 0..acts.m {
+        let mut acc = [0f32; TILE];
+        for b in 0..blocks {
+            let blk = &tile[b * tbb..(b + 1) * tbb];
+            let ab = mi * blocks + b;
+            let a = &acts.qs[ab * QK..(ab + 1) * QK];
+            let q = &blk[qoff..];
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let isum = match format {
+                    Format::Q4_0 | Format::Q4_1 => {
+                        let mut s = 0i32;
+                        for v in 0..4 {
+                            for i in 0..4 {
+                                let byte = q[v * 64 + j * 4 + i];
+                                s += (byte & 0x0f) as i32 * a[8 * v + i] as i32;
+                                s += (byte >> 4) as i32 * a[8 * v + 4 + i] as i32;
+                            }
+                        }
+                        if format == Format::Q4_0 {
+                            s - 8 * acts.sum[ab]
+                        } else {
+                            s
+                        }
+                    }
+                    Format::Q8_0 => {
+                        let mut s = 0i32;
+                        for v in 0..8 {
+                            for i in 0..4 {
+                                s += q[v * 64 + j * 4 + i] as i8 as i32 * a[4 * v + i] as i32;
+                            }
+                        }
+                        s
+                    }
+                };
+                let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
+                *acc += (dw * acts.d[ab]) * isum as f32;
+                if format == Format::Q4_1 {
+                    let mw = f16_to_f32(u16::from_le_bytes([blk[2 * TILE + 2 * j], blk[2 * TILE + 2 * j + 1]]));
+                    *acc += mw * acts.dsum[ab];
+                }
+            }
+        }
+        out[mi * TILE..(mi + 1) * TILE].copy_from_slice(&acc);
+    }
+}

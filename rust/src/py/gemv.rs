@@ -1,0 +1,122 @@
+//! `pagedrs._core.GgufMatrix`: a GGUF-quantized weight repacked for the GEMV kernels, and
+//! `gemv_kernels()`, the kernels this CPU runs. The GIL is released while a product runs.
+
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::gemv::{Format, GemvError, Kernel, PackedMatrix};
+
+fn value_err(e: GemvError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// A weight `[rows, cols]` from raw GGUF block bytes; `matmul(x)` computes `x @ W.T`.
+#[pyclass(name = "GgufMatrix", module = "pagedrs._core", frozen)]
+pub struct PyGgufMatrix {
+    inner: PackedMatrix,
+}
+
+#[pymethods]
+impl PyGgufMatrix {
+    #[new]
+    #[pyo3(signature = (data, rows, cols, format, name = "weight"))]
+    fn new(py: Python<'_>, data: PyReadonlyArray1<'_, u8>, rows: usize, cols: usize, format: &str, name: &str) -> PyResult<Self> {
+        let fmt = Format::parse(format)
+            .ok_or_else(|| value_err(GemvError::UnknownFormat { tensor: name.to_string(), format: format.to_string() }))?;
+        let raw = data.as_slice().map_err(|_| {
+            PyValueError::new_err(format!("tensor {name:?}: data must be a contiguous 1-D uint8 array"))
+        })?;
+        let inner = py.detach(|| PackedMatrix::from_gguf(name, raw, rows, cols, fmt)).map_err(value_err)?;
+        Ok(PyGgufMatrix { inner })
+    }
+
+    #[getter]
+    fn rows(&self) -> usize {
+        self.inner.rows()
+    }
+    #[getter]
+    fn cols(&self) -> usize {
+        self.inner.cols()
+    }
+    #[getter]
+    fn format(&self) -> &'static str {
+        self.inner.format().name()
+    }
+    #[getter]
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    /// Bytes one product streams (the GGUF tensor's size).
+    #[getter]
+    fn weight_bytes(&self) -> usize {
+        self.inner.weight_bytes()
+    }
+
+    /// `x @ W.T` as a new float32 array `[M, rows]`; `x` is a float32 `[M, cols]` NumPy array
+    /// or CPU torch tensor. `kernel` None picks the fastest this CPU runs.
+    #[pyo3(signature = (x, threads = 1, kernel = None))]
+    fn matmul<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        threads: usize,
+        kernel: Option<&str>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let name = self.inner.name();
+        let kernel = match kernel {
+            None => Kernel::best(),
+            Some(k) => Kernel::parse(k).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "tensor {name:?}: kernel {k:?} is unknown; allowed: \"scalar\", \"avx2\", \"avx512_vnni\""
+                ))
+            })?,
+        };
+        let is_array = x.cast::<PyArray2<f32>>().is_ok();
+        // A torch tensor: its NumPy view (zero-copy on the CPU).
+        let arr = if is_array || !x.hasattr("numpy")? { x.clone() } else { x.call_method0("numpy")? };
+        let arr = arr.cast::<PyArray2<f32>>().map_err(|_| {
+            PyTypeError::new_err(format!("tensor {name:?}: x must be a 2-D float32 NumPy array or CPU torch tensor"))
+        })?;
+        let ro = arr.readonly();
+        let m = ro.shape()[0];
+        if ro.shape()[1] != self.inner.cols() {
+            return Err(PyValueError::new_err(format!(
+                "tensor {name:?}: x has shape [{m}, {}]; this weight needs [M, {}]",
+                ro.shape()[1],
+                self.inner.cols()
+            )));
+        }
+        let copy;
+        let xs = match ro.as_slice() {
+            Ok(s) => s,
+            Err(_) => {
+                copy = ro.as_array().iter().copied().collect::<Vec<f32>>();
+                &copy[..]
+            }
+        };
+        let out = PyArray2::<f32>::zeros(py, [m, self.inner.rows()], false);
+        {
+            let mut rw = out.readwrite();
+            let os = rw.as_slice_mut().expect("a new array is contiguous");
+            py.detach(|| self.inner.matmul(xs, m, os, threads, kernel)).map_err(value_err)?;
+        }
+        Ok(out)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("GgufMatrix(name={:?}, rows={}, cols={}, format={:?})", self.inner.name(), self.inner.rows(),
+                self.inner.cols(), self.inner.format().name())
+    }
+}
+
+/// The GEMV kernels this CPU runs (detected at run time), slowest first; the last is the default.
+#[pyfunction]
+fn gemv_kernels() -> Vec<&'static str> {
+    Kernel::available().into_iter().map(Kernel::name).collect()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyGgufMatrix>()?;
+    m.add_function(wrap_pyfunction!(gemv_kernels, m)?)
+}

@@ -1,0 +1,198 @@
+//! Property tests of the GEMV kernels: every kernel this CPU runs (scalar always) returns the
+//! same bits, and each is within its error bound of a float64 reference.
+
+use pagedrs::gemv::format::f16_to_f32;
+use pagedrs::gemv::quantize::quantize;
+use pagedrs::gemv::{Format, GemvError, Kernel, PackedMatrix, QK};
+use proptest::prelude::*;
+
+/// A finite f16 of magnitude in [2^-10, 1) with a random sign.
+fn f16_bits(r: u32) -> u16 {
+    let sign = ((r >> 31) as u16) << 15;
+    let exp = 5 + (r >> 10) % 10;
+    sign | ((exp as u16) << 10) | (r & 0x3ff) as u16
+}
+
+/// xorshift: deterministic per case, so the raw bytes follow from the proptest seed.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 16) as u32
+    }
+}
+
+/// Random GGUF bytes of a [rows, cols] tensor.
+fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut raw = Vec::new();
+    for _ in 0..rows * cols / QK {
+        raw.extend_from_slice(&f16_bits(rng.next()).to_le_bytes());
+        if format.has_min() {
+            raw.extend_from_slice(&f16_bits(rng.next()).to_le_bytes());
+        }
+        for _ in 0..format.quant_bytes() {
+            raw.push(rng.next() as u8);
+        }
+    }
+    raw
+}
+
+/// The weights, decoded from the GGUF bytes with the format's definition (independent of the packer).
+fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> {
+    let bb = format.block_bytes();
+    let mut w = vec![0f64; rows * cols];
+    for (i, blk) in raw.chunks_exact(bb).enumerate() {
+        let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) as f64;
+        let out = &mut w[i * QK..(i + 1) * QK];
+        match format {
+            Format::Q4_0 => (0..QK).for_each(|e| out[e] = (nibble(&blk[2..], e) as f64 - 8.0) * d),
+            Format::Q4_1 => {
+                let m = f16_to_f32(u16::from_le_bytes([blk[2], blk[3]])) as f64;
+                (0..QK).for_each(|e| out[e] = nibble(&blk[4..], e) as f64 * d + m);
+            }
+            Format::Q8_0 => (0..QK).for_each(|e| out[e] = blk[2 + e] as i8 as f64 * d),
+        }
+    }
+    w
+}
+
+fn nibble(q: &[u8], e: usize) -> u8 {
+    if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 }
+}
+
+fn run(w: &PackedMatrix, x: &[f32], m: usize, threads: usize, kernel: Kernel) -> Vec<f32> {
+    let mut out = vec![f32::NAN; m * w.rows()];
+    w.matmul(x, m, &mut out, threads, kernel).unwrap();
+    out
+}
+
+fn check(format: Format, rows: usize, blocks: usize, m: usize, seed: u64) {
+    let cols = blocks * QK;
+    let mut rng = Rng(seed | 1);
+    let raw = random_gguf(format, rows, cols, &mut rng);
+    let x: Vec<f32> = (0..m * cols).map(|_| (rng.next() as f32 / u32::MAX as f32 - 0.5) * 4.0).collect();
+    let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
+    let reference = run(&w, &x, m, 1, Kernel::Scalar);
+    for kernel in Kernel::available() {
+        for threads in [1, 2] {
+            let got = run(&w, &x, m, threads, kernel);
+            let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{kernel:?} x{threads} differs from scalar ({format:?} rows={rows} cols={cols} m={m})");
+        }
+    }
+    // Float64 reference: dequantized weights times the quantized activations.
+    let wf = dequantize(format, &raw, rows, cols);
+    let acts = quantize(&x, m, cols).unwrap();
+    for mi in 0..m {
+        let xq: Vec<f64> =
+            (0..cols).map(|c| acts.qs[mi * cols + c] as f64 * acts.d[mi * blocks + c / QK] as f64).collect();
+        for r in 0..rows {
+            let wr = &wf[r * cols..(r + 1) * cols];
+            let exact: f64 = wr.iter().zip(&xq).map(|(a, b)| a * b).sum();
+            // f32 rounding: each block adds at most two products and one sum, each within half
+            // an ulp of its magnitude; bound by the sum of the terms' magnitudes.
+            let mag: f64 = wr.iter().zip(&xq).map(|(a, b)| (a * b).abs()).sum();
+            let bound = 3.0 * (blocks as f64 + 2.0) * f32::EPSILON as f64 * mag + 1e-30;
+            let got = reference[mi * rows + r] as f64;
+            assert!((got - exact).abs() <= bound, "row {r} m {mi}: {got} vs {exact} (bound {bound})");
+            // And against the unquantized x: the activation rounding is at most d_a / 2 per value.
+            let xf: Vec<f64> = x[mi * cols..(mi + 1) * cols].iter().map(|&v| v as f64).collect();
+            let full: f64 = wr.iter().zip(&xf).map(|(a, b)| a * b).sum();
+            let qbound: f64 =
+                (0..cols).map(|c| wr[c].abs() * acts.d[mi * blocks + c / QK] as f64 * 0.5).sum::<f64>() + bound;
+            assert!((got - full).abs() <= qbound, "row {r} m {mi}: {got} vs float {full} (bound {qbound})");
+        }
+    }
+}
+
+fn format_strategy() -> impl Strategy<Value = Format> {
+    prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn kernels_agree_and_meet_the_bound(format in format_strategy(), rows in 1usize..70, blocks in 1usize..14,
+                                        m in 1usize..=8, seed in any::<u64>()) {
+        check(format, rows, blocks, m, seed);
+    }
+}
+
+#[test]
+fn smollm2_shapes_agree() {
+    for (format, rows, cols) in [(Format::Q4_1, 960, 576), (Format::Q4_0, 576, 1536), (Format::Q8_0, 1000, 576)] {
+        check(format, rows, cols / QK, 1, 7);
+    }
+}
+
+#[test]
+fn extreme_activations_do_not_overflow() {
+    // All nibbles 15 (Q4) / all -128 (Q8) against activations of one sign: the largest integer sums.
+    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
+        let (rows, cols) = (17, 64);
+        let mut raw = Vec::new();
+        for _ in 0..rows * cols / QK {
+            raw.extend_from_slice(&0x3c00u16.to_le_bytes());
+            if format.has_min() {
+                raw.extend_from_slice(&0u16.to_le_bytes());
+            }
+            raw.extend(std::iter::repeat_n(if format == Format::Q8_0 { 0x80 } else { 0xff }, format.quant_bytes()));
+        }
+        let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
+        let x = vec![-1.0f32; cols];
+        let expected = match format {
+            Format::Q4_0 => -7.0 * cols as f32,
+            Format::Q4_1 => -15.0 * cols as f32,
+            Format::Q8_0 => 128.0 * cols as f32,
+        };
+        for kernel in Kernel::available() {
+            let got = run(&w, &x, 1, 1, kernel);
+            assert!(got.iter().all(|&v| v == expected), "{kernel:?} {format:?}: {:?} != {expected}", &got[..2]);
+        }
+    }
+}
+
+#[test]
+fn zero_block_quantizes_to_zero() {
+    let acts = quantize(&[0.0; 32], 1, 32).unwrap();
+    assert_eq!((acts.d[0], acts.sum[0]), (0.0, 0));
+    assert!(acts.qs.iter().all(|&q| q == 0));
+}
+
+#[test]
+fn bad_input_names_the_tensor() {
+    let raw = vec![0u8; 2 * 18];
+    let err = PackedMatrix::from_gguf("blk.0.attn_q.weight", &raw[..35], 2, 32, Format::Q4_0).unwrap_err();
+    assert!(matches!(err, GemvError::ByteCount { expected: 36, got: 35, .. }), "{err:?}");
+    assert!(err.to_string().contains("blk.0.attn_q.weight"));
+    let err = PackedMatrix::from_gguf("w", &raw, 1, 48, Format::Q4_0).unwrap_err();
+    assert!(matches!(err, GemvError::BadShape { .. }) && err.to_string().contains("multiple of the block size 32"));
+    let mut nan = raw.clone();
+    nan[18..20].copy_from_slice(&0x7e00u16.to_le_bytes());
+    let err = PackedMatrix::from_gguf("w", &nan, 2, 32, Format::Q4_0).unwrap_err();
+    assert!(matches!(err, GemvError::NonFiniteScale { field: "d", row: 1, block: 0, .. }), "{err:?}");
+    let mut inf_min = vec![0u8; 20];
+    inf_min[2..4].copy_from_slice(&0xfc00u16.to_le_bytes());
+    let err = PackedMatrix::from_gguf("w", &inf_min, 1, 32, Format::Q4_1).unwrap_err();
+    assert!(matches!(err, GemvError::NonFiniteScale { field: "m", .. }), "{err:?}");
+    let w = PackedMatrix::from_gguf("w", &raw, 2, 32, Format::Q4_0).unwrap();
+    let mut out = vec![0f32; 2];
+    let mut x = vec![1f32; 32];
+    x[5] = f32::NAN;
+    let err = w.matmul(&x, 1, &mut out, 1, Kernel::Scalar).unwrap_err();
+    assert!(matches!(err, GemvError::NonFiniteInput { row: 0, col: 5, .. }), "{err:?}");
+    assert!(matches!(w.matmul(&x[..31], 1, &mut out, 1, Kernel::Scalar), Err(GemvError::Input { .. })));
+    assert!(matches!(w.matmul(&[1.0; 32], 1, &mut out, 0, Kernel::Scalar), Err(GemvError::Threads { .. })));
+}
+
+#[test]
+fn this_machine_reports_its_kernels() {
+    // Never assumed: the list comes from run-time detection; scalar is always there.
+    let kernels = Kernel::available();
+    assert_eq!(kernels[0], Kernel::Scalar);
+    #[cfg(target_arch = "x86_64")]
+    assert_eq!(kernels.contains(&Kernel::Avx2), is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c"));
+    eprintln!("gemv kernels on this machine: {kernels:?}");
+}

@@ -1,0 +1,150 @@
+"""The Rust GEMV over GGUF blocks (``pagedrs._core.GgufMatrix``) from Python.
+
+The reference is gguf-py's own definition of the formats (``gguf.quants`` quantizes and
+dequantizes), so these tests check our reading of the GGUF layout independently of the
+Rust tests: every kernel this CPU runs gives the same bits, within the float64 bound of the
+dequantized weights times the quantized activations, and bad input raises ValueError
+naming the tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from pagedrs import _core
+
+FORMATS = ["q4_0", "q4_1", "q8_0"]
+KERNELS = _core.gemv_kernels()
+
+
+def _gguf(fmt: str, rows: int, cols: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(raw block bytes, float64 dequantized weights) of a random [rows, cols] tensor."""
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
+    qtype = GGMLQuantizationType[fmt.upper()]
+    raw = quantize(w, qtype)
+    return raw.reshape(-1), dequantize(raw, qtype).astype(np.float64).reshape(rows, cols)
+
+
+def _quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's Q8 scheme in numpy: (x rounded to its int8 grid, the per-value scale d)."""
+    blocks = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    scaled = (blocks * inv).astype(np.float64)  # the f32 product, as the Rust code forms it
+    q = np.clip(np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), -127, 127)  # roundf: half away from zero
+    return (q * d).reshape(x.shape).astype(np.float64), np.broadcast_to(d, blocks.shape).reshape(x.shape)
+
+
+def test_scalar_is_always_available() -> None:
+    assert KERNELS[0] == "scalar"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(("rows", "cols", "m"), [(1, 32, 1), (37, 96, 3), (130, 576, 8), (16, 1536, 2)])
+def test_kernels_agree_and_match_gguf(fmt: str, rows: int, cols: int, m: int) -> None:
+    raw, w = _gguf(fmt, rows, cols, seed=rows * cols + m)
+    mat = _core.GgufMatrix(raw, rows, cols, fmt, "blk.0.test")
+    assert (mat.rows, mat.cols, mat.format, mat.weight_bytes) == (rows, cols, fmt, raw.size)
+    x = np.random.default_rng(m).standard_normal((m, cols)).astype(np.float32)
+    outs = {k: mat.matmul(x, threads=t, kernel=k) for k in KERNELS for t in (1, 2)}
+    first = outs[KERNELS[0]]
+    assert first.shape == (m, rows) and first.dtype == np.float32
+    for k, y in outs.items():
+        assert np.array_equal(y.view(np.uint32), first.view(np.uint32)), f"kernel {k} differs from scalar"
+    xq, d = _quantized_activations(x)
+    exact = xq @ w.T
+    bound = 3 * (cols / 32 + 2) * np.finfo(np.float32).eps * (np.abs(xq) @ np.abs(w).T) + 1e-6
+    assert np.all(np.abs(first - exact) <= bound)
+    # Against unquantized activations: each value is off by at most d / 2.
+    assert np.all(np.abs(first - x.astype(np.float64) @ w.T) <= (d / 2) @ np.abs(w).T + bound)
+
+
+def test_torch_and_strided_inputs() -> None:
+    raw, _ = _gguf("q4_1", 48, 64, seed=1)
+    mat = _core.GgufMatrix(raw, 48, 64, "Q4_1")
+    x = torch.randn(3, 128)[:, ::2]  # not contiguous
+    assert np.array_equal(mat.matmul(x), mat.matmul(np.ascontiguousarray(x.numpy())))
+    assert np.array_equal(mat.matmul(torch.ones(1, 64)), mat.matmul(np.ones((1, 64), np.float32)))
+
+
+def test_bad_input_names_the_tensor() -> None:
+    raw, _ = _gguf("q4_0", 4, 64, seed=2)
+    with pytest.raises(ValueError, match=r'"blk.3.ffn_up.weight".*needs 144 bytes, got 143'):
+        _core.GgufMatrix(raw[:-1], 4, 64, "q4_0", "blk.3.ffn_up.weight")
+    with pytest.raises(ValueError, match="multiple of the block size 32"):
+        _core.GgufMatrix(raw, 8, 36, "q4_0", "w")
+    with pytest.raises(ValueError, match=r'format "q5_k" is not supported; allowed: "q4_0", "q4_1", "q8_0"'):
+        _core.GgufMatrix(raw, 4, 64, "q5_k", "w")
+    nan = raw.copy()
+    nan[18:20] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # row 0, block 1's d
+    with pytest.raises(ValueError, match=r'"w": scale field "d" of row 0, block 1 is not finite'):
+        _core.GgufMatrix(nan, 4, 64, "q4_0", "w")
+    mat = _core.GgufMatrix(raw, 4, 64, "q4_0", "w")
+    with pytest.raises(ValueError, match=r"x has shape \[1, 32\]; this weight needs \[M, 64\]"):
+        mat.matmul(np.ones((1, 32), np.float32))
+    with pytest.raises(TypeError, match="2-D float32"):
+        mat.matmul(np.ones((1, 64), np.float64))
+    bad = np.ones((2, 64), np.float32)
+    bad[1, 7] = np.inf
+    with pytest.raises(ValueError, match=r"x\[1, 7\] is NaN or infinite"):
+        mat.matmul(bad)
+    with pytest.raises(ValueError, match="threads is 0"):
+        mat.matmul(np.ones((2, 64), np.float32), threads=0)
+    with pytest.raises(ValueError, match='kernel "avx9" is unknown'):
+        mat.matmul(np.ones((1, 64), np.float32), kernel="avx9")
+
+
+def test_embedded_head_through_the_kernel() -> None:
+    """SmolLM2's own Q8_0 token embedding (the tied head): the kernel against gguf-py's dequantization."""
+    from pagedrs.models.gguf_loader import open_gguf
+    from pagedrs.models.loader import embedded_model_path
+
+    reader = open_gguf(embedded_model_path())
+    (t,) = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    cols, rows = (int(s) for s in t.shape)
+    data = np.ascontiguousarray(t.data[:512]).reshape(-1)  # the first 512 rows
+    mat = _core.GgufMatrix(data, 512, cols, t.tensor_type.name, t.name)
+    w = dequantize(np.asarray(t.data[:512]), t.tensor_type).astype(np.float64)
+    x = np.random.default_rng(0).standard_normal((2, cols)).astype(np.float32)
+    xq, _ = _quantized_activations(x)
+    y = mat.matmul(x)
+    assert np.abs(y - xq @ w.T).max() <= 1e-4 * np.abs(xq @ w.T).max()
+
+
+@pytest.fixture(scope="module")
+def gguf_model():
+    from pagedrs.models import load_model
+
+    return load_model("smollm2-135m", weight_dtype="gguf")
+
+
+def test_gguf_layers_hold_the_files_blocks(gguf_model) -> None:
+    """Fused QKV = the file's q, k, v blocks (Q/K rows unpermuted), multiplied exactly as one GgufMatrix."""
+    from pagedrs.models.gguf_loader import open_gguf, unpermute_qk
+    from pagedrs.models.loader import embedded_model_path
+
+    model = gguf_model.model
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight is None and qkv.gguf_matrix.format == "q4_1" and qkv.gguf_matrix.rows == 960
+    assert model.lm_head.gguf_matrix.format == "q8_0" and model.lm_head.gguf_matrix.rows == 49152
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup stays exact
+    reader = open_gguf(embedded_model_path())
+    tensors = {t.name: t for t in reader.tensors}
+    config = gguf_model.config
+
+    def deq(name: str) -> torch.Tensor:
+        t = tensors[name]
+        return torch.from_numpy(dequantize(np.asarray(t.data), t.tensor_type).astype(np.float64))
+
+    w = torch.cat([unpermute_qk(deq("blk.0.attn_q.weight"), config.num_attention_heads),
+                   unpermute_qk(deq("blk.0.attn_k.weight"), config.num_key_value_heads), deq("blk.0.attn_v.weight")])
+    x = torch.randn(2, 576)
+    xq, _ = _quantized_activations(x.numpy())
+    y = model.bind()[0].qkv(x)
+    expected = torch.from_numpy(xq) @ w.T
+    assert (y.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    assert model.weight_bytes() == sum(t.n_bytes for t in reader.tensors if len(t.shape) == 2 and t.name != "output.weight")
