@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 from pagedrs.ray.asgi import ForwardedRequest, ResponseStart, forward
 
 REPLICA_HEADER = b"x-pagedrs-replica"
+LOAD_HEADER = b"x-pagedrs-replica-load"  # requests this replica held when this one arrived, itself included
 
 
 def _replica_name() -> str:
@@ -68,16 +69,24 @@ class PagedrsReplica:
         self._app = build_app(self._loop, config.model_name, config.max_waiting, self._options)
         self._digests = itertools.count()
         self._name = _replica_name()
+        self._active = 0  # requests in handle() now
 
 
     async def handle(self, request: ForwardedRequest,
                      route: Optional[list[int]] = None) -> AsyncIterator[Union[ResponseStart, bytes]]:
         """The response to one forwarded request (``route`` is the router's, unused here), with
-        ``x-pagedrs-replica`` naming the replica that answered (Ray's actor name of it)."""
-        async for item in forward(self._app, request):
-            if isinstance(item, ResponseStart):
-                item = ResponseStart(item.status, [*item.headers, (REPLICA_HEADER, self._name.encode("latin-1"))])
-            yield item
+        ``x-pagedrs-replica`` naming the replica that answered (Ray's actor name of it) and
+        ``x-pagedrs-replica-load`` the requests it held when this one arrived (itself included)."""
+        self._active += 1
+        held = self._active
+        try:
+            async for item in forward(self._app, request):
+                if isinstance(item, ResponseStart):
+                    item = ResponseStart(item.status, [*item.headers, (REPLICA_HEADER, self._name.encode("latin-1")),
+                                                       (LOAD_HEADER, str(held).encode())])
+                yield item
+        finally:
+            self._active -= 1
 
     def describe(self) -> ReplicaInfo:
         return ReplicaInfo(self._engine.tokenizer, int(self._args.block_size), bool(self._args.enable_prefix_caching),

@@ -12,6 +12,7 @@ itself is ``routing.rank``; this class only keeps the views up to date.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
@@ -19,6 +20,8 @@ from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, R
 from pagedrs.ray.routing import DEFAULT_EPSILON, ReplicaView, rank
 
 logger = logging.getLogger(__name__)
+
+PICK_TTL_S = 5.0  # a pick no request confirms (cancelled before it was sent) stops counting then
 
 
 class CacheAffinityRouter(RequestRouter):
@@ -33,7 +36,19 @@ class CacheAffinityRouter(RequestRouter):
         self._views: dict[ReplicaID, ReplicaView] = {}
         self._digest_seen: dict[ReplicaID, int] = {}  # the digest's sequence number, per replica
         self._inflight: dict[str, ReplicaID] = {}  # internal request id -> where it went
+        # Ray runs several routing tasks at once: a pick counts against its replica from the moment
+        # it is made, not only once Ray reports the request routed, or concurrent picks all see the
+        # same loads and pile onto one replica. Entries no request confirms expire.
+        self._picked: dict[str, tuple[ReplicaID, float]] = {}
         self.routed_by_match = 0  # requests that went where a prefix was cached (for the bench)
+
+    def _loads(self) -> dict[Any, float]:
+        now = time.monotonic()
+        self._picked = {k: v for k, v in self._picked.items() if now - v[1] < PICK_TTL_S}
+        extra: dict[Any, float] = {}
+        for rid, _ in self._picked.values():
+            extra[rid] = extra.get(rid, 0.0) + 1.0
+        return extra
 
     def _view(self, replica: RunningReplica) -> ReplicaView:
         rid = replica.replica_id
@@ -54,14 +69,20 @@ class CacheAffinityRouter(RequestRouter):
             return []
         route: list[int] = list((pending_request.kwargs.get("route") if pending_request is not None else None) or ())
         by_key: dict[Any, RunningReplica] = {r.replica_id: r for r in candidate_replicas}
+        extra = self._loads()
         views = [self._view(r) for r in candidate_replicas]
-        return [[by_key[v.key] for v in tier] for tier in rank(route, views, self._epsilon) if tier]
+        counted = [ReplicaView(v.key, v.load + extra.get(v.key, 0.0), v.cached) for v in views]
+        tiers = [[by_key[v.key] for v in tier] for tier in rank(route, counted, self._epsilon) if tier]
+        if pending_request is not None and tiers:
+            self._picked[pending_request.metadata.internal_request_id] = (tiers[0][0].replica_id, time.monotonic())
+        return tiers
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         view = self._views.get(replica_id)
         if view is None:
             return
         view.load += 1.0
+        self._picked.pop(pending_request.metadata.internal_request_id, None)
         self._inflight[pending_request.metadata.internal_request_id] = replica_id
         route = pending_request.kwargs.get("route") or ()
         view.cached.update(route)  # it will hold the prompt's pages once it ran it
