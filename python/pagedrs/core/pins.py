@@ -110,6 +110,10 @@ class PinRegistry:
         if len(tokens) < block_size:
             return _refused("invalid", f"the prompt has {len(tokens)} tokens; a pin holds whole pages, so it needs at "
                                        f"least block_size = {block_size} tokens")
+        pool = scheduler.num_gpu_blocks
+        if len(tokens) // block_size >= pool:  # its prefill (prompt + one token) could never run
+            return _refused("invalid", f"the prompt has {len(tokens)} tokens, {len(tokens) // block_size} pages of "
+                                       f"{block_size}; the device pool holds {pool} pages: it can never be pinned")
         array = np.asarray(tokens, dtype=np.uint32)
         new, pinned, cap = scheduler.num_new_pinned_blocks(array, cache_salt=salt), scheduler.num_pinned_blocks(), self.cap_blocks
         if pinned + new > cap:
