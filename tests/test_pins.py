@@ -237,3 +237,97 @@ def test_llm_pin_prefix_with_chat_messages(tiny_llama_dir):
         out = llm.generate([{"prompt_token_ids": chat}], greedy(2), use_tqdm=False)[0]
         assert out.num_cached_tokens >= len(system) // BLOCK * BLOCK - BLOCK
         llm.unpin(pin_id)
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+ADMIN, TENANT = "sk-admin", "sk-tenant"
+SERVER_KW: dict[str, Any] = dict(device="cpu", dtype="float32", block_size=8, num_gpu_blocks=32, max_model_len=64,
+                                 kv_host_cache_gb=0)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.mark.parametrize("core_process", [False, True])
+def test_the_cache_endpoints_pin_list_unpin_behind_the_admin_key(tiny_llama_dir: Path, core_process: bool) -> None:
+    from pagedrs.server.options import ServerOptions
+    from server_fakes import assert_nothing_left, live_server
+
+    options = ServerOptions(api_key=TENANT, admin_api_key=ADMIN)
+    prompt = list(range(5, 25))  # 20 tokens: 2 full pages of 8
+    with live_server(tiny_llama_dir, SERVER_KW, "tiny", core_process=core_process, options=options) as live:
+        def call(method: str, path: str, key: str = ADMIN, **kw: Any) -> httpx.Response:
+            return httpx.request(method, live.url + path, headers=bearer(key), timeout=120, **kw)
+
+        assert call("POST", "/v1/cache/pin", key=TENANT, json={"prompt": prompt}).status_code == 401
+        assert call("GET", "/v1/cache", key=TENANT).status_code == 401
+        before = time.time()
+        pinned = call("POST", "/v1/cache/pin", json={"prompt": prompt, "ttl_s": 600})
+        assert pinned.status_code == 200, pinned.text
+        body = pinned.json()
+        assert (body["num_tokens"], body["num_pages"], body["ttl_s"]) == (16, 2, 600)
+        assert before + 590 < body["expires_at"] <= time.time() + 600
+        info = call("GET", "/v1/cache").json()
+        assert [p["id"] for p in info["pins"]] == [body["id"]] and 0 < info["pins"][0]["ttl_left_s"] <= 600
+        assert (info["pinned_pages"], info["max_pinned_pages"], info["total_pages"]["device"]) == (2, 8, 32)
+        assert info["cached_pages"]["device"] >= 2 and 0 <= info["hit_rate"] <= 1
+        done = call("POST", "/v1/completions", key=TENANT,
+                    json={"model": "tiny", "prompt": prompt + [3], "max_tokens": 2, "temperature": 0.0})
+        assert done.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 16, done.text
+        metrics = call("GET", "/metrics").text
+        assert "pagedrs_prefix_pins 1.0" in metrics and "pagedrs_pinned_blocks 2.0" in metrics
+        assert 'pagedrs_prefix_pin_requests_total{outcome="pinned"} 1.0' in metrics
+
+        # bad bodies: 400 naming the field; past the cap: 409 naming it
+        for bad, field in [({"prompt": prompt, "ttl_s": -1}, "ttl_s"), ({"prompt": prompt, "ttl_s": 1e9}, "ttl_s"),
+                           ({"prompt": prompt, "ttl_s": "5"}, "ttl_s"), ({"prompt": prompt, "messages": []}, "prompt"),
+                           ({}, "prompt"), ({"prompt": prompt, "colour": 1}, "colour"), ({"prompt": [1, 2]}, "block_size"),
+                           ({"prompt": list(range(3, 83))}, "max_model_len")]:
+            refused = call("POST", "/v1/cache/pin", json=bad)
+            assert refused.status_code in (400, 422) and field in refused.text, (bad, refused.text)
+        nan = httpx.post(live.url + "/v1/cache/pin", content=b'{"prompt": [5,6,7,8,9,10,11,12,13], "ttl_s": NaN}',
+                         headers={**bearer(ADMIN), "Content-Type": "application/json"}, timeout=60)
+        assert nan.status_code == 400 and "ttl_s" in nan.text, nan.text
+        capped = call("POST", "/v1/cache/pin", json={"prompt": list(range(100, 160))})
+        assert capped.status_code == 409 and "the cap is 8 of 32" in capped.json()["error"]["message"], capped.text
+
+        assert call("DELETE", f"/v1/cache/pin/{body['id']}").json() == {"object": "cache.pin.deleted", "id": body["id"],
+                                                                         "deleted": True}
+        gone = call("DELETE", f"/v1/cache/pin/{body['id']}")
+        assert gone.status_code == 404 and body["id"] in gone.json()["error"]["message"], gone.text
+        assert call("GET", "/v1/cache").json()["pins"] == []
+        stats = assert_nothing_left(live.loop)
+        assert stats["num_pins"] == 0
+
+
+def test_pin_prefix_file_good_and_bad(tiny_llama_dir: Path, tmp_path: Path, capsys) -> None:
+    from pagedrs.server.cache_pins import load_pin_file, preload_pins
+    from pagedrs.server.cli import main
+
+    good = tmp_path / "pins.jsonl"
+    good.write_text('# system prompts\n{"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13]}\n\n'
+                    '{"messages": [{"role": "system", "content": "Answer in French."}], "ttl_s": 60}\n')
+    eng = engine(tiny_llama_dir, max_pinned_fraction=1.0)
+    ids = preload_pins(eng, str(good), "shared")
+    assert len(ids) == 2 and [p.pin_id for p in eng.list_pins()] == ids and eng.list_pins()[1].ttl_s == 60
+    eng.shutdown()
+    for text, why in [('{"prompt": "a"}\n{"prompt": "b", "ttl": 5}\n', "line 2: ttl: Extra inputs"),
+                      ('{"prompt": "a"}\nnot json\n', "line 2: Expecting value"),
+                      ('{"ttl_s": 5}\n', "line 1: it needs exactly one of 'prompt' and 'messages'"),
+                      ('{"prompt": "a", "ttl_s": "long"}\n', "line 1: ttl_s")]:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            load_pin_file(str(bad))
+        assert main(["--model", str(tiny_llama_dir), "--pin-prefix", str(bad)]) == 2  # before any engine starts
+        assert why.split(":")[0] in capsys.readouterr().err
+    refused = tmp_path / "refused.jsonl"
+    refused.write_text('{"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13]}\n{"prompt": [1, 2]}\n')
+    eng = engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"line 2: the pin was refused: .*block_size = 4"):
+        preload_pins(eng, str(refused), "shared")
+    for p in eng.list_pins():
+        eng.unpin(p.pin_id)
+    eng.shutdown()
