@@ -250,14 +250,15 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-@pytest.mark.parametrize("core_process", [False, True])
-def test_the_cache_endpoints_pin_list_unpin_behind_the_admin_key(tiny_llama_dir: Path, core_process: bool) -> None:
+def test_the_cache_endpoints_pin_list_unpin_behind_the_admin_key(tiny_llama_dir: Path) -> None:
+    """In this process: the endpoints call the Engine's pin API, which the multiprocess client
+    test above drives over the core pipe (a server over a core process adds ~25 s of start-up)."""
     from pagedrs.server.options import ServerOptions
     from server_fakes import assert_nothing_left, live_server
 
     options = ServerOptions(api_key=TENANT, admin_api_key=ADMIN)
     prompt = list(range(5, 25))  # 20 tokens: 2 full pages of 8
-    with live_server(tiny_llama_dir, SERVER_KW, "tiny", core_process=core_process, options=options) as live:
+    with live_server(tiny_llama_dir, SERVER_KW, "tiny", options=options) as live:
         def call(method: str, path: str, key: str = ADMIN, **kw: Any) -> httpx.Response:
             return httpx.request(method, live.url + path, headers=bearer(key), timeout=120, **kw)
 
