@@ -55,7 +55,8 @@ impl Scheduler {
             )));
         }
         let needed = self.worst_case_blocks(tokens.len(), max_tokens, num_samples);
-        if needed > self.usable_blocks() {
+        let root = self.kv.salted_root(cache_salt);
+        if needed > self.usable_blocks_for(&tokens, root) {
             let longest = tokens.len().saturating_add(max_tokens).min(self.config.max_model_len);
             let pinned = self.num_pinned_blocks();
             let pins = if pinned > 0 { format!(", {pinned} of them pinned (unpin a prefix to make room)") } else { String::new() };
@@ -82,7 +83,7 @@ impl Scheduler {
             status: SeqStatus::Waiting,
             waiting_since: self.stats.num_steps,
             parked: false,
-            root: self.kv.salted_root(cache_salt),
+            root,
             cached_tokens: None,
             placeholders: 0,
         };

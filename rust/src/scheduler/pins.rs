@@ -79,6 +79,13 @@ impl Scheduler {
         self.kv.num_blocks() - self.kv.num_pinned_prefix_blocks()
     }
 
+    /// [`usable_blocks`](Self::usable_blocks) for a sequence of `tokens` under the chain
+    /// `root`: the pinned pages its prompt starts with count for it (it shares them).
+    pub(super) fn usable_blocks_for(&self, tokens: &[TokenId], root: u64) -> usize {
+        let shared = (tokens.len() / self.kv.block_size()).saturating_sub(self.kv.num_new_pinned_blocks(tokens, root));
+        self.usable_blocks() + shared
+    }
+
     /// The scheduler's pins agree with the KV space: each pin's hidden sequence holds
     /// exactly its pages.
     pub(super) fn check_pins(&self) -> Result<(), String> {
