@@ -51,8 +51,8 @@ from pagedrs.core.protocol import (
     EngineCoreError,
     FinishSample,
     ListPins,
-    Pinned,
     PinList,
+    Pinned,
     PinPrefix,
     PinState,
     ResetPrefixCache,
@@ -146,8 +146,8 @@ def core_main(conn: Connection, args: EngineArgs, heartbeat_s: float = 1.0) -> N
                 elif isinstance(command, ResetPrefixCache):  # between steps, as every command
                     pipe.send_bytes(codec.encode(answer_reset(core)))
                 elif isinstance(command, (PinPrefix, Unpin, ListPins)):  # the stats they changed go first
-                    outputs, answer = _pin_command(core, command)
-                    sent = CoreOutputs(outputs, core.stats())
+                    pin_outputs, answer = _pin_command(core, command)
+                    sent = CoreOutputs(pin_outputs, core.stats())
                     _metrics_once(sent, timed)
                     pipe.send_bytes(codec.encode(StepOutputs(sent, step_seconds, busy_seconds)))
                     pipe.send_bytes(codec.encode(answer))
