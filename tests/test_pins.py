@@ -332,3 +332,21 @@ def test_pin_prefix_file_good_and_bad(tiny_llama_dir: Path, tmp_path: Path, caps
     for p in eng.list_pins():
         eng.unpin(p.pin_id)
     eng.shutdown()
+
+
+def test_a_pin_under_asynchronous_scheduling(tiny_llama_dir, hf_model):
+    """Two steps in flight: the prefill's pages are pinned once its step is reported, never before."""
+    eng = engine(tiny_llama_dir, async_scheduling=True)
+    vocab = eng.loaded.config.vocab_size
+    eng.add_request("beside", {"prompt_token_ids": tokens(vocab, 7, seed=20)}, greedy(8))
+    system = tokens(vocab, SYSTEM_BLOCKS * BLOCK, seed=21)
+    pin = eng.pin(system)
+    assert pin.num_pages == SYSTEM_BLOCKS
+    pressure(eng, seed=22)
+    user = system + tokens(vocab, 5, seed=23)
+    out = run(eng, {"chat": user}, max_tokens=4)["chat"]
+    assert list(out.outputs[0].token_ids) == hf_greedy(hf_model, user, 4)
+    assert out.cached_tokens_by_tier["device"] == SYSTEM_BLOCKS * BLOCK
+    eng.check_invariants()
+    eng.unpin(pin.pin_id)
+    eng.shutdown()
