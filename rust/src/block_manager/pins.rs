@@ -134,6 +134,34 @@ mod tests {
     }
 
     #[test]
+    fn after_a_reset_the_events_announce_the_pinned_pages_again() {
+        use super::super::KvEvent;
+        use crate::error::Tier;
+
+        let mut bm = BlockManager::new(BlockManagerConfig::new(6, 2)).unwrap();
+        bm.enable_kv_events();
+        computed(&mut bm, 1, &[1, 2, 3, 4, 5]);
+        computed(&mut bm, 2, &[7, 7, 7]);
+        bm.pin_cached(100, &[1, 2, 3, 4], bm.root_hash()).unwrap();
+        bm.take_kv_events();
+        bm.reset_prefix_cache().unwrap();
+        let events = bm.take_kv_events();
+        assert!(matches!(events.first(), Some(KvEvent::AllCleared)), "{events:?}");
+        let mut stored: Vec<u64> = events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::Stored { tier: Tier::Gpu, hashes, .. } => Some(hashes.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        stored.sort_unstable();
+        assert_eq!(stored, bm.cached_hashes(Tier::Gpu), "a subscriber rebuilds exactly the pinned pages");
+        assert_eq!(stored.len(), 2);
+        bm.free(100).unwrap();
+    }
+
+    #[test]
     fn a_reset_is_still_refused_while_a_plain_sequence_holds_pages() {
         let mut bm = BlockManager::new(BlockManagerConfig::new(4, 2)).unwrap();
         computed(&mut bm, 1, &[1, 2, 3]);
