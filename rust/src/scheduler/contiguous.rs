@@ -308,8 +308,8 @@ impl KvSpace for ContiguousSpace {
             "cannot pin a prefix with kv_layout='contiguous': it has no prefix cache; use kv_layout='paged'".into(),
         ))
     }
-    fn num_new_pinned_blocks(&self, _tokens: &[TokenId], _root: u64) -> usize {
-        0 // nothing can be pinned
+    fn num_new_pinned_blocks(&self, tokens: &[TokenId], _root: u64) -> usize {
+        tokens.len() / self.block_size() // nothing is pinned: every full block would be new
     }
     fn num_pinned_prefix_blocks(&self) -> usize {
         0

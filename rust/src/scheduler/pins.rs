@@ -82,6 +82,9 @@ impl Scheduler {
     /// [`usable_blocks`](Self::usable_blocks) for a sequence of `tokens` under the chain
     /// `root`: the pinned pages its prompt starts with count for it (it shares them).
     pub(super) fn usable_blocks_for(&self, tokens: &[TokenId], root: u64) -> usize {
+        if self.pins.live.is_empty() {
+            return self.kv.num_blocks(); // no prefix walk on every admission check while nothing is pinned
+        }
         let shared = (tokens.len() / self.kv.block_size()).saturating_sub(self.kv.num_new_pinned_blocks(tokens, root));
         self.usable_blocks() + shared
     }
