@@ -144,6 +144,19 @@ def hf_smollm2(smollm2_path):
 
 # ---- the structural leak check ---------------------------------------------------------
 
+def leaked_state(engine) -> dict:
+    """What an idle engine still holds: queued sequences, host pins, pinned prefixes (a pin
+    holds device pages until unpinned, expired or shut down), used device pages."""
+    stats = engine.stats()
+    keys = ("num_running", "num_waiting", "num_swapped", "num_pinned_host_blocks", "num_pins")
+    leaked = {k: stats[k] for k in keys if stats[k]}
+    if stats["num_free_gpu_blocks"] != stats["num_gpu_blocks"]:
+        leaked["used_gpu_blocks"] = stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
+    if engine.scheduler.has_unfinished():
+        leaked["scheduler_sequences"] = True
+    return leaked
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_pages(request, monkeypatch):
     """Fails any test that leaves an engine holding pages, sequences or requests behind.
@@ -169,12 +182,7 @@ def no_leaked_pages(request, monkeypatch):
     for engine in engines:
         if engine.num_unfinished():
             pytest.fail(f"the test left {engine.num_unfinished()} unfinished requests in an engine")
-        stats = engine.stats()
-        leaked = {k: stats[k] for k in ("num_running", "num_waiting", "num_swapped", "num_pinned_host_blocks") if stats[k]}
-        if stats["num_free_gpu_blocks"] != stats["num_gpu_blocks"]:
-            leaked["used_gpu_blocks"] = stats["num_gpu_blocks"] - stats["num_free_gpu_blocks"]
-        if engine.scheduler.has_unfinished():
-            leaked["scheduler_sequences"] = True
+        leaked = leaked_state(engine)
         if leaked:
             pytest.fail(f"the test left an idle engine holding {leaked}")
         engine.check_invariants()

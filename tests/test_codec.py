@@ -48,6 +48,14 @@ MESSAGES = [
     p.ResetPrefixCache(),
     p.CacheReset(3, 2, 1),
     p.CacheReset(0, 0, 0, refused="cannot reset the prefix cache while 1 request(s) are in the engine"),
+    p.PinPrefix([1, 2, 3, 4], 30.0, "salt"),
+    p.PinPrefix([5], None, None),
+    p.Pinned(p.PinState("pin-0", 16, 4, 30.0, 29.5)),
+    p.Pinned(None, "the pin needs 3 more device pages", "cap"),
+    p.Unpin("pin-0"),
+    p.Unpinned("pin-0", False),
+    p.ListPins(),
+    p.PinList([p.PinState("pin-0", 16, 4, None, None), p.PinState("pin-1", 8, 2, 5.0, 1.25)]),
 ]
 
 

@@ -204,6 +204,8 @@ class CoreStats:
     num_cached_cpu_blocks: int
     num_cached_disk_blocks: int
     num_pinned_host_blocks: int
+    num_pins: int
+    num_pinned_blocks: int
     reserved_slots: int  # token slots held by live sequences (pages or reserved regions)
     live_slots: int  # of those, slots holding a live token
     def as_dict(self) -> dict[str, int]:
@@ -254,6 +256,16 @@ class Scheduler:
         """That count split by tier (device, host, disk); None before the admission or once its pages are dropped."""
     def reset_prefix_cache(self) -> tuple[int, int, int]:
         """Forgets every cached page on every tier; the pages dropped (device, host, disk). ValueError while pages are held."""
+    def pin_prefix(self, token_ids: npt.NDArray[np.uint32], *, cache_salt: bytes | None = None) -> tuple[int, int, int]:
+        """Pins the committed, device-cached full blocks of a prefilled prompt: (pin id, tokens, pages)."""
+    def unpin(self, pin_id: int) -> None:
+        """Releases a pin's pages; ValueError for an unknown id."""
+    def pins(self) -> list[tuple[int, int, int]]:
+        """Every live pin as (pin id, tokens pinned, pages pinned)."""
+    def num_new_pinned_blocks(self, token_ids: npt.NDArray[np.uint32], *, cache_salt: bytes | None = None) -> int:
+        """Pages a pin of these tokens would add to the distinct pinned pages."""
+    def num_pinned_blocks(self) -> int:
+        """Distinct device pages held by pins."""
     def enable_kv_events(self) -> None:
         """KV events on (off by default); the first take announces what is cached now."""
     def take_kv_events(

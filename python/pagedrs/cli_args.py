@@ -29,7 +29,7 @@ _SAME_NAME = (
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size", "distributed_executor_backend",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
-    "enforce_eager",
+    "enforce_eager", "max_pinned_fraction",
     "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps",
 )
 
@@ -77,6 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
                    "frequently used with aging (SGLang's --radix-eviction-policy lfu)")
     p.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=list(KV_CACHE_DTYPES),
                    help="KV pages in the model dtype (auto) or 8-bit fp8 with per-tensor scales (2x bf16's tokens)")
+    p.add_argument("--max-pinned-fraction", type=float, default=d["max_pinned_fraction"],
+                   help="pinned prefixes (POST /v1/cache/pin, --pin-prefix) may hold at most this fraction of the "
+                   "device pool, in (0, 1]; a pin past it is refused with 409 (default: %(default)s)")
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--cpu-threads", type=int, default=d["cpu_threads"], help=cpu_threads_help)
     _add_parallel_and_tier_args(p)

@@ -20,8 +20,10 @@ from typing import Any, Optional
 from pagedrs.attention import AttentionBackend
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.engine_core import EngineCore
-from pagedrs.core.protocol import Abort, CacheReset, FinishSample, is_engine_fatal
+from pagedrs.core.pins import validate_ttl
+from pagedrs.core.protocol import Abort, CacheReset, FinishSample, PinPrefix, PinState, is_engine_fatal
 from pagedrs.engine_args import EngineArgs
+from pagedrs.errors import PinCapError, UnknownPinError
 from pagedrs.frontend.client import AckCallback, InprocClient, start_client
 from pagedrs.frontend.input_processor import InputProcessor, PromptType
 from pagedrs.frontend.output_processor import OutputProcessor
@@ -199,6 +201,44 @@ class Engine:
         """Forgets every cached page on every tier, the disk store's too (stepping thread); the pages
         each tier dropped. PrefixCacheBusyError, nothing cleared, while requests are unfinished."""
         return self.client.reset_prefix_cache()
+
+    def pin(self, prompt_or_messages: Any, ttl_s: Optional[float] = None, cache_salt: Optional[str] = None) -> PinState:
+        """Prefills a prompt and pins its full pages on the device: no eviction takes them until
+        ``unpin`` or ``ttl_s`` seconds (None: no TTL; at most 7 days), so every request starting
+        with it hits them (under the same ``cache_salt``). ``prompt_or_messages``: a prompt as
+        ``add_request`` takes it, or chat messages (a list of dicts, rendered by the chat template
+        without a generation prompt: the system prompt of later chats). Stepping thread; other
+        requests step beside the prefill. ValueError (a bad prompt or TTL, a prompt of less than
+        one page or that can never fit the pool), PinCapError past ``max_pinned_fraction``."""
+        ttl = validate_ttl(ttl_s)
+        prompt = prompt_or_messages
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            prompt = {"prompt_token_ids": self._render_messages(prompt)}
+        processed = self.inputs.process("pin", prompt, SamplingParams(max_tokens=1), 0, None, cache_salt)
+        answer = self.client.pin_prefix(PinPrefix(processed.prompt_token_ids, ttl, cache_salt))
+        if answer.refused is not None or answer.pin is None:
+            error = PinCapError if answer.refused_kind == "cap" else ValueError
+            raise error(answer.refused or "the pin was refused")
+        return answer.pin
+
+    def pin_prefix(self, prompt_or_messages: Any, ttl_s: Optional[float] = None, cache_salt: Optional[str] = None) -> str:
+        """``pin`` returning the pin's id only (what ``unpin`` takes)."""
+        return self.pin(prompt_or_messages, ttl_s, cache_salt).pin_id
+
+    def unpin(self, pin_id: str) -> None:
+        """Releases a pin's pages (cached ones stay, evictable); UnknownPinError (a KeyError) when it is not live."""
+        if not isinstance(pin_id, str) or not self.client.unpin(pin_id):
+            raise UnknownPinError(f"pin_id={pin_id!r} is not a live pin: never made, expired, or unpinned already")
+
+    def list_pins(self) -> list[PinState]:
+        """The live pins, oldest first (expired ones released first)."""
+        return self.client.list_pins()
+
+    def _render_messages(self, messages: list[dict[str, Any]]) -> list[int]:
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must have a string 'role' and a string 'content'; got keys {sorted(map(str, m))}")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=False))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Aborts what is left, flushes the cached KV pages to the disk tier (when on), and

@@ -55,6 +55,9 @@ class EngineArgs:
     # Which cached page every tier gives up first: "lru" (least recently released) or "lfu"
     # (least frequently hit, with dynamic aging so a once-hot prefix does not stay for ever).
     eviction_policy: str = "lru"
+    # Pinned prefixes (LLM.pin_prefix) may hold at most this fraction of the device pool, in (0, 1]:
+    # a pin past it is refused (PinCapError), so pins can never starve the requests that use them.
+    max_pinned_fraction: float = 0.25
     host_cache_evicted: bool = False  # legacy switch: host-cache evicted pages in the swap pool's free blocks
     # Host tier for evicted prefix pages, added to the swap pool (GiB; 0 = off).
     # None = auto: min(4 GiB, 10% of MemAvailable) on CUDA, 0 on a CPU device (as swap_space_gb).
@@ -122,6 +125,10 @@ class EngineArgs:
         choice("eviction_policy", ("lru", "lfu"))
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         choice("distributed_executor_backend", ("mp", "ray"))
+        if isinstance(self.max_pinned_fraction, bool) or not isinstance(self.max_pinned_fraction, (int, float)) or not (
+            0 < self.max_pinned_fraction <= 1
+        ):
+            raise ValueError(f"max_pinned_fraction is {self.max_pinned_fraction!r}; allowed a number in (0, 1]")
         if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
             raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}, which needs kv_layout='paged'; "
                              f"kv_layout={self.kv_layout!r} is the traditional baseline and stores the model dtype "

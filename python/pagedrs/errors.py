@@ -6,7 +6,7 @@ the base layer, so that any layer may raise or catch them.
 
 from __future__ import annotations
 
-__all__ = ["EngineCoreDeadError", "EngineCoreError", "EngineDeadError", "PrefixCacheBusyError"]
+__all__ = ["EngineCoreDeadError", "EngineCoreError", "EngineDeadError", "PinCapError", "PrefixCacheBusyError", "UnknownPinError"]
 
 
 class EngineDeadError(RuntimeError):
@@ -30,3 +30,15 @@ class EngineCoreDeadError(EngineCoreError, EngineDeadError):
 class PrefixCacheBusyError(RuntimeError):
     """A reset of the prefix cache was refused because requests are in the engine (their pages
     are in use, as vLLM's reset refuses while blocks are held); nothing was cleared. Not fatal."""
+
+
+class PinCapError(RuntimeError):
+    """A pin was refused: it would hold more device pages than ``EngineArgs.max_pinned_fraction``
+    of the pool allows (the message names the cap and the numbers); nothing was pinned. Not fatal."""
+
+
+class UnknownPinError(KeyError):
+    """``unpin`` of a pin id that is not live (never made, expired, or unpinned already)."""
+
+    def __str__(self) -> str:  # KeyError's repr-quoting would hide the message
+        return str(self.args[0]) if self.args else ""

@@ -39,6 +39,18 @@ class LLM:
         the pages each tier dropped; raises ``PrefixCacheBusyError`` while requests run."""
         return self.engine.reset_prefix_cache()
 
+    def pin_prefix(self, prompt_or_messages: Union[PromptType, Messages], ttl_s: Optional[float] = None,
+                   cache_salt: Optional[str] = None) -> str:
+        """Prefills a prompt (a system prompt, or chat messages) and keeps its pages on the device
+        until ``unpin`` or ``ttl_s`` seconds: every later request that starts with it hits them,
+        however full the cache gets (``Engine.pin``). Returns the pin id. ValueError for a bad
+        prompt or TTL, PinCapError past ``max_pinned_fraction`` of the pool."""
+        return self.engine.pin_prefix(prompt_or_messages, ttl_s, cache_salt)
+
+    def unpin(self, pin_id: str) -> None:
+        """Releases a pin (``Engine.unpin``); UnknownPinError (a KeyError) when it is not live."""
+        self.engine.unpin(pin_id)
+
     def _next_id(self) -> str:
         self._ids += 1
         return f"llm-{self._ids}"

@@ -26,6 +26,8 @@ class EngineStats:
     num_cpu_blocks: int
     num_free_cpu_blocks: int
     num_pinned_host_blocks: int  # host pages held by copies not yet completed
+    num_pins: int  # live pinned prefixes (LLM.pin_prefix)
+    num_pinned_blocks: int  # distinct device pages they hold: never evicted while pinned
     num_host_cache_blocks: int  # of num_cpu_blocks, those added for evicted prefix pages
     num_disk_blocks: int  # page slots of the persistent disk tier (0 = off)
     num_cached_gpu_blocks: int  # pages the prefix cache holds on each tier now

@@ -29,6 +29,7 @@ from pagedrs.core import prompt_logprobs
 from pagedrs.core.async_step import AsyncScheduler
 from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, IndependentSamples, request_shape
 from pagedrs.core.fast_rows import FastRows
+from pagedrs.core.pins import PinRegistry
 from pagedrs.core.prefix_cache import cached_tokens_by_tier
 from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestMetrics
 from pagedrs.core.request import Request, Sample
@@ -81,6 +82,7 @@ class EngineCore:
         self.num_generated = 0
         self.peak_running = 0
         self.num_steps = 0  # steps run (the requests' queue and prefill step counts use it)
+        self.pins = PinRegistry(self, args.max_pinned_fraction)  # pinned prefixes, expired at step boundaries (core/pins.py)
 
     # ---- views (read-only) -------------------------------------------------------------
 
@@ -174,7 +176,8 @@ class EngineCore:
 
     def step(self) -> CoreOutputs:
         """Runs one scheduler step; an output for every request that progressed or ended
-        (beam search: only once it finished)."""
+        (beam search: only once it finished). Pins whose TTL ran out are released first."""
+        self.pins.expire()
         if not self._requests:
             self._drain()
             return CoreOutputs()
@@ -317,6 +320,7 @@ class EngineCore:
         for request_id in list(self._requests):
             self.abort(request_id)
         self._drain()
+        self.pins.release_all()  # their pages go back before the cached ones flush to disk
         if isinstance(self.executor, AsyncExecution):
             self.executor.stop()  # its worker first; the closer shuts the wrapped executor down
         self._closer()

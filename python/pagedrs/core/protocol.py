@@ -141,7 +141,58 @@ class CacheReset:
     refused: Optional[str] = None  # set when requests held pages: nothing was cleared (PrefixCacheBusyError)
 
 
-Command = Union[Add, Abort, FinishSample, ResetPrefixCache]
+@dataclass(frozen=True)
+class PinPrefix:
+    """Pin a prompt's pages (core/pins.py): the core prefills it, then holds its full pages
+    until ``Unpin`` or the TTL; it answers ``Pinned``."""
+
+    token_ids: list[int]  # validated: non-empty, inside the vocabulary, at most max_model_len
+    ttl_s: Optional[float]  # validated (pins.validate_ttl); None: until unpinned
+    cache_salt: Optional[str]  # the chain the pages are pinned under (equally salted requests hit them)
+
+
+@dataclass(frozen=True)
+class PinState:
+    """One live pin, as ``GET /v1/cache`` lists it."""
+
+    pin_id: str
+    num_tokens: int  # leading prompt tokens whose pages are pinned (whole pages only)
+    num_pages: int
+    ttl_s: Optional[float]
+    expires_in_s: Optional[float]  # seconds left (monotonic clock); None: no TTL
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """The core's answer to ``PinPrefix``: the pin, or why it refused (nothing pinned then)."""
+
+    pin: Optional[PinState]
+    refused: Optional[str] = None
+    refused_kind: Optional[str] = None  # "cap" (PinCapError) | "invalid" (ValueError)
+
+
+@dataclass(frozen=True)
+class Unpin:
+    pin_id: str
+
+
+@dataclass(frozen=True)
+class Unpinned:
+    pin_id: str
+    found: bool  # False: no such pin (unknown, expired or unpinned already)
+
+
+@dataclass(frozen=True)
+class ListPins:
+    """Ask for the live pins (expired ones are released first): the core answers ``PinList``."""
+
+
+@dataclass(frozen=True)
+class PinList:
+    pins: list[PinState]
+
+
+Command = Union[Add, Abort, FinishSample, ResetPrefixCache, PinPrefix, Unpin, ListPins]
 
 
 # ---- errors --------------------------------------------------------------------------------

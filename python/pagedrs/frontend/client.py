@@ -21,7 +21,7 @@ from typing import Any, Optional, Protocol, Union
 from pagedrs.attention import AttentionBackend
 from pagedrs.core.engine_core import EngineCore
 from pagedrs.core.prefix_cache import reset_prefix_cache
-from pagedrs.core.protocol import Abort, CacheReset, CoreOutputs, CoreRequest, FinishSample
+from pagedrs.core.protocol import Abort, CacheReset, CoreOutputs, CoreRequest, FinishSample, Pinned, PinPrefix, PinState
 from pagedrs.engine_args import EngineArgs
 from pagedrs.stats import EngineStats
 from pagedrs.tokenizer import TokenIdsOnly, Tokenizer
@@ -68,6 +68,19 @@ class CoreClient(Protocol):
         PrefixCacheBusyError, nothing cleared, while requests are in the core."""
         ...
 
+    def pin_prefix(self, command: PinPrefix) -> Pinned:
+        """Prefills the prompt and pins its full pages (core/pins.py), between two steps (stepping
+        thread); the outputs of the steps the prefill ran come with the next ``step()``."""
+        ...
+
+    def unpin(self, pin_id: str) -> bool:
+        """Releases a pin; False when it is not live (unknown, expired, unpinned already)."""
+        ...
+
+    def list_pins(self) -> list[PinState]:
+        """The live pins, expired ones released first."""
+        ...
+
     def check_alive(self) -> None:
         """Takes in what the core sent without waiting; raises EngineDeadError once it is gone."""
         ...
@@ -94,7 +107,7 @@ class InprocClient:
         self._lock = threading.Lock()  # guards the inbox: submit() is called from any thread
         self._inbox: list[Union[tuple[CoreRequest, AckCallback], Abort]] = []
         self._awaiting: set[str] = set()
-        self._aborted = CoreOutputs()  # final outputs of aborted requests, for the next step()
+        self._aborted = CoreOutputs()  # final outputs of aborted requests (and a pin's prefill steps), for the next step()
 
     def add(self, request: CoreRequest) -> None:
         self.core.add(request)
@@ -164,6 +177,18 @@ class InprocClient:
     def reset_prefix_cache(self) -> CacheReset:
         self._apply_inbox()  # adds already submitted count as requests in the core
         return reset_prefix_cache(self.core)
+
+    def pin_prefix(self, command: PinPrefix) -> Pinned:
+        self._apply_inbox()  # adds already submitted run beside the prefill, in order
+        outcome = self.core.pins.pin(command)
+        self._aborted.outputs.extend(outcome.outputs)  # the prefill's steps' outputs: returned by the next step()
+        return outcome.answer
+
+    def unpin(self, pin_id: str) -> bool:
+        return self.core.pins.unpin(pin_id)
+
+    def list_pins(self) -> list[PinState]:
+        return self.core.pins.states()
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         with self._lock:

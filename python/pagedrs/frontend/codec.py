@@ -69,7 +69,8 @@ class StepOutputs:
 
 # Every message type, front end -> core and back; the index is the tag on the wire.
 MESSAGES: tuple[type, ...] = (p.Add, p.Abort, p.FinishSample, Stop, Ready, Added, AddRefused, CoreFailed, StepOutputs,
-                              p.ResetPrefixCache, p.CacheReset)
+                              p.ResetPrefixCache, p.CacheReset, p.PinPrefix, p.Pinned, p.Unpin, p.Unpinned,
+                              p.ListPins, p.PinList)
 _TAGS = {cls: i for i, cls in enumerate(MESSAGES)}
 
 

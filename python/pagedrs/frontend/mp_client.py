@@ -50,7 +50,14 @@ from pagedrs.core.protocol import (
     EngineCoreDeadError,
     EngineCoreError,
     FinishSample,
+    ListPins,
+    PinList,
+    Pinned,
+    PinPrefix,
+    PinState,
     ResetPrefixCache,
+    Unpin,
+    Unpinned,
 )
 from pagedrs.engine_args import EngineArgs
 from pagedrs.errors import PrefixCacheBusyError
@@ -138,9 +145,18 @@ def core_main(conn: Connection, args: EngineArgs, heartbeat_s: float = 1.0) -> N
                     busy = core.has_unfinished()
                 elif isinstance(command, ResetPrefixCache):  # between steps, as every command
                     pipe.send_bytes(codec.encode(answer_reset(core)))
+                elif isinstance(command, (PinPrefix, Unpin, ListPins)):  # the stats they changed go first
+                    pin_outputs, answer = _pin_command(core, command)
+                    sent = CoreOutputs(pin_outputs, core.stats())
+                    _metrics_once(sent, timed)
+                    pipe.send_bytes(codec.encode(StepOutputs(sent, step_seconds, busy_seconds)))
+                    pipe.send_bytes(codec.encode(answer))
+                    busy = core.has_unfinished()
                 elif isinstance(command, Stop):
                     core.shutdown()
                     return
+            if core.pins.expire():  # a TTL ran out while idle: the freed pages show in the stats now
+                pipe.send_bytes(codec.encode(StepOutputs(CoreOutputs([], core.stats()), step_seconds, busy_seconds)))
             if not core.has_unfinished():
                 continue
             t0 = time.perf_counter()
@@ -162,6 +178,16 @@ def core_main(conn: Connection, args: EngineArgs, heartbeat_s: float = 1.0) -> N
             pipe.send_bytes(codec.encode(CoreFailed(f"{type(exc).__name__}: {exc}")))
         except OSError:
             pass
+
+
+def _pin_command(core: Any, command: Any) -> tuple[list[Any], Any]:
+    """Applies a pin command in the core process: (outputs of the steps it ran, its answer)."""
+    if isinstance(command, PinPrefix):
+        outcome = core.pins.pin(command)
+        return outcome.outputs, outcome.answer
+    if isinstance(command, Unpin):
+        return [], Unpinned(command.pin_id, core.pins.unpin(command.pin_id))
+    return [], PinList(core.pins.states())
 
 
 def _metrics_once(outputs: CoreOutputs, timed: set[str]) -> None:
@@ -225,6 +251,7 @@ class MPClient:
         self.step_seconds = self.busy_seconds = 0.0
         self._buffered = CoreOutputs()
         self._reset_answer: Optional[CacheReset] = None  # the core's answer to the latest ResetPrefixCache
+        self._answers: dict[type, Any] = {}  # the core's latest answer to a pin command, by answer type
 
     # ---- CoreClient -------------------------------------------------------------------
 
@@ -286,6 +313,27 @@ class MPClient:
             self._take(self._recv(None))
         if answer.refused is not None:
             raise PrefixCacheBusyError(answer.refused)
+        return answer
+
+    def pin_prefix(self, command: PinPrefix) -> Pinned:
+        """Sent after every command before it; the core prefills and pins between its steps."""
+        answer: Pinned = self._ask(command, Pinned)
+        return answer
+
+    def unpin(self, pin_id: str) -> bool:
+        answer: Unpinned = self._ask(Unpin(pin_id), Unpinned)
+        return answer.found
+
+    def list_pins(self) -> list[PinState]:
+        answer: PinList = self._ask(ListPins(), PinList)
+        return answer.pins
+
+    def _ask(self, command: Any, answer_type: type) -> Any:
+        """Sends ``command`` and waits for the core's ``answer_type`` (outputs that come first are buffered)."""
+        self._answers.pop(answer_type, None)
+        self._outbox.put(codec.encode(command))
+        while (answer := self._answers.pop(answer_type, None)) is None:
+            self._take(self._recv(None))
         return answer
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -357,6 +405,8 @@ class MPClient:
                 on_ack(None if isinstance(message, Added) else ValueError(message.message))
         elif isinstance(message, CacheReset):
             self._reset_answer = message
+        elif isinstance(message, (Pinned, Unpinned, PinList)):
+            self._answers[type(message)] = message
         elif isinstance(message, StepOutputs):
             self._buffered.outputs.extend(message.outputs.outputs)
             if message.outputs.stats is not None:

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import pagedrs
-from pagedrs.server import cache_admin, chat, completions, tokenize
+from pagedrs.server import cache_admin, cache_pins, chat, completions, tokenize
 from pagedrs.server.engine_loop import EngineLoop
 from pagedrs.server.errors import APIError, install_error_handlers
 from pagedrs.server.guard import Gate
@@ -112,6 +112,18 @@ def build_app(
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> cache_admin.PrefixCacheResetResponse:
         return await cache_admin.reset_prefix_cache(ctx)
+
+    @app.post("/v1/cache/pin")
+    async def pin_prefix(body: cache_pins.PinRequest) -> cache_pins.PinResponse:
+        return await cache_pins.pin(ctx, body)
+
+    @app.delete("/v1/cache/pin/{pin_id}")
+    async def unpin_prefix(pin_id: str) -> cache_pins.PinDeleted:
+        return await cache_pins.unpin(ctx, pin_id)
+
+    @app.get("/v1/cache")
+    async def cache_info() -> cache_pins.CacheInfo:
+        return await cache_pins.cache_info(ctx)
 
     return app
 

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="load no tokenizer (a folder without tokenizer files): prompts must be token ids, texts come back empty",
     )
     engine.add_argument(
+        "--pin-prefix", metavar="FILE", default=None,
+        help="pin these prompts' pages at start (POST /v1/cache/pin for each): JSON lines, one "
+        '{"prompt": "..."} or {"messages": [...]} each, optionally with ttl_s, cache_salt and tenant; '
+        "a bad line stops the start with its line number",
+    )
+    engine.add_argument(
         "--engine-in-process", action="store_true",
         help="run the engine in the API server's process (default: its own process, so HTTP, tokenization "
         "and streaming never hold up a forward pass)",
@@ -181,6 +187,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedrs serve: --request-trace {args.request_trace!r} cannot be opened for appending: {exc}", file=sys.stderr)
         return 2
 
+    from pagedrs.server.cache_pins import load_pin_file, preload_pins
+
+    if args.pin_prefix is not None:
+        try:  # before the engine, as the trace: a bad file must not leave a started engine core behind
+            load_pin_file(args.pin_prefix)
+        except ValueError as exc:
+            print(f"pagedrs serve: {exc}", file=sys.stderr)
+            if trace is not None:
+                trace.close()
+            return 2
+
     from pagedrs import Engine, EngineArgs
     from pagedrs.server.app import build_app
     from pagedrs.server.connection import uvicorn_config
@@ -197,6 +214,16 @@ def main(argv: list[str] | None = None) -> int:
         if trace is not None:
             trace.close()
         return 2
+    if args.pin_prefix is not None:
+        try:
+            pinned = preload_pins(engine, args.pin_prefix, options.prefix_cache_isolation)
+        except ValueError as exc:  # PinCapError too: the file asks for more than --max-pinned-fraction
+            print(f"pagedrs serve: {exc}", file=sys.stderr)
+            engine.shutdown()
+            if trace is not None:
+                trace.close()
+            return 2
+        logging.getLogger("pagedrs.server").info("pinned %d prefixes from %s: %s", len(pinned), args.pin_prefix, pinned)
     gc.collect()
     gc.freeze()  # the server's objects so far live as long as it does: out of full collections (mp_client.core_main)
     loop = EngineLoop(engine, trace=trace, request_timeout_s=options.request_timeout_s)

@@ -30,6 +30,8 @@ _GAUGES: dict[str, tuple[str, str]] = {
     "pagedrs_requests_running": ("num_running", "Requests in the running batch."),
     "pagedrs_requests_waiting": ("num_waiting", "Requests admitted but not yet scheduled."),
     "pagedrs_requests_swapped": ("num_swapped", "Sequences paused by preemption (pages on the host tier, or some still on the device)."),
+    "pagedrs_prefix_pins": ("num_pins", "Live pinned prefixes (POST /v1/cache/pin, --pin-prefix)."),
+    "pagedrs_pinned_blocks": ("num_pinned_blocks", "Distinct device KV pages held by pinned prefixes (never evicted)."),
     "pagedrs_core_step_fraction": (
         "core_step_fraction", "Share of the engine core's busy time spent in Engine.step (engine in its own process)."
     ),
@@ -120,6 +122,10 @@ class ServerMetrics:
                                  for name, (label, _, _, doc) in _COUNTERS_BY_STRING.items()}
         self.prefix_cache_resets = Counter(
             "pagedrs_prefix_cache_resets", "Resets of the prefix cache (POST /reset_prefix_cache), by outcome.",
+            ["outcome"], registry=self.registry,
+        )
+        self.pins = Counter(
+            "pagedrs_prefix_pin_requests", "Pin and unpin requests (/v1/cache/pin), by outcome.",
             ["outcome"], registry=self.registry,
         )
         self.requests = Counter(

@@ -199,6 +199,7 @@ impl BlockManager {
     /// evictable, released last-block-first so that a prompt's tail is evicted first.
     pub fn free(&mut self, seq: SeqId) -> Result<(), CoreError> {
         let s = self.seqs.remove(&seq).ok_or(CoreError::UnknownSequence(seq))?;
+        self.pinned.remove(&seq);
         for (b, host) in s.pages().rev() {
             let tier = if host { &mut self.cpu } else { &mut self.gpu };
             tier.release(b, 1);

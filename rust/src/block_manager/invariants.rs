@@ -29,6 +29,14 @@ impl BlockManager {
         for &b in &self.cow_pins {
             *gpu_users.get_mut(b as usize).ok_or_else(|| format!("copy-on-write pin on device block {b} out of range"))? += 1;
         }
+        // A pin (see `pins`) is a live sequence on the device, every block of it full,
+        // committed and hashed: it never holds a page whose K/V is unwritten.
+        for id in &self.pinned {
+            let s = self.seqs.get(id).ok_or_else(|| format!("pin {id} is not a live sequence"))?;
+            if s.paused || s.num_host > 0 || s.committed != s.tokens.len() || s.hashes.len() * bs != s.tokens.len() {
+                return Err(format!("pin {id}: {} tokens, {} committed, {} hashed blocks, paused = {}", s.tokens.len(), s.committed, s.hashes.len(), s.paused));
+            }
+        }
         for (&id, s) in &self.seqs {
             if s.table.len() != s.tokens.len().div_ceil(bs) {
                 return Err(format!("seq {id}: {} blocks for {} tokens of block size {bs}", s.table.len(), s.tokens.len()));

@@ -160,6 +160,23 @@ impl BlockManager {
 
     /// A reset forgot every tier's pages: what the logs hold since the last take is
     /// superseded by one `AllCleared`.
+    /// After an `AllCleared`: a `Stored` for every page `tier` still caches (pinned ones).
+    pub(super) fn note_still_cached(&mut self, tier: Tier) {
+        if self.kv_events.is_none() {
+            return;
+        }
+        let cache = &mut self.pool_mut(tier).cache;
+        let mut cached: Vec<(u64, super::BlockId)> = cache.entries().collect();
+        cached.sort_unstable();
+        let events: Vec<PageEvent> =
+            cached.into_iter().map(|(hash, b)| PageEvent::Stored { hash, parent: cache.parent_of(b), tokens: cache.block_tokens(b).to_vec() }).collect();
+        if let Some(log) = &mut cache.log {
+            for event in events {
+                log.push(event);
+            }
+        }
+    }
+
     pub(super) fn note_all_cleared(&mut self) {
         let Some(state) = self.kv_events.as_mut() else { return };
         state.cleared = true;

@@ -15,7 +15,7 @@
 //! `page_swap` (a paused sequence's pages moved to the host one by one),
 //! [`transfer`] (copies between tiers as values), [`window`] (pages released out of a
 //! sliding window), `reset` (the prefix cache cleared on every tier; per-tier hits),
-//! `invariants`.
+//! `pins` (pinned prefixes held as hidden sequences), `invariants`.
 //!
 //! The manager is single-owner (`&mut self`); the page pool underneath is lock-free so
 //! that other components may take and return raw blocks concurrently.
@@ -27,6 +27,7 @@ mod invariants;
 pub mod kv_events;
 mod lru;
 mod page_swap;
+mod pins;
 mod plan;
 pub(crate) mod prefix_cache;
 mod publish;
@@ -194,6 +195,8 @@ pub struct BlockManager {
     publications: publish::Publications,
     /// KV events' state (see `kv_events`); None while they are off.
     kv_events: Option<kv_events::EventState>,
+    /// The sequences that are pins (see `pins`): hidden from the scheduler, kept by a reset.
+    pinned: std::collections::BTreeSet<SeqId>,
     /// Scratch: blocks taken in one call.
     taken: Vec<BlockId>,
     /// Scratch: (block, hash) of the device blocks evicted in one call.
@@ -245,6 +248,7 @@ impl BlockManager {
             defer_publish: false,
             publications: Default::default(),
             kv_events: None,
+            pinned: Default::default(),
             taken: Vec::new(),
             evicted: Vec::new(),
             cfg,

@@ -6,7 +6,8 @@
 //! serving hits after a reset that cleared only the device. Like vLLM's
 //! `BlockPool.reset_prefix_cache`, a reset is refused while any sequence holds pages or
 //! any copy between tiers is planned or in flight (a page being written would land in a
-//! block the reset just freed): nothing changes then.
+//! block the reset just freed): nothing changes then. Pins (see `pins`) are the one
+//! exception: a reset runs while they are alive, and their pages stay cached.
 
 use super::BlockManager;
 use crate::error::{invalid, BlockId, CoreError, SeqId, Tier};
@@ -33,10 +34,10 @@ impl BlockManager {
     /// Refused, with nothing changed, while a sequence holds pages or a copy between
     /// tiers is planned or in flight.
     pub fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError> {
-        if !self.seqs.is_empty() {
+        let holding = self.seqs.len() - self.pinned.len();
+        if holding > 0 {
             return Err(invalid!(
-                "cannot reset the prefix cache while {} sequence(s) hold pages; finish or abort them first",
-                self.seqs.len()
+                "cannot reset the prefix cache while {holding} sequence(s) hold pages; finish or abort them first"
             ));
         }
         let copies = self.pending.all_pins().count() + self.inflight_pins.len() + self.publications.len();
@@ -46,10 +47,12 @@ impl BlockManager {
                  complete the step first"
             ));
         }
+        let pinned = self.pinned_block_set();
         let mut report = PrefixCacheReset::default();
         for tier in [Tier::Gpu, Tier::Cpu, Tier::Disk] {
             let pool = self.pool_mut(tier);
-            let cached: Vec<BlockId> = pool.cache.entries().map(|(_, b)| b).collect();
+            // Pinned pages stay cached: a pin outlives a reset.
+            let cached: Vec<BlockId> = pool.cache.entries().map(|(_, b)| b).filter(|b| tier != Tier::Gpu || !pinned.contains(b)).collect();
             for &b in &cached {
                 pool.forget(b);
             }
@@ -62,6 +65,7 @@ impl BlockManager {
         // A slot dropped while a copy pinned it went back to the pool with its pin.
         self.disk_invalidated_pinned.clear();
         self.note_all_cleared();
+        self.note_still_cached(Tier::Gpu); // the pinned pages a subscriber must not drop
         Ok(report)
     }
 }

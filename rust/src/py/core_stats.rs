@@ -85,6 +85,8 @@ core_stats_class! {
     num_cached_cpu_blocks: usize,
     num_cached_disk_blocks: usize,
     num_pinned_host_blocks: usize,
+    num_pins: usize,
+    num_pinned_blocks: usize,
     reserved_slots: usize,
     live_slots: usize,
 }

@@ -186,6 +186,37 @@ impl PyScheduler {
         Ok((r.device, r.host, r.disk))
     }
 
+    /// Pins the leading committed, device-cached full blocks of `token_ids` (prefill the
+    /// prompt first) as a hidden sequence: its pages are never evicted until `unpin`.
+    /// Returns (pin id, tokens pinned, pages pinned); ValueError, nothing changed, when
+    /// not one block is cached or the layout has no prefix cache.
+    #[pyo3(signature = (token_ids, *, cache_salt = None))]
+    fn pin_prefix(&mut self, token_ids: PyReadonlyArray1<'_, u32>, cache_salt: Option<Vec<u8>>) -> PyResult<(u64, usize, usize)> {
+        let pin = self.inner.pin_prefix(token_ids.as_slice()?, cache_salt.as_deref()).map_err(to_py_err)?;
+        Ok((pin.id, pin.num_tokens, pin.num_pages))
+    }
+
+    /// Releases a pin's pages (ValueError for an unknown id).
+    fn unpin(&mut self, pin_id: u64) -> PyResult<()> {
+        self.inner.unpin(pin_id).map_err(to_py_err)
+    }
+
+    /// Every live pin as (pin id, tokens pinned, pages pinned), by id.
+    fn pins(&self) -> Vec<(u64, usize, usize)> {
+        self.inner.pins().iter().map(|p| (p.id, p.num_tokens, p.num_pages)).collect()
+    }
+
+    /// Pages a pin of `token_ids` would add to the distinct pinned pages (for the cap).
+    #[pyo3(signature = (token_ids, *, cache_salt = None))]
+    fn num_new_pinned_blocks(&self, token_ids: PyReadonlyArray1<'_, u32>, cache_salt: Option<Vec<u8>>) -> PyResult<usize> {
+        Ok(self.inner.num_new_pinned_blocks(token_ids.as_slice()?, cache_salt.as_deref()))
+    }
+
+    /// Distinct device pages held by pins.
+    fn num_pinned_blocks(&self) -> usize {
+        self.inner.num_pinned_blocks()
+    }
+
     /// Turns KV events on (off by default); the first take announces what is cached now.
     fn enable_kv_events(&mut self) {
         self.inner.enable_kv_events()

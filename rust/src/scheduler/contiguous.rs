@@ -303,6 +303,17 @@ impl KvSpace for ContiguousSpace {
     fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError> {
         Ok(PrefixCacheReset::default()) // nothing is ever cached
     }
+    fn pin_cached(&mut self, _seq: SeqId, _tokens: &[TokenId], _root: u64) -> Result<usize, CoreError> {
+        Err(CoreError::InvalidArgument(
+            "cannot pin a prefix with kv_layout='contiguous': it has no prefix cache; use kv_layout='paged'".into(),
+        ))
+    }
+    fn num_new_pinned_blocks(&self, tokens: &[TokenId], _root: u64) -> usize {
+        tokens.len() / self.block_size() // nothing is pinned: every full block would be new
+    }
+    fn num_pinned_prefix_blocks(&self) -> usize {
+        0
+    }
     fn enable_kv_events(&mut self) {} // nothing is ever cached: no event to send
     fn take_kv_events(&mut self) -> Vec<crate::block_manager::KvEvent> {
         Vec::new()

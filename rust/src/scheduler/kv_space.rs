@@ -51,6 +51,14 @@ pub trait KvSpace: Send + Sync {
     /// Forgets every cached page on every tier (see `BlockManager::reset_prefix_cache`);
     /// refused while a sequence holds pages.
     fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError>;
+    /// Pins the leading committed, device-cached full blocks of `tokens` as the hidden
+    /// sequence `seq` (see `block_manager::pins`); returns the pages it holds. The
+    /// contiguous layout caches nothing and refuses.
+    fn pin_cached(&mut self, seq: SeqId, tokens: &[TokenId], root: u64) -> Result<usize, CoreError>;
+    /// Pages a pin of `tokens` would add to the distinct pinned pages.
+    fn num_new_pinned_blocks(&self, tokens: &[TokenId], root: u64) -> usize;
+    /// Distinct device pages held by pins.
+    fn num_pinned_prefix_blocks(&self) -> usize;
     /// KV events for routers (see `block_manager::kv_events`): on from now, off by default.
     fn enable_kv_events(&mut self);
     /// The cache changes since the last take (empty while off).

@@ -41,6 +41,9 @@ impl Scheduler {
         if self.seqs.contains_key(&id) {
             return Err(CoreError::InvalidArgument(format!("sequence {id} already exists")));
         }
+        if id >= super::pins::PIN_SEQ_BASE {
+            return Err(CoreError::InvalidArgument(format!("sequence id {id} is reserved for pins: use ids below {}", super::pins::PIN_SEQ_BASE)));
+        }
         if tokens.is_empty() {
             return Err(CoreError::InvalidArgument(format!("sequence {id} has no tokens; at least 1 is needed")));
         }
@@ -52,11 +55,14 @@ impl Scheduler {
             )));
         }
         let needed = self.worst_case_blocks(tokens.len(), max_tokens, num_samples);
-        if needed > self.kv.num_blocks() {
+        let root = self.kv.salted_root(cache_salt);
+        if needed > self.usable_blocks_for(&tokens, root) {
             let longest = tokens.len().saturating_add(max_tokens).min(self.config.max_model_len);
+            let pinned = self.num_pinned_blocks();
+            let pins = if pinned > 0 { format!(", {pinned} of them pinned (unpin a prefix to make room)") } else { String::new() };
             return Err(CoreError::InvalidArgument(format!(
                 "the request needs up to {needed} blocks of KV cache (prompt {} + max_tokens {max_tokens} = {longest} tokens \
-                 x n = {num_samples} samples); the pool holds {} blocks of {} tokens",
+                 x n = {num_samples} samples); the pool holds {} blocks of {} tokens{pins}",
                 tokens.len(),
                 self.kv.num_blocks(),
                 self.kv.block_size()
@@ -77,7 +83,7 @@ impl Scheduler {
             status: SeqStatus::Waiting,
             waiting_since: self.stats.num_steps,
             parked: false,
-            root: self.kv.salted_root(cache_salt),
+            root,
             cached_tokens: None,
             placeholders: 0,
         };

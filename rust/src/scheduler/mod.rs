@@ -23,7 +23,8 @@
 //! The KV memory is a [`KvSpace`] (the paged interface; `paged.rs` puts the
 //! `BlockManager` behind it, `contiguous.rs` adapts the baseline to it); what its
 //! layout implies for scheduling is fixed at construction as [`KvRules`]. A sequence's
-//! life is in `lifecycle`, the counters in `stats`, a step's after `schedule` in `steps`.
+//! life is in `lifecycle`, the counters in `stats`, a step's after `schedule` in `steps`,
+//! pinned prefixes in `pins`.
 
 mod admission;
 mod cache_ops;
@@ -34,6 +35,7 @@ mod lifecycle;
 pub mod output;
 mod page_preemption;
 mod paged;
+pub mod pins;
 mod preemption;
 mod schedule;
 pub mod sequence;
@@ -84,6 +86,8 @@ pub struct Scheduler {
     /// Why a `schedule` failed part-way, leaving the core in no known state: every later
     /// call that plans or records refuses with it (see `steps`).
     broken: Option<String>,
+    /// Pinned prefixes, each a hidden sequence of the KV space (see `pins`).
+    pins: pins::Pins,
 }
 
 impl Scheduler {
@@ -106,6 +110,7 @@ impl Scheduler {
             next_step_id: 1,
             max_steps_in_flight: 1,
             broken: None,
+            pins: Default::default(),
             rules,
             config,
         })
@@ -255,6 +260,7 @@ impl Scheduler {
     /// in exactly the queue its status names, and running ones hold their pages.
     pub fn check_invariants(&self) -> Result<(), String> {
         self.kv.check_invariants()?;
+        self.check_pins()?;
         let queues = [(&self.waiting, SeqStatus::Waiting), (&self.running, SeqStatus::Running), (&self.swapped, SeqStatus::Swapped)];
         let mut seen = 0;
         for (queue, status) in queues {

@@ -35,6 +35,15 @@ impl KvSpace for BlockManager {
     fn reset_prefix_cache(&mut self) -> Result<PrefixCacheReset, CoreError> {
         BlockManager::reset_prefix_cache(self)
     }
+    fn pin_cached(&mut self, seq: SeqId, tokens: &[TokenId], root: u64) -> Result<usize, CoreError> {
+        BlockManager::pin_cached(self, seq, tokens, root)
+    }
+    fn num_new_pinned_blocks(&self, tokens: &[TokenId], root: u64) -> usize {
+        BlockManager::num_new_pinned_blocks(self, tokens, root)
+    }
+    fn num_pinned_prefix_blocks(&self) -> usize {
+        BlockManager::num_pinned_prefix_blocks(self)
+    }
     fn enable_kv_events(&mut self) {
         BlockManager::enable_kv_events(self)
     }

@@ -106,12 +106,12 @@ impl Scheduler {
             let need = self.kv.blocks_to_resume(id, n)?;
             let released = self.kv.block_table(id)?.len() - self.kv.num_held_blocks(id)?;
             let alone = (seq.kv_tokens + n).div_ceil(self.kv.block_size()) - released;
-            Ok((need, alone > self.kv.num_blocks()))
+            Ok((need, alone > self.usable_blocks_for(&seq.tokens, seq.root)))
         } else {
             let seq = &self.seqs[&id];
             let end = self.admission_end(seq, chunk);
             let need = self.kv.blocks_to_admit(&seq.tokens[..end], seq.reserve_tokens, seq.root);
-            Ok((need, need == usize::MAX || need > self.kv.num_blocks()))
+            Ok((need, need == usize::MAX || need > self.usable_blocks_for(&seq.tokens[..end], seq.root)))
         }
     }
 

@@ -122,6 +122,9 @@ pub struct CoreStats {
     pub num_cached_cpu_blocks: usize,
     pub num_cached_disk_blocks: usize,
     pub num_pinned_host_blocks: usize,
+    /// Live pinned prefixes (`Scheduler::pin_prefix`) and the distinct device pages they hold.
+    pub num_pins: usize,
+    pub num_pinned_blocks: usize,
     /// See [`KvUsage`].
     pub reserved_slots: usize,
     pub live_slots: usize,
@@ -179,6 +182,8 @@ impl Scheduler {
             num_cached_cpu_blocks: cached_cpu,
             num_cached_disk_blocks: cached_disk,
             num_pinned_host_blocks: kv.num_pinned_host_blocks(),
+            num_pins: self.pins().len(),
+            num_pinned_blocks: kv.num_pinned_prefix_blocks(),
             reserved_slots: usage.reserved_slots,
             live_slots: usage.live_slots,
         }
