@@ -23,7 +23,8 @@
 //! The KV memory is a [`KvSpace`] (the paged interface; `paged.rs` puts the
 //! `BlockManager` behind it, `contiguous.rs` adapts the baseline to it); what its
 //! layout implies for scheduling is fixed at construction as [`KvRules`]. A sequence's
-//! life is in `lifecycle`, the counters in `stats`, a step's after `schedule` in `steps`.
+//! life is in `lifecycle`, the counters in `stats`, a step's after `schedule` in `steps`,
+//! draft tokens of speculative decoding in `speculation`.
 
 mod admission;
 mod cache_ops;
@@ -37,6 +38,7 @@ mod paged;
 mod preemption;
 mod schedule;
 pub mod sequence;
+mod speculation;
 mod stats;
 mod steps;
 
@@ -81,6 +83,8 @@ pub struct Scheduler {
     next_step_id: u64,
     /// Steps that may be in flight at once; `schedule` reports older ones as done.
     max_steps_in_flight: usize,
+    /// Draft tokens proposed for the next step's decodes (see `speculation`).
+    proposals: HashMap<SeqId, Vec<crate::block_manager::TokenId>>,
     /// Why a `schedule` failed part-way, leaving the core in no known state: every later
     /// call that plans or records refuses with it (see `steps`).
     broken: Option<String>,
@@ -106,6 +110,7 @@ impl Scheduler {
             next_step_id: 1,
             max_steps_in_flight: 1,
             broken: None,
+            proposals: HashMap::new(),
             rules,
             config,
         })
