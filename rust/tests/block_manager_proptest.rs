@@ -7,8 +7,8 @@
 //! released pages (`NULL_BLOCK` entries) are exempt from reading back, and those
 //! placeholders may only lie before the first position the sequence still needs.
 //! Speculative decoding: drafts are appended as `PLACEHOLDER_TOKEN`, their K/V (the
-//! draft's own token) written and committed, then a random number accepted (`truncate`
-//! + `set_token`): a rejected draft's K/V must never be read back, by its sequence or
+//! draft's own token) written and committed, then a random number accepted (`truncate`,
+//! then `set_token`): a rejected draft's K/V must never be read back, by its sequence or
 //! through a prefix hit.
 
 use proptest::prelude::*;

@@ -25,8 +25,9 @@ itself speculates less, or not at all, when the budget or the free pages are tig
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 

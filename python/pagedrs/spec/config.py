@@ -7,8 +7,9 @@ value and what is allowed: nothing starts half-way.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 METHODS = ("ngram",)  # implemented
 NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp")  # vLLM names refused by name

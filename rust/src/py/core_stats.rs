@@ -62,8 +62,6 @@ core_stats_class! {
     num_pages_swapped_in: u64,
     step_pages_swapped_out: u64,
     step_pages_swapped_in: u64,
-    spec_proposed: u64,
-    spec_accepted: u64,
     prefix_queries: u64,
     prefix_hits: u64,
     evictions: u64,

@@ -97,9 +97,6 @@ pub struct CoreStats {
     /// The same two, in the last step only.
     pub step_pages_swapped_out: u64,
     pub step_pages_swapped_in: u64,
-    /// Draft tokens of speculative decoding that decodes carried, and those verified.
-    pub spec_proposed: u64,
-    pub spec_accepted: u64,
     // the KV space's counters (see `BlockManagerStats`)
     pub prefix_queries: u64,
     /// Blocks reused from the cache, on any tier: device + host + disk below.
@@ -162,8 +159,6 @@ impl Scheduler {
             num_pages_swapped_in: s.pages_swapped_in,
             step_pages_swapped_out: s.last_step_pages_swapped_out,
             step_pages_swapped_in: s.last_step_pages_swapped_in,
-            spec_proposed: s.draft_tokens_scheduled,
-            spec_accepted: s.draft_tokens_accepted,
             prefix_queries: bm.prefix_queries,
             prefix_hits: bm.prefix_hits,
             evictions: bm.evictions,
