@@ -8,8 +8,9 @@ and, run on their own, ``serve`` (HTTP through ``pagedrs serve`` vs the offline 
 page tiers on returning chat users), ``limits`` (the machine's read bandwidth and GEMM
 FLOP/s), ``decode`` (tokens/s per weight format and batch size, next to those limits),
 ``tp`` (tensor parallelism, 2 ranks vs 1), ``overhead`` (the host's cost of a decode step, part by
-part, on a model of negligible compute), ``structured`` (grammar masks per step, compile times) and
-``salt`` (the prefix cache's timing side channel across tenants, shared vs salted).
+part, on a model of negligible compute), ``structured`` (grammar masks per step, compile times),
+``salt`` (the prefix cache's timing side channel across tenants, shared vs salted) and ``spec``
+(speculative decoding by prompt lookup: tokens/s with and without, acceptance).
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -29,7 +30,7 @@ from pagedrs.bench.config import BenchConfig
 
 BENCHES = ("throughput", "prefix", "preemption", "allocator")
 # Run only when named: they start servers, take long, or measure the machine rather than the KV manager.
-EXTRA_BENCHES = ("serve", "beam", "multiturn", "limits", "decode", "tp", "overhead", "structured", "salt")
+EXTRA_BENCHES = ("serve", "beam", "multiturn", "limits", "decode", "tp", "overhead", "structured", "salt", "spec")
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:
