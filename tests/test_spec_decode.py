@@ -263,3 +263,56 @@ def test_adaptive_rule_turns_lookup_off_for_a_sequence_that_never_accepts(tiny_l
     stats = engine.stats()
     # EMA 1.0 -> 0.7 -> 0.49 -> 0.34 -> 0.24 -> 0.17 < 0.2: off after 5 verifications, for 16 steps
     assert stats["spec_verifications"] < 20, stats["spec_verifications"]
+
+
+# chi-square critical values at p = 0.001 by degrees of freedom (a false failure once in 1000 seeds)
+_CHI2_CRIT_001 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+
+
+def _chi2_homogeneity(a: list[int], b: list[int]) -> tuple[float, int]:
+    """Pearson's chi-square of two samples over the categories both fill (expected count >= 5 each;
+    the rest pooled), and its degrees of freedom."""
+    from collections import Counter
+
+    ca, cb = Counter(a), Counter(b)
+    total = len(a) + len(b)
+    common = [t for t, _ in (ca + cb).most_common(9) if (ca[t] + cb[t]) * min(len(a), len(b)) / total >= 5]
+    cells = [(ca[t], cb[t]) for t in common]
+    rest = (len(a) - sum(x for x, _ in cells), len(b) - sum(y for _, y in cells))
+    if min(rest) > 0:
+        cells.append(rest)
+    stat = 0.0
+    for x, y in cells:
+        for observed, size in ((x, len(a)), (y, len(b))):
+            expected = (x + y) * size / total
+            stat += (observed - expected) ** 2 / expected
+    return stat, len(cells) - 1
+
+
+def test_sampling_distribution_with_speculation_matches_without(tiny_llama_dir, hf_model, monkeypatch):
+    """Unseeded, temperature 0.7: the tokens drawn at the first verified draft (output 2) and the one
+    after (output 3) follow the same distribution with and without speculation (chi-square
+    homogeneity, p = 0.001 bound; 600 samples each, fixed torch seeds)."""
+    prompt = prompts(300)[2]
+    argmax: dict[tuple[int, ...], int] = {}
+
+    def propose_argmax(tokens, k, lo, hi):  # the likeliest next token of the sequence as it is
+        key = tuple(tokens.tolist())
+        if key not in argmax:
+            with torch.inference_mode():
+                argmax[key] = int(hf_model(torch.tensor([list(key)])).logits[0, -1].argmax())
+        return np.asarray([argmax[key]], dtype=np.uint32)
+
+    monkeypatch.setattr(spec_step, "propose", propose_argmax)
+    samples = {}
+    for spec in (NGRAM, None):
+        engine = make_engine(tiny_llama_dir, spec=spec, max_num_seqs=256, num_gpu_blocks=2048)
+        torch.manual_seed(1 if spec else 2)
+        done = run_all(engine, [prompt] * 600, SamplingParams(max_tokens=3, temperature=0.7, ignore_eos=True))
+        samples[spec is None] = [v[0] for v in done.values()]
+        if spec is not None:
+            assert engine.stats()["spec_accepted"] > 50  # many draws went through an accepted draft
+    for position in (1, 2):
+        stat, df = _chi2_homogeneity([s[position] for s in samples[False]], [s[position] for s in samples[True]])
+        assert df >= 2, df
+        assert stat < _CHI2_CRIT_001[df], (position, stat, df)
