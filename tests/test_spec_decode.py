@@ -316,3 +316,18 @@ def test_sampling_distribution_with_speculation_matches_without(tiny_llama_dir, 
         stat, df = _chi2_homogeneity([s[position] for s in samples[False]], [s[position] for s in samples[True]])
         assert df >= 2, df
         assert stat < _CHI2_CRIT_001[df], (position, stat, df)
+
+
+def test_the_speculative_config_flag_parses_json_and_refuses_the_rest():
+    import argparse
+
+    from pagedrs.cli_args import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p, cpu_threads_help="")
+    kwargs = engine_kwargs(p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']))
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert engine_kwargs(p.parse_args([]))["speculative_config"] is None
+    for bad in ("{nope", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--speculative-config", bad])
