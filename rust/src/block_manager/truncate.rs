@@ -20,7 +20,9 @@
 //! - a dropped page is released once (this table's reference); a page shared with a fork
 //!   or pinned by a step keeps its other users and its content;
 //! - a kept, partly filled last page that is shared is copied on write by the next
-//!   `append_tokens` (its length is no longer a block multiple), as any shared tail is;
+//!   `append_tokens` (its length is no longer a block multiple), as any shared tail is; so
+//!   is one that the prefix cache holds by then (another user of the page filled and
+//!   committed it after the cut, then left: found by the property test);
 //! - a page this sequence hashed (in the prefix cache, or waiting for its step to
 //!   publish it), or that the device cache holds under any hash, is never cut into:
 //!   `truncate` refuses, because the next append would rewrite cached content in place.
