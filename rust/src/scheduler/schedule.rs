@@ -158,7 +158,9 @@ impl Scheduler {
                 continue;
             }
             self.append_sampled(id, pending, out)?;
-            self.append_drafts(id, pending, budget.tokens, out)?;
+            if !in_prefill {
+                self.append_drafts(id, pending, budget.tokens, out)?; // a prompt chunk carries none
+            }
             let n = self.take_tokens(id, budget, scheduled)? as u64;
             // A windowed prompt's later chunks come this way too (appended as they go).
             *if in_prefill { &mut self.stats.prompt_tokens_computed } else { &mut self.stats.decode_tokens } += n;

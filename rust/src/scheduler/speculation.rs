@@ -59,7 +59,9 @@ impl Scheduler {
     pub(super) fn append_drafts(&mut self, id: SeqId, pending: usize, budget_tokens: usize, out: &mut SchedulerOutput) -> Result<usize, CoreError> {
         let Some(proposal) = self.proposals.remove(&id) else { return Ok(0) };
         let seq = &self.seqs[&id];
-        if seq.prefill_left > 0 || seq.status != SeqStatus::Running {
+        // Drafts follow a sampled token: a prompt's last chunk carries none (its first row is
+        // the one `n > 1` samples fork from, each drawing its own first token).
+        if seq.tokens.len() <= seq.prompt_len || seq.status != SeqStatus::Running {
             return Ok(0);
         }
         // Every accepted draft and the bonus token are outputs: at most max_len - len of them.
