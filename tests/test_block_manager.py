@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedrs import BlockManager, OutOfBlocksError
+from pagedrs._core import PLACEHOLDER_TOKEN
 
 
 def test_allocate_free_exact_blocks_and_slots():
@@ -114,6 +115,27 @@ def test_host_cache_switch_reports_copies():
     assert bm.allocate(3, [1, 2, 5]) == 2
     assert bm.take_pending_host_copies() == ([], [(0, bm.block_table(3)[0])])
     assert bm.stats()["host_cache_hits"] == 1
+
+
+def test_truncate_releases_pages_of_dropped_tokens_and_refuses_what_it_must_not_cut():
+    bm = BlockManager(8, 4)
+    bm.allocate(1, [1, 2, 3, 4, 5])
+    bm.commit(1, 5)  # the first page is in the prefix cache now
+    bm.append_tokens(1, [PLACEHOLDER_TOKEN] * 6)  # drafts at positions 5..10: three pages in all
+    bm.commit(1, 11)
+    free = bm.num_free_gpu_blocks
+    assert bm.truncate(1, 6) == 1 and bm.num_free_gpu_blocks == free + 1
+    bm.set_token(1, 5, 9)
+    assert bm.tokens(1) == [1, 2, 3, 4, 5, 9] and bm.num_committed_tokens(1) == 6
+    with pytest.raises(ValueError, match="would cut into its first 4 tokens, whose pages are in the prefix cache"):
+        bm.truncate(1, 3)
+    for bad in (0, 7):
+        with pytest.raises(ValueError, match=f"num_tokens = {bad} must be in 1..=6"):
+            bm.truncate(1, bad)
+    with pytest.raises(KeyError):
+        bm.truncate(2, 1)
+    bm.check_invariants()
+    bm.free(1)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -236,6 +258,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     self.bm.swap_out(group)
         except OutOfBlocksError:
             assert self._state() == before
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), drafts=st.lists(st.integers(0, 2), min_size=1, max_size=5), accepted=st.integers(0, 5))
+    def speculate(self, data, drafts, accepted):
+        """A verify step: drafts appended as PLACEHOLDER_TOKEN, their K/V written and committed, the
+        first ``accepted`` kept (truncate, then set_token). Drafts share the prompts' alphabet, so a
+        page of rejected drafts that reached the cache would be hit, and read back wrong, by allocate."""
+        seq = data.draw(st.sampled_from(sorted(self.seqs)))
+        before = self._state()
+        try:
+            cow = self.bm.append_tokens(seq, [PLACEHOLDER_TOKEN] * len(drafts))
+        except (OutOfBlocksError, ValueError):
+            assert self._state() == before
+            return
+        self._host_copies()
+        self._copy(cow, self.gpu, self.gpu)
+        start, kept = len(self.seqs[seq]), min(accepted, len(drafts))
+        for slot, t in zip(self.bm.slot_mapping(seq, start, start + len(drafts)), drafts):
+            self.gpu[slot] = t
+        self.bm.commit(seq, start + len(drafts))
+        self.bm.truncate(seq, start + kept)
+        for i in range(kept):
+            self.bm.set_token(seq, start + i, drafts[i])
+        self.seqs[seq] = self.seqs[seq] + drafts[:kept]
 
     @invariant()
     def reads_back_and_invariants_hold(self):

@@ -58,6 +58,15 @@ class BlockManager:
     def append_tokens(self, seq_id: int, token_ids: TokenIds) -> list[tuple[int, int]]:
         """Records appended tokens; returns (src, dst) copy-on-write pairs to run first."""
     def commit(self, seq_id: int, num_computed_tokens: int) -> None: ...
+    def truncate(self, seq_id: int, num_tokens: int) -> int:
+        """Drops the tokens past the first ``num_tokens`` (rejected draft tokens); returns how many pages
+        left the table: a page holding only dropped tokens goes back to the pool, a shared one keeps its
+        other users, a kept partial page that is shared is copied on write by the next append. All or
+        nothing; ValueError for 0, past the length, a swapped sequence, or a cut into a page the prefix
+        cache holds (verified, hashed blocks are never rewritten)."""
+    def set_token(self, seq_id: int, pos: int, token: int) -> None:
+        """Gives the token at ``pos``, appended as PLACEHOLDER_TOKEN (a draft, or a token not sampled yet);
+        the blocks it completes up to the committed count are hashed. Blocks holding a placeholder never are."""
     def fork(self, parent_id: int, child_id: int) -> None: ...
     def free(self, seq_id: int) -> None: ...
     def release_outside_window(self, seq_id: int, first_needed_pos: int) -> int:
@@ -93,6 +102,7 @@ class StepPlan:
     """Report it with Scheduler.complete_step once the step ran or failed."""
     seq_ids: npt.NDArray[np.uint64]
     do_sample: npt.NDArray[np.bool_]
+    num_draft_tokens: npt.NDArray[np.int32]
     input_ids: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
     slot_mapping: npt.NDArray[np.int64]
@@ -286,6 +296,12 @@ class Scheduler:
         """The sampled tokens of the oldest placeholders; sequences gone meanwhile are skipped."""
     def drop_placeholders(self, seq_ids: npt.NDArray[np.uint64]) -> int:
         """Takes back placeholders whose tokens never come (their step failed)."""
+    def set_proposal(self, seq_id: int, token_ids: npt.NDArray[np.uint32]) -> None:
+        """Speculative decoding: draft tokens for the sequence's next decode (empty clears it); the next
+        schedule uses as many as its budget, max_tokens and free pages allow, without preempting."""
+    def accept_drafts(self, seq_id: int, num_accepted: int) -> int:
+        """After the step that computed the sequence's drafts: keeps the first ``num_accepted``, cuts the
+        rest from its tokens and pages; returns how many were cut. Sequences gone meanwhile are skipped."""
     def set_max_steps_in_flight(self, n: int) -> None:
         """1: a step runs before the next is planned (default); 2: asynchronous scheduling."""
     def complete_transfers(self, ids: Sequence[int]) -> None:

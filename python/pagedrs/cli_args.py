@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 from pagedrs.engine_args import KV_CACHE_DTYPES, EngineArgs
@@ -29,7 +30,7 @@ _SAME_NAME = (
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size", "distributed_executor_backend",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
-    "enforce_eager", "max_pinned_fraction",
+    "enforce_eager", "max_pinned_fraction", "speculative_config",
     "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps",
 )
 
@@ -71,6 +72,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
         help="plan and launch step N+1 before step N is sampled (vLLM's async scheduling): the device does not wait "
         "for the host's sampling and outputs; same outputs. Not with --tensor-parallel-size > 1 or --kv-disk-path",
     )
+    p.add_argument("--speculative-config", type=_json_object, default=d["speculative_config"],
+                   help='speculative decoding as JSON, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_max": 4}\' (default: off)')
     p.add_argument("--kv-layout", default=d["kv_layout"], choices=["paged", "contiguous"])
     p.add_argument("--eviction-policy", default=d["eviction_policy"], choices=["lru", "lfu"],
                    help="which cached prefix page goes first: least recently used (default) or least "
@@ -83,6 +87,17 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
     p.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     p.add_argument("--cpu-threads", type=int, default=d["cpu_threads"], help=cpu_threads_help)
     _add_parallel_and_tier_args(p)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag (``--speculative-config``); its fields are checked by EngineArgs."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\", ...}}', got {text!r}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 CPU_THREADS_ENV = "PAGEDRS_CPU_THREADS"
 
@@ -102,6 +102,9 @@ class EngineArgs:
     kv_events_endpoint: Optional[str] = None
     kv_events_replay_endpoint: Optional[str] = None
     kv_events_buffer_steps: int = 10_000
+    # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": m, "prompt_lookup_max": M} (pagedrs/spec/config.py; None = off)
+    speculative_config: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -157,6 +160,7 @@ class EngineArgs:
             raise ValueError(f"async_scheduling=True with kv_disk_path={str(self.kv_disk_path)!r}: not supported yet "
                              "(the disk tier's writes are not ordered with an asynchronous step); allowed: "
                              "async_scheduling=False, or kv_disk_path=None")
+        _check_speculative(self)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -186,6 +190,22 @@ class EngineArgs:
         if value < 1:
             raise ValueError(f"{CPU_THREADS_ENV} is {env!r}; it must be an integer >= 1")
         return value
+
+
+def _check_speculative(args: EngineArgs) -> None:
+    """The speculative config's fields (spec/config.py), and the combinations not supported yet."""
+    if args.speculative_config is None:
+        return
+    from pagedrs.spec.config import SpeculativeConfig
+
+    SpeculativeConfig.parse(args.speculative_config)
+    refused = [("async_scheduling", args.async_scheduling, "async_scheduling=False"),
+               ("tensor_parallel_size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None,
+                "tensor_parallel_size=1")]
+    for name, value, allowed in refused:
+        if value:
+            raise ValueError(f"speculative_config with {name}={value!r}: not supported yet; allowed: {allowed}, "
+                             "or speculative_config=None")
 
 
 _ZMQ_TRANSPORTS = ("tcp://", "ipc://", "inproc://")

@@ -55,6 +55,13 @@ class EngineStats:
     num_cached_prompt_tokens: int
     num_decode_tokens: int
     num_generated_tokens: int
+    # speculative decoding (core/spec_step.py; zeros when off): drafts verified, drafts accepted,
+    # (sequence, step) verifications, accepted / proposed, accepted drafts per verification
+    spec_proposed: int
+    spec_accepted: int
+    spec_verifications: int
+    spec_acceptance_rate: float
+    spec_mean_accepted_length: float
     # block manager counters (cumulative, in blocks)
     prefix_queries: int
     prefix_hits: int

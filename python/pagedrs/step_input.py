@@ -58,6 +58,8 @@ class StepInput:
     block_tables: np.ndarray  # int32 [S, max_blocks]  physical block ids, padded with 0 past seq_lens
     seq_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))  # uint64 [S]
     do_sample: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))  # bool [S] sample after the step
+    # int32 [S]  draft tokens (speculative decoding) among each sequence's last new tokens (core/spec_step.py)
+    num_draft_tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     transfers: tuple[Transfer, ...] = ()  # tier copies, run first and in order
     copies: np.ndarray = field(default_factory=_empty_pairs)  # int64 [N, 2] (src_block, dst_block) on the device
     step_id: int = 0  # the core's id of this step: Scheduler.complete_step(step_id, ok) once it ran or failed

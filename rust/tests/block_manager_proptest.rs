@@ -6,13 +6,17 @@
 //! failed call changed nothing. With a sliding window, positions before a sequence's
 //! released pages (`NULL_BLOCK` entries) are exempt from reading back, and those
 //! placeholders may only lie before the first position the sequence still needs.
+//! Speculative decoding: drafts are appended as `PLACEHOLDER_TOKEN`, their K/V (the
+//! draft's own token) written and committed, then a random number accepted (`truncate`,
+//! then `set_token`): a rejected draft's K/V must never be read back, by its sequence or
+//! through a prefix hit.
 
 use proptest::prelude::*;
 use proptest::test_runner::RngSeed;
 use std::collections::BTreeMap;
 
 use pagedrs::block_manager::window::first_needed_pos;
-use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, EvictionPolicyKind, SwapInStatus, Tier, NULL_BLOCK};
+use pagedrs::block_manager::{BlockManager, BlockManagerConfig, CoreError, EvictionPolicyKind, SwapInStatus, Tier, NULL_BLOCK, PLACEHOLDER_TOKEN};
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -30,6 +34,11 @@ enum Op {
     FlushToDisk,
     /// Sliding window: release the pages before `frac / 4` of the committed tokens.
     ReleaseWindow { seq: u64, frac: u8 },
+    /// A verify step: `k` drafts (from the small alphabet when `seed` is even, so prompts
+    /// may match them) written and committed, the first `accepted` of them kept.
+    Speculate { seq: u64, k: usize, accepted: usize, seed: u32 },
+    /// Truncate to `frac / 4` of the length (refused below the hashed blocks).
+    Truncate { seq: u64, frac: u8 },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -44,7 +53,9 @@ fn op() -> impl Strategy<Value = Op> {
         1 => proptest::collection::vec(seq.clone(), 1..3).prop_map(|seqs| Op::SwapIn { seqs }),
         2 => (seq.clone(), 0usize..4).prop_map(|(seq, n)| Op::SwapOutPages { seq, n }),
         1 => Just(Op::FlushToDisk),
-        2 => (seq, 0u8..=4).prop_map(|(seq, frac)| Op::ReleaseWindow { seq, frac }),
+        2 => (seq.clone(), 0u8..=4).prop_map(|(seq, frac)| Op::ReleaseWindow { seq, frac }),
+        4 => (seq.clone(), 1usize..7, 0usize..7, any::<u32>()).prop_map(|(seq, k, accepted, seed)| Op::Speculate { seq, k, accepted, seed }),
+        1 => (seq, 0u8..=4).prop_map(|(seq, frac)| Op::Truncate { seq, frac }),
     ]
 }
 
@@ -222,7 +233,9 @@ impl Sim {
                     let (toks, _) = self.model.get_mut(seq).unwrap();
                     let start = toks.len();
                     toks.extend(&new);
-                    assert_eq!(free - self.bm.num_free_gpu_blocks(), predicted.unwrap());
+                    // A copy-on-write source left with no user stays cached (evictable, so free).
+                    let freed = cow.iter().filter(|&&(src, _)| self.bm.gpu_refcount(src) == Some(0)).count();
+                    assert_eq!(free - self.bm.num_free_gpu_blocks(), predicted.unwrap() - freed);
                     self.run_host_copies();
                     self.copy(&cow, Tier::Gpu, Tier::Gpu);
                     self.write(*seq, start);
@@ -292,6 +305,36 @@ impl Sim {
                     let swapped = &mut self.model.get_mut(seq).unwrap().1;
                     *swapped |= moved > 0;
                 })
+            }
+            Op::Speculate { seq, k, accepted, seed } => {
+                let drafts = if seed % 2 == 0 { tokens(*seed, *k) } else { wide_tokens(*seed, *k) };
+                let a = (*accepted).min(*k);
+                let (free, predicted) = (self.bm.num_free_gpu_blocks(), self.bm.num_blocks_to_append(*seq, a));
+                self.bm.append_tokens(*seq, &vec![PLACEHOLDER_TOKEN; *k]).map(|cow| {
+                    let freed = cow.iter().filter(|&&(src, _)| self.bm.gpu_refcount(src) == Some(0)).count();
+                    self.run_host_copies();
+                    self.copy(&cow, Tier::Gpu, Tier::Gpu);
+                    let start = self.model[seq].0.len();
+                    let mut slots = Vec::new();
+                    self.bm.slot_mapping_into(*seq, start, start + *k, &mut slots).unwrap();
+                    for (slot, &d) in slots.into_iter().zip(&drafts) {
+                        self.gpu[slot as usize] = Some(d); // the verify step writes every draft's K/V
+                    }
+                    self.bm.commit(*seq, start + *k).unwrap();
+                    self.bm.truncate(*seq, start + a).unwrap();
+                    for (i, &d) in drafts[..a].iter().enumerate() {
+                        self.bm.set_token(*seq, start + i, d, false).unwrap();
+                    }
+                    if a > 0 {
+                        // Exactly what appending the accepted tokens alone would have taken.
+                        assert_eq!(free - self.bm.num_free_gpu_blocks(), predicted.unwrap() - freed);
+                    }
+                    self.model.get_mut(seq).unwrap().0.extend(&drafts[..a]);
+                })
+            }
+            Op::Truncate { seq, frac } => {
+                let n = self.model.get(seq).map_or(0, |(t, _)| t.len() * *frac as usize / 4);
+                self.bm.truncate(*seq, n).map(|_| self.model.get_mut(seq).unwrap().0.truncate(n))
             }
             Op::FlushToDisk => {
                 for t in self.bm.flush_to_disk() {

@@ -304,6 +304,15 @@ fn run(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>) -> Result<u64, TestCaseEr
 /// (every other one) by the next `schedule`. A failed step's sequences start again from
 /// their first token, so the outputs must still be the model's.
 fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<u64>) -> Result<u64, TestCaseError> {
+    run_speculating(cfg, reqs, chaos, failures, None)
+}
+
+/// [`run_failing`], where `speculate` (a seed) gives every live sequence a proposal before each
+/// step (speculative decoding): 0..4 drafts, a random number of them the model's own next
+/// tokens and the rest wrong. After the step each sequence keeps the drafts the model agrees
+/// with (`accept_drafts`), then appends its next token as usual: outputs, reads and pages must
+/// be exactly those of a run without drafts.
+fn run_speculating(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<u64>, speculate: Option<u64>) -> Result<u64, TestCaseError> {
     let fail_roll = |step: u64, salt: u64, n: u64| failures.map(|f| mix(f ^ step.wrapping_mul(0x9E37_79B9) ^ salt) % n);
     let mut draws = 0u64;
     let mut roll = |n: u64| -> u64 {
@@ -360,7 +369,27 @@ fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<
         if !s.has_unfinished() && step > last_arrival {
             break;
         }
+        if let Some(seed) = speculate {
+            for (&seq, context) in tokens.iter().filter(|(seq, _)| !held.contains_key(seq)) {
+                let roll = mix(seed ^ step.wrapping_mul(0x9E37_79B9) ^ seq.wrapping_mul(0x2545_F491));
+                let (k, good) = ((roll % 5) as usize, ((roll >> 8) % 5) as usize);
+                let mut ctx = context.clone();
+                let mut drafts = Vec::new();
+                for j in 0..k {
+                    let next = next_token(&ctx, is_child(seq));
+                    ctx.push(next);
+                    drafts.push(if j < good { next } else { next + 3000 });
+                }
+                s.set_proposal(seq, &drafts).map_err(|e| TestCaseError::fail(format!("proposal for {seq}: {e}")))?;
+            }
+        }
         let out = s.schedule().map_err(|e| TestCaseError::fail(format!("schedule at step {step}: {e}")))?;
+        // What each sequence reads this step: its tokens, and the drafts it computes.
+        let mut reads = tokens.clone();
+        for (i, &id) in out.seq_ids.iter().enumerate() {
+            let (k, end) = (out.num_draft_tokens[i] as usize, out.query_start_loc[i + 1] as usize);
+            reads.get_mut(&id).unwrap().extend(out.input_ids[end - k..end].iter().map(|&t| t as u32));
+        }
         if trace {
             let moved: Vec<_> = out.transfers.iter().map(|t| (t.src, t.dst, t.pairs.clone())).collect();
             eprintln!(
@@ -385,7 +414,7 @@ fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<
                 prop_assert!(reset.contains(id), "sequence {} of the failed step {} was not reset: {:?}", id, step, reset);
             }
         } else {
-            runner.step(&mut s, &out, &tokens, window)?;
+            runner.step(&mut s, &out, &reads, window)?;
             if failures.is_none() || fail_roll(step, 3, 2) == Some(0) {
                 s.complete_step(out.step_id, true).map_err(|e| TestCaseError::fail(format!("complete_step: {e}")))?;
             }
@@ -395,6 +424,18 @@ fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<
         for (i, &id) in out.seq_ids.iter().enumerate() {
             if failed || !out.do_sample[i] {
                 continue;
+            }
+            let (k, end) = (out.num_draft_tokens[i] as usize, out.query_start_loc[i + 1] as usize);
+            if k > 0 {
+                // Accepted: the leading drafts the model agrees with, each an output (one is
+                // always left for the token appended below).
+                let mut accepted = 0;
+                while accepted < k && remaining[&id] > 1 && out.input_ids[end - k + accepted] as u32 == next_token(&tokens[&id], is_child(id)) {
+                    tokens.get_mut(&id).unwrap().push(out.input_ids[end - k + accepted] as u32);
+                    *remaining.get_mut(&id).unwrap() -= 1;
+                    accepted += 1;
+                }
+                s.accept_drafts(id, accepted).map_err(|e| TestCaseError::fail(format!("accept_drafts of {id}: {e}")))?;
             }
             let mut samples = vec![id];
             if let Some(child) = forks.remove(&id) {
@@ -549,6 +590,17 @@ proptest! {
         failures in prop_oneof![Just(None), any::<u64>().prop_map(Some)],
     ) {
         run_failing(cfg, reqs, chaos, failures)?;
+    }
+
+    #[test]
+    fn random_workloads_with_drafts_read_back_every_token_and_free_every_page(
+        cfg in setup(),
+        reqs in proptest::collection::vec(req(), 1..16),
+        chaos in prop_oneof![Just(None), any::<u64>().prop_map(Some)],
+        failures in prop_oneof![Just(None), any::<u64>().prop_map(Some)],
+        speculate in any::<u64>(),
+    ) {
+        run_speculating(cfg, reqs, chaos, failures, Some(speculate))?;
     }
 }
 /// Found by this test: a copy on write reads its source page after the step's swap-ins

@@ -10,8 +10,9 @@ FLOP/s), ``decode`` (tokens/s per weight format and batch size, next to those li
 ``tp`` (tensor parallelism, 2 ranks vs 1), ``overhead`` (the host's cost of a decode step, part by
 part, on a model of negligible compute), ``structured`` (grammar masks per step, compile times),
 ``salt`` (the prefix cache's timing side channel across tenants, shared vs salted), ``map``
-(paged vs contiguous tokens/s over concurrency x length spread x shared prefix, as heatmaps) and
-``dp`` (data-parallel replicas on Ray Serve: cache routing vs an approximate prefix router vs power of two).
+(paged vs contiguous tokens/s over concurrency x length spread x shared prefix, as heatmaps), ``spec``
+(speculative decoding by prompt lookup: tokens/s with and without, acceptance) and ``dp``
+(data-parallel replicas on Ray Serve: cache routing vs an approximate prefix router vs power of two).
 Each prints a markdown table with the machine it ran on; ``--out DIR`` writes
 ``DIR/<bench>.json`` and ``DIR/<bench>.md``, ``--plot DIR`` PNG charts, ``--json PATH``
 the JSON result (for ``all``: one object keyed by benchmark).
@@ -31,7 +32,8 @@ from pagedrs.bench.config import BenchConfig
 
 BENCHES = ("throughput", "prefix", "preemption", "allocator")
 # Run only when named: they start servers, take long, or measure the machine rather than the KV manager.
-EXTRA_BENCHES = ("serve", "beam", "multiturn", "limits", "decode", "tp", "overhead", "structured", "salt", "map", "dp")
+EXTRA_BENCHES = ("serve", "beam", "multiturn", "limits", "decode", "tp", "overhead", "structured", "salt", "map", "spec",
+                 "dp")
 
 
 def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str]]:

@@ -34,12 +34,14 @@ from pagedrs.core.prefix_cache import cached_tokens_by_tier
 from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestMetrics
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
+from pagedrs.core.spec_step import Speculator
 from pagedrs.core.step import StepContext, run_step
 from pagedrs.core.structured.backend import GrammarCompiler
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.rollback import Rollback
 from pagedrs.sampling_params import SamplingParams
+from pagedrs.spec.config import SpeculativeConfig
 from pagedrs.stats import EngineStats
 from pagedrs.step_input import StepInput
 
@@ -73,6 +75,10 @@ class EngineCore:
         # requests with prompt_logprobs whose prompt rows are not all in yet (core/prompt_logprobs.py)
         self.prompt_logprob_requests: dict[str, Request] = {}
         self.fast_rows = FastRows(self)  # the plain decode rows, kept from step to step (core/fast_rows.py)
+        # speculative decoding (core/spec_step.py); None = off
+        self.speculator: Optional[Speculator] = None
+        if args.speculative_config is not None:
+            self.speculator = Speculator(SpeculativeConfig.parse(args.speculative_config))
         self._async: Optional[AsyncScheduler] = None
         if args.async_scheduling:  # steps complete on a worker; two in flight (core/async_step.py)
             self.executor = AsyncExecution(self.executor)
@@ -110,6 +116,9 @@ class EngineCore:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already exists; request ids must be unique among unfinished requests")
         policy = self.policies[type(params)]
+        if self.speculator is not None and isinstance(policy, BeamSearch):
+            raise ValueError("beam search with speculative_config: not supported (beam search does not speculate); "
+                             "allowed: SamplingParams without use_beam_search, or an engine with speculative_config=None")
         num_samples = request_shape(params).num_samples
         seq_id = next(self._seq_ids)
         first = self._new_sample(seq_id, 0, params)
@@ -232,6 +241,8 @@ class EngineCore:
     def release(self, seq_id: int) -> None:
         entry = self._by_seq.pop(seq_id, None)
         self.fast_rows.forget(seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(seq_id)
         if entry is not None:
             entry[1].grammar = None  # its matcher goes with its sequence
             if self.scheduler.contains(seq_id):
@@ -312,6 +323,7 @@ class EngineCore:
             memory_kv_pool_bytes=memory["kv_pool"],
             memory_host_pool_bytes=memory["host_pool"],
             memory_rss_bytes=_rss_bytes(),
+            **_spec_stats(self.speculator),
         )
 
     def shutdown(self) -> None:
@@ -337,6 +349,15 @@ class EngineCore:
     def info(self) -> dict[str, Any]:
         """What a front end needs to know about the core it talks to."""
         return {"max_model_len": self.max_model_len, "model_name": self.loaded.name}
+
+
+def _spec_stats(speculator: Optional[Speculator]) -> dict[str, Any]:
+    """Speculative decoding's counters (zeros when it is off)."""
+    proposed, accepted, verified = (0, 0, 0) if speculator is None else (
+        speculator.proposed, speculator.accepted, speculator.verifications)
+    return dict(spec_proposed=proposed, spec_accepted=accepted, spec_verifications=verified,
+                spec_acceptance_rate=accepted / proposed if proposed else 0.0,
+                spec_mean_accepted_length=accepted / verified if verified else 0.0)
 
 
 def _rss_bytes() -> int:

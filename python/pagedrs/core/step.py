@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 
-from pagedrs.core import fast_rows, prompt_logprobs
+from pagedrs.core import fast_rows, prompt_logprobs, spec_step
 from pagedrs.core.continuation import Decision, StepRow
 from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
@@ -58,11 +58,14 @@ class StepContext:
     decisions: list[tuple[Request, Decision]] = field(default_factory=list)
     touched: dict[str, Request] = field(default_factory=dict)  # requests that progressed or ended: their outputs
     prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # prompt_logprobs' rows
+    spec: Optional[spec_step.SpecRows] = None  # speculating sequences' verify rows (core/spec_step.py)
 
 
 def run_step(core: EngineCore, ctx: StepContext) -> None:
     """Runs one step; what it did is in ``ctx.touched``. Raises ``EngineDeadError`` (or the
     executor's own fatal error) after ending every request when the engine cannot go on."""
+    if core.speculator is not None:
+        core.speculator.propose(core)
     step = plan_step(core, ctx)
     try:
         ctx.logits = core.executor.execute(step)
@@ -91,6 +94,8 @@ def plan_step(core: EngineCore, ctx: StepContext) -> StepInput:
         core.fail_all(dead, ctx.touched)
         raise dead from exc
     step, ctx.prompt_rows = prompt_logprobs.plan(core, StepInput.from_plan(plan))
+    if core.speculator is not None:
+        step, ctx.spec = core.speculator.plan(step)
     ctx.step = step
     core.note_scheduled(step, ctx.start)
     return step
@@ -112,12 +117,14 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
     if ctx.prompt_rows:
         assert ctx.logits is not None
         prompt_logprobs.record(ctx.logits, ctx.prompt_rows)
+    if ctx.spec is not None:  # several tokens per speculating sequence, one sampling round each
+        assert ctx.logits is not None and not placeholders
+        spec_step.verify(core, step, ctx.logits, ctx.spec, lambda view, logits, on_drawn: _round(
+            core, StepContext(ctx.start, view, logits, touched=ctx.touched), view, on_drawn))
+        return
     fast, tokens, logprobs = _sample(core, ctx, step)
     if placeholders:
-        drawn = {row.sample.seq_id: t for row, t in zip(fast.rows, tokens)}
-        for (_, _, s), result in zip(ctx.draws, ctx.results):
-            if result is not None:
-                drawn[s.seq_id] = result.token_id
+        drawn = _drawn(ctx, fast, tokens)
         given = {seq_id: drawn[seq_id] for seq_id in placeholders if seq_id in drawn}
         if on_tokens is not None:
             on_tokens(given)
@@ -129,6 +136,27 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
     ctx.decisions = _decide(core, ctx)
     appends = fast_rows.record(core, fast, tokens, logprobs, ctx.touched) if fast.rows else ([], [], [])
     _carry_out(core, ctx, appends, placeholders)
+
+
+def _round(core: EngineCore, ctx: StepContext, step: StepInput,
+           on_drawn: Callable[[dict[int, int]], frozenset[int]]) -> None:
+    """One sampling round of a speculative step over ``step``'s sequences (``ctx.logits``: one row
+    each): sample, let ``on_drawn`` see the tokens (it returns the sequences whose token the core
+    already holds: accepted drafts), decide, carry out."""
+    fast, tokens, logprobs = _sample(core, ctx, step)
+    resolved = on_drawn(_drawn(ctx, fast, tokens))
+    ctx.decisions = _decide(core, ctx)
+    appends = fast_rows.record(core, fast, tokens, logprobs, ctx.touched) if fast.rows else ([], [], [])
+    _carry_out(core, ctx, appends, resolved)
+
+
+def _drawn(ctx: StepContext, fast: fast_rows.FastStep, tokens: list[int]) -> dict[int, int]:
+    """The token each sequence drew this step (fast rows and generic draws), by sequence id."""
+    drawn = {row.sample.seq_id: t for row, t in zip(fast.rows, tokens)}
+    for (_, _, s), result in zip(ctx.draws, ctx.results):
+        if result is not None:
+            drawn[s.seq_id] = result.token_id
+    return drawn
 
 
 def on_failed_step(core: EngineCore, step: StepInput, exc: BaseException, touched: dict[str, Request]) -> None:

@@ -102,7 +102,10 @@ impl BlockManager {
 
     /// (blocks to take, whether the first of them replaces a shared partial last block).
     /// A last page on the host (a paused sequence's, see `num_blocks_to_resume`) comes back
-    /// as the sequence's own, so only one still on the device can be shared.
+    /// as the sequence's own, so only one still on the device can be shared. A partial last
+    /// page the prefix cache holds (full for the sequence that hashed it: only a `truncate`
+    /// into a page shared at the time leaves one) is copied too, even with no other user left:
+    /// writing into it would change a cached page's content.
     fn append_cost(&self, s: &Sequence, num_new_tokens: usize) -> (usize, bool) {
         if num_new_tokens == 0 {
             return (0, false);
@@ -111,7 +114,8 @@ impl BlockManager {
         let len = s.tokens.len();
         let grow = (len + num_new_tokens).div_ceil(bs) - s.table.len();
         let last = s.table.len() - 1;
-        let cow = len % bs != 0 && !s.on_host[last] && self.shared_on_device(s.table[last]);
+        let b = s.table[last];
+        let cow = len % bs != 0 && !s.on_host[last] && (self.shared_on_device(b) || self.gpu.cache.hash_of(b).is_some());
         (grow + cow as usize, cow)
     }
 
@@ -166,7 +170,7 @@ impl BlockManager {
             if self.pin_cow_sources {
                 self.cow_pins.push(src); // this table's user becomes the pin
             } else {
-                self.gpu.release(src, 1); // shared, so it keeps at least one user
+                self.gpu.release(src, 1); // shared (it keeps a user), or cached (it stays evictable)
             }
             copies.push((src, dst));
             self.stats.cow_copies += 1;

@@ -6,7 +6,7 @@ use super::prefix_cache::block_hash;
 use super::tier::TierPool;
 use super::window::NULL_BLOCK;
 use super::BlockManager;
-use crate::error::{BlockId, Tier, TokenId};
+use crate::error::{BlockId, Tier, TokenId, PLACEHOLDER_TOKEN};
 
 impl BlockManager {
     /// Ok, or a description of the first broken invariant found.
@@ -163,6 +163,9 @@ fn check_tier(name: &str, tier: &TierPool, users: &[u32]) -> Result<(), String> 
             return Err(format!("{name}: hash map points {h:#x} at block {b}, which holds {:?}", tier.cache.hash_of(b)));
         }
         let tokens: &[TokenId] = tier.cache.block_tokens(b);
+        if tokens.contains(&PLACEHOLDER_TOKEN) {
+            return Err(format!("{name}: cached block {b} holds an unverified token (PLACEHOLDER_TOKEN)"));
+        }
         if block_hash(tier.cache.parent_of(b), tokens) != h {
             return Err(format!("{name}: cached block {b}'s tokens do not hash to {h:#x}"));
         }

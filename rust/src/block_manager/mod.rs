@@ -15,7 +15,8 @@
 //! `page_swap` (a paused sequence's pages moved to the host one by one),
 //! [`transfer`] (copies between tiers as values), [`window`] (pages released out of a
 //! sliding window), `reset` (the prefix cache cleared on every tier; per-tier hits),
-//! `pins` (pinned prefixes held as hidden sequences), `invariants`.
+//! `pins` (pinned prefixes held as hidden sequences), `truncate` (rejected draft tokens rolled back),
+//! `invariants`.
 //!
 //! The manager is single-owner (`&mut self`); the page pool underneath is lock-free so
 //! that other components may take and return raw blocks concurrently.
@@ -36,6 +37,7 @@ mod swap;
 pub(crate) mod tier;
 mod tiers;
 mod transfer;
+mod truncate;
 pub mod window;
 
 use block_table::Sequence;

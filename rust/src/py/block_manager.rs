@@ -26,6 +26,20 @@ pub struct PyBlockManager {
     placeholder: Vec<TokenId>,
 }
 
+impl PyBlockManager {
+    /// A lazily kept prompt (prefix caching off) is read back by length: a truncation into
+    /// it would make `tokens` disagree, so it is refused.
+    fn lazy_prompt_guard(&self, seq_id: SeqId, num_tokens: usize) -> PyResult<()> {
+        match self.lazy_prompts.get(&seq_id) {
+            Some((_, n)) if num_tokens < *n => Err(PyValueError::new_err(format!(
+                "truncate of sequence {seq_id} to {num_tokens} tokens would cut into its {n}-token prompt; \
+                 with prefix caching off only appended tokens can be truncated"
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
 #[pymethods]
 impl PyBlockManager {
     /// The block-table entry of a page released out of the sliding window (2**32 - 1;
@@ -146,6 +160,20 @@ impl PyBlockManager {
 
     fn commit(&mut self, seq_id: SeqId, num_computed_tokens: usize) -> PyResult<()> {
         self.inner.commit(seq_id, num_computed_tokens).map_err(core_err)
+    }
+
+    /// Drops the tokens past the first `num_tokens` (rejected draft tokens); returns how many
+    /// pages left the table. All or nothing; refused (ValueError) for 0, past the length, a
+    /// swapped sequence, or a cut into a page the prefix cache holds.
+    fn truncate(&mut self, seq_id: SeqId, num_tokens: usize) -> PyResult<usize> {
+        self.lazy_prompt_guard(seq_id, num_tokens)?;
+        self.inner.truncate(seq_id, num_tokens).map_err(core_err)
+    }
+
+    /// Gives the token at `pos`, appended as `PLACEHOLDER_TOKEN` (a draft or a token not
+    /// sampled yet); the blocks it completes up to the committed count are hashed.
+    fn set_token(&mut self, seq_id: SeqId, pos: usize, token: TokenId) -> PyResult<()> {
+        self.inner.set_token(seq_id, pos, token, false).map_err(core_err)
     }
 
     fn fork(&mut self, py: Python<'_>, parent_id: SeqId, child_id: SeqId) -> PyResult<()> {

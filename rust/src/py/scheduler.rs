@@ -47,6 +47,9 @@ pub struct PyStepPlan {
     /// bool [S] whether a token is sampled after the step (its last new token is its last token).
     #[pyo3(get)]
     do_sample: Py<PyArray1<bool>>,
+    /// int32 [S] draft tokens (speculative decoding) among each sequence's last new tokens.
+    #[pyo3(get)]
+    num_draft_tokens: Py<PyArray1<i32>>,
     /// int64 [T] tokens to compute, sequences back to back.
     #[pyo3(get)]
     input_ids: Py<PyArray1<i64>>,
@@ -84,6 +87,7 @@ impl PyStepPlan {
             copies: pairs_to_array(py, &out.copies).unbind(),
             seq_ids: out.seq_ids.into_pyarray(py).unbind(),
             do_sample: out.do_sample.into_pyarray(py).unbind(),
+            num_draft_tokens: out.num_draft_tokens.into_pyarray(py).unbind(),
             input_ids: out.input_ids.into_pyarray(py).unbind(),
             positions: out.positions.into_pyarray(py).unbind(),
             slot_mapping: out.slot_mapping.into_pyarray(py).unbind(),
@@ -256,6 +260,19 @@ impl PyScheduler {
     /// Takes back the placeholders whose tokens will never come (their step failed).
     fn drop_placeholders(&mut self, seq_ids: PyReadonlyArray1<'_, u64>) -> PyResult<usize> {
         self.inner.drop_placeholders(seq_ids.as_slice()?).map_err(to_py_err)
+    }
+
+    /// Speculative decoding: draft tokens for the sequence's next decode (uint32 array;
+    /// empty clears it). Used by the next `schedule` where budget and pages allow.
+    fn set_proposal(&mut self, seq_id: SeqId, token_ids: PyReadonlyArray1<'_, u32>) -> PyResult<()> {
+        self.inner.set_proposal(seq_id, token_ids.as_slice()?).map_err(to_py_err)
+    }
+
+    /// After the step that computed the sequence's drafts: keeps the first `num_accepted`,
+    /// cuts the rest from its tokens and pages; returns how many were cut. Call it before
+    /// appending the correction token; a sequence no longer here is skipped.
+    fn accept_drafts(&mut self, seq_id: SeqId, num_accepted: usize) -> PyResult<usize> {
+        self.inner.accept_drafts(seq_id, num_accepted).map_err(to_py_err)
     }
 
     /// Sets how many steps may be in flight (1: synchronous, the default; 2: asynchronous scheduling).

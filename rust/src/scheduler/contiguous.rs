@@ -162,6 +162,18 @@ impl KvSpace for ContiguousSpace {
         region.num_tokens += tokens.len();
         Ok(Vec::new())
     }
+    /// The region stays reserved (it never shrinks); only its length goes back.
+    fn truncate(&mut self, seq: SeqId, num_tokens: usize) -> Result<usize, CoreError> {
+        let region = self.regions.get_mut(&seq).ok_or(CoreError::UnknownSequence(seq))?;
+        if num_tokens == 0 || num_tokens > region.num_tokens {
+            return Err(CoreError::InvalidArgument(format!(
+                "truncate of sequence {seq}: num_tokens = {num_tokens} must be in 1..={}",
+                region.num_tokens
+            )));
+        }
+        region.num_tokens = num_tokens;
+        Ok(0)
+    }
     /// Nothing to publish: with no prefix cache, a computed block is reused by no one.
     fn commit(&mut self, seq: SeqId, _num_computed_tokens: usize) -> Result<(), CoreError> {
         self.region(seq).map(|_| ())

@@ -72,6 +72,9 @@ pub trait KvSpace: Send + Sync {
     fn commit(&mut self, seq: SeqId, num_computed_tokens: usize) -> Result<(), CoreError>;
     /// A placeholder token at `pos` is now known (asynchronous scheduling; see `BlockManager::set_token`).
     fn set_token(&mut self, seq: SeqId, pos: usize, token: TokenId, in_flight: bool) -> Result<(), CoreError>;
+    /// Drops the sequence's tokens past `num_tokens` (rejected draft tokens; see
+    /// `BlockManager::truncate`); returns how many pages left its table.
+    fn truncate(&mut self, seq: SeqId, num_tokens: usize) -> Result<usize, CoreError>;
     /// Child shares (paged) or copies (contiguous: returned pairs) the parent's pages.
     fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<CopyPairs, CoreError>;
     fn free(&mut self, seq: SeqId) -> Result<(), CoreError>;

@@ -86,6 +86,7 @@ impl Scheduler {
             root,
             cached_tokens: None,
             placeholders: 0,
+            drafts: 0,
         };
         self.seqs.insert(id, seq);
         self.waiting.push(id);
@@ -204,6 +205,9 @@ impl Scheduler {
             return Err(CoreError::InvalidArgument(format!("sequence {child} already exists")));
         }
         let parent_seq = self.seqs.get(&parent).ok_or(CoreError::UnknownSequence(parent))?;
+        if parent_seq.drafts > 0 {
+            return Err(CoreError::InvalidArgument(format!("cannot fork sequence {parent}: it holds unverified draft tokens")));
+        }
         let mut child_seq = parent_seq.clone();
         child_seq.id = child;
         if parent_seq.has_pages() {

@@ -24,7 +24,7 @@
 //! `BlockManager` behind it, `contiguous.rs` adapts the baseline to it); what its
 //! layout implies for scheduling is fixed at construction as [`KvRules`]. A sequence's
 //! life is in `lifecycle`, the counters in `stats`, a step's after `schedule` in `steps`,
-//! pinned prefixes in `pins`.
+//! pinned prefixes in `pins`; draft tokens of speculative decoding in `speculation`.
 
 mod admission;
 mod cache_ops;
@@ -39,6 +39,7 @@ pub mod pins;
 mod preemption;
 mod schedule;
 pub mod sequence;
+mod speculation;
 mod stats;
 mod steps;
 
@@ -83,6 +84,8 @@ pub struct Scheduler {
     next_step_id: u64,
     /// Steps that may be in flight at once; `schedule` reports older ones as done.
     max_steps_in_flight: usize,
+    /// Draft tokens proposed for the next step's decodes (see `speculation`).
+    proposals: HashMap<SeqId, Vec<crate::block_manager::TokenId>>,
     /// Why a `schedule` failed part-way, leaving the core in no known state: every later
     /// call that plans or records refuses with it (see `steps`).
     broken: Option<String>,
@@ -111,6 +114,7 @@ impl Scheduler {
             max_steps_in_flight: 1,
             broken: None,
             pins: Default::default(),
+            proposals: HashMap::new(),
             rules,
             config,
         })

@@ -13,6 +13,9 @@ pub struct SchedulerOutput {
     pub num_scheduled_tokens: Vec<i32>,
     /// Whether the sequence's last new token is its last known token, so a token is sampled after the step. [S]
     pub do_sample: Vec<bool>,
+    /// Draft tokens (speculative decoding) among each sequence's new tokens, its last ones:
+    /// its last `1 + drafts` rows each give a logits row to verify. [S]
+    pub num_draft_tokens: Vec<i32>,
     /// Tokens to compute, sequences back to back. [T]
     pub input_ids: Vec<i64>,
     /// Position of each token in its sequence. [T]

@@ -88,6 +88,9 @@ impl KvSpace for BlockManager {
     fn set_token(&mut self, seq: SeqId, pos: usize, token: TokenId, in_flight: bool) -> Result<(), CoreError> {
         BlockManager::set_token(self, seq, pos, token, in_flight)
     }
+    fn truncate(&mut self, seq: SeqId, num_tokens: usize) -> Result<usize, CoreError> {
+        BlockManager::truncate(self, seq, num_tokens)
+    }
     fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<CopyPairs, CoreError> {
         BlockManager::fork(self, parent, child).map(|()| Vec::new())
     }

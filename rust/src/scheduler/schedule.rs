@@ -22,6 +22,7 @@ impl Scheduler {
     /// (see `steps`).
     pub fn schedule(&mut self) -> Result<SchedulerOutput, CoreError> {
         self.check_usable()?;
+        self.check_no_drafts()?;
         self.complete_steps_beyond_limit();
         let step_id = self.next_step_id;
         self.next_step_id += 1;
@@ -98,6 +99,7 @@ impl Scheduler {
 
     /// Hands out the step's transfers and fills the runner's arrays.
     fn finish_step(&mut self, scheduled: Vec<(SeqId, usize)>, mut out: SchedulerOutput) -> Result<SchedulerOutput, CoreError> {
+        self.proposals.clear(); // a proposal serves the step after it, or none
         let (to_host, to_device) = (std::mem::take(&mut self.to_host), std::mem::take(&mut self.to_device));
         self.stats.last_step_pages_swapped_out = to_host.len() as u64;
         self.stats.last_step_pages_swapped_in = to_device.len() as u64;
@@ -156,6 +158,9 @@ impl Scheduler {
                 continue;
             }
             self.append_sampled(id, pending, out)?;
+            if !in_prefill {
+                self.append_drafts(id, pending, budget.tokens, out)?; // a prompt chunk carries none
+            }
             let n = self.take_tokens(id, budget, scheduled)? as u64;
             // A windowed prompt's later chunks come this way too (appended as they go).
             *if in_prefill { &mut self.stats.prompt_tokens_computed } else { &mut self.stats.decode_tokens } += n;
@@ -356,6 +361,7 @@ impl Scheduler {
             out.seq_ids.push(id);
             out.num_scheduled_tokens.push(n as i32);
             out.do_sample.push(end == seq.tokens.len());
+            out.num_draft_tokens.push(seq.drafts as i32);
             out.input_ids.extend(seq.tokens[start..end].iter().map(|&t| t as i64));
             out.positions.extend((start..end).map(|p| p as i64));
             self.kv.slot_mapping_into(id, start, end, &mut out.slot_mapping)?;

@@ -59,6 +59,9 @@ pub struct Sequence {
     /// the step that computes them before the step that samples them finished). A waiting
     /// sequence with one is not admitted: a prefill would compute a token nobody knows.
     pub placeholders: usize,
+    /// Trailing tokens that are drafts of speculative decoding, computed by the step just
+    /// planned and not yet verified (see `scheduler::speculation`); 0 outside that window.
+    pub drafts: usize,
 }
 
 impl Sequence {
@@ -77,6 +80,8 @@ impl Sequence {
     /// recompute preemption, or a fork whose region the pool cannot give yet). Parked if
     /// it had nothing to compute (see `parked`).
     pub fn reset_for_recompute(&mut self, now: u64) {
+        self.tokens.truncate(self.tokens.len() - self.drafts); // a guess is never prefilled as real
+        self.drafts = 0;
         self.parked = self.waits_for_token();
         self.kv_tokens = 0;
         self.prefill_left = 0;

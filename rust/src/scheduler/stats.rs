@@ -30,6 +30,9 @@ pub struct SchedulerStats {
     /// The same, in the last step only.
     pub last_step_pages_swapped_out: u64,
     pub last_step_pages_swapped_in: u64,
+    /// Draft tokens (speculative decoding) that decodes carried, and those verified.
+    pub draft_tokens_scheduled: u64,
+    pub draft_tokens_accepted: u64,
 }
 
 /// Snapshot of memory use for utilization reports.

@@ -1,0 +1,79 @@
+"""``EngineArgs.speculative_config``, validated at startup (vLLM's shape).
+
+``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M}``.
+Every field is checked here, before anything is loaded, and an error names the field, its
+value and what is allowed: nothing starts half-way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("ngram",)  # implemented
+NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp")  # vLLM names refused by name
+MAX_SPECULATIVE_TOKENS = 16
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+           "min_acceptance_rate", "disable_by_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int  # k: drafts per decode, 1..16
+    prompt_lookup_min: int  # shortest suffix n-gram matched (ngram)
+    prompt_lookup_max: int  # longest suffix n-gram matched, tried first
+    # adaptive rule: a sequence whose acceptance EMA falls below this stops proposing for a while
+    min_acceptance_rate: float = 0.2
+    # vLLM's name: no speculation while more sequences than this run (None: at any batch size)
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, raw: Any) -> SpeculativeConfig:
+        if isinstance(raw, SpeculativeConfig):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"speculative_config is {raw!r}; it must be a dict such as "
+                             '{"method": "ngram", "num_speculative_tokens": 4}, or None')
+        unknown = sorted(set(raw) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; allowed: {list(_FIELDS)}")
+        method = raw.get("method")
+        if method in NOT_YET:
+            raise ValueError(f"speculative_config.method is {method!r}: not implemented yet in pagedrs; "
+                             f"allowed: {list(METHODS)}")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method is {method!r}; allowed: {list(METHODS)}")
+        k = _int(raw, "num_speculative_tokens", None)
+        if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens is {k}; it must be in 1..{MAX_SPECULATIVE_TOKENS}")
+        hi = _int(raw, "prompt_lookup_max", k)
+        lo = _int(raw, "prompt_lookup_min", min(hi, 1) if "prompt_lookup_max" in raw else 1)
+        if lo < 1:
+            raise ValueError(f"speculative_config.prompt_lookup_min is {lo}; it must be >= 1")
+        if hi < lo:
+            raise ValueError(f"speculative_config.prompt_lookup_max is {hi}, below prompt_lookup_min = {lo}; "
+                             "it must be >= prompt_lookup_min")
+        rate = raw.get("min_acceptance_rate", 0.2)
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+            raise ValueError(f"speculative_config.min_acceptance_rate is {rate!r}; it must be a number in [0, 1] "
+                             "(NaN is refused)")
+        batch = raw.get("disable_by_batch_size")
+        if batch is not None:
+            batch = _int(raw, "disable_by_batch_size", None)
+            if batch < 1:
+                raise ValueError(f"speculative_config.disable_by_batch_size is {batch}; it must be >= 1 or None")
+        return cls(str(method), k, lo, hi, float(rate), batch)
+
+
+def _int(raw: Mapping[str, Any], name: str, default: int | None) -> int:
+    if name not in raw:
+        if default is None:
+            raise ValueError(f"speculative_config.{name} is missing; it is required (an integer in "
+                             f"1..{MAX_SPECULATIVE_TOKENS})")
+        return default
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"speculative_config.{name} is {value!r}; it must be an integer (not a float, NaN, string or bool)")
+    return value

@@ -1,0 +1,124 @@
+//! Speculative decoding in the scheduler (rust/src/scheduler/speculation.rs): a decode carries
+//! its proposal's drafts, `accept_drafts` keeps the verified ones and cuts the rest from the
+//! tokens and the pages, drafts never reach the prefix cache unverified, a failed step drops
+//! them, and the pool or the budget being tight means fewer drafts, never a preemption.
+
+use pagedrs::block_manager::BlockManagerConfig;
+use pagedrs::scheduler::{AdmissionConfig, PreemptionCost, PreemptionMode, Scheduler, SchedulerConfig};
+
+fn scheduler(num_blocks: usize, budget: usize) -> Scheduler {
+    let config = SchedulerConfig {
+        max_num_seqs: 8,
+        max_num_batched_tokens: budget,
+        max_model_len: 64,
+        preemption_mode: PreemptionMode::Recompute,
+        aging_steps: 0,
+        cost: PreemptionCost { swap_cost_per_block: 1.0, recompute_cost_per_token: 1.0 },
+        admission: AdmissionConfig::default(),
+        sliding_window: None,
+        prefill_first: false,
+    };
+    Scheduler::paged(config, BlockManagerConfig::new(num_blocks, 4)).unwrap()
+}
+
+/// Prefill [10, 11, 12], then sample 13: the next decode may carry drafts.
+fn decoding(s: &mut Scheduler) {
+    s.add_sequence(1, vec![10, 11, 12], 0, 0, 16, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 13).unwrap();
+}
+
+#[test]
+fn drafts_ride_a_decode_and_the_rejected_ones_leave_tokens_and_pages() {
+    let mut s = scheduler(16, 64);
+    decoding(&mut s);
+    let free = s.kv().num_free_blocks();
+    s.set_proposal(1, &[14, 15, 16, 17, 18]).unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(step.input_ids, vec![13, 14, 15, 16, 17, 18]);
+    assert_eq!(step.positions, vec![3, 4, 5, 6, 7, 8]);
+    assert_eq!(step.num_draft_tokens, vec![5]);
+    assert_eq!(step.do_sample, vec![true]);
+    assert_eq!(free - s.kv().num_free_blocks(), 2, "positions 4..8 took two pages");
+    assert!(s.schedule().is_err(), "no plan while drafts are unverified");
+    assert_eq!(s.accept_drafts(1, 2).unwrap(), 3);
+    assert_eq!(s.num_tokens(1).unwrap(), 6);
+    assert_eq!(free - s.kv().num_free_blocks(), 1, "the page of only rejected drafts went back");
+    s.append_token(1, 40).unwrap(); // the correction token
+    let next = s.schedule().unwrap();
+    assert_eq!((next.input_ids.clone(), next.positions.clone()), (vec![40], vec![6]));
+    assert_eq!(next.num_draft_tokens, vec![0], "a proposal serves one step");
+    s.check_invariants().unwrap();
+    // The verified tokens' page is a prefix hit; the rejected drafts' never was.
+    s.append_token(1, 41).unwrap();
+    s.schedule().unwrap();
+    s.add_sequence(2, vec![10, 11, 12, 13, 14, 15, 40, 41, 1], 0, 1, 2, 1).unwrap();
+    s.add_sequence(3, vec![10, 11, 12, 13, 14, 15, 16, 17, 1], 0, 2, 2, 1).unwrap();
+    s.append_token(1, 42).unwrap();
+    let last = s.schedule().unwrap();
+    assert_eq!(s.num_cached_tokens_of(2).unwrap(), Some(8));
+    assert_eq!(s.num_cached_tokens_of(3).unwrap(), Some(4), "no page holding a rejected draft is ever a hit");
+    s.complete_step(last.step_id, true).unwrap();
+    for id in 1..=3 {
+        s.finish(id).unwrap();
+    }
+    s.check_invariants().unwrap();
+    assert_eq!(s.kv().num_free_blocks(), 16);
+}
+
+#[test]
+fn all_drafts_accepted_keep_every_page_and_a_gone_sequence_is_skipped() {
+    let mut s = scheduler(16, 64);
+    decoding(&mut s);
+    s.set_proposal(1, &[14, 15]).unwrap();
+    s.schedule().unwrap();
+    assert_eq!(s.accept_drafts(1, 2).unwrap(), 0);
+    assert_eq!(s.accept_drafts(1, 0).unwrap(), 0, "no drafts: nothing to do");
+    assert!(s.accept_drafts(1, 1).is_err(), "more accepted than it holds");
+    s.append_token(1, 16).unwrap(); // the bonus token
+    assert_eq!(s.num_tokens(1).unwrap(), 7);
+    s.finish(1).unwrap();
+    assert_eq!(s.accept_drafts(1, 1).unwrap(), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn the_budget_max_tokens_and_a_tight_pool_shorten_the_drafts() {
+    // budget: 3 tokens a step leaves room for 2 drafts beside the decode
+    let mut s = scheduler(16, 3);
+    decoding(&mut s);
+    s.set_proposal(1, &[14, 15, 16, 17]).unwrap();
+    assert_eq!(s.schedule().unwrap().num_draft_tokens, vec![2]);
+    s.accept_drafts(1, 0).unwrap();
+    // max_tokens: 2 outputs allowed, 1 sampled: one more output, so no draft at all
+    let mut s = scheduler(16, 64);
+    s.add_sequence(1, vec![10, 11, 12], 0, 0, 2, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 13).unwrap();
+    s.set_proposal(1, &[14, 15]).unwrap();
+    assert_eq!(s.schedule().unwrap().num_draft_tokens, vec![0]);
+    // a tight pool: one page for the prompt and the decode, no page for drafts past it
+    let mut s = scheduler(1, 64);
+    s.add_sequence(1, vec![10, 11], 0, 0, 2, 1).unwrap();
+    s.schedule().unwrap();
+    s.append_token(1, 13).unwrap();
+    s.set_proposal(1, &[14, 15, 16]).unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(step.num_draft_tokens, vec![0], "drafts never cost a page the pool lacks");
+    assert!(step.preempted.is_empty());
+}
+
+#[test]
+fn a_failed_step_drops_its_drafts_so_a_recompute_never_prefills_a_guess() {
+    let mut s = scheduler(16, 64);
+    decoding(&mut s);
+    s.set_proposal(1, &[14, 15, 16]).unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!(s.complete_step(step.step_id, false).unwrap(), vec![1]);
+    assert_eq!(s.num_tokens(1).unwrap(), 4, "back to the verified tokens");
+    let again = s.schedule().unwrap();
+    assert_eq!(again.input_ids, vec![10, 11, 12, 13]);
+    assert_eq!(again.num_draft_tokens, vec![0]);
+    s.finish(1).unwrap();
+    s.check_invariants().unwrap();
+}
