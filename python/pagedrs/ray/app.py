@@ -74,6 +74,9 @@ def build_app(engine_args: EngineArgs, num_replicas: int = 2, routing: str = "ca
         max_ongoing_requests=max(1, max_waiting + int(engine_args.max_num_seqs)),
         ray_actor_options=ray_actor_options or {"num_cpus": 0},
         request_router_config=router,
+        # Draining as the single server drains (--shutdown-timeout): Ray stops routing to a replica
+        # being removed and waits this long for its requests before the replica's __del__ aborts the rest.
+        graceful_shutdown_timeout_s=max(1.0, float(options.shutdown_timeout_s)),
     ).bind(config)
     ingress = serve.deployment(serve.ingress()(PagedrsIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
                                ray_actor_options={"num_cpus": 0})
