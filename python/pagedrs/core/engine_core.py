@@ -111,7 +111,7 @@ class EngineCore:
         num_samples = request_shape(params).num_samples
         seq_id = next(self._seq_ids)
         first = self._new_sample(seq_id, 0, params)
-        structured = params.structured_outputs if isinstance(params, SamplingParams) else None
+        structured = params.structured_outputs  # beam search too: each beam clones it
         if structured is not None:  # compiled (or taken from the cache) before anything changes
             first.grammar = self.grammars.new_state(structured)
         arrival = next(self._arrivals)
