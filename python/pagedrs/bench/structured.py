@@ -78,9 +78,9 @@ def _run(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
     masks: list[float] = []
     original = step_module._constrained
 
-    def timed(logits: Any, part: Any) -> Any:
+    def timed(*args: Any) -> Any:
         start = time.perf_counter()
-        out = original(logits, part)
+        out = original(*args)
         masks.append(time.perf_counter() - start)
         return out
 

@@ -207,6 +207,11 @@ class EngineCore:
         return Sample(seq_id=seq_id, index=index, generator=generator)
 
     @property
+    def has_grammars(self) -> bool:
+        """A structured request was ever added (only then may a sample hold a grammar state)."""
+        return self._grammars is not None
+
+    @property
     def grammars(self) -> GrammarCompiler:
         """The compiler of structured outputs' grammars for this model's tokenizer (and its LRU)."""
         if self._grammars is None:
