@@ -30,7 +30,7 @@ _SAME_NAME = (
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
     "enforce_eager",
-    "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps",
+    "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps", "structured_outputs_backend",
 )
 
 
@@ -72,6 +72,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
         "for the host's sampling and outputs; same outputs. Not with --tensor-parallel-size > 1 or --kv-disk-path",
     )
     p.add_argument("--kv-layout", default=d["kv_layout"], choices=["paged", "contiguous"])
+    p.add_argument("--structured-outputs-backend", default=d["structured_outputs_backend"],
+                   choices=["llguidance", "xgrammar"],
+                   help="the grammar engine of structured outputs and forced tool calls (xgrammar: pip install xgrammar)")
     p.add_argument("--eviction-policy", default=d["eviction_policy"], choices=["lru", "lfu"],
                    help="which cached prefix page goes first: least recently used (default) or least "
                    "frequently used with aging (SGLang's --radix-eviction-policy lfu)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -95,6 +96,9 @@ class EngineArgs:
     kv_events_endpoint: Optional[str] = None
     kv_events_replay_endpoint: Optional[str] = None
     kv_events_buffer_steps: int = 10_000
+    # The grammar engine of structured outputs: "llguidance" (default) or "xgrammar" (optional:
+    # pip install xgrammar). vLLM's --structured-outputs-config.backend.
+    structured_outputs_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -116,6 +120,10 @@ class EngineArgs:
         choice("weight_dtype", _WEIGHT_DTYPES)
         choice("admission_policy", ("expected_growth", "prompt_only"))
         choice("eviction_policy", ("lru", "lfu"))
+        choice("structured_outputs_backend", ("llguidance", "xgrammar"))
+        if self.structured_outputs_backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+            raise ValueError("structured_outputs_backend is 'xgrammar', but the xgrammar package is not installed "
+                             "(pip install xgrammar); allowed without it: 'llguidance'")
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         if self.kv_cache_dtype != "auto" and self.kv_layout != "paged":
             raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}, which needs kv_layout='paged'; "

@@ -87,7 +87,7 @@ def _run(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
         masks.append(time.perf_counter() - start)
         return out
 
-    def start(*args: Any) -> Any:
+    def recording_start(*args: Any) -> Any:
         out = original_start(*args)
         if out is not None:
             planned.append(out)
@@ -99,7 +99,7 @@ def _run(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, Any]:
     finished: dict[str, int] = {}
     steps: list[tuple[float, float, float]] = []
     step_module._constrained = timed  # type: ignore[assignment]
-    step_module.start_masks = start  # type: ignore[assignment]
+    step_module.start_masks = recording_start  # type: ignore[assignment]
     start = time.perf_counter()
     try:
         while engine.has_unfinished():

@@ -34,7 +34,7 @@ from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestM
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
 from pagedrs.core.step import StepContext, run_step
-from pagedrs.core.structured.backend import GrammarCompiler
+from pagedrs.core.structured.backend import GrammarCompiler, make_compiler
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.rollback import Rollback
@@ -65,6 +65,7 @@ class EngineCore:
             BeamSearchParams: BeamSearch(self.eos_token_ids, self.max_model_len),
         }
         self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
+        self._grammar_backend = args.structured_outputs_backend
         self._requests: dict[str, Request] = {}
         # every unfinished request still waiting for its first token (note_scheduled's only concern)
         self._unstarted: dict[str, Request] = {}
@@ -215,7 +216,8 @@ class EngineCore:
     def grammars(self) -> GrammarCompiler:
         """The compiler of structured outputs' grammars for this model's tokenizer (and its LRU)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.loaded.tokenizer.hf, self.loaded.config.vocab_size, self.eos_token_ids)
+            self._grammars = make_compiler(self._grammar_backend, self.loaded.tokenizer.hf,
+                                           self.loaded.config.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def sample_factory(self, request: Request) -> Callable[[int], Sample]:

@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
-import llguidance
 import numpy as np
 import torch
 
@@ -32,11 +31,6 @@ from pagedrs.core.structured.state import GrammarState
 # _BYTE_BIAS[b, i]: 0.0 when bit i of byte b is set (the token is allowed), else -inf
 _BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
                       np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
-
-
-@functools.cache
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()  # threads: 80% of the CPUs, at most 32 (llguidance's default)
 
 
 @functools.cache
@@ -49,8 +43,7 @@ def grammar_bitmask(states: Sequence[GrammarState]) -> np.ndarray:
     """``[len(states), words]`` int32: each state's allowed next tokens, one bit per token id."""
     words = (max(s.vocab_size for s in states) + 31) // 32
     bitmask = np.zeros((len(states), words), dtype=np.int32)
-    _executor().unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], bitmask.ctypes.data,
-                                        words * 4, len(states))
+    type(states[0]).fill_bitmasks(states, bitmask)  # one backend per engine: every state's is the same
     return bitmask
 
 
