@@ -56,6 +56,7 @@ def test_the_masks_are_computed_beside_the_forward_and_serve_the_sampler(tiny_ll
         served.append(out is not None)
         return out
 
+    monkeypatch.setattr(step_module, "MIN_OVERLAPPED_ROWS", 1)  # 4 rows: overlapped too
     monkeypatch.setattr(StepMasks, "_compute", recording_compute)
     monkeypatch.setattr(StepMasks, "bias", recording_bias)
     prompts = prompts_for(engine, 4, seed=3)
@@ -92,6 +93,7 @@ def test_a_failed_forward_with_masks_in_flight_ends_only_its_requests(tiny_llama
         return execute(step)
 
     monkeypatch.setattr(engine.core.executor, "execute", failing_once)
+    monkeypatch.setattr(step_module, "MIN_OVERLAPPED_ROWS", 1)
     params = SamplingParams(temperature=0.0, max_tokens=20, n=2, structured_outputs=CONSTRAINTS["json"])
     for i, p in enumerate(prompts_for(engine, 3, seed=1)):
         engine.add_request(f"f{i}", p, params)
@@ -103,3 +105,11 @@ def test_a_failed_forward_with_masks_in_flight_ends_only_its_requests(tiny_llama
     assert all(o.outputs[0].finish_reason == "error" for o in finished.values()) and len(finished) == 3
     done = run(engine, prompts_for(engine, 2, seed=2), params)  # the engine goes on, masks and all
     assert all(len(v) == 2 and v[0].token_ids for v in done.values())
+
+
+def test_a_few_rows_are_masked_when_sampled(tiny_llama_dir, monkeypatch):
+    engine = make_engine(tiny_llama_dir)
+    started = []
+    monkeypatch.setattr(StepMasks, "__init__", lambda self, states: started.append(states))
+    run(engine, prompts_for(engine, 2), SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=CONSTRAINTS["regex"]))
+    assert not started  # 2 rows < MIN_OVERLAPPED_ROWS: no mask thread

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedrs.engine")
 
+# fewer constrained rows than this: their masks are computed when sampled (under a millisecond),
+# not handed to the mask thread, whose wake-up and GIL hand-offs cost a batch-1 step more
+MIN_OVERLAPPED_ROWS = 8
+
 Rows = dict[str, tuple[Request, list[tuple[int, Sample]]]]  # request id -> (request, [(logits row, sample)])
 
 
@@ -115,7 +119,7 @@ def start_masks(core: EngineCore, step: StepInput) -> Optional[StepMasks]:
         entry = core.sequence(seq_id) if draws else None
         if entry is not None and entry[1].grammar is not None and isinstance(entry[0].params, SamplingParams):
             states[row] = entry[1].grammar
-    return StepMasks(states) if states else None
+    return StepMasks(states) if len(states) >= MIN_OVERLAPPED_ROWS else None
 
 
 def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int] = frozenset(),
