@@ -116,6 +116,18 @@ WAYS = {
 }
 
 
+def test_beam_search_under_a_grammar_equals_the_offline_api(client: openai.OpenAI, offline: LLM) -> None:
+    extra = {"guided_regex": r"(cat|dog)-[0-9]{2,4}", "use_beam_search": True, "best_of": 3}
+    out = client.completions.create(model=MODEL, prompt="Answer:", temperature=0.0, max_tokens=12, n=2, extra_body=extra)
+    params = SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0.0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex=extra["guided_regex"]))
+    expected = offline.generate(["Answer:"], params)[0].outputs
+    assert [(c.text, c.finish_reason) for c in out.choices] == [(e.text, e.finish_reason) for e in expected]
+    assert any(c.finish_reason == "stop" for c in out.choices)
+    for c in out.choices:
+        assert c.finish_reason == "length" or re.fullmatch(extra["guided_regex"], c.text), c.text
+
+
 @pytest.mark.parametrize("way", sorted(WAYS))
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_every_way_to_ask_equals_the_offline_api(client: openai.OpenAI, offline: LLM, way: str, endpoint: str) -> None:
@@ -181,8 +193,6 @@ BAD = {
     "unknown response_format type": ({"response_format": {"type": "xml"}}, "type", "json_schema"),
     "empty choice": ({"guided_choice": []}, "guided_choice", "choice"),
     "min_tokens with a grammar": ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens", "min_tokens"),
-    "beam search with a grammar": ({"guided_regex": "a+", "use_beam_search": True, "n": 2}, "structured_outputs",
-                                   "use_beam_search"),
 }
 
 

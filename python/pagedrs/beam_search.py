@@ -37,6 +37,7 @@ from pagedrs.sampling_params import (
     MAX_TOKEN_ID,
     MAX_TOKENS_LIMIT,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 NEG = -1.0e9  # HF's mask for candidates that must not be picked
@@ -59,6 +60,8 @@ class BeamSearchParams:
     stop_token_ids: list[int] = field(default_factory=list)  # end a hypothesis as EOS does (HF: more eos_token_id)
     min_tokens: int = 0  # EOS and stop_token_ids get -inf until this many tokens (HF: min_new_tokens)
     skip_special_tokens: bool = True  # when decoding the hypotheses' text
+    # a grammar every hypothesis follows (each beam has its own matcher); None: free text
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
@@ -88,6 +91,11 @@ class BeamSearchParams:
             _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
         if not isinstance(self.skip_special_tokens, bool):
             _fail("skip_special_tokens", self.skip_special_tokens, "true or false")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            _fail("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.min_tokens:
+            _fail("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides where a hypothesis "
+                  "may end; EOS is allowed exactly there)")
 
     @property
     def num_returned(self) -> int:
@@ -106,7 +114,7 @@ class BeamSearchParams:
             beam_width=params.beam_search_width, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos,
             length_penalty=params.length_penalty, early_stopping=params.early_stopping, n=params.n,
             stop_token_ids=list(params.stop_token_ids), min_tokens=params.min_tokens,
-            skip_special_tokens=params.skip_special_tokens,
+            skip_special_tokens=params.skip_special_tokens, structured_outputs=params.structured_outputs,
         )
 
 

@@ -31,7 +31,7 @@ _SAME_NAME = (
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size", "distributed_executor_backend",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
     "enforce_eager", "max_pinned_fraction", "speculative_config",
-    "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps",
+    "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_buffer_steps", "structured_outputs_backend",
 )
 
 
@@ -76,6 +76,9 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
                    help='speculative decoding as JSON, vLLM\'s shape: \'{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_max": 4}\' (default: off)')
     p.add_argument("--kv-layout", default=d["kv_layout"], choices=["paged", "contiguous"])
+    p.add_argument("--structured-outputs-backend", default=d["structured_outputs_backend"],
+                   choices=["llguidance", "xgrammar"],
+                   help="the grammar engine of structured outputs and forced tool calls (xgrammar: pip install xgrammar)")
     p.add_argument("--eviction-policy", default=d["eviction_policy"], choices=["lru", "lfu"],
                    help="which cached prefix page goes first: least recently used (default) or least "
                    "frequently used with aging (SGLang's --radix-eviction-policy lfu)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -105,6 +106,9 @@ class EngineArgs:
     # Speculative decoding, vLLM's shape: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": m, "prompt_lookup_max": M} (pagedrs/spec/config.py; None = off)
     speculative_config: Optional[dict[str, Any]] = None
+    # The grammar engine of structured outputs: "llguidance" (default) or "xgrammar" (optional:
+    # pip install xgrammar). vLLM's --structured-outputs-config.backend.
+    structured_outputs_backend: str = "llguidance"
 
     def __post_init__(self) -> None:
         def choice(name: str, allowed: tuple[str, ...]) -> None:
@@ -126,6 +130,10 @@ class EngineArgs:
         choice("weight_dtype", _WEIGHT_DTYPES)
         choice("admission_policy", ("expected_growth", "prompt_only"))
         choice("eviction_policy", ("lru", "lfu"))
+        choice("structured_outputs_backend", ("llguidance", "xgrammar"))
+        if self.structured_outputs_backend == "xgrammar" and importlib.util.find_spec("xgrammar") is None:
+            raise ValueError("structured_outputs_backend is 'xgrammar', but the xgrammar package is not installed "
+                             "(pip install xgrammar); allowed without it: 'llguidance'")
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         choice("distributed_executor_backend", ("mp", "ray"))
         if isinstance(self.max_pinned_fraction, bool) or not isinstance(self.max_pinned_fraction, (int, float)) or not (

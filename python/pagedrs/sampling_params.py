@@ -283,9 +283,6 @@ class SamplingParams:
         for name, default in defaults.items():
             if getattr(self, name) != default:
                 _conflict(name, getattr(self, name), f"allowed only {default!r} (beam search does not sample)")
-        if self.structured_outputs is not None:
-            _conflict("structured_outputs", self.structured_outputs, "allowed only None (a beam search under a grammar "
-                      "is not implemented)")
         if self.logprobs is not None:
             _conflict("logprobs", self.logprobs, "allowed only None (a hypothesis reports its cumulative_logprob "
                       "and score, not per-token logprobs)")

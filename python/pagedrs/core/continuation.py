@@ -35,6 +35,7 @@ import torch
 
 from pagedrs.beam_search import BeamSearchParams, BeamState, beam_step
 from pagedrs.core.request import Hypothesis, Request, Sample, SamplesState, record_token
+from pagedrs.core.structured.mask import apply_grammar_masks
 from pagedrs.sampling import SampleResult
 from pagedrs.sampling_params import SamplingParams
 
@@ -163,6 +164,21 @@ class BeamSearch:
     together they are HF's ``eos_token_id`` list. Until ``min_tokens`` tokens exist
     those tokens' log-probabilities are -inf, as HF's ``min_new_tokens`` processor sets
     them (after the log-softmax, not renormalized).
+
+    Under a grammar (``structured_outputs``) each beam has its own matcher: a beam that goes
+    on in place consumes its token; a beam forked from a parent gets a clone of the parent's
+    matcher as of the parent's row (cloned before the parent consumes anything), just as its
+    pages are shared with the parent. The mask acts where transformers' logits processors
+    act in its beam search: on the log-softmax of the raw logits, each forbidden token set
+    to -inf, not renormalized. So a beam's score stays the model's own log-probability of its
+    tokens, and the grammar only removes candidates: of two answers the grammar allows, the
+    one the model finds likelier wins, however many alternatives the grammar cut at each
+    step. (Renormalizing, i.e. the log-softmax of the masked logits, would favour answers
+    through forced tokens, which then cost nothing.) Where the grammar is complete its mask
+    allows only EOS, so the beam ends with "stop" on its next candidate; EOS ends it even with
+    ``ignore_eos`` (the grammar forced it). A beam whose score is already -inf may be kept
+    when too few candidates are left (transformers keeps it too); the grammar refuses its
+    token, and its matcher, in error, allows only EOS from then on.
     """
 
     streams_tokens = False
@@ -176,7 +192,8 @@ class BeamSearch:
         return BeamRequest(BeamState.start(params.beam_width))
 
     def stop_token_ids(self, params: BeamSearchParams) -> frozenset[int]:
-        return (frozenset() if params.ignore_eos else self.eos_token_ids) | frozenset(params.stop_token_ids)
+        ignored = params.ignore_eos and params.structured_outputs is None  # a grammar's EOS always ends a beam
+        return (frozenset() if ignored else self.eos_token_ids) | frozenset(params.stop_token_ids)
 
     def draws(self, request: Request, sample: Sample, new_sample: NewSample) -> list[Sample]:
         return []
@@ -197,6 +214,8 @@ class BeamSearch:
             return None  # wait for the other beams' rows
         logprobs = torch.stack([search.rows[b.seq_id] for b in beams])
         search.rows.clear()
+        if params.structured_outputs is not None:  # after the log-softmax, as transformers' processors
+            logprobs = apply_grammar_masks(logprobs, [b.grammar for b in beams])
         stops = self.stop_token_ids(params)
         if search.state.num_generated < params.min_tokens:
             banned = [t for t in stops if t < logprobs.shape[1]]
@@ -220,8 +239,13 @@ class BeamSearch:
             used.add(parent_index)
             new_beams.append((parent, child, parent.token_ids + [token], scores[position]))
             decision.continuations.append(Continuation(parent, child, token))
+        for parent, beam, _, _ in new_beams:  # every fork's matcher as of its parent's row, before any consumes
+            if beam is not parent and parent.grammar is not None:
+                beam.grammar = parent.grammar.clone()
         for index, (_, beam, tokens, score) in enumerate(new_beams):
             beam.index, beam.token_ids, beam.cumulative_logprob = index, tokens, score
+            if beam.grammar is not None:
+                beam.grammar.consume(tokens[-1])  # False only for a beam at -inf (see the class docstring)
         decision.finished = [b for i, b in enumerate(beams) if i not in used]
         request.samples = [beam for _, beam, _, _ in new_beams]
         return decision

@@ -36,7 +36,7 @@ from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
 from pagedrs.core.spec_step import Speculator
 from pagedrs.core.step import StepContext, run_step
-from pagedrs.core.structured.backend import GrammarCompiler
+from pagedrs.core.structured.backend import GrammarCompiler, make_compiler
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.rollback import Rollback
@@ -68,6 +68,7 @@ class EngineCore:
             BeamSearchParams: BeamSearch(self.eos_token_ids, self.max_model_len),
         }
         self._grammars: Optional[GrammarCompiler] = None  # built at the first structured request
+        self._grammar_backend = args.structured_outputs_backend
         self._requests: dict[str, Request] = {}
         # every unfinished request still waiting for its first token (note_scheduled's only concern)
         self._unstarted: dict[str, Request] = {}
@@ -122,7 +123,7 @@ class EngineCore:
         num_samples = request_shape(params).num_samples
         seq_id = next(self._seq_ids)
         first = self._new_sample(seq_id, 0, params)
-        structured = params.structured_outputs if isinstance(params, SamplingParams) else None
+        structured = params.structured_outputs  # beam search too: each beam clones it
         if structured is not None:  # compiled (or taken from the cache) before anything changes
             first.grammar = self.grammars.new_state(structured)
         arrival = next(self._arrivals)
@@ -219,10 +220,16 @@ class EngineCore:
         return Sample(seq_id=seq_id, index=index, generator=generator)
 
     @property
+    def has_grammars(self) -> bool:
+        """A structured request was ever added (only then may a sample hold a grammar state)."""
+        return self._grammars is not None
+
+    @property
     def grammars(self) -> GrammarCompiler:
         """The compiler of structured outputs' grammars for this model's tokenizer (and its LRU)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.loaded.tokenizer.hf, self.loaded.config.vocab_size, self.eos_token_ids)
+            self._grammars = make_compiler(self._grammar_backend, self.loaded.tokenizer.hf,
+                                           self.loaded.config.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def sample_factory(self, request: Request) -> Callable[[int], Sample]:

@@ -31,7 +31,7 @@ from pagedrs.core import fast_rows, prompt_logprobs, spec_step
 from pagedrs.core.continuation import Decision, StepRow
 from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
-from pagedrs.core.structured.mask import apply_grammar_masks
+from pagedrs.core.structured.mask import StepMasks, apply_grammar_masks
 from pagedrs.kv_tiers.errors import CorruptPageError
 from pagedrs.sampling import SampleResult, SamplingRow, sample
 from pagedrs.sampling_params import SamplingParams
@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from pagedrs.core.engine_core import EngineCore
 
 logger = logging.getLogger("pagedrs.engine")
+
+# fewer constrained rows than this: their masks are computed when sampled (under a millisecond),
+# not handed to the mask thread, whose wake-up and GIL hand-offs cost a batch-1 step more
+MIN_OVERLAPPED_ROWS = 8
 
 Rows = dict[str, tuple[Request, list[tuple[int, Sample]]]]  # request id -> (request, [(logits row, sample)])
 
@@ -59,6 +63,7 @@ class StepContext:
     touched: dict[str, Request] = field(default_factory=dict)  # requests that progressed or ended: their outputs
     prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # prompt_logprobs' rows
     spec: Optional[spec_step.SpecRows] = None  # speculating sequences' verify rows (core/spec_step.py)
+    masks: Optional[StepMasks] = None  # grammar masks computed while the forward runs (synchronous steps)
 
 
 def run_step(core: EngineCore, ctx: StepContext) -> None:
@@ -67,15 +72,20 @@ def run_step(core: EngineCore, ctx: StepContext) -> None:
     if core.speculator is not None:
         core.speculator.propose(core)
     step = plan_step(core, ctx)
+    ctx.masks = start_masks(core, step)
     try:
         ctx.logits = core.executor.execute(step)
     except Exception as exc:  # noqa: BLE001 - a failed step ends its requests, not the engine
+        if ctx.masks is not None:
+            ctx.masks.wait()  # the mask thread lets go of the states before a failure frees them
         on_failed_step(core, step, exc, ctx.touched)
         if is_engine_fatal(exc):  # the executor is gone for good: end everything, then say so
             core.fail_all(exc, ctx.touched)
             raise
         return
     except BaseException:  # KeyboardInterrupt, SystemExit mid-step: the step did not complete
+        if ctx.masks is not None:
+            ctx.masks.wait()
         # Reported failed, so that the next schedule() cannot report it done; its sequences
         # are recomputed when the caller steps again.
         core.scheduler.complete_transfers(core.executor.take_completed_transfers())
@@ -101,6 +111,22 @@ def plan_step(core: EngineCore, ctx: StepContext) -> StepInput:
     return step
 
 
+def start_masks(core: EngineCore, step: StepInput) -> Optional[StepMasks]:
+    """Structured outputs: the grammar masks of the step's sampled rows, started on the mask
+    thread so that they are computed while the executor runs the forward pass. The states are
+    current: the previous step's tokens were consumed before this plan. (Asynchronous
+    scheduling plans before it samples the step before: its masks are computed when sampled.)
+    Beams mask their stacked rows at their decision (core/continuation.py) and are left out."""
+    if not core.has_grammars:
+        return None
+    states = {}
+    for row, (seq_id, draws) in enumerate(zip(step.seq_ids.tolist(), step.do_sample.tolist())):
+        entry = core.sequence(seq_id) if draws else None
+        if entry is not None and entry[1].grammar is not None and isinstance(entry[0].params, SamplingParams):
+            states[row] = entry[1].grammar
+    return StepMasks(states) if len(states) >= MIN_OVERLAPPED_ROWS else None
+
+
 def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int] = frozenset(),
                 on_tokens: Optional[Callable[[dict[int, int]], None]] = None) -> None:
     """After the executor ran ``ctx.step`` (its logits in ``ctx.logits``): reports it done,
@@ -117,6 +143,8 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
     if ctx.prompt_rows:
         assert ctx.logits is not None
         prompt_logprobs.record(ctx.logits, ctx.prompt_rows)
+    if ctx.masks is not None:  # the forward is done: so are the masks, or they are waited for here, before
+        ctx.masks.wait()  # any matcher is touched again (a fork's clone, a consume; llguidance borrows it)
     if ctx.spec is not None:  # several tokens per speculating sequence, one sampling round each
         assert ctx.logits is not None and not placeholders
         spec_step.verify(core, step, ctx.logits, ctx.spec, lambda view, logits, on_drawn: _round(
@@ -256,11 +284,13 @@ def _inherit_grammar(parent: Sample, samples: list[Sample]) -> None:
                 s.grammar = parent.grammar.clone()
 
 
-def _constrained(logits: torch.Tensor, part: list[tuple[int, Request, Sample]]) -> torch.Tensor:
+def _constrained(logits: torch.Tensor, part: list[tuple[int, Request, Sample]],
+                 planned: Optional[StepMasks] = None) -> torch.Tensor:
     """Structured outputs: each draw's logits with the tokens its grammar does not allow at -inf,
     before the sampler sees them; so penalties, temperature, top-k/top-p and the logprobs act
-    on the constrained distribution (vLLM's order). ``logits`` itself when no draw has a grammar."""
-    return apply_grammar_masks(logits, [s.grammar for _, _, s in part])
+    on the constrained distribution (vLLM's order). ``logits`` itself when no draw has a grammar.
+    The masks ``planned`` computed during the forward pass serve where they are current."""
+    return apply_grammar_masks(logits, [s.grammar for _, _, s in part], [row for row, _, _ in part], planned)
 
 
 def _sample_attributed(core: EngineCore, ctx: StepContext) -> list[Optional[SampleResult]]:
@@ -280,7 +310,7 @@ def _sample_attributed(core: EngineCore, ctx: StepContext) -> list[Optional[Samp
         # indexed copy (18 us at batch 1, a 6 MB copy at 32; sample() never writes into them)
         part_logits = logits if index == list(range(logits.shape[0])) else logits[index]
         try:
-            results.extend(sample(_constrained(part_logits, part), rows))
+            results.extend(sample(_constrained(part_logits, part, ctx.masks), rows))
             continue
         except Exception:  # noqa: BLE001 - find the row(s) that fail
             pass

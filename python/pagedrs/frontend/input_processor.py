@@ -97,7 +97,7 @@ class InputProcessor:
 
     def _check_structured(self, request_id: str, params: Union[SamplingParams, BeamSearchParams]) -> None:
         """A grammar that does not compile is refused here, with llguidance's message (cached per spec)."""
-        structured = params.structured_outputs if isinstance(params, SamplingParams) else None
+        structured = params.structured_outputs
         if structured is None:
             return
         if isinstance(self.tokenizer, TokenIdsOnly):

@@ -161,7 +161,9 @@ class OutputProcessor:
             touched[out.request_id] = (state, (earlier is not None and earlier[1]) or out.metrics is not None)
             if state.finished:
                 del self._requests[out.request_id]
-                if state.ended is None and state.shape.num_outputs < state.shape.num_samples:
+                # best_of > n; a beam search's hypotheses come ranked by score (length-penalized) already
+                if (state.ended is None and state.shape.num_outputs < state.shape.num_samples
+                        and isinstance(state.params, SamplingParams)):
                     _rank_by_cumulative_logprob(state)
         results = [self._output(state, with_metrics=with_metrics) for state, with_metrics in touched.values()
                    if state.shape.streams or state.finished]  # beam search, best_of > n: the final output only

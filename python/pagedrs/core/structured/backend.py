@@ -22,7 +22,7 @@ import llguidance
 import llguidance.hf
 
 from pagedrs.core.structured.grammar import grammar_text
-from pagedrs.core.structured.state import GrammarState
+from pagedrs.core.structured.state import GrammarState, LLGuidanceState
 from pagedrs.sampling_params import StructuredOutputsParams
 
 DEFAULT_CAPACITY = 128  # compiled grammars kept; a matcher is kilobytes to a few megabytes
@@ -38,7 +38,7 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self.capacity = capacity
         self._tokenizer: Optional[llguidance.LLTokenizer] = None
-        self._compiled: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (kind, spec) -> the backend's compiled form
         self.num_compiles = 0  # cache misses: grammars compiled
         self.compile_seconds = 0.0  # their total wall time
 
@@ -62,9 +62,12 @@ class GrammarCompiler:
                 self._compiled.popitem(last=False)
         else:
             self._compiled.move_to_end(key)
-        return GrammarState(template.deep_copy(), self.tokenizer.vocab_size)
+        return self._instantiate(template)
 
-    def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+    def _instantiate(self, template: Any) -> GrammarState:  # an llguidance.LLMatcher here
+        return LLGuidanceState(template.deep_copy(), self.tokenizer.vocab_size)
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:  # the backend's compiled form: an LLMatcher here
         start = time.perf_counter()
         matcher = llguidance.LLMatcher(self.tokenizer, grammar_text(params), log_level=0)
         self.num_compiles += 1
@@ -75,3 +78,17 @@ class GrammarCompiler:
 
     def __len__(self) -> int:
         return len(self._compiled)
+
+
+BACKENDS = ("llguidance", "xgrammar")  # EngineArgs.structured_outputs_backend
+
+
+def make_compiler(backend: str, hf_tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int]) -> GrammarCompiler:
+    """The compiler of ``backend`` (one of ``BACKENDS``); xgrammar is imported only when asked for."""
+    if backend == "xgrammar":
+        from pagedrs.core.structured.xgrammar_backend import XGrammarCompiler
+
+        return XGrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids)
+    if backend != "llguidance":
+        raise ValueError(f"structured_outputs_backend={backend!r} is not a grammar backend: allowed {', '.join(BACKENDS)}")
+    return GrammarCompiler(hf_tokenizer, vocab_size, eos_token_ids)

@@ -7,10 +7,47 @@ gets a ``clone``; a finished or aborted one drops it (``EngineCore.release``).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+from typing import Protocol, cast
+
 import llguidance
+import numpy as np
 
 
-class GrammarState:
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    return llguidance.LLExecutor()  # threads: 80% of the CPUs, at most 32 (llguidance's default)
+
+
+class GrammarState(Protocol):
+    """What the core asks of a sample's matcher, whichever grammar engine made it:
+    ``LLGuidanceState`` (the default) or ``xgrammar_backend.XGrammarState``."""
+
+    vocab_size: int  # the grammar's tokenizer's: the width of its masks, in bits
+    num_consumed: int
+
+    def consume(self, token_id: int) -> bool: ...
+    def clone(self) -> GrammarState: ...
+    def rollback(self, num_tokens: int) -> None: ...
+    def validate_tokens(self, token_ids: list[int]) -> int: ...
+
+    @staticmethod
+    def fill_bitmasks(states: Sequence[GrammarState], bitmask: np.ndarray) -> None: ...
+
+    @property
+    def is_accepting(self) -> bool: ...
+
+    @property
+    def is_stopped(self) -> bool: ...
+
+    @property
+    def error(self) -> str: ...
+
+
+class LLGuidanceState:
+    """llguidance's matcher."""
+
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size  # the grammar's tokenizer's: the width of its masks, in bits
@@ -24,13 +61,18 @@ class GrammarState:
             self.num_consumed += 1
         return ok
 
-    def fill_mask(self, bitmask_row_ptr: int, num_bytes: int) -> None:
-        """The allowed next tokens, one bit per token id (little-endian int32 words), written at the pointer."""
-        self.matcher.unsafe_compute_mask_ptr(bitmask_row_ptr, num_bytes)
+    @staticmethod
+    def fill_bitmasks(states: Sequence[GrammarState], bitmask: np.ndarray) -> None:
+        """Row i of ``bitmask`` (C-contiguous int32 ``[len(states), words]``): state i's allowed next
+        tokens, one bit per token id (bit ``t % 32`` of word ``t // 32``), all rows in one call on
+        llguidance's threads, the GIL released."""
+        _executor().unsafe_compute_mask_ptr([(cast(LLGuidanceState, s).matcher, i) for i, s in enumerate(states)],
+                                            bitmask.ctypes.data,
+                                            bitmask.shape[1] * 4, len(states))
 
-    def clone(self) -> GrammarState:
-        """An independent copy (a fork: n > 1, best_of)."""
-        copy = GrammarState(self.matcher.deep_copy(), self.vocab_size)
+    def clone(self) -> LLGuidanceState:
+        """An independent copy (a fork: n > 1, best_of, a beam)."""
+        copy = LLGuidanceState(self.matcher.deep_copy(), self.vocab_size)
         copy.num_consumed = self.num_consumed
         return copy
 
