@@ -20,7 +20,7 @@ from pagedrs.ray.app import check_routing  # noqa: E402
 from pagedrs.ray.asgi import ForwardedRequest, ResponseStart, forward  # noqa: E402
 from pagedrs.ray.replica import ReplicaInfo  # noqa: E402
 from pagedrs.ray.route_key import route_of  # noqa: E402
-from pagedrs.ray.routing import ReplicaView, eligible, matched_blocks, rank  # noqa: E402
+from pagedrs.ray.routing import ReplicaView, eligible, matched_blocks, rank, with_recent  # noqa: E402
 from pagedrs.sampling_params import SamplingParams  # noqa: E402
 from pagedrs.server.options import ServerOptions  # noqa: E402
 from server_fakes import live_server  # noqa: E402
@@ -87,6 +87,15 @@ def test_a_hot_prefix_never_overloads_its_replica():
     assert worst <= 1.5, worst
     # at most 3 of the 8 in flight, finishing twice as fast: 6 / 11 = 55% of the requests, not all of them
     assert total[0] == max(total) and total[0] < 0.6 * sum(total), total
+
+
+def test_a_digest_replaces_the_guess_but_keeps_what_was_just_sent():
+    """Evicted pages (in the guess, not in the digest) are forgotten; a prompt sent shortly before
+    the digest, or after it, which the replica may not have run yet, is kept."""
+    digest_time = 100.0
+    recent = [(90.0, [1, 2]), (99.0, [3, 4]), (101.0, [5])]
+    assert with_recent([7, 8], digest_time, recent, slack_s=2.0) == {7, 8, 3, 4, 5}
+    assert with_recent([], digest_time, [], slack_s=2.0) == set()
 
 
 @pytest.mark.parametrize(("kw", "field"), [

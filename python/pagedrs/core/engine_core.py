@@ -36,7 +36,8 @@ from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
 from pagedrs.core.spec_step import Speculator
 from pagedrs.core.step import StepContext, run_step
-from pagedrs.core.structured.backend import GrammarCompiler, make_compiler
+from pagedrs.core.structured.backend import GrammarCompiler
+from pagedrs.core.structured.compilers import make_compiler
 from pagedrs.engine_args import EngineArgs
 from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.rollback import Rollback

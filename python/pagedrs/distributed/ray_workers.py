@@ -14,8 +14,8 @@ object ref (``wait_exit``), the executor is then dead for good exactly as with p
 
 from __future__ import annotations
 
-import datetime
 import os
+from collections.abc import Callable
 from typing import Any, Optional
 
 from pagedrs.engine_args import EngineArgs
@@ -30,24 +30,9 @@ def _worker_class() -> Any:
     class TPWorker:
         """One rank: join the group, serve rank 0's commands until STOP, leave the group."""
 
-        def run(self, args: EngineArgs, rank: int, size: int, init_method: str, timeout_s: float) -> int:
-            import torch
-            import torch.distributed as dist
-
-            from pagedrs.distributed import parallel_state
-            from pagedrs.distributed.tp_executor import backend_name, run_worker
-
-            device = torch.device(args.device)
-            dist.init_process_group(backend_name(device), init_method=init_method, rank=rank, world_size=size,
-                                    timeout=datetime.timedelta(seconds=timeout_s))
-            parallel_state.set_tensor_parallel(rank, size)
-            parallel_state.join_control_group()
-            try:
-                run_worker(args, rank, size, None)
-            finally:
-                parallel_state.set_control_group(None)
-                dist.destroy_process_group()
-                parallel_state.set_tensor_parallel(0, 1)
+        def run(self, entry: Callable[..., None], args: EngineArgs, rank: int, size: int, init_method: str,
+                timeout_s: float) -> int:
+            entry(args, rank, size, init_method, timeout_s)  # tp_executor.run_ray_worker, until STOP
             return rank
 
     return TPWorker
@@ -56,7 +41,9 @@ def _worker_class() -> Any:
 class RayWorkers:
     """Ranks 1..size-1 started on Ray; ``init_method`` is where rank 0 must join them."""
 
-    def __init__(self, args: EngineArgs, size: int, timeout_s: float) -> None:
+    def __init__(self, args: EngineArgs, size: int, timeout_s: float, entry: Callable[..., None]) -> None:
+        """``entry(args, rank, size, init_method, timeout_s)`` is what each actor runs (passed in
+        by tp_executor, which imports this module: a function travels to the actor by name)."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -85,7 +72,7 @@ class RayWorkers:
             for i in range(size - 1)
         ]
         self._refs = {ref: f"tensor-parallel rank {rank} (Ray actor)" for rank, ref in enumerate(
-            (a.run.remote(args, rank, size, self.init_method, timeout_s) for rank, a in enumerate(self._actors, 1)),
+            (a.run.remote(entry, args, rank, size, self.init_method, timeout_s) for rank, a in enumerate(self._actors, 1)),
             start=1)}
         self._left = dict(self._refs)
 

@@ -165,7 +165,7 @@ class TPExecutor:
     def _start_ray_workers(self) -> None:
         from pagedrs.distributed.ray_workers import RayWorkers
 
-        self._ray = RayWorkers(self.args, self.size, _COLLECTIVE_TIMEOUT.total_seconds())
+        self._ray = RayWorkers(self.args, self.size, _COLLECTIVE_TIMEOUT.total_seconds(), run_ray_worker)
         try:
             dist.init_process_group(backend_name(self.device), init_method=self._ray.init_method, rank=0,
                                     world_size=self.size, timeout=_COLLECTIVE_TIMEOUT)
@@ -351,6 +351,20 @@ def _worker_entry(args: EngineArgs, rank: int, size: int, port: int, parent_pid:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_ray_worker(args: EngineArgs, rank: int, size: int, init_method: str, timeout_s: float) -> None:
+    """A rank in a Ray actor (ray_workers.py): join the group at ``init_method``, serve until STOP, leave."""
+    dist.init_process_group(backend_name(torch.device(args.device)), init_method=init_method, rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+    parallel_state.set_tensor_parallel(rank, size)
+    parallel_state.join_control_group()
+    try:
+        run_worker(args, rank, size, None)
+    finally:
+        parallel_state.set_control_group(None)
+        dist.destroy_process_group()
+        parallel_state.set_tensor_parallel(0, 1)
 
 
 def _exit_with_parent(parent_pid: int) -> None:

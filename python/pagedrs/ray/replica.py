@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -94,10 +95,12 @@ class PagedrsReplica:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The cache router's digest: the device tier's cached block hashes and the load."""
+        taken = time.time()
         hashes = await self._loop.call(lambda engine: engine.scheduler.cached_hashes("GPU"))
         stats = self._loop.stats()
         return {
             "seq": next(self._digests),
+            "time": taken,  # wall clock (the router compares it with when it sent requests)
             "hashes": hashes,
             "num_running": int(stats.get("num_running", 0)),
             "num_waiting": int(stats.get("num_waiting", 0)),

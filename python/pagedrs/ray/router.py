@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from pagedrs.ray.routing import DEFAULT_EPSILON, ReplicaView, rank
+from pagedrs.ray.routing import DEFAULT_EPSILON, RECENT_SLACK_S, ReplicaView, rank, with_recent
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,7 @@ class CacheAffinityRouter(RequestRouter):
         # it is made, not only once Ray reports the request routed, or concurrent picks all see the
         # same loads and pile onto one replica. Entries no request confirms expire.
         self._picked: dict[str, tuple[ReplicaID, float]] = {}
+        self._recent: dict[ReplicaID, list[tuple[float, list[int]]]] = {}  # routes sent, by replica (wall clock)
         self.routed_by_match = 0  # requests that went where a prefix was cached (for the bench)
 
     def _loads(self) -> dict[Any, float]:
@@ -57,9 +58,12 @@ class CacheAffinityRouter(RequestRouter):
             view = self._views[rid] = ReplicaView(key=rid, load=0.0)
         stats = (replica.routing_stats or {}) if self._use_digests else {}
         seq = int(stats.get("seq", -1))
-        if seq > self._digest_seen.get(rid, -1):  # a new digest replaces the guesses since the last
+        if seq > self._digest_seen.get(rid, -1):  # a new digest replaces the guesses, bar the recent ones
             self._digest_seen[rid] = seq
-            view.cached = set(stats.get("hashes", ()))
+            taken = float(stats.get("time", time.time()))
+            recent = [r for r in self._recent.get(rid, []) if r[0] >= taken - RECENT_SLACK_S]
+            self._recent[rid] = recent
+            view.cached = with_recent(stats.get("hashes", ()), taken, recent)
         return view
 
     async def choose_replicas(
@@ -84,8 +88,10 @@ class CacheAffinityRouter(RequestRouter):
         view.load += 1.0
         self._picked.pop(pending_request.metadata.internal_request_id, None)
         self._inflight[pending_request.metadata.internal_request_id] = replica_id
-        route = pending_request.kwargs.get("route") or ()
+        route = list(pending_request.kwargs.get("route") or ())
         view.cached.update(route)  # it will hold the prompt's pages once it ran it
+        if self._use_digests and route:
+            self._recent.setdefault(replica_id, []).append((time.time(), route))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._inflight.pop(internal_request_id, None)
@@ -98,4 +104,5 @@ class CacheAffinityRouter(RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._views.pop(replica_id, None)
         self._digest_seen.pop(replica_id, None)
+        self._recent.pop(replica_id, None)
         self._inflight = {k: v for k, v in self._inflight.items() if v != replica_id}

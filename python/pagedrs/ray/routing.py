@@ -7,7 +7,9 @@ A replica's digest is the set of block hashes its device tier caches (``cached_h
 the same names its KV events use), reported every ``routing_stats_period_s``; between two
 digests the router adds the hashes of each prompt it sends there (the replica caches them
 once it has run the prompt), so a burst of one conversation follows its first request.
-A digest replaces that guess whole: what the replica evicted meanwhile is gone at once.
+A digest replaces that guess, except for what was sent there shortly before the digest was taken
+or since (``with_recent``: those prompts may not have run yet), so what the replica evicted
+meanwhile is gone at once and what it is about to cache is not forgotten.
 
 Bounded load (consistent hashing with bounded loads, Mirrokni et al.): with ``m`` requests in
 flight on ``n`` replicas, a replica may take the next one only while its load stays within
@@ -60,3 +62,17 @@ def rank(prompt_hashes: Sequence[int], replicas: Sequence[ReplicaView],
     first = sorted(ok, key=lambda r: (-matched_blocks(prompt_hashes, r.cached), r.load))
     rest = sorted((r for r in replicas if r not in ok), key=lambda r: r.load)
     return [first[:1], first[1:] + rest] if len(first) > 1 or rest else [first]
+
+
+RECENT_SLACK_S = 2.0  # a prompt sent this long before a digest may still not be in it (queued, prefilling)
+
+
+def with_recent(digest: Sequence[int], digest_time: float, recent: Sequence[tuple[float, Sequence[int]]],
+                slack_s: float = RECENT_SLACK_S) -> set[int]:
+    """A replica's cached hashes from its digest (taken at ``digest_time``), plus the routes sent
+    there since ``digest_time - slack_s`` (``recent``: (time sent, route)), which it may not have run."""
+    cached = set(digest)
+    for sent, route in recent:
+        if sent >= digest_time - slack_s:
+            cached.update(route)
+    return cached
