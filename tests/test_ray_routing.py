@@ -134,8 +134,8 @@ class _Tok:
         return [ord(c) % 200 + 3 for c in text]
 
 
-def _info(isolation: str = "shared", keys: dict[str, str] | None = None) -> ReplicaInfo:
-    return ReplicaInfo(_Tok(), BLOCK, True, isolation, keys)
+def _info(isolation: str = "shared") -> ReplicaInfo:
+    return ReplicaInfo(_Tok(), BLOCK, True, isolation)
 
 
 def test_route_of_salts_as_the_server_does():
@@ -143,15 +143,14 @@ def test_route_of_salts_as_the_server_does():
 
     body = {"model": "m", "prompt": "abcdefghij"}
     ids = _Tok().encode("abcdefghij")
-    assert route_of("/v1/completions", json.dumps(body).encode(), [], _info()) == prompt_block_hashes(ids, BLOCK)
+    assert route_of("/v1/completions", json.dumps(body).encode(), None, _info()) == prompt_block_hashes(ids, BLOCK)
     salted = json.dumps({**body, "cache_salt": "s1"}).encode()
-    assert route_of("/v1/completions", salted, [], _info()) == prompt_block_hashes(
+    assert route_of("/v1/completions", salted, None, _info()) == prompt_block_hashes(
         ids, BLOCK, engine_salt("shared", None, "s1").encode())
-    tenants = _info("per-tenant", {"sk-a": "alice"})
-    auth = [(b"authorization", b"Bearer sk-a")]
-    assert route_of("/v1/completions", salted, auth, tenants) == prompt_block_hashes(
+    tenants = _info("per-tenant")
+    assert route_of("/v1/completions", salted, "alice", tenants) == prompt_block_hashes(
         ids, BLOCK, engine_salt("per-tenant", "alice", "s1").encode())
-    assert route_of("/v1/completions", salted, [(b"authorization", b"Bearer sk-x")], tenants) == []  # a 401 there
+    assert route_of("/v1/completions", salted, None, tenants) == []  # no tenant: the Gate's 401 comes first
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b'{"model": "m", "prompt": 5}', b"\xff\xfe",
@@ -159,13 +158,13 @@ def test_route_of_salts_as_the_server_does():
                                  b'{"model": "m", "prompt": [1099511627776, 2, 3, 4, 5]}', b'{"model": "m", "prompt": "x", "cache_salt": 5}'])
 def test_route_of_a_body_the_server_will_refuse_is_empty(raw: bytes):
     """No key, routed by load: the replica answers with the server's own 400."""
-    assert route_of("/v1/completions", raw, [], _info()) == []
+    assert route_of("/v1/completions", raw, None, _info()) == []
 
 
 def test_route_of_other_paths_and_no_prefix_caching():
     body = json.dumps({"model": "m", "prompt": "abcdefgh"}).encode()
-    assert route_of("/v1/models", body, [], _info()) == []
-    assert route_of("/v1/completions", body, [], ReplicaInfo(_Tok(), BLOCK, False, "shared", None)) == []
+    assert route_of("/v1/models", body, None, _info()) == []
+    assert route_of("/v1/completions", body, None, ReplicaInfo(_Tok(), BLOCK, False, "shared")) == []
 
 
 # ---- the relay --------------------------------------------------------------------------------

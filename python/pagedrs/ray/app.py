@@ -80,4 +80,4 @@ def build_app(engine_args: EngineArgs, num_replicas: int = 2, routing: str = "ca
     ).bind(config)
     ingress = serve.deployment(serve.ingress()(PagedrsIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica, options.max_request_bytes)
+    return ingress.bind(replica, options_kwargs)

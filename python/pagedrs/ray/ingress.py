@@ -2,8 +2,9 @@
 
 Everything the server decides (validation, limits, the API key, errors, SSE) happens in the
 replica, in the server's own app (``replica.py``). The ingress does three things only:
-- bounds the body at the ASGI level (``max_request_bytes``: 413), since uvicorn's protocol
-  layer (``server/connection.py``) is not in front of Ray's proxy;
+- puts the server's own ``Gate`` in front (``server/guard.py``: the API key, the body bound
+  ``max_request_bytes`` and its read timeout at the ASGI level, since uvicorn's protocol layer
+  (``server/connection.py``) is not in front of Ray's proxy), which also names the caller's tenant;
 - computes the route key (``route_key.route_of``) that ``CacheAffinityRouter`` reads;
 - relays the response, and retries once on another replica when the one it chose died
   before sending anything.
@@ -22,15 +23,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pagedrs.ray.asgi import ForwardedRequest, ResponseStart
 from pagedrs.ray.replica import ReplicaInfo
 from pagedrs.ray.route_key import route_of
+from pagedrs.server.errors import error_body
+from pagedrs.server.guard import Gate
+from pagedrs.server.options import ServerOptions
+from pagedrs.server.shutdown import DrainState
 
 logger = logging.getLogger(__name__)
 
 DIED_BEFORE_ANSWER_RETRIES = 1
 
 
-def _error(status: int, message: str, code: str, param: Optional[str] = None) -> Any:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error" if status < 500 else "server_error",
-                                   "param": param, "code": code}}, status_code=status)
+def _error(status: int, message: str, code: str) -> Any:
+    return JSONResponse(error_body(status, message, code=code), status_code=status)
 
 
 def _replica_died(exc: BaseException) -> bool:
@@ -40,10 +44,10 @@ def _replica_died(exc: BaseException) -> bool:
 
 
 class PagedrsIngress:
-    def __init__(self, replicas: Any, max_request_bytes: int) -> None:
+    def __init__(self, replicas: Any, options_kwargs: dict[str, Any]) -> None:
         self._replicas = replicas.options(stream=True)
         self._describe = replicas.describe
-        self._max_request_bytes = int(max_request_bytes)
+        self._options = ServerOptions(**options_kwargs)  # the replicas' own (app.py passes both the same)
         self._info: Optional[ReplicaInfo] = None
         self._info_lock = asyncio.Lock()
 
@@ -56,25 +60,19 @@ class PagedrsIngress:
     def __serve_build_asgi_app__(self) -> Any:
         app = FastAPI(title="pagedrs (Ray Serve)", openapi_url=None, docs_url=None, redoc_url=None)
 
+        # Ray's proxy drains the replicas itself (graceful_shutdown_timeout_s): this gate never drains.
+        app.add_middleware(Gate, options=self._options, drain=DrainState())
+
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
         async def relay(request: Request, path: str) -> Any:
-            size = request.headers.get("content-length")
-            if size is not None and size.isdigit() and int(size) > self._max_request_bytes:
-                return _error(413, f"the request body has {size} bytes; at most {self._max_request_bytes} allowed "
-                                   "(--max-request-bytes)", "request_too_large")
-            body = bytearray()
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > self._max_request_bytes:
-                    return _error(413, f"the request body has more than {self._max_request_bytes} bytes "
-                                       "(--max-request-bytes)", "request_too_large")
+            body = await request.body()  # bounded and timed by the Gate (413, 408)
             forwarded = ForwardedRequest(
                 method=request.method, path=request.url.path, query_string=request.url.query.encode("latin-1"),
-                headers=[(k.lower(), v) for k, v in request.headers.raw], body=bytes(body),
+                headers=[(k.lower(), v) for k, v in request.headers.raw], body=body,
                 client=(request.client.host, request.client.port) if request.client else ("unknown", 0),
             )
             info = await self._replica_info()
-            route = route_of(forwarded.path, forwarded.body, forwarded.headers, info)
+            route = route_of(forwarded.path, forwarded.body, getattr(request.state, "tenant", None), info)
             for attempt in range(DIED_BEFORE_ANSWER_RETRIES + 1):
                 stream = self._replicas.handle.remote(forwarded, route=route)
                 try:
@@ -87,8 +85,9 @@ class PagedrsIngress:
                         continue
                     return _error(503, f"the replica failed before answering: {type(exc).__name__}", "replica_unavailable")
                 assert isinstance(start, ResponseStart)
+                # x-request-id: the ingress's own Gate echoes it (the replica's would make it twice)
                 headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.headers
-                           if k.lower() not in (b"content-length", b"transfer-encoding")}
+                           if k.lower() not in (b"content-length", b"transfer-encoding", b"x-request-id")}
                 sse = headers.get("content-type", "").startswith("text/event-stream")
                 return StreamingResponse(self._body(stream, sse), status_code=start.status, headers=headers,
                                          media_type=None)

@@ -50,7 +50,6 @@ class ReplicaInfo:
     block_size: int
     enable_prefix_caching: bool
     prefix_cache_isolation: str
-    api_keys: Optional[dict[str, str]]
 
 
 class PagedrsReplica:
@@ -91,7 +90,7 @@ class PagedrsReplica:
 
     def describe(self) -> ReplicaInfo:
         return ReplicaInfo(self._engine.tokenizer, int(self._args.block_size), bool(self._args.enable_prefix_caching),
-                           self._options.prefix_cache_isolation, self._options.tenants())
+                           self._options.prefix_cache_isolation)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """The cache router's digest: the device tier's cached block hashes and the load."""

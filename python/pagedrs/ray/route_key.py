@@ -39,17 +39,10 @@ def prompt_ids(path: str, body: dict[str, Any], tokenizer: Any) -> Optional[list
     return None
 
 
-def bearer(headers: list[tuple[bytes, bytes]]) -> Optional[str]:
-    for name, value in headers:
-        if name.lower() == b"authorization":
-            text = value.decode("latin-1")
-            return text[7:].strip() if text[:7].lower() == "bearer " else None
-    return None
-
-
-def route_of(path: str, raw_body: bytes, headers: list[tuple[bytes, bytes]], info: ReplicaInfo) -> list[int]:
-    """The prompt's block hashes under the salt the replica will use; [] when there is none."""
-    from pagedrs.server.tenants import engine_salt, tenant_of
+def route_of(path: str, raw_body: bytes, tenant: Optional[str], info: ReplicaInfo) -> list[int]:
+    """The prompt's block hashes under the salt the replica will use; [] when there is none.
+    ``tenant``: the caller's, as the server's Gate found it from the API key (None: no key)."""
+    from pagedrs.server.tenants import engine_salt
 
     if not info.enable_prefix_caching:
         return []
@@ -60,12 +53,8 @@ def route_of(path: str, raw_body: bytes, headers: list[tuple[bytes, bytes]], inf
         ids = prompt_ids(path, body, info.tokenizer)
         if not ids:
             return []
-        tenant = None
-        if info.prefix_cache_isolation == "per-tenant":
-            token = bearer(headers)
-            tenant = tenant_of(token, dict(info.api_keys or {})) if token is not None else None
-            if tenant is None:
-                return []  # the replica answers 401
+        if info.prefix_cache_isolation == "per-tenant" and tenant is None:
+            return []  # no tenant: the Gate answers 401 before anything is routed
         client_salt = body.get("cache_salt")
         salt = engine_salt(info.prefix_cache_isolation, tenant, client_salt if isinstance(client_salt, str) else None)
         return prompt_block_hashes(ids, info.block_size, None if salt is None else salt.encode("utf-8"))
