@@ -38,7 +38,7 @@ def set_tensor_parallel(rank: int, size: int) -> None:
 
 
 def set_control_group(group: Optional[ProcessGroup]) -> None:
-    """Every rank, right after joining: ``dist.new_group(backend="gloo")`` (None when leaving)."""
+    """None when leaving the group (joining is ``join_control_group``)."""
     _CONTROL[0] = group
 
 

@@ -5,7 +5,7 @@ this machine, ``TPExecutor`` asks Ray for a placement group of N-1 bundles (one 
 ``{"GPU": 1}`` on CUDA, ``{"CPU": 1}`` on the CPU; strategy PACK, so the ranks share a node when
 it has room and spread when it does not) and starts one actor per bundle. Each actor joins the
 same ``torch.distributed`` group as rank 0 (a TCP rendezvous at rank 0's node address) and runs
-``tp_executor.run_worker`` until STOP. Rank 0 is this process (in a Serve replica: the replica).
+``tp_executor.serve_rank`` until STOP. Rank 0 is this process (in a Serve replica: the replica).
 
 Ray is the process supervisor here: a worker that dies is seen through its ``run`` call's
 object ref (``wait_exit``), the executor is then dead for good exactly as with processes, and
@@ -32,7 +32,7 @@ def _worker_class() -> Any:
 
         def run(self, entry: Callable[..., None], args: EngineArgs, rank: int, size: int, init_method: str,
                 timeout_s: float) -> int:
-            entry(args, rank, size, init_method, timeout_s)  # tp_executor.run_ray_worker, until STOP
+            entry(args, rank, size, init_method, timeout_s)  # tp_executor.serve_rank, until STOP
             return rank
 
     return TPWorker
@@ -66,7 +66,7 @@ class RayWorkers:
         self.init_method = f"tcp://{address}:{free_port('0.0.0.0')}"
         worker = _worker_class()
         self._actors = [
-            worker.options(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0, name=None,
+            worker.options(num_cpus=0 if gpu else 1, num_gpus=1 if gpu else 0,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=i))
             .remote()
             for i in range(size - 1)

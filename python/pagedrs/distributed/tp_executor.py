@@ -165,7 +165,7 @@ class TPExecutor:
     def _start_ray_workers(self) -> None:
         from pagedrs.distributed.ray_workers import RayWorkers
 
-        self._ray = RayWorkers(self.args, self.size, _COLLECTIVE_TIMEOUT.total_seconds(), run_ray_worker)
+        self._ray = RayWorkers(self.args, self.size, _COLLECTIVE_TIMEOUT.total_seconds(), serve_rank)
         try:
             dist.init_process_group(backend_name(self.device), init_method=self._ray.init_method, rank=0,
                                     world_size=self.size, timeout=_COLLECTIVE_TIMEOUT)
@@ -182,14 +182,11 @@ class TPExecutor:
         if self._ray is not None:
             while self._dead is None:
                 why = self._ray.wait_exit(1.0)
-                if why is None:
-                    continue
-                with self._reap_lock:
-                    if self._stopping:
-                        return
-                    if self._dead is None:
-                        self._dead = why
-                        logger.error("%s; the engine cannot run another step", self._dead)
+                if why is not None:
+                    with self._reap_lock:
+                        if self._stopping:
+                            return
+                        self._worker_gone(why)
             return
         from multiprocessing.connection import wait
 
@@ -201,9 +198,13 @@ class TPExecutor:
                     if self._stopping:
                         return  # shutdown() reaps the workers it stopped
                     p.join(1.0)  # the exit code is set once the process is reaped
-                    if self._dead is None:
-                        self._dead = f"tensor-parallel worker {p.name} exited with code {p.exitcode}"
-                        logger.error("%s; the engine cannot run another step", self._dead)
+                    self._worker_gone(f"tensor-parallel worker {p.name} exited with code {p.exitcode}")
+
+    def _worker_gone(self, why: str) -> None:
+        """The monitor saw a worker end (under ``_reap_lock``): the executor is dead, the first reason kept."""
+        if self._dead is None:
+            self._dead = why
+            logger.error("%s; the engine cannot run another step", self._dead)
 
     def _kill_workers(self) -> None:
         if self._ray is not None:
@@ -333,18 +334,7 @@ def _launched_by_torchrun() -> bool:
 def _worker_entry(args: EngineArgs, rank: int, size: int, port: int, parent_pid: int) -> None:
     """A spawned worker: join the group, then serve rank 0's commands until STOP."""
     _exit_with_parent(parent_pid)
-    device = torch.device(args.device)
-    dist.init_process_group(backend_name(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=_COLLECTIVE_TIMEOUT)
-    parallel_state.set_tensor_parallel(rank, size)
-    parallel_state.join_control_group()
-    try:
-        run_worker(args, rank, size, None)
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+    serve_rank(args, rank, size, f"tcp://127.0.0.1:{port}", _COLLECTIVE_TIMEOUT.total_seconds())
     # STOP served and the group destroyed: the worker holds nothing else. It leaves without the
     # interpreter's finalization, where the C++ destructors of torch.distributed's background
     # threads were seen to abort (exit code -6, SIGABRT) on a loaded machine after a clean stop.
@@ -353,8 +343,9 @@ def _worker_entry(args: EngineArgs, rank: int, size: int, port: int, parent_pid:
     os._exit(0)
 
 
-def run_ray_worker(args: EngineArgs, rank: int, size: int, init_method: str, timeout_s: float) -> None:
-    """A rank in a Ray actor (ray_workers.py): join the group at ``init_method``, serve until STOP, leave."""
+def serve_rank(args: EngineArgs, rank: int, size: int, init_method: str, timeout_s: float) -> None:
+    """Ranks 1..N-1, spawned (``_worker_entry``) or a Ray actor (ray_workers.py): join the group at
+    ``init_method``, serve rank 0's commands until STOP, leave the group."""
     dist.init_process_group(backend_name(torch.device(args.device)), init_method=init_method, rank=rank,
                             world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
     parallel_state.set_tensor_parallel(rank, size)
@@ -363,7 +354,10 @@ def run_ray_worker(args: EngineArgs, rank: int, size: int, init_method: str, tim
         run_worker(args, rank, size, None)
     finally:
         parallel_state.set_control_group(None)
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
         parallel_state.set_tensor_parallel(0, 1)
 
 
