@@ -32,6 +32,8 @@ LAYERS: dict[str, int] = {
     "distributed.parallel_state": 0,  # this process's tensor-parallel rank: the model layers size their shards by it
     "distributed.step_codec": 0,  # StepInput <-> bytes, beside step_input
     "spec": 0,  # speculative decoding's config (engine_args validates it) and the pure n-gram proposer
+    "spec.draft_runner": 2,  # the draft model's weights, KV pages and forward passes (a second runner)
+    "spec.draft": 4,  # the draft_model proposer on the core's side (a Speculator)
     # 1 model: the model, its kernels and attention, the KV tiers' storage, memory planning
     "models": 1, "kernels": 1, "attention": 1, "kv_tiers": 1, "memory": 1,
     # 2 runner: one step on one device, and the sampler

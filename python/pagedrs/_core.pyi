@@ -299,6 +299,9 @@ class Scheduler:
     def set_proposal(self, seq_id: int, token_ids: npt.NDArray[np.uint32]) -> None:
         """Speculative decoding: draft tokens for the sequence's next decode (empty clears it); the next
         schedule uses as many as its budget, max_tokens and free pages allow, without preempting."""
+    def set_draft_tokens(self, seq_id: int, token_ids: npt.NDArray[np.uint32]) -> None:
+        """Replaces the drafts the last schedule gave the sequence (exactly as many as it holds): a
+        proposer that guesses after the plan (the draft model runs on the step's own slots)."""
     def accept_drafts(self, seq_id: int, num_accepted: int) -> int:
         """After the step that computed the sequence's drafts: keeps the first ``num_accepted``, cuts the
         rest from its tokens and pages; returns how many were cut. Sequences gone meanwhile are skipped."""

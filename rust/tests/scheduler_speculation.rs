@@ -122,3 +122,31 @@ fn a_failed_step_drops_its_drafts_so_a_recompute_never_prefills_a_guess() {
     s.finish(1).unwrap();
     s.check_invariants().unwrap();
 }
+
+#[test]
+fn set_draft_tokens_replaces_a_reserved_proposal_and_the_kept_ones_are_the_new_tokens() {
+    // The draft model guesses after the plan: a proposal of reserved tokens, then the real ones.
+    let mut s = scheduler(16, 64);
+    decoding(&mut s);
+    s.set_proposal(1, &[0, 0, 0]).unwrap();
+    s.schedule().unwrap();
+    assert!(s.set_draft_tokens(1, &[14, 15]).is_err(), "exactly as many as it holds");
+    assert!(s.set_draft_tokens(99, &[14, 15, 16]).is_err(), "an unknown sequence");
+    s.set_draft_tokens(1, &[14, 15, 16]).unwrap();
+    assert_eq!(s.accept_drafts(1, 2).unwrap(), 1);
+    s.append_token(1, 30).unwrap();
+    let step = s.schedule().unwrap();
+    assert_eq!((step.input_ids.clone(), step.positions.clone()), (vec![30], vec![6]));
+    s.append_token(1, 31).unwrap();
+    s.schedule().unwrap();
+    // The page [13 14 15 30] holds the replaced drafts: a prompt with them hits it, one with the reserved ones does not.
+    s.add_sequence(2, vec![10, 11, 12, 13, 14, 15, 30, 31, 1], 0, 1, 2, 1).unwrap();
+    s.add_sequence(3, vec![10, 11, 12, 13, 0, 0, 30, 31, 1], 0, 2, 2, 1).unwrap();
+    s.append_token(1, 32).unwrap();
+    let last = s.schedule().unwrap();
+    assert_eq!(s.num_cached_tokens_of(2).unwrap(), Some(8));
+    assert_eq!(s.num_cached_tokens_of(3).unwrap(), Some(4));
+    s.complete_step(last.step_id, true).unwrap();
+    s.check_invariants().unwrap();
+    assert!(s.set_draft_tokens(1, &[5]).is_err(), "no drafts held now");
+}

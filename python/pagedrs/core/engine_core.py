@@ -80,7 +80,7 @@ class EngineCore:
         # speculative decoding (core/spec_step.py); None = off
         self.speculator: Optional[Speculator] = None
         if args.speculative_config is not None:
-            self.speculator = Speculator(SpeculativeConfig.parse(args.speculative_config))
+            self.speculator = self._speculator(SpeculativeConfig.parse(args.speculative_config))
         self._async: Optional[AsyncScheduler] = None
         if args.async_scheduling:  # steps complete on a worker; two in flight (core/async_step.py)
             self.executor = AsyncExecution(self.executor)
@@ -91,6 +91,19 @@ class EngineCore:
         self.peak_running = 0
         self.num_steps = 0  # steps run (the requests' queue and prefill step counts use it)
         self.pins = PinRegistry(self, args.max_pinned_fraction)  # pinned prefixes, expired at step boundaries (core/pins.py)
+
+    def _speculator(self, config: SpeculativeConfig) -> Speculator:
+        """Prompt lookup, or the draft model the executor loaded (spec/draft.py)."""
+        if config.method != "draft_model":
+            return Speculator(config)
+        from pagedrs.spec.draft import DraftSpeculator
+        from pagedrs.spec.draft_runner import DraftRunner
+
+        runner = getattr(self.executor, "draft", None)
+        if not isinstance(runner, DraftRunner):
+            raise ValueError("speculative_config.method is 'draft_model' but this executor holds no draft model "
+                             "(only the local executor does: tensor_parallel_size=1)")
+        return DraftSpeculator(config, core=self, runner=runner)
 
     # ---- views (read-only) -------------------------------------------------------------
 

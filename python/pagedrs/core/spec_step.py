@@ -87,9 +87,15 @@ class Speculator:
             if state is not None and now < state.off_until:
                 continue
             tokens = np.asarray(request.prompt_token_ids + s.token_ids, dtype=np.int64)
-            drafts = propose(tokens, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            drafts = self.guess(tokens)
             if drafts.size:
                 core.scheduler.set_proposal(seq_id, drafts)
+
+    def guess(self, tokens: np.ndarray) -> np.ndarray:
+        """The proposal for a sequence of ``tokens`` (uint32; empty: none): prompt lookup here; the
+        draft model reserves k positions and guesses after the plan (spec/draft.py)."""
+        cfg = self.config
+        return propose(tokens, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def plan(self, step: StepInput) -> tuple[StepInput, SpecRows | None]:
         """``step`` with the verify rows of its speculating sequences added to ``logit_rows``."""

@@ -22,6 +22,8 @@ from pagedrs.memory import KvPlan, plan_kv_memory
 from pagedrs.model_runner import ModelRunner
 from pagedrs.models.kv_geometry import KvGeometry
 from pagedrs.models.loader import load_model
+from pagedrs.spec.config import SpeculativeConfig
+from pagedrs.spec.draft_runner import DraftRunner, load_draft
 from pagedrs.step_input import StepInput, Transfer
 
 logger = logging.getLogger("pagedrs.engine")
@@ -49,11 +51,25 @@ class LocalExecutor:
                                  skip_tokenizer_init=args.skip_tokenizer_init)
         self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.loaded.dtype)  # what pages are stored in
         self._backend = attention_backend
+        self.draft = self._load_draft()  # speculative_config's draft model (spec/draft_runner.py), or None
         self.runner: ModelRunner | None = None
         self._completed: list[int] = []
         self._disk: _LocalDiskTier | None = None
         self.padding = self._decode_padding()
         self.decode_graph_sizes: tuple[int, ...] = ()  # the capture sizes that run as CUDA graphs
+
+    def _load_draft(self) -> DraftRunner | None:
+        """The draft model of ``speculative_config={"method": "draft_model", ...}`` (None for any
+        other config); refused, naming ``speculative_config.model``, when it cannot serve."""
+        raw = self.args.speculative_config
+        if raw is None:
+            return None
+        config = SpeculativeConfig.parse(raw)
+        if config.method != "draft_model":
+            return None
+        assert config.model is not None  # parse requires it for draft_model
+        draft = load_draft(config.model, self.loaded, dtype=self.args.dtype, weight_dtype=self.args.weight_dtype)
+        return DraftRunner(draft, block_size=self.args.block_size, kv_cache_dtype=self.kv_dtype)
 
     def _decode_padding(self) -> DecodePadding | None:
         """The padded decode path's shapes (EngineArgs.uses_decode_padding), or None."""
@@ -69,15 +85,19 @@ class LocalExecutor:
         free memory leaves ``graph_headroom_bytes`` for the graphs' memory pool."""
         args = self.args
         num_parameters = sum(p.numel() for p in self.loaded.model.parameters())
+        # the one formula (models.kv_geometry) at the pages' itemsize: 1 byte for an fp8 cache
+        bytes_per_token = KvGeometry(self.loaded.config.num_hidden_layers, self.loaded.model.kv_heads_per_rank,
+                                     self.loaded.config.head_dim).bytes_per_element_token(self.kv_dtype.itemsize)
+        if self.draft is not None:  # each page holds the draft's layers too (spec/draft_runner.py)
+            bytes_per_token += self.draft.bytes_per_token()
+            num_parameters += sum(p.numel() for p in self.draft.loaded.model.parameters())
         headroom = 0
         if self.padding is not None and args.uses_decode_graphs():
             headroom = graph_headroom_bytes(self.loaded.config, self.padding.sizes[-1],
                                             torch.empty(0, dtype=self.loaded.dtype).element_size(),
                                             self.padding.table_width * args.block_size)  # fmt: skip
         return plan_kv_memory(
-            # the one formula (models.kv_geometry) at the pages' itemsize: 1 byte for an fp8 cache
-            bytes_per_token=KvGeometry(self.loaded.config.num_hidden_layers, self.loaded.model.kv_heads_per_rank,
-                                       self.loaded.config.head_dim).bytes_per_element_token(self.kv_dtype.itemsize),
+            bytes_per_token=bytes_per_token,
             block_size=args.block_size,
             num_parameters=num_parameters,
             device=self.device,
@@ -147,6 +167,8 @@ class LocalExecutor:
         )
         if self._disk is not None:
             self.runner.disk = self._disk.runner_tier()
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
         if self.padding is not None and self.args.uses_decode_graphs():
             self.decode_graph_sizes = self.runner.capture_graphs()
             if self.decode_graph_sizes:
@@ -169,6 +191,8 @@ class LocalExecutor:
         if self.runner is None:
             raise RuntimeError("LocalExecutor.execute before init_kv_cache")
         try:
+            if self.draft is not None:  # the draft's pages follow the target's (once: a proposal may have run it)
+                self.draft.mirror(step)
             return self.runner.execute(step, compute_logits=compute_logits)
         finally:
             # The runner's copies are synchronous with respect to later reads of the host
@@ -184,14 +208,16 @@ class LocalExecutor:
     def _weights_bytes(self) -> int:
         """Parameters and buffers (packed int4/int8 weights are buffers), each tensor once; fixed after load,
         so counted once rather than on every stats() call (the serving loop asks every step)."""
-        model = self.loaded.model
-        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        models = [self.loaded.model] + ([self.draft.loaded.model] if self.draft is not None else [])
+        tensors = {id(t): t for model in models for t in [*model.parameters(), *model.buffers()]}
         return int(sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def memory_bytes(self) -> dict[str, int]:
         weights = self._weights_bytes
         kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() if self.runner else 0
         host = self.runner.cpu_cache.numel() * self.runner.cpu_cache.element_size() if self.runner else 0
+        if self.draft is not None:  # the draft's layers of the same pages
+            kv, host = kv + self.draft.kv_bytes()[0], host + self.draft.kv_bytes()[1]
         return {"weights": int(weights), "kv_pool": int(kv), "host_pool": int(host)}
 
     def shutdown(self) -> None:
@@ -200,6 +226,8 @@ class LocalExecutor:
             self._disk.close()
             self._disk = None
         self.runner = None
+        if self.draft is not None:
+            self.draft.runner = None
 
 
 class _LocalDiskTier:

@@ -1,7 +1,9 @@
 """``EngineArgs.speculative_config``, validated at startup (vLLM's shape).
 
-``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M}``.
-Every field is checked here, before anything is loaded, and an error names the field, its
+``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": m, "prompt_lookup_max": M}``
+or ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}`` (a local Hugging Face
+folder or GGUF file, like ``EngineArgs.model``; its vocabulary is checked against the target's
+when it loads, spec/draft_runner.py). Every field is checked here, before anything is loaded, and an error names the field, its
 value and what is allowed: nothing starts half-way.
 """
 
@@ -11,11 +13,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)  # implemented
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mtp")  # vLLM names refused by name
+METHODS = ("ngram", "draft_model")  # implemented
+NOT_YET = ("eagle", "eagle3", "medusa", "mtp")  # vLLM names refused by name
 MAX_SPECULATIVE_TOKENS = 16
-_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-           "min_acceptance_rate", "disable_by_batch_size")
+_COMMON = ("method", "num_speculative_tokens", "min_acceptance_rate", "disable_by_batch_size")
+_FIELDS = {"ngram": (*_COMMON, "prompt_lookup_min", "prompt_lookup_max"), "draft_model": (*_COMMON, "model")}
+_ALL_FIELDS = tuple(dict.fromkeys(f for fields in _FIELDS.values() for f in fields))
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class SpeculativeConfig:
     min_acceptance_rate: float = 0.2
     # vLLM's name: no speculation while more sequences than this run (None: at any batch size)
     disable_by_batch_size: int | None = None
+    model: str | None = None  # draft_model: the draft's folder or GGUF file (None for ngram)
 
     @classmethod
     def parse(cls, raw: Any) -> SpeculativeConfig:
@@ -36,15 +40,20 @@ class SpeculativeConfig:
         if not isinstance(raw, Mapping):
             raise ValueError(f"speculative_config is {raw!r}; it must be a dict such as "
                              '{"method": "ngram", "num_speculative_tokens": 4}, or None')
-        unknown = sorted(set(raw) - set(_FIELDS))
+        unknown = sorted(set(raw) - set(_ALL_FIELDS))
         if unknown:
-            raise ValueError(f"speculative_config has unknown field(s) {unknown}; allowed: {list(_FIELDS)}")
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; allowed: {list(_ALL_FIELDS)}")
         method = raw.get("method")
         if method in NOT_YET:
             raise ValueError(f"speculative_config.method is {method!r}: not implemented yet in pagedrs; "
                              f"allowed: {list(METHODS)}")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method is {method!r}; allowed: {list(METHODS)}")
+        other = sorted(set(raw) - set(_FIELDS[method]))
+        if other:
+            raise ValueError(f"speculative_config has field(s) {other}, which method {method!r} does not take; "
+                             f"allowed: {list(_FIELDS[method])}")
+        model = _draft_model(raw) if method == "draft_model" else None
         k = _int(raw, "num_speculative_tokens", None)
         if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens is {k}; it must be in 1..{MAX_SPECULATIVE_TOKENS}")
@@ -64,7 +73,20 @@ class SpeculativeConfig:
             batch = _int(raw, "disable_by_batch_size", None)
             if batch < 1:
                 raise ValueError(f"speculative_config.disable_by_batch_size is {batch}; it must be >= 1 or None")
-        return cls(str(method), k, lo, hi, float(rate), batch)
+        return cls(str(method), k, lo, hi, float(rate), batch, model)
+
+
+def _draft_model(raw: Mapping[str, Any]) -> str:
+    """The draft's path, as given (whether it loads, and has the target's vocabulary, is checked
+    when the executor loads it: spec/draft_runner.py)."""
+    if "model" not in raw:
+        raise ValueError("speculative_config.model is missing; method 'draft_model' needs the draft's local "
+                         "Hugging Face folder or GGUF file (a model of the target's vocabulary)")
+    model = raw["model"]
+    if not isinstance(model, str) or not model.strip():
+        raise ValueError(f"speculative_config.model is {model!r}; it must be a non-empty path to a local Hugging "
+                         "Face folder or GGUF file")
+    return model
 
 
 def _int(raw: Mapping[str, Any], name: str, default: int | None) -> int:

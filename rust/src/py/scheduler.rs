@@ -268,6 +268,12 @@ impl PyScheduler {
         self.inner.set_proposal(seq_id, token_ids.as_slice()?).map_err(to_py_err)
     }
 
+    /// Replaces the drafts the last `schedule` gave the sequence (uint32 array, exactly as many
+    /// as it holds): a proposer that guesses after the plan (the draft model).
+    fn set_draft_tokens(&mut self, seq_id: SeqId, token_ids: PyReadonlyArray1<'_, u32>) -> PyResult<()> {
+        self.inner.set_draft_tokens(seq_id, token_ids.as_slice()?).map_err(to_py_err)
+    }
+
     /// After the step that computed the sequence's drafts: keeps the first `num_accepted`,
     /// cuts the rest from its tokens and pages; returns how many were cut. Call it before
     /// appending the correction token; a sequence no longer here is skipped.

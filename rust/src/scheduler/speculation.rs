@@ -83,6 +83,27 @@ impl Scheduler {
         Ok(k)
     }
 
+    /// Replaces the drafts the last `schedule` gave `id` (a proposer that guesses only after
+    /// the plan: the draft model runs on the step's own slots, so a proposal of reserved
+    /// tokens came first). `tokens` must be exactly as many as it holds; the KV space keeps
+    /// them as placeholders until `accept_drafts`, so nothing is hashed here.
+    pub fn set_draft_tokens(&mut self, id: SeqId, tokens: &[TokenId]) -> Result<(), CoreError> {
+        let seq = self.seqs.get_mut(&id).ok_or(CoreError::UnknownSequence(id))?;
+        if tokens.len() != seq.drafts {
+            return Err(CoreError::InvalidArgument(format!(
+                "set_draft_tokens of sequence {id}: {} tokens but it holds {} draft tokens (it must be exactly that many)",
+                tokens.len(),
+                seq.drafts
+            )));
+        }
+        if tokens.contains(&PLACEHOLDER_TOKEN) {
+            return Err(CoreError::InvalidArgument(format!("set_draft_tokens of sequence {id}: token {PLACEHOLDER_TOKEN} is the placeholder itself")));
+        }
+        let start = seq.tokens.len() - seq.drafts;
+        seq.tokens[start..].copy_from_slice(tokens);
+        Ok(())
+    }
+
     /// After the step that computed `id`'s drafts: its first `num_accepted` drafts are
     /// verified (they stay, and their blocks may join the prefix cache), the rest are cut
     /// from its tokens and its pages. Call it before appending the correction token. A
