@@ -83,7 +83,7 @@ def test_ngram_proposes_what_followed_the_newest_longest_match():
     ({"method": "ngram", "num_speculative_tokens": float("nan")}, "num_speculative_tokens is nan"),
     ({"method": "ngram"}, "num_speculative_tokens is missing"),
     ({"method": "medusa2", "num_speculative_tokens": 2}, "method is 'medusa2'"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "'draft_model': not implemented yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model is missing"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2},
      "prompt_lookup_max is 2, below prompt_lookup_min = 3"),
     ({"method": "ngram", "num_speculative_tokens": 2, "min_acceptance_rate": float("nan")}, "min_acceptance_rate is nan"),

@@ -1,0 +1,207 @@
+"""Speculative decoding with a draft model (``{"method": "draft_model", "model": PATH, ...}``):
+a draft equal to the target accepts every draft, a random draft of the same vocabulary almost
+none, and both give greedy output equal to no speculation and to transformers, in every mode
+(prefix caching, chunked prefill, swap and recompute preemption, n > 1). Since the draft equal
+to the target proposes exactly the target's next tokens, any draft K/V left stale by a page the
+core moved (a copy-on-write, a swap, a recompute) would show up as a rejection: acceptance 1.0
+in every mode is the check that the draft's layers follow the target's pages. Bad drafts are
+refused at startup naming the field; the leak fixture (conftest.py) holds for every engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs.spec.config import SpeculativeConfig
+from test_spec_decode import greedy, hf_greedy, run_all
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def random_draft_dir(tmp_path_factory) -> Path:
+    """Another random llama of the same tokenizer, smaller and shaped differently (1 layer, hidden
+    32, one KV head): its pages' layers have another geometry than the target's."""
+    folder = tmp_path_factory.mktemp("tiny-draft")
+    make_tiny_model("llama", folder, seed=1, num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                    num_key_value_heads=1, intermediate_size=64)
+    return folder
+
+
+def draft(model_dir: Path, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+
+
+def make_engine(model_dir: Path, spec: dict | None, **kw) -> Engine:
+    args = dict(model=str(model_dir), block_size=4, num_gpu_blocks=96, swap_space_gb=0.001, max_model_len=256,
+                speculative_config=spec)
+    args.update(kw)
+    return Engine(EngineArgs(**args))
+
+
+def batch(vocab: int, seed: int = 0) -> list[list[int]]:
+    """Four random prompts, two of them sharing a 9-token prefix (prefix-cache hits)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (9,), generator=g).tolist()
+    return [shared + [5, 6], shared + [7], torch.randint(3, vocab, (7,), generator=g).tolist(),
+            torch.randint(3, vocab, (15,), generator=g).tolist()]
+
+
+MODES = {
+    "plain": {},
+    "no_prefix_caching": {"enable_prefix_caching": False},
+    "chunked": {"max_num_batched_tokens": 8},
+    # 12 pages of 4 tokens for 4 requests of up to 35 tokens: preemption all along
+    "swap": {"num_gpu_blocks": 12, "preemption_mode": "swap", "swap_space_gb": 0.01, "watermark": 0.0,
+             "enable_prefix_caching": False, "admission_policy": "prompt_only"},
+    "recompute": {"num_gpu_blocks": 12, "preemption_mode": "recompute", "watermark": 0.0,
+                  "admission_policy": "prompt_only"},
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_draft_equal_to_the_target_accepts_every_draft_and_changes_no_token(tiny_llama_dir, hf_model, mode):
+    kw = MODES[mode]
+    spec = make_engine(tiny_llama_dir, draft(tiny_llama_dir), **kw)
+    plain = make_engine(tiny_llama_dir, None, **kw)
+    prompts = batch(spec.loaded.config.vocab_size)
+    with_spec, without = run_all(spec, prompts, greedy()), run_all(plain, prompts, greedy())
+    assert with_spec == without
+    for i, p in enumerate(prompts):
+        assert with_spec[f"r{i}"][0] == hf_greedy(hf_model, p, 20), f"r{i} ({mode})"
+    stats = spec.stats()
+    # max_tokens cuts a proposal before the plan (the core keeps fewer drafts), never by a rejection
+    assert stats["spec_proposed"] > 20 and stats["spec_accepted"] == stats["spec_proposed"], stats
+    assert stats["spec_mean_accepted_length"] > 2.0, stats
+    if mode in ("swap", "recompute"):
+        assert stats["num_preemptions"] > 0
+    assert spec.stats()["num_steps"] < plain.stats()["num_steps"]
+
+
+def test_prefix_cache_hits_are_fed_to_the_draft_from_position_zero(tiny_llama_dir, hf_model):
+    """A second round of the same prompts hits the cached pages; the new sequences' draft feeds their
+    whole context first (spec/draft.py's rule), so every draft is still accepted."""
+    engine = make_engine(tiny_llama_dir, draft(tiny_llama_dir))
+    prompts = batch(engine.loaded.config.vocab_size)
+    first = run_all(engine, prompts, greedy())
+    proposed = engine.stats()["spec_proposed"]
+    cached = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"again{i}", p, greedy())
+    again: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.num_cached_tokens is not None:
+                cached[out.request_id] = out.num_cached_tokens
+            if out.finished:
+                again[out.request_id] = out.outputs[0].token_ids
+    assert all(cached[f"again{i}"] >= 4 for i in range(len(prompts))), cached
+    assert [again[f"again{i}"] for i in range(len(prompts))] == [first[f"r{i}"][0] for i in range(len(prompts))]
+    stats = engine.stats()
+    assert stats["spec_proposed"] > proposed and stats["spec_accepted"] == stats["spec_proposed"], stats
+
+
+@pytest.mark.parametrize("mode", ["plain", "chunked", "recompute"])
+def test_a_random_draft_accepts_almost_nothing_and_changes_no_token(tiny_llama_dir, random_draft_dir, hf_model, mode):
+    engine = make_engine(tiny_llama_dir, draft(random_draft_dir, k=4), **MODES[mode])
+    prompts = batch(engine.loaded.config.vocab_size, seed=1)
+    done = run_all(engine, prompts, greedy(max_tokens=24))
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"][0] == hf_greedy(hf_model, p, 24), f"r{i} ({mode})"
+    stats = engine.stats()
+    assert stats["spec_proposed"] > 0 and stats["spec_acceptance_rate"] < 0.2, stats
+
+
+def test_n_greater_than_one_each_child_drafts_for_itself(tiny_llama_dir, hf_model):
+    engine = make_engine(tiny_llama_dir, draft(tiny_llama_dir))
+    prompts = batch(engine.loaded.config.vocab_size)[:2]
+    done = run_all(engine, prompts, greedy(n=3))
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"] == [hf_greedy(hf_model, p, 20)] * 3
+    stats = engine.stats()
+    assert stats["spec_accepted"] == stats["spec_proposed"] > 0, stats
+
+
+def test_seeded_sampling_with_a_draft_draws_the_same_tokens(tiny_llama_dir, random_draft_dir):
+    """The greedy draft is a deterministic proposal: verification draws from P_j as a plain decode
+    would (one generator draw per output token), so a seed gives the same tokens with or without it."""
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    outs = []
+    for spec in (None, draft(tiny_llama_dir), draft(random_draft_dir)):
+        engine = make_engine(tiny_llama_dir, spec)
+        outs.append(run_all(engine, batch(engine.loaded.config.vocab_size), params))
+        if spec is not None and spec["model"] == str(tiny_llama_dir):
+            assert engine.stats()["spec_accepted"] > 0
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_the_pool_counts_the_drafts_layers_in_every_page(tiny_llama_dir, random_draft_dir):
+    """A page holds the target's layers and the draft's: the same bytes give fewer pages."""
+    memory = 64 * 2**10
+    alone = make_engine(tiny_llama_dir, None, num_gpu_blocks=None, kv_cache_memory=memory)
+    both = make_engine(tiny_llama_dir, draft(random_draft_dir), num_gpu_blocks=None, kv_cache_memory=memory)
+    # target: 2 layers x 2 KV heads x 16, draft: 1 layer x 1 KV head x 16; K and V, float32
+    target_bytes, draft_bytes = 2 * 2 * 2 * 16 * 4, 2 * 1 * 1 * 16 * 4
+    assert alone.kv_plan.bytes_per_token == target_bytes
+    assert both.kv_plan.bytes_per_token == target_bytes + draft_bytes
+    assert both.kv_plan.num_gpu_blocks == memory // ((target_bytes + draft_bytes) * 4)
+    held = both.executor.memory_bytes()
+    assert held["kv_pool"] == both.kv_plan.num_gpu_blocks * 4 * (target_bytes + draft_bytes)
+
+
+# ---- refused at startup -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model is missing"),
+    ({"method": "draft_model", "model": "", "num_speculative_tokens": 2}, "speculative_config.model is ''"),
+    ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, "speculative_config.model is 3"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 0}, "num_speculative_tokens is 0"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 17}, "num_speculative_tokens is 17"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 3},
+     "field(s) ['prompt_lookup_max'], which method 'draft_model' does not take"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "field(s) ['model'], which method 'ngram'"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "draft_tp": 1}, "unknown field(s) ['draft_tp']"),
+])
+def test_bad_draft_configs_are_refused_naming_the_field(config, message):
+    with pytest.raises(ValueError, match="speculative_config") as info:
+        EngineArgs(model=None, speculative_config=config)
+    assert message in str(info.value)
+
+
+def test_config_keeps_the_drafts_path():
+    cfg = SpeculativeConfig.parse({"method": "draft_model", "model": "/m", "num_speculative_tokens": 5})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "/m", 5)
+
+
+def test_tensor_parallel_with_a_draft_is_refused_by_name(tiny_llama_dir):
+    with pytest.raises(ValueError, match="speculative_config with tensor_parallel_size=2: not supported yet"):
+        EngineArgs(model=str(tiny_llama_dir), speculative_config=draft(tiny_llama_dir), tensor_parallel_size=2)
+
+
+def test_a_draft_that_does_not_load_is_refused_naming_the_field(tiny_llama_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "missing", tmp_path / "empty"):
+        with pytest.raises(ValueError, match=r"speculative_config.model is .*: it does not load as a draft model"):
+            make_engine(tiny_llama_dir, draft(path))
+
+
+@pytest.mark.parametrize(("change", "trait"), [
+    ({"vocab_size": 320}, "config vocab_size is 320"),
+    ({"eos_token_id": 1}, "eos token ids is [1, 2], the target's is [2]"),
+])
+def test_a_draft_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path, change, trait):
+    folder = tmp_path / "other"
+    make_tiny_model("llama", folder, seed=2, **change)
+    with pytest.raises(ValueError, match="speculative_config.model is") as info:
+        make_engine(tiny_llama_dir, draft(folder))
+    assert trait in str(info.value) and "the target's vocabulary" in str(info.value)
