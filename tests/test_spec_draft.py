@@ -9,6 +9,7 @@ refused at startup naming the field; the leak fixture (conftest.py) holds for ev
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,19 @@ def test_the_pool_counts_the_drafts_layers_in_every_page(tiny_llama_dir, random_
     assert both.kv_plan.num_gpu_blocks == memory // ((target_bytes + draft_bytes) * 4)
     held = both.executor.memory_bytes()
     assert held["kv_pool"] == both.kv_plan.num_gpu_blocks * 4 * (target_bytes + draft_bytes)
+
+
+def test_kv_size_counts_the_drafts_layers(capsys):
+    from pagedrs.cli import main
+
+    assert main(["kv-size", "--model", "llama-3.1-8b", "--draft-model", "smollm2-135m", "--tokens", "10", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    # 2 x 32 x 8 x 128 x 2 (the target, float16) + 2 x 30 x 3 x 64 x 2 (SmolLM2 as its draft)
+    assert (result["bytes_per_token"], result["draft_bytes_per_token"]) == (131072 + 23040, 23040)
+    assert result["bytes_per_sequence"] == 10 * (131072 + 23040)
+    assert main(["kv-size", "--model", "llama-3.1-8b", "--draft-model", "smollm2-135m", "--tokens", "10",
+                 "--tensor-parallel-size", "2"]) == 2
+    assert "--draft-model with --tensor-parallel-size: not supported" in capsys.readouterr().err
 
 
 # ---- refused at startup -----------------------------------------------------------------------

@@ -59,7 +59,11 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
     from pagedrs.kv_size import kv_size, tp_layout
 
     try:
-        result: dict[str, Any] = dict(kv_size(args.model, args.tokens, args.seqs, args.dtype, args.kv_cache_dtype))
+        if args.draft_model is not None and args.tensor_parallel_size is not None:
+            raise ValueError("--draft-model with --tensor-parallel-size: not supported (a draft model runs with "
+                             "tensor_parallel_size=1); give one of them")
+        result: dict[str, Any] = dict(kv_size(args.model, args.tokens, args.seqs, args.dtype, args.kv_cache_dtype,
+                                              draft_model=args.draft_model))
         if args.tensor_parallel_size is not None:
             result["tensor_parallel"] = tp_layout(
                 args.model, args.tokens, args.seqs, args.dtype, args.tensor_parallel_size, args.device_memory_gb,
@@ -84,6 +88,8 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
     else:
         gb = 1e9
         kv = f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+        if args.draft_model is not None:
+            kv += f", draft {args.draft_model} included: {result['draft_bytes_per_token']:,} bytes/token of it"
         print(f"{args.model} ({args.dtype}{kv}): {result['bytes_per_token']:,} bytes/token, "
               f"{result['bytes_per_sequence'] / gb:.2f} GB per {args.tokens}-token sequence, "
               f"{result['total_bytes'] / gb:.1f} GB for {args.seqs} sequences")
@@ -126,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dtype", default="float16")
     k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                    help="pages in the model dtype (auto) or in 8 bits (fp8: 1 byte per element)")
+    k.add_argument("--draft-model", default=None,
+                   help="a speculative draft (preset or config.json): every page holds its layers too")
     k.add_argument("--json", action="store_true")
     k.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="also print weights and KV per device and the sequences each layout admits")

@@ -66,10 +66,16 @@ def kv_itemsize(dtype: str, kv_cache_dtype: str = "auto") -> int:
     return KV_CACHE_DTYPES[kv_cache_dtype] or DTYPE_BYTES[dtype]
 
 
-def kv_size(model: str, tokens: int, seqs: int = 1, dtype: str = "float16", kv_cache_dtype: str = "auto") -> dict[str, Any]:
+def kv_size(model: str, tokens: int, seqs: int = 1, dtype: str = "float16", kv_cache_dtype: str = "auto",
+            draft_model: str | None = None) -> dict[str, Any]:
+    """``draft_model``: a speculative draft whose layers every page also holds (spec/draft_runner.py),
+    so a token costs the target's bytes plus the draft's."""
     if tokens < 1 or seqs < 1:
         raise ValueError(f"tokens is {tokens} and seqs is {seqs}; both must be >= 1")
-    per_token = resolve(model).bytes_per_element_token(kv_itemsize(dtype, kv_cache_dtype))
+    itemsize = kv_itemsize(dtype, kv_cache_dtype)
+    per_token = resolve(model).bytes_per_element_token(itemsize)
+    draft_bytes = resolve(draft_model).bytes_per_element_token(itemsize) if draft_model is not None else 0
+    per_token += draft_bytes
     result: dict[str, Any] = {
         "bytes_per_token": per_token,
         "bytes_per_sequence": per_token * tokens,
@@ -77,6 +83,8 @@ def kv_size(model: str, tokens: int, seqs: int = 1, dtype: str = "float16", kv_c
     }
     if kv_cache_dtype != "auto":
         result["kv_cache_dtype"] = kv_cache_dtype
+    if draft_model is not None:
+        result["draft_bytes_per_token"] = draft_bytes
     return result
 
 

@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true",
                    help="map: write JSON and markdown only (no heatmaps; matplotlib not needed)")
     p.add_argument("--layers", type=int, metavar="N", help="overhead: layers of the deep model (default 30)")
+    p.add_argument("--draft-model", metavar="PATH", default=None,
+                   help="spec: also speculate with this draft model (method draft_model; e.g. the model itself, "
+                        "a smoke test: acceptance ~1.0, not a speedup)")
     p.add_argument(
         "--threads",
         type=int,
@@ -107,6 +110,7 @@ def main(argv: list[str]) -> int:
         serve_offline=not args.no_offline,
         serve_args=tuple(shlex.split(args.serve_args)),
         layers=args.layers,
+        draft_model=args.draft_model,
         plot=not args.no_plot,
     )
     from pagedrs.bench.machine import describe_machine

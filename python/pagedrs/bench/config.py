@@ -21,4 +21,5 @@ class BenchConfig:
     serve_offline: bool = True  # serve bench: also run the offline engine on each workload
     serve_args: tuple[str, ...] = ()  # serve bench: extra `pagedrs serve` flags
     layers: int | None = None  # overhead bench: the deep model's layers (default SmolLM2's 30)
+    draft_model: str | None = None  # spec bench: also speculate with this draft model (method draft_model)
     plot: bool = True  # map bench: draw its heatmaps (False: JSON and markdown only, no matplotlib)

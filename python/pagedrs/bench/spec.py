@@ -1,5 +1,5 @@
-"""Speculative decoding (prompt lookup, ``speculative_config={"method": "ngram", ...}``): tokens/s
-with and without it, side by side on one model.
+"""Speculative decoding (prompt lookup, ``speculative_config={"method": "ngram", ...}``, and with
+``--draft-model PATH`` a draft model too): tokens/s with and without it, side by side on one model.
 
 Two workloads, greedy: ``repetitive`` (the answer quotes its prompt: rewrite a given text with
 one word changed, repeat a code listing, a chat turn that quotes an earlier one) and ``random``
@@ -89,29 +89,38 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
                    "prompt_lookup_min": 2}
     common = dict(model=str(cfg.model), device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size,
                   max_num_seqs=settings["batch"], enable_prefix_caching=False)
-    engines = {"off": Engine(EngineArgs(**common)), "ngram": Engine(EngineArgs(**common, speculative_config=spec_config))}
+    configs: dict[str, dict[str, Any] | None] = {"off": None, "ngram": spec_config}
+    if cfg.draft_model is not None:
+        configs["draft_model"] = {"method": "draft_model", "model": cfg.draft_model,
+                                  "num_speculative_tokens": settings["k"]}
+    engines = {name: Engine(EngineArgs(**common, speculative_config=c)) for name, c in configs.items()}
     rows = []
     for workload in ("repetitive", "random"):
         prompts = _prompts(engines["off"], workload, len(REPETITIVE))
         result = {name: _measure(engine, prompts, settings) for name, engine in engines.items()}
-        on, off = result["ngram"], result["off"]
-        rows.append({"workload": workload, "tok_s_1_off": off["tok_s_1"], "tok_s_1_on": on["tok_s_1"],
-                     "speedup_1": on["tok_s_1"] / off["tok_s_1"], "tok_s_b_off": off["tok_s_b"],
-                     "tok_s_b_on": on["tok_s_b"], "speedup_b": on["tok_s_b"] / off["tok_s_b"],
-                     "acceptance_pct": 100 * on["acceptance"], "mean_accepted": on["mean_accepted"],
-                     "proposed": on["proposed"], "same_tokens": on["outputs"] == off["outputs"]})
+        off = result["off"]
+        for method in [m for m in configs if m != "off"]:
+            on = result[method]
+            rows.append({"workload": workload, "method": method, "tok_s_1_off": off["tok_s_1"],
+                         "tok_s_1_on": on["tok_s_1"], "speedup_1": on["tok_s_1"] / off["tok_s_1"],
+                         "tok_s_b_off": off["tok_s_b"], "tok_s_b_on": on["tok_s_b"],
+                         "speedup_b": on["tok_s_b"] / off["tok_s_b"], "acceptance_pct": 100 * on["acceptance"],
+                         "mean_accepted": on["mean_accepted"], "proposed": on["proposed"],
+                         "same_tokens": on["outputs"] == off["outputs"]})
     for engine in engines.values():
         engine.shutdown()
     batch = settings["batch"]
     data = {"settings": {**{k: v for k, v in settings.items()}, "model": str(cfg.model), "device": cfg.device,
-                         "dtype": cfg.dtype, "speculative_config": spec_config}, "rows": rows}
+                         "dtype": cfg.dtype, "speculative_config": spec_config,
+                         "draft_config": configs.get("draft_model")}, "rows": rows}
     table = markdown_table(rows, [
         Column("workload", "workload"),
+        Column("method", "method"),
         Column("batch 1 tok/s, off", "tok_s_1_off", "{:.1f}"),
-        Column("batch 1 tok/s, ngram", "tok_s_1_on", "{:.1f}"),
+        Column("batch 1 tok/s, on", "tok_s_1_on", "{:.1f}"),
         Column("speedup", "speedup_1", "{:.2f}x"),
         Column(f"batch {batch} tok/s, off", "tok_s_b_off", "{:.1f}"),
-        Column(f"batch {batch} tok/s, ngram", "tok_s_b_on", "{:.1f}"),
+        Column(f"batch {batch} tok/s, on", "tok_s_b_on", "{:.1f}"),
         Column("speedup", "speedup_b", "{:.2f}x"),
         Column("acceptance", "acceptance_pct", "{:.0f}%"),
         Column("mean accepted length", "mean_accepted", "{:.2f}"),
@@ -119,10 +128,10 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     ])
     notes = [
         f"model {cfg.model}, {cfg.device} {cfg.dtype}, greedy, max_tokens {settings['max_tokens']}, ignore_eos; "
-        f"speculative_config {spec_config}",
+        f"speculative_config {spec_config}" + (f"; draft_model: {configs['draft_model']}" if "draft_model" in configs else ""),
         f"batch 1: median tokens/s over {len(REPETITIVE)} requests x {settings['repeats']} repeat(s); "
         f"batch {batch}: every prompt at once, total tokens/s",
         "acceptance: accepted / proposed drafts; mean accepted length: accepted drafts per verification "
         "(each verification also yields one more token)",
     ]
-    return data, render("Speculative decoding: prompt lookup (ngram)", table, notes, machine)
+    return data, render("Speculative decoding: prompt lookup (ngram)" + (" and a draft model" if "draft_model" in configs else ""), table, notes, machine)
