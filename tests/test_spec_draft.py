@@ -132,6 +132,31 @@ def test_n_greater_than_one_each_child_drafts_for_itself(tiny_llama_dir, hf_mode
     assert stats["spec_accepted"] == stats["spec_proposed"] > 0, stats
 
 
+def test_a_draft_that_fails_mid_run_costs_acceptance_never_a_token(tiny_llama_dir, hf_model, monkeypatch):
+    """The draft's forward raises once: that step verifies the reserved tokens (rejected), every
+    sequence re-feeds the draft from 0, and the output is what it would be without speculation."""
+    from pagedrs.spec.draft_runner import DraftRunner
+
+    original, calls = DraftRunner.propose, []
+
+    def flaky(self, feeds, chunk):
+        calls.append(len(feeds))
+        if len(calls) == 3:
+            raise RuntimeError("injected draft failure")
+        return original(self, feeds, chunk)
+
+    monkeypatch.setattr(DraftRunner, "propose", flaky)
+    engine = make_engine(tiny_llama_dir, draft(tiny_llama_dir))
+    prompts = batch(engine.loaded.config.vocab_size)
+    done = run_all(engine, prompts, greedy())
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"][0] == hf_greedy(hf_model, p, 20)
+    stats = engine.stats()
+    assert len(calls) > 3 and 0 < stats["spec_accepted"] < stats["spec_proposed"], stats
+    # only the failed step's reserved tokens were rejected: the re-fed draft accepts everything again
+    assert stats["spec_proposed"] - stats["spec_accepted"] <= 3 * calls[2], stats
+
+
 def test_seeded_sampling_with_a_draft_draws_the_same_tokens(tiny_llama_dir, random_draft_dir):
     """The greedy draft is a deterministic proposal: verification draws from P_j as a plain decode
     would (one generator draw per output token), so a seed gives the same tokens with or without it."""

@@ -28,6 +28,7 @@ each sequence per draft forward.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -39,6 +40,8 @@ from pagedrs.step_input import StepInput
 
 if TYPE_CHECKING:
     from pagedrs.core.engine_core import EngineCore
+
+logger = logging.getLogger("pagedrs.engine")
 
 RESERVED_TOKEN = 0  # what the reserved proposal holds until the draft's tokens replace it (never verified)
 
@@ -82,7 +85,6 @@ class DraftSpeculator(Speculator):
 
     def _fill(self, core: EngineCore, runner: DraftRunner, step: StepInput) -> StepInput:
         """The draft's tokens in place of the reserved ones, in the step and in the core."""
-        runner.mirror(step)  # pages this step copies or swaps in hold the draft's layers first
         q = step.query_start_loc.tolist()
         seq_ids = step.seq_ids.tolist()
         index, feeds = [], []
@@ -101,9 +103,18 @@ class DraftSpeculator(Speculator):
             feeds.append(DraftFeed(step.block_tables[i], start, tokens[start:], k))
             index.append(i)
             self._verifying[seq_ids[i]] = length
+        try:
+            runner.mirror(step)  # pages this step copies or swaps in hold the draft's layers first
+            drafts = runner.propose(feeds, chunk=max(1, core.args.max_num_batched_tokens)) if feeds else []
+        except Exception:  # noqa: BLE001 - a failed guess costs acceptance, never the step
+            # The reserved tokens stay: the target verifies them like any draft (the output is
+            # unchanged). What the draft's pages hold is unknown now: every sequence re-feeds.
+            logger.warning("the draft model failed to propose; this step verifies the reserved tokens", exc_info=True)
+            self.written.clear()
+            self._verifying.clear()  # nor does this step's verification tell what it wrote
+            return step
         if not feeds:
             return step
-        drafts = runner.propose(feeds, chunk=max(1, core.args.max_num_batched_tokens))
         input_ids = step.input_ids.copy()
         for i, tokens in zip(index, drafts):
             end = q[i + 1]
