@@ -244,3 +244,18 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path, chan
     with pytest.raises(ValueError, match="speculative_config.model is") as info:
         make_engine(tiny_llama_dir, draft(folder))
     assert trait in str(info.value) and "the target's vocabulary" in str(info.value)
+
+
+def test_smollm2_as_its_own_draft_accepts_everything_and_changes_no_token():
+    """SmolLM2-135M (float32 weights: the exact path) drafting for itself: the bench's smoke, exact.
+    (With the default quantized GGUF weights, a multi-row forward's numerics differ from a one-row
+    decode's, so greedy near-ties can flip with any proposer: README, "Speculative decoding".)"""
+    kw = dict(model="smollm2-135m", weight_dtype="float32", num_gpu_blocks=64, block_size=16, max_model_len=512)
+    spec = Engine(EngineArgs(**kw, speculative_config={"method": "draft_model", "model": "smollm2-135m",
+                                                       "num_speculative_tokens": 4}))
+    plain = Engine(EngineArgs(**kw))
+    prompt = spec.tokenizer.apply_chat_template([{"role": "user", "content": "Count from one to ten."}])
+    with_spec, without = run_all(spec, [prompt], greedy(max_tokens=24)), run_all(plain, [prompt], greedy(max_tokens=24))
+    assert with_spec == without
+    stats = spec.stats()
+    assert stats["spec_proposed"] > 10 and stats["spec_accepted"] == stats["spec_proposed"], stats
