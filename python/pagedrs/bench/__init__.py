@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model folder or a .gguf file")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--weight-dtype", choices=("auto", "float32", "bfloat16", "int8", "int4", "gguf"), default=None,
-                   help="decode: one weight format instead of the grid's (the other benches use float32)")
+                   help="decode: one weight format instead of the grid's; spec: the weights' format (default auto); "
+                        "the other benches use float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--workload", choices=("random", "prefix", "both"), default="both",

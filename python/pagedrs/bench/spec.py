@@ -88,7 +88,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     spec_config = {"method": "ngram", "num_speculative_tokens": settings["k"], "prompt_lookup_max": 3,
                    "prompt_lookup_min": 2}
     common = dict(model=str(cfg.model), device=cfg.device, dtype=cfg.dtype, block_size=cfg.block_size,
-                  max_num_seqs=settings["batch"], enable_prefix_caching=False)
+                  max_num_seqs=settings["batch"], enable_prefix_caching=False, weight_dtype=cfg.weight_dtype or "auto")
     configs: dict[str, dict[str, Any] | None] = {"off": None, "ngram": spec_config}
     if cfg.draft_model is not None:
         configs["draft_model"] = {"method": "draft_model", "model": cfg.draft_model,
@@ -111,7 +111,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
         engine.shutdown()
     batch = settings["batch"]
     data = {"settings": {**{k: v for k, v in settings.items()}, "model": str(cfg.model), "device": cfg.device,
-                         "dtype": cfg.dtype, "speculative_config": spec_config,
+                         "dtype": cfg.dtype, "weight_dtype": cfg.weight_dtype or "auto", "speculative_config": spec_config,
                          "draft_config": configs.get("draft_model")}, "rows": rows}
     table = markdown_table(rows, [
         Column("workload", "workload"),
@@ -127,7 +127,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
         Column("same tokens", "same_tokens"),
     ])
     notes = [
-        f"model {cfg.model}, {cfg.device} {cfg.dtype}, greedy, max_tokens {settings['max_tokens']}, ignore_eos; "
+        f"model {cfg.model}, {cfg.device} {cfg.dtype} (weights {cfg.weight_dtype or 'auto'}), greedy, max_tokens {settings['max_tokens']}, ignore_eos; "
         f"speculative_config {spec_config}" + (f"; draft_model: {configs['draft_model']}" if "draft_model" in configs else ""),
         f"batch 1: median tokens/s over {len(REPETITIVE)} requests x {settings['repeats']} repeat(s); "
         f"batch {batch}: every prompt at once, total tokens/s",
