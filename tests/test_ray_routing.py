@@ -19,7 +19,7 @@ from pagedrs._core import prompt_block_hashes  # noqa: E402
 from pagedrs.ray.app import check_routing  # noqa: E402
 from pagedrs.ray.asgi import ForwardedRequest, ResponseStart, forward  # noqa: E402
 from pagedrs.ray.replica import ReplicaInfo  # noqa: E402
-from pagedrs.ray.route_key import route_of  # noqa: E402
+from pagedrs.ray.route_key import route_and_text, route_of, route_text  # noqa: E402
 from pagedrs.ray.routing import ReplicaView, eligible, matched_blocks, rank, with_recent  # noqa: E402
 from pagedrs.sampling_params import SamplingParams  # noqa: E402
 from pagedrs.server.options import ServerOptions  # noqa: E402
@@ -165,6 +165,18 @@ def test_route_of_other_paths_and_no_prefix_caching():
     body = json.dumps({"model": "m", "prompt": "abcdefgh"}).encode()
     assert route_of("/v1/models", body, None, _info()) == []
     assert route_of("/v1/completions", body, None, ReplicaInfo(_Tok(), BLOCK, False, "shared")) == []
+
+
+def test_route_text_is_one_character_per_token_so_prefixes_are_kept():
+    """routing="ray-prefix": Ray's text router matches what the ingress gives it character by character."""
+    a, b = route_text([1, 2, 3, 49151]), route_text([1, 2, 4])
+    assert len(a) == 4 and a[:2] == b[:2] and a[2] != b[2]
+    assert all(0xD800 > ord(c) or ord(c) > 0xDFFF for c in a), "no surrogates: the text pickles and encodes"
+    body = json.dumps({"model": "m", "prompt": "abcdefghij"}).encode()
+    route, text = route_and_text("/v1/completions", body, None, _info(), text=True)
+    assert route == route_of("/v1/completions", body, None, _info()) and text == route_text(_Tok().encode("abcdefghij"))
+    assert route_and_text("/v1/completions", body, None, _info(), text=False)[1] == ""
+    assert route_and_text("/v1/models", body, None, _info(), text=True) == ([], ""), "no prompt, no text: pow2"
 
 
 # ---- the relay --------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 One local Ray cluster, 2 replicas of the model, each with its own KV pool sized so that one
 replica cannot hold every conversation but two can. Each routing in turn — ``cache`` (the
 replicas' digests of cached block hashes, pagedrs.ray.router), ``approx`` (the same router
-predicting from what it sent, never told of evictions: how Ray's PrefixCacheAffinityRouter
-works, which needs ``ray[llm]`` and so vLLM) and ``pow2`` (Ray's default, power of two
-choices) — serves the same three workloads over HTTP through the ingress:
+predicting from what it sent, never told of evictions), ``pow2`` (Ray's default, power of two
+choices) and ``ray-prefix`` (Ray Serve LLM's own PrefixCacheAffinityRouter, given each prompt's
+ids as text: pagedrs.ray.ray_prefix) — serves the same three workloads over HTTP through the ingress:
 
     multiturn   users come back with their conversation so far (a shared system prompt, then
                 their own messages) plus a new message; turns interleaved across users
@@ -36,7 +36,7 @@ from pagedrs.bench.engine_runner import progress
 from pagedrs.bench.model_spec import kv_geometry, resolve_model
 from pagedrs.bench.report import Column, markdown_table, render
 
-ROUTINGS = ("cache", "approx", "pow2")
+ROUTINGS = ("cache", "approx", "pow2", "ray-prefix")
 WORKLOADS = ("multiturn", "shared", "random")
 FULL = dict(users=16, turns=4, system_tokens=192, user_tokens=48, reply_tokens=16, shared_requests=48,
             shared_prefix=384, question_tokens=16, random_requests=32, random_tokens=128, concurrency=4)
@@ -156,7 +156,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
         ray.shutdown()
     for name in WORKLOADS:
         pow2 = data[f"pow2/{name}"]
-        for routing in ("cache", "approx"):
+        for routing in ("cache", "approx", "ray-prefix"):
             row = data[f"{routing}/{name}"]
             row["prefill_vs_pow2_x"] = row["prefill_tokens_computed"] / max(1, pow2["prefill_tokens_computed"])
             row["tokens_per_s_vs_pow2_x"] = row["tokens_per_s"] / pow2["tokens_per_s"] if pow2["tokens_per_s"] else 0.0

@@ -5,7 +5,8 @@ replica, in the server's own app (``replica.py``). The ingress does three things
 - puts the server's own ``Gate`` in front (``server/guard.py``: the API key, the body bound
   ``max_request_bytes`` and its read timeout at the ASGI level, since uvicorn's protocol layer
   (``server/connection.py``) is not in front of Ray's proxy), which also names the caller's tenant;
-- computes the route key (``route_key.route_of``) that ``CacheAffinityRouter`` reads;
+- computes the route key (``route_key.route_of``) that ``CacheAffinityRouter`` reads (and, for
+  ``routing="ray-prefix"``, the prompt as text, which Ray's ``PrefixCacheAffinityRouter`` reads);
 - relays the response, and retries once on another replica when the one it chose died
   before sending anything.
 """
@@ -22,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedrs.ray.asgi import ForwardedRequest, ResponseStart
 from pagedrs.ray.replica import ReplicaInfo
-from pagedrs.ray.route_key import route_of
+from pagedrs.ray.route_key import route_and_text
 from pagedrs.server.errors import error_body
 from pagedrs.server.guard import Gate
 from pagedrs.server.options import ServerOptions
@@ -44,7 +45,8 @@ def _replica_died(exc: BaseException) -> bool:
 
 
 class PagedrsIngress:
-    def __init__(self, replicas: Any, options_kwargs: dict[str, Any]) -> None:
+    def __init__(self, replicas: Any, options_kwargs: dict[str, Any], routing: str = "cache") -> None:
+        self._routing = routing  # "ray-prefix": each request also carries its prompt as text
         self._replicas = replicas.options(stream=True)
         self._describe = replicas.describe
         self._options = ServerOptions(**options_kwargs)  # the replicas' own (app.py passes both the same)
@@ -66,13 +68,15 @@ class PagedrsIngress:
         @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
         async def relay(request: Request, path: str) -> Any:
             body = await request.body()  # bounded and timed by the Gate (413, 408)
+            info = await self._replica_info()
+            route, text = route_and_text(request.url.path, body, getattr(request.state, "tenant", None), info,
+                                         text=self._routing == "ray-prefix")
             forwarded = ForwardedRequest(
                 method=request.method, path=request.url.path, query_string=request.url.query.encode("latin-1"),
                 headers=[(k.lower(), v) for k, v in request.headers.raw], body=body,
                 client=(request.client.host, request.client.port) if request.client else ("unknown", 0),
+                prompt=text,
             )
-            info = await self._replica_info()
-            route = route_of(forwarded.path, forwarded.body, getattr(request.state, "tenant", None), info)
             for attempt in range(DIED_BEFORE_ANSWER_RETRIES + 1):
                 stream = self._replicas.handle.remote(forwarded, route=route)
                 try:
