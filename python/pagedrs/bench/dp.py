@@ -34,12 +34,20 @@ import numpy as np
 from pagedrs.bench.config import BenchConfig
 from pagedrs.bench.engine_runner import progress
 from pagedrs.bench.model_spec import kv_geometry, resolve_model
+from pagedrs.bench.multiturn import FULL as MULTITURN_FULL
 from pagedrs.bench.report import Column, markdown_table, render
 
 ROUTINGS = ("cache", "approx", "pow2", "ray-prefix")
+# The full run leaves out ``approx`` (an ablation of ``cache``: no digests), which --quick keeps:
+# with bench multiturn's 48 users each routing takes about ten minutes on 2 cores.
+FULL_ROUTINGS = ("cache", "pow2", "ray-prefix")
 WORKLOADS = ("multiturn", "shared", "random")
-FULL = dict(users=16, turns=4, system_tokens=192, user_tokens=48, reply_tokens=16, shared_requests=48,
-            shared_prefix=384, question_tokens=16, random_requests=32, random_tokens=128, concurrency=4)
+# The multi-turn users are bench multiturn's own (the workload): 48 users x 4 turns, a
+# 256-token system prompt, 64-token messages, 32-token replies carried into the next turn.
+FULL = dict(users=MULTITURN_FULL["users"], turns=MULTITURN_FULL["turns"], system_tokens=MULTITURN_FULL["system_tokens"],
+            user_tokens=MULTITURN_FULL["user_tokens"], reply_tokens=MULTITURN_FULL["reply_tokens"],
+            shared_requests=48, shared_prefix=384, question_tokens=16, random_requests=32, random_tokens=128,
+            concurrency=MULTITURN_FULL["concurrency"])
 QUICK = dict(users=8, turns=3, system_tokens=64, user_tokens=32, reply_tokens=8, shared_requests=16,
              shared_prefix=128, question_tokens=8, random_requests=12, random_tokens=64, concurrency=4)
 
@@ -125,6 +133,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     from pagedrs.ray import build_app
 
     s = dict(QUICK if cfg.quick else FULL)
+    routings = ROUTINGS if cfg.quick else FULL_ROUTINGS
     folder = resolve_model(cfg.model)
     geo = kv_geometry(folder, cfg.dtype)
     bs = cfg.block_size
@@ -143,7 +152,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        for routing in ROUTINGS:
+        for routing in routings:
             progress(f"dp: {routing}: starting 2 replicas")
             serve.run(build_app(engine_args, num_replicas=2, routing=routing, model_name="m"), name="pagedrs-dp",
                       route_prefix="/")
@@ -156,7 +165,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
         ray.shutdown()
     for name in WORKLOADS:
         pow2 = data[f"pow2/{name}"]
-        for routing in ("cache", "approx", "ray-prefix"):
+        for routing in (r for r in routings if r != "pow2"):
             row = data[f"{routing}/{name}"]
             row["prefill_vs_pow2_x"] = row["prefill_tokens_computed"] / max(1, pow2["prefill_tokens_computed"])
             row["tokens_per_s_vs_pow2_x"] = row["tokens_per_s"] / pow2["tokens_per_s"] if pow2["tokens_per_s"] else 0.0
@@ -173,7 +182,7 @@ _COLUMNS = [
 
 
 def _markdown(data: dict[str, Any], machine: str) -> str:
-    rows = [{"workload": w, "routing": r, **data[f"{r}/{w}"]} for w in WORKLOADS for r in ROUTINGS]
+    rows = [{"workload": w, "routing": r, **data[f"{r}/{w}"]} for w in WORKLOADS for r in ROUTINGS if f"{r}/{w}" in data]
     s = data["settings"]
     notes = [
         f"2 replicas on a local Ray cluster, {s['blocks_per_replica']} blocks of {s['block_size']} tokens each (a "
