@@ -125,3 +125,23 @@ def test_a_draft_the_grammar_refuses_is_rejected(tiny_llama_dir, monkeypatch, pr
     stats = engine.stats()
     assert stats["spec_accepted"] == 0
     assert (stats["spec_proposed"] == 0) if precut else (stats["spec_proposed"] > 0), stats
+
+
+def test_nine_grammar_rows_use_the_planned_masks_in_round_zero_and_stay_exact(tiny_llama_dir, monkeypatch):
+    """At 8 or more constrained rows the masks are computed during the forward (core/step.py
+    MIN_OVERLAPPED_ROWS): round 0 of a speculative step uses them, later rounds compute their own."""
+    from pagedrs.core import step as step_module
+
+    plain = make_engine(tiny_llama_dir, None)
+    vocab = plain.loaded.config.vocab_size
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, vocab, (4 + i,), generator=g).tolist() for i in range(9)]
+    want = run(plain, prompts, "json")
+    oracle(monkeypatch, prompts, [want[f"r{i}"][0] for i in range(len(prompts))], vocab)
+    planned = []
+    real = step_module.start_masks
+    monkeypatch.setattr(step_module, "start_masks", lambda core, step: planned.append(real(core, step)) or planned[-1])
+    engine = make_engine(tiny_llama_dir, SPEC)
+    assert run(engine, prompts, "json") == want
+    assert any(m is not None for m in planned)
+    assert engine.stats()["spec_accepted"] > 0
