@@ -31,9 +31,9 @@ CONSTRAINTS = {"json": StructuredOutputsParams(json=PERSON), "regex": Structured
 MAX_NEW = 60
 
 
-def make_engine(model_dir, spec) -> Engine:
+def make_engine(model_dir, spec, **kw) -> Engine:
     return Engine(EngineArgs(model=str(model_dir), block_size=4, num_gpu_blocks=128, max_model_len=256,
-                             speculative_config=spec))
+                             speculative_config=spec, **kw))
 
 
 def prompts_for(vocab: int) -> list[list[int]]:
@@ -144,4 +144,20 @@ def test_nine_grammar_rows_use_the_planned_masks_in_round_zero_and_stay_exact(ti
     engine = make_engine(tiny_llama_dir, SPEC)
     assert run(engine, prompts, "json") == want
     assert any(m is not None for m in planned)
+    assert engine.stats()["spec_accepted"] > 0
+
+
+def test_the_xgrammar_backend_speculates_the_same(tiny_llama_dir, monkeypatch):
+    """xgrammar's matcher cuts proposals (validate_tokens: accept, then roll back) and masks each round too."""
+    pytest.importorskip("xgrammar")
+    plain = make_engine(tiny_llama_dir, None, structured_outputs_backend="xgrammar")
+    vocab = plain.loaded.config.vocab_size
+    prompts = prompts_for(vocab)
+    want = run(plain, prompts, "json")
+    oracle(monkeypatch, prompts, [want[f"r{i}"][0] for i in range(len(prompts))], vocab)
+    engine = make_engine(tiny_llama_dir, SPEC, structured_outputs_backend="xgrammar")
+    got = run(engine, prompts, "json")
+    assert got == want
+    for _, text, reason in got.values():
+        check_valid("json", text, reason)
     assert engine.stats()["spec_accepted"] > 0
