@@ -207,9 +207,9 @@ def _check_speculative(args: EngineArgs) -> None:
     from pagedrs.spec.config import SpeculativeConfig
 
     SpeculativeConfig.parse(args.speculative_config)
-    refused = [("async_scheduling", args.async_scheduling, "async_scheduling=False"),
-               ("tensor_parallel_size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None,
-                "tensor_parallel_size=1")]
+    # tensor parallelism needs nothing of its own: rank 0 proposes and verifies, and the verify
+    # rows travel to the other ranks as an ordinary multi-row step (step_codec carries logit_rows)
+    refused = [("async_scheduling", args.async_scheduling, "async_scheduling=False")]
     for name, value, allowed in refused:
         if value:
             raise ValueError(f"speculative_config with {name}={value!r}: not supported yet; allowed: {allowed}, "
