@@ -67,7 +67,7 @@ $(RAY_STAMP): $(DEPS_STAMP)
 	touch $@
 
 test-ray: build $(RAY_STAMP)
-	PAGEDRS_TEST_RAY=1 $(PY) -m pytest -q tests/test_ray_serve.py tests/test_ray_multinode.py tests/test_ray_routing.py
+	PAGEDRS_TEST_RAY=1 $(PY) -m pytest -q tests/test_ray_serve.py tests/test_ray_multinode.py tests/test_ray_routing.py tests/test_ray_cli.py
 
 bench-dp: build $(RAY_STAMP)
 	$(VENV)/bin/pagedrs bench dp --out bench-out

@@ -19,7 +19,7 @@ from pagedrs._core import prompt_block_hashes  # noqa: E402
 from pagedrs.ray.app import check_routing  # noqa: E402
 from pagedrs.ray.asgi import ForwardedRequest, ResponseStart, forward  # noqa: E402
 from pagedrs.ray.replica import ReplicaInfo  # noqa: E402
-from pagedrs.ray.route_key import route_of  # noqa: E402
+from pagedrs.ray.route_key import route_and_text, route_of, route_text  # noqa: E402
 from pagedrs.ray.routing import ReplicaView, eligible, matched_blocks, rank, with_recent  # noqa: E402
 from pagedrs.sampling_params import SamplingParams  # noqa: E402
 from pagedrs.server.options import ServerOptions  # noqa: E402
@@ -167,6 +167,18 @@ def test_route_of_other_paths_and_no_prefix_caching():
     assert route_of("/v1/completions", body, None, ReplicaInfo(_Tok(), BLOCK, False, "shared")) == []
 
 
+def test_route_text_is_one_character_per_token_so_prefixes_are_kept():
+    """routing="ray-prefix": Ray's text router matches what the ingress gives it character by character."""
+    a, b = route_text([1, 2, 3, 49151]), route_text([1, 2, 4])
+    assert len(a) == 4 and a[:2] == b[:2] and a[2] != b[2]
+    assert all(0xD800 > ord(c) or ord(c) > 0xDFFF for c in a), "no surrogates: the text pickles and encodes"
+    body = json.dumps({"model": "m", "prompt": "abcdefghij"}).encode()
+    route, text = route_and_text("/v1/completions", body, None, _info(), text=True)
+    assert route == route_of("/v1/completions", body, None, _info()) and text == route_text(_Tok().encode("abcdefghij"))
+    assert route_and_text("/v1/completions", body, None, _info(), text=False)[1] == ""
+    assert route_and_text("/v1/models", body, None, _info(), text=True) == ([], ""), "no prompt, no text: pow2"
+
+
 # ---- the relay --------------------------------------------------------------------------------
 
 async def _collect(app: Any, request: ForwardedRequest) -> tuple[ResponseStart, bytes]:
@@ -228,3 +240,74 @@ def test_serve_ray_refuses_what_it_cannot_honour(capsys, flags: list[str], named
 
     assert main(["--model", "unused", *flags]) == 2
     assert named in capsys.readouterr().err
+
+
+# ---- the retry before the first byte --------------------------------------------------------------
+
+class _Died(Exception):
+    """Stands for Ray's ActorDiedError (the predicate decides what counts as a death)."""
+
+
+class _FakeStream:
+    """A replica's answer: its items in order; an exception item is raised when reached."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items, self.cancelled = list(items), False
+
+    async def __anext__(self) -> Any:
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def _replicas(*answers: list[Any]) -> tuple[Any, list[_FakeStream]]:
+    streams = [_FakeStream(a) for a in answers]
+    calls = iter(streams)
+
+    def call() -> _FakeStream:
+        return next(calls)
+    for s in streams:
+        s.cancel = lambda s=s: setattr(s, "cancelled", True)  # type: ignore[method-assign]
+    return call, streams
+
+
+START = ResponseStart(200, [(b"content-type", b"text/event-stream")])
+
+
+@pytest.mark.parametrize("first", [[_Died()], [START, _Died()]], ids=["before-status", "before-first-chunk"])
+def test_a_replica_that_dies_before_its_first_byte_is_replaced_once(first: list[Any]):
+    from pagedrs.ray.ingress import first_answer
+
+    call, streams = _replicas(first, [START, b"data: 1\n\n", b"data: [DONE]\n\n"])
+    stream, start, head = asyncio.run(first_answer(call, lambda e: isinstance(e, _Died), retries=1))
+    assert stream is streams[1] and start == START and head == [b"data: 1\n\n"]
+    assert streams[0].cancelled and not streams[1].cancelled
+
+
+def test_the_retry_happens_once_and_other_failures_are_not_retried():
+    from pagedrs.ray.ingress import NoAnswer, first_answer
+
+    call, streams = _replicas([_Died()], [START, _Died()], [START, b"never asked"])
+    with pytest.raises(NoAnswer) as twice:
+        asyncio.run(first_answer(call, lambda e: isinstance(e, _Died), retries=1))
+    assert twice.value.status == 503 and twice.value.code == "replica_unavailable"
+    assert streams[2].items == [START, b"never asked"], "a third replica is never asked"
+    call, streams = _replicas([ValueError("bug")], [START])
+    with pytest.raises(NoAnswer) as other:
+        asyncio.run(first_answer(call, lambda e: isinstance(e, _Died), retries=1))
+    assert other.value.status == 503 and streams[1].items == [START], "not a death: not retried"
+    call, _ = _replicas([])
+    with pytest.raises(NoAnswer) as empty:
+        asyncio.run(first_answer(call, lambda e: isinstance(e, _Died), retries=1))
+    assert empty.value.status == 502
+
+
+def test_a_body_less_answer_is_relayed_as_it_is():
+    from pagedrs.ray.ingress import first_answer
+
+    call, _ = _replicas([ResponseStart(204, [])])
+    _, start, head = asyncio.run(first_answer(call, lambda e: False, retries=1))
+    assert start.status == 204 and head == []

@@ -176,3 +176,22 @@ def test_nothing_is_left_in_the_replicas(ray_app: RayApp):
     for s in stats:
         assert s["num_running"] == 0 and s["num_waiting"] == 0, s
         assert s["num_free_gpu_blocks"] == s["num_gpu_blocks"], s
+
+
+def test_rays_own_prefix_router_serves_and_keeps_a_conversation_together(ray_app: RayApp, tiny_llama_dir: Path):
+    """routing="ray-prefix" (Ray's PrefixCacheAffinityRouter, given the prompt's ids as text): the same
+    answers as the single server, a turn follows its conversation's first (queues are balanced here,
+    one request at a time), and a request without a prompt is still served."""
+    serve.delete("pagedrs")
+    app = build_app(EngineArgs(model=str(tiny_llama_dir), **KW), num_replicas=2, routing="ray-prefix",
+                    model_name="tiny", routing_stats_period_s=0.25)
+    serve.run(app, name="pagedrs", route_prefix="/")
+    with live_server(tiny_llama_dir, KW, "tiny") as single:
+        for i, prompt in enumerate(_prompts()):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0.0}
+            want = httpx.post(single.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            first = ray_app.complete(prompt)
+            again = ray_app.complete(prompt + [7, 8])
+            assert first.json()["choices"][0]["text"] == want
+            assert again.headers[REPLICA_HEADER.decode()] == first.headers[REPLICA_HEADER.decode()], i
+    assert httpx.get(ray_app.url + "/v1/models", timeout=60).status_code == 200

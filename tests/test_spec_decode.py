@@ -10,10 +10,11 @@ import torch
 
 from pagedrs import LLM, Engine, EngineArgs, SamplingParams
 from pagedrs.core import spec_step
-from pagedrs.spec.config import SpeculativeConfig
+from pagedrs.spec.config import CPU_DISABLE_BY_BATCH_SIZE, SpeculativeConfig
 from pagedrs.spec.ngram import propose
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# never off by batch size: these tests speculate at batch 4, above the CPU's default (2)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,7 @@ def test_bad_speculative_configs_are_refused_naming_the_field(config, message):
     assert message in str(info.value)
 
 
-@pytest.mark.parametrize(("field", "value"), [("async_scheduling", True), ("tensor_parallel_size", 2)])
+@pytest.mark.parametrize(("field", "value"), [("async_scheduling", True)])
 def test_unsupported_combinations_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=f"speculative_config with {field}={value!r}: not supported yet"):
         EngineArgs(model=None, speculative_config=NGRAM, **{field: value})
@@ -105,6 +106,31 @@ def test_unsupported_combinations_are_refused_by_name(field, value):
 def test_config_defaults_follow_vllm():
     cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5})
     assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (1, 5)
+
+
+def test_disable_by_batch_size_defaults_by_device_and_none_means_never_off():
+    plain = {"method": "ngram", "num_speculative_tokens": 4}
+    assert SpeculativeConfig.parse(plain).disable_by_batch_size == CPU_DISABLE_BY_BATCH_SIZE == 2
+    assert SpeculativeConfig.parse(plain, "cuda").disable_by_batch_size is None  # vLLM's default
+    assert SpeculativeConfig.parse({**plain, "disable_by_batch_size": None}).disable_by_batch_size is None
+    assert SpeculativeConfig.parse({**plain, "disable_by_batch_size": 5}, "cuda").disable_by_batch_size == 5
+    with pytest.raises(ValueError, match="speculative_config.disable_by_batch_size is 0"):
+        SpeculativeConfig.parse({**plain, "disable_by_batch_size": 0})
+
+
+def test_the_default_cpu_off_switch_stops_drafts_above_batch_two(tiny_llama_dir):
+    """The repetitive prompts find lookups, so at batch 1 the default config proposes; at batch 4
+    (above the CPU default, 2) it proposes nothing and the tokens are those of a plain engine."""
+    default = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    plain = make_engine(tiny_llama_dir, spec=None)
+    batch = prompts(plain.loaded.config.vocab_size)
+    want = run_all(plain, batch, greedy())
+    engine = make_engine(tiny_llama_dir, spec=default)
+    assert run_all(engine, batch, greedy()) == want
+    assert engine.stats()["spec_proposed"] == 0
+    one = make_engine(tiny_llama_dir, spec=default)
+    assert run_all(one, batch[:1], greedy()) == {"r0": want["r0"]}
+    assert one.stats()["spec_proposed"] > 0
 
 
 # ---- exactness ------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ def random_draft_dir(tmp_path_factory) -> Path:
 
 
 def draft(model_dir: Path, k: int = 3) -> dict:
-    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+    """Never off (on the CPU ``disable_by_batch_size`` defaults to 2: these batches hold 4)."""
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k, "disable_by_batch_size": None}
 
 
 def make_engine(model_dir: Path, spec: dict | None, **kw) -> Engine:

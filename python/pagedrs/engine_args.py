@@ -206,10 +206,13 @@ def _check_speculative(args: EngineArgs) -> None:
         return
     from pagedrs.spec.config import SpeculativeConfig
 
-    SpeculativeConfig.parse(args.speculative_config)
+    config = SpeculativeConfig.parse(args.speculative_config)
+    # tensor parallelism needs nothing of its own: rank 0 proposes and verifies, and the verify
+    # rows travel to the other ranks as an ordinary multi-row step (step_codec carries logit_rows);
+    # but a draft model lives in the local executor's runner (spec/draft_runner.py), not on the ranks
+    draft_tp = args.tensor_parallel_size if config.method == "draft_model" and args.tensor_parallel_size > 1 else None
     refused = [("async_scheduling", args.async_scheduling, "async_scheduling=False"),
-               ("tensor_parallel_size", args.tensor_parallel_size if args.tensor_parallel_size > 1 else None,
-                "tensor_parallel_size=1")]
+               ("tensor_parallel_size", draft_tp, "tensor_parallel_size=1 with method 'draft_model'")]
     for name, value, allowed in refused:
         if value:
             raise ValueError(f"speculative_config with {name}={value!r}: not supported yet; allowed: {allowed}, "

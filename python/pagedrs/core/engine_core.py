@@ -80,7 +80,7 @@ class EngineCore:
         # speculative decoding (core/spec_step.py); None = off
         self.speculator: Optional[Speculator] = None
         if args.speculative_config is not None:
-            self.speculator = self._speculator(SpeculativeConfig.parse(args.speculative_config))
+            self.speculator = self._speculator(SpeculativeConfig.parse(args.speculative_config, args.device))
         self._async: Optional[AsyncScheduler] = None
         if args.async_scheduling:  # steps complete on a worker; two in flight (core/async_step.py)
             self.executor = AsyncExecution(self.executor)

@@ -17,6 +17,15 @@ token. Greedy (temperature 0) is the special case: accept iff argmax P_j = x. So
 speculation follow the target distribution exactly; with a seed they are even the same draws
 (one generator draw per output token, in order), up to the float noise of a multi-row forward.
 
+Structured outputs: a grammar row speculates too. Its proposal is first cut to the prefix its
+matcher accepts (``validate_tokens``, which advances nothing), so no verify row is spent on a
+token the grammar refuses. Round j's draw is masked by the matcher as it stands after the
+tokens accepted in rounds 0 .. j-1 (each accepted draw is consumed by the matcher when it is
+recorded, before round j + 1 computes its mask; the drafts themselves are never consumed, so
+nothing needs rolling back): the draw is never a token the grammar refuses, and a draft it
+refuses can never equal the draw, so it is rejected, and the output is the constrained
+distribution's, token for token under greedy.
+
 Adaptive rule: each sequence keeps an EMA of its acceptance rate; below
 ``min_acceptance_rate`` it stops proposing for a while (doubling each time), so a workload
 with nothing to look up costs one n-gram search per step and no extra rows. The scheduler
@@ -81,13 +90,17 @@ class Speculator:
             return
         now = core.num_steps
         for seq_id, (request, s) in core.sequences.items():
-            if not s.token_ids or s.finished or s.grammar is not None or not _may_speculate(request):
+            if not s.token_ids or s.finished or not _may_speculate(request):
+                continue
+            if s.grammar is not None and s.grammar.is_stopped:
                 continue
             state = self._seqs.get(seq_id)
             if state is not None and now < state.off_until:
                 continue
             tokens = np.asarray(request.prompt_token_ids + s.token_ids, dtype=np.int64)
             drafts = self.guess(tokens)
+            if drafts.size and s.grammar is not None:  # only what the grammar accepts is worth a row
+                drafts = drafts[: s.grammar.validate_tokens(drafts.tolist())]
             if drafts.size:
                 core.scheduler.set_proposal(seq_id, drafts)
 

@@ -147,8 +147,10 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
         ctx.masks.wait()  # any matcher is touched again (a fork's clone, a consume; llguidance borrows it)
     if ctx.spec is not None:  # several tokens per speculating sequence, one sampling round each
         assert ctx.logits is not None and not placeholders
+        # round 0's view is the step itself: the grammar masks planned for its rows serve there
         spec_step.verify(core, step, ctx.logits, ctx.spec, lambda view, logits, on_drawn: _round(
-            core, StepContext(ctx.start, view, logits, touched=ctx.touched), view, on_drawn))
+            core, StepContext(ctx.start, view, logits, touched=ctx.touched, masks=ctx.masks if view is step else None),
+            view, on_drawn))
         return
     fast, tokens, logprobs = _sample(core, ctx, step)
     if placeholders:

@@ -18,7 +18,8 @@ from pagedrs.engine_args import EngineArgs
 from pagedrs.ray.replica import ReplicaConfig
 from pagedrs.ray.routing import DEFAULT_EPSILON
 
-ROUTINGS = ("cache", "approx", "pow2")  # approx: the cache router without digests (router.py)
+# approx: the cache router without digests (router.py); ray-prefix: Ray's PrefixCacheAffinityRouter
+ROUTINGS = ("cache", "approx", "pow2", "ray-prefix")
 DEFAULT_ROUTING_STATS_PERIOD_S = 0.5
 REPLICA_DEPLOYMENT = "PagedrsReplica"
 INGRESS_DEPLOYMENT = "PagedrsIngress"
@@ -67,6 +68,9 @@ def build_app(engine_args: EngineArgs, num_replicas: int = 2, routing: str = "ca
                             request_router_kwargs={"epsilon": epsilon, "use_digests": routing == "cache"},
                             request_routing_stats_period_s=routing_stats_period_s)
         if routing in ("cache", "approx") else
+        RequestRouterConfig(request_router_class="pagedrs.ray.ray_prefix:RayPrefixRouter",
+                            request_routing_stats_period_s=routing_stats_period_s)
+        if routing == "ray-prefix" else
         RequestRouterConfig(request_routing_stats_period_s=routing_stats_period_s)
     )
     replica = serve.deployment(
@@ -80,4 +84,4 @@ def build_app(engine_args: EngineArgs, num_replicas: int = 2, routing: str = "ca
     ).bind(config)
     ingress = serve.deployment(serve.ingress()(PagedrsIngress), name=INGRESS_DEPLOYMENT, num_replicas=1,
                                ray_actor_options={"num_cpus": 0})
-    return ingress.bind(replica, options_kwargs)
+    return ingress.bind(replica, options_kwargs, routing)

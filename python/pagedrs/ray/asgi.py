@@ -25,6 +25,9 @@ class ForwardedRequest:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: bytes = b""
     client: tuple[str, int] = ("ray-ingress", 0)
+    # what routing="ray-prefix" matches (Ray's PrefixCacheAffinityRouter reads ``arg.prompt``): the
+    # prompt's token ids as one character each; "" for the other routings and for non-prompt requests
+    prompt: str = ""
 
 
 @dataclass(frozen=True)

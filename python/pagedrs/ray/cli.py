@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     ray_group = p.add_argument_group("Ray")
     ray_group.add_argument("--num-replicas", type=int, default=2, help="engine replicas (default: %(default)s)")
     ray_group.add_argument("--routing", choices=ROUTINGS, default="cache",
-                           help="cache: longest cached prefix within a bounded load; pow2: Ray's power of two choices")
+                           help="cache: longest cached prefix within a bounded load; approx: the same, predicted from "
+                           "what was sent (no digests); pow2: Ray's power of two choices; ray-prefix: Ray Serve LLM's "
+                           "PrefixCacheAffinityRouter")
     ray_group.add_argument("--routing-epsilon", type=float, default=DEFAULT_EPSILON,
                            help="bounded load: a replica takes a request only while within ceil((1 + e) x the mean load) "
                            "(default: %(default)s)")

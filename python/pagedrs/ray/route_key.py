@@ -39,24 +39,41 @@ def prompt_ids(path: str, body: dict[str, Any], tokenizer: Any) -> Optional[list
     return None
 
 
+# Token id -> one character for Ray's text router: past the BMP's surrogates, every id of a
+# vocabulary below ~1.05 million has its own code point.
+_TEXT_BASE = 0x10000
+
+
+def route_text(ids: list[int]) -> str:
+    """The prompt's token ids as one character each: what ``routing="ray-prefix"`` matches."""
+    return "".join(chr(_TEXT_BASE + t) for t in ids if 0 <= t < 0x10FFFF - _TEXT_BASE)
+
+
 def route_of(path: str, raw_body: bytes, tenant: Optional[str], info: ReplicaInfo) -> list[int]:
     """The prompt's block hashes under the salt the replica will use; [] when there is none.
     ``tenant``: the caller's, as the server's Gate found it from the API key (None: no key)."""
+    return route_and_text(path, raw_body, tenant, info, text=False)[0]
+
+
+def route_and_text(path: str, raw_body: bytes, tenant: Optional[str], info: ReplicaInfo,
+                   text: bool) -> tuple[list[int], str]:
+    """``route_of`` and, when ``text``, the prompt as ``route_text`` (one tokenization for both)."""
     from pagedrs.server.tenants import engine_salt
 
     if not info.enable_prefix_caching:
-        return []
+        return [], ""
     try:
         body = json.loads(raw_body)
         if not isinstance(body, dict):
-            return []
+            return [], ""
         ids = prompt_ids(path, body, info.tokenizer)
         if not ids:
-            return []
+            return [], ""
+        words = route_text(ids) if text else ""
         if info.prefix_cache_isolation == "per-tenant" and tenant is None:
-            return []  # no tenant: the Gate answers 401 before anything is routed
+            return [], ""  # no tenant: the Gate answers 401 before anything is routed
         client_salt = body.get("cache_salt")
         salt = engine_salt(info.prefix_cache_isolation, tenant, client_salt if isinstance(client_salt, str) else None)
-        return prompt_block_hashes(ids, info.block_size, None if salt is None else salt.encode("utf-8"))
+        return prompt_block_hashes(ids, info.block_size, None if salt is None else salt.encode("utf-8")), words
     except (ValueError, TypeError, KeyError, OverflowError):  # pydantic's ValidationError is a ValueError
-        return []
+        return [], ""

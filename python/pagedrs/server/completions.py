@@ -117,6 +117,8 @@ async def complete(ctx: ServerContext, body: CompletionRequest, gen: Generation)
             logprobs = builder.value
         choice = _choice(index, prefix + "".join(state.text), logprobs, state)
         choice.prompt_logprobs = _vllm_prompt_logprobs(ctx, body, gen, tag)
+        if body.return_token_ids:
+            choice.prompt_token_ids, choice.token_ids = list(gen.prompts[tag]), list(state.token_ids)
         choices.append(choice)
     completion_tokens = sum(len(s.token_ids) for s in states.values())
     return CompletionResponse(
@@ -184,6 +186,14 @@ def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> Asyn
     builders: dict[int, _LogprobBuilder] = {}
 
     started: set[int] = set()  # choices that sent a chunk
+    ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
+
+    def prompt_ids(index: int) -> list[int] | None:
+        """vLLM's return_token_ids: the prompt's ids ride on a choice's first chunk only."""
+        if not body.return_token_ids or index in ids_sent:
+            return None
+        ids_sent.add(index)
+        return list(gen.prompts[index // gen.n])
 
     def render(index: int, sample: SampleDelta) -> str:
         """A choice's chunk; its first also carries vLLM's prompt_logprobs, and with echo and logprobs it is
@@ -198,7 +208,7 @@ def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> Asyn
                 text = _echo_text(ctx, gen, tag)
                 builders[index] = _LogprobBuilder(ctx, body.logprobs, len(text))
                 head = event([CompletionChoice(index=index, text=text, logprobs=_add_prompt(builders[index], gen, tag),
-                                               prompt_logprobs=prompt_logprobs)])
+                                               prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids(index))])
                 prompt_logprobs = None
         logprobs = None
         if body.logprobs is not None:
@@ -206,12 +216,14 @@ def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> Asyn
             logprobs = builder.add(sample.token_ids, sample.logprobs or [])
         return head + event([CompletionChoice(index=index, text=sample.text, logprobs=logprobs,
                                               finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
-                                              prompt_logprobs=prompt_logprobs)])
+                                              prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids(index),
+                                              token_ids=list(sample.token_ids) if body.return_token_ids else None)])
 
     prologue = []
     if body.echo and not _echo_logprobs(body):  # with logprobs the echo waits for them (render)
         for tag in range(len(gen.prompts)):
             text = _echo_text(ctx, gen, tag)
-            prologue += [event([CompletionChoice(index=gen.choice_index(tag, i), text=text)]) for i in range(gen.n)]
+            prologue += [event([CompletionChoice(index=index, text=text, prompt_token_ids=prompt_ids(index))])
+                         for index in (gen.choice_index(tag, i) for i in range(gen.n))]
     usage_event = (lambda usage: event([], usage)) if body.include_usage else None
     return event_stream(gen, prologue, render, usage_event)

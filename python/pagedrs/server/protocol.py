@@ -228,6 +228,7 @@ class _SamplingRequest(_Strict):
     logit_bias: Annotated[Any, not_supported("token biases are not applied", {})] = None
     user: Text | None = None  # ignored on purpose (field_policy.IGNORED_FIELDS)
     cache_salt: CacheSalt | None = None  # vLLM's: requests share cached pages only under the same salt
+    return_token_ids: StrictBool | None = None  # vLLM's: prompt and generated token ids beside the text
     # structured outputs (server/structured.py): one of these per request
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -52,6 +52,8 @@ def _unset(value: Any) -> bool:
 
 # The client's X-Request-Id, as given, in the first event of a stream (absent otherwise).
 FirstEventRequestId = Annotated[str | None, Field(default=None, exclude_if=_unset)]
+# vLLM's ``return_token_ids``: token ids beside the text, absent unless the request asked for them.
+TokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=_unset)]
 
 
 class CompletionLogprobs(BaseModel):
@@ -80,6 +82,8 @@ class CompletionChoice(BaseModel):
     # vLLM's prompt_logprobs (asked for with prompt_logprobs=k): per prompt token, token id -> its Logprob;
     # the first token's entry null
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    prompt_token_ids: TokenIds = None  # return_token_ids: the prompt as the engine saw it (a stream: first chunk)
+    token_ids: TokenIds = None  # return_token_ids: the generated ids (a stream: this chunk's), stop tokens included
 
 
 class CompletionResponse(BaseModel):
@@ -129,6 +133,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: TokenIds = None  # return_token_ids: the generated ids, stop tokens included
 
 
 class ChatCompletionResponse(BaseModel):
@@ -138,6 +143,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: TokenIds = None  # return_token_ids: the rendered conversation's ids
 
 
 class FunctionCallDelta(BaseModel):
@@ -169,6 +175,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: TokenIds = None  # return_token_ids: the ids this chunk adds
 
 
 class ChatCompletionChunk(BaseModel):
@@ -179,6 +186,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     request_id: FirstEventRequestId = None
+    prompt_token_ids: TokenIds = None  # return_token_ids: the stream's first chunk only
 
 
 class ModelCard(BaseModel):

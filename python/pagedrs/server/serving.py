@@ -18,7 +18,7 @@ import re
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from fastapi import Request
 
@@ -187,7 +187,7 @@ class Generation:
         tenant = getattr(request.state, "tenant", None)
         self.engine_salt = engine_salt(self.ctx.prefix_cache_isolation, tenant, self.client_salt)
 
-    def first_event_id(self) -> OnceValue:
+    def first_event_id(self) -> OnceValue[str]:
         """The client's request id for the first event of a stream (None afterwards, and without one)."""
         return OnceValue(self.client_request_id)
 
@@ -276,13 +276,13 @@ class Generation:
         self._unfinished.clear()
 
 
-class OnceValue:
+class OnceValue(Generic[T]):
     """A value handed out once: ``take()`` returns it the first time and None after."""
 
-    def __init__(self, value: str | None) -> None:
+    def __init__(self, value: T | None) -> None:
         self._value = value
 
-    def take(self) -> str | None:
+    def take(self) -> T | None:
         value, self._value = self._value, None
         return value
 

@@ -5,6 +5,14 @@ or ``{"method": "draft_model", "model": PATH, "num_speculative_tokens": k}`` (a 
 folder or GGUF file, like ``EngineArgs.model``; its vocabulary is checked against the target's
 when it loads, spec/draft_runner.py). Every field is checked here, before anything is loaded, and an error names the field, its
 value and what is allowed: nothing starts half-way.
+
+``disable_by_batch_size`` (vLLM's name): no speculation while more sequences than this run.
+Left out, it defaults by device: on the CPU to ``CPU_DISABLE_BY_BATCH_SIZE`` (2), the measured
+crossover (SmolLM2-135M float32, 1 thread, k = 4: 1.3x at batch 1, 0.99-1.12x at batch 2,
+0.87-0.94x from batch 3 up: a verify row costs about as much as a batch row once the forward
+is compute-bound, and prompt lookup rarely accepts more than 1-2 drafts of 4); elsewhere to
+None, vLLM's default (on a GPU the extra rows are nearly free until the batch is large; not
+measured here). An explicit None means never off, on any device.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 METHODS = ("ngram", "draft_model")  # implemented
 NOT_YET = ("eagle", "eagle3", "medusa", "mtp")  # vLLM names refused by name
 MAX_SPECULATIVE_TOKENS = 16
+CPU_DISABLE_BY_BATCH_SIZE = 2  # the measured crossover on the CPU (see the module docs)
 _COMMON = ("method", "num_speculative_tokens", "min_acceptance_rate", "disable_by_batch_size")
 _FIELDS = {"ngram": (*_COMMON, "prompt_lookup_min", "prompt_lookup_max"), "draft_model": (*_COMMON, "model")}
 _ALL_FIELDS = tuple(dict.fromkeys(f for fields in _FIELDS.values() for f in fields))
@@ -29,12 +38,14 @@ class SpeculativeConfig:
     prompt_lookup_max: int  # longest suffix n-gram matched, tried first
     # adaptive rule: a sequence whose acceptance EMA falls below this stops proposing for a while
     min_acceptance_rate: float = 0.2
-    # vLLM's name: no speculation while more sequences than this run (None: at any batch size)
+    # vLLM's name: no speculation while more sequences than this run (None: at any batch size);
+    # parse() defaults it by device (see the module docs)
     disable_by_batch_size: int | None = None
     model: str | None = None  # draft_model: the draft's folder or GGUF file (None for ngram)
 
     @classmethod
-    def parse(cls, raw: Any) -> SpeculativeConfig:
+    def parse(cls, raw: Any, device: str = "cpu") -> SpeculativeConfig:
+        """``raw`` checked; ``device`` (EngineArgs.device) picks ``disable_by_batch_size``'s default."""
         if isinstance(raw, SpeculativeConfig):
             return raw
         if not isinstance(raw, Mapping):
@@ -68,9 +79,9 @@ class SpeculativeConfig:
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
             raise ValueError(f"speculative_config.min_acceptance_rate is {rate!r}; it must be a number in [0, 1] "
                              "(NaN is refused)")
-        batch = raw.get("disable_by_batch_size")
+        batch = raw.get("disable_by_batch_size", CPU_DISABLE_BY_BATCH_SIZE if device == "cpu" else None)
         if batch is not None:
-            batch = _int(raw, "disable_by_batch_size", None)
+            batch = _int(raw, "disable_by_batch_size", batch)
             if batch < 1:
                 raise ValueError(f"speculative_config.disable_by_batch_size is {batch}; it must be >= 1 or None")
         return cls(str(method), k, lo, hi, float(rate), batch, model)

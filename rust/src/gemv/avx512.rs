@@ -45,16 +45,21 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                         _mm512_set1_epi32((a.add($i) as *const i32).read_unaligned())
                     };
                 }
+                // Q4: two integer chains (low and high nibbles), joined after: integer sums are exact
+                // in any order, so the bits do not change, and each chain is half as long (6% more
+                // GB/s on a hot 3072 x 576 Q4_0 matrix, Xeon, CPU time; Q8_0 split alike: no change).
                 let mut isum = _mm512_setzero_si512();
                 match format {
                     Format::Q4_0 | Format::Q4_1 => {
+                        let mut isum_hi = _mm512_setzero_si512();
                         for v in 0..4 {
                             let raw = _mm512_loadu_si512(q.add(v * 64) as *const __m512i);
                             let lo = _mm512_and_si512(raw, low);
                             let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
                             isum = _mm512_dpbusd_epi32(isum, lo, bc!(8 * v));
-                            isum = _mm512_dpbusd_epi32(isum, hi, bc!(8 * v + 4));
+                            isum_hi = _mm512_dpbusd_epi32(isum_hi, hi, bc!(8 * v + 4));
                         }
+                        isum = _mm512_add_epi32(isum, isum_hi);
                         if format == Format::Q4_0 {
                             isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * *acts.sum.get_unchecked(ab)));
                         }

@@ -47,7 +47,7 @@ pub fn quantize(x: &[f32], m: usize, k: usize) -> Result<QuantizedActs, (usize, 
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in dst.iter_mut().zip(src) {
-            *q = (v * id).round().clamp(-127.0, 127.0) as i8;
+            *q = round_half_away(v * id).clamp(-127, 127) as i8;
             sum += *q as i32;
         }
         out.d[i] = d;
@@ -55,4 +55,38 @@ pub fn quantize(x: &[f32], m: usize, k: usize) -> Result<QuantizedActs, (usize, 
         out.dsum[i] = d * sum as f32;
     }
     Ok(out)
+}
+
+/// `x.round() as i32` (half away from zero, as C's `roundf`) for |x| <= 2^23, without the libm call
+/// `f32::round` is on a target without SSE4.1 (x86-64's baseline): one per activation made
+/// quantizing a layer input cost more than multiplying a small weight by it. A cast truncates
+/// toward zero; the dropped fraction is exact, so comparing it with 0.5 rounds exactly.
+#[inline]
+pub fn round_half_away(x: f32) -> i32 {
+    let t = x as i32;
+    let frac = x - t as f32;
+    t + (frac >= 0.5) as i32 - (frac <= -0.5) as i32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_half_away;
+
+    #[test]
+    fn rounds_as_roundf_at_the_edges() {
+        let mut cases = vec![0.0f32, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.5, 126.5, -126.5, 127.0, -127.0];
+        cases.extend([0.49999997f32, -0.49999997, 0.50000006, 1.4999999, 126.49999, f32::MIN_POSITIVE, 8388607.5]);
+        for x in cases {
+            assert_eq!(round_half_away(x), x.round() as i32, "{x}");
+        }
+        let mut v = 1e-3f32;
+        while v < 130.0 {
+            // a sweep of every magnitude the quantizer produces
+            let (up, down) = (f32::from_bits(v.to_bits() + 1), f32::from_bits(v.to_bits() - 1));  // v > 0
+            for x in [v, -v, up, -up, down, -down, v.floor() + 0.5, -(v.floor() + 0.5)] {
+                assert_eq!(round_half_away(x), x.round() as i32, "{x}");
+            }
+            v *= 1.0001;
+        }
+    }
 }
