@@ -18,6 +18,25 @@ pub fn supported() -> bool {
     is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
 }
 
+/// Bytes ahead of the block being read that `prefetch_ahead` asks for. Measured on an Intel Xeon
+/// (10.4 GB/s read bound, 1 thread, SmolLM2's linear layers at M = 1, the other core busy):
+/// 0: 63-72% of the bound, 256: 72-74%, 512: 73-77%, 1024: 75%, 4096: 59-78%.
+const PREFETCH_BYTES: usize = 512;
+
+/// Asks for the cache lines of the block `PREFETCH_BYTES` ahead, so the weight stream
+/// is in flight while this block is multiplied. A prefetch of an address past the matrix is
+/// harmless (it never faults; `wrapping_add` keeps the pointer arithmetic defined).
+#[inline(always)]
+fn prefetch_ahead(blk: *const u8, block_bytes: usize) {
+    let d = PREFETCH_BYTES;
+    let mut off = 0;
+    while off < block_bytes {
+        // SAFETY: _mm_prefetch never faults, whatever the address; it is only a hint.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(d + off) as *const i8) };
+        off += 64;
+    }
+}
+
 /// Same contract as `scalar::tile`.
 ///
 /// # Safety
@@ -37,6 +56,9 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
             // slices whose lengths the caller guarantees; all loads are unaligned.
             unsafe {
                 let blk = tile.as_ptr().add(b * tbb);
+                if mi == 0 {
+                    prefetch_ahead(blk, tbb);
+                }
                 let q = blk.add(qoff);
                 let a = acts.qs.as_ptr().add(ab * QK);
                 // Four activation bytes broadcast to every lane (a macro: closures lose the target features).
