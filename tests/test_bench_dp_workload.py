@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from pagedrs.bench.dp import _serve_rounds, _workloads  # noqa: E402
+from pagedrs.bench.dp import _serve_rounds, _workloads, oracle_prefill  # noqa: E402
 from server_fakes import assert_nothing_left, live_server  # noqa: E402
 
 BS = 8
@@ -26,7 +26,8 @@ def test_turns_carry_the_replies_and_hit_the_cache_through_them(tiny_llama_dir: 
     s = SETTINGS
     work, system = _workloads(s, vocab=256)
     with live_server(tiny_llama_dir, ENGINE_KW, "m") as live:
-        got = _serve_rounds(live.url, "m", work["multiturn"], system, s)
+        got = _serve_rounds(live.url, "m", work["multiturn"], system, s, replicas=1)
+        shared = _serve_rounds(live.url, "m", work["shared"], system, s, replicas=1)
         assert_nothing_left(live.loop)
     per_turn = s["user_tokens"] + s["reply_tokens"]
     prompts = [s["system_tokens"] + t * per_turn + s["user_tokens"] for t in range(s["turns"])]
@@ -39,3 +40,16 @@ def test_turns_carry_the_replies_and_hit_the_cache_through_them(tiny_llama_dir: 
             else:  # everything before, but the last reply token (never fed back) and a partial page
                 cached += ((prompts[t - 1] + s["reply_tokens"] - 1) // BS) * BS
     assert got["prefill_tokens_computed"] == got["prompt_tokens"] - cached
+    # the bound bench dp reports is this arithmetic: one replica, nothing evicted, is exactly it
+    assert oracle_prefill(work["multiturn"], system, s, BS, replicas=1) == got["prefill_tokens_computed"]
+    assert oracle_prefill(work["shared"], system, s, BS, replicas=1) == shared["prefill_tokens_computed"]
+    assert got["max_over_mean"] == 1.0 and got["requests_per_replica"] == {"?": s["users"] * s["turns"]}
+
+
+def test_the_bound_computes_a_shared_prefix_once_per_replica():
+    s = dict(SETTINGS, shared_requests=5)
+    work, system = _workloads(s, vocab=256)
+    one, two = (oracle_prefill(work["shared"], system, s, BS, replicas=r) for r in (1, 2))
+    shared_pages = s["shared_prefix"] // BS * BS
+    assert two - one == shared_pages, "the second replica computes the shared pages once more"
+    assert oracle_prefill(work["random"], system, s, BS) == s["random_requests"] * s["random_tokens"]
