@@ -96,9 +96,10 @@ class MapGrid:
 # 16-token pages: 12.6 minutes for SmolLM2 plus the tiny corners on 2 cores at load ~11 (README).
 QUICK = MapGrid(concurrency=(1, 8, 32), spreads=(1, 4, 10), shares=(0.0, 0.9), max_total_len=60,
                 prompt_fraction=0.75, requests_per_user=1)
-# 84 cells, three runs per layout each: hours on 2 CPU cores.
+# 84 cells, one run per layout each (the tiny corners: three): 73 minutes on one core of a 2-core
+# Intel Xeon (2026-12-02, the other core busy); three runs per SmolLM2 cell would take three times that.
 FULL = MapGrid(concurrency=(1, 2, 4, 8, 16, 32, 64), spreads=(1, 2, 4, 10), shares=(0.0, 0.5, 0.9),
-               max_total_len=160, prompt_fraction=0.75, requests_per_user=1, min_requests=8, repeats=3)
+               max_total_len=160, prompt_fraction=0.75, requests_per_user=1, min_requests=8, repeats=1)
 
 
 def total_lengths(spread: float, max_total_len: int, n: int, rng: np.random.Generator) -> list[int]:
