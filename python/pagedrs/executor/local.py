@@ -217,7 +217,8 @@ class LocalExecutor:
         kv = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() if self.runner else 0
         host = self.runner.cpu_cache.numel() * self.runner.cpu_cache.element_size() if self.runner else 0
         if self.draft is not None:  # the draft's layers of the same pages
-            kv, host = kv + self.draft.kv_bytes()[0], host + self.draft.kv_bytes()[1]
+            draft_kv, draft_host = self.draft.kv_bytes()
+            kv, host = kv + draft_kv, host + draft_host
         return {"weights": int(weights), "kv_pool": int(kv), "host_pool": int(host)}
 
     def shutdown(self) -> None:

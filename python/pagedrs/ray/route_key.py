@@ -69,9 +69,9 @@ def route_and_text(path: str, raw_body: bytes, tenant: Optional[str], info: Repl
         ids = prompt_ids(path, body, info.tokenizer)
         if not ids:
             return [], ""
-        words = route_text(ids) if text else ""
         if info.prefix_cache_isolation == "per-tenant" and tenant is None:
             return [], ""  # no tenant: the Gate answers 401 before anything is routed
+        words = route_text(ids) if text else ""
         client_salt = body.get("cache_salt")
         salt = engine_salt(info.prefix_cache_isolation, tenant, client_salt if isinstance(client_salt, str) else None)
         return prompt_block_hashes(ids, info.block_size, None if salt is None else salt.encode("utf-8")), words

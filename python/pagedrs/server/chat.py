@@ -100,12 +100,12 @@ async def complete(ctx: ServerContext, body: ChatCompletionRequest, gen: Generat
             logprobs=_logprobs(ctx, k, state.token_ids, state.logprobs) if body.logprobs else None,
             finish_reason=reason,
             stop_reason=state.stop_reason,
-            token_ids=list(state.token_ids) if body.return_token_ids else None,
+            token_ids=body.returned_ids(state.token_ids),
         ))
     completion_tokens = sum(len(s.token_ids) for s in states.values())
     return ChatCompletionResponse(
         id=random_id("chatcmpl"), created=now_s(), model=ctx.model_name, choices=choices,
-        usage=gen.usage(completion_tokens), prompt_token_ids=list(gen.prompts[0]) if body.return_token_ids else None,
+        usage=gen.usage(completion_tokens), prompt_token_ids=body.returned_ids(gen.prompts[0]),
     )
 
 
@@ -113,7 +113,7 @@ def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> 
     """Server-sent events: a role chunk per choice, content chunks, usage if asked, [DONE]."""
     response_id, created, first_id = random_id("chatcmpl"), now_s(), gen.first_event_id()
     # vLLM's return_token_ids: the prompt's ids on the stream's first chunk, each chunk's own ids on its choice
-    first_prompt_ids = OnceValue(list(gen.prompts[0]) if body.return_token_ids else None)
+    first_prompt_ids = OnceValue(body.returned_ids(gen.prompts[0]))
 
     def event(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         chunk = ChatCompletionChunk(id=response_id, created=created, model=ctx.model_name, choices=choices,
@@ -122,14 +122,11 @@ def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> 
 
     k = body.top_logprobs or 0
 
-    def ids(token_ids: list[int]) -> list[int] | None:
-        return list(token_ids) if body.return_token_ids else None
-
     def render(index: int, sample: SampleDelta) -> str:
         logprobs = _logprobs(ctx, k, sample.token_ids, sample.logprobs or []) if body.logprobs else None
         return event([ChatChunkChoice(index=index, delta=ChatDelta(content=sample.text or None), logprobs=logprobs,
                                       finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
-                                      token_ids=ids(sample.token_ids))])
+                                      token_ids=body.returned_ids(sample.token_ids))])
 
     tool_streams: dict[int, ToolStream] = {}
     unsent: dict[int, tuple[list[int], list[dict[int, float]]]] = {}  # choice -> tokens, logprobs not yet in a chunk
@@ -153,7 +150,7 @@ def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> 
             reason = finish_reason_with_calls(sample.finish_reason, tools.has_calls) if last else None
             events.append(event([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason,
                                                  stop_reason=sample.stop_reason if last else None,
-                                                 token_ids=ids(token_ids) if i == 0 else None)]))
+                                                 token_ids=body.returned_ids(token_ids) if i == 0 else None)]))
         if deltas:
             del unsent[index]
         return "".join(events)

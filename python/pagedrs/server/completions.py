@@ -117,8 +117,7 @@ async def complete(ctx: ServerContext, body: CompletionRequest, gen: Generation)
             logprobs = builder.value
         choice = _choice(index, prefix + "".join(state.text), logprobs, state)
         choice.prompt_logprobs = _vllm_prompt_logprobs(ctx, body, gen, tag)
-        if body.return_token_ids:
-            choice.prompt_token_ids, choice.token_ids = list(gen.prompts[tag]), list(state.token_ids)
+        choice.prompt_token_ids, choice.token_ids = body.returned_ids(gen.prompts[tag]), body.returned_ids(state.token_ids)
         choices.append(choice)
     completion_tokens = sum(len(s.token_ids) for s in states.values())
     return CompletionResponse(
@@ -217,7 +216,7 @@ def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> Asyn
         return head + event([CompletionChoice(index=index, text=sample.text, logprobs=logprobs,
                                               finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,
                                               prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids(index),
-                                              token_ids=list(sample.token_ids) if body.return_token_ids else None)])
+                                              token_ids=body.returned_ids(sample.token_ids))])
 
     prologue = []
     if body.echo and not _echo_logprobs(body):  # with logprobs the echo waits for them (render)

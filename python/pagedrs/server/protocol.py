@@ -259,6 +259,10 @@ class _SamplingRequest(_Strict):
         """The SamplingParams keyword arguments the client actually sent (None means 'default')."""
         return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
 
+    def returned_ids(self, ids: list[int]) -> list[int] | None:
+        """``ids`` for a response field when the client sent ``return_token_ids: true``, else None (absent)."""
+        return list(ids) if self.return_token_ids else None
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
