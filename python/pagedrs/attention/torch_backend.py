@@ -16,6 +16,13 @@ Bucket of S sequences, query rows padded to ``max_q`` by repeating the last real
                        seq 1: q0 q0 q0 q0      mask [S, 1, max_q, max_kv]: causal at each row's position,
                                                 and nothing past the sequence's length
 
+Short multi-row queries (``1 < max_q <= ROWWISE_MAX_Q``: a speculative verification's k + 1 rows,
+a small prefill remainder) attend row by row with decode's numerics: SDPA's CPU kernel computes a
+row differently alone than in a block of rows (its GEMMs change with the row count), and greedy
+decoding with speculation must pick what sequential decode picks, even at a bf16 tie of two
+logits. Each row becomes its own query head of length 1 (GQA maps the heads of one KV head
+together), so the bucket's pages are still gathered once (``_attend_rowwise``).
+
 A sliding window ``W`` (Mistral) narrows each row to transformers' rule, the last
 ``W`` positions including its own: key ``k`` is visible to query ``q`` when
 ``q - W < k <= q``. Pages wholly before every row's window are not gathered.
@@ -47,6 +54,7 @@ class _Bucket:
     mask: torch.Tensor  # bool [S, 1, max_q, num_blocks * block_size]  True = may attend
     cascade: Cascade | None = None  # decode buckets whose sequences share prefix pages (attention/cascade.py)
     rows_are_all: bool = False  # rows is arange(T) as [T, 1] (the step is this bucket's decode tokens): no gather
+    rowwise: bool = False  # short query rows (speculative verification): each attends as a decode row would
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,11 @@ class _StepPlan:
         if buckets is None:
             buckets = self.by_window[sliding_window] = _plan_buckets(self.meta, self.block_size, sliding_window)
         return buckets
+
+
+# The longest query a bucket attends row by row: a verification of up to 16 speculative tokens
+# (``SpeculativeConfig``'s bound) plus its bonus row. Longer queries (prompts) keep the blocked kernel.
+ROWWISE_MAX_Q = 17
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -208,6 +221,7 @@ def _plan_buckets_loop(meta: AttentionMetadata, block_size: int, sliding_window:
         buckets.append(_Bucket(
             rows=torch.tensor(rows, device=device),
             rows_are_all=max_q == 1 and len(seqs) == len(seq_lens) and seqs == list(range(len(seqs))),
+            rowwise=1 < max_q <= ROWWISE_MAX_Q,
             out_rows=torch.tensor(out_rows, device=device),
             keep=keep,
             # -1 marks a page the core released out of the window (fully masked here): read page 0
@@ -286,7 +300,32 @@ def _attend_bucket(
     v = value_cache.index_select(0, pages).view(num_seqs, keys, num_kv_heads, head_dim)
     if kv_scales is not None:  # fp8 pages: only the gathered ones are widened
         k, v = dequantize(k, kv_scales[0], query.dtype), dequantize(v, kv_scales[1], query.dtype)
+    if bucket.rowwise:
+        return _attend_rowwise(q, k, v, bucket.mask, scale)
     o = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bucket.mask, scale=scale, enable_gqa=True
     )  # [S, h, max_q, d]
     return o.transpose(1, 2).reshape(num_seqs * max_q, *query.shape[1:])
+
+
+def _attend_rowwise(
+    q: torch.Tensor,  # [S, max_q, h, d]
+    k: torch.Tensor,  # [S, keys, kv_heads, d]: the bucket's gathered pages
+    v: torch.Tensor,
+    mask: torch.Tensor,  # bool [S, 1, max_q, keys]
+    scale: float,
+) -> torch.Tensor:  # [S * max_q, h, d]
+    """Each query row as a one-row query head, so SDPA computes it exactly as a decode step would.
+
+    Heads are ordered (kv head, query head of its group, row): GQA then maps the ``group * max_q``
+    heads of one KV head to it, and each (row, head) is a length-1 query with its own mask row.
+    Bit-equal to one-row decode of each position (tests/test_spec_exact.py): the kernel's result for
+    a row depends neither on the other heads nor on masked keys past the row's context."""
+    num_seqs, max_q, num_heads, head_dim = q.shape
+    keys = k.shape[1]
+    qh = q.permute(0, 2, 1, 3).reshape(num_seqs, num_heads * max_q, 1, head_dim)  # heads (kv, group, row)
+    mh = mask.expand(num_seqs, num_heads, max_q, keys).reshape(num_seqs, num_heads * max_q, 1, keys)
+    o = F.scaled_dot_product_attention(
+        qh, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mh, scale=scale, enable_gqa=True
+    )  # [S, h * max_q, 1, d]
+    return o.view(num_seqs, num_heads, max_q, head_dim).transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
