@@ -248,9 +248,8 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_llama_dir, tmp_path, chan
 
 
 def test_smollm2_as_its_own_draft_accepts_everything_and_changes_no_token():
-    """SmolLM2-135M (float32 weights: the exact path) drafting for itself: the bench's smoke, exact.
-    (With the default quantized GGUF weights, a multi-row forward's numerics differ from a one-row
-    decode's, so greedy near-ties can flip with any proposer: README, "Speculative decoding".)"""
+    """SmolLM2-135M (float32 weights: a self-draft then accepts every draft) drafting for itself: the
+    bench's smoke, exact. (The default quantized weights' bf16 ties: tests/test_spec_exact.py.)"""
     kw = dict(model="smollm2-135m", weight_dtype="float32", num_gpu_blocks=64, block_size=16, max_model_len=512)
     spec = Engine(EngineArgs(**kw, speculative_config={"method": "draft_model", "model": "smollm2-135m",
                                                        "num_speculative_tokens": 4}))

@@ -15,7 +15,8 @@ renormalized. "Draw y ~ p; accept iff y = x" accepts with probability p(x), and 
 rejects, y is distributed as p(y) / (1 - p(x)) over y != x: the same distribution, token for
 token. Greedy (temperature 0) is the special case: accept iff argmax P_j = x. So outputs with
 speculation follow the target distribution exactly; with a seed they are even the same draws
-(one generator draw per output token, in order), up to the float noise of a multi-row forward.
+(one generator draw per output token, in order): on the CPU the verify rows attend with one-row
+decode's numerics (attention/torch_backend.py, rowwise), so even bf16 ties resolve as without drafts.
 
 Structured outputs: a grammar row speculates too. Its proposal is first cut to the prefix its
 matcher accepts (``validate_tokens``, which advances nothing), so no verify row is spent on a
