@@ -120,6 +120,15 @@ proptest! {
     }
 }
 
+/// Past the kernels' row groups (AVX-512: 8 activation rows per pass over a tile): 9 and 17 rows
+/// run as 8 + 1 and 8 + 8 + 1, every group the scalar bits.
+#[test]
+fn more_rows_than_one_group_agree() {
+    for (format, m) in [(Format::Q4_0, 9), (Format::Q4_1, 17), (Format::Q8_0, 12)] {
+        check(format, 37, 5, m, 11);
+    }
+}
+
 #[test]
 fn smollm2_shapes_agree() {
     for (format, rows, cols) in [(Format::Q4_1, 960, 576), (Format::Q4_0, 576, 1536), (Format::Q8_0, 1000, 576)] {

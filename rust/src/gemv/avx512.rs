@@ -37,6 +37,12 @@ fn prefetch_ahead(blk: *const u8, block_bytes: usize) {
     }
 }
 
+/// Activation rows multiplied together per pass over a tile: each block's weights are loaded and
+/// unpacked once for all of them (a verify step's k + 1 rows, a small batch), instead of once per
+/// row. 8 (the most `matmul`'s callers send) keeps the unpacked block (8 zmm), the 8
+/// accumulators and the temporaries in the 32 zmm registers.
+const ROWS: usize = 8;
+
 /// Same contract as `scalar::tile`.
 ///
 /// # Safety
@@ -44,22 +50,73 @@ fn prefetch_ahead(blk: *const u8, block_bytes: usize) {
 /// `avx2::tile`'s `# Safety`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    let mut m0 = 0;
+    while m0 < acts.m {
+        let rows = (acts.m - m0).min(ROWS);
+        // SAFETY: this function's own contract, and m0 + rows <= acts.m.
+        unsafe {
+            match rows {
+                1 => tile_rows::<1>(format, tile, blocks, acts, m0, out),
+                2 => tile_rows::<2>(format, tile, blocks, acts, m0, out),
+                3 => tile_rows::<3>(format, tile, blocks, acts, m0, out),
+                4 => tile_rows::<4>(format, tile, blocks, acts, m0, out),
+                5 => tile_rows::<5>(format, tile, blocks, acts, m0, out),
+                6 => tile_rows::<6>(format, tile, blocks, acts, m0, out),
+                7 => tile_rows::<7>(format, tile, blocks, acts, m0, out),
+                _ => tile_rows::<ROWS>(format, tile, blocks, acts, m0, out),
+            }
+        }
+        m0 += rows;
+    }
+}
+
+/// Rows `m0 .. m0 + R` of `tile`'s contract. Per row the f32 operations are those of
+/// `scalar::tile`, in the same order: only the weights' loads and unpacking are shared.
+///
+/// # Safety
+/// As `tile`, and `m0 + R <= acts.m`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+unsafe fn tile_rows<const R: usize>(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, m0: usize,
+                                    out: &mut [f32]) {
     let tbb = TILE * format.block_bytes();
     let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
     let low = _mm512_set1_epi8(0x0f);
     let flip = _mm512_set1_epi8(-128);
-    for mi in 0..acts.m {
-        let mut acc = _mm512_setzero_ps();
-        for b in 0..blocks {
-            let ab = mi * blocks + b;
-            // SAFETY: b < blocks and ab < m * blocks, so every offset below stays inside the
-            // slices whose lengths the caller guarantees; all loads are unaligned.
-            unsafe {
-                let blk = tile.as_ptr().add(b * tbb);
-                if mi == 0 {
-                    prefetch_ahead(blk, tbb);
+    let mut acc = [_mm512_setzero_ps(); R];
+    for b in 0..blocks {
+        // SAFETY: b < blocks and every ab = mi * blocks + b < m * blocks (mi < m0 + R <= m), so
+        // every offset below stays inside the slices whose lengths the caller guarantees; all
+        // loads are unaligned.
+        unsafe {
+            let blk = tile.as_ptr().add(b * tbb);
+            if m0 == 0 {
+                prefetch_ahead(blk, tbb);
+            }
+            let q = blk.add(qoff);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
+            let mw = if format == Format::Q4_1 {
+                _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * TILE) as *const __m256i))
+            } else {
+                _mm512_setzero_ps()
+            };
+            // the block's weights, unpacked once: Q4 as low and high nibbles, Q8_0 offset by 128
+            let mut w = [_mm512_setzero_si512(); 8];
+            match format {
+                Format::Q4_0 | Format::Q4_1 => {
+                    for v in 0..4 {
+                        let raw = _mm512_loadu_si512(q.add(v * 64) as *const __m512i);
+                        w[2 * v] = _mm512_and_si512(raw, low);
+                        w[2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    }
                 }
-                let q = blk.add(qoff);
+                Format::Q8_0 => {
+                    for (v, w) in w.iter_mut().enumerate() {
+                        *w = _mm512_xor_si512(_mm512_loadu_si512(q.add(v * 64) as *const __m512i), flip);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let ab = (m0 + r) * blocks + b;
                 let a = acts.qs.as_ptr().add(ab * QK);
                 // Four activation bytes broadcast to every lane (a macro: closures lose the target features).
                 macro_rules! bc {
@@ -67,19 +124,15 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                         _mm512_set1_epi32((a.add($i) as *const i32).read_unaligned())
                     };
                 }
-                // Q4: two integer chains (low and high nibbles), joined after: integer sums are exact
-                // in any order, so the bits do not change, and each chain is half as long (6% more
-                // GB/s on a hot 3072 x 576 Q4_0 matrix, Xeon, CPU time; Q8_0 split alike: no change).
                 let mut isum = _mm512_setzero_si512();
                 match format {
                     Format::Q4_0 | Format::Q4_1 => {
+                        // Q4: two integer chains (low and high nibbles), joined after: integer sums are
+                        // exact in any order, so the bits do not change, and each chain is half as long.
                         let mut isum_hi = _mm512_setzero_si512();
                         for v in 0..4 {
-                            let raw = _mm512_loadu_si512(q.add(v * 64) as *const __m512i);
-                            let lo = _mm512_and_si512(raw, low);
-                            let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                            isum = _mm512_dpbusd_epi32(isum, lo, bc!(8 * v));
-                            isum_hi = _mm512_dpbusd_epi32(isum_hi, hi, bc!(8 * v + 4));
+                            isum = _mm512_dpbusd_epi32(isum, w[2 * v], bc!(8 * v));
+                            isum_hi = _mm512_dpbusd_epi32(isum_hi, w[2 * v + 1], bc!(8 * v + 4));
                         }
                         isum = _mm512_add_epi32(isum, isum_hi);
                         if format == Format::Q4_0 {
@@ -87,24 +140,23 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                         }
                     }
                     Format::Q8_0 => {
-                        for v in 0..8 {
-                            let w = _mm512_xor_si512(_mm512_loadu_si512(q.add(v * 64) as *const __m512i), flip);
+                        for (v, &w) in w.iter().enumerate() {
                             isum = _mm512_dpbusd_epi32(isum, w, bc!(4 * v));
                         }
                         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * *acts.sum.get_unchecked(ab)));
                     }
                 }
-                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
                 let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(s, _mm512_cvtepi32_ps(isum)));
+                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(s, _mm512_cvtepi32_ps(isum)));
                 if format == Format::Q4_1 {
-                    let mw = _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * TILE) as *const __m256i));
-                    acc = _mm512_add_ps(acc, _mm512_mul_ps(mw, _mm512_set1_ps(*acts.dsum.get_unchecked(ab))));
+                    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(mw, _mm512_set1_ps(*acts.dsum.get_unchecked(ab))));
                 }
             }
         }
-        let o = &mut out[mi * TILE..(mi + 1) * TILE];
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        let o = &mut out[(m0 + r) * TILE..(m0 + r + 1) * TILE];
         // SAFETY: `o` has exactly 16 f32, room for one unaligned 16-lane store.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), acc) };
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *acc) };
     }
 }
