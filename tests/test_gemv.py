@@ -148,3 +148,49 @@ def test_gguf_layers_hold_the_files_blocks(gguf_model) -> None:
     expected = torch.from_numpy(xq) @ w.T
     assert (y.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
     assert model.weight_bytes() == sum(t.n_bytes for t in reader.tensors if len(t.shape) == 2 and t.name != "output.weight")
+
+
+def test_concurrent_callers_get_the_same_bits() -> None:
+    """Python threads calling at once (the GIL released): one owns a team, the others run their
+    products inline (rust/src/gemv/pool.rs); every answer equals the 1-thread one, bit for bit,
+    and no call hangs (each bounded by the executor's timeout)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    mats = {}
+    for rows, cols, seed in ((16, 64, 1), (600, 576, 2), (1536, 576, 3)):  # 1 tile, many, many more
+        raw, _ = _gguf("q4_1", rows, cols, seed)
+        mats[rows] = (_core.GgufMatrix(raw, rows, cols, "q4_1", f"t{rows}"),
+                      np.random.default_rng(seed).standard_normal((3, cols)).astype(np.float32))
+    want = {r: mat.matmul(x, threads=1) for r, (mat, x) in mats.items()}
+
+    def call(i: int) -> bool:
+        rows = list(mats)[i % len(mats)]
+        mat, x = mats[rows]
+        return bool(np.array_equal(mat.matmul(x, threads=1 + i % 3), want[rows]))
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(call, range(120), timeout=120))
+
+
+def test_the_engine_hands_its_cpu_threads_to_the_kernel(gguf_model) -> None:
+    """Two pools of cpu_threads would fight for the cores (torch's OpenMP workers spin): the
+    kernel's team gets them and torch one; a model with no GGUF layer changes nothing."""
+    from pagedrs.models import load_model
+    from pagedrs.models.gguf_linear import GgufLinearMethod, hand_cpu_threads_to_gemv
+
+    before = torch.get_num_threads()
+    try:
+        dense = load_model("smollm2-135m", weight_dtype="float32").model
+        assert not hand_cpu_threads_to_gemv([dense], 2) and torch.get_num_threads() == before
+        model = gguf_model.model
+        x = torch.randn(1, 576)
+        y1 = model.lm_head(x)
+        assert hand_cpu_threads_to_gemv([model], 2) and torch.get_num_threads() == 1
+        methods = [m.method for m in model.modules() if isinstance(getattr(m, "method", None), GgufLinearMethod)]
+        assert methods and all(m.threads == 2 for m in methods)
+        assert torch.equal(model.lm_head(x), y1)  # the same bits on the team of 2
+    finally:
+        for m in gguf_model.model.modules():
+            if isinstance(getattr(m, "method", None), GgufLinearMethod):
+                m.method.threads = None
+        torch.set_num_threads(before)

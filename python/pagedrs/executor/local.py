@@ -20,6 +20,7 @@ from pagedrs.kv_tiers.sizing import resolved_swap_space_gb
 from pagedrs.kv_tiers.store_layout import SeedPages
 from pagedrs.memory import KvPlan, plan_kv_memory
 from pagedrs.model_runner import ModelRunner
+from pagedrs.models.gguf_linear import hand_cpu_threads_to_gemv
 from pagedrs.models.kv_geometry import KvGeometry
 from pagedrs.models.loader import load_model
 from pagedrs.spec.config import SpeculativeConfig
@@ -52,6 +53,9 @@ class LocalExecutor:
         self.kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.loaded.dtype)  # what pages are stored in
         self._backend = attention_backend
         self.draft = self._load_draft()  # speculative_config's draft model (spec/draft_runner.py), or None
+        if self.device.type == "cpu":  # the GGUF kernel's own team takes the cores (see the function)
+            models = [self.loaded.model] + ([self.draft.loaded.model] if self.draft is not None else [])
+            hand_cpu_threads_to_gemv(models, args.resolved_cpu_threads())
         self.runner: ModelRunner | None = None
         self._completed: list[int] = []
         self._disk: _LocalDiskTier | None = None

@@ -25,8 +25,6 @@ pub mod avx2;
 #[clippy::msrv = "1.89"]
 pub mod avx512;
 
-use rayon::prelude::*;
-
 pub use error::GemvError;
 pub use format::{Format, QK};
 pub use pack::{PackedMatrix, TILE};
@@ -92,6 +90,12 @@ impl Kernel {
     }
 }
 
+/// `tiled`'s start, shared by the parts of one call (each writes only its own tiles).
+struct SendPtr(*mut f32);
+
+// SAFETY: the parts of one call write disjoint ranges through it (see `matmul`).
+unsafe impl Sync for SendPtr {}
+
 impl PackedMatrix {
     /// `out[m, N] = x[m, K] @ W^T` with `x` quantized per block of 32 to int8.
     ///
@@ -109,22 +113,38 @@ impl PackedMatrix {
         if out.len() != m * self.rows {
             return Err(input(format!("out has {} values; [{m}, {}] needs {}", out.len(), self.rows, m * self.rows)));
         }
+        if threads == 0 {
+            return Err(GemvError::Threads { reason: "threads is 0; allowed: >= 1".to_string() });
+        }
         if !kernel.supported() {
             return Err(input(format!("kernel {:?} is not supported by this CPU", kernel.name())));
         }
         let acts = quantize::quantize(x, m, self.cols)
             .map_err(|(row, col)| GemvError::NonFiniteInput { tensor: self.name.clone(), row, col })?;
         let chunk = m * TILE;
-        let mut tiled = vec![0f32; self.tiles() * chunk];
-        if threads == 1 {
+        let tiles = self.tiles();
+        let mut tiled = vec![0f32; tiles * chunk];
+        if threads == 1 || tiles == 1 {
             for (t, o) in tiled.chunks_exact_mut(chunk).enumerate() {
                 kernel.run(self, t, &acts, o);
             }
         } else {
-            let pool = pool::pool(threads)?;
-            pool.install(|| {
-                tiled.par_chunks_exact_mut(chunk).enumerate().for_each(|(t, o)| kernel.run(self, t, &acts, o));
-            });
+            let team = pool::team(threads)?;
+            // chunks of whole tiles, about 16 per thread: small enough to balance (a thread
+            // may be late), large enough that claiming one costs nothing next to it
+            let per_chunk = tiles.div_ceil(16 * team.threads()).max(4);
+            let base = SendPtr(tiled.as_mut_ptr());
+            team.run(tiles.div_ceil(per_chunk), &|c: usize| {
+                let (t0, t1) = (c * per_chunk, ((c + 1) * per_chunk).min(tiles));
+                let base = &base;
+                // SAFETY: chunks cover disjoint tile ranges [t0, t1), each run once, so each
+                // writes its own `(t1 - t0) * chunk` floats of `tiled`, which outlives the call
+                // (`run` returns only when every chunk has finished).
+                let mine = unsafe { std::slice::from_raw_parts_mut(base.0.add(t0 * chunk), (t1 - t0) * chunk) };
+                for (i, o) in mine.chunks_exact_mut(chunk).enumerate() {
+                    kernel.run(self, t0 + i, &acts, o);
+                }
+            })?;
         }
         for (t, o) in tiled.chunks_exact(chunk).enumerate() {
             let n0 = t * TILE;
