@@ -42,6 +42,18 @@ def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str
     return importlib.import_module(f"pagedrs.bench.{name}").run  # type: ignore[no-any-return]
 
 
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
+
+
+def _weight_dtypes(text: str) -> str:
+    """``--weight-dtype``: one format, or several comma-separated (the decode bench times each in one run)."""
+    names = text.split(",")
+    bad = [n for n in names if n not in WEIGHT_DTYPES]
+    if bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: each of {', '.join(WEIGHT_DTYPES)}, comma-separated, once")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedrs bench", description=__doc__.splitlines()[0])
     p.add_argument("benchmark", choices=(*BENCHES, *EXTRA_BENCHES, "all"))
@@ -52,9 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, metavar="N", help="override the request count")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a model folder or a .gguf file")
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
-    p.add_argument("--weight-dtype", choices=("auto", "float32", "bfloat16", "int8", "int4", "gguf"), default=None,
-                   help="decode: one weight format instead of the grid's; spec: the weights' format (default auto); "
-                        "the other benches use float32")
+    p.add_argument("--weight-dtype", type=_weight_dtypes, default=None, metavar="FMT[,FMT...]",
+                   help=f"one of {', '.join(WEIGHT_DTYPES)}; decode: these formats instead of the grid's (comma-"
+                        "separated, timed in one run); spec: the weights' format (default auto); the other benches "
+                        "use float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--workload", choices=("random", "prefix", "both"), default="both",
@@ -68,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-model", metavar="PATH", default=None,
                    help="spec: also speculate with this draft model (method draft_model; e.g. the model itself, "
                         "a smoke test: acceptance ~1.0, not a speedup)")
+    p.add_argument("--llama-bench", metavar="PATH", default=None,
+                   help="decode: also time llama.cpp's llama-bench binary on the same GGUF, at batch 1 with "
+                        "--threads threads, in this run (issue 30's side-by-side)")
     p.add_argument(
         "--threads",
         type=int,
@@ -84,6 +100,13 @@ def main(argv: list[str]) -> int:
     if args.num_requests is not None and args.num_requests < 1:
         print(f"--num-requests must be >= 1, got {args.num_requests}", file=sys.stderr)
         return 2
+    if args.weight_dtype is not None and "," in args.weight_dtype and args.benchmark != "decode":
+        print(f"--weight-dtype {args.weight_dtype}: several formats are for the decode bench only; "
+              f"{args.benchmark} takes one", file=sys.stderr)
+        return 2
+    if args.llama_bench is not None and args.benchmark != "decode":
+        print(f"--llama-bench is for the decode bench only, not {args.benchmark}", file=sys.stderr)
+        return 2
     if args.layers is not None and args.layers < 1:
         print(f"--layers must be >= 1, got {args.layers}", file=sys.stderr)
         return 2
@@ -94,6 +117,9 @@ def main(argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+        from pagedrs.bench.engine_runner import set_bench_threads
+
+        set_bench_threads(args.threads)  # every system's count (engine_runner.bench_threads)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     cfg = BenchConfig(
@@ -112,6 +138,7 @@ def main(argv: list[str]) -> int:
         serve_args=tuple(shlex.split(args.serve_args)),
         layers=args.layers,
         draft_model=args.draft_model,
+        llama_bench=args.llama_bench,
         plot=not args.no_plot,
     )
     from pagedrs.bench.machine import describe_machine

@@ -22,4 +22,5 @@ class BenchConfig:
     serve_args: tuple[str, ...] = ()  # serve bench: extra `pagedrs serve` flags
     layers: int | None = None  # overhead bench: the deep model's layers (default SmolLM2's 30)
     draft_model: str | None = None  # spec bench: also speculate with this draft model (method draft_model)
+    llama_bench: str | None = None  # decode bench: llama.cpp's llama-bench binary, run on the same GGUF (llama_cpp.py)
     plot: bool = True  # map bench: draw its heatmaps (False: JSON and markdown only, no matplotlib)

@@ -23,7 +23,7 @@ import numpy as np
 
 from pagedrs.bench.config import BenchConfig
 from pagedrs.bench.decode_grid import FULL_GRID, QUICK_GRID
-from pagedrs.bench.engine_runner import build_engine, greedy_params, progress
+from pagedrs.bench.engine_runner import bench_threads, build_engine, greedy_params, progress
 from pagedrs.bench.limits import measure, model_shape
 from pagedrs.bench.report import Column, markdown_table, render
 
@@ -60,7 +60,7 @@ def decode_once(engine: Any, vocab: int, batch: int, prompt_len: int, new_tokens
 
 def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     grid = QUICK_GRID if cfg.quick else FULL_GRID
-    formats = grid.formats if cfg.weight_dtype is None else (cfg.weight_dtype,)
+    formats = grid.formats if cfg.weight_dtype is None else tuple(cfg.weight_dtype.split(","))
     hidden, intermediate = model_shape(cfg.model)
     progress("decode: measuring the machine's limits")
     limits = measure(grid.batch_sizes, tuple(f for f in formats if f != "auto") or ("float32",), hidden,
@@ -91,8 +91,33 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
                              "cpu_ratio_to_bound": r["decode_tok_per_cpu_s"] / bound, "weight_bytes": weight_bytes})
         del engine
         gc.collect()
-    data = {"rows": rows, "limits": limits, "grid": asdict(grid), "model": cfg.model, "machine": machine}
+    data: dict[str, Any] = {"rows": rows, "limits": limits, "grid": asdict(grid), "model": cfg.model,
+                            "machine": machine}
+    if cfg.llama_bench is not None:
+        data["llama_cpp"] = _llama_cpp_rows(cfg, grid.prompt_lens, grid.new_tokens, bandwidth, rows)
+        rows.extend(data["llama_cpp"]["rows"])
     return data, _markdown(data, machine)
+
+
+def _llama_cpp_rows(cfg: BenchConfig, prompt_lens: tuple[int, ...], new_tokens: int, bandwidth: float,
+                    ours: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's batch-1 rows on the same GGUF and threads, with the bound of our gguf rows (the same blocks)."""
+    from pagedrs.bench.llama_cpp import gguf_of, run_llama_bench
+
+    gguf = gguf_of(cfg.model)
+    weight_bytes = next((r["weight_bytes"] for r in ours if r["weights"] == "gguf"), None)
+    rows, commands = [], []
+    for prompt_len in prompt_lens:
+        progress(f"decode: llama.cpp batch 1 prompt {prompt_len}")
+        r = run_llama_bench(cfg.llama_bench or "", gguf, threads=bench_threads(), prompt=prompt_len,
+                            gen=new_tokens)
+        commands.append(r.command)
+        bound = bandwidth / weight_bytes if weight_bytes else None
+        rows.append({"weights": "llama.cpp", "batch": 1, "prompt": prompt_len,
+                     "decode_tok_per_s": r.decode_tok_per_s, "prefill_tok_per_s": r.prefill_tok_per_s,
+                     "stream_bound": bound, "bound": bound, "weight_bytes": weight_bytes,
+                     "ratio_to_bound": r.decode_tok_per_s / bound if bound else None, "build": r.build})
+    return {"rows": rows, "commands": commands, "threads": bench_threads()}
 
 
 _COLUMNS = [
@@ -112,7 +137,7 @@ _COLUMNS = [
 
 def _markdown(data: dict[str, Any], machine: str) -> str:
     lim = data["limits"]
-    weights = {r["weights"]: r["weight_bytes"] for r in data["rows"]}
+    weights = {r["weights"]: r["weight_bytes"] for r in data["rows"] if r["weights"] != "llama.cpp"}
     notes = [
         f"Limits measured in this run: read bandwidth {lim['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; GEMM "
         + "; ".join(f"{f} " + ", ".join(f"M={m}: {v / 1e9:.0f}" for m, v in g.items()) + " GFLOP/s"
@@ -121,4 +146,17 @@ def _markdown(data: dict[str, Any], machine: str) -> str:
         f"Model {data['model']}; {data['grid']['new_tokens']} new tokens per request, greedy, ignore_eos; "
         "stream bound = B x bandwidth / weight bytes, GEMM bound = GEMM FLOP/s at M=B / (2 x linear params).",
     ]
+    if "llama_cpp" in data:
+        notes.append(_llama_cpp_note(data))
     return render("Decode speed against the machine's bounds", markdown_table(data["rows"], _COLUMNS), notes, machine)
+
+
+def _llama_cpp_note(data: dict[str, Any]) -> str:
+    """Each of our formats' batch-1 decode rate as a multiple of llama.cpp's, prompt by prompt."""
+    lc = data["llama_cpp"]
+    theirs = {r["prompt"]: r["decode_tok_per_s"] for r in lc["rows"]}
+    ratios = [f"{r['weights']} prompt {r['prompt']}: {r['decode_tok_per_s'] / theirs[r['prompt']]:.2f}x"
+              for r in data["rows"] if r["batch"] == 1 and r["weights"] != "llama.cpp" and r["prompt"] in theirs]
+    build = lc["rows"][0]["build"] if lc["rows"] else "?"
+    return (f"llama.cpp (llama-bench, build {build}, {lc['threads']} threads, same GGUF, same run): batch-1 decode "
+            "tokens/s as a multiple of llama.cpp's: " + ", ".join(ratios) + ". Command: " + "; ".join(lc["commands"]))

@@ -58,16 +58,32 @@ class EngineRun:
 
 def build_engine(model: str, **overrides: Any) -> Any:
     """An Engine on the CPU in float32 (activations and weights) unless ``overrides`` say otherwise."""
-    import torch
-
     from pagedrs import Engine, EngineArgs
 
     # Keep the thread count `--threads` set for every system (the engine would reset it to 1).
     # float32 weights: the throughput, prefix and preemption benches compare with transformers in float32.
     kwargs: dict[str, Any] = {"model": model, "device": "cpu", "dtype": "float32", "weight_dtype": "float32",
-                              "cpu_threads": torch.get_num_threads()}
+                              "cpu_threads": bench_threads()}
     kwargs.update(overrides)
     return Engine(EngineArgs(**kwargs))
+
+
+_BENCH_THREADS: int | None = None  # --threads of the running `pagedrs bench` (set_bench_threads)
+
+
+def set_bench_threads(threads: int) -> None:
+    """Called by ``pagedrs.bench.main`` with ``--threads``, before any model exists."""
+    global _BENCH_THREADS
+    _BENCH_THREADS = threads
+
+
+def bench_threads() -> int:
+    """The CPU threads every system of this run gets: ``--threads``. Not torch's current count: an
+    engine that runs the GGUF kernel sets torch's pool to one thread
+    (``gguf_linear.hand_cpu_threads_to_gemv``), and the next system must not inherit that."""
+    import torch
+
+    return _BENCH_THREADS if _BENCH_THREADS is not None else torch.get_num_threads()
 
 
 def greedy_params(max_tokens: int) -> Any:
