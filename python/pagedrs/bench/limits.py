@@ -7,8 +7,8 @@ here rather than taken from a datasheet, on the thread count the benchmark runs 
 
 - bandwidth: ``sum()`` over a float32 tensor far larger than the last-level cache;
 - GEMM: ``[M, hidden] x [hidden, intermediate]`` (the model's own MLP shape) for each M
-  and weight format: dense float32 and bfloat16 (oneDNN), and the packed int8 / int4
-  kernels the quantized formats use.
+  and weight format: dense float32 and bfloat16 (oneDNN), the packed int8 / int4
+  kernels the quantized formats use, and our GGUF kernel on random Q4_1 blocks.
 
 Medians of several repeats; the machine may be shared, so a benchmark reports its
 tokens/s as a ratio to limits measured in the same run.
@@ -59,9 +59,37 @@ def _layer(fmt: str, k: int, n: int) -> Any:
     from pagedrs.models.quant import WeightFormat
 
     layer = ReplicatedLinear(k, n, method=WeightFormat(fmt, torch.float32).method(k, n))
+    if fmt == "gguf":  # the kernel reads a file's blocks, not a dense weight: random Q4_1 ones
+        _install_random_q4_1(layer, k, n)
+        return layer
     layer.weight_loader(layer.weight, torch.randn(n, k, generator=torch.Generator().manual_seed(0)))
     layer.process_weights_after_loading()
     return layer
+
+
+def random_q4_1_blocks(n: int, k: int, seed: int = 0) -> Any:
+    """[n * k / 32, 20] uint8: random Q4_1 blocks (the embedded model's body format: f16 scale, f16
+    minimum, 32 nibbles) of an [n, k] weight, scaled like SmolLM2's."""
+    import numpy as np
+
+    if k % 32:
+        raise ValueError(f"Q4_1 blocks: in_features {k} is not a multiple of the block size 32")
+    rng = np.random.default_rng(seed)
+    blocks = n * (k // 32)
+    raw = np.empty((blocks, 20), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(0.001, 0.01, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+    raw[:, 2:4] = rng.uniform(-0.08, 0.0, blocks).astype(np.float16).view(np.uint8).reshape(blocks, 2)
+    raw[:, 4:] = rng.integers(0, 256, (blocks, 16), dtype=np.uint8)
+    return raw
+
+
+def _install_random_q4_1(layer: Any, k: int, n: int) -> None:
+    """So the GGUF kernel's GEMM throughput is measured, not the dense fallback's."""
+    from pagedrs._core import GgufMatrix
+    from pagedrs.models.gguf_linear import GgufLinearMethod
+
+    raw = random_q4_1_blocks(n, k)
+    GgufLinearMethod.install(layer, GgufMatrix(raw.reshape(-1), n, k, "Q4_1", "limits.random_q4_1"))
 
 
 def gemm_flops(fmt: str, m: int, k: int, n: int, repeats: int = 5) -> float:
