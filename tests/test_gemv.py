@@ -92,8 +92,9 @@ def test_bad_input_names_the_tensor() -> None:
     bad[1, 7] = np.inf
     with pytest.raises(ValueError, match=r"x\[1, 7\] is NaN or infinite"):
         mat.matmul(bad)
-    with pytest.raises(ValueError, match="threads is 0"):
-        mat.matmul(np.ones((2, 64), np.float32), threads=0)
+    for threads in (0, 1025, 10**6):  # a wrong cpu_threads is an error, not a million threads spawned
+        with pytest.raises(ValueError, match=f"threads is {threads}; allowed: 1 to 1024"):
+            mat.matmul(np.ones((2, 64), np.float32), threads=threads)
     with pytest.raises(ValueError, match='kernel "avx9" is unknown'):
         mat.matmul(np.ones((1, 64), np.float32), kernel="avx9")
 

@@ -101,7 +101,7 @@ impl PackedMatrix {
     ///
     /// Output rows are split over a persistent pool of `threads` workers (1: the calling
     /// thread alone). Errors name the tensor: a shape mismatch, a non-finite input, an
-    /// unsupported kernel, `threads == 0`.
+    /// unsupported kernel, `threads` outside 1 to [`pool::MAX_THREADS`].
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32], threads: usize, kernel: Kernel) -> Result<(), GemvError> {
         let input = |reason: String| GemvError::Input { tensor: self.name.clone(), reason };
         if m == 0 {
@@ -113,9 +113,7 @@ impl PackedMatrix {
         if out.len() != m * self.rows {
             return Err(input(format!("out has {} values; [{m}, {}] needs {}", out.len(), self.rows, m * self.rows)));
         }
-        if threads == 0 {
-            return Err(GemvError::Threads { reason: "threads is 0; allowed: >= 1".to_string() });
-        }
+        pool::check_threads(threads)?; // up front: also when one tile runs on the caller alone
         if !kernel.supported() {
             return Err(input(format!("kernel {:?} is not supported by this CPU", kernel.name())));
         }

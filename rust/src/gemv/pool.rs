@@ -187,11 +187,21 @@ fn helper(s: &Shared) {
 
 static TEAMS: OnceLock<Mutex<HashMap<usize, Arc<Team>>>> = OnceLock::new();
 
+/// The most threads a team may have: far past any CPU this runs on, low enough that a wrong
+/// `cpu_threads` (say 10^6) is an error, not a million spawned threads.
+pub const MAX_THREADS: usize = 1024;
+
+/// `threads` is a team size we run: 1 to [`MAX_THREADS`].
+pub fn check_threads(threads: usize) -> Result<(), GemvError> {
+    if threads == 0 || threads > MAX_THREADS {
+        return Err(GemvError::Threads { reason: format!("threads is {threads}; allowed: 1 to {MAX_THREADS}") });
+    }
+    Ok(())
+}
+
 /// The team of exactly `threads` (the caller and `threads - 1` helpers).
 pub fn team(threads: usize) -> Result<Arc<Team>, GemvError> {
-    if threads == 0 {
-        return Err(GemvError::Threads { reason: "threads is 0; allowed: >= 1".to_string() });
-    }
+    check_threads(threads)?;
     let mut teams = TEAMS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     if let Some(t) = teams.get(&threads) {
         return Ok(t.clone());
@@ -241,7 +251,10 @@ mod tests {
     }
 
     #[test]
-    fn zero_threads_is_refused() {
-        assert!(team(0).is_err());
+    fn zero_or_too_many_threads_is_refused() {
+        for bad in [0, MAX_THREADS + 1, usize::MAX] {
+            let err = team(bad).err().expect("refused").to_string();
+            assert!(err.contains(&format!("threads is {bad}; allowed: 1 to {MAX_THREADS}")), "{err}");
+        }
     }
 }
