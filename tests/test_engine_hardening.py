@@ -8,6 +8,7 @@ teardown) runs on top of the explicit checks.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -386,3 +387,19 @@ def test_memory_sizes_must_be_finite(field, value):
 
     with pytest.raises(ValueError, match=f"{field} is"):
         EngineArgs(**{field: value})
+
+
+@pytest.mark.parametrize("value", [0, -3, 1.5, True, 1025, float("nan"), "2"])
+def test_cpu_threads_is_a_whole_count_up_to_the_kernels_limit(value, monkeypatch):
+    """1.5 was taken (and rounded), 10**6 reached the GGUF kernel and spawned threads at the first step:
+    now each is refused at startup, naming the field, the value and what is allowed."""
+    from pagedrs import EngineArgs
+    from pagedrs.engine_args import CPU_THREADS_ENV
+
+    with pytest.raises(ValueError, match=rf"cpu_threads is {re.escape(repr(value))}; allowed: an integer from 1 "
+                                         "to 1024"):
+        EngineArgs(cpu_threads=value)
+    assert EngineArgs(cpu_threads=1024).resolved_cpu_threads() == 1024
+    monkeypatch.setenv(CPU_THREADS_ENV, "5000")
+    with pytest.raises(ValueError, match=r"\$PAGEDRS_CPU_THREADS is '5000'; allowed: an integer from 1 to 1024"):
+        EngineArgs().resolved_cpu_threads()

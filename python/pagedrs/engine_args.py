@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 CPU_THREADS_ENV = "PAGEDRS_CPU_THREADS"
+# The most CPU threads an engine takes: the GGUF kernel's team limit (rust/src/gemv/pool.rs
+# MAX_THREADS), far past any CPU here; refused at startup, not at the first step.
+MAX_CPU_THREADS = 1024
 
 _LAYOUTS = ("paged", "contiguous")
 _PREEMPTION = ("swap", "recompute", "auto")
@@ -146,8 +150,10 @@ class EngineArgs:
                              "(use kv_cache_dtype='auto' with it)")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             at_least(name, 1)
-        for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory", "cpu_threads"):
+        for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory"):
             at_least(name, 1, optional=True)
+        if self.cpu_threads is not None:
+            _check_cpu_threads("cpu_threads", self.cpu_threads)
         at_least("swap_space_gb", 0, optional=True)
         at_least("kv_host_cache_gb", 0, optional=True)
         if isinstance(self.kv_disk_gb, bool) or not isinstance(self.kv_disk_gb, (int, float)) or not 0 < self.kv_disk_gb < math.inf:
@@ -195,9 +201,15 @@ class EngineArgs:
             value = int(env)
         except ValueError:
             value = 0
-        if value < 1:
-            raise ValueError(f"{CPU_THREADS_ENV} is {env!r}; it must be an integer >= 1")
+        _check_cpu_threads(f"${CPU_THREADS_ENV}", value, shown=env)
         return value
+
+
+def _check_cpu_threads(name: str, value: Any, shown: Any = None) -> None:
+    """An integer from 1 to MAX_CPU_THREADS (not a bool, not 1.5: a thread count is whole)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= int(value) <= MAX_CPU_THREADS:
+        raise ValueError(f"{name} is {value if shown is None else shown!r}; allowed: an integer from 1 to "
+                         f"{MAX_CPU_THREADS}")
 
 
 def _check_speculative(args: EngineArgs) -> None:
