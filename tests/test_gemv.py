@@ -215,3 +215,21 @@ def test_the_limits_bench_times_the_kernel_on_real_blocks_not_the_dense_fallback
     assert np.abs(y - ref).max() <= 0.02 * np.abs(ref).max()  # int8 activations: about 1% of the scale
     with pytest.raises(ValueError, match="in_features 40 is not a multiple of the block size 32"):
         random_q4_1_blocks(8, 40)
+
+
+def test_every_input_layout_gives_the_fast_paths_bits(gguf_model) -> None:
+    """The common input (float32, contiguous, no grad) skips detach/float; a strided view, one that
+    requires grad and a bfloat16 one take the other path and must give the same bits."""
+    layer = gguf_model.model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        want = layer(x)
+    strided = torch.randn(1536, 3).t()  # [3, 1536], not contiguous
+    strided.copy_(x)
+    assert not strided.is_contiguous()
+    with torch.inference_mode():
+        assert torch.equal(layer(strided), want)
+    assert torch.equal(layer(x.clone().requires_grad_(True)), want)
+    xb = x.bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(layer(xb), layer(xb.float()))

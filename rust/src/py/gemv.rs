@@ -87,10 +87,13 @@ impl PyGgufMatrix {
                 self.inner.cols()
             )));
         }
+        // Row-major memory only: `as_slice` also accepts a Fortran-ordered array (a transposed
+        // view), whose memory order is not the rows the kernel reads, so it would multiply the
+        // transpose. Anything else is copied in logical (row-major) order.
         let copy;
         let xs = match ro.as_slice() {
-            Ok(s) => s,
-            Err(_) => {
+            Ok(s) if ro.is_c_contiguous() => s,
+            _ => {
                 copy = ro.as_array().iter().copied().collect::<Vec<f32>>();
                 &copy[..]
             }
