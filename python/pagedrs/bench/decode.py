@@ -10,6 +10,9 @@ Bounds (measured in the same run by ``limits``, because the machine may be share
 ``stream`` = B * bandwidth / bytes of the linear weights (each decode step reads them once),
 ``gemm`` = GEMM FLOP/s at M=B for the format / (2 * linear parameters per token); the
 bound is the smaller. Attention and the Python around the step are what the ratio loses.
+
+``--llama-bench PATH`` adds llama.cpp's batch-1 rows on the same GGUF and thread count, timed in
+the same run (``llama_cpp.py``), and a note with each format's ratio to it (issue 30).
 """
 
 from __future__ import annotations
