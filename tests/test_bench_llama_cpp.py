@@ -126,3 +126,15 @@ def test_each_system_gets_the_runs_threads_not_what_the_last_engine_left(monkeyp
         assert engine_runner.bench_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_wrong_model_or_binary_is_refused_before_the_grid_runs(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """The grid takes minutes: a folder model or a missing / non-executable binary fails first."""
+    fake = _fake_llama_bench(tmp_path, [])
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        bench.main(["decode", "--quick", "--model", str(tiny_llama_dir), "--llama-bench", str(fake)])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        bench.main(["decode", "--quick", "--llama-bench", str(tmp_path / "missing")])
+    fake.chmod(0o644)
+    with pytest.raises(PermissionError, match="not executable"):
+        bench.main(["decode", "--quick", "--llama-bench", str(fake)])

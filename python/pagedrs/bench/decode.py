@@ -63,6 +63,11 @@ def decode_once(engine: Any, vocab: int, batch: int, prompt_len: int, new_tokens
 
 def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     grid = QUICK_GRID if cfg.quick else FULL_GRID
+    if cfg.llama_bench is not None:  # refused before the grid runs, not after
+        from pagedrs.bench.llama_cpp import check_binary, gguf_of
+
+        gguf_of(cfg.model)
+        check_binary(cfg.llama_bench)
     formats = grid.formats if cfg.weight_dtype is None else tuple(cfg.weight_dtype.split(","))
     hidden, intermediate = model_shape(cfg.model)
     progress("decode: measuring the machine's limits")

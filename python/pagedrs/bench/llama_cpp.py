@@ -13,6 +13,7 @@ tokens is well under 1% of a SmolLM2 step, so the two decode rates compare.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +38,19 @@ def gguf_of(model: str) -> Path:
     return path
 
 
+def check_binary(binary: str) -> None:
+    """``binary`` is a file we may run, or a clear error naming the option."""
+    path = Path(binary)
+    if not path.is_file():
+        raise FileNotFoundError(f"--llama-bench {binary!r}: no such file (build llama.cpp's llama-bench target)")
+    if not os.access(path, os.X_OK):
+        raise PermissionError(f"--llama-bench {binary!r}: not executable")
+
+
 def run_llama_bench(binary: str, gguf: Path, *, threads: int, prompt: int, gen: int, repetitions: int = 3,
                     timeout_s: float = 600.0) -> LlamaBenchResult:
     """Run ``llama-bench`` once (CPU only, no GPU layers) and parse its JSON."""
-    if not Path(binary).is_file():
-        raise FileNotFoundError(f"--llama-bench {binary!r}: no such file (build llama.cpp's llama-bench target)")
+    check_binary(binary)
     cmd = [binary, "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
            "-r", str(repetitions), "-ngl", "0", "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
