@@ -123,8 +123,9 @@ def hand_cpu_threads_to_gemv(models: Sequence[nn.Module], threads: int) -> bool:
     helpers found no core: measured on a 2-core Xeon (2026-12-03, the embedded model, batch 1),
     2 threads each gave 21.1 ms per token, 1 thread 16.1, the kernel alone on 2 threads 12.5 (the
     same as OMP_WAIT_POLICY=PASSIVE); at batch 32 the kernel alone on 2 threads gave 379 tokens/s,
-    both pools on 2 371. With the linear layers ~80% of a step, the rest (attention over pages,
-    norms) single-threaded costs less than the spinning did.
+    both pools on 2 371. The rest of a step (attention over pages, norms: about half of a batch-1
+    step, measured) is small ops that torch's threads barely speed up; single-threaded it costs
+    less than the spinning did.
     """
     methods = [m.method for model in models for m in model.modules()
                if isinstance(m, LinearBase) and isinstance(m.method, GgufLinearMethod)
