@@ -75,6 +75,8 @@ class EngineArgs:
     # shared machine OpenMP's spinning workers stall 10-30x whenever another process holds
     # a core (measured: the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy
     # process). `pagedrs serve` defaults to every core it may use: a server owns its machine.
+    # With weight_dtype "gguf" the kernel's own team takes these threads and torch keeps one
+    # (models/gguf_linear.py, hand_cpu_threads_to_gemv). 1 to MAX_CPU_THREADS.
     cpu_threads: Optional[int] = None
     # Most samples (SamplingParams.n) one request may ask for: each sample holds its own
     # pages and sampling rows, so n is a multiplier a hostile client must not control.
