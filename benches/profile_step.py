@@ -26,6 +26,7 @@ import torch
 import pagedrs.core.step as step_module
 from pagedrs import LLM, SamplingParams
 from pagedrs.bench.machine import describe_machine
+from pagedrs.engine_args import WEIGHT_DTYPES
 from pagedrs.step_input import StepInput
 
 
@@ -83,7 +84,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--weight-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4", "gguf"])
+    parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES)
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N", help="print torch.profiler's top N ops")
     args = parser.parse_args()
     llm = LLM(model="smollm2-135m", max_model_len=512, cpu_threads=args.threads, max_num_seqs=args.batch,

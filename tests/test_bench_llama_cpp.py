@@ -79,16 +79,13 @@ def test_only_a_gguf_model_can_be_compared(tmp_path: Path) -> None:
 
 def test_rows_use_the_gguf_rows_bound_and_the_note_gives_ratios(tmp_path: Path, monkeypatch) -> None:
     from pagedrs.bench import engine_runner
-    from pagedrs.bench.config import BenchConfig
 
     monkeypatch.setattr(engine_runner, "_BENCH_THREADS", 2)  # what `--threads 2` sets
     fake = _fake_llama_bench(tmp_path, [_test(32, 0, 300.0), _test(0, 16, 100.0)])
-    cfg = BenchConfig(model="smollm2-135m", quick=True, num_requests=None, out_dir=None, plot_dir=None,
-                      json_path=None, llama_bench=str(fake))
     ours = [{"weights": "gguf", "batch": 1, "prompt": 32, "decode_tok_per_s": 80.0, "weight_bytes": 100e6},
             {"weights": "int4", "batch": 1, "prompt": 32, "decode_tok_per_s": 60.0, "weight_bytes": 120e6},
             {"weights": "gguf", "batch": 16, "prompt": 32, "decode_tok_per_s": 900.0, "weight_bytes": 100e6}]
-    lc = _llama_cpp_rows(cfg, (32,), 16, 20e9, ours)
+    lc = _llama_cpp_rows(str(fake), gguf_of("smollm2-135m"), (32,), 16, 20e9, ours)
     assert json.loads((tmp_path / "argv.json").read_text())[3] == "2"  # --threads
     (row,) = lc["rows"]
     assert row["stream_bound"] == pytest.approx(200.0) and row["ratio_to_bound"] == pytest.approx(0.5)

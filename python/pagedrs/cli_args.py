@@ -20,7 +20,7 @@ import dataclasses
 import json
 from typing import Any
 
-from pagedrs.engine_args import KV_CACHE_DTYPES, EngineArgs
+from pagedrs.engine_args import KV_CACHE_DTYPES, WEIGHT_DTYPES, EngineArgs
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 
@@ -41,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
     p.add_argument("--model", default=d["model"], help="preset name, HF folder or .gguf file (default: %(default)s)")
     p.add_argument("--device", default=d["device"])
     p.add_argument("--dtype", default=d["dtype"], choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--weight-dtype", default=d["weight_dtype"], choices=["auto", "float32", "bfloat16", "int8", "int4", "gguf"],
+    p.add_argument("--weight-dtype", default=d["weight_dtype"], choices=WEIGHT_DTYPES,
                    help="linear weights: auto = exact for HF folders, nearest quantized format for a quantized GGUF")
     p.add_argument("--block-size", type=int, default=d["block_size"])
     p.add_argument("--num-gpu-blocks", type=int, default=d["num_gpu_blocks"],

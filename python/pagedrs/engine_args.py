@@ -18,7 +18,8 @@ _LAYOUTS = ("paged", "contiguous")
 _PREEMPTION = ("swap", "recompute", "auto")
 _RESERVE = ("max_model_len", "request")
 _DTYPES = ("float32", "float16", "bfloat16")
-_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
+# the linear weights' formats (models/quant.py builds them); one list for the engine, the CLI and the benches
+WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 # auto: pages in the model dtype; fp8_*: 8-bit pages with per-tensor scales (attention/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 
@@ -133,7 +134,7 @@ class EngineArgs:
         choice("preemption_mode", _PREEMPTION)
         choice("contiguous_reserve", _RESERVE)
         choice("dtype", _DTYPES)
-        choice("weight_dtype", _WEIGHT_DTYPES)
+        choice("weight_dtype", WEIGHT_DTYPES)
         choice("admission_policy", ("expected_growth", "prompt_only"))
         choice("eviction_policy", ("lru", "lfu"))
         choice("structured_outputs_backend", ("llguidance", "xgrammar"))

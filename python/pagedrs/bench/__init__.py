@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedrs.bench.config import BenchConfig
+from pagedrs.engine_args import WEIGHT_DTYPES
 
 BENCHES = ("throughput", "prefix", "preemption", "allocator")
 # Run only when named: they start servers, take long, or measure the machine rather than the KV manager.
@@ -40,9 +41,6 @@ def _runner(name: str) -> Callable[[BenchConfig, str], tuple[dict[str, Any], str
     import importlib
 
     return importlib.import_module(f"pagedrs.bench.{name}").run  # type: ignore[no-any-return]
-
-
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 
 
 def _weight_dtypes(text: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -63,10 +64,11 @@ def decode_once(engine: Any, vocab: int, batch: int, prompt_len: int, new_tokens
 
 def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     grid = QUICK_GRID if cfg.quick else FULL_GRID
+    gguf = None
     if cfg.llama_bench is not None:  # refused before the grid runs, not after
         from pagedrs.bench.llama_cpp import check_binary, gguf_of
 
-        gguf_of(cfg.model)
+        gguf = gguf_of(cfg.model)
         check_binary(cfg.llama_bench)
     formats = grid.formats if cfg.weight_dtype is None else tuple(cfg.weight_dtype.split(","))
     hidden, intermediate = model_shape(cfg.model)
@@ -101,31 +103,30 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
         gc.collect()
     data: dict[str, Any] = {"rows": rows, "limits": limits, "grid": asdict(grid), "model": cfg.model,
                             "machine": machine}
-    if cfg.llama_bench is not None:
-        data["llama_cpp"] = _llama_cpp_rows(cfg, grid.prompt_lens, grid.new_tokens, bandwidth, rows)
+    if cfg.llama_bench is not None and gguf is not None:
+        data["llama_cpp"] = _llama_cpp_rows(cfg.llama_bench, gguf, grid.prompt_lens, grid.new_tokens, bandwidth, rows)
         rows.extend(data["llama_cpp"]["rows"])
     return data, _markdown(data, machine)
 
 
-def _llama_cpp_rows(cfg: BenchConfig, prompt_lens: tuple[int, ...], new_tokens: int, bandwidth: float,
+def _llama_cpp_rows(binary: str, gguf: Path, prompt_lens: tuple[int, ...], new_tokens: int, bandwidth: float,
                     ours: list[dict[str, Any]]) -> dict[str, Any]:
     """llama.cpp's batch-1 rows on the same GGUF and threads, with the bound of our gguf rows (the same blocks)."""
-    from pagedrs.bench.llama_cpp import gguf_of, run_llama_bench
+    from pagedrs.bench.llama_cpp import run_llama_bench
 
-    gguf = gguf_of(cfg.model)
+    threads = bench_threads()
     weight_bytes = next((r["weight_bytes"] for r in ours if r["weights"] == "gguf"), None)
+    bound = bandwidth / weight_bytes if weight_bytes else None
     rows, commands = [], []
     for prompt_len in prompt_lens:
         progress(f"decode: llama.cpp batch 1 prompt {prompt_len}")
-        r = run_llama_bench(cfg.llama_bench or "", gguf, threads=bench_threads(), prompt=prompt_len,
-                            gen=new_tokens)
+        r = run_llama_bench(binary, gguf, threads=threads, prompt=prompt_len, gen=new_tokens)
         commands.append(r.command)
-        bound = bandwidth / weight_bytes if weight_bytes else None
         rows.append({"weights": "llama.cpp", "batch": 1, "prompt": prompt_len,
                      "decode_tok_per_s": r.decode_tok_per_s, "prefill_tok_per_s": r.prefill_tok_per_s,
                      "stream_bound": bound, "bound": bound, "weight_bytes": weight_bytes,
                      "ratio_to_bound": r.decode_tok_per_s / bound if bound else None, "build": r.build})
-    return {"rows": rows, "commands": commands, "threads": bench_threads()}
+    return {"rows": rows, "commands": commands, "threads": threads}
 
 
 _COLUMNS = [

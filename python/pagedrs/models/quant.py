@@ -31,10 +31,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from pagedrs.engine_args import WEIGHT_DTYPES
 from pagedrs.models.gguf_linear import GgufLinearMethod
 from pagedrs.models.layers import DenseLinearMethod, LinearBase, LinearMethod
 
-WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 COMPUTE_DTYPE = torch.bfloat16  # what the packed kernels multiply in
 INT4_GROUP_SIZE = 32  # GGUF Q4_1's block; every SmolLM2/Llama width is a multiple of it
 
