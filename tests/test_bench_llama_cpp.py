@@ -135,3 +135,19 @@ def test_a_wrong_model_or_binary_is_refused_before_the_grid_runs(tmp_path: Path,
     fake.chmod(0o644)
     with pytest.raises(PermissionError, match="not executable"):
         bench.main(["decode", "--quick", "--llama-bench", str(fake)])
+
+
+def test_garbled_output_or_a_hang_is_a_clear_error(tmp_path: Path) -> None:
+    """Output that is not UTF-8 (a wrong binary) is 'printed no JSON'; a binary that hangs is stopped."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    garbled = tmp_path / "garbled"
+    garbled.write_text(f"#!{sys.executable}\nimport sys\nsys.stdout.buffer.write(b'\\xff\\xfe[{{')\n")
+    garbled.chmod(0o755)
+    with pytest.raises(RuntimeError, match="printed no JSON"):
+        run_llama_bench(str(garbled), gguf, threads=1, prompt=8, gen=8)
+    hang = tmp_path / "hang"
+    hang.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(30)\n")
+    hang.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"ran past 0.5 s; stopped"):
+        run_llama_bench(str(hang), gguf, threads=1, prompt=8, gen=8, timeout_s=0.5)

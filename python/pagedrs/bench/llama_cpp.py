@@ -53,7 +53,10 @@ def run_llama_bench(binary: str, gguf: Path, *, threads: int, prompt: int, gen: 
     check_binary(binary)
     cmd = [binary, "-m", str(gguf), "-t", str(threads), "-p", str(prompt), "-n", str(gen),
            "-r", str(repetitions), "-ngl", "0", "-o", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    try:  # bytes that are not UTF-8 become U+FFFD: then "printed no JSON", not a UnicodeDecodeError
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{' '.join(cmd)} ran past {timeout_s:g} s; stopped") from e
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-2000:]}")
     return parse_llama_bench(done.stdout, " ".join(cmd))
