@@ -190,6 +190,14 @@ def test_the_engine_hands_its_cpu_threads_to_the_kernel(gguf_model) -> None:
         methods = [m.method for m in model.modules() if isinstance(getattr(m, "method", None), GgufLinearMethod)]
         assert methods and all(m.threads == 2 for m in methods)
         assert torch.equal(model.lm_head(x), y1)  # the same bits on the team of 2
+        from pagedrs import Engine, EngineArgs
+
+        torch.set_num_threads(2)
+        engine = Engine(EngineArgs(model="smollm2-135m", weight_dtype="gguf", cpu_threads=2, num_gpu_blocks=16))
+        assert torch.get_num_threads() == 1  # the executor made the hand-off
+        kernel_layers = [m.method for m in engine.loaded.model.modules()
+                         if isinstance(getattr(m, "method", None), GgufLinearMethod)]
+        assert kernel_layers and all(m.threads == 2 for m in kernel_layers)
     finally:
         for m in gguf_model.model.modules():
             if isinstance(getattr(m, "method", None), GgufLinearMethod):
