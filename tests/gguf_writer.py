@@ -23,6 +23,16 @@ QTYPES = {
     "ffn_up": gguf.GGMLQuantizationType.Q8_0,
     "ffn_down": gguf.GGMLQuantizationType.F32,
 }
+# every tensor in a format the Rust GEMV reads (fused siblings share one): a model wholly on the kernel
+KERNEL_QTYPES = {
+    "attn_q": gguf.GGMLQuantizationType.Q8_0,
+    "attn_k": gguf.GGMLQuantizationType.Q8_0,
+    "attn_v": gguf.GGMLQuantizationType.Q8_0,
+    "attn_output": gguf.GGMLQuantizationType.Q4_0,
+    "ffn_gate": gguf.GGMLQuantizationType.Q4_1,
+    "ffn_up": gguf.GGMLQuantizationType.Q4_1,
+    "ffn_down": gguf.GGMLQuantizationType.Q8_0,
+}
 _HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -31,8 +41,9 @@ _HF_TO_GGUF = {
 
 
 def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | None = None,
-               quantized: bool = True) -> None:
-    """``quantized=False`` writes every tensor as F32 (a GGUF equal to the HF weights). ``rope_freqs``: Llama 3 frequency factors to store as llama.cpp's converter does (see
+               quantized: bool = True, qtypes: dict | None = None) -> None:
+    """``quantized=False`` writes every tensor as F32 (a GGUF equal to the HF weights); ``qtypes``
+    replaces ``QTYPES`` (e.g. ``KERNEL_QTYPES``). ``rope_freqs``: Llama 3 frequency factors to store as llama.cpp's converter does (see
     ``llama3_rope_freqs``); the model's own rope_scaling is otherwise not written."""
     cfg = model.config
     w = gguf.GGUFWriter(str(out), arch="llama")
@@ -63,7 +74,7 @@ def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | N
                 arr = permute_qk(torch.from_numpy(arr), cfg.num_attention_heads).numpy()
             elif kind == "attn_k":
                 arr = permute_qk(torch.from_numpy(arr), cfg.num_key_value_heads).numpy()
-            qtype = QTYPES.get(kind, gguf.GGMLQuantizationType.F32) if quantized else gguf.GGMLQuantizationType.F32
+            qtype = (qtypes or QTYPES).get(kind, gguf.GGMLQuantizationType.F32) if quantized else gguf.GGMLQuantizationType.F32
             gname = f"blk.{layer}.{kind}.{rest[-1]}"
             if qtype == gguf.GGMLQuantizationType.F32:
                 w.add_tensor(gname, arr)

@@ -101,7 +101,8 @@ class ModelRunner:
             return self.padded_forward(padded)[: padded.num_real]
         meta = self.build_metadata(step)
         # The attention plan of the step, once, before any layer reads it (not inside forward).
-        self.backend.plan(meta, self.block_size, self.model.heads_per_rank, self.model.kv_heads_per_rank)
+        if self.model.uses_attention_backend(self.kv_views, self.backend):
+            self.backend.plan(meta, self.block_size, self.model.heads_per_rank, self.model.kv_heads_per_rank)
         input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
         positions = torch.from_numpy(step.positions).long().to(self.device)
         hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)

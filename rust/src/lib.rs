@@ -11,6 +11,7 @@
 //! - [`block_manager`]: block tables, refcounts, copy-on-write, prefix cache, swap tiers.
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption.
 //! - [`gemv`]: GEMV over GGUF block formats (the CPU decode's linear layers), the one tensor kernel here.
+//! - [`cpu_decode`]: a whole decoder forward on the CPU over GEMV weights (batch-1 decode without torch ops).
 //! - `py` (feature `python`): the PyO3 bindings, and nothing else of PyO3.
 
 pub mod sync;
@@ -19,6 +20,7 @@ pub mod page_pool;
 pub mod block_manager;
 pub mod scheduler;
 pub mod gemv;
+pub mod cpu_decode;
 
 #[cfg(feature = "python")]
 mod py;

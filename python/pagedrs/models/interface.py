@@ -36,6 +36,11 @@ class KvModel(Protocol):
         """(key cache, value cache) of each layer: views into a ``kv_cache_shape`` tensor."""
         ...
 
+    def uses_attention_backend(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
+                               backend: AttentionBackend) -> bool:
+        """Whether a step over ``kv_cache`` attends through ``backend`` (else the runner skips its plan)."""
+        ...
+
     def __call__(
         self,
         input_ids: torch.Tensor,  # int64 [T]

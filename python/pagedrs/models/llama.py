@@ -26,6 +26,7 @@ from torch import nn
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.distributed.parallel_state import all_reduce_, tp_rank, tp_size
 from pagedrs.models.config import ModelConfig
+from pagedrs.models.cpu_decode import FusedCpuDecode
 from pagedrs.models.layers import (
     DenseLinearMethod,
     LinearBase,
@@ -221,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]  # a Parameter
         self._bound: list[BoundLayer] | None = None  # made by bind(), after loading
         self._bound_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # every layer in one Rust call on the CPU when all products run the GGUF kernel (cpu_decode.py)
+        self.fused_cpu_decode: FusedCpuDecode | None = None
 
     @property
     def heads_per_rank(self) -> int:
@@ -297,7 +300,14 @@ class LlamaForCausalLM(nn.Module):
         in-place changes to them need nothing)."""
         self._bound = [layer.bind() for layer in self.model.layers]  # type: ignore[operator]  # DecoderLayer
         self._bound_head = self.lm_head.bind()
+        self.fused_cpu_decode = FusedCpuDecode.build(self)
         return self._bound
+
+    def uses_attention_backend(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
+                               backend: AttentionBackend) -> bool:
+        """False when the fused CPU decode runs the step (it attends itself: the runner need not plan)."""
+        fused = self.fused_cpu_decode
+        return fused is None or not fused.runs(kv_cache, backend)
 
     def forward(
         self,
@@ -311,13 +321,16 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] (normed); ``compute_logits`` turns the rows you need into logits."""
         layers = self._bound if self._bound is not None else self.bind()
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        norm = self.model.norm
+        fused = self.fused_cpu_decode
+        if fused is not None and fused.runs(kv_cache, backend):
+            return rms_norm(fused.forward(h, positions, kv_cache, meta), norm.weight, norm.eps)
         cos, sin = self.rotary(positions, h.dtype)  # once per step, shared by every layer
         residual: torch.Tensor | None = None
         caches = self.kv_layer_views(kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache
         for layer, layer_cache in zip(layers, caches, strict=True):
             h, residual = decoder_layer(layer, h, residual, cos, sin, layer_cache, meta, backend)
         assert residual is not None  # every model has a layer
-        norm = self.model.norm
         return rms_norm(residual.add_(h), norm.weight, norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -66,6 +66,14 @@ class Rotary(nn.Module):
             cos_sin = cos_sin.to(dtype)
         return cos_sin[:, :1], cos_sin[:, 1:]
 
+    def cos_sin_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """float32 [T, 2, head_dim / 2] (each row's cos, then sin) for the fused CPU decode: the same
+        values ``forward`` returns, in one contiguous array."""
+        cos_sin = self._from_table(positions)
+        if cos_sin is None:
+            cos_sin = torch.stack(self._cos_sin(positions), dim=1)
+        return cos_sin.contiguous()
+
     def _from_table(self, positions: torch.Tensor) -> torch.Tensor | None:
         """The table's float32 rows [T, 2, d/2] (cos, sin) for ``positions`` on the CPU; None elsewhere
         (an index past the table is a device-side assert there, not an error) and past the table."""

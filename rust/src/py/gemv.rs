@@ -1,6 +1,8 @@
 //! `pagedrs._core.GgufMatrix`: a GGUF-quantized weight repacked for the GEMV kernels, and
 //! `gemv_kernels()`, the kernels this CPU runs. The GIL is released while a product runs.
 
+use std::sync::Arc;
+
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -14,7 +16,8 @@ fn value_err(e: GemvError) -> PyErr {
 /// A weight `[rows, cols]` from raw GGUF block bytes; `matmul(x)` computes `x @ W.T`.
 #[pyclass(name = "GgufMatrix", module = "pagedrs._core", frozen)]
 pub struct PyGgufMatrix {
-    inner: PackedMatrix,
+    /// Shared with every `DecodeStack` built over this weight (no copy).
+    pub(crate) inner: Arc<PackedMatrix>,
 }
 
 #[pymethods]
@@ -28,7 +31,7 @@ impl PyGgufMatrix {
             PyValueError::new_err(format!("tensor {name:?}: data must be a contiguous 1-D uint8 array"))
         })?;
         let inner = py.detach(|| PackedMatrix::from_gguf(name, raw, rows, cols, fmt)).map_err(value_err)?;
-        Ok(PyGgufMatrix { inner })
+        Ok(PyGgufMatrix { inner: Arc::new(inner) })
     }
 
     #[getter]

@@ -3,6 +3,7 @@
 mod block_manager;
 pub(crate) mod convert;
 mod core_stats;
+mod cpu_decode;
 mod cuda_sources;
 mod gemv;
 mod kv_events;
@@ -23,5 +24,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cuda_sources::register(m)?;
     prefix_hashes::register(m)?;
     gemv::register(m)?;
+    cpu_decode::register(m)?;
     Ok(())
 }

@@ -1,0 +1,126 @@
+"""Every decoder layer of a GGUF model in one Rust call on the CPU (``pagedrs._core.DecodeStack``).
+
+Why: with its linear layers on the Rust GEMV (``gguf_linear``), a batch-1 decode step on a
+2-core Xeon spent about half its time outside them, in ~190 small torch ops per layer (norms,
+rotary, the page gather, SDPA, residual adds): microseconds of dispatch each for nanoseconds
+of work, all on one thread. ``rust/src/cpu_decode`` runs a layer as a few loops over the
+step's rows, attends over the pages in place (no gather, no mask) and shares products and
+attention heads over the GEMV's thread team.
+
+It runs a step when the model is wholly on the kernel (every layer's four products have a
+GGUF matrix, one tensor-parallel rank, float32 activations) and the step's pages are a
+float32 cache read by the torch backend; anything else (fp8 pages, a dense layer, CUDA) takes
+the torch ops of ``llama.decoder_layer``. Every row is computed on its own, so a row's bits do
+not depend on its batch, its thread count or its kind of step (decode, speculative
+verification, prompt): a sequence decodes the same tokens alone or in any batch.
+
+It is not the torch path's bits: the norms' and attention's sums run in another order, about
+1e-6 relative (``tests/test_cpu_decode.py`` bounds the difference; ``tests/test_quant.py``
+measures the quality of what runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedrs.attention.base import AttentionBackend, AttentionMetadata
+from pagedrs.models.gguf_linear import GgufLinearMethod
+from pagedrs.models.layers import LinearBase
+
+if TYPE_CHECKING:
+    from pagedrs.models.llama import LlamaForCausalLM
+
+
+class FusedCpuDecode:
+    """The model's ``DecodeStack`` and what it needs per step (the kernel's thread count, rotary)."""
+
+    def __init__(self, stack: object, methods: list[GgufLinearMethod], model: LlamaForCausalLM) -> None:
+        self.stack = stack
+        self._method = methods[0]  # hand_cpu_threads_to_gemv sets the same count on every layer
+        self._rotary = model.rotary
+        self._layers = model.config.num_hidden_layers
+        self.enabled = True  # False: every step takes the torch ops (tests compare the two)
+
+    @staticmethod
+    def build(model: LlamaForCausalLM) -> FusedCpuDecode | None:
+        """The stack of ``model``, or None when some part of it is not on the kernel."""
+        from pagedrs._core import DecodeStack
+
+        layers = list(model.model.layers)
+        if model.model.embed_tokens.weight.device.type != "cpu" or model.weight_format.params_dtype != torch.float32:
+            return None
+        linears: list[LinearBase] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        # only the fused QKV may carry a bias (Qwen2's); the stack adds no other
+        if not all(_on_kernel(m) for m in linears) or any(m.bias is not None for i, m in enumerate(linears) if i % 4):
+            return None
+        config = model.config
+
+        def f32(t: torch.Tensor) -> np.ndarray:
+            return np.ascontiguousarray(t.detach().to(torch.float32).numpy())
+
+        stack = DecodeStack(
+            input_norms=[f32(layer.input_layernorm.weight) for layer in layers],
+            post_norms=[f32(layer.post_attention_layernorm.weight) for layer in layers],
+            qkv=[layer.self_attn.qkv_proj.gguf_matrix for layer in layers],
+            qkv_bias=[None if layer.self_attn.qkv_proj.bias is None else f32(layer.self_attn.qkv_proj.bias)
+                      for layer in layers],
+            o=[layer.self_attn.o_proj.gguf_matrix for layer in layers],
+            gate_up=[layer.mlp.gate_up_proj.gguf_matrix for layer in layers],
+            down=[layer.mlp.down_proj.gguf_matrix for layer in layers],
+            sliding_windows=[layer.self_attn.sliding_window for layer in layers],
+            hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, intermediate=config.intermediate_size, eps=config.rms_norm_eps,
+            scale=config.head_dim**-0.5,
+        )
+        return FusedCpuDecode(stack, [m.method for m in linears], model)  # type: ignore[misc]  # checked above
+
+    def runs(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> bool:
+        """Whether this step runs here: a float32 CPU cache that the torch backend reads."""
+        from pagedrs.attention.torch_backend import TorchAttentionBackend
+
+        if not self.enabled or not isinstance(backend, TorchAttentionBackend):
+            return False
+        first = kv_cache[0] if isinstance(kv_cache, torch.Tensor) else kv_cache[0][0]
+        return first.dtype == torch.float32 and first.device.type == "cpu"
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor,
+                kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """``residual + h`` after the last layer [T, hidden] (before the final norm); writes the K/V."""
+        cache = _whole_cache(kv_cache, self._layers)
+        threads = self._method.threads or torch.get_num_threads()
+        out = self.stack.forward(  # type: ignore[attr-defined]  # pagedrs._core.DecodeStack
+            h.numpy(), self._rotary.cos_sin_rows(positions).numpy(), cache.numpy(),
+            meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
+            meta.block_tables.numpy(), threads,
+        )
+        return torch.from_numpy(out)
+
+
+def _on_kernel(layer: LinearBase) -> bool:
+    return (isinstance(layer.method, GgufLinearMethod) and getattr(layer, "gguf_matrix", None) is not None
+            and layer.tp_size == 1)
+
+
+def _whole_cache(kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], layers: int) -> torch.Tensor:
+    """The ``[layers, 2, blocks, block_size, kv_heads, d]`` tensor behind ``kv_layer_views`` (the runner
+    hands the views; they are its slices, so their base is the cache)."""
+    if isinstance(kv_cache, torch.Tensor):
+        whole = kv_cache
+    else:
+        base = kv_cache[0][0]._base
+        if base is None or base.dim() != 6 or base.shape[0] != layers or len(kv_cache) != layers \
+                or kv_cache[-1][1].data_ptr() != base[-1, 1].data_ptr():
+            raise ValueError("kv_cache: the fused CPU decode needs the views of one [layers, 2, ...] cache tensor "
+                             "(ModelRunner.kv_views)")
+        whole = base
+    if not whole.is_contiguous():
+        raise ValueError(f"kv_cache: must be contiguous; got strides {whole.stride()}")
+    return whole

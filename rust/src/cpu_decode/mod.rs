@@ -1,0 +1,26 @@
+//! A whole decoder forward (every layer but the embedding lookup and the final norm) on the
+//! CPU in one call, for models whose linear layers all run the GGUF GEMV ([`crate::gemv`]).
+//!
+//! Why: with the linear layers on the Rust kernel, a batch-1 decode step on a 2-core Xeon
+//! spent about half its time in ~190 small torch ops per layer (norms, rotary, the page
+//! gather, SDPA, residual adds), each costing microseconds of dispatch for nanoseconds of
+//! work, and all of it on one thread. Here a layer is a handful of loops over the step's
+//! rows, and attention reads the pages where they are (no gather, no mask).
+//!
+//! Every row is computed on its own: its norms, its products (the GEMV's rows are
+//! independent), its attention over its own visible keys. So a row's bits do not depend on
+//! which other rows share the step, how many threads run it, or whether it is a decode
+//! token, a speculative verification row or a prompt token (batch-invariant by construction).
+//!
+//! Files: [`step`] (the step's rows, validated once), [`ops`] (norm, rotary, activation,
+//! dot), [`attention`] (paged attention over block tables), [`stack`] (the layers), [`error`].
+
+pub mod attention;
+pub mod error;
+pub mod ops;
+pub mod stack;
+pub mod step;
+
+pub use error::DecodeError;
+pub use stack::{DecodeStack, LayerWeights, StackGeometry};
+pub use step::{KvGeometry, StepLayout, StepMeta};

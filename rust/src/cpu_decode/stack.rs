@@ -1,0 +1,211 @@
+//! The decoder layers of one model, and their forward over one step.
+//!
+//! Per layer, in transformers' order (`pagedrs.models.llama.decoder_layer` is the same
+//! sequence in torch ops):
+//!
+//! ```text
+//!   residual += h              (layer 0: residual = the embeddings)
+//!   x = rms_norm(residual)     -> qkv = x W_qkv^T (+ bias) -> rotary on q, k -> K/V to their slots
+//!   o = attention(q, pages)    -> residual += o W_o^T
+//!   x = rms_norm(residual)     -> h = (silu(gate) * up) W_down^T   with [gate | up] = x W_gate_up^T
+//! ```
+//!
+//! and after the last layer `residual + h` is returned: the caller applies the final norm
+//! (with the model's other norms in one place) and the head.
+
+use std::sync::Arc;
+
+use super::attention::{attend, LayerAttention};
+use super::error::DecodeError;
+use super::ops::{add, rms_norm, rotary, silu_mul};
+use super::step::{KvGeometry, StepLayout, StepMeta};
+use crate::gemv::{pool, Kernel, PackedMatrix};
+
+/// One decoder layer's weights: norms in float32, products as packed GGUF matrices.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub input_norm: Vec<f32>,
+    pub post_norm: Vec<f32>,
+    pub qkv: Arc<PackedMatrix>,
+    pub qkv_bias: Option<Vec<f32>>,
+    pub o: Arc<PackedMatrix>,
+    pub gate_up: Arc<PackedMatrix>,
+    pub down: Arc<PackedMatrix>,
+    pub sliding_window: Option<usize>,
+}
+
+/// The shapes every layer shares.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StackGeometry {
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub eps: f32,
+    pub scale: f32,
+}
+
+impl StackGeometry {
+    fn qkv_width(&self) -> usize {
+        (self.heads + 2 * self.kv_heads) * self.head_dim
+    }
+}
+
+#[derive(Debug)]
+pub struct DecodeStack {
+    geo: StackGeometry,
+    layers: Vec<LayerWeights>,
+}
+
+fn weights(field: String, reason: String) -> DecodeError {
+    DecodeError::Weights { field, reason }
+}
+
+fn check_matrix(l: usize, name: &str, m: &PackedMatrix, rows: usize, cols: usize) -> Result<(), DecodeError> {
+    if (m.rows(), m.cols()) != (rows, cols) {
+        return Err(weights(
+            format!("layers[{l}].{name}"),
+            format!("tensor {:?} is [{}, {}]; the geometry needs [{rows}, {cols}]", m.name(), m.rows(), m.cols()),
+        ));
+    }
+    Ok(())
+}
+
+fn check_vector(l: usize, name: &str, v: &[f32], len: usize) -> Result<(), DecodeError> {
+    if v.len() != len {
+        return Err(weights(format!("layers[{l}].{name}"), format!("has {} values; the geometry needs {len}", v.len())));
+    }
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        return Err(weights(format!("layers[{l}].{name}"), format!("value {i} is {}; weights must be finite", v[i])));
+    }
+    Ok(())
+}
+
+impl DecodeStack {
+    /// Checks every layer against `geo` (shapes, finite norms and biases, a positive window).
+    pub fn new(geo: StackGeometry, layers: Vec<LayerWeights>) -> Result<Self, DecodeError> {
+        let g = &geo;
+        let positive = [("hidden", g.hidden), ("heads", g.heads), ("kv_heads", g.kv_heads), ("head_dim", g.head_dim),
+                        ("intermediate", g.intermediate)];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(weights(name.to_string(), "is 0; must be >= 1".to_string()));
+            }
+        }
+        if g.heads % g.kv_heads != 0 || g.head_dim % 2 != 0 {
+            return Err(weights("heads".to_string(), format!(
+                "{} query heads, {} kv heads, head_dim {}: need heads a multiple of kv_heads and an even head_dim",
+                g.heads, g.kv_heads, g.head_dim
+            )));
+        }
+        if !(g.eps.is_finite() && g.eps >= 0.0 && g.scale.is_finite()) {
+            return Err(weights("eps".to_string(), format!("eps {} and scale {} must be finite (eps >= 0)", g.eps, g.scale)));
+        }
+        if layers.is_empty() {
+            return Err(weights("layers".to_string(), "is empty; a model has >= 1 layer".to_string()));
+        }
+        let (h, q) = (g.hidden, g.heads * g.head_dim);
+        for (l, w) in layers.iter().enumerate() {
+            check_vector(l, "input_norm", &w.input_norm, h)?;
+            check_vector(l, "post_norm", &w.post_norm, h)?;
+            check_matrix(l, "qkv", &w.qkv, g.qkv_width(), h)?;
+            if let Some(b) = &w.qkv_bias {
+                check_vector(l, "qkv_bias", b, g.qkv_width())?;
+            }
+            check_matrix(l, "o", &w.o, h, q)?;
+            check_matrix(l, "gate_up", &w.gate_up, 2 * g.intermediate, h)?;
+            check_matrix(l, "down", &w.down, h, g.intermediate)?;
+            if w.sliding_window == Some(0) {
+                return Err(weights(format!("layers[{l}].sliding_window"), "is 0; must be >= 1 or none".to_string()));
+            }
+        }
+        Ok(DecodeStack { geo, layers })
+    }
+
+    pub fn geometry(&self) -> StackGeometry {
+        self.geo
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    /// Runs every layer over the step's `T` rows: `h` `[T, hidden]` (the embeddings),
+    /// `cos_sin` `[T, 2, head_dim / 2]` (each row's cos then sin), `kv` the whole cache of
+    /// geometry `kvg`, which gets this step's K/V. Returns `residual + h` of the last layer
+    /// `[T, hidden]`. Everything is checked before the first write to `kv`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward(
+        &self,
+        h: &[f32],
+        cos_sin: &[f32],
+        kv: &mut [f32],
+        kvg: KvGeometry,
+        meta: StepMeta<'_>,
+        threads: usize,
+        kernel: Kernel,
+    ) -> Result<Vec<f32>, DecodeError> {
+        let g = &self.geo;
+        let step_err = |field, reason| DecodeError::Step { field, reason };
+        if h.is_empty() || h.len() % g.hidden != 0 {
+            return Err(step_err("hidden", format!("has {} values; need [T >= 1, {}]", h.len(), g.hidden)));
+        }
+        let t = h.len() / g.hidden;
+        if cos_sin.len() != t * g.head_dim {
+            return Err(step_err("cos_sin", format!("has {} values; [{t}, 2, {}] needs {}", cos_sin.len(), g.head_dim / 2,
+                                                     t * g.head_dim)));
+        }
+        let want = KvGeometry { layers: self.layers.len(), kv_heads: g.kv_heads, head_dim: g.head_dim, ..kvg };
+        if kvg != want || kvg.block_size == 0 || kv.len() != kvg.len() {
+            return Err(step_err("kv_cache", format!(
+                "is {kvg:?} with {} values; this model needs {} layers, {} kv heads, head_dim {} and block_size >= 1",
+                kv.len(), self.layers.len(), g.kv_heads, g.head_dim
+            )));
+        }
+        pool::check_threads(threads)?;
+        let step = StepLayout::new(meta, t, &kvg)?;
+        let (d, kvh, w) = (g.head_dim, g.kv_heads, g.qkv_width());
+        let mut residual = h.to_vec();
+        let mut x = vec![0f32; t * g.hidden];
+        let mut qkv = vec![0f32; t * w];
+        let mut o = vec![0f32; t * g.heads * d];
+        let mut out = vec![0f32; t * g.hidden];
+        let mut gate_up = vec![0f32; t * 2 * g.intermediate];
+        let mut act = vec![0f32; t * g.intermediate];
+        let plane = kvg.plane();
+        for (l, lw) in self.layers.iter().enumerate() {
+            if l > 0 {
+                add(&mut residual, &out);
+            }
+            rms_norm(&residual, &lw.input_norm, g.eps, &mut x);
+            lw.qkv.matmul(&x, t, &mut qkv, threads, kernel)?;
+            for (r, row) in qkv.chunks_exact_mut(w).enumerate() {
+                if let Some(b) = &lw.qkv_bias {
+                    add(row, b);
+                }
+                rotary(row, g.heads + kvh, d, &cos_sin[r * d..(r + 1) * d]);
+            }
+            let (k_plane, rest) = kv[l * 2 * plane..(l + 1) * 2 * plane].split_at_mut(plane);
+            for (row, r) in qkv.chunks_exact(w).zip(&step.rows) {
+                for j in 0..kvh {
+                    let at = kvg.slot_offset(r.slot, j);
+                    k_plane[at..at + d].copy_from_slice(&row[(g.heads + j) * d..][..d]);
+                    rest[at..at + d].copy_from_slice(&row[(g.heads + kvh + j) * d..][..d]);
+                }
+            }
+            let layer = LayerAttention {
+                k_plane, v_plane: rest, heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window,
+            };
+            attend(&layer, &qkv, &step, &kvg, &mut o, threads)?;
+            lw.o.matmul(&o, t, &mut out, threads, kernel)?;
+            add(&mut residual, &out);
+            rms_norm(&residual, &lw.post_norm, g.eps, &mut x);
+            lw.gate_up.matmul(&x, t, &mut gate_up, threads, kernel)?;
+            silu_mul(&gate_up, g.intermediate, &mut act);
+            lw.down.matmul(&act, t, &mut out, threads, kernel)?;
+        }
+        add(&mut residual, &out);
+        Ok(residual)
+    }
+}

@@ -1,0 +1,147 @@
+//! `pagedrs._core.DecodeStack`: every decoder layer of a GGUF model in one call on the CPU
+//! (`crate::cpu_decode`). Inputs are NumPy arrays (a CPU torch tensor's `.numpy()` is a view);
+//! the KV cache is written in place. The GIL is released while the layers run.
+
+use numpy::ndarray::Dimension;
+use numpy::{
+    Element, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2,
+    PyReadonlyArray3, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use super::gemv::PyGgufMatrix;
+use crate::cpu_decode::{DecodeError, DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
+use crate::gemv::Kernel;
+
+fn value_err(e: DecodeError) -> PyErr {
+    PyValueError::new_err(e.to_string())
+}
+
+/// The array's memory as a slice; `field` names it when it is not C-contiguous.
+fn contiguous<'a, T: Element, D: Dimension>(a: &'a PyReadonlyArray<'_, T, D>, field: &str) -> PyResult<&'a [T]> {
+    match a.as_slice() {
+        Ok(s) if a.is_c_contiguous() => Ok(s),
+        _ => Err(PyValueError::new_err(format!("{field}: must be a C-contiguous array"))),
+    }
+}
+
+fn vector(a: &PyReadonlyArray1<'_, f32>, field: &str) -> PyResult<Vec<f32>> {
+    Ok(contiguous(a, field)?.to_vec())
+}
+
+#[pyclass(name = "DecodeStack", module = "pagedrs._core", frozen)]
+pub struct PyDecodeStack {
+    inner: DecodeStack,
+}
+
+#[pymethods]
+impl PyDecodeStack {
+    /// One entry per layer in each list; the matrices are shared, not copied.
+    #[new]
+    #[pyo3(signature = (*, input_norms, post_norms, qkv, qkv_bias, o, gate_up, down, sliding_windows, hidden, heads,
+                        kv_heads, head_dim, intermediate, eps, scale))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        input_norms: Vec<PyReadonlyArray1<'_, f32>>,
+        post_norms: Vec<PyReadonlyArray1<'_, f32>>,
+        qkv: Vec<PyRef<'_, PyGgufMatrix>>,
+        qkv_bias: Vec<Option<PyReadonlyArray1<'_, f32>>>,
+        o: Vec<PyRef<'_, PyGgufMatrix>>,
+        gate_up: Vec<PyRef<'_, PyGgufMatrix>>,
+        down: Vec<PyRef<'_, PyGgufMatrix>>,
+        sliding_windows: Vec<Option<usize>>,
+        hidden: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        intermediate: usize,
+        eps: f32,
+        scale: f32,
+    ) -> PyResult<Self> {
+        let n = qkv.len();
+        let lens = [("input_norms", input_norms.len()), ("post_norms", post_norms.len()), ("qkv_bias", qkv_bias.len()),
+                    ("o", o.len()), ("gate_up", gate_up.len()), ("down", down.len()),
+                    ("sliding_windows", sliding_windows.len())];
+        for (name, len) in lens {
+            if len != n {
+                return Err(PyValueError::new_err(format!("{name}: has {len} entries; qkv has {n} (one per layer)")));
+            }
+        }
+        let mut layers = Vec::with_capacity(n);
+        for l in 0..n {
+            layers.push(LayerWeights {
+                input_norm: vector(&input_norms[l], &format!("input_norms[{l}]"))?,
+                post_norm: vector(&post_norms[l], &format!("post_norms[{l}]"))?,
+                qkv: qkv[l].inner.clone(),
+                qkv_bias: qkv_bias[l].as_ref().map(|b| vector(b, &format!("qkv_bias[{l}]"))).transpose()?,
+                o: o[l].inner.clone(),
+                gate_up: gate_up[l].inner.clone(),
+                down: down[l].inner.clone(),
+                sliding_window: sliding_windows[l],
+            });
+        }
+        let geo = StackGeometry { hidden, heads, kv_heads, head_dim, intermediate, eps, scale };
+        Ok(PyDecodeStack { inner: DecodeStack::new(geo, layers).map_err(value_err)? })
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+
+    /// `residual + h` after the last layer, float32 `[T, hidden]`; writes the step's K/V into
+    /// `kv_cache` (float32 `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`).
+    /// `kernel` None picks the fastest GEMV this CPU runs.
+    #[pyo3(signature = (hidden, cos_sin, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, threads = 1,
+                        kernel = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward<'py>(
+        &self,
+        py: Python<'py>,
+        hidden: PyReadonlyArray2<'py, f32>,
+        cos_sin: PyReadonlyArray3<'py, f32>,
+        mut kv_cache: PyReadwriteArrayDyn<'py, f32>,
+        slot_mapping: PyReadonlyArray1<'py, i64>,
+        query_start_loc: PyReadonlyArray1<'py, i32>,
+        seq_lens: PyReadonlyArray1<'py, i32>,
+        block_tables: PyReadonlyArray2<'py, i32>,
+        threads: usize,
+        kernel: Option<&str>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let kernel = match kernel {
+            None => Kernel::best(),
+            Some(k) => Kernel::parse(k).filter(|k| k.supported()).ok_or_else(|| {
+                PyValueError::new_err(format!("kernel: {k:?} is unknown or not run by this CPU; allowed: {:?}",
+                                              Kernel::available().into_iter().map(Kernel::name).collect::<Vec<_>>()))
+            })?,
+        };
+        let shape = kv_cache.shape().to_vec();
+        if shape.len() != 6 || shape[1] != 2 || !kv_cache.is_c_contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "kv_cache: has shape {shape:?}; need a C-contiguous [layers, 2, num_blocks, block_size, kv_heads, head_dim]"
+            )));
+        }
+        let kvg = KvGeometry { layers: shape[0], num_blocks: shape[2], block_size: shape[3], kv_heads: shape[4],
+                               head_dim: shape[5] };
+        let rows = hidden.shape()[0];
+        let width = block_tables.shape()[1];
+        let h = contiguous(&hidden, "hidden")?;
+        let cs = contiguous(&cos_sin, "cos_sin")?;
+        let meta = StepMeta {
+            slot_mapping: contiguous(&slot_mapping, "slot_mapping")?,
+            query_start_loc: contiguous(&query_start_loc, "query_start_loc")?,
+            seq_lens: contiguous(&seq_lens, "seq_lens")?,
+            block_tables: contiguous(&block_tables, "block_tables")?,
+            table_width: width,
+        };
+        let kv = kv_cache.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
+        let out = py.detach(|| self.inner.forward(h, cs, kv, kvg, meta, threads, kernel)).map_err(value_err)?;
+        let hidden_size = self.inner.geometry().hidden;
+        PyArray1::from_vec(py, out).reshape([rows, hidden_size])
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyDecodeStack>()
+}

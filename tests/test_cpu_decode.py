@@ -1,0 +1,222 @@
+"""The fused CPU decode (``models/cpu_decode.py``, ``rust/src/cpu_decode``): every layer of a GGUF model
+in one Rust call.
+
+What must hold: it computes what the torch ops compute (to float rounding); every row is computed on
+its own, so a sequence's logits are the same bits alone or in a batch, on 1 or 2 threads, prefilled
+whole or in chunks, decoded plainly or verified speculatively, from a prefix-cache hit or not; steps it
+does not cover (fp8 pages, a model not wholly on the kernel) take the torch ops; a malformed step is a
+ValueError naming the field, raised before the cache is touched. Quality against float32 is measured
+in ``tests/test_quant.py`` (what runs there is this path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_driver import BlockPool, PagedSeq, build_step, greedy_generate
+from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs.model_runner import ModelRunner
+from pagedrs.models import load_model
+from pagedrs.models.gguf_linear import GgufLinearMethod
+from pagedrs.models.layers import LinearBase
+
+pytestmark = pytest.mark.skipif(
+    len(__import__("pagedrs._core", fromlist=["gemv_kernels"]).gemv_kernels()) < 2,
+    reason="gguf needs a SIMD GEMV kernel on this CPU",
+)
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return load_model("smollm2-135m", weight_dtype="gguf")
+
+
+@pytest.fixture(scope="module")
+def token_prompts(gguf):
+    tok = gguf.tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):",
+             "Once upon a time, in a small village by the sea, there lived an old fisherman who every morning",
+             "To make a cup of tea, first boil the water, then",
+             "red green blue yellow red green blue yellow red green blue yellow red green blue yellow red green"]  # prompt lookup finds this one
+    return [tok.encode(t) for t in texts]
+
+
+def runner(loaded, blocks: int = 48, **kw) -> ModelRunner:
+    return ModelRunner(loaded, num_gpu_blocks=blocks, num_cpu_blocks=0, block_size=BLOCK, **kw)
+
+
+def set_fused(loaded, on: bool) -> None:
+    loaded.model.fused_cpu_decode.enabled = on
+
+
+def mixed_steps(prompts: list[list[int]], seed: int):
+    """A prefill step of every prompt, then a mixed step: one sequence's prompt chunk, the others' decode."""
+    pool = BlockPool(48, seed)
+    seqs = [PagedSeq(list(p)) for p in prompts]
+    first = build_step(seqs[:-1], [len(p) for p in prompts[:-1]], BLOCK, pool)
+    for s, p in zip(seqs[:-1], prompts[:-1], strict=True):
+        s.num_computed = len(p)
+        s.token_ids.append(7)  # any next token
+    second = build_step(seqs, [1] * (len(seqs) - 1) + [len(prompts[-1])], BLOCK, pool)
+    return first, second
+
+
+def test_the_model_is_wholly_on_the_kernel_and_runs_fused(gguf):
+    fused = gguf.model.fused_cpu_decode
+    assert fused is not None and fused.enabled
+    assert fused.stack.num_layers == gguf.config.num_hidden_layers
+    r = runner(gguf)
+    assert not gguf.model.uses_attention_backend(r.kv_views, r.backend)  # the runner skips the torch plan
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A 2-layer random llama written as a GGUF whose every product is in a kernel format (Q8_0, Q4_0, Q4_1):
+    two layers leave the int8 activation rounding no room to compound, so both paths must agree to float
+    rounding."""
+    from conftest import make_tiny_model
+    from gguf_writer import KERNEL_QTYPES, write_gguf
+
+    d = tmp_path_factory.mktemp("tiny-kernel-gguf")
+    write_gguf(make_tiny_model("llama", d / "hf"), d / "hf", d / "tiny.gguf", qtypes=KERNEL_QTYPES)
+    return load_model(d / "tiny.gguf", weight_dtype="gguf")
+
+
+@pytest.mark.parametrize("variant", ["plain", "sliding_window", "qkv_bias"])
+def test_fused_computes_what_the_torch_ops_compute(tiny_gguf, variant):
+    """Same steps (prefills, then decode rows beside a prompt) through both paths from empty caches:
+    logits and every written K/V agree to float rounding (measured 3e-7 of the scale); a window
+    (Mistral's) and a QKV bias (Qwen2's) change the result and both paths agree on the change."""
+    model = tiny_gguf.model
+    layers = list(model.model.layers)
+    if variant == "sliding_window":
+        for layer in layers:
+            layer.self_attn.sliding_window = 8
+    if variant == "qkv_bias":
+        g = torch.Generator().manual_seed(0)
+        for layer in layers:
+            qkv = layer.self_attn.qkv_proj
+            qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_per_rank, generator=g) * 0.3, requires_grad=False)
+    model.bind()
+    prompts = [list(range(3, 3 + n)) for n in (5, 20, 9, 30)]
+    logits, caches = {}, {}
+    try:
+        for on in (True, False):
+            set_fused(tiny_gguf, on)
+            r = runner(tiny_gguf)
+            first, second = mixed_steps(prompts, seed=3)
+            logits[on] = torch.cat([r.execute(first), r.execute(second)])
+            caches[on] = r.kv_cache.clone()
+    finally:
+        for layer in layers:
+            layer.self_attn.sliding_window, layer.self_attn.qkv_proj.bias = None, None
+        model.bind()
+    a, b = logits[True], logits[False]
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    assert (caches[True] - caches[False]).abs().max() <= 1e-5 * caches[False].abs().max()
+    assert (caches[False] != 0).any()
+    if variant != "plain":  # the variant took effect: not the plain model's logits
+        set_fused(tiny_gguf, True)
+        r = runner(tiny_gguf)
+        first, second = mixed_steps(prompts, seed=3)
+        plain = torch.cat([r.execute(first), r.execute(second)])
+        assert (plain - a).abs().max() > 1e-2 * b.abs().max()
+
+
+def set_threads(loaded, threads: int | None) -> None:
+    """The GEMV team size of every layer (what ``hand_cpu_threads_to_gemv`` sets, without touching torch's)."""
+    for m in loaded.model.modules():
+        if isinstance(m, LinearBase) and isinstance(m.method, GgufLinearMethod):
+            m.method.threads = threads
+
+
+def test_a_row_is_the_same_bits_alone_in_a_batch_and_on_two_threads(gguf, token_prompts):
+    batched = {}
+    try:
+        for threads in (1, 2):
+            set_threads(gguf, threads)
+            r = runner(gguf)
+            first, second = mixed_steps(token_prompts, seed=5)
+            r.execute(first)
+            batched[threads] = r.execute(second)
+    finally:
+        set_threads(gguf, None)
+    assert torch.equal(batched[1], batched[2])
+    p = token_prompts[4]
+    alone = runner(gguf).execute(build_step([PagedSeq(list(p))], [len(p)], BLOCK, BlockPool(48)))
+    # row 4 of the mixed step is the last prompt's prefill, in a batch with three decode rows
+    assert torch.equal(batched[1][4], alone[0])
+
+
+def test_chunked_prefill_and_shuffled_pages_give_the_same_tokens(gguf, token_prompts):
+    whole = greedy_generate(runner(gguf), token_prompts, 8)
+    assert greedy_generate(runner(gguf), token_prompts, 8, shuffle_seed=2, chunk_size=5) == whole
+    assert [greedy_generate(runner(gguf), [p], 8)[0] for p in token_prompts] == whole
+
+
+def test_engine_modes_decode_what_a_sequence_decodes_alone(gguf, token_prompts):
+    """Prefix caching, chunked prefill and speculative verification rows, in one engine: each request's
+    tokens are those of the runner decoding it alone."""
+    alone = [greedy_generate(runner(gguf), [p], 12)[0] for p in token_prompts]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "disable_by_batch_size": None}
+    engine = Engine(EngineArgs(model="smollm2-135m", weight_dtype="gguf", block_size=BLOCK, num_gpu_blocks=64,
+                               swap_space_gb=0.001, max_model_len=256, enable_prefix_caching=True,
+                               max_num_batched_tokens=24, speculative_config=spec, cpu_threads=2))
+    assert engine.loaded.model.fused_cpu_decode is not None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for rnd in range(2):  # the second round's prompts hit the prefix cache
+        for i, p in enumerate(token_prompts):
+            engine.add_request(f"{rnd}-{i}", p, params)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert [done[f"{rnd}-{i}"] for i in range(len(token_prompts))] == alone, rnd
+    stats = engine.stats()
+    assert (stats["prefix_hits"], stats["num_failed_steps"]) == (2, 0)  # two prompts fill a block
+    assert stats["spec_accepted"] > 0
+
+
+def test_steps_it_does_not_cover_take_the_torch_ops(gguf):
+    r = runner(gguf, kv_cache_dtype=torch.float8_e4m3fn)
+    assert gguf.model.uses_attention_backend(r.kv_views, r.backend)
+    step = build_step([PagedSeq([1, 2, 3])], [3], BLOCK, BlockPool(48))
+    assert torch.isfinite(r.execute(step)).all()
+    set_fused(gguf, False)
+    try:
+        assert gguf.model.uses_attention_backend(runner(gguf).kv_views, runner(gguf).backend)
+    finally:
+        set_fused(gguf, True)
+    assert load_model("smollm2-135m", weight_dtype="int4").model.fused_cpu_decode is None
+
+
+@pytest.mark.parametrize(("field", "corrupt", "message"), [
+    ("slot_mapping", lambda s: s.slot_mapping.__setitem__(0, s.slot_mapping[0] + 1),
+     "slot_mapping: row 0 (sequence 0, position 0) has slot"),
+    ("block_tables", lambda s: s.block_tables.__setitem__((0, 0), 10**6), "block_tables: sequence 0, entry 0 is block"),
+    ("seq_lens", lambda s: s.seq_lens.__setitem__(0, 10**6), "seq_lens: sequence 0 has length 1000000"),
+])
+def test_a_malformed_step_is_refused_before_the_cache_is_written(gguf, field, corrupt, message):
+    r = runner(gguf)
+    step = build_step([PagedSeq([1, 2, 3, 4])], [4], BLOCK, BlockPool(48))
+    corrupt(step)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        r.execute(step)
+    assert not r.kv_cache.any()  # nothing written
+
+
+def test_a_non_finite_activation_names_the_tensor(gguf):
+    r = runner(gguf)
+    step = build_step([PagedSeq([1, 2])], [2], BLOCK, BlockPool(48))
+    weight = gguf.model.model.embed_tokens.weight
+    saved = weight[2].clone()
+    weight[2] = float("nan")
+    try:
+        with pytest.raises(ValueError, match=r"tensor .*q_proj.* is NaN or infinite"):
+            r.execute(step)
+    finally:
+        weight[2] = saved
