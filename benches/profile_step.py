@@ -6,7 +6,9 @@ the executor (input preparation + forward), and the engine's sampling and output
 It answers whether overlapping the next step's scheduling with the forward could pay.
 Inside the executor, the model's linear layers (GEMM or packed int8/int4 kernel, with the
 activation casts the packed kernels need) are timed apart: what is left of the forward is
-attention, norms, rotary and the Python around them. ``--torch-profile N`` adds
+attention, norms, rotary and the Python around them. A GGUF model on the fused CPU decode
+(``models/cpu_decode.py``) runs its layers in one Rust call, which reports its own split (GEMV
+products, added to the linear layers; attention; the elementwise ops). ``--torch-profile N`` adds
 torch.profiler's N costliest ops (self CPU time) of the same run.
 
     python benches/profile_step.py [--threads N] [--batch B] [--weight-dtype int8] [--torch-profile 25]
@@ -60,9 +62,12 @@ def _timed(obj: Any, name: str, key: str, acc: dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
+_LINEAR = "  of which linear layers (kernels + casts)"
+
+
 def _time_linears(model: Any, acc: dict[str, float]) -> None:
     """Times the bound linear closures the forward pass calls (see ``LinearMethod.bind``)."""
-    key = "  of which linear layers (kernels + casts)"
+    key = _LINEAR
 
     def timed(fn: Any) -> Any:
         def wrapper(x: Any) -> Any:
@@ -112,6 +117,9 @@ def main() -> None:
     prompts = [{"prompt_token_ids": rng.integers(100, 40000, 120).tolist()} for _ in range(args.batch)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     acc.clear()
+    fused = engine.executor.loaded.model.fused_cpu_decode
+    if fused is not None:
+        fused.stack.reset_timings()
     _timed(engine, "step", "Engine.step (total)", acc)
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     profiler = torch.profiler.profile() if args.torch_profile else contextlib.nullcontext()
@@ -120,6 +128,11 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - start
     total = acc["Engine.step (total)"]
+    if fused is not None:
+        products, attention, elementwise, _ = fused.stack.timings()
+        acc[_LINEAR] += products
+        acc["  of which fused attention (Rust)"] = attention
+        acc["  of which fused norms, rotary, K/V writes (Rust)"] = elementwise
     print(f"batch {args.batch} x {args.tokens} tokens, {args.threads} threads: {wall:.2f} s wall, "
           f"{args.batch * args.tokens / wall:.1f} tokens/s")
     for key, seconds in sorted(acc.items(), key=lambda kv: -kv[1]):

@@ -376,5 +376,49 @@ class GgufMatrix:
     def matmul(self, x: object, threads: int = 1, kernel: str | None = None) -> npt.NDArray[np.float32]:
         """``x @ W.T`` [M, rows] for a float32 [M, cols] array or CPU tensor; ``kernel`` None = the fastest."""
 
+class DecodeStack:
+    """Every decoder layer of a GGUF model (``GgufMatrix`` products, float32 norms) run in one call on
+    the CPU: norms, rotary, K/V writes, paged attention over the pages in place. Each row is computed
+    on its own (batch-invariant). Bad shapes or step metadata raise ValueError naming the field."""
+
+    def __init__(
+        self,
+        *,
+        input_norms: list[npt.NDArray[np.float32]],
+        post_norms: list[npt.NDArray[np.float32]],
+        qkv: list[GgufMatrix],
+        qkv_bias: list[npt.NDArray[np.float32] | None],
+        o: list[GgufMatrix],
+        gate_up: list[GgufMatrix],
+        down: list[GgufMatrix],
+        sliding_windows: list[int | None],
+        hidden: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        eps: float,
+        scale: float,
+    ) -> None: ...
+    @property
+    def num_layers(self) -> int: ...
+    def timings(self) -> tuple[float, float, float, int]:
+        """Seconds in (GEMV products, attention, elementwise ops) and steps run since ``reset_timings``."""
+    def reset_timings(self) -> None: ...
+    def forward(
+        self,
+        hidden: npt.NDArray[np.float32],
+        cos_sin: npt.NDArray[np.float32],
+        kv_cache: npt.NDArray[np.float32],
+        slot_mapping: npt.NDArray[np.int64],
+        query_start_loc: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+        block_tables: npt.NDArray[np.int32],
+        threads: int = 1,
+        kernel: str | None = None,
+    ) -> npt.NDArray[np.float32]:
+        """``residual + h`` after the last layer [T, hidden]; writes the step's K/V into ``kv_cache``
+        ([layers, 2, blocks, block_size, kv_heads, head_dim]), after checking everything."""
+
 def gemv_kernels() -> list[str]:
     """The GEMV kernels this CPU runs (run-time detection), slowest first: "scalar", "avx2", "avx512_vnni"."""

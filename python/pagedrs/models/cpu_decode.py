@@ -22,7 +22,7 @@ measures the quality of what runs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -32,13 +32,14 @@ from pagedrs.models.gguf_linear import GgufLinearMethod
 from pagedrs.models.layers import LinearBase
 
 if TYPE_CHECKING:
-    from pagedrs.models.llama import LlamaForCausalLM
+    from pagedrs._core import DecodeStack
+    from pagedrs.models.llama import DecoderLayer, LlamaForCausalLM
 
 
 class FusedCpuDecode:
     """The model's ``DecodeStack`` and what it needs per step (the kernel's thread count, rotary)."""
 
-    def __init__(self, stack: object, methods: list[GgufLinearMethod], model: LlamaForCausalLM) -> None:
+    def __init__(self, stack: DecodeStack, methods: list[GgufLinearMethod], model: LlamaForCausalLM) -> None:
         self.stack = stack
         self._method = methods[0]  # hand_cpu_threads_to_gemv sets the same count on every layer
         self._rotary = model.rotary
@@ -48,15 +49,14 @@ class FusedCpuDecode:
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedCpuDecode | None:
         """The stack of ``model``, or None when some part of it is not on the kernel."""
-        from pagedrs._core import DecodeStack
+        from pagedrs._core import DecodeStack, GgufMatrix
 
-        layers = list(model.model.layers)
+        layers = [cast("DecoderLayer", layer) for layer in model.model.layers]
         if model.model.embed_tokens.weight.device.type != "cpu" or model.weight_format.params_dtype != torch.float32:
             return None
-        linears: list[LinearBase] = []
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        # per layer: qkv, o, gate_up, down
+        linears: list[LinearBase] = [m for layer in layers for m in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         # only the fused QKV may carry a bias (Qwen2's); the stack adds no other
         if not all(_on_kernel(m) for m in linears) or any(m.bias is not None for i, m in enumerate(linears) if i % 4):
             return None
@@ -65,21 +65,21 @@ class FusedCpuDecode:
         def f32(t: torch.Tensor) -> np.ndarray:
             return np.ascontiguousarray(t.detach().to(torch.float32).numpy())
 
+        def matrices(k: int) -> list[GgufMatrix]:
+            return [getattr(m, "gguf_matrix") for m in linears[k::4]]  # noqa: B009  # set by install_gguf_weights
+
         stack = DecodeStack(
             input_norms=[f32(layer.input_layernorm.weight) for layer in layers],
             post_norms=[f32(layer.post_attention_layernorm.weight) for layer in layers],
-            qkv=[layer.self_attn.qkv_proj.gguf_matrix for layer in layers],
-            qkv_bias=[None if layer.self_attn.qkv_proj.bias is None else f32(layer.self_attn.qkv_proj.bias)
-                      for layer in layers],
-            o=[layer.self_attn.o_proj.gguf_matrix for layer in layers],
-            gate_up=[layer.mlp.gate_up_proj.gguf_matrix for layer in layers],
-            down=[layer.mlp.down_proj.gguf_matrix for layer in layers],
+            qkv=matrices(0),
+            qkv_bias=[None if m.bias is None else f32(m.bias) for m in linears[0::4]],
+            o=matrices(1), gate_up=matrices(2), down=matrices(3),
             sliding_windows=[layer.self_attn.sliding_window for layer in layers],
             hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
             head_dim=config.head_dim, intermediate=config.intermediate_size, eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5,
         )
-        return FusedCpuDecode(stack, [m.method for m in linears], model)  # type: ignore[misc]  # checked above
+        return FusedCpuDecode(stack, [cast(GgufLinearMethod, m.method) for m in linears], model)
 
     def runs(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> bool:
         """Whether this step runs here: a float32 CPU cache that the torch backend reads."""
@@ -96,7 +96,7 @@ class FusedCpuDecode:
         """``residual + h`` after the last layer [T, hidden] (before the final norm); writes the K/V."""
         cache = _whole_cache(kv_cache, self._layers)
         threads = self._method.threads or torch.get_num_threads()
-        out = self.stack.forward(  # type: ignore[attr-defined]  # pagedrs._core.DecodeStack
+        out = self.stack.forward(
             h.numpy(), self._rotary.cos_sin_rows(positions).numpy(), cache.numpy(),
             meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
             meta.block_tables.numpy(), threads,

@@ -13,7 +13,9 @@
 //! and after the last layer `residual + h` is returned: the caller applies the final norm
 //! (with the model's other norms in one place) and the head.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::attention::{attend, LayerAttention};
 use super::error::DecodeError;
@@ -52,10 +54,39 @@ impl StackGeometry {
     }
 }
 
+/// Where the stack's time went since the last reset, in nanoseconds (for `benches/profile_step.py`:
+/// issue 30 asks that a batch-1 step be >= 80% linear-layer time, and inside one Rust call the
+/// Python profiler cannot see the split). Two clock reads per phase: ~50 ns a layer.
+#[derive(Debug, Default)]
+pub struct Timings {
+    /// The GEMV products (activation quantization included).
+    pub products: AtomicU64,
+    /// Paged attention.
+    pub attention: AtomicU64,
+    /// Norms, rotary, bias, K/V writes, residual adds, SwiGLU.
+    pub elementwise: AtomicU64,
+    pub steps: AtomicU64,
+}
+
+impl Timings {
+    /// (products, attention, elementwise, steps).
+    pub fn read(&self) -> (u64, u64, u64, u64) {
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        (r(&self.products), r(&self.attention), r(&self.elementwise), r(&self.steps))
+    }
+
+    pub fn reset(&self) {
+        for a in [&self.products, &self.attention, &self.elementwise, &self.steps] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct DecodeStack {
     geo: StackGeometry,
     layers: Vec<LayerWeights>,
+    pub timings: Timings,
 }
 
 fn weights(field: String, reason: String) -> DecodeError {
@@ -120,7 +151,7 @@ impl DecodeStack {
                 return Err(weights(format!("layers[{l}].sliding_window"), "is 0; must be >= 1 or none".to_string()));
             }
         }
-        Ok(DecodeStack { geo, layers })
+        Ok(DecodeStack { geo, layers, timings: Timings::default() })
     }
 
     pub fn geometry(&self) -> StackGeometry {
@@ -174,12 +205,21 @@ impl DecodeStack {
         let mut gate_up = vec![0f32; t * 2 * g.intermediate];
         let mut act = vec![0f32; t * g.intermediate];
         let plane = kvg.plane();
+        let (mut products, mut attention, mut elementwise) = (0u64, 0u64, 0u64);
+        let mut clock = Instant::now();
+        let mut lap = |acc: &mut u64| {
+            let now = Instant::now();
+            *acc += (now - clock).as_nanos() as u64;
+            clock = now;
+        };
         for (l, lw) in self.layers.iter().enumerate() {
             if l > 0 {
                 add(&mut residual, &out);
             }
             rms_norm(&residual, &lw.input_norm, g.eps, &mut x);
+            lap(&mut elementwise);
             lw.qkv.matmul(&x, t, &mut qkv, threads, kernel)?;
+            lap(&mut products);
             for (r, row) in qkv.chunks_exact_mut(w).enumerate() {
                 if let Some(b) = &lw.qkv_bias {
                     add(row, b);
@@ -194,17 +234,29 @@ impl DecodeStack {
                     rest[at..at + d].copy_from_slice(&row[(g.heads + kvh + j) * d..][..d]);
                 }
             }
+            lap(&mut elementwise);
             let layer = LayerAttention {
                 k_plane, v_plane: rest, heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window,
             };
             attend(&layer, &qkv, &step, &kvg, &mut o, threads)?;
+            lap(&mut attention);
             lw.o.matmul(&o, t, &mut out, threads, kernel)?;
+            lap(&mut products);
             add(&mut residual, &out);
             rms_norm(&residual, &lw.post_norm, g.eps, &mut x);
+            lap(&mut elementwise);
             lw.gate_up.matmul(&x, t, &mut gate_up, threads, kernel)?;
+            lap(&mut products);
             silu_mul(&gate_up, g.intermediate, &mut act);
+            lap(&mut elementwise);
             lw.down.matmul(&act, t, &mut out, threads, kernel)?;
+            lap(&mut products);
         }
+        let tm = &self.timings;
+        tm.products.fetch_add(products, Ordering::Relaxed);
+        tm.attention.fetch_add(attention, Ordering::Relaxed);
+        tm.elementwise.fetch_add(elementwise, Ordering::Relaxed);
+        tm.steps.fetch_add(1, Ordering::Relaxed);
         add(&mut residual, &out);
         Ok(residual)
     }

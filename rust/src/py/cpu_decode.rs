@@ -90,6 +90,17 @@ impl PyDecodeStack {
         self.inner.num_layers()
     }
 
+    /// Seconds spent since the last `reset_timings` in the GEMV products, attention and the
+    /// elementwise ops, and the steps run.
+    fn timings(&self) -> (f64, f64, f64, u64) {
+        let (p, a, e, n) = self.inner.timings.read();
+        (p as f64 * 1e-9, a as f64 * 1e-9, e as f64 * 1e-9, n)
+    }
+
+    fn reset_timings(&self) {
+        self.inner.timings.reset();
+    }
+
     /// `residual + h` after the last layer, float32 `[T, hidden]`; writes the step's K/V into
     /// `kv_cache` (float32 `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`).
     /// `kernel` None picks the fastest GEMV this CPU runs.
