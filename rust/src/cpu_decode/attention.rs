@@ -8,7 +8,10 @@
 use std::sync::Mutex;
 
 use super::error::DecodeError;
-use super::ops::{axpy, dot};
+use super::lanes::{Lanes, Portable};
+#[cfg(target_arch = "x86_64")]
+use super::lanes::Avx2;
+use super::ops::axpy;
 use super::step::{KvGeometry, StepLayout};
 use crate::gemv::{pool, GemvError};
 
@@ -19,6 +22,26 @@ pub struct LayerAttention<'a> {
     pub heads: usize,
     pub scale: f32,
     pub sliding_window: Option<usize>,
+}
+
+/// How the loops are compiled: the same source, so the same float order and the same bits
+/// (Rust neither contracts nor reassociates floats); AVX2 only widens the vectors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+}
+
+impl Simd {
+    /// The widest this CPU runs (detected at run time).
+    pub fn best() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") {
+            return Simd::Avx2;
+        }
+        Simd::Portable
+    }
 }
 
 /// `out[r, h*d .. (h+1)*d]` for every row `r` and query head `h`; `qkv` is the rotated fused
@@ -32,13 +55,34 @@ pub fn attend(
     out: &mut [f32],
     threads: usize,
 ) -> Result<(), DecodeError> {
+    attend_on(layer, qkv, step, kv, out, threads, Simd::best())
+}
+
+/// `attend` compiled for `simd` (tests compare the variants bit for bit).
+pub fn attend_on(
+    layer: &LayerAttention<'_>,
+    qkv: &[f32],
+    step: &StepLayout<'_>,
+    kv: &KvGeometry,
+    out: &mut [f32],
+    threads: usize,
+    simd: Simd,
+) -> Result<(), DecodeError> {
     let (heads, d) = (layer.heads, kv.head_dim);
     let width = (heads + 2 * kv.kv_heads) * d;
     let group = heads / kv.kv_heads;
+    let stride = kv.kv_heads * d; // floats between consecutive slots of a page
     let item = |i: usize, o: &mut [f32]| {
         let (r, h) = (i / heads, i % heads);
         let q = &qkv[r * width + h * d..][..d];
-        attend_one(layer, q, step, kv, r, h / group, o);
+        let keys = key_offsets(layer, step, kv, r, h / group, stride);
+        match simd {
+            Simd::Portable => attend_one::<Portable>(layer, q, &keys, d, o),
+            // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that check
+            // `is_x86_feature_detected!("avx2")`) on a CPU that runs AVX2.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => unsafe { attend_one_avx2(layer, q, &keys, d, o) },
+        }
     };
     let items = step.rows.len() * heads;
     if threads == 1 || items == 1 {
@@ -60,34 +104,76 @@ pub fn attend(
     })
 }
 
-fn attend_one(
+/// Where each key row `r` sees for `kv_head` starts in the K/V plane, in position order
+/// (the page is looked up once per page; keys of a page are `stride` floats apart).
+fn key_offsets(layer: &LayerAttention<'_>, step: &StepLayout<'_>, kv: &KvGeometry, r: usize, kv_head: usize,
+               stride: usize) -> Vec<usize> {
+    let row = step.rows[r];
+    let bs = kv.block_size;
+    let lo = layer.sliding_window.map_or(0, |w| row.keys.saturating_sub(w));
+    let mut keys = Vec::with_capacity(row.keys - lo);
+    let mut p = lo;
+    while p < row.keys {
+        let end = ((p / bs + 1) * bs).min(row.keys);
+        let start = kv.slot_offset(step.block(row.seq, p, bs) * bs + p % bs, kv_head);
+        for j in 0..end - p {
+            keys.push(start + j * stride);
+        }
+        p = end;
+    }
+    keys
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn attend_one_avx2(
     layer: &LayerAttention<'_>,
     q: &[f32],
-    step: &StepLayout<'_>,
-    kv: &KvGeometry,
-    r: usize,
-    kv_head: usize,
+    keys: &[usize],
+    d: usize,
     out: &mut [f32],
 ) {
-    let row = step.rows[r];
-    let (bs, d) = (kv.block_size, kv.head_dim);
-    let lo = layer.sliding_window.map_or(0, |w| row.keys.saturating_sub(w));
-    let offset = |p: usize| kv.slot_offset(step.block(row.seq, p, bs) * bs + p % bs, kv_head);
-    let mut scores = Vec::with_capacity(row.keys - lo);
-    let mut max = f32::NEG_INFINITY;
-    for p in lo..row.keys {
-        let s = dot(q, &layer.k_plane[offset(p)..][..d]) * layer.scale;
-        max = max.max(s);
-        scores.push(s);
+    attend_one::<Avx2>(layer, q, keys, d, out)
+}
+
+/// Scores, softmax (maximum subtracted), `sum(p * v) / sum(p)`, keys in position order.
+///
+/// Four keys at a time: four independent dot products (a key's score is still `dot(q, k)`,
+/// op for op), and `out[i] += p0 v0[i]; out[i] += p1 v1[i]; ...` per element, which is the
+/// one-key-at-a-time order with `out` kept in registers.
+#[inline(always)]
+fn attend_one<L: Lanes>(
+    layer: &LayerAttention<'_>,
+    q: &[f32],
+    keys: &[usize],
+    d: usize,
+    out: &mut [f32],
+) {
+    let (kp, vp) = (layer.k_plane, layer.v_plane);
+    let mut scores = vec![0f32; keys.len()];
+    let quads = keys.len() / 4 * 4;
+    for (ks, ss) in keys[..quads].chunks_exact(4).zip(scores.chunks_exact_mut(4)) {
+        let s = L::dot4(q, [&kp[ks[0]..][..d], &kp[ks[1]..][..d], &kp[ks[2]..][..d], &kp[ks[3]..][..d]]);
+        for (o, s) in ss.iter_mut().zip(s) {
+            *o = s * layer.scale;
+        }
     }
+    for (&k, o) in keys[quads..].iter().zip(&mut scores[quads..]) {
+        *o = L::dot(q, &kp[k..][..d]) * layer.scale;
+    }
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
     let mut sum = 0f32;
     for s in scores.iter_mut() {
         *s = (*s - max).exp();
         sum += *s;
     }
     out.fill(0.0);
-    for (p, &w) in (lo..row.keys).zip(&scores) {
-        axpy(out, w, &layer.v_plane[offset(p)..][..d]);
+    for (ks, ps) in keys[..quads].chunks_exact(4).zip(scores.chunks_exact(4)) {
+        let p = [ps[0], ps[1], ps[2], ps[3]];
+        L::axpy4(out, p, [&vp[ks[0]..][..d], &vp[ks[1]..][..d], &vp[ks[2]..][..d], &vp[ks[3]..][..d]]);
+    }
+    for (&k, &p) in keys[quads..].iter().zip(&scores[quads..]) {
+        axpy(out, p, &vp[k..][..d]);
     }
     for o in out.iter_mut() {
         *o /= sum;
@@ -128,6 +214,9 @@ mod tests {
             let mut two = vec![0f32; 3 * heads * 8];
             attend(&layer, &qkv, &step, &kv, &mut two, 2).unwrap();
             assert_eq!(one, two, "threads change no bit");
+            let mut portable = vec![0f32; 3 * heads * 8];
+            attend_on(&layer, &qkv, &step, &kv, &mut portable, 1, Simd::Portable).unwrap();
+            assert_eq!(one, portable, "the SIMD build changes no bit");
             for (r, row) in step.rows.iter().enumerate() {
                 for h in 0..heads {
                     let kvh = h / 2;
@@ -145,6 +234,37 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+    use crate::cpu_decode::step::StepMeta;
+
+    /// `cargo test --release --lib attention_speed -- --ignored --nocapture`: SmolLM2's geometry, 160 keys.
+    #[test]
+    #[ignore]
+    fn attention_speed() {
+        let kv = KvGeometry { layers: 1, num_blocks: 16, block_size: 16, kv_heads: 3, head_dim: 64 };
+        let k_plane: Vec<f32> = (0..kv.plane()).map(|i| (i as f32 * 0.001).sin()).collect();
+        let v_plane = k_plane.clone();
+        let tables: Vec<i32> = (0..16).rev().collect();
+        let keys = 160usize;
+        let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
+        let seq_lens = [keys as i32];
+        let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables, table_width: 16 };
+        let step = StepLayout::new(meta, 1, &kv).unwrap();
+        let qkv: Vec<f32> = (0..15 * 64).map(|i| (i as f32 * 0.01).cos()).collect();
+        let layer = LayerAttention { k_plane: &k_plane, v_plane: &v_plane, heads: 9, scale: 0.125, sliding_window: None };
+        let mut out = vec![0f32; 9 * 64];
+        for simd in [Simd::best(), Simd::Portable] {
+            let t = std::time::Instant::now();
+            for _ in 0..2000 {
+                attend_on(&layer, &qkv, &step, &kv, &mut out, 1, simd).unwrap();
+            }
+            println!("{simd:?}: {:.1} us per layer", t.elapsed().as_secs_f64() / 2000.0 * 1e6);
         }
     }
 }

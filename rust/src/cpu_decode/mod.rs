@@ -13,10 +13,11 @@
 //! token, a speculative verification row or a prompt token (batch-invariant by construction).
 //!
 //! Files: [`step`] (the step's rows, validated once), [`ops`] (norm, rotary, activation,
-//! dot), [`attention`] (paged attention over block tables), [`stack`] (the layers), [`error`].
+//! dot), [`lanes`] (attention's products, portable and AVX2), [`attention`] (paged attention over block tables), [`stack`] (the layers), [`error`].
 
 pub mod attention;
 pub mod error;
+pub mod lanes;
 pub mod ops;
 pub mod stack;
 pub mod step;

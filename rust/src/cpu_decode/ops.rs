@@ -4,10 +4,11 @@
 //! then the tail: the compiler vectorizes that at any SIMD width without reordering (Rust does
 //! not contract or reassociate floats), so every build and CPU gives the same bits.
 
-const LANES: usize = 8;
+pub const LANES: usize = 8;
 
+/// The lanes' sum in one fixed tree.
 #[inline(always)]
-fn reduce(acc: [f32; LANES]) -> f32 {
+pub fn reduce(acc: [f32; LANES]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
