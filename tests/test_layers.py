@@ -190,6 +190,15 @@ def test_weight_format_picks_methods_and_falls_back_where_int4_cannot_pack():
 def test_auto_is_exact_for_hf_folders_and_nearest_for_quantized_gguf(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(quant, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: True)
+    # every tensor in a format the Rust GEMV reads: the file's own blocks (with or without fast bf16)
+    assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"] * 7 + ["Q8_0"], device=cpu).name == "gguf"
+    assert resolve_weight_format("auto", F32, gguf_types=["Q4_0", "Q8_0"], device=cpu).name == "gguf"
+    assert resolve_weight_format("auto", torch.bfloat16, gguf_types=["Q4_1"], device=cpu).name == "float32"
+    monkeypatch.setattr(quant, "tp_size", lambda: 2)  # gguf has no tensor-parallel sharding: the aten format
+    assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"], device=cpu).name == "int4"
+    monkeypatch.setattr(quant, "tp_size", lambda: 1)
+    monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: False)  # no SIMD kernel: the aten formats
     assert resolve_weight_format("auto", F32, gguf_types=None, device=cpu).name == "float32"
     assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"] * 7 + ["Q8_0"], device=cpu).name == "int4"
     assert resolve_weight_format("auto", F32, gguf_types=["Q8_0", "Q6_K"], device=cpu).name == "int8"
@@ -205,7 +214,6 @@ def test_auto_is_exact_for_hf_folders_and_nearest_for_quantized_gguf(monkeypatch
         resolve_weight_format("int3", F32, gguf_types=None, device=cpu)
     with pytest.raises(ValueError, match="weight_dtype 'int8' runs on the CPU only"):
         resolve_weight_format("int8", F32, gguf_types=None, device=torch.device("cuda"))
-    # gguf (the Rust GEMV over the file's blocks) only when asked for by name (models/quant.py says why)
     assert resolve_weight_format("gguf", F32, gguf_types=["Q4_1"], device=cpu).name == "gguf"
     with pytest.raises(ValueError, match="weight_dtype 'gguf' runs on the CPU only"):
         resolve_weight_format("gguf", F32, gguf_types=None, device=torch.device("cuda"))
