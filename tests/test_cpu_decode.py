@@ -220,3 +220,33 @@ def test_a_non_finite_activation_names_the_tensor(gguf):
             r.execute(step)
     finally:
         weight[2] = saved
+
+
+def test_a_stack_whose_weights_do_not_fit_its_geometry_is_refused_naming_the_layer(tiny_gguf):
+    from pagedrs._core import DecodeStack
+
+    model = tiny_gguf.model
+    layer = model.model.layers[0]
+    c = model.config
+    norm = layer.input_layernorm.weight.numpy()
+    kw = dict(input_norms=[norm], post_norms=[norm], qkv=[layer.self_attn.qkv_proj.gguf_matrix], qkv_bias=[None],
+              o=[layer.self_attn.o_proj.gguf_matrix], gate_up=[layer.mlp.gate_up_proj.gguf_matrix],
+              down=[layer.mlp.down_proj.gguf_matrix], sliding_windows=[None], hidden=c.hidden_size,
+              heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+              intermediate=c.intermediate_size, eps=c.rms_norm_eps, scale=0.25)
+    assert DecodeStack(**kw).num_layers == 1
+    bad = {
+        "o": ([layer.mlp.down_proj.gguf_matrix], r"layers\[0\]\.o: tensor .* is \[64, 128\]; the geometry needs \[64, 64\]"),
+        "post_norms": ([norm[:3].copy()], r"layers\[0\]\.post_norm: has 3 values; the geometry needs 64"),
+        "sliding_windows": ([0], r"layers\[0\]\.sliding_window: is 0"),
+        "down": ([], r"down: has 0 entries; qkv has 1"),
+        "kv_heads": (3, "heads: 4 query heads, 3 kv heads"),
+        "eps": (float("nan"), "eps: eps NaN"),
+    }
+    for field, (value, message) in bad.items():
+        with pytest.raises(ValueError, match=message):
+            DecodeStack(**{**kw, field: value})
+    with pytest.raises(ValueError, match=r"layers\[0\]\.input_norm: value 1 is nan"):
+        nan = norm.copy()
+        nan[1] = float("nan")
+        DecodeStack(**{**kw, "input_norms": [nan]})
