@@ -246,7 +246,7 @@ def test_a_stack_whose_weights_do_not_fit_its_geometry_is_refused_naming_the_lay
     for field, (value, message) in bad.items():
         with pytest.raises(ValueError, match=message):
             DecodeStack(**{**kw, field: value})
-    with pytest.raises(ValueError, match=r"layers\[0\]\.input_norm: value 1 is nan"):
+    with pytest.raises(ValueError, match=r"layers\[0\]\.input_norm: value 1 is NaN"):
         nan = norm.copy()
         nan[1] = float("nan")
         DecodeStack(**{**kw, "input_norms": [nan]})
