@@ -46,20 +46,8 @@ impl Simd {
 
 /// `out[r, h*d .. (h+1)*d]` for every row `r` and query head `h`; `qkv` is the rotated fused
 /// output `[T, (heads + 2 kv_heads) * d]` (queries first). GQA: head `h` reads KV head
-/// `h / (heads / kv_heads)`.
+/// `h / (heads / kv_heads)`. `simd`: the build of the loops (`Simd::best()`; tests compare them).
 pub fn attend(
-    layer: &LayerAttention<'_>,
-    qkv: &[f32],
-    step: &StepLayout<'_>,
-    kv: &KvGeometry,
-    out: &mut [f32],
-    threads: usize,
-) -> Result<(), DecodeError> {
-    attend_on(layer, qkv, step, kv, out, threads, Simd::best())
-}
-
-/// `attend` compiled for `simd` (tests compare the variants bit for bit).
-pub fn attend_on(
     layer: &LayerAttention<'_>,
     qkv: &[f32],
     step: &StepLayout<'_>,
@@ -210,12 +198,12 @@ mod tests {
         for window in [None, Some(2)] {
             let layer = LayerAttention { k_plane: &k_plane, v_plane: &v_plane, heads, scale: 0.35, sliding_window: window };
             let mut one = vec![0f32; 3 * heads * 8];
-            attend(&layer, &qkv, &step, &kv, &mut one, 1).unwrap();
+            attend(&layer, &qkv, &step, &kv, &mut one, 1, Simd::best()).unwrap();
             let mut two = vec![0f32; 3 * heads * 8];
-            attend(&layer, &qkv, &step, &kv, &mut two, 2).unwrap();
+            attend(&layer, &qkv, &step, &kv, &mut two, 2, Simd::best()).unwrap();
             assert_eq!(one, two, "threads change no bit");
             let mut portable = vec![0f32; 3 * heads * 8];
-            attend_on(&layer, &qkv, &step, &kv, &mut portable, 1, Simd::Portable).unwrap();
+            attend(&layer, &qkv, &step, &kv, &mut portable, 1, Simd::Portable).unwrap();
             assert_eq!(one, portable, "the SIMD build changes no bit");
             for (r, row) in step.rows.iter().enumerate() {
                 for h in 0..heads {
@@ -262,7 +250,7 @@ mod timing {
         for simd in [Simd::best(), Simd::Portable] {
             let t = std::time::Instant::now();
             for _ in 0..2000 {
-                attend_on(&layer, &qkv, &step, &kv, &mut out, 1, simd).unwrap();
+                attend(&layer, &qkv, &step, &kv, &mut out, 1, simd).unwrap();
             }
             println!("{simd:?}: {:.1} us per layer", t.elapsed().as_secs_f64() / 2000.0 * 1e6);
         }

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::attention::{attend, LayerAttention};
+use super::attention::{attend, LayerAttention, Simd};
 use super::error::DecodeError;
 use super::ops::{add, rms_norm, rotary, silu_mul};
 use super::step::{KvGeometry, StepLayout, StepMeta};
@@ -238,7 +238,7 @@ impl DecodeStack {
             let layer = LayerAttention {
                 k_plane, v_plane: rest, heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window,
             };
-            attend(&layer, &qkv, &step, &kvg, &mut o, threads)?;
+            attend(&layer, &qkv, &step, &kvg, &mut o, threads, Simd::best())?;
             lap(&mut attention);
             lw.o.matmul(&o, t, &mut out, threads, kernel)?;
             lap(&mut products);
