@@ -39,9 +39,9 @@ if TYPE_CHECKING:
 class FusedCpuDecode:
     """The model's ``DecodeStack`` and what it needs per step (the kernel's thread count, rotary)."""
 
-    def __init__(self, stack: DecodeStack, methods: list[GgufLinearMethod], model: LlamaForCausalLM) -> None:
+    def __init__(self, stack: DecodeStack, threads_of: GgufLinearMethod, model: LlamaForCausalLM) -> None:
         self.stack = stack
-        self._method = methods[0]  # hand_cpu_threads_to_gemv sets the same count on every layer
+        self._method = threads_of  # one layer's method: hand_cpu_threads_to_gemv sets the same count on every layer
         self._rotary = model.rotary
         self._layers = model.config.num_hidden_layers
         self.enabled = True  # False: every step takes the torch ops (tests compare the two)
@@ -79,7 +79,7 @@ class FusedCpuDecode:
             head_dim=config.head_dim, intermediate=config.intermediate_size, eps=config.rms_norm_eps,
             scale=config.head_dim**-0.5,
         )
-        return FusedCpuDecode(stack, [cast(GgufLinearMethod, m.method) for m in linears], model)
+        return FusedCpuDecode(stack, cast(GgufLinearMethod, linears[0].method), model)
 
     def runs(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> bool:
         """Whether this step runs here: a float32 CPU cache that the torch backend reads."""
