@@ -188,7 +188,8 @@ def test_steps_it_does_not_cover_take_the_torch_ops(gguf):
     assert torch.isfinite(r.execute(step)).all()
     set_fused(gguf, False)
     try:
-        assert gguf.model.uses_attention_backend(runner(gguf).kv_views, runner(gguf).backend)
+        r = runner(gguf)
+        assert gguf.model.uses_attention_backend(r.kv_views, r.backend)
     finally:
         set_fused(gguf, True)
     assert load_model("smollm2-135m", weight_dtype="int4").model.fused_cpu_decode is None
@@ -250,3 +251,37 @@ def test_a_stack_whose_weights_do_not_fit_its_geometry_is_refused_naming_the_lay
         nan = norm.copy()
         nan[1] = float("nan")
         DecodeStack(**{**kw, "input_norms": [nan]})
+
+
+def test_a_step_that_fails_after_the_stack_wrote_its_pages_caches_none_of_them(gguf, token_prompts, monkeypatch):
+    """The stack writes every layer's K/V, then the step fails (what a later raise in the step does): the
+    engine's never-wrong rule still holds for pages the fused path wrote, so the same prompt again is no
+    prefix hit and decodes what the runner decodes alone."""
+    p = token_prompts[2] + token_prompts[4]  # 3 blocks of 16
+    alone = greedy_generate(runner(gguf), [p], 6)[0]
+    engine = Engine(EngineArgs(model="smollm2-135m", weight_dtype="gguf", block_size=BLOCK, num_gpu_blocks=32,
+                               swap_space_gb=0.001, max_model_len=128, enable_prefix_caching=True))
+    fused = engine.loaded.model.fused_cpu_decode
+    real, calls = fused.forward, {"n": 0}
+
+    def forward(*args):
+        out = real(*args)  # the pages are written
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected: failed after the fused layers")
+        return out
+
+    monkeypatch.setattr(fused, "forward", forward)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    done = {}
+    for rid in ("a", "b"):
+        engine.add_request(rid, p, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[rid] = out
+    assert "injected" in done["a"].error
+    assert done["b"].error is None and done["b"].outputs[0].token_ids == alone
+    stats = engine.stats()
+    assert (stats["prefix_hits"], stats["num_failed_steps"]) == (0, 1)
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
