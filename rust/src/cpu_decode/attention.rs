@@ -11,7 +11,6 @@ use super::error::DecodeError;
 use super::lanes::{Lanes, Portable};
 #[cfg(target_arch = "x86_64")]
 use super::lanes::Avx2;
-use super::ops::axpy;
 use super::step::{KvGeometry, StepLayout};
 use crate::gemv::{pool, GemvError};
 
@@ -60,16 +59,20 @@ pub fn attend(
     let width = (heads + 2 * kv.kv_heads) * d;
     let group = heads / kv.kv_heads;
     let stride = kv.kv_heads * d; // floats between consecutive slots of a page
+    // each row's visible keys, once per call (not once per head): offsets of kv head 0, which
+    // the planes sliced at `kv_head * d` turn into that head's
+    let keys: Vec<Vec<usize>> = (0..step.rows.len()).map(|r| key_offsets(layer, step, kv, r, stride)).collect();
     let item = |i: usize, o: &mut [f32]| {
         let (r, h) = (i / heads, i % heads);
         let q = &qkv[r * width + h * d..][..d];
-        let keys = key_offsets(layer, step, kv, r, h / group, stride);
+        let at = (h / group) * d;
+        let (kp, vp) = (&layer.k_plane[at..], &layer.v_plane[at..]);
         match simd {
-            Simd::Portable => attend_one::<Portable>(layer, q, &keys, d, o),
+            Simd::Portable => attend_one::<Portable>(layer.scale, kp, vp, q, &keys[r], o),
             // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that check
             // `is_x86_feature_detected!("avx2")`) on a CPU that runs AVX2.
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => unsafe { attend_one_avx2(layer, q, &keys, d, o) },
+            Simd::Avx2 => unsafe { attend_one_avx2(layer.scale, kp, vp, q, &keys[r], o) },
         }
     };
     let items = step.rows.len() * heads;
@@ -92,10 +95,9 @@ pub fn attend(
     })
 }
 
-/// Where each key row `r` sees for `kv_head` starts in the K/V plane, in position order
+/// Where each key row `r` sees starts in the K/V plane for KV head 0, in position order
 /// (the page is looked up once per page; keys of a page are `stride` floats apart).
-fn key_offsets(layer: &LayerAttention<'_>, step: &StepLayout<'_>, kv: &KvGeometry, r: usize, kv_head: usize,
-               stride: usize) -> Vec<usize> {
+fn key_offsets(layer: &LayerAttention<'_>, step: &StepLayout<'_>, kv: &KvGeometry, r: usize, stride: usize) -> Vec<usize> {
     let row = step.rows[r];
     let bs = kv.block_size;
     let lo = layer.sliding_window.map_or(0, |w| row.keys.saturating_sub(w));
@@ -103,7 +105,7 @@ fn key_offsets(layer: &LayerAttention<'_>, step: &StepLayout<'_>, kv: &KvGeometr
     let mut p = lo;
     while p < row.keys {
         let end = ((p / bs + 1) * bs).min(row.keys);
-        let start = kv.slot_offset(step.block(row.seq, p, bs) * bs + p % bs, kv_head);
+        let start = kv.slot_offset(step.block(row.seq, p, bs) * bs + p % bs, 0);
         for j in 0..end - p {
             keys.push(start + j * stride);
         }
@@ -114,55 +116,23 @@ fn key_offsets(layer: &LayerAttention<'_>, step: &StepLayout<'_>, kv: &KvGeometr
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn attend_one_avx2(
-    layer: &LayerAttention<'_>,
-    q: &[f32],
-    keys: &[usize],
-    d: usize,
-    out: &mut [f32],
-) {
-    attend_one::<Avx2>(layer, q, keys, d, out)
+unsafe fn attend_one_avx2(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], keys: &[usize], out: &mut [f32]) {
+    attend_one::<Avx2>(scale, kp, vp, q, keys, out)
 }
 
-/// Scores, softmax (maximum subtracted), `sum(p * v) / sum(p)`, keys in position order.
-///
-/// Four keys at a time: four independent dot products (a key's score is still `dot(q, k)`,
-/// op for op), and `out[i] += p0 v0[i]; out[i] += p1 v1[i]; ...` per element, which is the
-/// one-key-at-a-time order with `out` kept in registers.
+/// Scores, softmax (maximum subtracted), `sum(p * v) / sum(p)`, keys in position order; the
+/// products in [`Lanes`]'s fixed orders, the softmax in key order.
 #[inline(always)]
-fn attend_one<L: Lanes>(
-    layer: &LayerAttention<'_>,
-    q: &[f32],
-    keys: &[usize],
-    d: usize,
-    out: &mut [f32],
-) {
-    let (kp, vp) = (layer.k_plane, layer.v_plane);
+fn attend_one<L: Lanes>(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], keys: &[usize], out: &mut [f32]) {
     let mut scores = vec![0f32; keys.len()];
-    let quads = keys.len() / 4 * 4;
-    for (ks, ss) in keys[..quads].chunks_exact(4).zip(scores.chunks_exact_mut(4)) {
-        let s = L::dot4(q, [&kp[ks[0]..][..d], &kp[ks[1]..][..d], &kp[ks[2]..][..d], &kp[ks[3]..][..d]]);
-        for (o, s) in ss.iter_mut().zip(s) {
-            *o = s * layer.scale;
-        }
-    }
-    for (&k, o) in keys[quads..].iter().zip(&mut scores[quads..]) {
-        *o = L::dot(q, &kp[k..][..d]) * layer.scale;
-    }
+    L::scores(q, kp, keys, scale, &mut scores);
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
     let mut sum = 0f32;
     for s in scores.iter_mut() {
         *s = (*s - max).exp();
         sum += *s;
     }
-    out.fill(0.0);
-    for (ks, ps) in keys[..quads].chunks_exact(4).zip(scores.chunks_exact(4)) {
-        let p = [ps[0], ps[1], ps[2], ps[3]];
-        L::axpy4(out, p, [&vp[ks[0]..][..d], &vp[ks[1]..][..d], &vp[ks[2]..][..d], &vp[ks[3]..][..d]]);
-    }
-    for (&k, &p) in keys[quads..].iter().zip(&scores[quads..]) {
-        axpy(out, p, &vp[k..][..d]);
-    }
+    L::weighted_sum(&scores, vp, keys, out);
     for o in out.iter_mut() {
         *o /= sum;
     }

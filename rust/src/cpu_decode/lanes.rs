@@ -1,50 +1,51 @@
-//! The attention's inner products in two builds that give the same bits: portable loops over
-//! 8-lane arrays, and AVX2 intrinsics over one 8-lane vector. Both accumulate lane `i` as
-//! `acc[i] += a[8j + i] * b[8j + i]` (a multiply, then an add: never fused), reduce the lanes
-//! with [`ops::reduce`], then add the tail in order.
+//! Attention's two inner loops in two builds that give the same bits: portable loops, and AVX2
+//! intrinsics. Both define each value by one fixed order of f32 operations:
+//!
+//! - a score is `ops::dot(q, k) * scale`: lane `i` accumulates `acc[i] += q[8j + i] * k[8j + i]`
+//!   (a multiply, then an add: never fused), the lanes meet in [`ops::reduce`]'s tree, then the
+//!   tail is added in order;
+//! - a weighted sum is, per element, `0 + p[0] v[0][i] + p[1] v[1][i] + ...`, keys in order.
+//!
+//! The AVX2 build only changes what runs side by side: eight keys' dot products at once (their
+//! lanes transposed so the eight reductions are vector adds of the same tree), and a head's
+//! outputs kept in registers across all its keys (eight independent chains of adds, instead of
+//! a load and a store of the output per key).
 //!
 //! Why intrinsics: the portable loops are what the compiler vectorizes poorly (measured on an
 //! Intel Xeon, 2026-12-03: SmolLM2's attention over 160 keys took 30 us a layer either way).
 
 use super::ops::{self, LANES};
 
-/// The kernels one attention build uses.
+/// The kernels one attention build uses. `keys[k]` is where key `k` starts in its plane; every
+/// key has `q.len()` (or `out.len()`) floats there.
 pub trait Lanes {
-    /// `sum(a[i] * b[i])`, in `ops::dot`'s order.
-    fn dot(a: &[f32], b: &[f32]) -> f32;
-    /// Four `dot`s sharing `a`.
-    fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4];
-    /// `out[i] += p[0] v[0][i]; out[i] += p[1] v[1][i]; ...` (one key after another, per element).
-    fn axpy4(out: &mut [f32], p: [f32; 4], v: [&[f32]; 4]);
+    /// `out[k] = ops::dot(q, K[k]) * scale` for every key.
+    fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]);
+    /// `out[i] = sum over k in order of p[k] * V[k][i]`, starting from 0.
+    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]);
 }
 
 pub struct Portable;
 
 impl Lanes for Portable {
     #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        ops::dot(a, b)
+    fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+        let d = q.len();
+        for (&k, o) in keys.iter().zip(out.iter_mut()) {
+            *o = ops::dot(q, &plane[k..][..d]) * scale;
+        }
     }
     #[inline(always)]
-    fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
-        b.map(|b| ops::dot(a, b))
-    }
-    #[inline(always)]
-    fn axpy4(out: &mut [f32], p: [f32; 4], v: [&[f32]; 4]) {
-        let len = out.len();
-        let v = v.map(|v| &v[..len]);
-        for i in 0..len {
-            let mut o = out[i];
-            o += p[0] * v[0][i];
-            o += p[1] * v[1][i];
-            o += p[2] * v[2][i];
-            o += p[3] * v[3][i];
-            out[i] = o;
+    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+        let d = out.len();
+        out.fill(0.0);
+        for (&k, &pk) in keys.iter().zip(p) {
+            ops::axpy(out, pk, &plane[k..][..d]);
         }
     }
 }
 
-/// AVX2 builds of the same kernels. Only `attention::attend_one_avx2` uses this type, and only
+/// AVX2 builds of the same kernels. Only `attention::attend_group_avx2` uses this type, and only
 /// `Simd::Avx2` calls that, which is chosen where the CPU runs AVX2.
 #[cfg(target_arch = "x86_64")]
 pub struct Avx2;
@@ -55,90 +56,131 @@ mod avx2 {
 
     use super::{ops, LANES};
 
+    /// Lane `k` of the result is `ops::reduce` of `acc[k]`: the 8 x 8 transpose puts lane `j` of
+    /// every accumulator in vector `t[j]`, then the tree's adds run on whole vectors.
+    ///
+    /// # Safety
+    /// The CPU runs AVX2.
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn lanes(v: __m256) -> [f32; LANES] {
-        let mut out = [0f32; LANES];
-        // SAFETY: `out` holds 8 floats; storeu has no alignment requirement.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
-        out
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn tail(a: &[f32], b: &[f32], n: usize, mut s: f32) -> f32 {
-        for (x, y) in a[n..].iter().zip(&b[n..]) {
-            s += x * y;
-        }
-        s
+    unsafe fn reduce8(acc: [__m256; 8]) -> __m256 {
+        // rows a..h = acc[0..8]; standard unpack / shuffle / permute transpose
+        let t0 = _mm256_unpacklo_ps(acc[0], acc[1]);
+        let t1 = _mm256_unpackhi_ps(acc[0], acc[1]);
+        let t2 = _mm256_unpacklo_ps(acc[2], acc[3]);
+        let t3 = _mm256_unpackhi_ps(acc[2], acc[3]);
+        let t4 = _mm256_unpacklo_ps(acc[4], acc[5]);
+        let t5 = _mm256_unpackhi_ps(acc[4], acc[5]);
+        let t6 = _mm256_unpacklo_ps(acc[6], acc[7]);
+        let t7 = _mm256_unpackhi_ps(acc[6], acc[7]);
+        let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let s1 = _mm256_shuffle_ps::<0xee>(t0, t2);
+        let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let s3 = _mm256_shuffle_ps::<0xee>(t1, t3);
+        let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let s5 = _mm256_shuffle_ps::<0xee>(t4, t6);
+        let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let s7 = _mm256_shuffle_ps::<0xee>(t5, t7);
+        // c[j] holds lane j of every accumulator, accumulator k in lane k
+        let c = [
+            _mm256_permute2f128_ps::<0x20>(s0, s4),
+            _mm256_permute2f128_ps::<0x20>(s1, s5),
+            _mm256_permute2f128_ps::<0x20>(s2, s6),
+            _mm256_permute2f128_ps::<0x20>(s3, s7),
+            _mm256_permute2f128_ps::<0x31>(s0, s4),
+            _mm256_permute2f128_ps::<0x31>(s1, s5),
+            _mm256_permute2f128_ps::<0x31>(s2, s6),
+            _mm256_permute2f128_ps::<0x31>(s3, s7),
+        ];
+        // ops::reduce: ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7))
+        _mm256_add_ps(
+            _mm256_add_ps(_mm256_add_ps(c[0], c[4]), _mm256_add_ps(c[1], c[5])),
+            _mm256_add_ps(_mm256_add_ps(c[2], c[6]), _mm256_add_ps(c[3], c[7])),
+        )
     }
 
     /// # Safety
-    /// The CPU runs AVX2; `b.len() >= a.len()`.
-    #[inline]
+    /// The CPU runs AVX2; `keys[k] + q.len() <= plane.len()` for every key; `out.len() >= keys.len()`.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
-        let n = a.len() / LANES * LANES;
-        let b = &b[..a.len()];
-        let mut acc = _mm256_setzero_ps();
-        for c in (0..n).step_by(LANES) {
-            // SAFETY: c + 8 <= n <= len of both slices.
-            let (x, y) = unsafe { (_mm256_loadu_ps(a.as_ptr().add(c)), _mm256_loadu_ps(b.as_ptr().add(c))) };
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(x, y));
-        }
-        tail(a, b, n, ops::reduce(lanes(acc)))
-    }
-
-    /// # Safety
-    /// The CPU runs AVX2; every `b[t].len() >= a.len()`.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub unsafe fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
-        let len = a.len();
-        let n = len / LANES * LANES;
-        let b = b.map(|b| &b[..len]);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for c in (0..n).step_by(LANES) {
-            // SAFETY: c + 8 <= n <= len of every slice.
-            unsafe {
-                let x = _mm256_loadu_ps(a.as_ptr().add(c));
-                for t in 0..4 {
-                    acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(x, _mm256_loadu_ps(b[t].as_ptr().add(c))));
+    pub unsafe fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+        let d = q.len();
+        let n = d / LANES * LANES;
+        let (qp, pp) = (q.as_ptr(), plane.as_ptr());
+        let scale_v = _mm256_set1_ps(scale);
+        let eights = keys.len() / 8 * 8;
+        for (ks, os) in keys[..eights].chunks_exact(8).zip(out.chunks_exact_mut(8)) {
+            let mut acc = [_mm256_setzero_ps(); 8];
+            for c in (0..n).step_by(LANES) {
+                // SAFETY: c + 8 <= n <= d, and each key's d floats lie inside `plane` (contract).
+                unsafe {
+                    let x = _mm256_loadu_ps(qp.add(c));
+                    for (a, &k) in acc.iter_mut().zip(ks) {
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(x, _mm256_loadu_ps(pp.add(k + c))));
+                    }
                 }
             }
+            // SAFETY: AVX2 (this function's contract).
+            let mut s = unsafe { reduce8(acc) };
+            for i in n..d {
+                // the tail in order, lane k for key k (as `ops::dot` adds it after the tree)
+                let kv = _mm256_setr_ps(plane[ks[0] + i], plane[ks[1] + i], plane[ks[2] + i], plane[ks[3] + i],
+                                        plane[ks[4] + i], plane[ks[5] + i], plane[ks[6] + i], plane[ks[7] + i]);
+                s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_set1_ps(q[i]), kv));
+            }
+            // SAFETY: `os` holds 8 floats.
+            unsafe { _mm256_storeu_ps(os.as_mut_ptr(), _mm256_mul_ps(s, scale_v)) };
         }
-        let mut out = [0f32; 4];
-        for t in 0..4 {
-            out[t] = tail(a, b[t], n, ops::reduce(lanes(acc[t])));
+        for (&k, o) in keys[eights..].iter().zip(&mut out[eights..]) {
+            *o = ops::dot(q, &plane[k..][..d]) * scale;
         }
-        out
     }
 
     /// # Safety
-    /// The CPU runs AVX2; every `v[t].len() >= out.len()`.
+    /// The CPU runs AVX2; `keys[k] + out.len() <= plane.len()` for every key; `p.len() >= keys.len()`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+        let d = out.len();
+        let n = d / LANES * LANES;
+        let pp = plane.as_ptr();
+        let mut c0 = 0;
+        // 64 outputs (8 vectors) at a time stay in registers across every key
+        while c0 + 64 <= n {
+            // SAFETY: c0 + 64 <= n <= d: inside `out` and inside every key's d floats.
+            unsafe { chunk::<8>(p, pp, keys, c0, out) };
+            c0 += 64;
+        }
+        while c0 < n {
+            // SAFETY: c0 + 8 <= n, as above.
+            unsafe { chunk::<1>(p, pp, keys, c0, out) };
+            c0 += 8;
+        }
+        for (i, o) in out.iter_mut().enumerate().skip(n) {
+            let mut s = 0.0;
+            for (&k, &pk) in keys.iter().zip(p) {
+                s += pk * plane[k + i];
+            }
+            *o = s;
+        }
+    }
+
+    /// Outputs `c0 .. c0 + 8W` over every key.
+    ///
+    /// # Safety
+    /// AVX2; `c0 + 8W <= out.len()` and every key's floats `c0 .. c0 + 8W` inside the plane.
     #[inline]
     #[target_feature(enable = "avx2")]
-    pub unsafe fn axpy4(out: &mut [f32], p: [f32; 4], v: [&[f32]; 4]) {
-        let len = out.len();
-        let n = len / LANES * LANES;
-        let v = v.map(|v| &v[..len]);
-        let pv = p.map(|p| _mm256_set1_ps(p));
-        for c in (0..n).step_by(LANES) {
-            // SAFETY: c + 8 <= n <= len of `out` and of every `v[t]`.
-            unsafe {
-                let mut o = _mm256_loadu_ps(out.as_ptr().add(c));
-                for t in 0..4 {
-                    o = _mm256_add_ps(o, _mm256_mul_ps(pv[t], _mm256_loadu_ps(v[t].as_ptr().add(c))));
-                }
-                _mm256_storeu_ps(out.as_mut_ptr().add(c), o);
+    unsafe fn chunk<const W: usize>(p: &[f32], pp: *const f32, keys: &[usize], c0: usize, out: &mut [f32]) {
+        let mut acc = [_mm256_setzero_ps(); W];
+        for (&k, &pk) in keys.iter().zip(p) {
+            let pv = _mm256_set1_ps(pk);
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: the function's contract.
+                *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, unsafe { _mm256_loadu_ps(pp.add(k + c0 + 8 * j)) }));
             }
         }
-        for i in n..len {
-            let mut o = out[i];
-            for t in 0..4 {
-                o += p[t] * v[t][i];
-            }
-            out[i] = o;
+        for (j, a) in acc.iter().enumerate() {
+            // SAFETY: c0 + 8j + 8 <= c0 + 8W <= out.len().
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(c0 + 8 * j), *a) };
         }
     }
 }
@@ -146,19 +188,16 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 impl Lanes for Avx2 {
     #[inline(always)]
-    fn dot(a: &[f32], b: &[f32]) -> f32 {
-        // SAFETY: see the type's docs (AVX2 was detected); slices are re-sliced to a's length.
-        unsafe { avx2::dot(a, b) }
+    fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+        assert!(out.len() >= keys.len() && keys.iter().all(|&k| k + q.len() <= plane.len()));
+        // SAFETY: see the type's docs (AVX2 was detected); the bounds were just checked.
+        unsafe { avx2::scores(q, plane, keys, scale, out) }
     }
     #[inline(always)]
-    fn dot4(a: &[f32], b: [&[f32]; 4]) -> [f32; 4] {
+    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+        assert!(p.len() >= keys.len() && keys.iter().all(|&k| k + out.len() <= plane.len()));
         // SAFETY: as above.
-        unsafe { avx2::dot4(a, b) }
-    }
-    #[inline(always)]
-    fn axpy4(out: &mut [f32], p: [f32; 4], v: [&[f32]; 4]) {
-        // SAFETY: as above.
-        unsafe { avx2::axpy4(out, p, v) }
+        unsafe { avx2::weighted_sum(p, plane, keys, out) }
     }
 }
 
@@ -171,16 +210,21 @@ mod tests {
         if !is_x86_feature_detected!("avx2") {
             return;
         }
-        for n in [1, 7, 8, 13, 64, 67] {
-            let v = |k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 31 + k * 7) as f32 * 0.13).sin()).collect() };
-            let (a, b) = (v(0), [v(1), v(2), v(3), v(4)]);
-            let bs = [&b[0][..], &b[1][..], &b[2][..], &b[3][..]];
-            assert_eq!(Avx2::dot(&a, &b[0]), Portable::dot(&a, &b[0]), "n={n}");
-            assert_eq!(Avx2::dot4(&a, bs), Portable::dot4(&a, bs), "n={n}");
-            let (mut x, mut y) = (v(9), v(9));
-            Avx2::axpy4(&mut x, [0.3, -1.5, 2.0, 0.7], bs);
-            Portable::axpy4(&mut y, [0.3, -1.5, 2.0, 0.7], bs);
-            assert_eq!(x, y, "n={n}");
+        for d in [1, 7, 8, 13, 64, 67, 128, 200] {
+            for nkeys in [1, 5, 8, 9, 17, 40] {
+                let plane: Vec<f32> = (0..(nkeys + 3) * 211).map(|i| ((i * 31 + 7) as f32 * 0.13).sin()).collect();
+                // scattered, out of order, some repeated
+                let keys: Vec<usize> = (0..nkeys).map(|k| (k * 7 % (nkeys + 3)) * 211 + (k % 3)).collect();
+                let q: Vec<f32> = (0..d).map(|i| ((i * 17) as f32 * 0.21).cos()).collect();
+                let (mut a, mut b) = (vec![0f32; nkeys], vec![0f32; nkeys]);
+                Avx2::scores(&q, &plane, &keys, 0.37, &mut a);
+                Portable::scores(&q, &plane, &keys, 0.37, &mut b);
+                assert_eq!(a, b, "scores d={d} keys={nkeys}");
+                let (mut x, mut y) = (vec![f32::NAN; d], vec![f32::NAN; d]);
+                Avx2::weighted_sum(&a, &plane, &keys, &mut x);
+                Portable::weighted_sum(&a, &plane, &keys, &mut y);
+                assert_eq!(x, y, "weighted sum d={d} keys={nkeys}");
+            }
         }
     }
 }

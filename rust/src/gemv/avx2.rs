@@ -11,18 +11,19 @@ use super::format::{Format, QK};
 use super::pack::TILE;
 use super::quantize::QuantizedActs;
 
-/// Whether this CPU can run the kernel (AVX2 for the integer part, F16C for the scales).
+/// Whether this CPU can run the kernel (AVX2 for the integer part, F16C for the scales, FMA for
+/// the float steps).
 pub fn supported() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c")
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") && is_x86_feature_detected!("fma")
 }
 
 /// Same contract as `scalar::tile`.
 ///
 /// # Safety
-/// The CPU must support AVX2 and F16C (`supported()`), `tile.len() >= blocks * 16 *
+/// The CPU must support AVX2, F16C and FMA (`supported()`), `tile.len() >= blocks * 16 *
 /// format.block_bytes()`, `acts.qs.len() >= acts.m * blocks * 32`, `acts.{d,sum,dsum}.len()
 /// >= acts.m * blocks` and `out.len() >= acts.m * 16`.
-#[target_feature(enable = "avx2,f16c")]
+#[target_feature(enable = "avx2,f16c,fma")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
     let tbb = TILE * format.block_bytes();
     let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
@@ -83,13 +84,13 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                 for h in 0..2 {
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(h * 16) as *const __m128i));
                     let s = _mm256_mul_ps(dw, da);
-                    acc[h] = _mm256_add_ps(acc[h], _mm256_mul_ps(s, _mm256_cvtepi32_ps(isum[h])));
+                    acc[h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(isum[h]), acc[h]);
                 }
                 if format == Format::Q4_1 {
                     let dsum = _mm256_set1_ps(*acts.dsum.get_unchecked(ab));
                     for (h, acc) in acc.iter_mut().enumerate() {
                         let mw = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * TILE + h * 16) as *const __m128i));
-                        *acc = _mm256_add_ps(*acc, _mm256_mul_ps(mw, dsum));
+                        *acc = _mm256_fmadd_ps(mw, dsum, *acc);
                     }
                 }
             }

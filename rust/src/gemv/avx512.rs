@@ -18,17 +18,27 @@ pub fn supported() -> bool {
     is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
 }
 
-/// Bytes ahead of the block being read that `prefetch_ahead` asks for. Measured on an Intel Xeon
-/// (10.4 GB/s read bound, 1 thread, SmolLM2's linear layers at M = 1, the other core busy):
-/// 0: 63-72% of the bound, 256: 72-74%, 512: 73-77%, 1024: 75%, 4096: 59-78%.
-const PREFETCH_BYTES: usize = 512;
+/// Bytes ahead of the block being read that `prefetch_ahead` asks for, by the rows of the pass.
+/// Measured on an Intel Xeon (10.4 GB/s read bound, 1 thread, SmolLM2's linear layers at M = 1,
+/// the other core busy): 0: 63-72% of the bound, 256: 72-74%, 512: 73-77%, 1024: 75%, 4096:
+/// 59-78%. With more rows a block takes longer to multiply and the stream needs to be asked for
+/// further ahead (`cargo bench --bench gemv_rows`, 2026-12-04, same Xeon, Q4_1 streaming, GB/s
+/// at 512 / 2048 / 4096 bytes: M = 1 12.7 / 11.9 / 9.5; M = 5 7.5 / 8.9 / 8.5; M = 8 6.1 / 6.8 / 7.0).
+const fn prefetch_bytes(rows: usize) -> usize {
+    match rows {
+        1 => 512,
+        2 => 1024,
+        3 | 4 => 2048,
+        _ => 4096,
+    }
+}
 
-/// Asks for the cache lines of the block `PREFETCH_BYTES` ahead, so the weight stream
+/// Asks for the cache lines of the block `prefetch_bytes(R)` ahead, so the weight stream
 /// is in flight while this block is multiplied. A prefetch of an address past the matrix is
 /// harmless (it never faults; `wrapping_add` keeps the pointer arithmetic defined).
 #[inline(always)]
-fn prefetch_ahead(blk: *const u8, block_bytes: usize) {
-    let d = PREFETCH_BYTES;
+fn prefetch_ahead<const R: usize>(blk: *const u8, block_bytes: usize) {
+    let d = prefetch_bytes(R);
     let mut off = 0;
     while off < block_bytes {
         // SAFETY: _mm_prefetch never faults, whatever the address; it is only a hint.
@@ -90,7 +100,7 @@ unsafe fn tile_rows<const R: usize>(format: Format, tile: &[u8], blocks: usize, 
         unsafe {
             let blk = tile.as_ptr().add(b * tbb);
             if m0 == 0 {
-                prefetch_ahead(blk, tbb);
+                prefetch_ahead::<R>(blk, tbb);
             }
             let q = blk.add(qoff);
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
@@ -127,14 +137,22 @@ unsafe fn tile_rows<const R: usize>(format: Format, tile: &[u8], blocks: usize, 
                 let mut isum = _mm512_setzero_si512();
                 match format {
                     Format::Q4_0 | Format::Q4_1 => {
-                        // Q4: two integer chains (low and high nibbles), joined after: integer sums are
-                        // exact in any order, so the bits do not change, and each chain is half as long.
-                        let mut isum_hi = _mm512_setzero_si512();
-                        for v in 0..4 {
-                            isum = _mm512_dpbusd_epi32(isum, w[2 * v], bc!(8 * v));
-                            isum_hi = _mm512_dpbusd_epi32(isum_hi, w[2 * v + 1], bc!(8 * v + 4));
+                        // Q4: with few rows, two integer chains (low and high nibbles), joined after, so
+                        // each chain is half as long; from 4 rows on the rows' chains overlap, and one
+                        // chain saves the join. Integer sums are exact in any order: the bits are the same.
+                        if R < 4 {
+                            let mut isum_hi = _mm512_setzero_si512();
+                            for v in 0..4 {
+                                isum = _mm512_dpbusd_epi32(isum, w[2 * v], bc!(8 * v));
+                                isum_hi = _mm512_dpbusd_epi32(isum_hi, w[2 * v + 1], bc!(8 * v + 4));
+                            }
+                            isum = _mm512_add_epi32(isum, isum_hi);
+                        } else {
+                            for v in 0..4 {
+                                isum = _mm512_dpbusd_epi32(isum, w[2 * v], bc!(8 * v));
+                                isum = _mm512_dpbusd_epi32(isum, w[2 * v + 1], bc!(8 * v + 4));
+                            }
                         }
-                        isum = _mm512_add_epi32(isum, isum_hi);
                         if format == Format::Q4_0 {
                             isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * *acts.sum.get_unchecked(ab)));
                         }
@@ -147,9 +165,9 @@ unsafe fn tile_rows<const R: usize>(format: Format, tile: &[u8], blocks: usize, 
                     }
                 }
                 let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
-                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(s, _mm512_cvtepi32_ps(isum)));
+                *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), *acc);
                 if format == Format::Q4_1 {
-                    *acc = _mm512_add_ps(*acc, _mm512_mul_ps(mw, _mm512_set1_ps(*acts.dsum.get_unchecked(ab))));
+                    *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*acts.dsum.get_unchecked(ab)), *acc);
                 }
             }
         }

@@ -1,8 +1,10 @@
 //! The portable kernel: one 16-row tile, any CPU. The reference the SIMD kernels must equal bit for bit.
 //!
 //! Per row and block: the exact integer dot product `isum` (Q4_0: of `q - 8`), then, in this
-//! order, `acc = acc + (d_w * d_a) * isum` and for Q4_1 `acc = acc + m_w * (d_a * sum_a)`,
-//! blocks in order. The SIMD kernels do the same f32 operations lane by lane.
+//! order, `acc = fma(d_w * d_a, isum, acc)` and for Q4_1 `acc = fma(m_w, d_a * sum_a, acc)`
+//! (fused multiply-adds: one rounding each, and one instruction each on the SIMD paths, where a
+//! pass over several activation rows is bound by its per-row float work), blocks in order. The
+//! SIMD kernels do the same f32 operations lane by lane.
 
 use super::format::{f16_to_f32, Format, QK};
 use super::pack::TILE;
@@ -47,10 +49,10 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                     }
                 };
                 let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
-                *acc += (dw * acts.d[ab]) * isum as f32;
+                *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
                 if format == Format::Q4_1 {
                     let mw = f16_to_f32(u16::from_le_bytes([blk[2 * TILE + 2 * j], blk[2 * TILE + 2 * j + 1]]));
-                    *acc += mw * acts.dsum[ab];
+                    *acc = mw.mul_add(acts.dsum[ab], *acc);
                 }
             }
         }
