@@ -23,8 +23,8 @@ pub struct LayerAttention<'a> {
     pub sliding_window: Option<usize>,
 }
 
-/// How the loops are compiled: the same source, so the same float order and the same bits
-/// (Rust neither contracts nor reassociates floats); AVX2 only widens the vectors.
+/// Which build of the loops runs ([`super::lanes`]): both follow one float order, so both give
+/// the same bits; AVX2 (with FMA) only runs more of them side by side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Simd {
     Portable,
@@ -36,7 +36,7 @@ impl Simd {
     /// The widest this CPU runs (detected at run time).
     pub fn best() -> Simd {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             return Simd::Avx2;
         }
         Simd::Portable
@@ -69,8 +69,8 @@ pub fn attend(
         let (kp, vp) = (&layer.k_plane[at..], &layer.v_plane[at..]);
         match simd {
             Simd::Portable => attend_one::<Portable>(layer.scale, kp, vp, q, &keys[r], o),
-            // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that check
-            // `is_x86_feature_detected!("avx2")`) on a CPU that runs AVX2.
+            // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
+            // `best`) on a CPU that runs AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => unsafe { attend_one_avx2(layer.scale, kp, vp, q, &keys[r], o) },
         }
@@ -115,23 +115,19 @@ fn key_offsets(layer: &LayerAttention<'_>, step: &StepLayout<'_>, kv: &KvGeometr
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma")]
 unsafe fn attend_one_avx2(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], keys: &[usize], out: &mut [f32]) {
     attend_one::<Avx2>(scale, kp, vp, q, keys, out)
 }
 
-/// Scores, softmax (maximum subtracted), `sum(p * v) / sum(p)`, keys in position order; the
-/// products in [`Lanes`]'s fixed orders, the softmax in key order.
+/// Scores, softmax (maximum subtracted), `sum(p * v) / sum(p)`, keys in position order, each
+/// in [`Lanes`]'s fixed order.
 #[inline(always)]
 fn attend_one<L: Lanes>(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], keys: &[usize], out: &mut [f32]) {
     let mut scores = vec![0f32; keys.len()];
     L::scores(q, kp, keys, scale, &mut scores);
     let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
-    }
+    let sum = L::softmax_weights(&mut scores, max);
     L::weighted_sum(&scores, vp, keys, out);
     for o in out.iter_mut() {
         *o /= sum;

@@ -1,29 +1,87 @@
-//! Attention's two inner loops in two builds that give the same bits: portable loops, and AVX2
-//! intrinsics. Both define each value by one fixed order of f32 operations:
+//! Attention's inner loops in two builds that give the same bits: portable loops, and AVX2 + FMA
+//! intrinsics. Both define each value by one fixed order of f32 operations (`fma` is a fused
+//! multiply-add, one rounding: `f32::mul_add` in the portable build):
 //!
-//! - a score is `ops::dot(q, k) * scale`: lane `i` accumulates `acc[i] += q[8j + i] * k[8j + i]`
-//!   (a multiply, then an add: never fused), the lanes meet in [`ops::reduce`]'s tree, then the
-//!   tail is added in order;
-//! - a weighted sum is, per element, `0 + p[0] v[0][i] + p[1] v[1][i] + ...`, keys in order.
+//! - a score is `dot(q, k) * scale`, where `dot` runs 16 lanes, lane `i` accumulating
+//!   `acc[i] = fma(q[16j + i], k[16j + i], acc[i])` for `j` in order, folds them to 8 lanes
+//!   (`acc[i] + acc[i + 8]`), meets them in [`ops::reduce`]'s tree, then adds the tail in order
+//!   (`s = fma(q[i], k[i], s)`);
+//! - the softmax's weights are [`exp`] of `score - max`, and their sum runs 8 lanes
+//!   (lane `i` adds weights `8j + i` in order), then `ops::reduce`, then the tail in order;
+//! - a weighted sum is, per element, `out[i] = fma(p[k], v[k][i], out[i])` from 0, keys in order.
 //!
 //! The AVX2 build only changes what runs side by side: eight keys' dot products at once (their
-//! lanes transposed so the eight reductions are vector adds of the same tree), and a head's
-//! outputs kept in registers across all its keys (eight independent chains of adds, instead of
-//! a load and a store of the output per key).
+//! lanes transposed so the eight reductions are vector adds of the same tree), eight weights'
+//! `exp` at once, and a head's outputs kept in registers across all its keys (eight independent
+//! chains, instead of a load and a store of the output per key).
 //!
-//! Why intrinsics: the portable loops are what the compiler vectorizes poorly (measured on an
-//! Intel Xeon, 2026-12-03: SmolLM2's attention over 160 keys took 30 us a layer either way).
+//! Why intrinsics and fused multiply-adds: the portable loops are what the compiler vectorizes
+//! poorly (measured on an Intel Xeon, 2026-12-03: SmolLM2's attention over 160 keys took 30 us a
+//! layer either way), and with separate multiplies and adds a key costs twice the instructions.
 
 use super::ops::{self, LANES};
+
+/// Lanes of a score's accumulator (two AVX2 vectors; one AVX-512 vector).
+pub const DOT_LANES: usize = 16;
 
 /// The kernels one attention build uses. `keys[k]` is where key `k` starts in its plane; every
 /// key has `q.len()` (or `out.len()`) floats there.
 pub trait Lanes {
-    /// `out[k] = ops::dot(q, K[k]) * scale` for every key.
+    /// `out[k] = dot(q, K[k]) * scale` for every key.
     fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]);
-    /// `out[i] = sum over k in order of p[k] * V[k][i]`, starting from 0.
+    /// `s[k] = exp(s[k] - max)` in place; returns their sum (8 lanes, then the tail).
+    fn softmax_weights(s: &mut [f32], max: f32) -> f32;
+    /// `out[i] = sum over k in order of p[k] * V[k][i]` (fused), starting from 0.
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]);
 }
+
+/// `dot(q, k)` of the module's definition (16 lanes folded to 8, `ops::reduce`, the tail).
+#[inline(always)]
+pub fn dot(q: &[f32], k: &[f32]) -> f32 {
+    let d = q.len();
+    let n = d / DOT_LANES * DOT_LANES;
+    let k = &k[..d];
+    let mut acc = [0f32; DOT_LANES];
+    for (cq, ck) in q[..n].chunks_exact(DOT_LANES).zip(k[..n].chunks_exact(DOT_LANES)) {
+        for i in 0..DOT_LANES {
+            acc[i] = cq[i].mul_add(ck[i], acc[i]);
+        }
+    }
+    let folded: [f32; LANES] = std::array::from_fn(|i| acc[i] + acc[i + LANES]);
+    let mut s = ops::reduce(folded);
+    for (x, y) in q[n..].iter().zip(&k[n..]) {
+        s = x.mul_add(*y, s);
+    }
+    s
+}
+
+/// `exp(x)` for `x <= 0` (Cephes' `expf`: `x = n ln 2 + r`, a degree-7 polynomial in `r`, times
+/// `2^n`), within 2 ulp of the true value; 0 below -87.3 (where `expf` leaves the normal
+/// floats). Every operation is an exactly specified IEEE one, so the AVX2 build, which runs the
+/// same steps on eight lanes, gives the same bits.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    if x < EXP_MIN {
+        return 0.0;
+    }
+    let n = (x * LOG2E + ROUND) - ROUND; // round to nearest, |x * log2 e| < 2^22
+    let r = n.mul_add(-LN2_HI, x);
+    let r = n.mul_add(-LN2_LO, r);
+    let z = r * r;
+    let mut y = EXP_P[0];
+    for &c in &EXP_P[1..] {
+        y = y.mul_add(r, c);
+    }
+    let y = y.mul_add(z, r) + 1.0;
+    y * f32::from_bits((((n as i32) + 127) << 23) as u32)
+}
+
+const EXP_MIN: f32 = -87.336_55;
+const LOG2E: f32 = std::f32::consts::LOG2_E;
+const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23
+const LN2_HI: f32 = 0.693_359_4;
+const LN2_LO: f32 = -2.121_944_4e-4;
+const EXP_P: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 5.000_000_1e-1];
 
 pub struct Portable;
 
@@ -32,21 +90,40 @@ impl Lanes for Portable {
     fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
         let d = q.len();
         for (&k, o) in keys.iter().zip(out.iter_mut()) {
-            *o = ops::dot(q, &plane[k..][..d]) * scale;
+            *o = dot(q, &plane[k..][..d]) * scale;
         }
+    }
+    #[inline(always)]
+    fn softmax_weights(s: &mut [f32], max: f32) -> f32 {
+        let n = s.len() / LANES * LANES;
+        let mut acc = [0f32; LANES];
+        for c in s[..n].chunks_exact_mut(LANES) {
+            for i in 0..LANES {
+                c[i] = exp(c[i] - max);
+                acc[i] += c[i];
+            }
+        }
+        let mut sum = ops::reduce(acc);
+        for x in &mut s[n..] {
+            *x = exp(*x - max);
+            sum += *x;
+        }
+        sum
     }
     #[inline(always)]
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
         let d = out.len();
         out.fill(0.0);
         for (&k, &pk) in keys.iter().zip(p) {
-            ops::axpy(out, pk, &plane[k..][..d]);
+            for (o, v) in out.iter_mut().zip(&plane[k..][..d]) {
+                *o = pk.mul_add(*v, *o);
+            }
         }
     }
 }
 
-/// AVX2 builds of the same kernels. Only `attention::attend_group_avx2` uses this type, and only
-/// `Simd::Avx2` calls that, which is chosen where the CPU runs AVX2.
+/// AVX2 + FMA builds of the same kernels. Only `attention::attend_one_avx2` uses this type, and
+/// only `Simd::Avx2` calls that, which is chosen where the CPU runs AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 pub struct Avx2;
 
@@ -54,17 +131,13 @@ pub struct Avx2;
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{ops, LANES};
+    use super::{dot, ops, DOT_LANES, EXP_MIN, EXP_P, LANES, LN2_HI, LN2_LO, LOG2E, ROUND};
 
     /// Lane `k` of the result is `ops::reduce` of `acc[k]`: the 8 x 8 transpose puts lane `j` of
-    /// every accumulator in vector `t[j]`, then the tree's adds run on whole vectors.
-    ///
-    /// # Safety
-    /// The CPU runs AVX2.
+    /// every accumulator in vector `c[j]`, then the tree's adds run on whole vectors.
     #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn reduce8(acc: [__m256; 8]) -> __m256 {
-        // rows a..h = acc[0..8]; standard unpack / shuffle / permute transpose
+    #[target_feature(enable = "avx2,fma")]
+    fn reduce8(acc: [__m256; 8]) -> __m256 {
         let t0 = _mm256_unpacklo_ps(acc[0], acc[1]);
         let t1 = _mm256_unpackhi_ps(acc[0], acc[1]);
         let t2 = _mm256_unpacklo_ps(acc[2], acc[3]);
@@ -81,7 +154,6 @@ mod avx2 {
         let s5 = _mm256_shuffle_ps::<0xee>(t4, t6);
         let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
         let s7 = _mm256_shuffle_ps::<0xee>(t5, t7);
-        // c[j] holds lane j of every accumulator, accumulator k in lane k
         let c = [
             _mm256_permute2f128_ps::<0x20>(s0, s4),
             _mm256_permute2f128_ps::<0x20>(s1, s5),
@@ -100,44 +172,99 @@ mod avx2 {
     }
 
     /// # Safety
-    /// The CPU runs AVX2; `keys[k] + q.len() <= plane.len()` for every key; `out.len() >= keys.len()`.
-    #[target_feature(enable = "avx2")]
+    /// The CPU runs AVX2 and FMA; `keys[k] + q.len() <= plane.len()` for every key;
+    /// `out.len() >= keys.len()`.
+    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
         let d = q.len();
-        let n = d / LANES * LANES;
+        let n = d / DOT_LANES * DOT_LANES;
         let (qp, pp) = (q.as_ptr(), plane.as_ptr());
         let scale_v = _mm256_set1_ps(scale);
         let eights = keys.len() / 8 * 8;
         for (ks, os) in keys[..eights].chunks_exact(8).zip(out.chunks_exact_mut(8)) {
-            let mut acc = [_mm256_setzero_ps(); 8];
-            for c in (0..n).step_by(LANES) {
-                // SAFETY: c + 8 <= n <= d, and each key's d floats lie inside `plane` (contract).
-                unsafe {
-                    let x = _mm256_loadu_ps(qp.add(c));
-                    for (a, &k) in acc.iter_mut().zip(ks) {
-                        *a = _mm256_add_ps(*a, _mm256_mul_ps(x, _mm256_loadu_ps(pp.add(k + c))));
+            let mut folded = [_mm256_setzero_ps(); 8];
+            // four keys at a time: 8 accumulators (lanes 0-7 and 8-15 of each) stay in registers
+            for half in 0..2 {
+                let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                for c in (0..n).step_by(DOT_LANES) {
+                    // SAFETY: c + 16 <= n <= d, and each key's d floats lie inside `plane` (contract).
+                    unsafe {
+                        let (xl, xh) = (_mm256_loadu_ps(qp.add(c)), _mm256_loadu_ps(qp.add(c + 8)));
+                        for (a, &k) in acc.iter_mut().zip(&ks[4 * half..4 * half + 4]) {
+                            a[0] = _mm256_fmadd_ps(xl, _mm256_loadu_ps(pp.add(k + c)), a[0]);
+                            a[1] = _mm256_fmadd_ps(xh, _mm256_loadu_ps(pp.add(k + c + 8)), a[1]);
+                        }
                     }
                 }
+                for (t, a) in acc.iter().enumerate() {
+                    folded[4 * half + t] = _mm256_add_ps(a[0], a[1]);
+                }
             }
-            // SAFETY: AVX2 (this function's contract).
-            let mut s = unsafe { reduce8(acc) };
+            let mut s = reduce8(folded);
             for i in n..d {
-                // the tail in order, lane k for key k (as `ops::dot` adds it after the tree)
+                // the tail in order, lane k for key k
                 let kv = _mm256_setr_ps(plane[ks[0] + i], plane[ks[1] + i], plane[ks[2] + i], plane[ks[3] + i],
                                         plane[ks[4] + i], plane[ks[5] + i], plane[ks[6] + i], plane[ks[7] + i]);
-                s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_set1_ps(q[i]), kv));
+                s = _mm256_fmadd_ps(_mm256_set1_ps(q[i]), kv, s);
             }
             // SAFETY: `os` holds 8 floats.
             unsafe { _mm256_storeu_ps(os.as_mut_ptr(), _mm256_mul_ps(s, scale_v)) };
         }
         for (&k, o) in keys[eights..].iter().zip(&mut out[eights..]) {
-            *o = ops::dot(q, &plane[k..][..d]) * scale;
+            *o = dot(q, &plane[k..][..d]) * scale;
         }
     }
 
+    /// `super::exp` on eight lanes, step for step.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        let round = _mm256_set1_ps(ROUND);
+        let n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round), round);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
+        let z = _mm256_mul_ps(r, r);
+        let mut y = _mm256_set1_ps(EXP_P[0]);
+        for &c in &EXP_P[1..] {
+            y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(y, z, r), _mm256_set1_ps(1.0));
+        let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n),
+                                                                                _mm256_set1_epi32(127))));
+        let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN));
+        _mm256_andnot_ps(below, _mm256_mul_ps(y, pow2))
+    }
+
     /// # Safety
-    /// The CPU runs AVX2; `keys[k] + out.len() <= plane.len()` for every key; `p.len() >= keys.len()`.
-    #[target_feature(enable = "avx2")]
+    /// The CPU runs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn softmax_weights(s: &mut [f32], max: f32) -> f32 {
+        let n = s.len() / LANES * LANES;
+        let m = _mm256_set1_ps(max);
+        let mut acc = _mm256_setzero_ps();
+        for c in s[..n].chunks_exact_mut(LANES) {
+            // SAFETY: `c` holds 8 floats.
+            unsafe {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(c.as_ptr()), m));
+                _mm256_storeu_ps(c.as_mut_ptr(), e);
+                acc = _mm256_add_ps(acc, e);
+            }
+        }
+        let mut lanes = [0f32; LANES];
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        let mut sum = ops::reduce(lanes);
+        for x in &mut s[n..] {
+            *x = super::exp(*x - max);
+            sum += *x;
+        }
+        sum
+    }
+
+    /// # Safety
+    /// The CPU runs AVX2 and FMA; `keys[k] + out.len() <= plane.len()` for every key;
+    /// `p.len() >= keys.len()`.
+    #[target_feature(enable = "avx2,fma")]
     pub unsafe fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
         let d = out.len();
         let n = d / LANES * LANES;
@@ -155,9 +282,9 @@ mod avx2 {
             c0 += 8;
         }
         for (i, o) in out.iter_mut().enumerate().skip(n) {
-            let mut s = 0.0;
+            let mut s = 0f32;
             for (&k, &pk) in keys.iter().zip(p) {
-                s += pk * plane[k + i];
+                s = pk.mul_add(plane[k + i], s);
             }
             *o = s;
         }
@@ -166,16 +293,16 @@ mod avx2 {
     /// Outputs `c0 .. c0 + 8W` over every key.
     ///
     /// # Safety
-    /// AVX2; `c0 + 8W <= out.len()` and every key's floats `c0 .. c0 + 8W` inside the plane.
+    /// AVX2 and FMA; `c0 + 8W <= out.len()` and every key's floats `c0 .. c0 + 8W` inside the plane.
     #[inline]
-    #[target_feature(enable = "avx2")]
+    #[target_feature(enable = "avx2,fma")]
     unsafe fn chunk<const W: usize>(p: &[f32], pp: *const f32, keys: &[usize], c0: usize, out: &mut [f32]) {
         let mut acc = [_mm256_setzero_ps(); W];
         for (&k, &pk) in keys.iter().zip(p) {
             let pv = _mm256_set1_ps(pk);
             for (j, a) in acc.iter_mut().enumerate() {
                 // SAFETY: the function's contract.
-                *a = _mm256_add_ps(*a, _mm256_mul_ps(pv, unsafe { _mm256_loadu_ps(pp.add(k + c0 + 8 * j)) }));
+                *a = _mm256_fmadd_ps(pv, unsafe { _mm256_loadu_ps(pp.add(k + c0 + 8 * j)) }, *a);
             }
         }
         for (j, a) in acc.iter().enumerate() {
@@ -190,8 +317,13 @@ impl Lanes for Avx2 {
     #[inline(always)]
     fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
         assert!(out.len() >= keys.len() && keys.iter().all(|&k| k + q.len() <= plane.len()));
-        // SAFETY: see the type's docs (AVX2 was detected); the bounds were just checked.
+        // SAFETY: see the type's docs (AVX2 and FMA were detected); the bounds were just checked.
         unsafe { avx2::scores(q, plane, keys, scale, out) }
+    }
+    #[inline(always)]
+    fn softmax_weights(s: &mut [f32], max: f32) -> f32 {
+        // SAFETY: as above.
+        unsafe { avx2::softmax_weights(s, max) }
     }
     #[inline(always)]
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
@@ -201,25 +333,46 @@ impl Lanes for Avx2 {
     }
 }
 
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
+    fn exp_is_within_two_ulp_of_float64() {
+        let mut x = -87.3f32;
+        while x <= 0.0 {
+            let (got, want) = (exp(x) as f64, (x as f64).exp());
+            let ulp = (want as f32).to_bits().abs_diff((got as f32).to_bits());
+            assert!(ulp <= 2, "exp({x}) = {got}, want {want} ({ulp} ulp)");
+            x += 0.000_37;
+        }
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-88.0), 0.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
     fn avx2_gives_the_portable_bits() {
-        if !is_x86_feature_detected!("avx2") {
+        if !(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")) {
             return;
         }
-        for d in [1, 7, 8, 13, 64, 67, 128, 200] {
+        for d in [1, 7, 8, 13, 16, 24, 64, 67, 128, 200] {
             for nkeys in [1, 5, 8, 9, 17, 40] {
                 let plane: Vec<f32> = (0..(nkeys + 3) * 211).map(|i| ((i * 31 + 7) as f32 * 0.13).sin()).collect();
                 // scattered, out of order, some repeated
                 let keys: Vec<usize> = (0..nkeys).map(|k| (k * 7 % (nkeys + 3)) * 211 + (k % 3)).collect();
-                let q: Vec<f32> = (0..d).map(|i| ((i * 17) as f32 * 0.21).cos()).collect();
+                let q: Vec<f32> = (0..d).map(|i| ((i * 17) as f32 * 0.21).cos() * 3.0).collect();
                 let (mut a, mut b) = (vec![0f32; nkeys], vec![0f32; nkeys]);
                 Avx2::scores(&q, &plane, &keys, 0.37, &mut a);
                 Portable::scores(&q, &plane, &keys, 0.37, &mut b);
                 assert_eq!(a, b, "scores d={d} keys={nkeys}");
+                let max = a.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                // weights far below the maximum too (down to exp's zero)
+                a.iter_mut().enumerate().for_each(|(k, s)| *s -= (k % 4) as f32 * 30.0);
+                b.clone_from(&a);
+                assert_eq!(Avx2::softmax_weights(&mut a, max), Portable::softmax_weights(&mut b, max), "sum d={d}");
+                assert_eq!(a, b, "weights d={d} keys={nkeys}");
                 let (mut x, mut y) = (vec![f32::NAN; d], vec![f32::NAN; d]);
                 Avx2::weighted_sum(&a, &plane, &keys, &mut x);
                 Portable::weighted_sum(&a, &plane, &keys, &mut y);
