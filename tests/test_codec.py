@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from pagedrs import BeamSearchParams, SamplingParams
+from pagedrs import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedrs.core import protocol as p
 from pagedrs.frontend import codec
 from pagedrs.stats import EngineStats
@@ -35,6 +35,7 @@ def _outputs() -> p.CoreOutputs:
 MESSAGES = [
     p.Add(p.CoreRequest("a", [1, 2, 3], SamplingParams(max_tokens=3, stop=["x", "yz"], seed=3, logprobs=2, n=2,
                                                        best_of=3, stop_token_ids=[4]), -5, 12.5, "salt")),
+    p.Add(p.CoreRequest("c", [1], SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY), 0, None, None)),
     p.Add(p.CoreRequest("b", [9], BeamSearchParams(beam_width=2, max_tokens=4, length_penalty=0.5), 0, None, None)),
     p.Abort("a"),
     p.FinishSample("a", 1, "stop", "yz"),
@@ -75,3 +76,23 @@ def test_a_field_added_to_a_protocol_type_crosses_without_any_codec_change() -> 
 
     value = Grown(0, [1], [-0.5], draft_token_ids=[3, 4])
     assert codec._decoder(Grown)(codec._encoder(Grown)(value)) == value
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind))
+def test_an_output_kind_crosses_as_its_member_not_a_plain_int(kind: RequestOutputKind) -> None:
+    """marshal refuses an int subclass: the enum travels as its value and comes back as the member."""
+    message = p.Add(p.CoreRequest("a", [1], SamplingParams(output_kind=kind), 0, None, None))
+    raw = codec.encode(message)
+    decoded = codec.decode(raw)
+    assert decoded == message
+    assert type(decoded.request.params.output_kind) is RequestOutputKind
+    assert decoded.request.params.output_kind is kind
+
+
+def test_an_optional_enum_field_crosses_too() -> None:
+    @dataclasses.dataclass
+    class WithKind:
+        kind: RequestOutputKind | None = None
+
+    for value in (WithKind(), WithKind(RequestOutputKind.DELTA)):
+        assert codec._decoder(WithKind)(codec._encoder(WithKind)(value)) == value

@@ -21,6 +21,7 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "SamplingParams",
+    "RequestOutputKind",
     "StructuredOutputsParams",
     "BeamSearchParams",
     "BeamSearchOutput",
@@ -36,6 +37,7 @@ _LAZY = {
     "Engine": "pagedrs.engine",
     "EngineArgs": "pagedrs.engine_args",
     "SamplingParams": "pagedrs.sampling_params",
+    "RequestOutputKind": "pagedrs.sampling_params",
     "StructuredOutputsParams": "pagedrs.sampling_params",
     "BeamSearchParams": "pagedrs.beam_search",
     "BeamSearchOutput": "pagedrs.beam_search",
@@ -50,7 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pagedrs.engine_args import EngineArgs
     from pagedrs.llm import LLM
     from pagedrs.outputs import CompletionOutput, RequestOutput
-    from pagedrs.sampling_params import SamplingParams, StructuredOutputsParams
+    from pagedrs.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,7 @@ sampling temperature, stop strings, logprobs) are refused here, as vLLM v0 refus
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field
@@ -42,6 +43,31 @@ MAX_STRUCTURED_SPEC_BYTES = 64 * 1024  # a schema, regex, grammar or the choices
 MAX_SCHEMA_DEPTH = 64  # nesting of a JSON schema's objects and arrays
 MAX_CHOICES = 1024
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which RequestOutputs a request gets (vLLM's names and values).
+
+    Building a cumulative output per request per step costs the front end a copy of every
+    token list and a text decode per token, for consumers that often read only the end:
+
+    * ``CUMULATIVE``: every step, everything so far (``text``, ``token_ids``, ``logprobs``) plus
+      the deltas; the default for direct engine users.
+    * ``DELTA``: every step, only what is new: ``CompletionOutput.text`` and ``token_ids`` are the
+      delta (equal to ``delta_text``/``delta_token_ids``), ``logprobs`` the new tokens' entries,
+      ``cumulative_logprob`` the running total; a sample appears only when it gained something or
+      finished (a finished sample is not repeated), ``prompt_logprobs`` in the first output only.
+      For streaming.
+    * ``FINAL_ONLY``: nothing until the request ends (finished, aborted or failed); then one output
+      equal to CUMULATIVE's last in text, tokens and logprobs. ``LLM.generate`` uses it.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+OUTPUT_KINDS = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
 
 
 @dataclass
@@ -197,8 +223,10 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     # None = off; k: every prompt token after the first gets its logprob plus the top-k alternatives
     # (RequestOutput.prompt_logprobs, first entry None). Such a request bypasses the prefix cache.
-    # Last field: a field added at the end travels through the multiprocess codec unchanged.
     prompt_logprobs: int | None = None
+    # which RequestOutputs the request gets (RequestOutputKind); a plain int 0-2 is taken as one.
+    # Last field: a field added at the end travels through the multiprocess codec unchanged.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -246,6 +274,7 @@ class SamplingParams:
             _fail("detokenize", self.detokenize, f"true when stop strings are set (stop={self.stop!r} needs the text)")
         if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N):
             _fail("best_of", self.best_of, f"None or an integer in [n={self.n}, {MAX_N}]")
+        self.output_kind = self._normalize_output_kind(self.output_kind)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         if self.structured_outputs is not None and self.min_tokens:
@@ -309,6 +338,16 @@ class SamplingParams:
     def beam_search_width(self) -> int:
         """The beam width of a beam search request: beam_width, else best_of, else n (vLLM v0)."""
         return self.beam_width or self.best_of or self.n
+
+    @staticmethod
+    def _normalize_output_kind(kind: object) -> RequestOutputKind:
+        """A RequestOutputKind, or its int value (what the codec and JSON carry); never a bool (True
+        would silently be DELTA) or a name (vLLM takes the enum only)."""
+        if isinstance(kind, RequestOutputKind):
+            return kind
+        if not _is_int(kind) or kind not in RequestOutputKind._value2member_map_:
+            _fail("output_kind", kind, f"a RequestOutputKind: {OUTPUT_KINDS}")
+        return RequestOutputKind(kind)
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:

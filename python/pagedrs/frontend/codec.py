@@ -4,12 +4,15 @@ A dataclass value is encoded as the tuple of its fields in field order, each fie
 by its annotated type, recursively; ``marshal`` then turns the tuple into bytes (plain
 values only: no code ever runs on decode). A message is ``(tag, fields)`` with the tag the
 message type's index in ``MESSAGES``. So a field added to a protocol type travels without
-anything else changing, and a type's decoder is built from its annotations, once.
+anything else changing, and a type's decoder is built from its annotations, once. An enum
+(``RequestOutputKind``) travels as its value (``marshal`` refuses an int subclass) and is
+rebuilt from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import marshal
 import types
@@ -94,6 +97,8 @@ def _encoder(tp: Any) -> Encoder:
         hints = typing.get_type_hints(tp)
         parts = [(f.name, _encoder(hints[f.name])) for f in dataclasses.fields(tp)]
         return lambda v: tuple(enc(getattr(v, name)) for name, enc in parts)
+    if _is_enum(tp):
+        return _enum_value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
@@ -128,6 +133,8 @@ def _decoder(tp: Any) -> Encoder:
             return value
 
         return build
+    if _is_enum(tp):
+        return tp  # type: ignore[no-any-return]  # the member of that value
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (Union, types.UnionType):
         options = [a for a in args if a is not type(None)]
@@ -144,8 +151,16 @@ def _decoder(tp: Any) -> Encoder:
     return _plain
 
 
+def _is_enum(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, enum.Enum)
+
+
+def _enum_value(value: Any) -> Any:
+    return value.value
+
+
 def _structured(tp: Any) -> bool:
-    """Whether values of ``tp`` need encoding (a dataclass somewhere inside)."""
-    if dataclasses.is_dataclass(tp):
+    """Whether values of ``tp`` need encoding (a dataclass or an enum somewhere inside)."""
+    if dataclasses.is_dataclass(tp) or _is_enum(tp):
         return True
     return any(_structured(a) for a in typing.get_args(tp) if a is not type(None))
