@@ -63,31 +63,46 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
     let mut m0 = 0;
     while m0 < acts.m {
         let rows = (acts.m - m0).min(ROWS);
+        // One instance per (format, rows): the format is a constant inside, so its branches and
+        // the row loop fold away and each row's accumulator stays in a register.
+        macro_rules! by_rows {
+            ($f:literal) => {
+                match rows {
+                    1 => tile_rows::<1, $f>(tile, blocks, acts, m0, out),
+                    2 => tile_rows::<2, $f>(tile, blocks, acts, m0, out),
+                    3 => tile_rows::<3, $f>(tile, blocks, acts, m0, out),
+                    4 => tile_rows::<4, $f>(tile, blocks, acts, m0, out),
+                    5 => tile_rows::<5, $f>(tile, blocks, acts, m0, out),
+                    6 => tile_rows::<6, $f>(tile, blocks, acts, m0, out),
+                    7 => tile_rows::<7, $f>(tile, blocks, acts, m0, out),
+                    _ => tile_rows::<ROWS, $f>(tile, blocks, acts, m0, out),
+                }
+            };
+        }
         // SAFETY: this function's own contract, and m0 + rows <= acts.m.
         unsafe {
-            match rows {
-                1 => tile_rows::<1>(format, tile, blocks, acts, m0, out),
-                2 => tile_rows::<2>(format, tile, blocks, acts, m0, out),
-                3 => tile_rows::<3>(format, tile, blocks, acts, m0, out),
-                4 => tile_rows::<4>(format, tile, blocks, acts, m0, out),
-                5 => tile_rows::<5>(format, tile, blocks, acts, m0, out),
-                6 => tile_rows::<6>(format, tile, blocks, acts, m0, out),
-                7 => tile_rows::<7>(format, tile, blocks, acts, m0, out),
-                _ => tile_rows::<ROWS>(format, tile, blocks, acts, m0, out),
+            match format {
+                Format::Q4_0 => by_rows!(0),
+                Format::Q4_1 => by_rows!(1),
+                Format::Q8_0 => by_rows!(2),
             }
         }
         m0 += rows;
     }
 }
 
-/// Rows `m0 .. m0 + R` of `tile`'s contract. Per row the f32 operations are those of
+/// The format of `tile_rows`'s constant `F`.
+const FORMATS: [Format; 3] = [Format::Q4_0, Format::Q4_1, Format::Q8_0];
+
+/// Rows `m0 .. m0 + R` of `tile`'s contract, for the format `FORMATS[F]`. Per row the f32 operations are those of
 /// `scalar::tile`, in the same order: only the weights' loads and unpacking are shared.
 ///
 /// # Safety
 /// As `tile`, and `m0 + R <= acts.m`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn tile_rows<const R: usize>(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, m0: usize,
-                                    out: &mut [f32]) {
+unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, acts: &QuantizedActs, m0: usize,
+                                                    out: &mut [f32]) {
+    let format = FORMATS[F];
     let tbb = TILE * format.block_bytes();
     let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
     let low = _mm512_set1_epi8(0x0f);
