@@ -345,9 +345,10 @@ class SamplingParams:
         would silently be DELTA) or a name (vLLM takes the enum only)."""
         if isinstance(kind, RequestOutputKind):
             return kind
-        if not _is_int(kind) or kind not in RequestOutputKind._value2member_map_:
-            _fail("output_kind", kind, f"a RequestOutputKind: {OUTPUT_KINDS}")
-        return RequestOutputKind(kind)
+        if isinstance(kind, int) and not isinstance(kind, bool) and kind in RequestOutputKind._value2member_map_:
+            return RequestOutputKind(kind)
+        _fail("output_kind", kind, f"a RequestOutputKind: {OUTPUT_KINDS}")
+        raise AssertionError("unreachable: _fail raises")
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:

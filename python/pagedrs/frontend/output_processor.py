@@ -18,6 +18,14 @@ what was already reported. Its rules, applied token by token to what the core se
 ``best_of > n`` ranks the finished samples by cumulative log-probability here, summed over
 the tokens kept (so cut where a stop string cut the text), best first, ties by index; beam
 search's hypotheses come ranked and scored from the core, and their text is made here.
+
+``SamplingParams.output_kind`` (vLLM's ``RequestOutputKind``) says which outputs a request gets:
+``CUMULATIVE`` one per step with everything so far; ``DELTA`` one per step with only what is new
+(a sample appears when it gained tokens or text, or finished; ``prompt_logprobs`` once);
+``FINAL_ONLY`` one at the end, equal to CUMULATIVE's last. A sample nobody reads before its end
+(FINAL_ONLY, ``best_of > n``) without stop strings (the only rule that needs the text as it grows)
+keeps only its tokens and is decoded once, when it finishes; aborted or failed, its tokens are
+replayed through the detokenizer as the per-token path would have stepped them.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from pagedrs.core.continuation import RequestShape, request_shape
 from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, FinishSample, RequestMetrics
 from pagedrs.frontend.input_processor import ProcessedRequest
 from pagedrs.outputs import CompletionOutput, RequestOutput
-from pagedrs.sampling_params import SamplingParams
+from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Command = Union[FinishSample, Abort]
@@ -54,6 +62,8 @@ class SampleText:
     score: Optional[float] = None  # beam search: the hypothesis' length-penalized score
     sent_tokens: int = 0  # tokens already reported
     sent_chars: int = 0  # characters of text already reported
+    finish_sent: bool = False  # its finish was reported (DELTA: a finished sample is not repeated)
+    deferred: bool = False  # its text is decoded once, when it ends (nobody reads it before)
 
     @property
     def finished(self) -> bool:
@@ -74,6 +84,10 @@ class RequestState:
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # once the core sent them
     error: Optional[str] = None
     ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    streams: bool = True  # it gets outputs before it finishes (not beam search, best_of > n, FINAL_ONLY)
+    metrics_unsent: bool = False  # metrics came that no output carried yet
+    prompt_logprobs_sent: bool = False  # DELTA: an output carried them (they go once)
 
     @property
     def finished(self) -> bool:
@@ -106,8 +120,11 @@ class OutputProcessor:
     def add(self, processed: ProcessedRequest, queued_time: float) -> None:
         params = processed.params
         arrival = queued_time if processed.arrival_time is None else min(processed.arrival_time, queued_time)
+        shape = request_shape(params)
+        kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         state = RequestState(processed.request_id, processed.prompt, processed.prompt_token_ids, params,
-                             request_shape(params), [], RequestMetrics(arrival, queued_time))
+                             shape, [], RequestMetrics(arrival, queued_time), kind=kind,
+                             streams=shape.streams and kind != RequestOutputKind.FINAL_ONLY)
         self._sample(state, 0)  # its detokenizer exists from the start
         self._requests[processed.request_id] = state
 
@@ -120,7 +137,7 @@ class OutputProcessor:
         if state is None:
             return None
         self._end(state, "abort")
-        return self._output(state)
+        return self._output(state, with_metrics=True)
 
     def fail_all(self) -> None:
         """The engine is dead: every request has ended (the core reports none of them)."""
@@ -133,15 +150,17 @@ class OutputProcessor:
         One RequestOutput per request per call, after all of its core outputs in ``outputs`` are
         taken: a client in another process may deliver several core steps at once, and the
         cumulative fields (``logprobs`` is the sample's own growing list) must match the deltas
-        of the output that carries them."""
+        of the output that carries them. A FINAL_ONLY request gets none until it ends; a DELTA
+        request none in a call that brought it nothing new."""
         commands: list[Command] = []
-        touched: dict[str, tuple[RequestState, bool]] = {}  # request id -> (state, its metrics came)
+        touched: dict[str, RequestState] = {}  # request id -> state, in the order the core sent them
         for out in outputs:
             state = self._requests.get(out.request_id)
             if state is None:
                 continue  # aborted or failed here; the core has been told
             if out.metrics is not None:
                 state.metrics = out.metrics
+                state.metrics_unsent = True
             if out.num_cached_tokens is not None:
                 state.num_cached_tokens = out.num_cached_tokens
                 state.cached_tokens_by_tier = out.cached_tokens_by_tier
@@ -157,16 +176,19 @@ class OutputProcessor:
             if out.error is not None:
                 state.error = state.error or out.error
                 self._end(state, "error")
-            earlier = touched.get(out.request_id)
-            touched[out.request_id] = (state, (earlier is not None and earlier[1]) or out.metrics is not None)
+            touched[out.request_id] = state
             if state.finished:
                 del self._requests[out.request_id]
                 # best_of > n; a beam search's hypotheses come ranked by score (length-penalized) already
                 if (state.ended is None and state.shape.num_outputs < state.shape.num_samples
                         and isinstance(state.params, SamplingParams)):
                     _rank_by_cumulative_logprob(state)
-        results = [self._output(state, with_metrics=with_metrics) for state, with_metrics in touched.values()
-                   if state.shape.streams or state.finished]  # beam search, best_of > n: the final output only
+        results = []
+        for state in touched.values():
+            if state.streams or state.finished:  # beam search, best_of > n, FINAL_ONLY: the final output only
+                result = self._output(state)
+                if result is not None:
+                    results.append(result)
         return results, commands
 
     # ---- one sample's tokens -----------------------------------------------------------
@@ -174,9 +196,12 @@ class OutputProcessor:
     def _sample(self, state: RequestState, index: int) -> SampleText:
         while len(state.samples) <= index:
             detok = None
+            deferred = False
             if isinstance(state.params, SamplingParams):
                 detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens)
-            state.samples.append(SampleText(len(state.samples), detok))
+                # no output before the end and no stop string: nothing reads the text as it grows
+                deferred = not state.streams and not state.params.stop and state.params.detokenize
+            state.samples.append(SampleText(len(state.samples), detok, deferred=deferred))
         return state.samples[index]
 
     def _take(self, state: RequestState, c: CoreSampleOutput, commands: list[Command]) -> None:
@@ -186,6 +211,9 @@ class OutputProcessor:
         params = state.params
         if isinstance(params, BeamSearchParams):
             self._take_hypothesis(s, c, params)
+            return
+        if s.deferred:
+            self._take_deferred(s, c)
             return
         stopped_by_text = False
         last = len(c.new_token_ids) - 1
@@ -214,6 +242,29 @@ class OutputProcessor:
         if not stopped_by_text and c.finish_reason is not None:
             s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
 
+    def _take_deferred(self, s: SampleText, c: CoreSampleOutput) -> None:
+        """Tokens and logprobs only; the text once, when the sample ends (the per-token path's
+        text: a stop token is not in it, and an ending by stop or length flushes)."""
+        n = len(c.new_token_ids)
+        if n:
+            s.token_ids.extend(c.new_token_ids)
+            total = s.cumulative_logprob or 0.0
+            for logprob in c.logprobs[:n]:  # one by one: the same float sum as the per-token path
+                total += logprob
+            s.cumulative_logprob = total
+            if c.top_logprobs is not None:
+                if s.logprobs is None:
+                    s.logprobs = []
+                s.logprobs.extend(c.top_logprobs[:n])
+        if c.finish_reason is None:
+            return
+        if c.finish_reason in ("stop", "length") and n:
+            shown = s.token_ids[:-1] if c.finish_reason == "stop" else s.token_ids
+            s.text = _detok(s).finish_at_once(shown)
+        else:  # the per-token path flushes only with the token that ends the sample
+            _replay_text(s)
+        s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+
     def _take_hypothesis(self, s: SampleText, c: CoreSampleOutput, params: BeamSearchParams) -> None:
         """A beam-search output (it comes once): a hypothesis, or a live beam of an ended search."""
         s.token_ids = list(c.new_token_ids)
@@ -228,15 +279,19 @@ class OutputProcessor:
     def _end(self, state: RequestState, reason: str) -> None:
         for s in state.samples:
             if not s.finished:
+                if s.deferred:
+                    _replay_text(s)  # aborted or failed: the text so far, unflushed
                 s.finish_reason = reason
         for index in range(len(state.samples), state.shape.num_samples):  # samples never forked
             self._sample(state, index).finish_reason = reason
         state.ended = state.ended or reason
 
-    def _output(self, state: RequestState, with_metrics: bool = True) -> RequestOutput:
-        """The output since the previous one: cumulative fields plus deltas; the metrics when
-        they came with it (a client in another process sends them once, with the first token)."""
+    def _output(self, state: RequestState, with_metrics: Optional[bool] = None) -> Optional[RequestOutput]:
+        """The output since the previous one (CUMULATIVE, FINAL_ONLY: cumulative fields plus deltas;
+        DELTA: the deltas only, None when there are none); the metrics when no output carried them
+        yet (a client in another process sends them once, with the first token)."""
         finished = state.finished
+        delta = state.kind == RequestOutputKind.DELTA
         stops = state.params.stop if isinstance(state.params, SamplingParams) else ()
         # Hold back text that might still turn out to be the start of a stop string.
         longest_hold = max(map(len, stops)) - 1 if stops else 0
@@ -244,25 +299,27 @@ class OutputProcessor:
         for s in state.samples[: state.shape.num_outputs] if finished else state.samples:
             hold = 0 if s.finish_reason is not None else longest_hold
             visible = max(len(s.text) - hold, s.sent_chars)
-            outs.append(CompletionOutput(
-                index=s.index,
-                text=s.text[:visible],
-                token_ids=list(s.token_ids),
-                delta_text=s.text[s.sent_chars : visible],
-                delta_token_ids=s.token_ids[s.sent_tokens :],
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                # the sample's own growing list, not a copy (a copy per step is quadratic in
-                # the output length); a consumer that keeps it past the next step copies it
-                logprobs=s.logprobs,
-                cumulative_logprob=s.cumulative_logprob,
-                score=s.score,
-            ))
+            if delta:
+                completion = _delta_completion(s, visible)
+                if completion is not None:
+                    outs.append(completion)
+            else:
+                outs.append(_cumulative_completion(s, visible))
             s.sent_tokens = len(s.token_ids)
             s.sent_chars = visible
+            s.finish_sent = s.finished
+        if delta and not outs:
+            return None
+        if with_metrics is None:
+            with_metrics = state.metrics_unsent
+        state.metrics_unsent = False
         metrics = state.metrics.as_dict() if with_metrics else {}
         if with_metrics and finished and "finished_time" not in metrics:  # it ended here (a stop string, an abort)
             metrics["finished_time"] = time.monotonic()
+        prompt_logprobs = state.prompt_logprobs
+        if delta and prompt_logprobs is not None:  # vLLM's DELTA: they go once
+            prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
+            state.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=state.request_id,
             prompt=state.prompt,
@@ -273,13 +330,68 @@ class OutputProcessor:
             metrics=metrics,
             num_cached_tokens=state.num_cached_tokens,
             cached_tokens_by_tier=state.cached_tokens_by_tier,
-            prompt_logprobs=state.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
+
+
+def _cumulative_completion(s: SampleText, visible: int) -> CompletionOutput:
+    """Everything so far, and what is new since the previous output."""
+    return CompletionOutput(
+        index=s.index,
+        text=s.text[:visible],
+        token_ids=list(s.token_ids),
+        delta_text=s.text[s.sent_chars : visible],
+        delta_token_ids=s.token_ids[s.sent_tokens :],
+        finish_reason=s.finish_reason,
+        stop_reason=s.stop_reason,
+        # the sample's own growing list, not a copy (a copy per step is quadratic in
+        # the output length); a consumer that keeps it past the next step copies it
+        logprobs=s.logprobs,
+        cumulative_logprob=s.cumulative_logprob,
+        score=s.score,
+    )
+
+
+def _delta_completion(s: SampleText, visible: int) -> Optional[CompletionOutput]:
+    """Only what is new (vLLM's DELTA): ``text``/``token_ids`` are the deltas (the same objects as
+    ``delta_text``/``delta_token_ids``), ``logprobs`` their entries, ``cumulative_logprob`` the
+    running total; None when the sample gained nothing and its finish, if any, was reported."""
+    new_ids = s.token_ids[s.sent_tokens :]
+    if not new_ids and visible == s.sent_chars and (s.finish_reason is None or s.finish_sent):
+        return None
+    text = s.text[s.sent_chars : visible]
+    return CompletionOutput(
+        index=s.index,
+        text=text,
+        token_ids=new_ids,
+        delta_text=text,
+        delta_token_ids=new_ids,
+        finish_reason=s.finish_reason,
+        stop_reason=s.stop_reason,
+        logprobs=None if s.logprobs is None else s.logprobs[s.sent_tokens :],
+        cumulative_logprob=s.cumulative_logprob,
+        score=s.score,
+    )
 
 
 def _detok(s: SampleText) -> IncrementalDetokenizer:
     assert s.detokenizer is not None
     return s.detokenizer
+
+
+def _replay_text(s: SampleText) -> None:
+    """A deferred sample's text as the per-token path makes it without a flush (an abort, a failure,
+    an ending that came without a token): each token stepped in turn. A detokenizer that fails
+    leaves the text it made up to there (the per-token path would have failed at the same token)."""
+    s.text = ""
+    if s.detokenizer is None:
+        return
+    detok = s.detokenizer.restarted()  # a decode at the end may have failed half-way through
+    for token in s.token_ids:
+        try:
+            s.text += detok.step([token])
+        except Exception:  # noqa: BLE001 - the request is ending anyway; its error says why
+            return
 
 
 def _apply_stop_strings(sample: SampleText, params: SamplingParams, previous: int) -> bool:
