@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Sequence
 from typing import Any, Optional, Union
 
@@ -10,7 +11,7 @@ from pagedrs.core.protocol import CacheReset
 from pagedrs.engine import Engine, PromptType
 from pagedrs.engine_args import EngineArgs
 from pagedrs.outputs import RequestOutput
-from pagedrs.sampling_params import SamplingParams
+from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
 Messages = list[dict[str, str]]
 
@@ -67,6 +68,14 @@ class LLM:
         (a system prompt) share its pages, stored once. With
         ``SamplingParams(use_beam_search=True, beam_width=k)`` (or BeamSearchParams) a
         prompt's ``outputs`` are its best ``n`` hypotheses, best first.
+
+        Every request is submitted with ``output_kind=RequestOutputKind.FINAL_ONLY``, as vLLM's
+        ``LLM.generate`` does, whatever the caller's params say (they are copied, never changed):
+        only the final outputs are returned, and FINAL_ONLY's final output has the text, token ids
+        and logprobs CUMULATIVE's has, without an output per request per step to build (a DELTA
+        final output would hold only the last step's tokens). Its ``delta_text`` and
+        ``delta_token_ids`` are therefore the whole output. For outputs as they are generated,
+        use ``stream`` or ``Engine.step``.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text, a dict, or token ids
@@ -77,6 +86,7 @@ class LLM:
             params_list = list(params)
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"params has {len(params_list)} entries but there are {len(prompt_list)} prompts; they must match")
+        params_list = _final_only(params_list)
         ids = []
         try:
             for prompt, p in zip(prompt_list, params_list):
@@ -159,3 +169,28 @@ class LLM:
                         return
         finally:
             self.engine.abort(request_id)  # a no-op when it finished; frees pages when the caller stops early
+
+
+def _final_only(
+    params_list: Sequence[Union[SamplingParams, BeamSearchParams, None]],
+) -> list[Union[SamplingParams, BeamSearchParams]]:
+    """The params with ``output_kind=FINAL_ONLY``: copies (one per distinct object, so a batch
+    that shares one SamplingParams makes one copy), never the caller's object changed.
+    BeamSearchParams pass as they are (a search only ever has a final output)."""
+    copies: dict[int, SamplingParams] = {}
+    out: list[Union[SamplingParams, BeamSearchParams]] = []
+    for params in params_list:
+        if isinstance(params, BeamSearchParams):
+            out.append(params)
+            continue
+        if params is None:
+            out.append(SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY))
+            continue
+        if params.output_kind == RequestOutputKind.FINAL_ONLY:
+            out.append(params)
+            continue
+        copy = copies.get(id(params))
+        if copy is None:
+            copy = copies[id(params)] = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        out.append(copy)
+    return out
