@@ -7,7 +7,8 @@ Two measures, both deterministic:
   its own greedy choice is the float32 one (free-running generations part for good after
   one different token, which would measure one near-tie, not the format); the first miss
   per prompt is printed with -s;
-- perplexity of a fixed English paragraph, relative to float32.
+- perplexity of five fixed English paragraphs (553 tokens: a story, science, instructions, a
+  dialogue, history), relative to float32.
 
 Bounds (issue 12): int8 agreement >= 90% and perplexity within 2%; int4 perplexity within
 10%, and (our own guard, measured 97.4% on the 24 prompts) agreement >= 95%. Both formats quantize the output
@@ -15,10 +16,17 @@ head to int8 (an int4 head measured 88% agreement). The embedded GGUF is Q4_1: i
 already sit on a 4-bit grid, which int4 (group 32) re-quantizes almost exactly.
 
 gguf (the file's own Q4_1 / Q8_0 blocks through the Rust GEMV, activations int8 per block of 32, the
-layers in one Rust call: models/cpu_decode.py), on the 24 prompts below (768 positions): 747 = 97.3%
-agreement and perplexity -0.07%, against int4's 748 = 97.4% and +0.27% (issue 30: within one point
-and 0.3%). On the first 6 prompts alone (192 positions) it was 187 vs 190: the set was too small to
-tell the formats apart, so it grew. The bound here guards 96% (a point under int4's measure).
+layers in one Rust call: models/cpu_decode.py) is noisier than the weight-only formats, and the noise
+is the format's own: rounding each activation to 1/127 of its block's maximum makes two runs that
+differ by one ulp anywhere (one op computed another way, or the embedding table times (1 + 2^-23))
+differ by 2-5% in their logits. So one run is one draw. Over six draws (the embedding times
+1 + k ulp, k = 0, +-1, +-2, 3; measured 2026-12-04): gguf agreement 96.2-97.1% (mean 96.6%) and
+perplexity +0.00% .. +0.58% (mean +0.30%); int4 96.9-97.5% (mean 97.3%) and +0.24% .. +0.40% (mean
++0.33%): on the means, within the issue's one point and 0.3% (issue 30). The single paragraph used
+before moved 0.55% between draws, hence the five. The gguf bounds sit below every draw with room for
+another: agreement 95.5% (the lowest draw 96.2%), perplexity int4's worst +0.40% plus 0.3% plus the
+0.6% spread (1.012) — enough to catch a wrong kernel (a real error costs whole points of agreement and
+whole percents of perplexity), not the rounding of an op.
 """
 
 from __future__ import annotations
@@ -57,14 +65,40 @@ PROMPTS = [
     "Climate change affects the oceans by",
 ]
 NEW_TOKENS = 32
-TEXT = (
+TEXTS = [
+    # narrative
     "The library opened early on Saturday mornings, and the old librarian liked to arrive before anyone else. "
     "She would unlock the heavy front door, switch on the lamps one by one, and walk slowly between the shelves, "
     "straightening books that had been pushed too far back. Most visitors came for the newspapers or to use the "
     "computers, but a few children always headed straight for the corner with the picture books. Over the years "
     "she had learned which stories they loved most, and she kept those close to the low table by the window, "
-    "where the light was best in the afternoon."
-)
+    "where the light was best in the afternoon.",
+    # science
+    "When sunlight reaches a leaf, most of it is absorbed by chlorophyll, the green pigment inside the chloroplasts. "
+    "The energy of that light is used to split water molecules, releasing oxygen into the air and producing the "
+    "chemical energy the plant needs to turn carbon dioxide into sugar. This process, called photosynthesis, is the "
+    "reason almost every food chain on Earth begins with a plant. It also explains why forests and oceans matter so "
+    "much for the climate: together they take up a large share of the carbon dioxide that people release by burning "
+    "coal, oil and gas.",
+    # instructions
+    "Before you plant tomatoes, choose a spot that gets at least six hours of direct sun each day. Dig the soil to a "
+    "depth of about thirty centimetres and mix in a few handfuls of compost. Set each seedling deeper than it grew in "
+    "its pot, because new roots will form along the buried stem. Water the plants at the base in the morning rather "
+    "than over the leaves, and add a stake or a cage early, while the plants are still small. Once the first fruits "
+    "appear, feed them every two weeks and pick them as soon as they are fully coloured.",
+    # dialogue
+    "\"Are you sure this is the right train?\" asked Maria, looking at the board again. \"It says the next one to the "
+    "airport leaves from platform four.\" Her brother shrugged and pointed at the screen above the doors. \"That one "
+    "says airport too, and it leaves in two minutes. If we wait for the other one, we might miss the flight.\" Maria "
+    "sighed, picked up her bag and followed him inside. The doors closed behind them, and for a moment neither of "
+    "them said a word, until the announcement confirmed that the next stop was the central station.",
+    # history
+    "The first public railway to carry passengers with steam locomotives opened in England in 1825. Within a few "
+    "decades, railways had spread across Europe and North America, cutting journeys that once took days to a matter "
+    "of hours. Towns grew up around new stations, farmers could send fresh produce to distant markets, and the need "
+    "for a shared time along the lines led to the adoption of standard time zones. Historians often describe the "
+    "railway as the invention that did the most to change how ordinary people thought about distance.",
+]
 
 
 def _all_logits(loaded, token_ids: list[int]) -> torch.Tensor:
@@ -80,25 +114,30 @@ def _all_logits(loaded, token_ids: list[int]) -> torch.Tensor:
         return loaded.model.compute_logits(hidden)
 
 
-def _perplexity(loaded, token_ids: list[int]) -> float:
-    logits = _all_logits(loaded, token_ids)[:-1]
-    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]))
-    return float(torch.exp(nll))
+def _perplexity(loaded, texts: list[str]) -> float:
+    """exp of the mean next-token NLL over every token of every text (each text one sequence)."""
+    nll, count = 0.0, 0
+    for text in texts:
+        token_ids = loaded.tokenizer.encode(text)
+        logits = _all_logits(loaded, token_ids)[:-1]
+        nll += float(torch.nn.functional.cross_entropy(logits, torch.tensor(token_ids[1:]), reduction="sum"))
+        count += len(token_ids) - 1
+    return float(torch.exp(torch.tensor(nll / count)))
 
 
 @pytest.fixture(scope="module")
 def reference(smollm2):
-    """(prompts, float32 continuations, float32 perplexity of TEXT)."""
+    """(prompts, float32 continuations, float32 perplexity of TEXTS)."""
     tok = smollm2.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS]
     runner = ModelRunner(smollm2, num_gpu_blocks=4 * len(prompts), num_cpu_blocks=0, block_size=16)
     continuations = greedy_generate(runner, prompts, NEW_TOKENS)
-    return prompts, continuations, _perplexity(smollm2, tok.encode(TEXT))
+    return prompts, continuations, _perplexity(smollm2, TEXTS)
 
 
 @pytest.mark.parametrize(("weight_dtype", "min_agreement", "max_ppl_ratio"), [("int8", 0.90, 1.02),
                                                                               ("int4", 0.95, 1.10),
-                                                                              ("gguf", 0.96, 1.0057)])
+                                                                              ("gguf", 0.955, 1.012)])
 def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtype, min_agreement, max_ppl_ratio):
     prompts, continuations, ppl_fp32 = reference
     quantized = load_model("smollm2-135m", weight_dtype=weight_dtype)
@@ -116,7 +155,7 @@ def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtyp
         agree += sum(same)
         total += len(same)
         first_miss.append(same.index(False) if False in same else len(same))
-    ppl = _perplexity(quantized, quantized.tokenizer.encode(TEXT))
+    ppl = _perplexity(quantized, TEXTS)
     print(f"\n{weight_dtype}: greedy agreement {agree}/{total} = {agree / total:.1%}, first miss per prompt "
           f"{first_miss}, perplexity {ppl:.3f} vs float32 {ppl_fp32:.3f} ({ppl / ppl_fp32 - 1:+.2%})")
     assert agree / total >= min_agreement

@@ -8,7 +8,9 @@
 //!   (`s = fma(q[i], k[i], s)`);
 //! - the softmax's weights are [`exp`] of `score - max`, and their sum runs 8 lanes
 //!   (lane `i` adds weights `8j + i` in order), then `ops::reduce`, then the tail in order;
-//! - a weighted sum is, per element, `out[i] = fma(p[k], v[k][i], out[i])` from 0, keys in order.
+//! - a weighted sum is, per element, `out[i] = fma(p[k], v[k][i], out[i])` from 0, keys in order;
+//! - SwiGLU is `(g * s) * u` with `e = exp(-|g|)`, `s = (g >= 0 ? 1 : e) / (1 + e)` (the sigmoid
+//!   without an overflowing `exp(-g)`).
 //!
 //! The AVX2 build only changes what runs side by side: eight keys' dot products at once (their
 //! lanes transposed so the eight reductions are vector adds of the same tree), eight weights'
@@ -19,6 +21,7 @@
 //! poorly (measured on an Intel Xeon, 2026-12-03: SmolLM2's attention over 160 keys took 30 us a
 //! layer either way), and with separate multiplies and adds a key costs twice the instructions.
 
+use super::attention::Simd;
 use super::ops::{self, LANES};
 
 /// Lanes of a score's accumulator (two AVX2 vectors; one AVX-512 vector).
@@ -33,6 +36,26 @@ pub trait Lanes {
     fn softmax_weights(s: &mut [f32], max: f32) -> f32;
     /// `out[i] = sum over k in order of p[k] * V[k][i]` (fused), starting from 0.
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]);
+    /// SwiGLU of each fused `[gate | up]` row (`2 * inter` wide) into its `out` row: `silu(g) * u`.
+    fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]);
+}
+
+/// SwiGLU (`Lanes::silu_mul`) in the build `simd`.
+pub fn silu_mul(simd: Simd, gate_up: &[f32], inter: usize, out: &mut [f32]) {
+    match simd {
+        Simd::Portable => Portable::silu_mul(gate_up, inter, out),
+        // `Simd::Avx2` is only chosen where the CPU runs AVX2 and FMA (`Simd::best`).
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => Avx2::silu_mul(gate_up, inter, out),
+    }
+}
+
+/// One SwiGLU value of the module's definition.
+#[inline(always)]
+pub fn silu_times(g: f32, u: f32) -> f32 {
+    let e = exp(-g.abs());
+    let s = if g >= 0.0 { 1.0 } else { e } / (1.0 + e);
+    (g * s) * u
 }
 
 /// `dot(q, k)` of the module's definition (16 lanes folded to 8, `ops::reduce`, the tail).
@@ -87,6 +110,15 @@ pub struct Portable;
 
 impl Lanes for Portable {
     #[inline(always)]
+    fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
+        for (gu, o) in gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
+            let (g, u) = gu.split_at(inter);
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = silu_times(g, u);
+            }
+        }
+    }
+    #[inline(always)]
     fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
         let d = q.len();
         for (&k, o) in keys.iter().zip(out.iter_mut()) {
@@ -131,7 +163,7 @@ pub struct Avx2;
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{dot, ops, DOT_LANES, EXP_MIN, EXP_P, LANES, LN2_HI, LN2_LO, LOG2E, ROUND};
+    use super::{dot, ops, silu_times, DOT_LANES, EXP_MIN, EXP_P, LANES, LN2_HI, LN2_LO, LOG2E, ROUND};
 
     /// Lane `k` of the result is `ops::reduce` of `acc[k]`: the 8 x 8 transpose puts lane `j` of
     /// every accumulator in vector `c[j]`, then the tree's adds run on whole vectors.
@@ -236,6 +268,33 @@ mod avx2 {
     }
 
     /// # Safety
+    /// The CPU runs AVX2 and FMA; `gate_up.len() >= 2 * inter * rows` and `out.len() >= inter * rows`
+    /// for the rows of `out`.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
+        let n = inter / 8 * 8;
+        let (zero, one) = (_mm256_setzero_ps(), _mm256_set1_ps(1.0));
+        let abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+        for (gu, o) in gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
+            let (g, u) = gu.split_at(inter);
+            for c in (0..n).step_by(8) {
+                // SAFETY: c + 8 <= n <= inter, the length of `g`, `u` and `o`.
+                unsafe {
+                    let gv = _mm256_loadu_ps(g.as_ptr().add(c));
+                    let e = exp8(_mm256_sub_ps(zero, _mm256_and_ps(gv, abs_mask)));
+                    let num = _mm256_blendv_ps(e, one, _mm256_cmp_ps::<_CMP_GE_OQ>(gv, zero));
+                    let s = _mm256_div_ps(num, _mm256_add_ps(one, e));
+                    let r = _mm256_mul_ps(_mm256_mul_ps(gv, s), _mm256_loadu_ps(u.as_ptr().add(c)));
+                    _mm256_storeu_ps(o.as_mut_ptr().add(c), r);
+                }
+            }
+            for i in n..inter {
+                o[i] = silu_times(g[i], u[i]);
+            }
+        }
+    }
+
+    /// # Safety
     /// The CPU runs AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn softmax_weights(s: &mut [f32], max: f32) -> f32 {
@@ -315,6 +374,12 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 impl Lanes for Avx2 {
     #[inline(always)]
+    fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
+        assert!(gate_up.len() / (2 * inter) >= out.len() / inter);
+        // SAFETY: see the type's docs (AVX2 and FMA were detected); the lengths were just checked.
+        unsafe { avx2::silu_mul(gate_up, inter, out) }
+    }
+    #[inline(always)]
     fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
         assert!(out.len() >= keys.len() && keys.iter().all(|&k| k + q.len() <= plane.len()));
         // SAFETY: see the type's docs (AVX2 and FMA were detected); the bounds were just checked.
@@ -351,6 +416,15 @@ mod tests {
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
     }
 
+    #[test]
+    fn silu_is_gate_times_sigmoid_times_up() {
+        for g in [-100.0f32, -20.0, -3.5, -0.25, -0.0, 0.0, 0.25, 2.0, 17.0, 100.0] {
+            let want = g as f64 / (1.0 + (-g as f64).exp()) * 3.0;
+            let got = silu_times(g, 3.0) as f64;
+            assert!((got - want).abs() <= 1e-6 * want.abs().max(1e-30), "silu({g}) * 3 = {got}, want {want}");
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx2_gives_the_portable_bits() {
@@ -378,6 +452,12 @@ mod tests {
                 Portable::weighted_sum(&a, &plane, &keys, &mut y);
                 assert_eq!(x, y, "weighted sum d={d} keys={nkeys}");
             }
+            // SwiGLU: two rows of `d` gates and ups, gates across exp's whole range
+            let gu: Vec<f32> = (0..4 * d).map(|i| ((i * 37) as f32 * 0.17).sin() * 40.0).collect();
+            let (mut x, mut y) = (vec![f32::NAN; 2 * d], vec![f32::NAN; 2 * d]);
+            Avx2::silu_mul(&gu, d, &mut x);
+            Portable::silu_mul(&gu, d, &mut y);
+            assert_eq!(x.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "silu d={d}");
         }
     }
 }

@@ -74,17 +74,6 @@ pub fn rotary(x: &mut [f32], heads: usize, d: usize, cs: &[f32]) {
     }
 }
 
-/// SwiGLU of a fused `[gate | up]` row pair into `out`: `silu(gate) * up`, with
-/// `silu(g) = g / (1 + exp(-g))`.
-pub fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]) {
-    for (gu, o) in gate_up.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
-        let (g, u) = gu.split_at(inter);
-        for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-            *o = g / (1.0 + (-g).exp()) * u;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,13 +101,5 @@ mod tests {
         let mut x = [1.0, 0.0, 0.0, 1.0]; // one head, d = 4: pairs (1, 0) and (0, 1)
         rotary(&mut x, 1, 4, &[t.cos(), 1.0, t.sin(), 0.0]);
         assert_eq!(x, [t.cos(), 0.0, t.sin(), 1.0]);
-    }
-
-    #[test]
-    fn silu_mul_is_gate_times_sigmoid_times_up() {
-        let mut out = [0f32; 2];
-        silu_mul(&[0.0, 2.0, 5.0, 3.0], 2, &mut out);
-        assert_eq!(out[0], 0.0);
-        assert!((out[1] - 2.0 / (1.0 + (-2f32).exp()) * 3.0).abs() < 1e-6);
     }
 }

@@ -19,7 +19,8 @@ use std::time::Instant;
 
 use super::attention::{attend, LayerAttention, Simd};
 use super::error::DecodeError;
-use super::ops::{add, rms_norm, rotary, silu_mul};
+use super::lanes;
+use super::ops::{add, rms_norm, rotary};
 use super::step::{KvGeometry, StepLayout, StepMeta};
 use crate::gemv::{pool, Kernel, PackedMatrix};
 
@@ -247,7 +248,7 @@ impl DecodeStack {
             lap(&mut elementwise);
             lw.gate_up.matmul(&x, t, &mut gate_up, threads, kernel)?;
             lap(&mut products);
-            silu_mul(&gate_up, g.intermediate, &mut act);
+            lanes::silu_mul(Simd::best(), &gate_up, g.intermediate, &mut act);
             lap(&mut elementwise);
             lw.down.matmul(&act, t, &mut out, threads, kernel)?;
             lap(&mut products);
