@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -22,19 +23,19 @@ def report() -> dict:
 
 def test_every_step_splits_into_ordered_parts_that_add_up_to_it(report: dict) -> None:
     assert report["depths"] == [1, 3]
-    for depth in ("1", "3"):
-        for batch in ("1", "3"):
-            steps = report["steps"][depth][batch]
-            assert len(steps) == TINY.steps
-            for s in steps:
-                for clock in ("", "cpu_"):  # wall time, this thread's CPU time
-                    assert all(s[clock + p] >= 0 for p in (*PARTS, *DETAIL)), s  # every boundary fired, in order
-                    assert sum(s[clock + p] for p in PARTS) == pytest.approx(s[clock + "step"], rel=1e-6, abs=1e-9)
-                    assert s[clock + "forward"] + s[clock + "head"] <= s[clock + "runner"] * (1 + 1e-9)
+    for kind, depth, batch in itertools.product(("CUMULATIVE", "FINAL_ONLY"), ("1", "3"), ("1", "3")):
+        steps = report["steps"][kind][depth][batch]
+        assert len(steps) == TINY.steps
+        for s in steps:
+            for clock in ("", "cpu_"):  # wall time, this thread's CPU time
+                assert all(s[clock + p] >= 0 for p in (*PARTS, *DETAIL)), s  # every boundary fired, in order
+                assert sum(s[clock + p] for p in PARTS) == pytest.approx(s[clock + "step"], rel=1e-6, abs=1e-9)
+                assert s[clock + "forward"] + s[clock + "head"] <= s[clock + "runner"] * (1 + 1e-9)
 
 
 def test_fixed_and_per_layer_parts_are_the_line_through_both_depths(report: dict) -> None:
-    assert [r["batch"] for r in report["rows"]] == [1, 3]
+    assert [(r["output_kind"], r["batch"]) for r in report["rows"]] == [
+        ("CUMULATIVE", 1), ("CUMULATIVE", 3), ("FINAL_ONLY", 1), ("FINAL_ONLY", 3)]
     for row in report["rows"]:
         names = {*PARTS, *DETAIL, "step", "core"}
         assert set(row["measured"]) == names | {f"cpu_{k}" for k in names}
@@ -46,7 +47,7 @@ def test_fixed_and_per_layer_parts_are_the_line_through_both_depths(report: dict
 
 def test_report_prints_its_machine_and_serializes(report: dict, tmp_path: Path) -> None:
     text = markdown(report, "the machine")
-    assert "Machine: the machine" in text and "| 3 |" in text
+    assert "Machine: the machine" in text and "| 3 | FINAL_ONLY |" in text and "| 1 | CUMULATIVE |" in text
     write_json(str(tmp_path / "o.json"), report)
     assert json.loads((tmp_path / "o.json").read_text())["spec"]["layers"] == 3
 
@@ -66,3 +67,16 @@ def test_cli_registers_the_bench_with_its_layers() -> None:
     cfg = BenchConfig(model="-", quick=True, num_requests=None, out_dir=None, plot_dir=None, json_path=None, layers=7)
     spec = spec_from_config(cfg)
     assert spec.layers == 7 and spec.batch_sizes == (1, 32, 256)
+
+
+def test_a_final_only_workload_steps_without_outputs(tmp_path: Path) -> None:
+    """FINAL_ONLY's timed steps hand out no RequestOutput (the check inside raises otherwise), and
+    its requests still run to their end."""
+    from pagedrs.bench.overhead import build_overhead_engine, time_decode_steps, write_model
+
+    engine = build_overhead_engine(write_model(tmp_path / "m", 1), TINY)
+    try:
+        rows = time_decode_steps(engine, TINY, 2, seed=1, output_kind="FINAL_ONLY")
+        assert len(rows) == TINY.steps and not engine.has_unfinished()
+    finally:
+        engine.shutdown()

@@ -24,6 +24,11 @@ at the part boundaries of each ``Engine.step`` split it into parts that add up t
 - ``frontend``: the front end's ``OutputProcessor`` (``RequestOutput``; with a core in its own process,
   ``client="mp"``, this part runs beside the core's next step). ``core`` = the step without it.
 
+Each workload runs twice per batch size, once per ``SamplingParams.output_kind``: ``CUMULATIVE`` (a
+``RequestOutput`` per request per step, what a direct ``Engine.step`` user gets by default) and
+``FINAL_ONLY`` (none until a request ends: what ``LLM.generate`` submits), so the ``frontend`` part
+shows what building the per-step outputs costs.
+
 Each depth runs on its own engine; the step at ``--layers`` N is reported as measured, and the
 two depths (1 and N) give every part a fixed cost and a per-layer cost by a straight line through
 them (``fixed = t(1) - per_layer``). Medians over the timed steps, in wall time and, beside it, in
@@ -33,6 +38,7 @@ waits of a shared machine leave out.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -63,6 +69,7 @@ class OverheadSpec:
     steps: int = 20  # timed decode steps per batch size
     device: str = "cpu"
     block_size: int = 16
+    output_kinds: tuple[str, ...] = ("CUMULATIVE", "FINAL_ONLY")  # RequestOutputKind names, each run in turn
 
 
 # ---- the model -------------------------------------------------------------------------------
@@ -224,17 +231,30 @@ def split_step(at: dict[str, float], start: float, end: float) -> dict[str, floa
 
 # ---- the measurement --------------------------------------------------------------------------
 
-def time_decode_steps(engine: Any, spec: OverheadSpec, batch: int, seed: int) -> list[dict[str, float]]:
-    """Each timed steady decode step of ``batch`` requests, split into its parts (seconds of wall
-    time; ``cpu_<part>``: of this thread's CPU time, which a shared machine's waits leave out)."""
+def _tokens_so_far(engine: Any, request_id: str) -> int:
+    """The first sample's tokens the front end holds (FINAL_ONLY hands out no output to count them by)."""
+    state = engine.output_processor.requests.get(request_id)
+    return len(state.samples[0].token_ids) if state is not None and state.samples else 0
+
+
+def time_decode_steps(engine: Any, spec: OverheadSpec, batch: int, seed: int,
+                      output_kind: str = "CUMULATIVE") -> list[dict[str, float]]:
+    """Each timed steady decode step of ``batch`` requests of ``output_kind``, split into its parts
+    (seconds of wall time; ``cpu_<part>``: of this thread's CPU time, which a shared machine's waits
+    leave out)."""
+    from pagedrs.sampling_params import RequestOutputKind
+
+    kind = RequestOutputKind[output_kind]
     rng = np.random.default_rng(seed)
     max_tokens = 1 + spec.warmup_steps + spec.steps + 1  # prefill's token, warm-up, timed, one to finish
-    for i in range(batch):
+    params = dataclasses.replace(greedy_params(max_tokens), output_kind=kind)
+    ids = [f"o{seed}-{kind.name}-{i}" for i in range(batch)]
+    for request_id in ids:
         prompt = rng.integers(2, 512, size=spec.prompt_len).tolist()  # never EOS (1) or BOS (0)
-        engine.add_request(f"o{seed}-{i}", {"prompt_token_ids": prompt}, greedy_params(max_tokens))
-    started: set[str] = set()
-    while len(started) < batch:  # the prefill (one step when max_num_batched_tokens covers it)
-        started.update(o.request_id for o in engine.step() if o.outputs[0].token_ids)
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+    while any(_tokens_so_far(engine, r) == 0 for r in ids):  # the prefill (one step when max_num_batched_tokens covers it)
+        engine.step()
+    outputs_per_step = 0 if kind == RequestOutputKind.FINAL_ONLY else batch
     for _ in range(spec.warmup_steps):
         engine.step()
     rows = []
@@ -245,8 +265,9 @@ def time_decode_steps(engine: Any, spec: OverheadSpec, batch: int, seed: int) ->
             start, cpu_start = time.perf_counter(), time.thread_time()
             outputs = engine.step()
             end, cpu_end = time.perf_counter(), time.thread_time()
-            if len(outputs) != batch or any(o.finished for o in outputs):
-                raise RuntimeError(f"a timed step of batch {batch} was not a steady decode step of {batch} requests")
+            if len(outputs) != outputs_per_step or any(o.finished for o in outputs) or engine.num_unfinished() != batch:
+                raise RuntimeError(f"a timed step of batch {batch} ({kind.name}) was not a steady decode step of "
+                                   f"{batch} requests")
             if any(n != 1 for n in stamps.counts.values()):
                 raise RuntimeError(f"a part boundary fired more than once in one step: {stamps.counts}")
             cpu = split_step(stamps.cpu, cpu_start, cpu_end)
@@ -261,10 +282,11 @@ def _median_parts(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, Any]:
-    """Median seconds per part at each depth and batch size, with the fixed and per-layer split."""
+    """Median seconds per part at each depth, batch size and output kind, with the fixed and
+    per-layer split; the kinds alternate per batch size, so a noisy spell hits both alike."""
     depths = (1, spec.layers) if spec.layers > 1 else (1, 2)
-    per_depth: dict[int, dict[int, dict[str, float]]] = {}
-    steps: dict[int, dict[int, list[dict[str, float]]]] = {}
+    per_depth: dict[tuple[str, int], dict[int, dict[str, float]]] = {}  # (kind, depth) -> batch -> parts
+    steps: dict[str, dict[int, dict[int, list[dict[str, float]]]]] = {k: {} for k in spec.output_kinds}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(folder_root or tmp)
         for depth in depths:
@@ -273,24 +295,28 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
                 time_decode_steps(engine, OverheadSpec(batch_sizes=(1,), prompt_len=4, warmup_steps=1, steps=1,
                                                        device=spec.device, block_size=spec.block_size),
                                   1, seed=99)  # first-call costs out of the timing
-                per_depth[depth], steps[depth] = {}, {}
+                for kind in spec.output_kinds:
+                    per_depth[kind, depth], steps[kind][depth] = {}, {}
                 for batch in spec.batch_sizes:
-                    progress(f"overhead: {depth} layer(s), batch {batch}")
-                    rows = time_decode_steps(engine, spec, batch, seed=batch)
-                    steps[depth][batch] = rows
-                    per_depth[depth][batch] = _median_parts(rows)
+                    for kind in spec.output_kinds:
+                        progress(f"overhead: {depth} layer(s), batch {batch}, {kind}")
+                        rows = time_decode_steps(engine, spec, batch, seed=batch, output_kind=kind)
+                        steps[kind][depth][batch] = rows
+                        per_depth[kind, depth][batch] = _median_parts(rows)
             finally:
                 engine.shutdown()
     lo, hi = depths
     table = []
-    for batch in spec.batch_sizes:
-        shallow, deep = per_depth[lo][batch], per_depth[hi][batch]
-        per_layer = {k: (deep[k] - shallow[k]) / (hi - lo) for k in deep}
-        fixed = {k: shallow[k] - lo * per_layer[k] for k in deep}
-        table.append({"batch": batch, "layers": hi, "measured": deep, "shallow": shallow,
-                      "per_layer": per_layer, "fixed": fixed})
+    for kind in spec.output_kinds:
+        for batch in spec.batch_sizes:
+            shallow, deep = per_depth[kind, lo][batch], per_depth[kind, hi][batch]
+            per_layer = {k: (deep[k] - shallow[k]) / (hi - lo) for k in deep}
+            fixed = {k: shallow[k] - lo * per_layer[k] for k in deep}
+            table.append({"batch": batch, "output_kind": kind, "layers": hi, "measured": deep, "shallow": shallow,
+                          "per_layer": per_layer, "fixed": fixed})
     return {"spec": asdict(spec), "depths": list(depths), "rows": table,
-            "steps": {str(d): {str(b): v for b, v in by_batch.items()} for d, by_batch in steps.items()}}
+            "steps": {kind: {str(d): {str(b): v for b, v in by_batch.items()} for d, by_batch in by_depth.items()}
+                      for kind, by_depth in steps.items()}}
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -299,7 +325,7 @@ def _flat_rows(data: dict[str, Any], clock: str = "") -> list[dict[str, Any]]:
     """Milliseconds per table column; ``clock`` "cpu_" for the CPU-time table."""
     out = []
     for r in data["rows"]:
-        row: dict[str, Any] = {"batch": r["batch"]}
+        row: dict[str, Any] = {"batch": r["batch"], "output_kind": r["output_kind"]}
         for k in ("step", "core", *PARTS):
             row[k] = r["measured"][clock + k] * 1e3
         row["fixed"] = r["fixed"][clock + "step"] * 1e3
@@ -312,6 +338,7 @@ def _flat_rows(data: dict[str, Any], clock: str = "") -> list[dict[str, Any]]:
 
 _COLUMNS = [
     Column("batch", "batch"),
+    Column("output kind", "output_kind"),
     Column("step ms", "step", "{:.2f}"),
     Column("core ms", "core", "{:.2f}"),
     *(Column(f"{p} ms", p, "{:.2f}") for p in PARTS),
@@ -333,6 +360,8 @@ def markdown(data: dict[str, Any], machine: str) -> str:
         "attention plan; runner = forward + head; sampling = sampling rows + sample(); output = continuation, "
         "appends, CoreOutputs; frontend = OutputProcessor (RequestOutputs); core = step - frontend.",
         f"fixed / per layer: a line through the step at {lo} and {hi} layers (fixed = extrapolated to 0 layers).",
+        "output kind: SamplingParams.output_kind of the workload: CUMULATIVE = a RequestOutput per request per "
+        "step (Engine.step's default), FINAL_ONLY = none until a request ends (what LLM.generate submits).",
     ]
     table = ("Wall time:\n\n" + markdown_table(_flat_rows(data), _COLUMNS)
              + "\n\nCPU time of the stepping thread (a shared machine's waits for a core left out):\n\n"

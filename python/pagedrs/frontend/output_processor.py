@@ -85,6 +85,7 @@ class RequestState:
     error: Optional[str] = None
     ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    delta: bool = False  # kind is DELTA (asked per step: a plain bool is cheaper than an enum compare)
     streams: bool = True  # it gets outputs before it finishes (not beam search, best_of > n, FINAL_ONLY)
     metrics_unsent: bool = False  # metrics came that no output carried yet
     prompt_logprobs_sent: bool = False  # DELTA: an output carried them (they go once)
@@ -124,7 +125,7 @@ class OutputProcessor:
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         state = RequestState(processed.request_id, processed.prompt, processed.prompt_token_ids, params,
                              shape, [], RequestMetrics(arrival, queued_time), kind=kind,
-                             streams=shape.streams and kind != RequestOutputKind.FINAL_ONLY)
+                             delta=kind == RequestOutputKind.DELTA, streams=shape.streams and kind != RequestOutputKind.FINAL_ONLY)
         self._sample(state, 0)  # its detokenizer exists from the start
         self._requests[processed.request_id] = state
 
@@ -291,23 +292,12 @@ class OutputProcessor:
         DELTA: the deltas only, None when there are none); the metrics when no output carried them
         yet (a client in another process sends them once, with the first token)."""
         finished = state.finished
-        delta = state.kind == RequestOutputKind.DELTA
+        delta = state.delta
         stops = state.params.stop if isinstance(state.params, SamplingParams) else ()
         # Hold back text that might still turn out to be the start of a stop string.
         longest_hold = max(map(len, stops)) - 1 if stops else 0
-        outs = []
-        for s in state.samples[: state.shape.num_outputs] if finished else state.samples:
-            hold = 0 if s.finish_reason is not None else longest_hold
-            visible = max(len(s.text) - hold, s.sent_chars)
-            if delta:
-                completion = _delta_completion(s, visible)
-                if completion is not None:
-                    outs.append(completion)
-            else:
-                outs.append(_cumulative_completion(s, visible))
-            s.sent_tokens = len(s.token_ids)
-            s.sent_chars = visible
-            s.finish_sent = s.finished
+        samples = state.samples[: state.shape.num_outputs] if finished else state.samples
+        outs = _delta_completions(samples, longest_hold) if delta else _cumulative_completions(samples, longest_hold)
         if delta and not outs:
             return None
         if with_metrics is None:
@@ -334,44 +324,65 @@ class OutputProcessor:
         )
 
 
-def _cumulative_completion(s: SampleText, visible: int) -> CompletionOutput:
-    """Everything so far, and what is new since the previous output."""
-    return CompletionOutput(
-        index=s.index,
-        text=s.text[:visible],
-        token_ids=list(s.token_ids),
-        delta_text=s.text[s.sent_chars : visible],
-        delta_token_ids=s.token_ids[s.sent_tokens :],
-        finish_reason=s.finish_reason,
-        stop_reason=s.stop_reason,
-        # the sample's own growing list, not a copy (a copy per step is quadratic in
-        # the output length); a consumer that keeps it past the next step copies it
-        logprobs=s.logprobs,
-        cumulative_logprob=s.cumulative_logprob,
-        score=s.score,
-    )
+def _visible(s: SampleText, longest_hold: int) -> int:
+    """Characters of the sample's text that may go out: all once it finished, else all but what
+    may still start a stop string (never fewer than already went)."""
+    hold = 0 if s.finish_reason is not None else longest_hold
+    return max(len(s.text) - hold, s.sent_chars)
 
 
-def _delta_completion(s: SampleText, visible: int) -> Optional[CompletionOutput]:
+def _cumulative_completions(samples: list[SampleText], longest_hold: int) -> list[CompletionOutput]:
+    """Everything so far, and what is new since the previous output (one loop per request: a
+    call per sample would cost a batch of 256 a tenth of the front end's step)."""
+    outs = []
+    for s in samples:
+        visible = max(len(s.text) - (0 if s.finish_reason is not None else longest_hold), s.sent_chars)  # _visible
+        outs.append(CompletionOutput(
+            index=s.index,
+            text=s.text[:visible],
+            token_ids=list(s.token_ids),
+            delta_text=s.text[s.sent_chars : visible],
+            delta_token_ids=s.token_ids[s.sent_tokens :],
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            # the sample's own growing list, not a copy (a copy per step is quadratic in
+            # the output length); a consumer that keeps it past the next step copies it
+            logprobs=s.logprobs,
+            cumulative_logprob=s.cumulative_logprob,
+            score=s.score,
+        ))
+        s.sent_tokens = len(s.token_ids)
+        s.sent_chars = visible
+    return outs
+
+
+def _delta_completions(samples: list[SampleText], longest_hold: int) -> list[CompletionOutput]:
     """Only what is new (vLLM's DELTA): ``text``/``token_ids`` are the deltas (the same objects as
     ``delta_text``/``delta_token_ids``), ``logprobs`` their entries, ``cumulative_logprob`` the
-    running total; None when the sample gained nothing and its finish, if any, was reported."""
-    new_ids = s.token_ids[s.sent_tokens :]
-    if not new_ids and visible == s.sent_chars and (s.finish_reason is None or s.finish_sent):
-        return None
-    text = s.text[s.sent_chars : visible]
-    return CompletionOutput(
-        index=s.index,
-        text=text,
-        token_ids=new_ids,
-        delta_text=text,
-        delta_token_ids=new_ids,
-        finish_reason=s.finish_reason,
-        stop_reason=s.stop_reason,
-        logprobs=None if s.logprobs is None else s.logprobs[s.sent_tokens :],
-        cumulative_logprob=s.cumulative_logprob,
-        score=s.score,
-    )
+    running total; a sample that gained nothing, and whose finish (if any) went out, is left out."""
+    outs = []
+    for s in samples:
+        visible = _visible(s, longest_hold)
+        new_ids = s.token_ids[s.sent_tokens :]
+        if not new_ids and visible == s.sent_chars and (s.finish_reason is None or s.finish_sent):
+            continue
+        text = s.text[s.sent_chars : visible]
+        outs.append(CompletionOutput(
+            index=s.index,
+            text=text,
+            token_ids=new_ids,
+            delta_text=text,
+            delta_token_ids=new_ids,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+            logprobs=None if s.logprobs is None else s.logprobs[s.sent_tokens :],
+            cumulative_logprob=s.cumulative_logprob,
+            score=s.score,
+        ))
+        s.sent_tokens = len(s.token_ids)
+        s.sent_chars = visible
+        s.finish_sent = s.finish_reason is not None
+    return outs
 
 
 def _detok(s: SampleText) -> IncrementalDetokenizer:
