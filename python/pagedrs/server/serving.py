@@ -92,7 +92,15 @@ class ServerContext:
             )
 
     def make_params(self, kwargs: dict[str, Any]) -> Any:
-        """SamplingParams from request fields; its ValueError (naming field and range) becomes a 400."""
+        """SamplingParams from request fields; its ValueError (naming field and range) becomes a 400.
+
+        Their ``output_kind`` stays CUMULATIVE, streaming or not. FINAL_ONLY would drop what the
+        server reads of every step's output: the Sink times the first token and each later one
+        when it is dispatched (the TTFT and inter-token histograms, ``--request-trace``'s
+        "dispatched"), non-streaming requests included. DELTA leaves out a choice that finished
+        earlier, which CUMULATIVE repeats with its finish_reason every later step of an n > 1
+        stream, and ``event_stream`` renders each such repeat as a chunk: DELTA would change
+        those streams' bytes."""
         from pagedrs.sampling_params import SamplingParams
 
         try:
