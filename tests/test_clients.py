@@ -144,3 +144,46 @@ def test_a_stop_string_frees_its_pages_and_the_stats_say_so_without_another_step
         assert not engine.has_unfinished()
     finally:
         engine.shutdown()
+
+
+def test_output_kinds_cross_to_a_core_in_its_own_process(tiny_llama_dir) -> None:
+    """The kind rides on SamplingParams through the codec; the API process's OutputProcessor
+    honours it: FINAL_ONLY one output per request (with the first token's metrics, which the core
+    sends once), DELTA outputs that add up to what the in-process engine's CUMULATIVE ends in."""
+    from pagedrs import RequestOutputKind
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=6, n=2, stop=["o"], logprobs=1)
+    args = EngineArgs(model=str(tiny_llama_dir), **KW)
+    with Engine(args) as inproc:
+        want = _final_texts(inproc, params, RequestOutputKind.CUMULATIVE)
+    remote = RemoteEngine(args)
+    try:
+        for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+            assert _final_texts(remote, params, kind) == want, kind.name
+    finally:
+        remote.shutdown(timeout_s=5.0)
+
+
+def _final_texts(engine: Engine, params: SamplingParams, kind: object) -> dict[str, list]:
+    """Per request and sample: (text, token ids, finish reason), gathered the way ``kind`` hands them out."""
+    import dataclasses
+
+    from pagedrs import RequestOutputKind
+
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"k{int(kind)}-{i}", prompt, dataclasses.replace(params, output_kind=kind))
+    samples: dict[str, dict[int, list]] = {}
+    count: dict[str, int] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            key = out.request_id.split("-")[1]
+            count[key] = count.get(key, 0) + 1
+            for c in out.outputs:
+                text, ids, _ = samples.setdefault(key, {}).setdefault(c.index, ["", [], None])
+                if kind == RequestOutputKind.DELTA:
+                    samples[key][c.index] = [text + c.text, ids + c.token_ids, c.finish_reason or None]
+                else:
+                    samples[key][c.index] = [c.text, list(c.token_ids), c.finish_reason]
+            if out.finished and kind == RequestOutputKind.FINAL_ONLY:
+                assert count[key] == 1 and "first_token_time" in out.metrics
+    return {k: [tuple(v[i]) for i in sorted(v)] for k, v in samples.items()}
