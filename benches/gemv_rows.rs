@@ -15,7 +15,7 @@ fn random_gguf(format: Format, rows: usize, cols: usize, seed: &mut u64) -> Vec<
     };
     let mut raw = Vec::new();
     for _ in 0..rows * cols / QK {
-        let f16 = |r: u32| ((((r >> 31) as u16) << 15) | (((5 + (r >> 10) % 10) as u16) << 10) | (r & 0x3ff) as u16);
+        let f16 = |r: u32| (((r >> 31) as u16) << 15) | (((5 + (r >> 10) % 10) as u16) << 10) | (r & 0x3ff) as u16;
         raw.extend_from_slice(&f16(next()).to_le_bytes());
         if format.has_min() {
             raw.extend_from_slice(&f16(next()).to_le_bytes());
