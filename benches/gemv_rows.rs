@@ -1,6 +1,6 @@
-//! Cost of the GEMV per activation row: `cargo bench --bench gemv_rows [-- KERNEL]`.
+//! Cost of the GEMV per activation row: `cargo bench --bench gemv_rows [-- KERNEL [THREADS]]`.
 //!
-//! Times `PackedMatrix::matmul` at M = 1..8 on one thread, on a matrix that stays in the cache
+//! Times `PackedMatrix::matmul` at M = 1..8 on THREADS threads (default 1), on a matrix that stays in the cache
 //! (the kernel's compute alone) and on a set of matrices larger than the cache (streaming, as in
 //! a decode step), and prints ns per (row, tile block) and the cost relative to M = 1.
 use pagedrs::gemv::{Format, Kernel, PackedMatrix, QK};
@@ -34,6 +34,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let kernel = std::env::args().nth(1).and_then(|k| Kernel::parse(&k)).unwrap_or_else(Kernel::best);
+    let threads: usize = std::env::args().nth(2).and_then(|t| t.parse().ok()).unwrap_or(1);
     let mut seed = 0x9e3779b97f4a7c15u64;
     for format in [Format::Q4_1, Format::Q8_0] {
         let (rows, cols) = (1536, 576);
@@ -49,21 +50,21 @@ fn main() {
             let hot_s = median((0..21).map(|_| {
                 let t = Instant::now();
                 for _ in 0..50 {
-                    hot.matmul(&x, m, &mut out, 1, kernel).unwrap();
+                    hot.matmul(&x, m, &mut out, threads, kernel).unwrap();
                 }
                 t.elapsed().as_secs_f64() / 50.0
             }).collect());
             let cold_s = median((0..5).map(|_| {
                 let t = Instant::now();
                 for w in &cold {
-                    w.matmul(&x, m, &mut out, 1, kernel).unwrap();
+                    w.matmul(&x, m, &mut out, threads, kernel).unwrap();
                 }
                 t.elapsed().as_secs_f64() / cold.len() as f64
             }).collect());
             if m == 1 {
                 base = (hot_s, cold_s);
             }
-            println!("{} {} M={m}: hot {:.2} ns/(row, tile block) ({:.2}x M=1), streaming {:.1} GB/s ({:.2}x M=1)",
+            println!("{} {} {threads}t M={m}: hot {:.2} ns/(row, tile block) ({:.2}x M=1), streaming {:.1} GB/s ({:.2}x M=1)",
                      kernel.name(), format.name(), hot_s / tile_blocks / m as f64 * 1e9, hot_s / base.0,
                      raw.len() as f64 / cold_s / 1e9, cold_s / base.1);
         }

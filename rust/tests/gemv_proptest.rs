@@ -207,19 +207,23 @@ fn this_machine_reports_its_kernels() {
 }
 
 /// A matrix the size of a real layer's (rows not a tile multiple) split over 1, 2 and 3 threads:
-/// every kernel, the same bits.
+/// every kernel, the same bits, every output written (`run` starts from NaN). M = 11: a thread's
+/// chunk takes the heap buffer of more than 8 rows.
 #[test]
 fn large_products_split_over_threads_give_the_same_bits() {
-    let (rows, cols, m) = (2051, 512, 3); // Q8_0: 2051 x 512 x 34 / 32 bytes = 1.1 MB, rows not a tile multiple
+    let (rows, cols) = (2051, 512); // Q8_0: 2051 x 512 x 34 / 32 bytes = 1.1 MB, rows not a tile multiple
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let raw = random_gguf(Format::Q8_0, rows, cols, &mut rng);
-    let x: Vec<f32> = (0..m * cols).map(|_| (rng.next() as f32 / u32::MAX as f32 - 0.5) * 4.0).collect();
     let w = PackedMatrix::from_gguf("big", &raw, rows, cols, Format::Q8_0).unwrap();
-    let reference = run(&w, &x, m, 1, Kernel::Scalar);
-    for kernel in Kernel::available() {
-        for threads in [1, 2, 3] {
-            let got = run(&w, &x, m, threads, kernel);
-            assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{kernel:?} x{threads}");
+    for m in [1, 3, 11] {
+        let x: Vec<f32> = (0..m * cols).map(|_| (rng.next() as f32 / u32::MAX as f32 - 0.5) * 4.0).collect();
+        let reference = run(&w, &x, m, 1, Kernel::Scalar);
+        assert!(reference.iter().all(|v| v.is_finite()), "m={m}");
+        for kernel in Kernel::available() {
+            for threads in [1, 2, 3] {
+                let got = run(&w, &x, m, threads, kernel);
+                assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{kernel:?} x{threads} m={m}");
+            }
         }
     }
 }

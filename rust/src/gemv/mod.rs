@@ -90,11 +90,25 @@ impl Kernel {
     }
 }
 
-/// `tiled`'s start, shared by the parts of one call (each writes only its own tiles).
+/// The least work in one claimed chunk, in tile blocks (16 rows x 32 columns; ~5 ns each at M = 1):
+/// claiming a chunk moves a cache line between cores, and chunks of 4 tiles of a 576-wide product
+/// (0.4 us of work) left a hot 1536 x 576 Q4_1 product on 2 threads at 0.95x of 1 thread; with at
+/// least 512 blocks a chunk it ran 1.25x (`cargo bench --bench gemv_rows -- avx512_vnni 2`, Intel
+/// Xeon, 2026-12-04). 256 keeps more chunks to balance a late thread with.
+const MIN_CHUNK_BLOCKS: usize = 256;
+
+/// `out`'s start, shared by the parts of one call (each writes only its own tiles' columns).
 struct SendPtr(*mut f32);
 
 // SAFETY: the parts of one call write disjoint ranges through it (see `matmul`).
 unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer `i` floats on (a method, so closures capture the `Sync` wrapper, not the field).
+    fn at(&self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
 
 impl PackedMatrix {
     /// `out[m, N] = x[m, K] @ W^T` with `x` quantized per block of 32 to int8.
@@ -121,35 +135,45 @@ impl PackedMatrix {
             .map_err(|(row, col)| GemvError::NonFiniteInput { tensor: self.name.clone(), row, col })?;
         let chunk = m * TILE;
         let tiles = self.tiles();
-        let mut tiled = vec![0f32; tiles * chunk];
+        let rows = self.rows;
+        let dst = SendPtr(out.as_mut_ptr());
+        // Tile `t` computes its `m x 16` outputs into `buf`, then writes them where they go in
+        // `out` (row-major `[m, rows]`): each thread writes its own tiles' outputs, so no
+        // output crosses to another core to be copied (a whole-product buffer and a copy after
+        // cost ~3 us a call on 2 threads, measured on SmolLM2's shapes).
+        let tile_into_out = |t: usize, buf: &mut [f32]| {
+            kernel.run(self, t, &acts, buf);
+            let (n0, width) = (t * TILE, TILE.min(rows - t * TILE));
+            for mi in 0..m {
+                // SAFETY: tile `t` alone writes `out[mi * rows + n0 ..][..width]` (tiles cover
+                // disjoint columns), which lies inside `out` (`out.len() == m * rows`, checked above),
+                // and `buf` holds `m * 16 >= (mi + 1) * 16` floats.
+                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(mi * TILE), dst.at(mi * rows + n0), width) };
+            }
+        };
         if threads == 1 || tiles == 1 {
-            for (t, o) in tiled.chunks_exact_mut(chunk).enumerate() {
-                kernel.run(self, t, &acts, o);
+            let mut buf = vec![0f32; chunk];
+            for t in 0..tiles {
+                tile_into_out(t, &mut buf);
             }
         } else {
             let team = pool::team(threads)?;
             // chunks of whole tiles, about 16 per thread: small enough to balance (a thread
-            // may be late), large enough that claiming one costs nothing next to it
-            let per_chunk = tiles.div_ceil(16 * team.threads()).max(4);
-            let base = SendPtr(tiled.as_mut_ptr());
+            // may be late), large enough that claiming one costs little next to it
+            let per_chunk = tiles.div_ceil(16 * team.threads()).max(MIN_CHUNK_BLOCKS.div_ceil(self.blocks()));
             team.run(tiles.div_ceil(per_chunk), &|c: usize| {
-                let (t0, t1) = (c * per_chunk, ((c + 1) * per_chunk).min(tiles));
-                let base = &base;
-                // SAFETY: chunks cover disjoint tile ranges [t0, t1), each run once, so each
-                // writes its own `(t1 - t0) * chunk` floats of `tiled`, which outlives the call
-                // (`run` returns only when every chunk has finished).
-                let mine = unsafe { std::slice::from_raw_parts_mut(base.0.add(t0 * chunk), (t1 - t0) * chunk) };
-                for (i, o) in mine.chunks_exact_mut(chunk).enumerate() {
-                    kernel.run(self, t0 + i, &acts, o);
+                let mut small = [0f32; 8 * TILE];
+                let mut large = Vec::new();
+                let buf: &mut [f32] = if chunk <= small.len() {
+                    &mut small[..chunk]
+                } else {
+                    large.resize(chunk, 0f32);
+                    &mut large
+                };
+                for t in c * per_chunk..((c + 1) * per_chunk).min(tiles) {
+                    tile_into_out(t, buf);
                 }
             })?;
-        }
-        for (t, o) in tiled.chunks_exact(chunk).enumerate() {
-            let n0 = t * TILE;
-            let width = TILE.min(self.rows - n0);
-            for mi in 0..m {
-                out[mi * self.rows + n0..][..width].copy_from_slice(&o[mi * TILE..][..width]);
-            }
         }
         Ok(())
     }
