@@ -9,6 +9,10 @@ cache, which overstates the kernel at M = 1). Printed per format: milliseconds p
 weight bytes read per second, tokens/s if a step were only this, and that ceiling as a share
 of the stream bound. Medians of CPU time (the machine may be shared).
 
+Each row also gives the bandwidth of the same reduction over a buffer of the weights' size, read
+again and again, and the kernel's share of it: on a CPU whose cache holds the weights (the machine
+line names the last-level cache) that, not DRAM, is what a step streams them from.
+
 ``--rows 1,2,3,4,8`` times passes of that many rows (a small decode batch), and float32 is
 timed twice: in the layout the loader keeps (column-major on an MKL CPU,
 ``models/layers.py``) and row-major as in the checkpoint, the evidence for that choice.
@@ -82,12 +86,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth(1 << 30)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over 1 GiB)")
-    print("| weights | rows | ms per pass | weight GB/s | tokens/s ceiling | stream bound (tokens/s) | ceiling / bound |")
-    print("|---|---|---|---|---|---|---|")
+    print("| weights | rows | ms per pass | weight GB/s | tokens/s ceiling | stream bound (tokens/s) | ceiling / bound "
+          "| bandwidth of a weights-sized buffer | ceiling / that bound |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for fmt in args.formats.split(","):
         loaded = load_model(args.model, weight_dtype=fmt)
         torch.set_num_threads(args.threads)
         weight_bytes = loaded.model.weight_bytes()
+        # the same reduction over a buffer the size of these weights, summed again and again: where a
+        # cache holds them (a large L3), the step reads them from there, above the DRAM bound
+        resident = read_bandwidth(max(weight_bytes // 4 * 4, 1 << 20))
         name = loaded.weight_format.name if loaded.weight_format else fmt
         labels = [""]
         if any(_column_major(m) for m in loaded.model.modules()):
@@ -99,7 +107,8 @@ def main() -> None:
                 seconds = kernel_pass_seconds(loaded.model, rows, clock=args.clock)
                 bound = bandwidth / weight_bytes * rows
                 print(f"| {name}{label} | {rows} | {seconds * 1e3:.2f} | {weight_bytes / seconds / 1e9:.1f} | "
-                      f"{rows / seconds:.0f} | {bound:.0f} | {rows / seconds / bound:.0%} |")
+                      f"{rows / seconds:.0f} | {bound:.0f} | {rows / seconds / bound:.0%} | {resident / 1e9:.1f} GB/s | "
+                      f"{weight_bytes / seconds / resident:.0%} |")
         del loaded
     print(f"Machine: {describe_machine().describe()}; {cpu_flags()}; clock {args.clock}")
 
