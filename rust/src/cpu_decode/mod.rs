@@ -12,8 +12,9 @@
 //! which other rows share the step, how many threads run it, or whether it is a decode
 //! token, a speculative verification row or a prompt token (batch-invariant by construction).
 //!
-//! Files: [`step`] (the step's rows, validated once), [`ops`] (norm, rotary, activation,
-//! dot), [`lanes`] (attention's products, portable and AVX2), [`attention`] (paged attention over block tables), [`stack`] (the layers), [`error`].
+//! Files: [`step`] (the step's rows, validated once), [`ops`] (norm, rotary, residual adds),
+//! [`lanes`] (attention's products and softmax weights, SwiGLU: portable and AVX2 builds of one
+//! float order), [`attention`] (paged attention over block tables), [`stack`] (the layers), [`error`].
 
 pub mod attention;
 pub mod error;

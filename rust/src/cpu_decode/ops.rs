@@ -30,14 +30,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `y += p * x`.
-#[inline(always)]
-pub fn axpy(y: &mut [f32], p: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += p * *x;
-    }
-}
-
 /// `y += x`.
 #[inline(always)]
 pub fn add(y: &mut [f32], x: &[f32]) {

@@ -40,9 +40,11 @@ pub fn quantize(x: &[f32], m: usize, k: usize) -> Result<QuantizedActs, (usize, 
         sum: vec![0; m * blocks],
         dsum: vec![0.0; m * blocks],
     };
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = is_x86_feature_detected!("avx2"); // once per call, not per block
     for (i, (src, dst)) in x.chunks_exact(QK).zip(out.qs.chunks_exact_mut(QK)).enumerate() {
         #[cfg(target_arch = "x86_64")]
-        let block = if is_x86_feature_detected!("avx2") {
+        let block = if avx2 {
             // SAFETY: AVX2 was just detected; `src` and `dst` hold one block (32 values) each.
             unsafe { avx2::block(src, dst) }
         } else {
