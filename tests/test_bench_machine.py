@@ -26,6 +26,9 @@ def test_no_cache_listed_is_unknown(tmp_path: Path) -> None:
     assert last_level_cache(str(tmp_path / "missing")) == (0, 0)
     _cache(tmp_path, "index0", "1", "lots")  # a size that is not a number
     assert last_level_cache(str(tmp_path)) == (0, 0)
+    _cache(tmp_path, "index1", "2", "1M")
+    (tmp_path / "index1" / "size").write_bytes(b"\xff\xfe1M")  # not UTF-8: skipped, not raised
+    assert last_level_cache(str(tmp_path)) == (0, 0)
 
 
 def test_the_machine_line_names_the_cache() -> None:

@@ -18,7 +18,7 @@ import enum
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, TypeGuard, Union
 
 # Bounds that keep every value inside the tensor or core type it ends up in, and a
 # hostile request from costing more than its share (see README, "Limits and safety").
@@ -181,7 +181,7 @@ def _conflict(name: str, value: object, allowed: str) -> None:
     raise ValueError(f"SamplingParams.{name}={value!r} is not allowed with use_beam_search=True: {allowed}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -345,7 +345,7 @@ class SamplingParams:
         would silently be DELTA) or a name (vLLM takes the enum only)."""
         if isinstance(kind, RequestOutputKind):
             return kind
-        if isinstance(kind, int) and not isinstance(kind, bool) and kind in RequestOutputKind._value2member_map_:
+        if _is_int(kind) and kind in RequestOutputKind._value2member_map_:
             return RequestOutputKind(kind)
         _fail("output_kind", kind, f"a RequestOutputKind: {OUTPUT_KINDS}")
         raise AssertionError("unreachable: _fail raises")

@@ -84,8 +84,7 @@ class RequestState:
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # once the core sent them
     error: Optional[str] = None
     ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
-    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    delta: bool = False  # kind is DELTA (asked per step: a plain bool is cheaper than an enum compare)
+    delta: bool = False  # output_kind is DELTA (asked per step: a plain bool is cheaper than an enum compare)
     streams: bool = True  # it gets outputs before it finishes (not beam search, best_of > n, FINAL_ONLY)
     metrics_unsent: bool = False  # metrics came that no output carried yet
     prompt_logprobs_sent: bool = False  # DELTA: an output carried them (they go once)
@@ -124,7 +123,7 @@ class OutputProcessor:
         shape = request_shape(params)
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         state = RequestState(processed.request_id, processed.prompt, processed.prompt_token_ids, params,
-                             shape, [], RequestMetrics(arrival, queued_time), kind=kind,
+                             shape, [], RequestMetrics(arrival, queued_time),
                              delta=kind == RequestOutputKind.DELTA, streams=shape.streams and kind != RequestOutputKind.FINAL_ONLY)
         self._sample(state, 0)  # its detokenizer exists from the start
         self._requests[processed.request_id] = state
