@@ -152,14 +152,18 @@ def test_output_kinds_cross_to_a_core_in_its_own_process(tiny_llama_dir) -> None
     sends once), DELTA outputs that add up to what the in-process engine's CUMULATIVE ends in."""
     from pagedrs import RequestOutputKind
 
-    params = SamplingParams(max_tokens=12, temperature=1.0, seed=6, n=2, stop=["o"], logprobs=1)
+    # with a stop string the core streams every request's tokens; without, a FINAL_ONLY request's
+    # tokens cross once, at its end (CoreRequest.stream_tokens False)
+    workloads = [SamplingParams(max_tokens=12, temperature=1.0, seed=6, n=2, stop=["o"], logprobs=1),
+                 SamplingParams(max_tokens=12, temperature=1.0, seed=6, n=2, logprobs=1)]
     args = EngineArgs(model=str(tiny_llama_dir), **KW)
     with Engine(args) as inproc:
-        want = _final_texts(inproc, params, RequestOutputKind.CUMULATIVE)
+        wants = [_final_texts(inproc, params, RequestOutputKind.CUMULATIVE) for params in workloads]
     remote = RemoteEngine(args)
     try:
-        for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
-            assert _final_texts(remote, params, kind) == want, kind.name
+        for params, want in zip(workloads, wants):
+            for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+                assert _final_texts(remote, params, kind) == want, (kind.name, params.stop)
     finally:
         remote.shutdown(timeout_s=5.0)
 
@@ -171,7 +175,7 @@ def _final_texts(engine: Engine, params: SamplingParams, kind: object) -> dict[s
     from pagedrs import RequestOutputKind
 
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"k{int(kind)}-{i}", prompt, dataclasses.replace(params, output_kind=kind))
+        engine.add_request(f"k{int(kind)}{bool(params.stop)}-{i}", prompt, dataclasses.replace(params, output_kind=kind))
     samples: dict[str, dict[int, list]] = {}
     count: dict[str, int] = {}
     while engine.has_unfinished():

@@ -104,3 +104,30 @@ def test_chosen_logprobs_equal_the_log_softmax():
     t = x.argmax(-1)
     chosen, full = chosen_logprobs(x, t)
     assert full is not None and torch.equal(chosen, torch.log_softmax(x, -1).gather(1, t[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("case", ["random", "ties", "-inf", "nan", "one row", "whole vocab equal"])
+def test_greedy_rows_on_the_cpu_equal_the_torch_draw_bit_for_bit(case):
+    """The NumPy path of all-greedy CPU rows: the tokens of ``sampling.draw`` and the float32
+    log-probabilities of ``sampling.chosen_logprobs``, exactly (first maximal index, NaN maximal)."""
+    from pagedrs.sampling import chosen_logprobs, draw
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1 if case == "one row" else 9, 257, generator=gen) * 5
+    if case == "ties":
+        x[:, 3] = x[:, 100] = x.max() + 1  # first maximal index wins
+    elif case == "-inf":
+        x[:, ::2] = float("-inf")
+    elif case == "nan":
+        x[2, 40] = float("nan")
+    elif case == "whole vocab equal":
+        x[:] = 0.25
+    tokens, logprobs = fast_rows._greedy_on_cpu(x)
+    n = x.shape[0]
+    want = draw(x, [True] * n, [1.0] * n, [0.0] * n, [0] * n, [1.0] * n)
+    chosen, _ = chosen_logprobs(x, want)
+    assert tokens == want.tolist()
+    assert torch.equal(torch.tensor(logprobs, dtype=torch.float32), chosen) or case == "nan"
+    if case == "nan":  # NaN compares unequal to itself: equal elsewhere, NaN where torch has NaN
+        got = torch.tensor(logprobs, dtype=torch.float32)
+        assert torch.equal(got.isnan(), chosen.isnan()) and torch.equal(got[~got.isnan()], chosen[~chosen.isnan()])

@@ -103,6 +103,11 @@ def test_zero_query_sequence_is_rejected(loaded):
     bad = StepInput(**{**step.__dict__, "query_start_loc": np.array([0, 3, 3], dtype=np.int32)})
     with pytest.raises(ValueError, match=r"at least one new token; query lengths \[3, 0\]"):
         r.execute(bad)
+    # as many tokens as sequences, but not one each: a decode step's check names the query starts
+    one_each = build_step(seqs[:1] + [PagedSeq([8])], [1, 1], 4, BlockPool(4))
+    bad = StepInput(**{**one_each.__dict__, "query_start_loc": np.array([0, 2, 2], dtype=np.int32)})
+    with pytest.raises(ValueError, match=r"at least one new token; query starts \[0, 2, 2\]"):
+        r.execute(bad)
 
 
 def _reference_attention(query, key_cache, value_cache, meta, scale):
@@ -162,16 +167,17 @@ def test_torch_backend_buckets_match_per_sequence_attention():
                                _reference_attention(query[:4], key_cache, value_cache, dm, 0.3))
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_decode_buckets_planned_with_numpy_equal_the_per_sequence_plan(seed):
     """A decode-only step's buckets (the NumPy plan) hold exactly the tensors the general loop makes:
-    random lengths over several buckets, pages released by a window (-1), shared pages or not."""
+    random lengths over several buckets, pages released by a window (-1), shared pages or not; seeds
+    6 and up: lengths in one bucket (a steady batch, planned by ``_whole_decode_bucket``)."""
     from pagedrs.attention import AttentionMetadata
     from pagedrs.attention.torch_backend import _may_share_pages, _plan_buckets, _plan_buckets_loop, _plan_decode_buckets
 
     rng = np.random.default_rng(seed)
     bs, num_seqs = 4, int(rng.integers(1, 40))
-    seq_lens = rng.integers(1, 90, num_seqs).tolist()
+    seq_lens = rng.integers(33, 61, num_seqs).tolist() if seed >= 6 else rng.integers(1, 90, num_seqs).tolist()
     width = -(-max(seq_lens) // bs) + int(rng.integers(0, 3))
     tables = torch.from_numpy(rng.permutation(num_seqs * width)[: num_seqs * width].reshape(num_seqs, width)).int()
     if seed % 3 == 1:
@@ -190,6 +196,7 @@ def test_decode_buckets_planned_with_numpy_equal_the_per_sequence_plan(seed):
         return
     got = _plan_decode_buckets(meta, bs)
     assert len(got) == len(want) and len(_plan_buckets(meta, bs)) == len(want)
+    assert seed < 6 or len(got) == 1
     for g, w in zip(got, want):
         assert g.cascade is None and g.keep is None and w.keep is None and g.rows_are_all == w.rows_are_all
         for name in ("rows", "out_rows", "tables", "mask"):

@@ -185,6 +185,80 @@ def test_final_only_makes_nothing_before_the_end_and_delta_only_news(engine: Eng
         assert [len(o.outputs[0].token_ids) for o in outs] == [1] * 8
 
 
+# ---- what the core sends ---------------------------------------------------------------------
+
+def test_reads_tokens_as_they_come_says_when_the_core_may_send_a_request_once() -> None:
+    from pagedrs.beam_search import BeamSearchParams
+    from pagedrs.frontend.input_processor import outputs_before_end, reads_tokens_as_they_come
+
+    cases = [  # params, (outputs before the end, tokens read as they come)
+        (SamplingParams(output_kind=FINAL_ONLY), (False, False)),
+        (SamplingParams(output_kind=FINAL_ONLY, stop=["x"]), (False, True)),  # a stop string: the text as it grows
+        (SamplingParams(output_kind=FINAL_ONLY, detokenize=False, n=3), (False, False)),
+        (SamplingParams(), (True, True)),
+        (SamplingParams(output_kind=DELTA), (True, True)),
+        (SamplingParams(n=2, best_of=3), (False, False)),  # ranked at the end
+        (SamplingParams(n=2, best_of=3, stop=["x"]), (False, True)),
+        (BeamSearchParams(beam_width=2, max_tokens=4), (False, False)),
+    ]
+    for params, want in cases:
+        assert (outputs_before_end(params), reads_tokens_as_they_come(params)) == want, params
+
+
+def _core_outputs_per_request(engine: Engine, params: SamplingParams, abort_after: Optional[int] = None
+                              ) -> tuple[dict[str, int], dict[str, list[RequestOutput]]]:
+    """How many CoreOutputs the core sent each request, and the request outputs ``_run`` gathers."""
+    counts: dict[str, int] = {}
+    step = engine.client.step
+
+    def counting() -> Any:
+        outputs = step()
+        for out in outputs.outputs:
+            counts[out.request_id] = counts.get(out.request_id, 0) + 1
+        return outputs
+
+    engine.client.step = counting  # type: ignore[method-assign]
+    try:
+        runs = _run(engine, params, params.output_kind, abort_after=abort_after)
+    finally:
+        del engine.client.step
+    return counts, runs
+
+
+@pytest.mark.parametrize("name", ["greedy", "n=2, logprobs", "best_of", "prompt logprobs", "no text"])
+def test_a_request_read_only_at_its_end_crosses_from_the_core_once(engine: Engine, name: str) -> None:
+    """FINAL_ONLY (or best_of > n) without a stop string: one CoreOutput per request, at its end,
+    with every token (and its metrics and prompt logprobs); the outputs equal CUMULATIVE's last."""
+    params = WORKLOADS[name]
+    quiet = dataclasses.replace(params, output_kind=FINAL_ONLY)
+    counts, runs = _core_outputs_per_request(engine, quiet)
+    assert sorted(counts.values()) == [1, 1, 1], counts
+    want = _run(engine, params, CUMULATIVE)
+    for prompt, outs in runs.items():
+        assert _final(outs, FINAL_ONLY) == _final(want[prompt], CUMULATIVE), prompt
+        metrics = outs[-1].metrics
+        assert metrics["first_token_time"] <= metrics["finished_time"], "the core's metrics came with it"
+    streamed, _ = _core_outputs_per_request(engine, dataclasses.replace(params, output_kind=CUMULATIVE))
+    if params.best_of is not None:  # ranked at the end: CUMULATIVE has nothing to hand out before it either
+        assert sorted(streamed.values()) == [1, 1, 1]
+        return
+    assert min(streamed.values()) > 1
+    with_stop, _ = _core_outputs_per_request(engine, dataclasses.replace(quiet, stop=["zq"], detokenize=True))
+    assert min(with_stop.values()) > 1, "a stop string: the front end reads the text as it grows"
+
+
+def test_an_aborted_quiet_request_brings_every_token_it_had(engine: Engine) -> None:
+    """The core's answer to an abort carries the tokens it never sent."""
+    params = SamplingParams(max_tokens=60, temperature=0.0, output_kind=FINAL_ONLY)
+    counts, runs = _core_outputs_per_request(engine, params, abort_after=6)
+    assert sorted(counts.values()) == [1, 1, 1]
+    want = _run(engine, params, CUMULATIVE, abort_after=6)
+    for prompt, outs in runs.items():
+        (only,) = outs
+        assert only.outputs[0].finish_reason == "abort" and len(only.outputs[0].token_ids) >= 4
+        assert _final(outs, FINAL_ONLY)[0] == _final(want[prompt], CUMULATIVE)[0]
+
+
 # ---- LLM.generate ---------------------------------------------------------------------------
 
 def test_llm_generate_submits_final_only_copies_and_returns_what_cumulative_ends_in(tiny_llama_dir) -> None:

@@ -17,6 +17,7 @@ through a CUDA graph of that size when ``capture_graphs`` captured one.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedrs.attention import AttentionBackend, AttentionMetadata, get_backend
@@ -162,18 +163,33 @@ class ModelRunner:
             self.backend.swap_blocks(caches[transfer.src], caches[transfer.dst], pairs)
 
     def build_metadata(self, step: StepInput) -> AttentionMetadata:
-        q = step.query_start_loc.astype("int64")
-        dev = self.device
-        query_lens = q[1:] - q[:-1]
-        if (query_lens < 1).any():
-            raise ValueError(f"every scheduled sequence needs at least one new token; query lengths {query_lens.tolist()}")
+        q = step.query_start_loc.tolist()
+        seq_lens = step.seq_lens.tolist()
+        if step.num_tokens == len(seq_lens):  # decode only (no query is empty: S rows in T == S tokens, each >= 0)
+            max_query_len = 1 if seq_lens else 0
+            if q != list(range(len(seq_lens) + 1)):
+                raise ValueError(f"every scheduled sequence needs at least one new token; query starts {q}")
+        else:
+            query_lens = np.diff(step.query_start_loc.astype("int64"))
+            if (query_lens < 1).any():
+                raise ValueError(f"every scheduled sequence needs at least one new token; query lengths {query_lens.tolist()}")
+            max_query_len = int(query_lens.max())
         return AttentionMetadata(
-            slot_mapping=torch.from_numpy(step.slot_mapping).long().to(dev),
-            query_start_loc=torch.from_numpy(step.query_start_loc).int().to(dev),
-            seq_lens=torch.from_numpy(step.seq_lens).int().to(dev),
-            block_tables=torch.from_numpy(step.block_tables).int().to(dev),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(step.seq_lens.max()),
-            query_start_loc_cpu=q.tolist(),
-            seq_lens_cpu=step.seq_lens.tolist(),
+            slot_mapping=_tensor(step.slot_mapping, torch.long, self.device),
+            query_start_loc=_tensor(step.query_start_loc, torch.int32, self.device),
+            seq_lens=_tensor(step.seq_lens, torch.int32, self.device),
+            block_tables=_tensor(step.block_tables, torch.int32, self.device),
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens, default=0),
+            query_start_loc_cpu=q,
+            seq_lens_cpu=seq_lens,
         )
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``array`` as a ``dtype`` tensor on ``device``: on the CPU the array itself when its dtype is
+    already right (no copy, no conversion call: a step makes four of these)."""
+    t = torch.from_numpy(array)
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t if device.type == "cpu" else t.to(device)

@@ -232,9 +232,12 @@ def split_step(at: dict[str, float], start: float, end: float) -> dict[str, floa
 # ---- the measurement --------------------------------------------------------------------------
 
 def _tokens_so_far(engine: Any, request_id: str) -> int:
-    """The first sample's tokens the front end holds (FINAL_ONLY hands out no output to count them by)."""
-    state = engine.output_processor.requests.get(request_id)
-    return len(state.samples[0].token_ids) if state is not None and state.samples else 0
+    """The first sample's tokens the core holds (a FINAL_ONLY request sends none to the front end
+    before it ends); a request the core no longer holds has ended: counted as started."""
+    request = engine.core.requests.get(request_id)
+    if request is None:
+        return 1
+    return len(request.samples[0].token_ids) if request.samples else 0
 
 
 def time_decode_steps(engine: Any, spec: OverheadSpec, batch: int, seed: int,

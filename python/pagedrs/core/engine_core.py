@@ -145,7 +145,8 @@ class EngineCore:
         arrival_time = queued if core_request.arrival_time is None else min(core_request.arrival_time, queued)
         request = Request(request_id, core_request.prompt_token_ids, params, core_request.priority, arrival, [first],
                           policy=policy, state=policy.start(params), num_samples=num_samples,
-                          metrics=RequestMetrics(arrival_time, queued), queued_step=self.num_steps)
+                          metrics=RequestMetrics(arrival_time, queued), queued_step=self.num_steps,
+                          stream_tokens=core_request.stream_tokens)
         salt = None if core_request.cache_salt is None else core_request.cache_salt.encode("utf-8")
         if isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
             request.prompt_logprobs = {}
@@ -315,7 +316,8 @@ class EngineCore:
     def _collect(self, touched: dict[str, Request]) -> list[CoreOutput]:
         outputs = []
         for request in touched.values():
-            out = request.output(request.policy.streams_tokens)
+            # a request the front end reads only at its end: nothing goes out until then
+            out = request.output(request.policy.streams_tokens) if request.stream_tokens or request.finished else None
             if out is not None:
                 outputs.append(out)
             finished = out.finished if out is not None else request.finished

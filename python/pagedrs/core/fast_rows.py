@@ -115,10 +115,21 @@ def draw(logits: torch.Tensor, fast: FastStep) -> tuple[list[int], list[float]]:
     rows = fast.rows
     whole = len(fast.index) == logits.shape[0] and fast.index[-1] == len(fast.index) - 1
     raw = logits.float() if whole else logits[fast.index].float()
+    if raw.device.type == "cpu" and raw.dim() == 2 and raw.shape[1] and all(r.greedy for r in rows):
+        return _greedy_on_cpu(raw)
     token_ids = sampling.draw(raw, [r.greedy for r in rows], [r.temperature for r in rows], [r.min_p for r in rows],
                               [r.top_k for r in rows], [r.top_p for r in rows])
     chosen, _ = sampling.chosen_logprobs(raw, token_ids)
     return token_ids.tolist(), chosen.tolist()
+
+
+def _greedy_on_cpu(raw: torch.Tensor) -> tuple[list[int], list[float]]:
+    """``draw`` of all-greedy rows on the CPU in NumPy: the same argmax (``sampling.argmax_rows``'
+    NumPy argmax) and the same log-probability (an entry of the same ``log_softmax``), with one torch
+    op instead of six (each ~5-10 us of dispatch in a step: a fifth of a batch-32 step's sampling)."""
+    token_ids = raw.detach().numpy().argmax(axis=-1)
+    full = torch.log_softmax(raw, dim=-1).numpy()
+    return token_ids.tolist(), full[np.arange(token_ids.shape[0]), token_ids].tolist()
 
 
 def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[float],
@@ -138,12 +149,15 @@ def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[f
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
-        touched[request.request_id] = request
+            touched[request.request_id] = request  # its first token: the core's queue bookkeeping reads it
+        elif request.stream_tokens:  # (a request read only at its end is touched when it ends)
+            touched[request.request_id] = request
         if s.finish_reason is None:
             ids.append(s.seq_id)
             appended.append(token)
             owners.append(request)
         else:
+            touched[request.request_id] = request
             core.release(s.seq_id)
             metrics.finished_time = now
     core.num_generated += len(tokens)

@@ -36,6 +36,10 @@ class CoreRequest:
     priority: int  # lower runs first
     arrival_time: Optional[float]  # time.monotonic() when a front end received it; None: when the core takes it
     cache_salt: Optional[str]  # validated (1 to 256 UTF-8 bytes); shares prefix pages only with the same salt
+    # Whether the front end reads the request's tokens while it runs (outputs before the end, or a stop
+    # string to look for in the growing text). False: the core sends its output once, when it ends
+    # (FINAL_ONLY, best_of > n, no stop string), with every token: no CoreOutput per request and step.
+    stream_tokens: bool = True
 
 
 @dataclass

@@ -92,6 +92,7 @@ class Request:
     num_samples: int  # sequences it may hold at once: best_of (or n), or the beam width
     metrics: RequestMetrics
     queued_step: int = 0  # the core's step count when it was queued
+    stream_tokens: bool = True  # CoreRequest.stream_tokens: False, its output goes out once, when it ends
     num_cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission
     cached_tokens_by_tier: Optional[dict[str, int]] = None  # that count by tier (core/prefix_cache.py)
     hypotheses: Optional[list[Hypothesis]] = None  # beam search, once it ended

@@ -15,9 +15,10 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from pagedrs.beam_search import BeamSearchParams
+from pagedrs.core.continuation import request_shape
 from pagedrs.core.protocol import CoreRequest
 from pagedrs.core.structured import grammar
-from pagedrs.sampling_params import SamplingParams
+from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 from pagedrs.tokenizer import TokenIdsOnly
 
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -39,7 +40,23 @@ class ProcessedRequest:
 
     def core_request(self) -> CoreRequest:
         return CoreRequest(self.request_id, self.prompt_token_ids, self.params, self.priority, self.arrival_time,
-                           self.cache_salt)
+                           self.cache_salt, stream_tokens=reads_tokens_as_they_come(self.params))
+
+
+def outputs_before_end(params: Union[SamplingParams, BeamSearchParams]) -> bool:
+    """Whether a request gets outputs before it finishes: not beam search, not ``best_of > n``
+    (its samples are ranked at the end), not ``FINAL_ONLY``."""
+    if isinstance(params, BeamSearchParams):
+        return False
+    return request_shape(params).streams and params.output_kind != RequestOutputKind.FINAL_ONLY
+
+
+def reads_tokens_as_they_come(params: Union[SamplingParams, BeamSearchParams]) -> bool:
+    """Whether the front end needs a request's tokens step by step (``CoreRequest.stream_tokens``): it
+    hands out outputs before the end, or a stop string (a text rule, which only the front end can
+    check) may end a sample at any token. When not, the core sends them all once, at the end: at
+    batch 32 a CoreOutput per request and step was a tenth of a step's host time (issue 25)."""
+    return outputs_before_end(params) or (isinstance(params, SamplingParams) and bool(params.stop))
 
 
 class InputProcessor:

@@ -39,7 +39,7 @@ from typing import Optional, Union
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import RequestShape, request_shape
 from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, FinishSample, RequestMetrics
-from pagedrs.frontend.input_processor import ProcessedRequest
+from pagedrs.frontend.input_processor import ProcessedRequest, outputs_before_end
 from pagedrs.outputs import CompletionOutput, RequestOutput
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -124,7 +124,7 @@ class OutputProcessor:
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         state = RequestState(processed.request_id, processed.prompt, processed.prompt_token_ids, params,
                              shape, [], RequestMetrics(arrival, queued_time),
-                             delta=kind == RequestOutputKind.DELTA, streams=shape.streams and kind != RequestOutputKind.FINAL_ONLY)
+                             delta=kind == RequestOutputKind.DELTA, streams=outputs_before_end(params))
         self._sample(state, 0)  # its detokenizer exists from the start
         self._requests[processed.request_id] = state
 
