@@ -131,3 +131,29 @@ def test_greedy_rows_on_the_cpu_equal_the_torch_draw_bit_for_bit(case):
     if case == "nan":  # NaN compares unequal to itself: equal elsewhere, NaN where torch has NaN
         got = torch.tensor(logprobs, dtype=torch.float32)
         assert torch.equal(got.isnan(), chosen.isnan()) and torch.equal(got[~got.isnan()], chosen[~chosen.isnan()])
+
+
+def test_a_steady_batch_reuses_its_split_until_a_sequence_ends(tiny_llama_dir):
+    """The split of an all-fast batch is remembered: the same sequences get the same FastStep back;
+    a released sequence (forget) or a row that is not fast (min_tokens) makes it be split again."""
+    engine = make_engine(tiny_llama_dir)
+    prompts = make_prompts(engine, 3)
+    for i, p in enumerate(prompts):
+        min_tokens = 5 if i == 2 else 0
+        engine.add_request(f"s{i}", p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, min_tokens=min_tokens))
+    engine.step()  # the prefill: every sequence has its first token
+    table = engine.core.fast_rows
+    seq_ids = sorted(engine.core.sequences)
+    fast, slow = table.split(seq_ids, [True] * 3)
+    assert len(fast.rows) == 2 and slow == [2], "min_tokens keeps the third row slow"
+    again, _ = table.split(seq_ids, [True] * 3)
+    assert again is not fast, "a split with a slow row is not remembered"
+    first, slow = table.split(seq_ids[:2], [True, True])
+    assert slow == [] and table.split(seq_ids[:2], [True, True])[0] is first
+    assert table.split(seq_ids[:2], [True, False])[0] is not first, "other rows to sample: split again"
+    table.split(seq_ids[:2], [True, True])
+    table.forget(seq_ids[1])
+    after, _ = table.split(seq_ids[:1], [True])
+    assert [r.sample.seq_id for r in after.rows] == seq_ids[:1]
+    while engine.has_unfinished():
+        engine.step()

@@ -70,8 +70,9 @@ class StepInput:
     @classmethod
     def from_plan(cls, plan: Any) -> StepInput:
         """The single conversion from the core's ``StepPlan``."""
-        values = {f.name: getattr(plan, f.name) for f in fields(cls) if f.name not in CORE_FILLED}
-        values["transfers"] = tuple(Transfer(int(i), str(s), str(d), p) for i, s, d, p in plan.transfers)
+        values = {name: getattr(plan, name) for name in _PLAN_FIELDS}
+        transfers = plan.transfers
+        values["transfers"] = tuple(Transfer(int(i), str(s), str(d), p) for i, s, d, p in transfers) if transfers else ()
         return cls(**values)
 
     @property
@@ -81,3 +82,7 @@ class StepInput:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+# the fields the core's StepPlan has, named once (``dataclasses.fields`` per step cost a few us)
+_PLAN_FIELDS = tuple(f.name for f in fields(StepInput) if f.name not in CORE_FILLED)

@@ -71,12 +71,15 @@ class FastRows:
     def __init__(self, core: EngineCore) -> None:
         self._core = core
         self._rows: dict[int, Optional[FastRow]] = {}
+        # the previous split when every row of it was fast: a steady batch asks for the same one again
+        self._last: Optional[tuple[list[int], list[bool], FastStep]] = None
 
     def __len__(self) -> int:
         return len(self._rows)
 
     def forget(self, seq_id: int) -> None:
         self._rows.pop(seq_id, None)
+        self._last = None
 
     def _make(self, seq_id: int) -> Optional[FastRow]:
         entry = self._core.sequence(seq_id)
@@ -90,7 +93,14 @@ class FastRows:
                        greedy, 1.0 if greedy else params.temperature, params.top_k, params.top_p, params.min_p)
 
     def split(self, seq_ids: list[int], do_sample: list[bool]) -> tuple[FastStep, list[int]]:
-        """The step's sampling rows: the plain ones, and the logits rows of the rest."""
+        """The step's sampling rows: the plain ones, and the logits rows of the rest.
+
+        The same sequences as the previous step, all of whose rows were fast, give the same split:
+        a row stays plain (its settings do not change) and past ``min_tokens`` (its tokens only
+        grow), and a sequence that ends is forgotten, which drops the remembered split."""
+        last = self._last
+        if last is not None and last[0] == seq_ids and last[1] == do_sample:
+            return last[2], []
         fast = FastStep([], [])
         slow: list[int] = []
         table = self._rows
@@ -106,6 +116,7 @@ class FastRows:
                 fast.rows.append(row)
             else:
                 slow.append(i)
+        self._last = (seq_ids, do_sample, fast) if not slow else None
         return fast, slow
 
 
