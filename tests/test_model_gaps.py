@@ -70,6 +70,37 @@ def test_skip_tokenizer_init_generates_the_same_token_ids(bare_dir: Path, tiny_l
     assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
 
 
+def test_skip_tokenizer_init_never_steps_a_detokenizer(bare_dir: Path, tiny_llama_dir: Path, monkeypatch) -> None:
+    """Without a tokenizer every text is "": the front end makes none (vLLM's detokenize=False), in every
+    output kind, and the token ids, logprobs and finishes are the ones the full tokenizer's engine gives."""
+    import dataclasses
+
+    from pagedrs import Engine, EngineArgs, RequestOutputKind
+    from pagedrs.tokenizer import IncrementalDetokenizer
+
+    prompts = _prompts(32, [5, 11, 3])
+    base = SamplingParams(max_tokens=8, temperature=0.0, logprobs=1)
+
+    def run(folder: Path, **kw: object) -> list[list]:
+        engine = Engine(EngineArgs(model=str(folder), **ENGINE_KW, **kw))
+        got = []
+        for kind in RequestOutputKind:
+            for i, p in enumerate(prompts):
+                engine.add_request(f"{kind.name}{i}", {"prompt_token_ids": p}, dataclasses.replace(base, output_kind=kind))
+            while engine.has_unfinished():
+                got += [(o.request_id, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason, c.text)
+                        for o in engine.step() for c in o.outputs]
+        engine.shutdown()
+        return got
+
+    want = run(tiny_llama_dir)
+    monkeypatch.setattr(IncrementalDetokenizer, "step", lambda self, ids: 1 / 0)
+    monkeypatch.setattr(IncrementalDetokenizer, "finish_at_once", lambda self, ids: 1 / 0)
+    got = run(bare_dir, skip_tokenizer_init=True)
+    assert [g[:5] for g in got] == [w[:5] for w in want] and all(g[5] == "" for g in got)
+    assert any(w[5] for w in want)
+
+
 def test_skip_tokenizer_init_refuses_text_chat_and_stop_strings(bare_dir: Path) -> None:
     llm = LLM(model=str(bare_dir), skip_tokenizer_init=True, **ENGINE_KW)
     with pytest.raises(ValueError, match="a text prompt needs a tokenizer.*skip_tokenizer_init"):

@@ -23,6 +23,9 @@ SKIP_TOKENIZER_HINT = "pass EngineArgs(skip_tokenizer_init=True) (--skip-tokeniz
 
 
 class Tokenizer:
+    # whether decode() can give anything but "": the front end detokenizes only then
+    makes_text: bool = True
+
     def __init__(self, hf_tokenizer: Any, eos_token_ids: set[int] | None = None) -> None:
         self.hf = hf_tokenizer
         eos = set(eos_token_ids or ())
@@ -101,6 +104,8 @@ class TokenIdsOnly(Tokenizer):
     so generation still stops where the model says. A subclass so that every consumer of
     a Tokenizer takes it as one.
     """
+
+    makes_text = False  # every decode is "": outputs carry token ids only (vLLM's detokenize=False)
 
     def __init__(self, eos_token_ids: set[int] | None = None) -> None:  # no super().__init__: no hf tokenizer to wrap
         self.hf = None

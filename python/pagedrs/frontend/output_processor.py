@@ -86,6 +86,7 @@ class RequestState:
     ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
     delta: bool = False  # output_kind is DELTA (asked per step: a plain bool is cheaper than an enum compare)
     streams: bool = True  # it gets outputs before it finishes (not beam search, best_of > n, FINAL_ONLY)
+    detokenize: bool = True  # SamplingParams.detokenize, and the tokenizer makes text (not skip_tokenizer_init)
     metrics_unsent: bool = False  # metrics came that no output carried yet
     prompt_logprobs_sent: bool = False  # DELTA: an output carried them (they go once)
 
@@ -124,7 +125,9 @@ class OutputProcessor:
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
         state = RequestState(processed.request_id, processed.prompt, processed.prompt_token_ids, params,
                              shape, [], RequestMetrics(arrival, queued_time),
-                             delta=kind == RequestOutputKind.DELTA, streams=outputs_before_end(params))
+                             delta=kind == RequestOutputKind.DELTA, streams=outputs_before_end(params),
+                             detokenize=(isinstance(params, SamplingParams) and params.detokenize
+                                         and self.tokenizer.makes_text))
         self._sample(state, 0)  # its detokenizer exists from the start
         self._requests[processed.request_id] = state
 
@@ -200,7 +203,7 @@ class OutputProcessor:
             if isinstance(state.params, SamplingParams):
                 detok = IncrementalDetokenizer(self.tokenizer, state.prompt_token_ids, state.params.skip_special_tokens)
                 # no output before the end and no stop string: nothing reads the text as it grows
-                deferred = not state.streams and not state.params.stop and state.params.detokenize
+                deferred = not state.streams and not state.params.stop and state.detokenize
             state.samples.append(SampleText(len(state.samples), detok, deferred=deferred))
         return state.samples[index]
 
@@ -226,10 +229,10 @@ class OutputProcessor:
                     s.logprobs = []
                 s.logprobs.append(c.top_logprobs[i])  # in place: a copy per token would be quadratic
             if reason == "stop":  # a stop token: not part of the text
-                if params.detokenize:
+                if state.detokenize:
                     s.text += _detok(s).flush()
                 break
-            if params.detokenize:
+            if state.detokenize:
                 previous = len(s.text)
                 s.text += _detok(s).step([token])
                 if params.stop and len(s.token_ids) > params.min_tokens and _apply_stop_strings(s, params, previous):
@@ -237,7 +240,7 @@ class OutputProcessor:
                     if reason is None:  # the core's sequence goes on: end it there too
                         commands.append(FinishSample(state.request_id, s.index, "stop", s.stop_reason))
                     break
-            if reason == "length" and params.detokenize:
+            if reason == "length" and state.detokenize:
                 s.text += _detok(s).flush()
         if not stopped_by_text and c.finish_reason is not None:
             s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
