@@ -166,6 +166,37 @@ def test_n_samples_seeded_streaming_equals_non_streaming(client: openai.OpenAI) 
     assert [c.finish_reason for c in whole.choices] == ["length"] * 3
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_n_streams_send_each_choice_s_finish_once_when_they_end_apart(served: Served, client: openai.OpenAI,
+                                                                     endpoint: str) -> None:
+    """Choices that end at different steps: each gets exactly one chunk with a finish_reason, and no
+    chunk after it (the engine's later outputs repeat a finished sample; the stream must not); the
+    finished-requests counter still counts every choice's finish once."""
+    finished_before = _finished_requests(served.metrics())
+    sampling = dict(n=4, temperature=1.0, seed=77, max_tokens=24, stop=["e", "a"])
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        whole = client.chat.completions.create(model=MODEL, messages=messages, **sampling)
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True, **sampling))
+        texts = [c.message.content for c in whole.choices]
+        pieces = [(c.choices[0].index, c.choices[0].delta.content or "", c.choices[0].finish_reason)
+                  for c in chunks if c.choices]
+    else:
+        whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], **sampling)
+        chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True, **sampling))
+        texts = [c.text for c in whole.choices]
+        pieces = [(c.choices[0].index, c.choices[0].text, c.choices[0].finish_reason) for c in chunks]
+    lengths = {len(t) for t in texts}
+    assert len(lengths) > 1, f"the choices must end apart for this test to mean anything: {texts}"
+    for index in range(4):
+        mine = [p for p in pieces if p[0] == index]
+        finishes = [i for i, p in enumerate(mine) if p[2] is not None]
+        assert finishes == [len(mine) - 1], (index, mine)  # one finish, and it is the choice's last chunk
+        assert "".join(p[1] for p in mine) == texts[index]
+        assert mine[-1][2] == whole.choices[index].finish_reason
+    assert _finished_requests(served.metrics()) - finished_before == 8  # 4 choices, streamed and not
+
+
 def test_stop_string_cuts_the_text_before_it(client: openai.OpenAI) -> None:
     full = client.completions.create(model=MODEL, prompt=PROMPTS[2], temperature=0.0, max_tokens=16).choices[0].text
     # a 2-character stop string taken from the middle of the greedy text

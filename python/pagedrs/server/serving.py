@@ -94,17 +94,16 @@ class ServerContext:
     def make_params(self, kwargs: dict[str, Any]) -> Any:
         """SamplingParams from request fields; its ValueError (naming field and range) becomes a 400.
 
-        Their ``output_kind`` stays CUMULATIVE, streaming or not. FINAL_ONLY would drop what the
-        server reads of every step's output: the Sink times the first token and each later one
-        when it is dispatched (the TTFT and inter-token histograms, ``--request-trace``'s
-        "dispatched"), non-streaming requests included. DELTA leaves out a choice that finished
-        earlier, which CUMULATIVE repeats with its finish_reason every later step of an n > 1
-        stream, and ``event_stream`` renders each such repeat as a chunk: DELTA would change
-        those streams' bytes."""
-        from pagedrs.sampling_params import SamplingParams
+        Their ``output_kind`` is DELTA, streaming or not (vLLM streams with DELTA): the Sink reads
+        only what each step added (``delta_text``, ``delta_token_ids``), and CUMULATIVE would copy
+        every sample's whole token list into each step's output (quadratic in the answer's length).
+        Not FINAL_ONLY: the Sink times the first token and each later one when it is dispatched
+        (the TTFT and inter-token histograms, ``--request-trace``'s "dispatched"), non-streaming
+        requests included. A finished choice is sent once either way (``Sink``)."""
+        from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 
         try:
-            return SamplingParams(**kwargs)
+            return SamplingParams(**kwargs, output_kind=RequestOutputKind.DELTA)
         except ValueError as exc:
             field_name = re.match(r"SamplingParams\.(\w+)=", str(exc))
             raise bad_request(str(exc), param=field_name.group(1) if field_name else None) from exc

@@ -9,7 +9,7 @@ EngineLoop keeps them by request id and owns nothing else about a request's outp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedrs.server.deltas import DeltaStream, RequestDelta, SampleDelta
@@ -31,6 +31,9 @@ class Sink:
     timed: bool = False  # its first token's metrics are recorded
     num_cached_tokens: int = 0  # as last reported (the engine may report it with the first output only)
     cached_tokens_by_tier: dict[str, int] | None = None  # likewise
+    # samples whose finish went out: an n > 1 request's later outputs repeat them (CUMULATIVE), and a
+    # repeat would be one more chunk with that choice's finish_reason (OpenAI sends one per choice)
+    finished_samples: set[int] = field(default_factory=set)
 
     def delta_of(self, output: Any) -> RequestDelta:
         """``output`` (a RequestOutput) as the delta its handler reads."""
@@ -44,7 +47,7 @@ class Sink:
             tag=self.tag,
             request_id=output.request_id,
             prompt_token_ids=list(output.prompt_token_ids),
-            samples=[_snapshot(c) for c in output.outputs],
+            samples=self._news(output.outputs),
             finished=bool(output.finished),
             error=getattr(output, "error", None),
             num_cached_tokens=self.num_cached_tokens,
@@ -52,10 +55,21 @@ class Sink:
             prompt_logprobs=getattr(output, "prompt_logprobs", None),
         )
 
+    def _news(self, completions: Any) -> list[SampleDelta]:
+        """Each sample's delta, leaving out a finished sample that brings nothing new (its finish went out)."""
+        samples = []
+        for c in completions:
+            if c.index in self.finished_samples and not c.delta_token_ids and not c.delta_text:
+                continue
+            samples.append(_snapshot(c))
+            if c.finish_reason is not None:
+                self.finished_samples.add(c.index)
+        return samples
+
     def observe(self, output: Any, delta: RequestDelta, metrics: ServerMetrics, trace: RequestTrace | None,
                 now: float) -> None:
         """Records the latency ``output`` shows: its first token's breakdown once, TTFT or ITL when
-        it carries tokens, and the finish reasons when it is the last."""
+        it carries tokens, and each sample's finish reason in the delta that ends it."""
         stamps = getattr(output, "metrics", None) or {}
         if not self.timed and "first_token_time" in stamps:
             self.timed = True
@@ -66,8 +80,8 @@ class Sink:
             else:
                 metrics.inter_token_latency.observe(now - self.last_token_time)
             self.last_token_time = now
-        if delta.finished:
-            for s in delta.samples:
+        for s in delta.samples:  # each sample's finish comes in one delta (``_news``): counted there
+            if s.finish_reason is not None:
                 metrics.requests.labels(finish_reason=str(s.finish_reason)).inc()
 
     def _observe_first_token(self, request_id: str, stamps: dict[str, float], metrics: ServerMetrics,
