@@ -44,7 +44,8 @@ def test_scalar_is_always_available() -> None:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(("rows", "cols", "m"), [(1, 32, 1), (37, 96, 3), (130, 576, 8), (16, 1536, 2)])
+@pytest.mark.parametrize(("rows", "cols", "m"), [(1, 32, 1), (37, 96, 3), (130, 576, 8), (16, 1536, 2),
+                                                (37, 96, 17), (50, 192, 33)])  # m >= 16: AMX's groups where the CPU has it
 def test_kernels_agree_and_match_gguf(fmt: str, rows: int, cols: int, m: int) -> None:
     raw, w = _gguf(fmt, rows, cols, seed=rows * cols + m)
     mat = _core.GgufMatrix(raw, rows, cols, fmt, "blk.0.test")

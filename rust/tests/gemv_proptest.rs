@@ -118,21 +118,32 @@ proptest! {
                                         m in 1usize..=8, seed in any::<u64>()) {
         check(format, rows, blocks, m, seed);
     }
+
+    /// Prefill-sized products (the AMX kernel's groups of 16 activation rows, and the rows past them).
+    #[test]
+    fn kernels_agree_on_many_rows(format in format_strategy(), rows in 1usize..70, blocks in 1usize..14,
+                                  m in 16usize..=50, seed in any::<u64>()) {
+        check(format, rows, blocks, m, seed);
+    }
 }
 
-/// Past the kernels' row groups (AVX-512: 8 activation rows per pass over a tile): 9 and 17 rows
-/// run as 8 + 1 and 8 + 8 + 1, every group the scalar bits.
+/// Past the kernels' row groups (AVX-512: 8 activation rows per pass over a tile; AMX: 16): 9, 17
+/// and 33 rows run as 8 + 1, 8 + 8 + 1 (AMX 16 + 1) and 32 + 1, every group the scalar bits.
 #[test]
 fn more_rows_than_one_group_agree() {
-    for (format, m) in [(Format::Q4_0, 9), (Format::Q4_1, 17), (Format::Q8_0, 12)] {
-        check(format, 37, 5, m, 11);
+    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
+        for m in [9, 12, 16, 17, 32, 33] {
+            check(format, 37, 5, m, 11 + m as u64);
+        }
     }
 }
 
 #[test]
 fn smollm2_shapes_agree() {
     for (format, rows, cols) in [(Format::Q4_1, 960, 576), (Format::Q4_0, 576, 1536), (Format::Q8_0, 1000, 576)] {
-        check(format, rows, cols / QK, 1, 7);
+        for m in [1, 17] {
+            check(format, rows, cols / QK, m, 7);
+        }
     }
 }
 
@@ -150,15 +161,68 @@ fn extreme_activations_do_not_overflow() {
             raw.extend(std::iter::repeat_n(if format == Format::Q8_0 { 0x80 } else { 0xff }, format.quant_bytes()));
         }
         let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
-        let x = vec![-1.0f32; cols];
         let expected = match format {
             Format::Q4_0 => -7.0 * cols as f32,
             Format::Q4_1 => -15.0 * cols as f32,
             Format::Q8_0 => 128.0 * cols as f32,
         };
-        for kernel in Kernel::available() {
-            let got = run(&w, &x, 1, 1, kernel);
-            assert!(got.iter().all(|&v| v == expected), "{kernel:?} {format:?}: {:?} != {expected}", &got[..2]);
+        for m in [1, 17, 33] {
+            let x = vec![-1.0f32; m * cols];
+            for kernel in Kernel::available() {
+                let got = run(&w, &x, m, 1, kernel);
+                assert!(got.iter().all(|&v| v == expected), "{kernel:?} {format:?} m={m}: {:?} != {expected}", &got[..2]);
+            }
+        }
+    }
+}
+
+/// Every kernel against scalar, bit for bit, at the edges of the value ranges: activations that
+/// quantize to +-127 (and 0, and tiny blocks), weight scales from f16 subnormals to 65504, all-extreme
+/// quants; N not a tile multiple (the last tile's padding rows) and M around the AMX groups of 16.
+#[test]
+fn extreme_values_agree_with_scalar() {
+    let scales = [0x7bffu16, 0xfbff, 0x0001, 0x8001, 0x03ff, 0x3c00, 0x5bff, 0x1400, 0x0000];
+    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
+    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
+        let (rows, blocks) = (37, 6);
+        let cols = blocks * QK;
+        let mut raw = Vec::new();
+        for i in 0..rows * blocks {
+            raw.extend_from_slice(&scales[(i + rng.next() as usize) % scales.len()].to_le_bytes());
+            if format.has_min() {
+                raw.extend_from_slice(&scales[(i * 7 + 3) % scales.len()].to_le_bytes());
+            }
+            // extreme quants (Q4: 0 / 15 nibbles, Q8: -128 / 127) in half the blocks, random in the rest
+            let extreme = [0x00u8, 0xff, 0x80, 0x7f, 0x0f, 0xf0];
+            for _ in 0..format.quant_bytes() {
+                raw.push(if i % 2 == 0 { extreme[rng.next() as usize % extreme.len()] } else { rng.next() as u8 });
+            }
+        }
+        let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
+        for m in [16, 17, 33, 48] {
+            // per block: +-big everywhere (all +-127 once quantized), one big value and zeros, tiny
+            // values, or random; magnitudes from 1e-30 to 1e25 (products stay finite in f32)
+            let x: Vec<f32> = (0..m * cols)
+                .map(|i| {
+                    let (blk, e) = (i / QK, i % QK);
+                    let mag = [1e25f32, 1e-30, 1.0, 3e4, 1e-8][blk % 5];
+                    let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
+                    match (blk / 5) % 4 {
+                        0 => sign * mag,
+                        1 => if e == blk % QK { sign * mag } else { 0.0 },
+                        2 => -mag,
+                        _ => sign * mag * (rng.next() % 1000) as f32 / 999.0,
+                    }
+                })
+                .collect();
+            let reference = run(&w, &x, m, 1, Kernel::Scalar);
+            for kernel in Kernel::available() {
+                for threads in [1, 2] {
+                    let got = run(&w, &x, m, threads, kernel);
+                    let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{kernel:?} x{threads} differs from scalar ({format:?} m={m})");
+                }
+            }
         }
     }
 }
@@ -203,19 +267,25 @@ fn this_machine_reports_its_kernels() {
     assert_eq!(kernels[0], Kernel::Scalar);
     #[cfg(target_arch = "x86_64")]
     assert_eq!(kernels.contains(&Kernel::Avx2), is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c"));
+    #[cfg(target_arch = "x86_64")]
+    if kernels.contains(&Kernel::Amx) {
+        assert!(kernels.contains(&Kernel::Avx512Vnni), "AMX's rows past its groups run on AVX-512");
+    }
+    assert_eq!(Kernel::best(), *kernels.last().unwrap());
+    assert_eq!(Kernel::parse("amx_int8"), Some(Kernel::Amx));
     eprintln!("gemv kernels on this machine: {kernels:?}");
 }
 
 /// A matrix the size of a real layer's (rows not a tile multiple) split over 1, 2 and 3 threads:
-/// every kernel, the same bits, every output written (`run` starts from NaN). M = 11: a thread's
-/// chunk takes the heap buffer of more than 8 rows.
+/// every kernel, the same bits, every output written (`run` starts from NaN). M = 11 and 33: a thread's
+/// chunk takes the heap buffer of more than 8 rows; 33: two AMX groups and one row past them.
 #[test]
 fn large_products_split_over_threads_give_the_same_bits() {
     let (rows, cols) = (2051, 512); // Q8_0: 2051 x 512 x 34 / 32 bytes = 1.1 MB, rows not a tile multiple
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let raw = random_gguf(Format::Q8_0, rows, cols, &mut rng);
     let w = PackedMatrix::from_gguf("big", &raw, rows, cols, Format::Q8_0).unwrap();
-    for m in [1, 3, 11] {
+    for m in [1, 3, 11, 33] {
         let x: Vec<f32> = (0..m * cols).map(|_| (rng.next() as f32 / u32::MAX as f32 - 0.5) * 4.0).collect();
         let reference = run(&w, &x, m, 1, Kernel::Scalar);
         assert!(reference.iter().all(|v| v.is_finite()), "m={m}");

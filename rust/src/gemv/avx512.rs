@@ -37,7 +37,7 @@ const fn prefetch_bytes(rows: usize) -> usize {
 /// is in flight while this block is multiplied. A prefetch of an address past the matrix is
 /// harmless (it never faults; `wrapping_add` keeps the pointer arithmetic defined).
 #[inline(always)]
-fn prefetch_ahead<const R: usize>(blk: *const u8, block_bytes: usize) {
+pub(super) fn prefetch_ahead<const R: usize>(blk: *const u8, block_bytes: usize) {
     let d = prefetch_bytes(R);
     let mut off = 0;
     while off < block_bytes {
@@ -60,7 +60,18 @@ const ROWS: usize = 8;
 /// `avx2::tile`'s `# Safety`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
-    let mut m0 = 0;
+    // SAFETY: this function's own contract.
+    unsafe { tile_from(format, tile, blocks, acts, 0, out) }
+}
+
+/// `tile` for the activation rows `m0..acts.m` alone (the AMX kernel's rows past its groups of 16).
+///
+/// # Safety
+/// As `tile`, and `m0 <= acts.m`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, m0: usize,
+                               out: &mut [f32]) {
+    let mut m0 = m0;
     while m0 < acts.m {
         let rows = (acts.m - m0).min(ROWS);
         // One instance per (format, rows): the format is a constant inside, so its branches and

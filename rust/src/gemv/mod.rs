@@ -10,7 +10,7 @@
 //! in block order per row (see [`scalar`]). Bounds are checked here, at the boundary.
 //!
 //! Files: [`format`] (block formats), [`pack`] (tiles), [`quantize`] (activations),
-//! [`scalar`] / [`avx2`] / [`avx512`] (kernels), [`pool`] (threads), [`error`].
+//! [`scalar`] / [`avx2`] / [`avx512`] / [`amx`] (kernels), [`pool`] (threads), [`error`].
 
 pub mod error;
 pub mod format;
@@ -24,6 +24,10 @@ pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 #[clippy::msrv = "1.89"]
 pub mod avx512;
+// Intel AMX through `asm!` (its intrinsics are unstable), AVX-512 for the float steps.
+#[cfg(target_arch = "x86_64")]
+#[clippy::msrv = "1.89"]
+pub mod amx;
 
 pub use error::GemvError;
 pub use format::{Format, QK};
@@ -35,19 +39,25 @@ pub enum Kernel {
     Scalar,
     Avx2,
     Avx512Vnni,
+    /// AMX for groups of 16 activation rows (prefill), the rest on AVX-512 VNNI.
+    Amx,
 }
 
 impl Kernel {
+    /// Every kernel, slowest first.
+    pub const ALL: [Kernel; 4] = [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512Vnni, Kernel::Amx];
+
     pub fn name(self) -> &'static str {
         match self {
             Kernel::Scalar => "scalar",
             Kernel::Avx2 => "avx2",
             Kernel::Avx512Vnni => "avx512_vnni",
+            Kernel::Amx => "amx_int8",
         }
     }
 
     pub fn parse(name: &str) -> Option<Kernel> {
-        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512Vnni].into_iter().find(|k| k.name() == name)
+        Kernel::ALL.into_iter().find(|k| k.name() == name)
     }
 
     /// Whether this CPU can run it (detected at run time).
@@ -58,6 +68,8 @@ impl Kernel {
             Kernel::Avx2 => avx2::supported(),
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Vnni => avx512::supported(),
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => amx::supported(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -65,12 +77,25 @@ impl Kernel {
 
     /// Every kernel this CPU runs, scalar first.
     pub fn available() -> Vec<Kernel> {
-        [Kernel::Scalar, Kernel::Avx2, Kernel::Avx512Vnni].into_iter().filter(|k| k.supported()).collect()
+        Kernel::ALL.into_iter().filter(|k| k.supported()).collect()
     }
 
     /// The fastest kernel this CPU runs.
     pub fn best() -> Kernel {
         *Kernel::available().last().expect("scalar is always available")
+    }
+
+    /// Runs `f`, one thread's run of tiles of a product with `m` activation rows, with what the kernel
+    /// keeps on the thread for them: AMX's tile configuration (set once per run, not per tile).
+    fn on_thread<R>(self, m: usize, f: impl FnOnce() -> R) -> R {
+        #[cfg(target_arch = "x86_64")]
+        if self == Kernel::Amx && m >= TILE {
+            // SAFETY: `matmul` checked `supported()` for this kernel.
+            let _tiles = unsafe { amx::Tiles::configure() };
+            return f();
+        }
+        let _ = m;
+        f()
     }
 
     fn run(self, w: &PackedMatrix, t: usize, acts: &quantize::QuantizedActs, out: &mut [f32]) {
@@ -84,6 +109,9 @@ impl Kernel {
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx512Vnni => unsafe { avx512::tile(w.format, tile, w.blocks(), acts, out) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Amx => unsafe { amx::tile(w.format, tile, w.blocks(), acts, out) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!("matmul checked supported()"),
         }
@@ -153,9 +181,11 @@ impl PackedMatrix {
         };
         if threads == 1 || tiles == 1 {
             let mut buf = vec![0f32; chunk];
-            for t in 0..tiles {
-                tile_into_out(t, &mut buf);
-            }
+            kernel.on_thread(m, || {
+                for t in 0..tiles {
+                    tile_into_out(t, &mut buf);
+                }
+            });
         } else {
             let team = pool::team(threads)?;
             // chunks of whole tiles, about 16 per thread: small enough to balance (a thread
@@ -170,9 +200,11 @@ impl PackedMatrix {
                     large.resize(chunk, 0f32);
                     &mut large
                 };
-                for t in c * per_chunk..((c + 1) * per_chunk).min(tiles) {
-                    tile_into_out(t, buf);
-                }
+                kernel.on_thread(m, || {
+                    for t in c * per_chunk..((c + 1) * per_chunk).min(tiles) {
+                        tile_into_out(t, buf);
+                    }
+                });
             })?;
         }
         Ok(())

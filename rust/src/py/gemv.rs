@@ -70,9 +70,8 @@ impl PyGgufMatrix {
         let kernel = match kernel {
             None => Kernel::best(),
             Some(k) => Kernel::parse(k).ok_or_else(|| {
-                PyValueError::new_err(format!(
-                    "tensor {name:?}: kernel {k:?} is unknown; allowed: \"scalar\", \"avx2\", \"avx512_vnni\""
-                ))
+                let allowed: Vec<String> = Kernel::ALL.iter().map(|k| format!("{:?}", k.name())).collect();
+                PyValueError::new_err(format!("tensor {name:?}: kernel {k:?} is unknown; allowed: {}", allowed.join(", ")))
             })?,
         };
         let is_array = x.cast::<PyArray2<f32>>().is_ok();
