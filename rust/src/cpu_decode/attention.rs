@@ -220,5 +220,19 @@ mod timing {
             }
             println!("{simd:?}: {:.1} us per layer", t.elapsed().as_secs_f64() / 2000.0 * 1e6);
         }
+        // a step's layers: 30 x 8 planes of their own, cycled, so each layer's pages come from the L3
+        let planes: Vec<(Vec<f32>, Vec<f32>)> = (0..240).map(|l| {
+            let k: Vec<f32> = (0..kv.plane()).map(|i| ((i + l) as f32 * 0.001).sin()).collect();
+            (k.clone(), k)
+        }).collect();
+        for simd in [Simd::best(), Simd::Portable] {
+            let t = std::time::Instant::now();
+            for i in 0..4800 {
+                let (k, v) = &planes[i % planes.len()];
+                let layer = LayerAttention { k_plane: k, v_plane: v, heads: 9, scale: 0.125, sliding_window: None };
+                attend(&layer, &qkv, &step, &kv, &mut out, 1, simd).unwrap();
+            }
+            println!("{simd:?}, pages from the L3: {:.1} us per layer", t.elapsed().as_secs_f64() / 4800.0 * 1e6);
+        }
     }
 }

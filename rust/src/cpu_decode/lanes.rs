@@ -213,7 +213,12 @@ mod avx2 {
         let (qp, pp) = (q.as_ptr(), plane.as_ptr());
         let scale_v = _mm256_set1_ps(scale);
         let eights = keys.len() / 8 * 8;
-        for (ks, os) in keys[..eights].chunks_exact(8).zip(out.chunks_exact_mut(8)) {
+        for (g, (ks, os)) in keys[..eights].chunks_exact(8).zip(out.chunks_exact_mut(8)).enumerate() {
+            // the keys SCORE_AHEAD further on are asked for now: a step's pages come from the L3 (or
+            // DRAM), at scattered pages and a stride of kv_heads * d floats the prefetcher misses
+            for &k in keys.iter().skip(8 * g + SCORE_AHEAD).take(8) {
+                prefetch_row(pp, k, d);
+            }
             let mut folded = [_mm256_setzero_ps(); 8];
             // four keys at a time: 8 accumulators (lanes 0-7 and 8-15 of each) stay in registers
             for half in 0..2 {
@@ -244,6 +249,25 @@ mod avx2 {
         }
         for (&k, o) in keys[eights..].iter().zip(&mut out[eights..]) {
             *o = dot(q, &plane[k..][..d]) * scale;
+        }
+    }
+
+    /// Keys ahead of the 8 being scored whose rows `scores` asks the caches for (three groups: a
+    /// group of 8 keys takes ~100 cycles, a line from the L3 ~250).
+    const SCORE_AHEAD: usize = 32;
+    /// Keys ahead of the one being summed whose values `weighted_sum` asks for (a key's 8 FMAs a
+    /// chunk take a few cycles).
+    const SUM_AHEAD: usize = 48;
+
+    /// Asks for the cache lines of the `d` floats at `plane[k..]`. A hint only: `_mm_prefetch` never
+    /// faults, and `wrapping_add` keeps the address arithmetic defined for any offset.
+    #[inline(always)]
+    fn prefetch_row(plane: *const f32, k: usize, d: usize) {
+        let mut i = 0;
+        while i < d {
+            // SAFETY: a prefetch of any address is harmless (never faults, changes no state but caches).
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(plane.wrapping_add(k + i) as *const i8) };
+            i += 16; // 64-byte lines
         }
     }
 
@@ -357,7 +381,14 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     unsafe fn chunk<const W: usize>(p: &[f32], pp: *const f32, keys: &[usize], c0: usize, out: &mut [f32]) {
         let mut acc = [_mm256_setzero_ps(); W];
-        for (&k, &pk) in keys.iter().zip(p) {
+        for (i, (&k, &pk)) in keys.iter().zip(p).enumerate() {
+            if let Some(&ahead) = keys.get(i + SUM_AHEAD) {
+                let mut j = 0;
+                while j < W {  // this chunk's lines of the value SUM_AHEAD keys on
+                    prefetch_row(pp, ahead + c0 + 8 * j, 8 * (W - j).min(2));
+                    j += 2;
+                }
+            }
             let pv = _mm256_set1_ps(pk);
             for (j, a) in acc.iter_mut().enumerate() {
                 // SAFETY: the function's contract.
