@@ -369,8 +369,11 @@ def test_load_with_disconnects_frees_every_page_and_matches_offline(served: Serv
     results = asyncio.run(run_all())
     metrics = served.wait_idle()
     assert metrics["pagedrs_kv_free_blocks"] == metrics["pagedrs_kv_total_blocks"] == ENGINE_KW["num_gpu_blocks"]
-    # the leavers were aborted, not run to their 100 tokens: only the stayers finished
-    assert _finished_requests(metrics) - finished_before == len(stayers)
+    # the leavers were aborted, not run to their 100 tokens: the stayers finished, and a leaver only where
+    # it ran to its end before its disconnect reached the engine (seen on a loaded 2-core machine: 2 of
+    # 8: its 100 decode steps take a fraction of a second); broken aborts would finish all 8
+    finished = _finished_requests(metrics) - finished_before
+    assert len(stayers) <= finished <= len(stayers) + len(leavers) // 2, finished
     expected = offline.generate([prompts[i] for i in stayers], SamplingParams(**GREEDY), use_tqdm=False)
     assert [results[i][0] for i in stayers] == [e.outputs[0].text for e in expected]
     assert [results[i][1] for i in stayers] == [e.outputs[0].finish_reason for e in expected]
