@@ -25,7 +25,8 @@ search's hypotheses come ranked and scored from the core, and their text is made
 ``FINAL_ONLY`` one at the end, equal to CUMULATIVE's last. A sample nobody reads before its end
 (FINAL_ONLY, ``best_of > n``) without stop strings (the only rule that needs the text as it grows)
 keeps only its tokens and is decoded once, when it finishes; aborted or failed, its tokens are
-replayed through the detokenizer as the per-token path would have stepped them.
+replayed through the detokenizer as the per-token path would have stepped them. The
+``CompletionOutput``s of each kind are built in ``frontend/completions.py``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from typing import Optional, Union
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import RequestShape, request_shape
 from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, FinishSample, RequestMetrics
+from pagedrs.frontend.completions import cumulative_completions, delta_completions
 from pagedrs.frontend.input_processor import ProcessedRequest, outputs_before_end
-from pagedrs.outputs import CompletionOutput, RequestOutput
+from pagedrs.outputs import RequestOutput
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -299,7 +301,7 @@ class OutputProcessor:
         # Hold back text that might still turn out to be the start of a stop string.
         longest_hold = max(map(len, stops)) - 1 if stops else 0
         samples = state.samples[: state.shape.num_outputs] if finished else state.samples
-        outs = _delta_completions(samples, longest_hold) if delta else _cumulative_completions(samples, longest_hold)
+        outs = delta_completions(samples, longest_hold) if delta else cumulative_completions(samples, longest_hold)
         if delta and not outs:
             return None
         if with_metrics is None:
@@ -324,67 +326,6 @@ class OutputProcessor:
             cached_tokens_by_tier=state.cached_tokens_by_tier,
             prompt_logprobs=prompt_logprobs,
         )
-
-
-def _visible(s: SampleText, longest_hold: int) -> int:
-    """Characters of the sample's text that may go out: all once it finished, else all but what
-    may still start a stop string (never fewer than already went)."""
-    hold = 0 if s.finish_reason is not None else longest_hold
-    return max(len(s.text) - hold, s.sent_chars)
-
-
-def _cumulative_completions(samples: list[SampleText], longest_hold: int) -> list[CompletionOutput]:
-    """Everything so far, and what is new since the previous output (one loop per request: a
-    call per sample would cost a batch of 256 a tenth of the front end's step)."""
-    outs = []
-    for s in samples:
-        visible = max(len(s.text) - (0 if s.finish_reason is not None else longest_hold), s.sent_chars)  # _visible
-        outs.append(CompletionOutput(
-            index=s.index,
-            text=s.text[:visible],
-            token_ids=list(s.token_ids),
-            delta_text=s.text[s.sent_chars : visible],
-            delta_token_ids=s.token_ids[s.sent_tokens :],
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-            # the sample's own growing list, not a copy (a copy per step is quadratic in
-            # the output length); a consumer that keeps it past the next step copies it
-            logprobs=s.logprobs,
-            cumulative_logprob=s.cumulative_logprob,
-            score=s.score,
-        ))
-        s.sent_tokens = len(s.token_ids)
-        s.sent_chars = visible
-    return outs
-
-
-def _delta_completions(samples: list[SampleText], longest_hold: int) -> list[CompletionOutput]:
-    """Only what is new (vLLM's DELTA): ``text``/``token_ids`` are the deltas (the same objects as
-    ``delta_text``/``delta_token_ids``), ``logprobs`` their entries, ``cumulative_logprob`` the
-    running total; a sample that gained nothing, and whose finish (if any) went out, is left out."""
-    outs = []
-    for s in samples:
-        visible = _visible(s, longest_hold)
-        new_ids = s.token_ids[s.sent_tokens :]
-        if not new_ids and visible == s.sent_chars and (s.finish_reason is None or s.finish_sent):
-            continue
-        text = s.text[s.sent_chars : visible]
-        outs.append(CompletionOutput(
-            index=s.index,
-            text=text,
-            token_ids=new_ids,
-            delta_text=text,
-            delta_token_ids=new_ids,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-            logprobs=None if s.logprobs is None else s.logprobs[s.sent_tokens :],
-            cumulative_logprob=s.cumulative_logprob,
-            score=s.score,
-        ))
-        s.sent_tokens = len(s.token_ids)
-        s.sent_chars = visible
-        s.finish_sent = s.finish_reason is not None
-    return outs
 
 
 def _detok(s: SampleText) -> IncrementalDetokenizer:
