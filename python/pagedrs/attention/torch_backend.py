@@ -250,6 +250,8 @@ def _plan_decode_buckets(meta: AttentionMetadata, block_size: int) -> list[_Buck
     mask of a bucket is "key position < length"."""
     lens_list = meta.seq_lens_cpu
     device = meta.block_tables.device
+    if not lens_list:
+        return []
     shortest, longest = -(-min(lens_list) // block_size), -(-max(lens_list) // block_size)
     if shortest.bit_length() == longest.bit_length():  # one bucket, every sequence (a steady batch)
         return [_whole_decode_bucket(meta, block_size, longest)]
