@@ -243,3 +243,15 @@ def test_an_unknown_backend_name_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("PAGEDRS_ATTENTION_BACKEND", "triton")
     with pytest.raises(ValueError, match=r"PAGEDRS_ATTENTION_BACKEND='triton' is not a backend; allowed: auto, torch, cuda"):
         get_backend("cpu")
+
+
+def test_an_empty_decode_step_plans_no_bucket():
+    from pagedrs.attention import AttentionMetadata
+    from pagedrs.attention.torch_backend import _plan_buckets
+
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long), query_start_loc=torch.zeros(1, dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32), block_tables=torch.zeros((0, 0), dtype=torch.int32),
+        max_query_len=0, max_seq_len=0, query_start_loc_cpu=[0], seq_lens_cpu=[],
+    )
+    assert _plan_buckets(meta, 4) == []
