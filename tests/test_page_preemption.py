@@ -163,3 +163,34 @@ def test_beam_search_under_page_preemption_equals_transformers(tiny_llama_dir, h
         out = done[f"b{i}"]
         assert [p + c.token_ids for c in out.outputs] == sequences
         assert [c.score for c in out.outputs] == pytest.approx(scores, abs=1e-4, rel=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_requests_read_only_at_their_end_equal_streamed_ones_under_preemption(tiny_llama_dir, hf_model, mode):
+    """FINAL_ONLY requests without stop strings cross from the core once, at their end: through constant
+    preemption (their sequences swapped out and back, or recomputed from their tokens) they end in
+    what streamed (CUMULATIVE) requests end in, and in transformers' greedy tokens; every page is back."""
+    from pagedrs import RequestOutputKind
+
+    finals = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        engine = tiny_pool_engine(tiny_llama_dir, preemption_mode=mode)
+        prompts = make_prompts(engine, 8, seed=3)
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                output_kind=kind)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"q{i}", p, params)
+        outputs: dict[str, list] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).append(out)
+        stats = engine.stats()
+        assert stats["num_swap_preemptions" if mode == "swap" else "num_recompute_preemptions"] > 0
+        assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+        if kind == RequestOutputKind.FINAL_ONLY:
+            assert all(len(o) == 1 for o in outputs.values())
+        finals[kind] = {r: [(c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason) for c in o[-1].outputs]
+                        for r, o in outputs.items()}
+        for i, p in enumerate(prompts):
+            assert [c[0] for c in finals[kind][f"q{i}"]] == [hf_greedy(hf_model, p, 16)], (kind.name, i)
+    assert finals[RequestOutputKind.FINAL_ONLY] == finals[RequestOutputKind.CUMULATIVE]
