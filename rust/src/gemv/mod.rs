@@ -125,6 +125,21 @@ impl Kernel {
 /// Xeon, 2026-12-04). 256 keeps more chunks to balance a late thread with.
 const MIN_CHUNK_BLOCKS: usize = 256;
 
+/// Chunks a product of `tiles` tiles of `blocks` blocks is claimed in on `threads` threads: about 16
+/// per thread, each of at least `MIN_CHUNK_BLOCKS` tile blocks, and a multiple of the threads where
+/// the tiles allow (a 576-row product's 36 tiles made 3 chunks of 15, 15 and 6 tiles, so one of 2
+/// threads did 21 of them; now 4 chunks of 9).
+fn chunk_count(tiles: usize, blocks: usize, threads: usize) -> usize {
+    let per_chunk = tiles.div_ceil(16 * threads).max(MIN_CHUNK_BLOCKS.div_ceil(blocks.max(1))).max(1);
+    let chunks = tiles.div_ceil(per_chunk);
+    (chunks.div_ceil(threads) * threads).min(tiles).max(1)
+}
+
+/// The tiles of chunk `c` of `chunks`: consecutive, within one tile of the same size, covering all.
+fn chunk_range(c: usize, chunks: usize, tiles: usize) -> std::ops::Range<usize> {
+    c * tiles / chunks..(c + 1) * tiles / chunks
+}
+
 /// `out`'s start, shared by the parts of one call (each writes only its own tiles' columns).
 struct SendPtr(*mut f32);
 
@@ -190,8 +205,8 @@ impl PackedMatrix {
             let team = pool::team(threads)?;
             // chunks of whole tiles, about 16 per thread: small enough to balance (a thread
             // may be late), large enough that claiming one costs little next to it
-            let per_chunk = tiles.div_ceil(16 * team.threads()).max(MIN_CHUNK_BLOCKS.div_ceil(self.blocks()));
-            team.run(tiles.div_ceil(per_chunk), &|c: usize| {
+            let chunks = chunk_count(tiles, self.blocks(), team.threads());
+            team.run(chunks, &|c: usize| {
                 let mut small = [0f32; 8 * TILE];
                 let mut large = Vec::new();
                 let buf: &mut [f32] = if chunk <= small.len() {
@@ -201,12 +216,40 @@ impl PackedMatrix {
                     &mut large
                 };
                 kernel.on_thread(m, || {
-                    for t in c * per_chunk..((c + 1) * per_chunk).min(tiles) {
+                    for t in chunk_range(c, chunks, tiles) {
                         tile_into_out(t, buf);
                     }
                 });
             })?;
         }
         Ok(())
+    }
+}
+
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_every_tile_once_and_share_out_evenly() {
+        for threads in 1..=4 {
+            for tiles in 1..400 {
+                for blocks in [1, 18, 48, 300] {
+                    let chunks = chunk_count(tiles, blocks, threads);
+                    let ranges: Vec<_> = (0..chunks).map(|c| chunk_range(c, chunks, tiles)).collect();
+                    assert_eq!(ranges.first().unwrap().start, 0);
+                    assert_eq!(ranges.last().unwrap().end, tiles);
+                    assert!(ranges.windows(2).all(|w| w[0].end == w[1].start), "consecutive");
+                    let sizes: Vec<usize> = ranges.iter().map(|r| r.len()).collect();
+                    let (lo, hi) = (*sizes.iter().min().unwrap(), *sizes.iter().max().unwrap());
+                    assert!(lo >= 1 && hi - lo <= 1, "{tiles} tiles in {chunks}: {sizes:?}");
+                    assert!(chunks % threads == 0 || chunks == tiles, "{tiles} tiles {blocks} blocks {threads} threads: {chunks}");
+                }
+            }
+        }
+        // SmolLM2's 576-row products on 2 threads: 4 chunks of 9 tiles, not 15 + 15 + 6
+        assert_eq!(chunk_count(36, 18, 2), 4);
+        assert_eq!(chunk_count(96, 18, 2), 8);
     }
 }

@@ -70,6 +70,9 @@ struct Shared {
     /// The call in progress; `users` counts the helpers that took it from here.
     slot: Mutex<Option<CallPtr>>,
     users: AtomicUsize,
+    /// Helpers asleep on `wake` (or about to be): a call takes `lock` and notifies only then, since
+    /// a notify is a futex system call even with nobody waiting (~1 us a call in a VM, 121 calls a token).
+    sleepers: AtomicUsize,
     lock: Mutex<()>,
     wake: Condvar,
     /// Held for the whole of a call: one call at a time.
@@ -88,6 +91,7 @@ impl Team {
             epoch: AtomicU64::new(0),
             slot: Mutex::new(None),
             users: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
             lock: Mutex::new(()),
             wake: Condvar::new(),
             busy: Mutex::new(()),
@@ -125,9 +129,12 @@ impl Team {
         let job: *const Job = unsafe { std::mem::transmute::<&'a (dyn Fn(usize) + Sync + 'a), &'static Job>(job) };
         let call = Call { job, total, next: AtomicUsize::new(0), panicked: AtomicBool::new(false) };
         *s.slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(CallPtr(&call));
-        {
-            let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
-            s.epoch.fetch_add(1, Ordering::Release);
+        // Dekker's handshake with a helper going to sleep (both SeqCst): the call bumps the epoch, then
+        // looks for sleepers; a helper counts itself a sleeper, then looks at the epoch. One of the two
+        // sees the other's write, so either the call notifies or the helper does not sleep.
+        s.epoch.fetch_add(1, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) != 0 {
+            let _g = s.lock.lock().unwrap_or_else(|e| e.into_inner()); // a helper between its check and its wait holds it
             s.wake.notify_all();
         }
         call.work();
@@ -160,10 +167,13 @@ fn helper(s: &Shared) {
             spins = spins.wrapping_add(1);
             if spins % 256 == 0 && since.elapsed() > SPIN {
                 let mut g = s.lock.lock().unwrap_or_else(|e| e.into_inner());
-                // checked under the lock the caller bumps under: no wake-up is lost
-                while s.epoch.load(Ordering::Acquire) == seen {
+                s.sleepers.fetch_add(1, Ordering::SeqCst);
+                // after counting itself (see `Team::run`): a call that bumped the epoch before this saw
+                // no sleeper and will not notify, so the epoch is looked at again first
+                while s.epoch.load(Ordering::SeqCst) == seen {
                     g = s.wake.wait(g).unwrap_or_else(|e| e.into_inner());
                 }
+                s.sleepers.fetch_sub(1, Ordering::SeqCst);
                 break;
             }
             std::hint::spin_loop();
@@ -248,6 +258,33 @@ mod tests {
         })
         .unwrap();
         assert_eq!(done.load(Ordering::Relaxed), 64);
+    }
+
+    /// A helper that went to sleep (idle past `SPIN`) wakes for the next call: that call's first chunk
+    /// (the caller's) waits until another chunk ran on another thread (a lost wake-up fails here).
+    #[test]
+    fn a_sleeping_helper_wakes_for_the_next_call() {
+        let t = Team::start(2).unwrap(); // its own team: the shared ones are busy with the other tests
+        for _ in 0..3 {
+            std::thread::sleep(SPIN * 8); // the helper is asleep on the condition variable by now
+            let caller = std::thread::current().id();
+            let others = AtomicUsize::new(0);
+            let waited = AtomicBool::new(false);
+            t.run(4, &|i| {
+                if std::thread::current().id() != caller {
+                    others.fetch_add(1, Ordering::SeqCst);
+                } else if i == 0 {
+                    let since = Instant::now();
+                    while others.load(Ordering::SeqCst) == 0 {
+                        assert!(since.elapsed() < Duration::from_secs(20), "the sleeping helper never joined");
+                        std::thread::yield_now();
+                    }
+                    waited.store(true, Ordering::SeqCst);
+                }
+            })
+            .unwrap();
+            assert!(waited.load(Ordering::SeqCst) && others.load(Ordering::SeqCst) >= 1);
+        }
     }
 
     #[test]
