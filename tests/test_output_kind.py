@@ -238,6 +238,8 @@ def test_a_request_read_only_at_its_end_crosses_from_the_core_once(engine: Engin
         assert _final(outs, FINAL_ONLY) == _final(want[prompt], CUMULATIVE), prompt
         metrics = outs[-1].metrics
         assert metrics["first_token_time"] <= metrics["finished_time"], "the core's metrics came with it"
+        assert outs[-1].num_cached_tokens is not None and outs[-1].cached_tokens_by_tier is not None
+        assert outs[-1].prompt_token_ids == want[prompt][-1].prompt_token_ids
     streamed, _ = _core_outputs_per_request(engine, dataclasses.replace(params, output_kind=CUMULATIVE))
     if params.best_of is not None:  # ranked at the end: CUMULATIVE has nothing to hand out before it either
         assert sorted(streamed.values()) == [1, 1, 1]
