@@ -11,7 +11,7 @@ attention, norms, rotary and the Python around them. A GGUF model on the fused C
 products, added to the linear layers; attention; the elementwise ops). ``--torch-profile N`` adds
 torch.profiler's N costliest ops (self CPU time) of the same run.
 
-    python benches/profile_step.py [--threads N] [--batch B] [--weight-dtype int8] [--torch-profile 25]
+    python benches/profile_step.py [--threads N] [--batch B] [--weight-dtype int8] [--torch-profile 25] [--decode-only]
 """
 
 from __future__ import annotations
@@ -91,6 +91,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES)
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N", help="print torch.profiler's top N ops")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="leave out the steps that compute prompt tokens (the prefill): a decode step's split")
     args = parser.parse_args()
     llm = LLM(model="smollm2-135m", max_model_len=512, cpu_threads=args.threads, max_num_seqs=args.batch,
               weight_dtype=args.weight_dtype)
@@ -99,10 +101,14 @@ def main() -> None:
     engine.scheduler = _TimedScheduler(engine.scheduler, acc)  # type: ignore[assignment]
     from_plan = StepInput.from_plan
 
+    prefill = [False]  # whether the step being timed computes prompt tokens
+
     def timed_from_plan(plan: Any) -> Any:
         start = time.perf_counter()
         try:
-            return from_plan(plan)
+            step = from_plan(plan)
+            prefill[0] = step.num_tokens != step.num_seqs
+            return step
         finally:
             acc["StepInput.from_plan"] += time.perf_counter() - start
 
@@ -121,6 +127,23 @@ def main() -> None:
     if fused is not None:
         fused.stack.reset_timings()
     _timed(engine, "step", "Engine.step (total)", acc)
+    left_out = [0.0, 0.0, 0.0]  # the fused stack's products, attention, elementwise of the steps left out
+    if args.decode_only:
+        timed_step = engine.step
+
+        def decode_step() -> Any:
+            before = dict(acc)
+            fused_before = fused.stack.timings()[:3] if fused is not None else (0.0, 0.0, 0.0)
+            out = timed_step()
+            if prefill[0]:  # a prompt's step: its time and its parts are not a decode step's
+                acc.clear()
+                acc.update(before)
+                if fused is not None:
+                    for i, (a, b) in enumerate(zip(fused.stack.timings()[:3], fused_before)):
+                        left_out[i] += a - b
+            return out
+
+        engine.step = decode_step  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     profiler = torch.profiler.profile() if args.torch_profile else contextlib.nullcontext()
     start = time.perf_counter()
@@ -130,11 +153,13 @@ def main() -> None:
     total = acc["Engine.step (total)"]
     if fused is not None:
         products, attention, elementwise, _ = fused.stack.timings()
-        acc[_LINEAR] += products
-        acc["  of which fused attention (Rust)"] = attention
-        acc["  of which fused norms, rotary, K/V writes (Rust)"] = elementwise
+        acc[_LINEAR] += products - left_out[0]
+        acc["  of which fused attention (Rust)"] = attention - left_out[1]
+        acc["  of which fused norms, rotary, K/V writes (Rust)"] = elementwise - left_out[2]
     print(f"batch {args.batch} x {args.tokens} tokens, {args.threads} threads: {wall:.2f} s wall, "
           f"{args.batch * args.tokens / wall:.1f} tokens/s")
+    if args.decode_only:
+        print("  (decode steps only: the steps that computed prompt tokens are left out of the parts below)")
     for key, seconds in sorted(acc.items(), key=lambda kv: -kv[1]):
         print(f"  {key:40s} {seconds:8.3f} s {seconds / total:7.1%}")
     weight_format = engine.loaded.weight_format
