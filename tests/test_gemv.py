@@ -159,10 +159,12 @@ def test_concurrent_callers_get_the_same_bits() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     mats = {}
-    for rows, cols, seed in ((16, 64, 1), (600, 576, 2), (1536, 576, 3)):  # 1 tile, many, many more
+    # 1 tile, many, many more; 3 activation rows, and 33 (AMX's groups of 16 where the CPU has them:
+    # each thread configures its own tile state)
+    for rows, cols, seed, m in ((16, 64, 1, 3), (600, 576, 2, 3), (1536, 576, 3, 3), (160, 576, 4, 33)):
         raw, _ = _gguf("q4_1", rows, cols, seed)
         mats[rows] = (_core.GgufMatrix(raw, rows, cols, "q4_1", f"t{rows}"),
-                      np.random.default_rng(seed).standard_normal((3, cols)).astype(np.float32))
+                      np.random.default_rng(seed).standard_normal((m, cols)).astype(np.float32))
     want = {r: mat.matmul(x, threads=1) for r, (mat, x) in mats.items()}
 
     def call(i: int) -> bool:
