@@ -23,7 +23,7 @@ def report() -> dict:
 
 def test_every_step_splits_into_ordered_parts_that_add_up_to_it(report: dict) -> None:
     assert report["depths"] == [1, 3]
-    for kind, depth, batch in itertools.product(("CUMULATIVE", "FINAL_ONLY"), ("1", "3"), ("1", "3")):
+    for kind, depth, batch in itertools.product(("CUMULATIVE", "DELTA", "FINAL_ONLY"), ("1", "3"), ("1", "3")):
         steps = report["steps"][kind][depth][batch]
         assert len(steps) == TINY.steps
         for s in steps:
@@ -35,7 +35,7 @@ def test_every_step_splits_into_ordered_parts_that_add_up_to_it(report: dict) ->
 
 def test_fixed_and_per_layer_parts_are_the_line_through_both_depths(report: dict) -> None:
     assert [(r["output_kind"], r["batch"]) for r in report["rows"]] == [
-        ("CUMULATIVE", 1), ("CUMULATIVE", 3), ("FINAL_ONLY", 1), ("FINAL_ONLY", 3)]
+        ("CUMULATIVE", 1), ("CUMULATIVE", 3), ("DELTA", 1), ("DELTA", 3), ("FINAL_ONLY", 1), ("FINAL_ONLY", 3)]
     for row in report["rows"]:
         names = {*PARTS, *DETAIL, "step", "core"}
         assert set(row["measured"]) == names | {f"cpu_{k}" for k in names}
@@ -48,6 +48,7 @@ def test_fixed_and_per_layer_parts_are_the_line_through_both_depths(report: dict
 def test_report_prints_its_machine_and_serializes(report: dict, tmp_path: Path) -> None:
     text = markdown(report, "the machine")
     assert "Machine: the machine" in text and "| 3 | FINAL_ONLY |" in text and "| 1 | CUMULATIVE |" in text
+    assert "| 3 | DELTA |" in text
     write_json(str(tmp_path / "o.json"), report)
     assert json.loads((tmp_path / "o.json").read_text())["spec"]["layers"] == 3
 

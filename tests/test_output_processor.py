@@ -112,3 +112,25 @@ def test_several_core_steps_in_one_call_make_one_output_whose_logprobs_match_its
     c = result.outputs[0]
     assert c.delta_token_ids == ids and c.token_ids == ids
     assert [next(iter(d)) for d in c.logprobs] == ids
+
+
+def test_positional_builders_match_the_field_order() -> None:
+    """The hot path builds CoreSampleOutput, CompletionOutput and RequestOutput positionally
+    (keywords cost a batch-256 step measurably): a field reordered or inserted must fail here,
+    not shift values into the wrong field silently."""
+    import dataclasses
+
+    from pagedrs.core.protocol import CoreOutput, CoreSampleOutput
+    from pagedrs.outputs import CompletionOutput, RequestOutput
+
+    def names(cls: type) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    assert names(CoreSampleOutput)[:6] == ["index", "new_token_ids", "logprobs", "top_logprobs",
+                                           "finish_reason", "stop_reason"]
+    assert names(CoreOutput)[:8] == ["request_id", "samples", "finished", "metrics", "error",
+                                     "num_cached_tokens", "cached_tokens_by_tier", "prompt_logprobs"]
+    assert names(CompletionOutput) == ["index", "text", "token_ids", "delta_text", "delta_token_ids",
+                                       "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "score"]
+    assert names(RequestOutput)[:10] == ["request_id", "prompt", "prompt_token_ids", "outputs", "finished", "error",
+                                         "metrics", "num_cached_tokens", "cached_tokens_by_tier", "prompt_logprobs"]

@@ -24,8 +24,9 @@ at the part boundaries of each ``Engine.step`` split it into parts that add up t
 - ``frontend``: the front end's ``OutputProcessor`` (``RequestOutput``; with a core in its own process,
   ``client="mp"``, this part runs beside the core's next step). ``core`` = the step without it.
 
-Each workload runs twice per batch size, once per ``SamplingParams.output_kind``: ``CUMULATIVE`` (a
-``RequestOutput`` per request per step, what a direct ``Engine.step`` user gets by default) and
+Each workload runs three times per batch size, once per ``SamplingParams.output_kind``: ``CUMULATIVE``
+(a ``RequestOutput`` per request per step, what a direct ``Engine.step`` user gets by default),
+``DELTA`` (one per request per step with only what is new: what the server asks for) and
 ``FINAL_ONLY`` (none until a request ends: what ``LLM.generate`` submits), so the ``frontend`` part
 shows what building the per-step outputs costs.
 
@@ -69,7 +70,8 @@ class OverheadSpec:
     steps: int = 20  # timed decode steps per batch size
     device: str = "cpu"
     block_size: int = 16
-    output_kinds: tuple[str, ...] = ("CUMULATIVE", "FINAL_ONLY")  # RequestOutputKind names, each run in turn
+    # RequestOutputKind names, each run in turn
+    output_kinds: tuple[str, ...] = ("CUMULATIVE", "DELTA", "FINAL_ONLY")
 
 
 # ---- the model -------------------------------------------------------------------------------
@@ -364,7 +366,8 @@ def markdown(data: dict[str, Any], machine: str) -> str:
         "appends, CoreOutputs; frontend = OutputProcessor (RequestOutputs); core = step - frontend.",
         f"fixed / per layer: a line through the step at {lo} and {hi} layers (fixed = extrapolated to 0 layers).",
         "output kind: SamplingParams.output_kind of the workload: CUMULATIVE = a RequestOutput per request per "
-        "step (Engine.step's default), FINAL_ONLY = none until a request ends (what LLM.generate submits).",
+        "step (Engine.step's default), DELTA = one per request per step with only the new tokens (what the server "
+        "asks for), FINAL_ONLY = none until a request ends (what LLM.generate submits).",
     ]
     table = ("Wall time:\n\n" + markdown_table(_flat_rows(data), _COLUMNS)
              + "\n\nCPU time of the stepping thread (a shared machine's waits for a core left out):\n\n"

@@ -51,14 +51,10 @@ class Sample:
     def take_output(self) -> CoreSampleOutput:
         """What is new since the previous output."""
         start, self.sent_tokens = self.sent_tokens, len(self.token_ids)
-        return CoreSampleOutput(
-            index=self.index,
-            new_token_ids=self.token_ids[start:],
-            logprobs=self.logprobs[start:],
-            top_logprobs=None if self.top_logprobs is None else self.top_logprobs[start:],
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
-        )
+        # positional, in CoreSampleOutput's field order (one per request per step: keywords cost)
+        return CoreSampleOutput(self.index, self.token_ids[start:], self.logprobs[start:],
+                                None if self.top_logprobs is None else self.top_logprobs[start:],
+                                self.finish_reason, self.stop_reason)
 
 
 @dataclass
@@ -140,6 +136,13 @@ class Request:
         finished = self.finished
         if not streams_tokens and not finished:
             return None
+        samples_held = self.samples
+        if (not finished and self._timed and len(samples_held) == 1 and self.prompt_logprobs is None
+                and self.ended is None):
+            # a running one-sample request past its first token (most of a decode batch): what the
+            # general path below builds for it, without its loops and checks
+            return CoreOutput(self.request_id, [samples_held[0].take_output()], False, None, self.error,
+                              self.num_cached_tokens, self.cached_tokens_by_tier, None)
         if self.hypotheses is not None:
             samples = [CoreSampleOutput(i, list(h.token_ids), finish_reason=h.finish_reason, stop_reason=h.stop_reason,
                                         cumulative_logprob=h.cumulative_logprob, score=h.score)
@@ -159,8 +162,9 @@ class Request:
         if finished or not self._timed:
             metrics = self.metrics
             self._timed = self.metrics.first_token_time is not None
+        prompt_logprobs = None if self.prompt_logprobs is None else self.take_prompt_logprobs()
         return CoreOutput(self.request_id, samples, finished, metrics, self.error, self.num_cached_tokens,
-                          self.cached_tokens_by_tier, self.take_prompt_logprobs())
+                          self.cached_tokens_by_tier, prompt_logprobs)
 
 
 @dataclass(frozen=True)

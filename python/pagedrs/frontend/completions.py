@@ -26,19 +26,15 @@ def cumulative_completions(samples: list[SampleText], longest_hold: int) -> list
     outs = []
     for s in samples:
         visible = max(len(s.text) - (0 if s.finish_reason is not None else longest_hold), s.sent_chars)  # visible_chars
+        text = s.text
+        # positional, in CompletionOutput's field order: index, text, token_ids, delta_text,
+        # delta_token_ids, finish_reason, stop_reason, logprobs (the sample's own growing list, not
+        # a copy: a copy per step is quadratic in the output length; a consumer that keeps it past
+        # the next step copies it), cumulative_logprob, score
         outs.append(CompletionOutput(
-            index=s.index,
-            text=s.text[:visible],
-            token_ids=list(s.token_ids),
-            delta_text=s.text[s.sent_chars : visible],
-            delta_token_ids=s.token_ids[s.sent_tokens :],
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-            # the sample's own growing list, not a copy (a copy per step is quadratic in
-            # the output length); a consumer that keeps it past the next step copies it
-            logprobs=s.logprobs,
-            cumulative_logprob=s.cumulative_logprob,
-            score=s.score,
+            s.index, text if visible == len(text) else text[:visible], list(s.token_ids),
+            text[s.sent_chars : visible], s.token_ids[s.sent_tokens :], s.finish_reason, s.stop_reason,
+            s.logprobs, s.cumulative_logprob, s.score,
         ))
         s.sent_tokens = len(s.token_ids)
         s.sent_chars = visible
@@ -56,17 +52,9 @@ def delta_completions(samples: list[SampleText], longest_hold: int) -> list[Comp
         if not new_ids and visible == s.sent_chars and (s.finish_reason is None or s.finish_sent):
             continue
         text = s.text[s.sent_chars : visible]
-        outs.append(CompletionOutput(
-            index=s.index,
-            text=text,
-            token_ids=new_ids,
-            delta_text=text,
-            delta_token_ids=new_ids,
-            finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason,
-            logprobs=None if s.logprobs is None else s.logprobs[s.sent_tokens :],
-            cumulative_logprob=s.cumulative_logprob,
-            score=s.score,
+        outs.append(CompletionOutput(  # positional, in the field order (see cumulative_completions)
+            s.index, text, new_ids, text, new_ids, s.finish_reason, s.stop_reason,
+            None if s.logprobs is None else s.logprobs[s.sent_tokens :], s.cumulative_logprob, s.score,
         ))
         s.sent_tokens = len(s.token_ids)
         s.sent_chars = visible

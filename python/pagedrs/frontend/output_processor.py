@@ -91,6 +91,8 @@ class RequestState:
     detokenize: bool = True  # SamplingParams.detokenize, and the tokenizer makes text (not skip_tokenizer_init)
     metrics_unsent: bool = False  # metrics came that no output carried yet
     prompt_logprobs_sent: bool = False  # DELTA: an output carried them (they go once)
+    beam: bool = False  # BeamSearchParams (asked per sample and step: a bool, not an isinstance)
+    longest_hold: int = 0  # characters held back while a sample runs: the longest stop string's, less one
 
     @property
     def finished(self) -> bool:
@@ -125,11 +127,14 @@ class OutputProcessor:
         arrival = queued_time if processed.arrival_time is None else min(processed.arrival_time, queued_time)
         shape = request_shape(params)
         kind = params.output_kind if isinstance(params, SamplingParams) else RequestOutputKind.FINAL_ONLY
+        stops = params.stop if isinstance(params, SamplingParams) else ()
         state = RequestState(processed.request_id, processed.prompt, processed.prompt_token_ids, params,
                              shape, [], RequestMetrics(arrival, queued_time),
                              delta=kind == RequestOutputKind.DELTA, streams=outputs_before_end(params),
                              detokenize=(isinstance(params, SamplingParams) and params.detokenize
-                                         and self.tokenizer.makes_text))
+                                         and self.tokenizer.makes_text),
+                             beam=isinstance(params, BeamSearchParams),
+                             longest_hold=max(map(len, stops)) - 1 if stops else 0)
         self._sample(state, 0)  # its detokenizer exists from the start
         self._requests[processed.request_id] = state
 
@@ -158,9 +163,14 @@ class OutputProcessor:
         of the output that carries them. A FINAL_ONLY request gets none until it ends; a DELTA
         request none in a call that brought it nothing new."""
         commands: list[Command] = []
-        touched: dict[str, RequestState] = {}  # request id -> state, in the order the core sent them
+        # request id -> (state, finished), in the order the core sent them; a later output of the
+        # same request (a client in another process delivers several steps at once) replaces it
+        touched: dict[str, tuple[RequestState, bool]] = {}
+        requests = self._requests
+        take = self._take
         for out in outputs:
-            state = self._requests.get(out.request_id)
+            request_id = out.request_id
+            state = requests.get(request_id)
             if state is None:
                 continue  # aborted or failed here; the core has been told
             if out.metrics is not None:
@@ -173,25 +183,27 @@ class OutputProcessor:
                 state.prompt_logprobs = out.prompt_logprobs
             try:
                 for c in out.samples:
-                    self._take(state, c, commands)
+                    take(state, c, commands)
             except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer: this request fails, the others go on
                 state.error = state.error or f"{type(exc).__name__}: {exc}"
                 self._end(state, "error")
-                commands.append(Abort(state.request_id))
+                commands.append(Abort(request_id))
             if out.error is not None:
                 state.error = state.error or out.error
                 self._end(state, "error")
-            touched[out.request_id] = state
-            if state.finished:
-                del self._requests[out.request_id]
+            finished = state.finished
+            touched[request_id] = (state, finished)
+            if finished:
+                del requests[request_id]
                 # best_of > n; a beam search's hypotheses come ranked by score (length-penalized) already
                 if (state.ended is None and state.shape.num_outputs < state.shape.num_samples
-                        and isinstance(state.params, SamplingParams)):
+                        and not state.beam):
                     _rank_by_cumulative_logprob(state)
         results = []
-        for state in touched.values():
-            if state.streams or state.finished:  # beam search, best_of > n, FINAL_ONLY: the final output only
-                result = self._output(state)
+        output = self._output
+        for state, finished in touched.values():
+            if state.streams or finished:  # beam search, best_of > n, FINAL_ONLY: the final output only
+                result = output(state, finished=finished)
                 if result is not None:
                     results.append(result)
         return results, commands
@@ -210,19 +222,31 @@ class OutputProcessor:
         return state.samples[index]
 
     def _take(self, state: RequestState, c: CoreSampleOutput, commands: list[Command]) -> None:
-        s = self._sample(state, c.index)
-        if s.finished:
+        samples = state.samples
+        s = samples[c.index] if c.index < len(samples) else self._sample(state, c.index)
+        if s.finish_reason is not None:
             return  # a stop string ended it here; the core computed on before it heard
         params = state.params
-        if isinstance(params, BeamSearchParams):
+        if state.beam:
+            assert isinstance(params, BeamSearchParams)
             self._take_hypothesis(s, c, params)
             return
         if s.deferred:
             self._take_deferred(s, c)
             return
+        assert isinstance(params, SamplingParams)
+        new_ids = c.new_token_ids
+        if len(new_ids) == 1 and not state.detokenize and c.top_logprobs is None:
+            # a decode step's one token with no text to make (skip_tokenizer_init, detokenize=False):
+            # what the loop below does for it (no text: no flush, no stop string), without the loop
+            s.token_ids.append(new_ids[0])
+            s.cumulative_logprob = (s.cumulative_logprob or 0.0) + c.logprobs[0]
+            if c.finish_reason is not None:
+                s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+            return
         stopped_by_text = False
-        last = len(c.new_token_ids) - 1
-        for i, token in enumerate(c.new_token_ids):
+        last = len(new_ids) - 1
+        for i, token in enumerate(new_ids):
             reason = c.finish_reason if i == last else None
             s.token_ids.append(token)
             s.cumulative_logprob = (s.cumulative_logprob or 0.0) + c.logprobs[i]  # always: best_of ranks by it
@@ -291,15 +315,17 @@ class OutputProcessor:
             self._sample(state, index).finish_reason = reason
         state.ended = state.ended or reason
 
-    def _output(self, state: RequestState, with_metrics: Optional[bool] = None) -> Optional[RequestOutput]:
+    def _output(self, state: RequestState, with_metrics: Optional[bool] = None,
+                finished: Optional[bool] = None) -> Optional[RequestOutput]:
         """The output since the previous one (CUMULATIVE, FINAL_ONLY: cumulative fields plus deltas;
         DELTA: the deltas only, None when there are none); the metrics when no output carried them
-        yet (a client in another process sends them once, with the first token)."""
-        finished = state.finished
+        yet (a client in another process sends them once, with the first token). ``finished``:
+        ``state.finished`` when the caller knows it."""
+        if finished is None:
+            finished = state.finished
         delta = state.delta
-        stops = state.params.stop if isinstance(state.params, SamplingParams) else ()
         # Hold back text that might still turn out to be the start of a stop string.
-        longest_hold = max(map(len, stops)) - 1 if stops else 0
+        longest_hold = state.longest_hold
         samples = state.samples[: state.shape.num_outputs] if finished else state.samples
         outs = delta_completions(samples, longest_hold) if delta else cumulative_completions(samples, longest_hold)
         if delta and not outs:
@@ -314,18 +340,9 @@ class OutputProcessor:
         if delta and prompt_logprobs is not None:  # vLLM's DELTA: they go once
             prompt_logprobs = None if state.prompt_logprobs_sent else prompt_logprobs
             state.prompt_logprobs_sent = True
-        return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=outs,
-            finished=finished,
-            error=state.error,
-            metrics=metrics,
-            num_cached_tokens=state.num_cached_tokens,
-            cached_tokens_by_tier=state.cached_tokens_by_tier,
-            prompt_logprobs=prompt_logprobs,
-        )
+        # positional, in RequestOutput's field order (keywords cost a batch of 256 a tenth of this call)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, state.error,
+                             metrics, state.num_cached_tokens, state.cached_tokens_by_tier, prompt_logprobs)
 
 
 def _detok(s: SampleText) -> IncrementalDetokenizer:
