@@ -11,6 +11,7 @@ in ``tests/test_quant.py`` (what runs there is this path).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,6 +244,7 @@ def test_a_stack_whose_weights_do_not_fit_its_geometry_is_refused_naming_the_lay
         "down": ([], r"down: has 0 entries; qkv has 1"),
         "kv_heads": (3, "heads: 4 query heads, 3 kv heads"),
         "eps": (float("nan"), "eps: eps NaN"),
+        "final_norm": (norm[:5].copy(), r"final_norm: has 5 values; the geometry needs 64"),
     }
     for field, (value, message) in bad.items():
         with pytest.raises(ValueError, match=message):
@@ -251,6 +253,48 @@ def test_a_stack_whose_weights_do_not_fit_its_geometry_is_refused_naming_the_lay
         nan = norm.copy()
         nan[1] = float("nan")
         DecodeStack(**{**kw, "input_norms": [nan]})
+    with pytest.raises(ValueError, match=r"final_norm: value 2 is inf"):
+        inf = norm.copy()
+        inf[2] = float("inf")
+        DecodeStack(**{**kw, "final_norm": inf})
+    assert not DecodeStack(**kw).has_final_norm and DecodeStack(**{**kw, "final_norm": norm}).has_final_norm
+
+
+def test_the_stack_applies_the_final_norm_it_holds(tiny_gguf):
+    """A model's stack holds its final norm: the stack's rows are the torch norm of what a stack
+    without it returns (to float rounding: the Rust norm sums in its own order)."""
+    from pagedrs._core import DecodeStack
+
+    model = tiny_gguf.model
+    fused = model.fused_cpu_decode
+    assert fused is not None and fused.stack.has_final_norm
+    layers = list(model.model.layers)
+    c = model.config
+
+    def f32(t):
+        return np.ascontiguousarray(t.detach().float().numpy())
+
+    kw = dict(input_norms=[f32(x.input_layernorm.weight) for x in layers],
+              post_norms=[f32(x.post_attention_layernorm.weight) for x in layers],
+              qkv=[x.self_attn.qkv_proj.gguf_matrix for x in layers], qkv_bias=[None] * len(layers),
+              o=[x.self_attn.o_proj.gguf_matrix for x in layers], gate_up=[x.mlp.gate_up_proj.gguf_matrix for x in layers],
+              down=[x.mlp.down_proj.gguf_matrix for x in layers], sliding_windows=[None] * len(layers),
+              hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+              intermediate=c.intermediate_size, eps=c.rms_norm_eps, scale=c.head_dim**-0.5)
+    norm = model.model.norm
+    outs = {}
+    for with_norm in (False, True):
+        stack = DecodeStack(**kw, **({"final_norm": f32(norm.weight)} if with_norm else {}))
+        kv = np.zeros((len(layers), 2, 4, 16, c.num_key_value_heads, c.head_dim), dtype=np.float32)
+        rng = np.random.default_rng(0)
+        h = rng.standard_normal((3, c.hidden_size)).astype(np.float32)
+        cs = model.rotary.cos_sin_rows(torch.arange(3)).numpy()
+        outs[with_norm] = stack.forward(h, cs, kv, np.arange(3, dtype=np.int64), np.array([0, 3], dtype=np.int32),
+                                        np.array([3], dtype=np.int32), np.zeros((1, 1), dtype=np.int32))
+    want = torch.rms_norm(torch.from_numpy(outs[False]), (c.hidden_size,), norm.weight.float(), norm.eps)
+    got = torch.from_numpy(outs[True])
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert (got - torch.from_numpy(outs[False])).abs().max() > 1e-2  # the norm took effect
 
 
 def test_a_step_that_fails_after_the_stack_wrote_its_pages_caches_none_of_them(gguf, token_prompts, monkeypatch):

@@ -324,7 +324,7 @@ class LlamaForCausalLM(nn.Module):
         norm = self.model.norm
         fused = self.fused_cpu_decode
         if fused is not None and fused.runs(kv_cache, backend):
-            return rms_norm(fused.forward(h, positions, kv_cache, meta), norm.weight, norm.eps)
+            return fused.forward(h, positions, kv_cache, meta)  # normed by the stack
         cos, sin = self.rotary(positions, h.dtype)  # once per step, shared by every layer
         residual: torch.Tensor | None = None
         caches = self.kv_layer_views(kv_cache) if isinstance(kv_cache, torch.Tensor) else kv_cache

@@ -40,7 +40,7 @@ impl PyDecodeStack {
     /// One entry per layer in each list; the matrices are shared, not copied.
     #[new]
     #[pyo3(signature = (*, input_norms, post_norms, qkv, qkv_bias, o, gate_up, down, sliding_windows, hidden, heads,
-                        kv_heads, head_dim, intermediate, eps, scale))]
+                        kv_heads, head_dim, intermediate, eps, scale, final_norm = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norms: Vec<PyReadonlyArray1<'_, f32>>,
@@ -58,6 +58,7 @@ impl PyDecodeStack {
         intermediate: usize,
         eps: f32,
         scale: f32,
+        final_norm: Option<PyReadonlyArray1<'_, f32>>,
     ) -> PyResult<Self> {
         let n = qkv.len();
         let lens = [("input_norms", input_norms.len()), ("post_norms", post_norms.len()), ("qkv_bias", qkv_bias.len()),
@@ -82,12 +83,22 @@ impl PyDecodeStack {
             });
         }
         let geo = StackGeometry { hidden, heads, kv_heads, head_dim, intermediate, eps, scale };
-        Ok(PyDecodeStack { inner: DecodeStack::new(geo, layers).map_err(value_err)? })
+        let mut inner = DecodeStack::new(geo, layers).map_err(value_err)?;
+        if let Some(norm) = &final_norm {
+            inner = inner.with_final_norm(vector(norm, "final_norm")?).map_err(value_err)?;
+        }
+        Ok(PyDecodeStack { inner })
     }
 
     #[getter]
     fn num_layers(&self) -> usize {
         self.inner.num_layers()
+    }
+
+    /// Whether `forward` returns the rows after the model's final norm.
+    #[getter]
+    fn has_final_norm(&self) -> bool {
+        self.inner.has_final_norm()
     }
 
     /// Seconds spent since the last `reset_timings` in the GEMV products, attention and the
@@ -101,7 +112,8 @@ impl PyDecodeStack {
         self.inner.timings.reset();
     }
 
-    /// `residual + h` after the last layer, float32 `[T, hidden]`; writes the step's K/V into
+    /// `residual + h` after the last layer (normed by the final norm when the stack has it), float32
+    /// `[T, hidden]`; writes the step's K/V into
     /// `kv_cache` (float32 `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`).
     /// `kernel` None picks the fastest GEMV this CPU runs.
     #[pyo3(signature = (hidden, cos_sin, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, threads = 1,
