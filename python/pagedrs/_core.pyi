@@ -399,9 +399,13 @@ class DecodeStack:
         intermediate: int,
         eps: float,
         scale: float,
-    ) -> None: ...
+        final_norm: npt.NDArray[np.float32] | None = None,
+    ) -> None:
+        """``final_norm``: the model's final norm weights; ``forward`` then returns the normed rows."""
     @property
     def num_layers(self) -> int: ...
+    @property
+    def has_final_norm(self) -> bool: ...
     def timings(self) -> tuple[float, float, float, int]:
         """Seconds in (GEMV products, attention, elementwise ops) and steps run since ``reset_timings``."""
     def reset_timings(self) -> None: ...
