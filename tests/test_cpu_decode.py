@@ -306,16 +306,16 @@ def test_a_step_that_fails_after_the_stack_wrote_its_pages_caches_none_of_them(g
     engine = Engine(EngineArgs(model="smollm2-135m", weight_dtype="gguf", block_size=BLOCK, num_gpu_blocks=32,
                                swap_space_gb=0.001, max_model_len=128, enable_prefix_caching=True))
     fused = engine.loaded.model.fused_cpu_decode
-    real, calls = fused.forward, {"n": 0}
+    real, calls = fused.run_stack, {"n": 0}
 
-    def forward(*args):
+    def run_stack(*args):
         out = real(*args)  # the pages are written
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected: failed after the fused layers")
         return out
 
-    monkeypatch.setattr(fused, "forward", forward)
+    monkeypatch.setattr(fused, "run_stack", run_stack)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     done = {}
     for rid in ("a", "b"):
@@ -329,3 +329,54 @@ def test_a_step_that_fails_after_the_stack_wrote_its_pages_caches_none_of_them(g
     stats = engine.stats()
     assert (stats["prefix_hits"], stats["num_failed_steps"]) == (0, 1)
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+
+
+def test_the_runner_hands_the_stack_the_step_arrays_with_the_model_paths_bits(tiny_gguf, monkeypatch):
+    """The runner's direct path (``step_hidden``: embeddings and rotary rows by NumPy ``take``, no
+    metadata) gives the bits of the model's path (``F.embedding``, torch rotary rows, metadata),
+    logits and pages, on a prefill and on a mixed step with prompt rows."""
+    model = tiny_gguf.model
+    prompts = [list(range(3, 3 + n)) for n in (5, 20, 9, 30)]
+    calls = {"direct": 0}
+    real = model.step_hidden
+
+    def counted(*args):
+        out = real(*args)
+        calls["direct"] += out is not None
+        return out
+
+    logits, caches = {}, {}
+    for direct in (True, False):
+        monkeypatch.setattr(model, "step_hidden", counted if direct else (lambda *args: None))
+        r = runner(tiny_gguf)
+        first, second = mixed_steps(prompts, seed=5)
+        logits[direct] = torch.cat([r.execute(first), r.execute(second)])
+        caches[direct] = r.kv_cache.clone()
+    assert calls["direct"] == 2
+    assert torch.equal(logits[True], logits[False])
+    assert torch.equal(caches[True], caches[False]) and (caches[True] != 0).any()
+
+
+def test_a_token_outside_the_vocabulary_is_refused_before_a_page_is_written(tiny_gguf):
+    from pagedrs.step_input import StepInput
+
+    r = runner(tiny_gguf)
+    vocab = tiny_gguf.model.config.vocab_size
+    pool = BlockPool(48, 2)
+    step = build_step([PagedSeq([3, 4, 5])], [3], BLOCK, pool)
+    for bad in (vocab, -1, 2**40):
+        ids = step.input_ids.copy()
+        ids[1] = bad
+        with pytest.raises(ValueError, match=rf"input_ids: token {bad} is outside the vocabulary; allowed 0 to {vocab - 1}"):
+            r.execute(StepInput(**{**step.__dict__, "input_ids": ids}))
+        assert not (r.kv_cache != 0).any()
+
+
+def test_numpy_rotary_rows_equal_the_torch_rows_inside_and_past_the_table(tiny_gguf):
+    rotary = tiny_gguf.model.rotary
+    for positions in ([0, 5, 17], [rotary.table_positions - 1, rotary.table_positions + 3], [2]):
+        p = np.array(positions, dtype=np.int64)
+        want = rotary.cos_sin_rows(torch.from_numpy(p)).numpy()
+        for _ in range(2):  # the first call may build the table
+            got = rotary.cos_sin_rows_np(p)
+            assert got.dtype == np.float32 and got.flags.c_contiguous and np.array_equal(got, want)

@@ -100,18 +100,24 @@ class ModelRunner:
             if graphs is not None and size in graphs.sizes:
                 return graphs.replay(padded)[: padded.num_real].clone()  # the graph's buffer is reused
             return self.padded_forward(padded)[: padded.num_real]
-        meta = self.build_metadata(step)
-        # The attention plan of the step, once, before any layer reads it (not inside forward).
-        if self.model.uses_attention_backend(self.kv_views, self.backend):
-            self.backend.plan(meta, self.block_size, self.model.heads_per_rank, self.model.kv_heads_per_rank)
-        input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
-        positions = torch.from_numpy(step.positions).long().to(self.device)
-        hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)
+        # the fused CPU decode takes the step's arrays as they are (no metadata, no torch op before the head)
+        direct = self.model.step_hidden(step, self.kv_views, self.backend)
+        if direct is not None:
+            hidden = direct
+            last = torch.from_numpy(step.query_start_loc[1:].astype(np.int64) - 1)
+        else:
+            meta = self.build_metadata(step)
+            # The attention plan of the step, once, before any layer reads it (not inside forward).
+            if self.model.uses_attention_backend(self.kv_views, self.backend):
+                self.backend.plan(meta, self.block_size, self.model.heads_per_rank, self.model.kv_heads_per_rank)
+            input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
+            positions = torch.from_numpy(step.positions).long().to(self.device)
+            hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)
+            last = meta.query_start_loc[1:].long() - 1
         if not compute_logits:
             return hidden.new_empty((0, vocab))
         if step.num_tokens == step.num_seqs:  # decode only: every token is its sequence's last
             return self.model.compute_logits(hidden)
-        last = meta.query_start_loc[1:].long() - 1
         if len(step.logit_rows):  # prompt_logprobs: those prompt rows too, after the last rows
             last = torch.cat([last, torch.from_numpy(step.logit_rows).long().to(self.device)])
         return self.model.compute_logits(hidden[last])

@@ -34,6 +34,7 @@ from pagedrs.models.layers import LinearBase
 if TYPE_CHECKING:
     from pagedrs._core import DecodeStack
     from pagedrs.models.llama import DecoderLayer, LlamaForCausalLM
+    from pagedrs.step_input import StepInput
 
 
 class FusedCpuDecode:
@@ -44,6 +45,10 @@ class FusedCpuDecode:
         self._method = threads_of  # one layer's method: hand_cpu_threads_to_gemv sets the same count on every layer
         self._rotary = model.rotary
         self._layers = model.config.num_hidden_layers
+        embed = model.model.embed_tokens.weight
+        # a NumPy view of the embedding table (no copy) for decode_step; the stack is rebuilt with
+        # the model's other records when its parameters are replaced (LlamaForCausalLM.bind)
+        self._embed: np.ndarray | None = embed.detach().numpy() if embed.dtype == torch.float32 else None
         self.enabled = True  # False: every step takes the torch ops (tests compare the two)
 
     @staticmethod
@@ -96,15 +101,39 @@ class FusedCpuDecode:
                 kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> torch.Tensor:
         """The last layer's ``residual + h`` after the model's final norm [T, hidden] (what the head
-        reads); writes the K/V."""
+        reads); writes the K/V. The model's path (``LlamaForCausalLM.forward``)."""
+        out = self.run_stack(h.numpy(), self._rotary.cos_sin_rows(positions).numpy(), kv_cache,
+                             meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
+                             meta.block_tables.numpy())
+        return torch.from_numpy(out)
+
+    def decode_step(self, step: StepInput,
+                    kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+        """``forward`` of a whole step straight from its arrays (the runner's path): the embeddings and
+        the rotary rows by NumPy ``take`` (the same values as ``F.embedding`` and ``cos_sin_rows``), no
+        attention metadata, no torch op before the head. Why: after the stack has streamed the weights
+        each torch op runs cold (a one-row ``rms_norm`` 30-87 us against 4 warm), and a batch-1 step
+        made about ten of them around the stack. The stack checks the step's layout itself before it
+        writes a page. None when the embedding table is not float32 (the model's path then runs)."""
+        table = self._embed
+        if table is None:
+            return None
+        ids = step.input_ids
+        if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ValueError(f"input_ids: token {bad} is outside the vocabulary; allowed 0 to {table.shape[0] - 1}")
+        out = self.run_stack(table.take(ids, axis=0), self._rotary.cos_sin_rows_np(step.positions), kv_cache,
+                             step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_tables)
+        return torch.from_numpy(out)
+
+    def run_stack(self, h: np.ndarray, cos_sin: np.ndarray,
+                  kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], slot_mapping: np.ndarray,
+                  query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
+        """The Rust stack over one step (it writes the step's K/V into the cache): float32 [T, hidden]."""
         cache = _whole_cache(kv_cache, self._layers)
         threads = self._method.threads or torch.get_num_threads()
-        out = self.stack.forward(
-            h.numpy(), self._rotary.cos_sin_rows(positions).numpy(), cache.numpy(),
-            meta.slot_mapping.numpy(), meta.query_start_loc.numpy(), meta.seq_lens.numpy(),
-            meta.block_tables.numpy(), threads,
-        )
-        return torch.from_numpy(out)
+        return self.stack.forward(h, cos_sin, cache.numpy(), slot_mapping, query_start_loc, seq_lens, block_tables,
+                                  threads)
 
 
 def _on_kernel(layer: LinearBase) -> bool:

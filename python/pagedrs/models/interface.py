@@ -8,11 +8,14 @@ sizes the pools by ``kv_heads_per_rank`` (a tensor-parallel rank stores only its
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedrs.step_input import StepInput
 
 
 class KvModel(Protocol):
@@ -39,6 +42,13 @@ class KvModel(Protocol):
     def uses_attention_backend(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
                                backend: AttentionBackend) -> bool:
         """Whether a step over ``kv_cache`` attends through ``backend`` (else the runner skips its plan)."""
+        ...
+
+    def step_hidden(self, step: StepInput, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    backend: AttentionBackend) -> torch.Tensor | None:
+        """The final hidden states [T, hidden] (normed) of ``step`` straight from its arrays, where the
+        model has such a path for it (the fused CPU decode); None: the runner builds the metadata
+        and calls the model."""
         ...
 
     def __call__(

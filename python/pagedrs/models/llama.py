@@ -18,6 +18,7 @@ last ``sliding_window`` positions, as transformers does.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,9 @@ from pagedrs.models.layers import (
 )
 from pagedrs.models.quant import WeightFormat
 from pagedrs.models.rotary import Rotary, apply_rotary_
+
+if TYPE_CHECKING:
+    from pagedrs.step_input import StepInput
 
 
 class RMSNorm(nn.Module):
@@ -308,6 +312,14 @@ class LlamaForCausalLM(nn.Module):
         """False when the fused CPU decode runs the step (it attends itself: the runner need not plan)."""
         fused = self.fused_cpu_decode
         return fused is None or not fused.runs(kv_cache, backend)
+
+    def step_hidden(self, step: StepInput, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    backend: AttentionBackend) -> torch.Tensor | None:
+        """``FusedCpuDecode.decode_step`` where the fused CPU decode runs this step, else None."""
+        fused = self.fused_cpu_decode
+        if fused is None or not fused.runs(kv_cache, backend):
+            return None
+        return fused.decode_step(step, kv_cache)
 
     def forward(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -55,6 +56,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.table_positions = min(config.max_position_embeddings, self.TABLE_POSITIONS)
         self._table: torch.Tensor | None = None  # float32 [table_positions, 2, head_dim / 2]: cos, sin
+        self._table_np: np.ndarray | None = None  # the same table as a NumPy view (cos_sin_rows_np)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, head_dim / 2]: one half, since rotate-half uses the same angle in both."""
@@ -73,6 +75,18 @@ class Rotary(nn.Module):
         if cos_sin is None:
             cos_sin = torch.stack(self._cos_sin(positions), dim=1)
         return cos_sin.contiguous()
+
+    def cos_sin_rows_np(self, positions: np.ndarray) -> np.ndarray:
+        """``cos_sin_rows`` of int64 NumPy positions, as NumPy: one ``take`` from the same table (the
+        same values), for the fused CPU decode's step, where each torch op runs cold after the Rust
+        stack has streamed the weights. Positions past the table (or below 0) take ``cos_sin_rows``."""
+        table = self._table_np
+        if table is not None and positions.size and positions.min() >= 0 and positions.max() < table.shape[0]:
+            return table.take(positions, axis=0)
+        rows = self.cos_sin_rows(torch.from_numpy(positions)).numpy()
+        if self._table is not None and self._table.device.type == "cpu":
+            self._table_np = self._table.numpy()  # built by that call, on the CPU
+        return rows
 
     def _from_table(self, positions: torch.Tensor) -> torch.Tensor | None:
         """The table's float32 rows [T, 2, d/2] (cos, sin) for ``positions`` on the CPU; None elsewhere
