@@ -97,13 +97,24 @@ def test_sampled_fast_rows_follow_their_settings(tiny_llama_dir):
         assert got[rid][0][1] == pytest.approx(greedy[rid][0][1], abs=1e-5)
 
 
-def test_chosen_logprobs_equal_the_log_softmax():
-    from pagedrs.sampling import chosen_logprobs
+def test_chosen_logprobs_are_the_token_less_the_rows_logsumexp():
+    """On the CPU: ``x[t] - logsumexp(x)`` with the Rust log-sum-exp, exactly; within float32
+    rounding of torch's log_softmax entry (what the CPU reported before) and of float64."""
+    from pagedrs.sampling import chosen_logprobs, cpu_logits_stats
 
     x = torch.randn(6, 300) * 4
-    t = x.argmax(-1)
+    t = torch.tensor([0, 5, 299, 17, 17, 100])
     chosen, full = chosen_logprobs(x, t)
-    assert full is not None and torch.equal(chosen, torch.log_softmax(x, -1).gather(1, t[:, None])[:, 0])
+    stats = cpu_logits_stats(x)
+    assert full is None and stats is not None
+    assert (stats[0] == x.argmax(-1).numpy()).all()
+    assert torch.equal(chosen, x.gather(1, t[:, None])[:, 0] - torch.from_numpy(stats[1]))
+    assert torch.allclose(chosen, torch.log_softmax(x, -1).gather(1, t[:, None])[:, 0], atol=2e-5, rtol=0)
+    want = torch.log_softmax(x.double(), -1).gather(1, t[:, None])[:, 0]
+    assert (chosen.double() - want).abs().max() <= 2e-5
+    # rows that are not float32 on the CPU take torch's logsumexp
+    chosen64, _ = chosen_logprobs(x.double(), t)
+    assert chosen64.dtype == torch.float64 and (chosen64 - want).abs().max() <= 1e-12
 
 
 @pytest.mark.parametrize("case", ["random", "ties", "-inf", "nan", "one row", "whole vocab equal"])

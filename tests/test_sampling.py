@@ -129,7 +129,7 @@ def test_argmax_rows_is_torch_argmax_with_ties_nan_and_infinities():
 
 def test_greedy_batch_equals_the_reference_path_with_logprobs_penalties_and_seeds():
     """Greedy rows take the argmax of the raw logits (or of the penalized ones) and report the
-    raw log-softmax, whatever the other rows of the batch ask for."""
+    raw log-probability, whatever the other rows of the batch ask for."""
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(5, 1000, generator=gen) * 3
     before = logits.clone()
@@ -152,10 +152,13 @@ def test_greedy_batch_equals_the_reference_path_with_logprobs_penalties_and_seed
     expected = [int(top[0]), int(top[1]), int(penalized[2].argmax()), int(penalized[3].argmax())]
     assert [r.token_id for r in results[:4]] == expected
     assert expected[2] != top[2] and expected[3] != top[3]
-    assert [r.logprob for r in results[:4]] == [raw[i, t].item() for i, t in enumerate(expected)]
+    # x[t] - logsumexp(x) (sampling.chosen_logprobs): the log-softmax entry to float32 rounding
+    assert [r.logprob for r in results[:4]] == pytest.approx([raw[i, t].item() for i, t in enumerate(expected)],
+                                                               abs=2e-5, rel=0)
     top3 = raw[1].topk(3)
     want = dict(zip(top3.indices.tolist(), top3.values.tolist(), strict=True))
-    assert results[1].top_logprobs == {**want, expected[1]: raw[1, expected[1]].item()}
+    # the alternatives are the log-softmax's; the chosen token's entry is its reported logprob
+    assert results[1].top_logprobs == {**want, expected[1]: results[1].logprob}
     assert results[0].top_logprobs is None
     # the seeded row draws what it draws alone
     alone = sample(logits[4:].clone(), [_row(SamplingParams(temperature=0.8, seed=7))])
@@ -226,3 +229,22 @@ def test_sampling_params_normalizes_stop():
     assert SamplingParams().stop == []
     assert SamplingParams(top_k=-1).top_k == -1
     assert math.isclose(SamplingParams(temperature=0).temperature, 0.0)
+
+
+def test_logits_row_stats_refuses_what_it_cannot_read_naming_logits():
+    import numpy as np
+
+    from pagedrs._core import logits_row_stats
+
+    with pytest.raises(ValueError, match="logits: must be a C-contiguous array"):
+        logits_row_stats(np.zeros((3, 4), dtype=np.float32)[:, ::2])
+    with pytest.raises(ValueError, match=r'"logits": has 0 values; need whole rows of 0 >= 1'):
+        logits_row_stats(np.zeros((2, 0), dtype=np.float32))
+    with pytest.raises(ValueError, match="threads is 0; allowed: 1 to 1024"):
+        logits_row_stats(np.zeros((1, 5), dtype=np.float32), 0)
+    with pytest.raises(TypeError, match="logits"):
+        logits_row_stats(np.zeros((2, 3), dtype=np.float64))
+    ids, lse = logits_row_stats(np.zeros((0, 5), dtype=np.float32))
+    assert ids.shape == lse.shape == (0,)
+    ids, lse = logits_row_stats(np.zeros((2, 5), dtype=np.float32), 2)
+    assert ids.tolist() == [0, 0] and lse == pytest.approx([np.log(5.0)] * 2, rel=1e-6)

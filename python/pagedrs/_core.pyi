@@ -376,6 +376,13 @@ class GgufMatrix:
     def matmul(self, x: object, threads: int = 1, kernel: str | None = None) -> npt.NDArray[np.float32]:
         """``x @ W.T`` [M, rows] for a float32 [M, cols] array or CPU tensor; ``kernel`` None = the fastest."""
 
+def logits_row_stats(
+    logits: npt.NDArray[np.float32], threads: int = 1
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """Each row's argmax (the first maximal index, NaN maximal) and log-sum-exp (``torch.logsumexp``'s
+    special values) of float32 logits ``[rows, vocab]``; ValueError names ``logits`` when it is not
+    C-contiguous or its rows are empty."""
+
 class DecodeStack:
     """Every decoder layer of a GGUF model (``GgufMatrix`` products, float32 norms) run in one call on
     the CPU: norms, rotary, K/V writes, paged attention over the pages in place. Each row is computed

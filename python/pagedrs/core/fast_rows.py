@@ -135,12 +135,16 @@ def draw(logits: torch.Tensor, fast: FastStep) -> tuple[list[int], list[float]]:
 
 
 def _greedy_on_cpu(raw: torch.Tensor) -> tuple[list[int], list[float]]:
-    """``draw`` of all-greedy rows on the CPU in NumPy: the same argmax (``sampling.argmax_rows``'
-    NumPy argmax) and the same log-probability (an entry of the same ``log_softmax``), with one torch
-    op instead of six (each ~5-10 us of dispatch in a step: a fifth of a batch-32 step's sampling)."""
-    token_ids = raw.detach().numpy().argmax(axis=-1)
-    full = torch.log_softmax(raw, dim=-1).numpy()
-    return token_ids.tolist(), full[np.arange(token_ids.shape[0]), token_ids].tolist()
+    """``draw`` of all-greedy rows on the CPU from one Rust call (``sampling.cpu_logits_stats``):
+    the same argmax as ``sampling.argmax_rows`` (first maximal index, NaN maximal) and the same
+    log-probability as ``sampling.chosen_logprobs`` (``x[t] - logsumexp(x)`` with the same
+    log-sum-exp, the same float32 subtraction), with no torch op (each ran cold here after the
+    model: numpy's argmax and torch's log_softmax took ~100 us a batch-1 step)."""
+    stats = sampling.cpu_logits_stats(raw)
+    assert stats is not None  # draw checked: float32, 2-D, on the CPU, a vocabulary
+    token_ids, lse = stats
+    x = raw.detach().numpy()
+    return token_ids.tolist(), (x[np.arange(token_ids.shape[0]), token_ids] - lse).tolist()
 
 
 def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[float],

@@ -38,6 +38,8 @@ pub trait Lanes {
     fn softmax_weights(s: &mut [f32], max: f32) -> f32;
     /// `out[i] = sum over k in order of p[k] * V[k][i]` (fused), starting from 0.
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]);
+    /// `softmax_weights`' sum without writing the weights: `sum(exp(s[k] - max))`, the same bits.
+    fn sum_exp(s: &[f32], max: f32) -> f32;
     /// SwiGLU of each fused `[gate | up]` row (`2 * inter` wide) into its `out` row: `silu(g) * u`.
     fn silu_mul(gate_up: &[f32], inter: usize, out: &mut [f32]);
 }
@@ -145,6 +147,21 @@ impl Lanes for Portable {
         sum
     }
     #[inline(always)]
+    fn sum_exp(s: &[f32], max: f32) -> f32 {
+        let n = s.len() / LANES * LANES;
+        let mut acc = [0f32; LANES];
+        for c in s[..n].chunks_exact(LANES) {
+            for i in 0..LANES {
+                acc[i] += exp(c[i] - max);
+            }
+        }
+        let mut sum = ops::reduce(acc);
+        for &x in &s[n..] {
+            sum += exp(x - max);
+        }
+        sum
+    }
+    #[inline(always)]
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
         let d = out.len();
         out.fill(0.0);
@@ -182,6 +199,11 @@ impl Lanes for Avx2 {
     fn softmax_weights(s: &mut [f32], max: f32) -> f32 {
         // SAFETY: as above.
         unsafe { avx2::softmax_weights(s, max) }
+    }
+    #[inline(always)]
+    fn sum_exp(s: &[f32], max: f32) -> f32 {
+        // SAFETY: see the type's docs (AVX2 and FMA were detected).
+        unsafe { avx2::sum_exp(s, max) }
     }
     #[inline(always)]
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
@@ -238,7 +260,11 @@ mod tests {
                 // weights far below the maximum too (down to exp's zero)
                 a.iter_mut().enumerate().for_each(|(k, s)| *s -= (k % 4) as f32 * 30.0);
                 b.clone_from(&a);
-                assert_eq!(Avx2::softmax_weights(&mut a, max), Portable::softmax_weights(&mut b, max), "sum d={d}");
+                let sums = (Avx2::sum_exp(&a, max), Portable::sum_exp(&a, max));
+                assert_eq!(sums.0.to_bits(), sums.1.to_bits(), "sum_exp d={d} keys={nkeys}");
+                let weights_sum = Avx2::softmax_weights(&mut a, max);
+                assert_eq!(weights_sum, Portable::softmax_weights(&mut b, max), "sum d={d}");
+                assert_eq!(weights_sum.to_bits(), sums.0.to_bits(), "sum_exp is softmax_weights' sum d={d}");
                 assert_eq!(a, b, "weights d={d} keys={nkeys}");
                 let (mut x, mut y) = (vec![f32::NAN; d], vec![f32::NAN; d]);
                 Avx2::weighted_sum(&a, &plane, &keys, &mut x);

@@ -14,11 +14,13 @@
 //!
 //! Files: [`step`] (the step's rows, validated once), [`ops`] (norm, rotary, residual adds),
 //! [`lanes`] (attention's products and softmax weights, SwiGLU: portable and AVX2 builds of one
-//! float order), [`attention`] (paged attention over block tables), [`stack`] (the layers), [`error`].
+//! float order), [`attention`] (paged attention over block tables), [`stack`] (the layers),
+//! [`logits`] (each logits row's argmax and log-sum-exp, for sampling), [`error`].
 
 pub mod attention;
 pub mod error;
 pub mod lanes;
+pub mod logits;
 pub mod ops;
 pub mod stack;
 pub mod step;

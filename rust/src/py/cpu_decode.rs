@@ -165,6 +165,30 @@ impl PyDecodeStack {
     }
 }
 
+/// `logits_row_stats`' answer: each row's argmax and log-sum-exp.
+type RowStatsArrays<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<f32>>);
+
+/// Each row's argmax (int64) and log-sum-exp (float32) of float32 logits `[rows, vocab]`
+/// (`crate::cpu_decode::logits`: the first maximal index, NaN maximal; `torch.logsumexp`'s
+/// special values), rows shared over `threads` threads. The GIL is released while it runs.
+#[pyfunction]
+#[pyo3(signature = (logits, threads = 1))]
+fn logits_row_stats<'py>(
+    py: Python<'py>,
+    logits: PyReadonlyArray2<'py, f32>,
+    threads: usize,
+) -> PyResult<RowStatsArrays<'py>> {
+    let cols = logits.shape()[1];
+    let x = contiguous(&logits, "logits")?;
+    let stats = py
+        .detach(|| crate::cpu_decode::logits::row_stats_all(x, cols, threads, true))
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let argmax: Vec<i64> = stats.iter().map(|s| s.argmax as i64).collect();
+    let lse: Vec<f32> = stats.iter().map(|s| s.logsumexp).collect();
+    Ok((PyArray1::from_vec(py, argmax), PyArray1::from_vec(py, lse)))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyDecodeStack>()
+    m.add_class::<PyDecodeStack>()?;
+    m.add_function(wrap_pyfunction!(logits_row_stats, m)?)
 }

@@ -184,6 +184,29 @@ pub unsafe fn softmax_weights(s: &mut [f32], max: f32) -> f32 {
     sum
 }
 
+/// `softmax_weights`' sum without its stores (the same lanes, the same order: the same bits).
+///
+/// # Safety
+/// The CPU runs AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn sum_exp(s: &[f32], max: f32) -> f32 {
+    let n = s.len() / LANES * LANES;
+    let m = _mm256_set1_ps(max);
+    let mut acc = _mm256_setzero_ps();
+    for c in s[..n].chunks_exact(LANES) {
+        // SAFETY: `c` holds 8 floats.
+        acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(unsafe { _mm256_loadu_ps(c.as_ptr()) }, m)));
+    }
+    let mut lanes = [0f32; LANES];
+    // SAFETY: `lanes` holds 8 floats.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    let mut sum = ops::reduce(lanes);
+    for &x in &s[n..] {
+        sum += super::exp(x - max);
+    }
+    sum
+}
+
 /// # Safety
 /// The CPU runs AVX2 and FMA; `keys[k] + out.len() <= plane.len()` for every key;
 /// `p.len() >= keys.len()`.
