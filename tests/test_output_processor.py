@@ -134,3 +134,49 @@ def test_positional_builders_match_the_field_order() -> None:
                                        "finish_reason", "stop_reason", "logprobs", "cumulative_logprob", "score"]
     assert names(RequestOutput)[:10] == ["request_id", "prompt", "prompt_token_ids", "outputs", "finished", "error",
                                          "metrics", "num_cached_tokens", "cached_tokens_by_tier", "prompt_logprobs"]
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_a_one_sample_delta_request_gets_what_the_general_path_builds(tokenizer, logprobs) -> None:
+    """``one_delta_completion`` (a running DELTA request of one sample, no stop string) against the
+    general ``delta_completions`` path, step by step over text with multi-byte characters (a token
+    with no new text yet), steps that bring several tokens or none, metrics that arrive late, and
+    the finish (always the general path): the same outputs, field by field."""
+    from pagedrs.sampling_params import RequestOutputKind
+
+    params = SamplingParams(max_tokens=64, logprobs=logprobs, output_kind=RequestOutputKind.DELTA)
+    ids = tokenizer.encode("héllo wörld — 日本語 and more text", add_special_tokens=False)
+    chunks = [ids[:1], ids[1:2], [], ids[2:5], ids[5:6], ids[6:9], ids[9:]]
+
+    def core(tokens: list[int], step: int, finished: bool) -> CoreOutput:
+        top = None if logprobs is None else [{t: -0.5, 7: -1.5} for t in tokens]
+        sample = CoreSampleOutput(0, tokens, logprobs=[-0.5 - step] * len(tokens), top_logprobs=top,
+                                  finish_reason="length" if finished else None)
+        metrics = RequestMetrics(0.5, 1.0) if step in (0, 4) or finished else None
+        return CoreOutput("r", [sample], finished, metrics)
+
+    runs = {}
+    for fast in (True, False):
+        out = _processor(tokenizer, params)
+        state = out._requests["r"]
+        assert state.one_delta
+        state.one_delta = fast
+        got = []
+        for step, chunk in enumerate(chunks):
+            last = step == len(chunks) - 1
+            results, _ = out.process([core(chunk, step, last)])
+            got.append([(r.outputs, r.finished, r.error, r.metrics.keys(), r.prompt_logprobs) for r in results])
+        runs[fast] = got
+    assert runs[True] == runs[False]
+    assert any(not step for step in runs[True]), "a step with nothing new gives no output"
+    assert "".join(o.delta_text for step in runs[True] for r in step for o in r[0]) == tokenizer.decode(ids)
+
+
+def test_requests_that_may_hold_text_or_have_several_samples_take_the_general_path(tokenizer) -> None:
+    from pagedrs.sampling_params import RequestOutputKind
+
+    delta = RequestOutputKind.DELTA
+    for params, one in [(SamplingParams(output_kind=delta), True), (SamplingParams(output_kind=delta, stop=["x"]), False),
+                        (SamplingParams(output_kind=delta, n=2), False), (SamplingParams(), False),
+                        (SamplingParams(output_kind=delta, n=1, best_of=2), False)]:
+        assert _processor(tokenizer, params)._requests["r"].one_delta is one, params

@@ -60,3 +60,18 @@ def delta_completions(samples: list[SampleText], longest_hold: int) -> list[Comp
         s.sent_chars = visible
         s.finish_sent = s.finish_reason is not None
     return outs
+
+
+def one_delta_completion(s: SampleText) -> CompletionOutput | None:
+    """``delta_completions`` of a request's only sample while it runs, when no stop string can hold
+    text back (``RequestState.one_delta``): its new tokens and text, None when it has none; without
+    the general loop and calls (tests/test_output_processor.py compares the two)."""
+    ids, text, start = s.token_ids, s.text, s.sent_tokens
+    if len(ids) == start and len(text) == s.sent_chars:
+        return None
+    new_ids = ids[start:]
+    new_text = text[s.sent_chars :]
+    s.sent_tokens, s.sent_chars = len(ids), len(text)
+    # positional, in the field order (see cumulative_completions); it runs: no finish, no stop reason
+    return CompletionOutput(s.index, new_text, new_ids, new_text, new_ids, None, None,
+                            None if s.logprobs is None else s.logprobs[start:], s.cumulative_logprob, s.score)

@@ -40,7 +40,7 @@ from typing import Optional, Union
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import RequestShape, request_shape
 from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, FinishSample, RequestMetrics
-from pagedrs.frontend.completions import cumulative_completions, delta_completions
+from pagedrs.frontend.completions import cumulative_completions, delta_completions, one_delta_completion
 from pagedrs.frontend.input_processor import ProcessedRequest, outputs_before_end
 from pagedrs.outputs import RequestOutput
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
@@ -93,6 +93,9 @@ class RequestState:
     prompt_logprobs_sent: bool = False  # DELTA: an output carried them (they go once)
     beam: bool = False  # BeamSearchParams (asked per sample and step: a bool, not an isinstance)
     longest_hold: int = 0  # characters held back while a sample runs: the longest stop string's, less one
+    # DELTA with one sample and no stop string: a running step's output is its one sample's new
+    # tokens and text (``_one_delta_output``), the server's common case
+    one_delta: bool = False
 
     @property
     def finished(self) -> bool:
@@ -135,6 +138,8 @@ class OutputProcessor:
                                          and self.tokenizer.makes_text),
                              beam=isinstance(params, BeamSearchParams),
                              longest_hold=max(map(len, stops)) - 1 if stops else 0)
+        state.one_delta = (state.delta and not state.beam and not stops and shape.num_samples == 1
+                           and shape.num_outputs == 1)
         self._sample(state, 0)  # its detokenizer exists from the start
         self._requests[processed.request_id] = state
 
@@ -323,6 +328,14 @@ class OutputProcessor:
         ``state.finished`` when the caller knows it."""
         if finished is None:
             finished = state.finished
+        if (state.one_delta and not finished and with_metrics is None and not state.metrics_unsent
+                and state.prompt_logprobs is None):
+            # the server's common case, once per request and step: its one sample's news, nothing else due
+            completion = one_delta_completion(state.samples[0])
+            if completion is None:
+                return None
+            return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], False,
+                                 state.error, {}, state.num_cached_tokens, state.cached_tokens_by_tier, None)
         delta = state.delta
         # Hold back text that might still turn out to be the start of a stop string.
         longest_hold = state.longest_hold
