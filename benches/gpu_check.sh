@@ -12,7 +12,8 @@
 #                        eager vs padded-eager vs CUDA graphs (tokens/s, step ms, GPU busy share)       60 s
 #  4. e2e/throughput.json bench throughput's QUICK workload (16 requests): paged vs contiguous vs
 #                        transformers (when installed) at equal KV memory                               75 s
-#  5. overhead.json      pagedrs bench overhead --device cuda (the host's share of a step)              35 s
+#  5. overhead.json      pagedrs bench overhead --device cuda (the host's share of a step; three
+#                        output kinds since 2026-12-05: CUMULATIVE, DELTA, FINAL_ONLY)                45 s
 #  6. engine_tests.txt   pytest -m gpu: CUDA graphs vs eager vs transformers, the engine on CUDA,
 #                        TP over NCCL (these need transformers for their tiny models)                 50 s
 # Budget: about 5 minutes in all (each step has its own timeout; a step that fails does not stop the rest).
@@ -86,7 +87,7 @@ fi
 step e2e_decode 80 e2e_decode.txt "$PY" benches/gpu_e2e.py --sections decode --out "$OUT/e2e" "${E2E_FLAGS[@]}"
 step e2e_throughput 75 e2e_throughput.txt "$PY" benches/gpu_e2e.py --sections throughput --quick --out "$OUT/e2e" \
     "${E2E_FLAGS[@]}"
-step overhead 35 overhead.txt "$PY" -m pagedrs.cli bench overhead "${OVERHEAD_FLAGS[@]}" --json "$OUT/overhead.json"
+step overhead 45 overhead.txt "$PY" -m pagedrs.cli bench overhead "${OVERHEAD_FLAGS[@]}" --json "$OUT/overhead.json"
 if "$PY" -c "import transformers" 2>/dev/null; then
     step engine_tests 50 engine_tests.txt "$PY" -m pytest -q -m gpu -p no:cacheprovider "${PYTEST_FLAGS[@]}" tests/test_decode_graphs_gpu.py \
         tests/test_engine.py tests/test_kernels_engine.py tests/test_tensor_parallel.py
