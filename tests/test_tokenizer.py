@@ -87,3 +87,65 @@ def test_embedded_tokenizer_chat_and_stream(smollm2):
     out = tok.encode(" café 🙂 東京", add_special_tokens=False)
     deltas = _stream(tok, ids, out, [1])
     assert "".join(deltas) == " café 🙂 東京"
+
+
+def _two_decode_emit(detok: IncrementalDetokenizer, hold_incomplete: bool) -> str:
+    """The detokenizer's window algorithm as it was before the one-decode shortcut: the reference."""
+    decode = detok.tokenizer.decode
+    prefix_text = decode(detok.ids[detok.prefix_offset : detok.read_offset], detok.skip_special_tokens)
+    new_text = decode(detok.ids[detok.prefix_offset :], detok.skip_special_tokens)
+    if len(new_text) <= len(prefix_text) or (hold_incomplete and new_text.endswith("\ufffd")):
+        return ""
+    delta = new_text[len(prefix_text) :]
+    detok.prefix_offset, detok.read_offset = detok.read_offset, len(detok.ids)
+    detok.text += delta
+    return delta
+
+
+def test_one_decode_a_step_gives_the_two_decode_deltas_on_a_byte_level_tokenizer(smollm2, monkeypatch):
+    """SmolLM2's byte-level BPE: the shortcut (decode only the new tokens where the window ends on a
+    whole character) against the two-decode window, delta by delta, on random streams built to break
+    it: tokens that are fragments of a multi-byte character, special tokens (skipped or not), prompts
+    that end inside a character, several tokens a step, and the flush of an incomplete end."""
+    tok = smollm2.tokenizer
+    assert tok.decodes_by_bytes
+    rng = random.Random(3)
+    fragments = [i for i in range(tok.vocab_size) if "\ufffd" in tok.decode([i])][:300]
+    special = sorted(tok.hf.all_special_ids)
+    assert len(fragments) > 50 and special
+
+    def pick() -> int:
+        r = rng.random()
+        return rng.choice(special) if r < 0.05 else rng.choice(fragments) if r < 0.5 else rng.randrange(tok.vocab_size)
+
+    counts = {"decodes": 0, "steps": 0}
+    real_decode = tok.decode
+
+    def counted_decode(*args, **kwargs):
+        counts["decodes"] += 1
+        return real_decode(*args, **kwargs)
+
+    for trial in range(400):
+        prompt = [pick() for _ in range(rng.randrange(0, 9))]
+        output = [pick() for _ in range(rng.randrange(1, 30))]
+        skip = rng.random() < 0.8
+        runs = {}
+        for way in ("reference", "shortcut"):
+            detok = IncrementalDetokenizer(tok, prompt, skip)
+            if way == "reference":
+                monkeypatch.setattr(detok, "_emit", lambda hold_incomplete, d=detok: _two_decode_emit(d, hold_incomplete))
+            else:
+                monkeypatch.setattr(tok, "decode", counted_decode)
+            r2 = random.Random(trial)
+            deltas, i = [], 0
+            while i < len(output):
+                n = r2.choice([1, 1, 1, 2, 3])
+                deltas.append(detok.step(output[i : i + n]))
+                i += n
+                counts["steps"] += way == "shortcut"
+            deltas.append(detok.flush())
+            monkeypatch.setattr(tok, "decode", real_decode)
+            runs[way] = (deltas, detok.text)
+        assert runs["shortcut"] == runs["reference"], (prompt, output, skip)
+    # the reference decodes twice a step; the shortcut about once (twice on a step after a held fragment)
+    assert counts["decodes"] < 1.5 * counts["steps"], counts

@@ -159,6 +159,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.prefix_offset = max(self.read_offset - self._CONTEXT, 0)
         self.text = ""
+        # a byte-level tokenizer (``Tokenizer.decodes_by_bytes``) decodes a run of tokens as the UTF-8 of
+        # their bytes put end to end: where the window's text ends on a whole character (no U+FFFD),
+        # ``_emit`` decodes only the new tokens. Known only once the window has been decoded.
+        self._by_bytes = tokenizer.decodes_by_bytes
+        self._clean = False
 
     def step(self, new_token_ids: list[int]) -> str:
         self.ids.extend(new_token_ids)
@@ -186,7 +191,21 @@ class IncrementalDetokenizer:
 
     def _emit(self, hold_incomplete: bool) -> str:
         decode = self.tokenizer.decode
+        if self._clean:
+            # a byte-level decode whose window ends where UTF-8 decoding is back in its initial state:
+            # decode(window + new) is decode(window) + decode(new), so the new tokens alone give the
+            # delta (one decode a step instead of two; the same text, tests/test_tokenizer.py)
+            delta = decode(self.ids[self.read_offset :], self.skip_special_tokens)
+            if not delta or (hold_incomplete and delta.endswith(_REPLACEMENT_CHAR)):
+                return ""
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._clean = not delta.endswith(_REPLACEMENT_CHAR)  # the new window's own text is the delta
+            self.text += delta
+            return delta
         prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        if self._by_bytes and not prefix_text.endswith(_REPLACEMENT_CHAR):
+            self._clean = True  # nothing pending at the window's end: from here on, one decode a step
+            return self._emit(hold_incomplete)
         new_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         if len(new_text) <= len(prefix_text) or (hold_incomplete and new_text.endswith(_REPLACEMENT_CHAR)):
             return ""
