@@ -77,10 +77,14 @@ fn row_stats<L: Lanes>(x: &[f32]) -> RowStats {
     RowStats { argmax, logsumexp: max + sum.ln() }
 }
 
+/// `row_stats` compiled for AVX2 and FMA (the maximum's loop vectorized too; the sum is `Avx2::sum_exp`).
+///
+/// # Safety
+/// The CPU runs AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn row_stats_avx2(x: &[f32]) -> RowStats {
-    row_stats::<Avx2>(x) // the maximum's loop vectorized for AVX2 too
+    row_stats::<Avx2>(x)
 }
 
 /// Which build runs: AVX2 with FMA where the CPU has both (detected once per call), else portable.
