@@ -248,3 +248,9 @@ def test_logits_row_stats_refuses_what_it_cannot_read_naming_logits():
     assert ids.shape == lse.shape == (0,)
     ids, lse = logits_row_stats(np.zeros((2, 5), dtype=np.float32), 2)
     assert ids.tolist() == [0, 0] and lse == pytest.approx([np.log(5.0)] * 2, rel=1e-6)
+    from pagedrs._core import logits_greedy
+
+    with pytest.raises(ValueError, match="logits: must be a C-contiguous array"):
+        logits_greedy(np.zeros((3, 4), dtype=np.float32)[:, ::2])
+    tokens, logprobs = logits_greedy(np.array([[0.0, 2.0, 2.0, -1.0]], dtype=np.float32))
+    assert tokens == [1] and logprobs == pytest.approx([2.0 - np.log(1 + 2 * np.exp(2.0) + np.exp(-1.0))], rel=1e-6)

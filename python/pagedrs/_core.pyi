@@ -383,6 +383,10 @@ def logits_row_stats(
     special values) of float32 logits ``[rows, vocab]``; ValueError names ``logits`` when it is not
     C-contiguous or its rows are empty."""
 
+def logits_greedy(logits: npt.NDArray[np.float32]) -> tuple[list[int], list[float]]:
+    """Each row's greedy token (``logits_row_stats``' argmax) and its log-probability ``x[t] - logsumexp(x)``
+    (float32), as lists."""
+
 class DecodeStack:
     """Every decoder layer of a GGUF model (``GgufMatrix`` products, float32 norms) run in one call on
     the CPU: norms, rotary, K/V writes, paged attention over the pages in place. Each row is computed

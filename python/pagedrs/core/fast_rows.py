@@ -135,16 +135,15 @@ def draw(logits: torch.Tensor, fast: FastStep) -> tuple[list[int], list[float]]:
 
 
 def _greedy_on_cpu(raw: torch.Tensor) -> tuple[list[int], list[float]]:
-    """``draw`` of all-greedy rows on the CPU from one Rust call (``sampling.cpu_logits_stats``):
-    the same argmax as ``sampling.argmax_rows`` (first maximal index, NaN maximal) and the same
-    log-probability as ``sampling.chosen_logprobs`` (``x[t] - logsumexp(x)`` with the same
-    log-sum-exp, the same float32 subtraction), with no torch op (each ran cold here after the
-    model: numpy's argmax and torch's log_softmax took ~100 us a batch-1 step)."""
-    stats = sampling.cpu_logits_stats(raw)
-    assert stats is not None  # draw checked: float32, 2-D, on the CPU, a vocabulary
-    token_ids, lse = stats
-    x = raw.detach().numpy()
-    return token_ids.tolist(), (x[np.arange(token_ids.shape[0]), token_ids] - lse).tolist()
+    """``draw`` of all-greedy rows on the CPU from one Rust call (``logits_greedy``): the same argmax as
+    ``sampling.argmax_rows`` (first maximal index, NaN maximal) and the same log-probability as
+    ``sampling.chosen_logprobs`` (``x[t] - logsumexp(x)`` with the same log-sum-exp, the same float32
+    subtraction), with no torch op and no NumPy indexing (each ran cold here after the model: numpy's
+    argmax and torch's log_softmax took ~100 us a batch-1 step)."""
+    from pagedrs._core import logits_greedy
+
+    tokens, logprobs = logits_greedy(np.ascontiguousarray(raw.detach().numpy()))
+    return tokens, logprobs
 
 
 def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[float],
