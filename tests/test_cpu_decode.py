@@ -374,7 +374,7 @@ def test_a_token_outside_the_vocabulary_is_refused_before_a_page_is_written(tiny
 
 def test_numpy_rotary_rows_equal_the_torch_rows_inside_and_past_the_table(tiny_gguf):
     rotary = tiny_gguf.model.rotary
-    for positions in ([0, 5, 17], [rotary.table_positions - 1, rotary.table_positions + 3], [2]):
+    for positions in ([0, 5, 17], [rotary.table_positions - 1, rotary.table_positions + 3], [2], [-1, 4]):
         p = np.array(positions, dtype=np.int64)
         want = rotary.cos_sin_rows(torch.from_numpy(p)).numpy()
         for _ in range(2):  # the first call may build the table

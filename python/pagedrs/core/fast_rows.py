@@ -142,8 +142,7 @@ def _greedy_on_cpu(raw: torch.Tensor) -> tuple[list[int], list[float]]:
     argmax and torch's log_softmax took ~100 us a batch-1 step)."""
     from pagedrs._core import logits_greedy
 
-    tokens, logprobs = logits_greedy(np.ascontiguousarray(raw.detach().numpy()))
-    return tokens, logprobs
+    return logits_greedy(np.ascontiguousarray(raw.detach().numpy()))
 
 
 def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[float],

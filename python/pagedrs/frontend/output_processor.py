@@ -94,7 +94,7 @@ class RequestState:
     beam: bool = False  # BeamSearchParams (asked per sample and step: a bool, not an isinstance)
     longest_hold: int = 0  # characters held back while a sample runs: the longest stop string's, less one
     # DELTA with one sample and no stop string: a running step's output is its one sample's new
-    # tokens and text (``_one_delta_output``), the server's common case
+    # tokens and text (``completions.one_delta_completion``), the server's common case
     one_delta: bool = False
 
     @property
@@ -137,9 +137,9 @@ class OutputProcessor:
                              detokenize=(isinstance(params, SamplingParams) and params.detokenize
                                          and self.tokenizer.makes_text),
                              beam=isinstance(params, BeamSearchParams),
-                             longest_hold=max(map(len, stops)) - 1 if stops else 0)
-        state.one_delta = (state.delta and not state.beam and not stops and shape.num_samples == 1
-                           and shape.num_outputs == 1)
+                             longest_hold=max(map(len, stops)) - 1 if stops else 0,
+                             one_delta=(kind == RequestOutputKind.DELTA and not stops and shape.num_samples == 1
+                                        and shape.num_outputs == 1))
         self._sample(state, 0)  # its detokenizer exists from the start
         self._requests[processed.request_id] = state
 

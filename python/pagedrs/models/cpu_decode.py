@@ -119,8 +119,9 @@ class FusedCpuDecode:
         if table is None:
             return None
         ids = step.input_ids
-        if ids.size and (ids.min() < 0 or ids.max() >= table.shape[0]):
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        lo, hi = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
+        if lo < 0 or hi >= table.shape[0]:
+            bad = lo if lo < 0 else hi
             raise ValueError(f"input_ids: token {bad} is outside the vocabulary; allowed 0 to {table.shape[0] - 1}")
         out = self.run_stack(table.take(ids, axis=0), self._rotary.cos_sin_rows_np(step.positions), kv_cache,
                              step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_tables)

@@ -165,6 +165,21 @@ impl PyDecodeStack {
     }
 }
 
+/// The logits' values, their row width and each row's statistics (`crate::cpu_decode::logits`),
+/// computed with the GIL released: what both logits functions below start from.
+fn row_stats<'a>(
+    py: Python<'_>,
+    logits: &'a PyReadonlyArray2<'_, f32>,
+    threads: usize,
+) -> PyResult<(&'a [f32], usize, Vec<crate::cpu_decode::logits::RowStats>)> {
+    let cols = logits.shape()[1];
+    let x = contiguous(logits, "logits")?;
+    let stats = py
+        .detach(|| crate::cpu_decode::logits::row_stats_all(x, cols, threads, true))
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok((x, cols, stats))
+}
+
 /// `logits_row_stats`' answer: each row's argmax and log-sum-exp.
 type RowStatsArrays<'py> = (Bound<'py, PyArray1<i64>>, Bound<'py, PyArray1<f32>>);
 
@@ -178,11 +193,7 @@ fn logits_row_stats<'py>(
     logits: PyReadonlyArray2<'py, f32>,
     threads: usize,
 ) -> PyResult<RowStatsArrays<'py>> {
-    let cols = logits.shape()[1];
-    let x = contiguous(&logits, "logits")?;
-    let stats = py
-        .detach(|| crate::cpu_decode::logits::row_stats_all(x, cols, threads, true))
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let (_, _, stats) = row_stats(py, &logits, threads)?;
     let argmax: Vec<i64> = stats.iter().map(|s| s.argmax as i64).collect();
     let lse: Vec<f32> = stats.iter().map(|s| s.logsumexp).collect();
     Ok((PyArray1::from_vec(py, argmax), PyArray1::from_vec(py, lse)))
@@ -194,11 +205,7 @@ fn logits_row_stats<'py>(
 /// NumPy indexing or `tolist` around it (~30 us a batch-1 step, cold, before).
 #[pyfunction]
 fn logits_greedy(py: Python<'_>, logits: PyReadonlyArray2<'_, f32>) -> PyResult<(Vec<i64>, Vec<f32>)> {
-    let cols = logits.shape()[1];
-    let x = contiguous(&logits, "logits")?;
-    let stats = py
-        .detach(|| crate::cpu_decode::logits::row_stats_all(x, cols, 1, true))
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let (x, cols, stats) = row_stats(py, &logits, 1)?;
     let tokens = stats.iter().map(|s| s.argmax as i64).collect();
     let logprobs = stats.iter().enumerate().map(|(r, s)| x[r * cols + s.argmax] - s.logsumexp).collect();
     Ok((tokens, logprobs))
