@@ -29,6 +29,7 @@ def _outputs() -> p.CoreOutputs:
     ]
     return p.CoreOutputs([p.CoreOutput("r", samples, True, metrics, "ValueError: x", 16,
                                        {"device": 8, "host": 4, "disk": 4}),
+                          p.CoreTokenRows(["s", "t"], [3, 4], [-0.5, -1.0]),  # steady rows, between two outputs
                           p.CoreOutput("s", [], False, None)], _stats())
 
 

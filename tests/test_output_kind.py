@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TINY_CORPUS
 from pagedrs import LLM, Engine, EngineArgs, RequestOutputKind, SamplingParams
-from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, RequestMetrics
+from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, CoreTokenRows, RequestMetrics
 from pagedrs.frontend.input_processor import InputProcessor
 from pagedrs.frontend.output_processor import OutputProcessor
 from pagedrs.outputs import RequestOutput
@@ -214,7 +214,8 @@ def _core_outputs_per_request(engine: Engine, params: SamplingParams, abort_afte
     def counting() -> Any:
         outputs = step()
         for out in outputs.outputs:
-            counts[out.request_id] = counts.get(out.request_id, 0) + 1
+            for request_id in out.request_ids if isinstance(out, CoreTokenRows) else [out.request_id]:
+                counts[request_id] = counts.get(request_id, 0) + 1
         return outputs
 
     engine.client.step = counting  # type: ignore[method-assign]

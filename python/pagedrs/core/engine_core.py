@@ -31,7 +31,7 @@ from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, Independen
 from pagedrs.core.fast_rows import FastRows
 from pagedrs.core.pins import PinRegistry
 from pagedrs.core.prefix_cache import cached_tokens_by_tier
-from pagedrs.core.protocol import CoreOutput, CoreOutputs, CoreRequest, RequestMetrics
+from pagedrs.core.protocol import CoreOutput, CoreOutputItem, CoreOutputs, CoreRequest, CoreTokenRows, RequestMetrics
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.setup import build_core
 from pagedrs.core.spec_step import Speculator
@@ -211,7 +211,7 @@ class EngineCore:
         else:
             ctx = StepContext(start=time.monotonic())
             run_step(self, ctx)
-        outputs = CoreOutputs(self._collect(ctx.touched))
+        outputs = CoreOutputs(self._collect(ctx.touched, ctx.steady))
         if not self._requests:
             self._drain()
         self.kv_events.publish(self.scheduler)
@@ -280,7 +280,7 @@ class EngineCore:
     def fail_all(self, exc: BaseException, touched: dict[str, Request]) -> None:
         for request in list(self._requests.values()):
             self.fail(request, exc, touched)
-        self._collect(touched)
+        self._collect(touched, CoreTokenRows())
 
     def _end_request(self, request: Request, reason: str) -> None:
         for s in request.samples:
@@ -313,8 +313,10 @@ class EngineCore:
                 metrics.num_steps_queued = self.num_steps - 1 - request.queued_step
             metrics.num_prefill_steps += 1
 
-    def _collect(self, touched: dict[str, Request]) -> list[CoreOutput]:
-        outputs = []
+    def _collect(self, touched: dict[str, Request], steady: CoreTokenRows) -> list[CoreOutputItem]:
+        """The step's outputs: its steady rows in columns first (a request that also failed later in the
+        step follows with its own output), then one per other request that progressed or ended."""
+        outputs: list[CoreOutputItem] = [steady] if steady.request_ids else []
         for request in touched.values():
             # a request the front end reads only at its end: nothing goes out until then
             out = request.output(request.policy.streams_tokens) if request.stream_tokens or request.finished else None

@@ -26,6 +26,7 @@ import torch
 
 from pagedrs import sampling
 from pagedrs.core.continuation import IndependentSamples
+from pagedrs.core.protocol import CoreTokenRows
 from pagedrs.core.request import Request, Sample, TokenRule
 from pagedrs.sampling_params import SamplingParams
 
@@ -53,6 +54,13 @@ class FastStep:
 
     index: list[int]  # logits rows
     rows: list[FastRow]
+    _all_greedy: Optional[bool] = None  # made once: a steady batch reuses its FastStep step after step
+
+    @property
+    def all_greedy(self) -> bool:
+        if self._all_greedy is None:
+            self._all_greedy = all(r.greedy for r in self.rows)
+        return self._all_greedy
 
 
 def is_plain(request: Request, sample: Sample) -> bool:
@@ -126,7 +134,7 @@ def draw(logits: torch.Tensor, fast: FastStep) -> tuple[list[int], list[float]]:
     rows = fast.rows
     whole = len(fast.index) == logits.shape[0] and fast.index[-1] == len(fast.index) - 1
     raw = logits.float() if whole else logits[fast.index].float()
-    if raw.device.type == "cpu" and raw.dim() == 2 and raw.shape[1] and all(r.greedy for r in rows):
+    if raw.device.type == "cpu" and raw.dim() == 2 and raw.shape[1] and fast.all_greedy:
         return _greedy_on_cpu(raw)
     token_ids = sampling.draw(raw, [r.greedy for r in rows], [r.temperature for r in rows], [r.min_p for r in rows],
                               [r.top_k for r in rows], [r.top_p for r in rows])
@@ -146,9 +154,14 @@ def _greedy_on_cpu(raw: torch.Tensor) -> tuple[list[int], list[float]]:
 
 
 def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[float],
-           touched: dict[str, Request]) -> tuple[list[int], list[int], list[Request]]:
+           touched: dict[str, Request],
+           steady: Optional[CoreTokenRows] = None) -> tuple[list[int], list[int], list[Request]]:
     """Each plain row's token joins its sample, its token rule decides; finished samples are
-    released. Returns the (sequence ids, tokens, requests) to append."""
+    released. Returns the (sequence ids, tokens, requests) to append.
+
+    With ``steady`` (a step that draws one token per sequence), a row that only gained its token
+    goes out there, in columns (its sample's token counted as sent), instead of through
+    ``touched`` and a ``CoreOutput`` of its own; see ``CoreTokenRows`` for when a row is steady."""
     now = time.monotonic()
     ids: list[int] = []
     appended: list[int] = []
@@ -158,13 +171,22 @@ def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[f
         s.token_ids.append(token)
         s.logprobs.append(logprob)
         rule = row.rule
-        rule.finish(s, token, len(s.token_ids), rule.stops)
+        num_out = len(s.token_ids)
+        if token in rule.stops or num_out >= rule.limit:  # (what ``finish`` checks first, without the call)
+            rule.finish(s, token, num_out, rule.stops)
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             touched[request.request_id] = request  # its first token: the core's queue bookkeeping reads it
         elif request.stream_tokens:  # (a request read only at its end is touched when it ends)
-            touched[request.request_id] = request
+            if (steady is not None and s.finish_reason is None and request._timed and s.sent_tokens == num_out - 1
+                    and request.prompt_logprobs is None and request.ended is None):
+                s.sent_tokens = num_out
+                steady.request_ids.append(request.request_id)
+                steady.token_ids.append(token)
+                steady.logprobs.append(logprob)
+            else:
+                touched[request.request_id] = request
         if s.finish_reason is None:
             ids.append(s.seq_id)
             appended.append(token)

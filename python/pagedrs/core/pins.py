@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from pagedrs.core.protocol import CoreOutput, CoreRequest, Pinned, PinPrefix, PinState
+from pagedrs.core.protocol import CoreOutputItem, CoreRequest, CoreTokenRows, Pinned, PinPrefix, PinState
 from pagedrs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ class _Pin:
 @dataclass
 class PinOutcome:
     answer: Pinned
-    outputs: list[CoreOutput] = field(default_factory=list)  # other requests' outputs of the steps the prefill ran
+    outputs: list[CoreOutputItem] = field(default_factory=list)  # other requests' outputs of the steps the prefill ran
 
 
 class PinRegistry:
@@ -121,7 +121,7 @@ class PinRegistry:
                 f"the pin needs {new} more device pages; {pinned} are pinned and the cap is {cap} of "
                 f"{scheduler.num_gpu_blocks} (max_pinned_fraction={self.max_pinned_fraction:g}); unpin a prefix or "
                 "raise --max-pinned-fraction"))
-        outputs: list[CoreOutput] = []
+        outputs: list[CoreOutputItem] = []
         if new > 0:
             try:
                 outputs = self._prefill(tokens, command.cache_salt)
@@ -171,18 +171,20 @@ class PinRegistry:
 
     # ---- the prefill ----------------------------------------------------------------
 
-    def _prefill(self, tokens: list[int], cache_salt: Optional[str]) -> list[CoreOutput]:
+    def _prefill(self, tokens: list[int], cache_salt: Optional[str]) -> list[CoreOutputItem]:
         """Runs the prompt as an internal request of one greedy token, first in line, until it
         ends; returns the outputs the steps made for other requests (its own are dropped)."""
         request_id = f"{_REQUEST_PREFIX}{next(self._prefills)}"
         core = self.core
         core.add(CoreRequest(request_id, list(tokens), SamplingParams(max_tokens=1, temperature=0.0), PIN_PRIORITY,
                              None, cache_salt))
-        others: list[CoreOutput] = []
+        others: list[CoreOutputItem] = []
         for _ in range(MAX_PIN_STEPS):
             if request_id not in core.requests:
                 break
-            others.extend(out for out in core.step().outputs if out.request_id != request_id)
+            # its one token ends it, so it is never a steady row (CoreTokenRows): only its CoreOutputs are dropped
+            others.extend(out for out in core.step().outputs
+                          if isinstance(out, CoreTokenRows) or out.request_id != request_id)
         else:
             core.abort(request_id)
             raise ValueError(f"the pin's prefill did not finish within {MAX_PIN_STEPS} steps; nothing was pinned")

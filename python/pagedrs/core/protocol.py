@@ -3,8 +3,9 @@
 The core takes token ids in and gives token ids out; it never holds a string of
 generated text. What goes in: ``CoreRequest`` (through ``Add``), ``Abort`` and
 ``FinishSample`` (the front end found a stop string). What comes out: per step one
-``CoreOutputs`` (a ``CoreOutput`` per request that progressed, and the stats when the
-client asked for them). The errors that end the engine are types here too.
+``CoreOutputs`` (a ``CoreOutput`` per request that progressed, except that the steady decode
+rows come together as one ``CoreTokenRows``, and the stats when the client asked for them).
+The errors that end the engine are types here too.
 
 Every field is a plain value (ints, floats, strings, lists, dicts of them, the params
 dataclasses), so a client that puts the core in another process can encode a value as
@@ -102,8 +103,34 @@ class CoreOutput:
 
 
 @dataclass
+class CoreTokenRows:
+    """The steady rows of one step, in columns: request ``request_ids[i]`` gained the one token
+    ``token_ids[i]`` (sampled with log-probability ``logprobs[i]``) and nothing else changed.
+
+    What ``CoreOutput(request_ids[i], [CoreSampleOutput(0, [token_ids[i]], [logprobs[i]])], False,
+    None)`` would say, without two objects per request and step (at batch 32 those and the front
+    end's handling of them were most of a step's fixed host cost, issue 25). A row is steady when
+    its request is a running one-sample request on the core's fast rows (core/fast_rows.py) past
+    its first output, with no top logprobs, no prompt logprobs, not finished by this token, every
+    earlier token already sent. A request is in at most one element of a step's outputs, except
+    that a steady row may be followed by its request's ``CoreOutput`` when the request failed later
+    in the same step (that output then carries the failure, not the token again)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+
+CoreOutputItem = Union[CoreOutput, CoreTokenRows]
+
+
+@dataclass
 class CoreOutputs:
-    outputs: list[CoreOutput] = field(default_factory=list)
+    # in the order the core made them: across steps delivered together, a request's tokens in order
+    outputs: list[CoreOutputItem] = field(default_factory=list)
     stats: Optional[EngineStats] = None  # when the client asked for them (a client in another process does)
 
 

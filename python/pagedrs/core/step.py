@@ -29,7 +29,7 @@ import torch
 
 from pagedrs.core import fast_rows, prompt_logprobs, spec_step
 from pagedrs.core.continuation import Decision, StepRow
-from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
+from pagedrs.core.protocol import CoreTokenRows, EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.structured.mask import StepMasks, apply_grammar_masks
 from pagedrs.kv_tiers.errors import CorruptPageError
@@ -64,6 +64,8 @@ class StepContext:
     prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # prompt_logprobs' rows
     spec: Optional[spec_step.SpecRows] = None  # speculating sequences' verify rows (core/spec_step.py)
     masks: Optional[StepMasks] = None  # grammar masks computed while the forward runs (synchronous steps)
+    # the steady decode rows' outputs in columns (core/fast_rows.py, ``record``), before ``touched``'s
+    steady: CoreTokenRows = field(default_factory=CoreTokenRows)
 
 
 def run_step(core: EngineCore, ctx: StepContext) -> None:
@@ -164,7 +166,7 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
             if entry is not None:  # never left with a placeholder nobody fills
                 core.fail(entry[0], RuntimeError(f"sequence {seq_id} drew no token for its placeholder"), ctx.touched)
     ctx.decisions = _decide(core, ctx)
-    appends = fast_rows.record(core, fast, tokens, logprobs, ctx.touched) if fast.rows else ([], [], [])
+    appends = fast_rows.record(core, fast, tokens, logprobs, ctx.touched, ctx.steady) if fast.rows else ([], [], [])
     _carry_out(core, ctx, appends, placeholders)
 
 

@@ -47,6 +47,7 @@ from pagedrs.core.protocol import (
     CacheReset,
     CoreOutputs,
     CoreRequest,
+    CoreTokenRows,
     EngineCoreDeadError,
     EngineCoreError,
     FinishSample,
@@ -193,6 +194,8 @@ def _pin_command(core: Any, command: Any) -> tuple[list[Any], Any]:
 def _metrics_once(outputs: CoreOutputs, timed: set[str]) -> None:
     """Metrics cross once, with a request's first token (``timed``: the requests whose did)."""
     for out in outputs.outputs:
+        if isinstance(out, CoreTokenRows):  # steady rows carry no metrics
+            continue
         if out.request_id in timed or out.metrics is None or out.metrics.first_token_time is None:
             out.metrics = None
         else:

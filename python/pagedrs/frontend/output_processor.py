@@ -39,7 +39,7 @@ from typing import Optional, Union
 
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import RequestShape, request_shape
-from pagedrs.core.protocol import Abort, CoreOutput, CoreSampleOutput, FinishSample, RequestMetrics
+from pagedrs.core.protocol import Abort, CoreOutput, CoreOutputItem, CoreSampleOutput, CoreTokenRows, FinishSample, RequestMetrics
 from pagedrs.frontend.completions import cumulative_completions, delta_completions, one_delta_completion
 from pagedrs.frontend.input_processor import ProcessedRequest, outputs_before_end
 from pagedrs.outputs import RequestOutput
@@ -96,6 +96,9 @@ class RequestState:
     # DELTA with one sample and no stop string: a running step's output is its one sample's new
     # tokens and text (``completions.one_delta_completion``), the server's common case
     one_delta: bool = False
+    # one sample, no stop string, its text made token by token: a steady row's token is taken inline
+    # (``OutputProcessor._take_rows``)
+    plain_stream: bool = False
 
     @property
     def finished(self) -> bool:
@@ -140,7 +143,9 @@ class OutputProcessor:
                              longest_hold=max(map(len, stops)) - 1 if stops else 0,
                              one_delta=(kind == RequestOutputKind.DELTA and not stops and shape.num_samples == 1
                                         and shape.num_outputs == 1))
-        self._sample(state, 0)  # its detokenizer exists from the start
+        first = self._sample(state, 0)  # its detokenizer exists from the start
+        state.plain_stream = (isinstance(params, SamplingParams) and not stops and shape.num_samples == 1
+                              and not first.deferred)
         self._requests[processed.request_id] = state
 
     def remove(self, request_id: str) -> None:
@@ -158,7 +163,7 @@ class OutputProcessor:
         """The engine is dead: every request has ended (the core reports none of them)."""
         self._requests.clear()
 
-    def process(self, outputs: list[CoreOutput]) -> tuple[list[RequestOutput], list[Command]]:
+    def process(self, outputs: list[CoreOutputItem]) -> tuple[list[RequestOutput], list[Command]]:
         """The core's outputs as RequestOutputs, and what the core must be told (stop strings found,
         requests that failed here).
 
@@ -172,38 +177,14 @@ class OutputProcessor:
         # same request (a client in another process delivers several steps at once) replaces it
         touched: dict[str, tuple[RequestState, bool]] = {}
         requests = self._requests
-        take = self._take
+        apply = self._apply
         for out in outputs:
-            request_id = out.request_id
-            state = requests.get(request_id)
-            if state is None:
-                continue  # aborted or failed here; the core has been told
-            if out.metrics is not None:
-                state.metrics = out.metrics
-                state.metrics_unsent = True
-            if out.num_cached_tokens is not None:
-                state.num_cached_tokens = out.num_cached_tokens
-                state.cached_tokens_by_tier = out.cached_tokens_by_tier
-            if out.prompt_logprobs is not None:
-                state.prompt_logprobs = out.prompt_logprobs
-            try:
-                for c in out.samples:
-                    take(state, c, commands)
-            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer: this request fails, the others go on
-                state.error = state.error or f"{type(exc).__name__}: {exc}"
-                self._end(state, "error")
-                commands.append(Abort(request_id))
-            if out.error is not None:
-                state.error = state.error or out.error
-                self._end(state, "error")
-            finished = state.finished
-            touched[request_id] = (state, finished)
-            if finished:
-                del requests[request_id]
-                # best_of > n; a beam search's hypotheses come ranked by score (length-penalized) already
-                if (state.ended is None and state.shape.num_outputs < state.shape.num_samples
-                        and not state.beam):
-                    _rank_by_cumulative_logprob(state)
+            if isinstance(out, CoreTokenRows):
+                self._take_rows(out, touched, commands)
+                continue
+            state = requests.get(out.request_id)
+            if state is not None:  # else aborted or failed here; the core has been told
+                apply(state, out, touched, commands)
         results = []
         output = self._output
         for state, finished in touched.values():
@@ -212,6 +193,73 @@ class OutputProcessor:
                 if result is not None:
                     results.append(result)
         return results, commands
+
+    def _apply(self, state: RequestState, out: CoreOutput, touched: dict[str, tuple[RequestState, bool]],
+               commands: list[Command]) -> None:
+        """One core output of a request known here: its samples' tokens, its metrics and counts, its
+        end (a finished request leaves the table, ranked when best_of > n)."""
+        if out.metrics is not None:
+            state.metrics = out.metrics
+            state.metrics_unsent = True
+        if out.num_cached_tokens is not None:
+            state.num_cached_tokens = out.num_cached_tokens
+            state.cached_tokens_by_tier = out.cached_tokens_by_tier
+        if out.prompt_logprobs is not None:
+            state.prompt_logprobs = out.prompt_logprobs
+        try:
+            for c in out.samples:
+                self._take(state, c, commands)
+        except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer: this request fails, the others go on
+            self._fail_here(state, exc, commands)
+        if out.error is not None:
+            state.error = state.error or out.error
+            self._end(state, "error")
+        self._touch(state, touched)
+
+    def _take_rows(self, rows: CoreTokenRows, touched: dict[str, tuple[RequestState, bool]],
+                   commands: list[Command]) -> None:
+        """A step's steady rows: each request's one new token. A request with one sample and no stop
+        string takes it here, as ``_take`` takes one token with no top logprobs and no finish (the
+        server's common case, once per request and step: no objects); any other request gets the
+        ``CoreOutput`` the row stands for."""
+        requests = self._requests
+        for request_id, token, logprob in zip(rows.request_ids, rows.token_ids, rows.logprobs):
+            state = requests.get(request_id)
+            if state is None:
+                continue  # aborted or failed here; the core has been told
+            if not state.plain_stream:
+                self._apply(state, CoreOutput(request_id, [CoreSampleOutput(0, [token], [logprob])], False, None),
+                            touched, commands)
+                continue
+            s = state.samples[0]
+            if s.finish_reason is None:
+                s.token_ids.append(token)
+                s.cumulative_logprob = (s.cumulative_logprob or 0.0) + logprob
+                if state.detokenize:
+                    try:
+                        s.text += _detok(s).step([token])
+                    except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
+                        self._fail_here(state, exc, commands)
+                        self._touch(state, touched)
+                        continue
+            touched[request_id] = (state, False)  # one running sample, no stop string: still running
+
+    def _fail_here(self, state: RequestState, exc: Exception, commands: list[Command]) -> None:
+        """The front end failed the request (its text could not be made): it ends with "error"
+        and the core is told to abort it."""
+        state.error = state.error or f"{type(exc).__name__}: {exc}"
+        self._end(state, "error")
+        commands.append(Abort(state.request_id))
+
+    def _touch(self, state: RequestState, touched: dict[str, tuple[RequestState, bool]]) -> None:
+        """Notes the request for this call's outputs; a finished one leaves the table (best_of > n
+        ranked first; a beam search's hypotheses come ranked by score already)."""
+        finished = state.finished
+        touched[state.request_id] = (state, finished)
+        if finished:
+            del self._requests[state.request_id]
+            if state.ended is None and state.shape.num_outputs < state.shape.num_samples and not state.beam:
+                _rank_by_cumulative_logprob(state)
 
     # ---- one sample's tokens -----------------------------------------------------------
 
