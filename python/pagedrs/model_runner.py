@@ -47,6 +47,8 @@ class ModelRunner:
             )
         self.loaded = loaded
         self.model: KvModel = loaded.model
+        # fixed once loaded; read every step (each is a walk through nn.Module attribute lookups)
+        self._heads = (self.model.heads_per_rank, self.model.kv_heads_per_rank)
         self.config = loaded.config
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -109,7 +111,7 @@ class ModelRunner:
             meta = self.build_metadata(step)
             # The attention plan of the step, once, before any layer reads it (not inside forward).
             if self.model.uses_attention_backend(self.kv_views, self.backend):
-                self.backend.plan(meta, self.block_size, self.model.heads_per_rank, self.model.kv_heads_per_rank)
+                self.backend.plan(meta, self.block_size, *self._heads)
             input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
             positions = torch.from_numpy(step.positions).long().to(self.device)
             hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)

@@ -241,3 +241,48 @@ mod timing {
         }
     }
 }
+
+#[cfg(test)]
+mod timing_long {
+    use super::*;
+    use crate::cpu_decode::step::StepMeta;
+
+    /// `cargo test --release --lib attention_speed_long -- --ignored --nocapture`: SmolLM2's geometry at
+    /// batch 1 over long contexts, 16 layers' pages cycled (so they come from the L3), 1 and 2 threads.
+    /// 2026-12-05, Intel Xeon: 512 keys 45.2-45.7 us a layer on 1 thread, 30.0-30.8 on 2; 1024 keys
+    /// 90.9-91.8 and 58.9-60.5; 2048 keys 186.9-190.0 and 116.7-124.4 (1.5-1.6x: 27 GB/s of K/V at
+    /// 2 threads, what the GEMV products reach). Splitting each row's keys into parts of 64 or more
+    /// (flash-decoding: (row, head, part) items, the parts met in a fixed order, the same bits on any
+    /// thread count) was built and measured: no faster here (2048 keys 115.3-120.8 on 2 threads) and
+    /// slower at SmolLM2's 160 keys (8.5 -> 10.7 us a layer in the L2, 14.2 -> 15.8 from the L3: twice
+    /// the items, and each part's first keys miss the prefetch), so it is not in. The 5 : 4 split of 9
+    /// heads is not what holds 2 threads back: both cores share the L3's bandwidth.
+    #[test]
+    #[ignore]
+    fn attention_speed_long() {
+        for keys in [512usize, 1024, 2048] {
+            let blocks = keys / 16;
+            let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads: 3, head_dim: 64 };
+            let tables: Vec<i32> = (0..blocks as i32).rev().collect();
+            let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
+            let seq_lens = [keys as i32];
+            let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens,
+                                  block_tables: &tables, table_width: blocks };
+            let step = StepLayout::new(meta, 1, &kv).unwrap();
+            let qkv: Vec<f32> = (0..15 * 64).map(|i| (i as f32 * 0.01).cos()).collect();
+            let planes: Vec<Vec<f32>> = (0..16).map(|l| (0..kv.plane()).map(|i| ((i + l) as f32 * 0.001).sin()).collect())
+                .collect();
+            let mut out = vec![0f32; 9 * 64];
+            for threads in [1, 2] {
+                let t = std::time::Instant::now();
+                let n = 800;
+                for i in 0..n {
+                    let p = &planes[i % planes.len()];
+                    let layer = LayerAttention { k_plane: p, v_plane: p, heads: 9, scale: 0.125, sliding_window: None };
+                    attend(&layer, &qkv, &step, &kv, &mut out, threads, Simd::best()).unwrap();
+                }
+                println!("{keys} keys, {threads} thread(s): {:.1} us per layer", t.elapsed().as_secs_f64() / n as f64 * 1e6);
+            }
+        }
+    }
+}
