@@ -380,3 +380,30 @@ def test_numpy_rotary_rows_equal_the_torch_rows_inside_and_past_the_table(tiny_g
         for _ in range(2):  # the first call may build the table
             got = rotary.cos_sin_rows_np(p)
             assert got.dtype == np.float32 and got.flags.c_contiguous and np.array_equal(got, want)
+
+
+def test_each_runner_s_steps_write_its_own_cache(tiny_gguf):
+    """The stack finds the runner's whole cache once per views list (``FusedCpuDecode._memo``): two
+    runners of one model, stepped in turn, each write their own pages, never the other's."""
+    first_step, _ = mixed_steps([list(range(3, 3 + n)) for n in (5, 20)], seed=3)
+    a, b = runner(tiny_gguf), runner(tiny_gguf)
+    want = a.execute(first_step)
+    assert (a.kv_cache != 0).any() and not (b.kv_cache != 0).any(), "a's step wrote b's pages"
+    assert torch.equal(b.execute(first_step), want)
+    assert torch.equal(b.kv_cache, a.kv_cache), "b's step wrote somewhere else"
+    c = runner(tiny_gguf)  # a third, after the memo holds b's views
+    a.kv_cache.zero_()
+    assert torch.equal(a.execute(first_step), want) and torch.equal(a.kv_cache, b.kv_cache)
+    assert not (c.kv_cache != 0).any()
+
+
+def test_value_bounds_of_step_arrays():
+    from pagedrs.step_input import value_bounds
+
+    assert value_bounds(np.array([], dtype=np.int64)) == (0, 0)
+    assert value_bounds(np.array([7], dtype=np.int32)) == (7, 7)
+    assert value_bounds(np.array([5, -3, 2**40], dtype=np.int64)) == (-3, 2**40)
+    big = np.arange(1000, dtype=np.int64)[::-1].copy()
+    big[500] = -9
+    lo, hi = value_bounds(big)
+    assert (lo, hi) == (-9, 999) and type(lo) is int and type(hi) is int

@@ -104,9 +104,9 @@ class ModelRunner:
             return self.padded_forward(padded)[: padded.num_real]
         # the fused CPU decode takes the step's arrays as they are (no metadata, no torch op before the head)
         direct = self.model.step_hidden(step, self.kv_views, self.backend)
+        last: torch.Tensor | None = None  # each sequence's last row (not needed by a decode-only step)
         if direct is not None:
             hidden = direct
-            last = torch.from_numpy(step.query_start_loc[1:].astype(np.int64) - 1)
         else:
             meta = self.build_metadata(step)
             # The attention plan of the step, once, before any layer reads it (not inside forward).
@@ -120,6 +120,8 @@ class ModelRunner:
             return hidden.new_empty((0, vocab))
         if step.num_tokens == step.num_seqs:  # decode only: every token is its sequence's last
             return self.model.compute_logits(hidden)
+        if last is None:
+            last = torch.from_numpy(step.query_start_loc[1:].astype(np.int64) - 1)
         if len(step.logit_rows):  # prompt_logprobs: those prompt rows too, after the last rows
             last = torch.cat([last, torch.from_numpy(step.logit_rows).long().to(self.device)])
         return self.model.compute_logits(hidden[last])

@@ -86,3 +86,15 @@ class StepInput:
 
 # the fields the core's StepPlan has, named once (``dataclasses.fields`` per step cost a few us)
 _PLAN_FIELDS = tuple(f.name for f in fields(StepInput) if f.name not in CORE_FILLED)
+
+
+def value_bounds(a: np.ndarray) -> tuple[int, int]:
+    """``a``'s minimum and maximum as ints ((0, 0) when empty); a decode step's few values through
+    Python's own min and max (NumPy's reductions cost more than the work at that size, and run
+    cold in a batch-1 step on the fused CPU decode)."""
+    if a.size == 0:
+        return 0, 0
+    if a.size <= 64:
+        values = a.tolist()
+        return min(values), max(values)
+    return int(a.min()), int(a.max())

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedrs.models.config import ModelConfig
+from pagedrs.step_input import value_bounds
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -81,8 +82,10 @@ class Rotary(nn.Module):
         same values), for the fused CPU decode's step, where each torch op runs cold after the Rust
         stack has streamed the weights. Positions past the table (or below 0) take ``cos_sin_rows``."""
         table = self._table_np
-        if table is not None and positions.size and positions.min() >= 0 and positions.max() < table.shape[0]:
-            return table.take(positions, axis=0)
+        if table is not None and positions.size:
+            lo, hi = value_bounds(positions)
+            if lo >= 0 and hi < table.shape[0]:
+                return table.take(positions, axis=0)
         rows = self.cos_sin_rows(torch.from_numpy(positions)).numpy()
         if self._table is not None and self._table.device.type == "cpu":
             self._table_np = self._table.numpy()  # built by that call, on the CPU
