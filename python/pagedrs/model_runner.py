@@ -112,8 +112,8 @@ class ModelRunner:
             # The attention plan of the step, once, before any layer reads it (not inside forward).
             if self.model.uses_attention_backend(self.kv_views, self.backend):
                 self.backend.plan(meta, self.block_size, *self._heads)
-            input_ids = torch.from_numpy(step.input_ids).long().to(self.device)
-            positions = torch.from_numpy(step.positions).long().to(self.device)
+            input_ids = _tensor(step.input_ids, torch.long, self.device)
+            positions = _tensor(step.positions, torch.long, self.device)
             hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)
             last = meta.query_start_loc[1:].long() - 1
         if not compute_logits:
