@@ -220,3 +220,60 @@ def test_rows_of_a_request_no_longer_here_are_dropped_and_later_outputs_still_ap
     assert result.finished and result.outputs[0].token_ids == [7, 8, 9, 10]
     assert result.outputs[0].cumulative_logprob == -1.0
     assert "a" not in out
+
+
+class _RefusingScheduler:
+    """The core's scheduler, whose ``append_tokens`` refuses one sequence from its ``after``-th call
+    on (the core then finds it by appending row by row and fails its request alone)."""
+
+    def __init__(self, inner: Any, seq_id: int, after: int) -> None:
+        self._inner, self._seq_id, self._after, self.calls = inner, seq_id, after, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def append_tokens(self, ids: Any, tokens: Any) -> Any:
+        self.calls += 1
+        if self.calls >= self._after and self._seq_id in ids.tolist():
+            raise ValueError(f"sequence {self._seq_id}: refused")
+        return self._inner.append_tokens(ids, tokens)
+
+
+def test_a_steady_row_whose_append_fails_ends_its_request_as_one_core_output_would(tiny_llama_dir, monkeypatch):
+    """Its token went out in the columns, then its request failed in the same step: it ends with
+    "error" and the tokens it ends with without the columns; the others run on; nothing leaks."""
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, output_kind=kind)
+              for kind in (DELTA, CUMULATIVE, DELTA)]
+
+    def run() -> tuple[list[list[Any]], int]:
+        engine = Engine(_args(tiny_llama_dir))
+        prompts = make_prompts(engine, 3)
+        core = engine.core
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(f"r{i}", {"prompt_token_ids": prompt}, sp)
+        engine.step()  # the prefill: r1's sequence exists now
+        seq_id = core.requests["r1"].samples[0].seq_id
+        core.scheduler = _RefusingScheduler(core.scheduler, seq_id, after=5)
+        steps, rows = [], 0
+        real_step = engine.client.step
+
+        def counting() -> Any:
+            nonlocal rows
+            outputs = real_step()
+            rows += sum(len(o) for o in outputs.outputs if isinstance(o, CoreTokenRows))
+            return outputs
+
+        engine.client.step = counting
+        while engine.has_unfinished():
+            steps.append(sorted(_strip(out) for out in engine.step()))
+        assert core.scheduler.num_running == 0
+        engine.shutdown()
+        return steps, rows
+
+    got, rows = run()
+    assert rows > 0
+    failed = [out for step in got for out in step if out[0] == "r1" and out[1]]
+    assert len(failed) == 1 and failed[0][2] and "refused" in failed[0][2], failed
+    _without_steady_rows(monkeypatch)
+    want, none = run()
+    assert none == 0 and got == want
