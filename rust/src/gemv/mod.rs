@@ -125,12 +125,22 @@ impl Kernel {
 /// Xeon, 2026-12-04). 256 keeps more chunks to balance a late thread with.
 const MIN_CHUNK_BLOCKS: usize = 256;
 
-/// Chunks a product of `tiles` tiles of `blocks` blocks is claimed in on `threads` threads: about 16
-/// per thread, each of at least `MIN_CHUNK_BLOCKS` tile blocks, and a multiple of the threads where
-/// the tiles allow (a 576-row product's 36 tiles made 3 chunks of 15, 15 and 6 tiles, so one of 2
-/// threads did 21 of them; now 4 chunks of 9).
-fn chunk_count(tiles: usize, blocks: usize, threads: usize) -> usize {
-    let per_chunk = tiles.div_ceil(16 * threads).max(MIN_CHUNK_BLOCKS.div_ceil(blocks.max(1))).max(1);
+/// At M = 1 the least work in a chunk is this many tile blocks (divided by M up to M = 4, where
+/// [`MIN_CHUNK_BLOCKS`] takes over): each chunk a thread claims starts a new stream of weights, and
+/// SmolLM2's layer products at M = 1 on 2 threads, their weights in the L3 (30 layers' matrices in
+/// turn), took 9.5 / 6.7 / 25.6 / 14.6 us (qkv, o, gate_up, down) with 4, 4, 12 and 4 chunks and
+/// 9.4 / 6.7 / 23.9 / 14.0 with 2, 2, 4 and 2 (Intel Xeon, 2026-12-05; 2 threads against 1:
+/// 1.48x -> 1.55x a layer). Larger M keeps today's chunks: its blocks are M times the work.
+const MIN_CHUNK_BLOCKS_M1: usize = 1024;
+
+/// Chunks a product of `tiles` tiles of `blocks` blocks with `m` activation rows is claimed in on
+/// `threads` threads: about 16 per thread, each of at least `max(MIN_CHUNK_BLOCKS,
+/// MIN_CHUNK_BLOCKS_M1 / m)` tile blocks, and a multiple of the threads where the tiles allow (a
+/// 576-row product's 36 tiles made 3 chunks of 15, 15 and 6 tiles, so one of 2 threads did 21 of
+/// them; then 4 chunks of 9).
+fn chunk_count(tiles: usize, blocks: usize, m: usize, threads: usize) -> usize {
+    let least = MIN_CHUNK_BLOCKS.max(MIN_CHUNK_BLOCKS_M1.div_ceil(m.max(1)));
+    let per_chunk = tiles.div_ceil(16 * threads).max(least.div_ceil(blocks.max(1))).max(1);
     let chunks = tiles.div_ceil(per_chunk);
     (chunks.div_ceil(threads) * threads).min(tiles).max(1)
 }
@@ -205,7 +215,7 @@ impl PackedMatrix {
             let team = pool::team(threads)?;
             // chunks of whole tiles, about 16 per thread: small enough to balance (a thread
             // may be late), large enough that claiming one costs little next to it
-            let chunks = chunk_count(tiles, self.blocks(), team.threads());
+            let chunks = chunk_count(tiles, self.blocks(), m, team.threads());
             team.run(chunks, &|c: usize| {
                 let mut small = [0f32; 8 * TILE];
                 let mut large = Vec::new();
@@ -233,10 +243,10 @@ mod chunk_tests {
 
     #[test]
     fn chunks_cover_every_tile_once_and_share_out_evenly() {
-        for threads in 1..=4 {
+        for (threads, m) in (1..=4).flat_map(|t| [1, 2, 4, 16].map(|m| (t, m))) {
             for tiles in 1..400 {
                 for blocks in [1, 18, 48, 300] {
-                    let chunks = chunk_count(tiles, blocks, threads);
+                    let chunks = chunk_count(tiles, blocks, m, threads);
                     let ranges: Vec<_> = (0..chunks).map(|c| chunk_range(c, chunks, tiles)).collect();
                     assert_eq!(ranges.first().unwrap().start, 0);
                     assert_eq!(ranges.last().unwrap().end, tiles);
@@ -248,8 +258,12 @@ mod chunk_tests {
                 }
             }
         }
-        // SmolLM2's 576-row products on 2 threads: 4 chunks of 9 tiles, not 15 + 15 + 6
-        assert_eq!(chunk_count(36, 18, 2), 4);
-        assert_eq!(chunk_count(96, 18, 2), 8);
+        // SmolLM2's 576-row products on 2 threads at M >= 4 (at least 256 tile blocks a chunk): 4 chunks
+        // of 9 tiles, not 15 + 15 + 6
+        assert_eq!(chunk_count(36, 18, 4, 2), 4);
+        assert_eq!(chunk_count(96, 18, 8, 2), 8);
+        // M = 1: at least 1024 (SmolLM2's o, qkv, gate_up, down; its head keeps ~16 per thread)
+        assert_eq!([(36, 18), (60, 18), (192, 18), (36, 48), (3072, 18)].map(|(t, b)| chunk_count(t, b, 1, 2)),
+                   [2, 2, 4, 2, 32]);
     }
 }

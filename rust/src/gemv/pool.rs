@@ -288,6 +288,31 @@ mod tests {
         }
     }
 
+    /// `cargo test --release --lib team_handoff_cost -- --ignored --nocapture`: what a 2-thread call
+    /// costs beyond its work: an empty call, and calls of 2 or 4 chunks of busy work (each chunk ~2 or
+    /// ~1 us), back to back, against the same work on one thread.
+    #[test]
+    #[ignore]
+    fn team_handoff_cost() {
+        fn busy(ns: u64) {
+            let since = Instant::now();
+            while since.elapsed().as_nanos() < ns as u128 {
+                std::hint::spin_loop();
+            }
+        }
+        let t = Team::start(2).unwrap();
+        for (chunks, ns) in [(0usize, 0u64), (2, 2000), (4, 1000), (8, 500)] {
+            let n = 20_000;
+            let since = Instant::now();
+            for _ in 0..n {
+                t.run(chunks, &|_| busy(ns)).unwrap();
+            }
+            let per = since.elapsed().as_secs_f64() / n as f64 * 1e6;
+            let ideal = (chunks as f64 * ns as f64 / 2.0) / 1000.0;
+            println!("{chunks} chunks of {ns} ns on 2 threads: {per:.2} us a call ({:.2} us over half the work)", per - ideal);
+        }
+    }
+
     #[test]
     fn zero_or_too_many_threads_is_refused() {
         for bad in [0, MAX_THREADS + 1, usize::MAX] {
