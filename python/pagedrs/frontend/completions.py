@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from pagedrs.outputs import CompletionOutput
 
-if TYPE_CHECKING:  # output_processor.py imports this module
-    from pagedrs.frontend.output_processor import SampleText
+if TYPE_CHECKING:
+    from pagedrs.frontend.sample_text import SampleText
 
 
 def visible_chars(s: SampleText, longest_hold: int) -> int:

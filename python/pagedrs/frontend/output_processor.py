@@ -1,19 +1,12 @@
 """Where text ends: the one place that turns the core's token ids into outputs.
 
 Per request and sample it keeps the detokenizer, the text, the logprobs handed out and
-what was already reported. Its rules, applied token by token to what the core sends:
-
-* a sample the core ended by a stop token (EOS or ``stop_token_ids``): that token is in
-  ``token_ids`` but not in the text, and held-back bytes are flushed;
-* a stop string (a text rule: only text can tell which token completes it) ends the
-  sample at that token: the text is cut at the string (or after it, with
-  ``include_stop_str_in_output``), later tokens are dropped, and the core is told with a
-  ``FinishSample`` (reason "stop", ``stop_reason`` the string). In the same process the
-  core hears it before its next step; a core in another process may have computed one
-  token more, which never reaches an output;
-* ended by ``length``: the last token is text, then held-back bytes are flushed;
-* aborted or failed: no flush;
-* while a sample runs, text that may still be the start of a stop string is held back.
+what was already reported. The token rules (stop tokens, stop strings, flushes) are applied
+token by token in ``frontend/sample_text.py``; here, a stop string found while the core's
+sequence goes on is told to the core with a ``FinishSample`` (reason "stop", ``stop_reason``
+the string): in the same process the core hears it before its next step; a core in another
+process may have computed one token more, which never reaches an output. While a sample runs,
+text that may still be the start of a stop string is held back.
 
 ``best_of > n`` ranks the finished samples by cumulative log-probability here, summed over
 the tokens kept (so cut where a stop string cut the text), best first, ties by index; beam
@@ -33,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Optional, Union
 
@@ -42,34 +35,12 @@ from pagedrs.core.continuation import RequestShape, request_shape
 from pagedrs.core.protocol import Abort, CoreOutput, CoreOutputItem, CoreSampleOutput, CoreTokenRows, FinishSample, RequestMetrics
 from pagedrs.frontend.completions import cumulative_completions, delta_completions, one_delta_completion
 from pagedrs.frontend.input_processor import ProcessedRequest, outputs_before_end
+from pagedrs.frontend.sample_text import SampleText, detok, replay_text, take_deferred, take_hypothesis, take_tokens
 from pagedrs.outputs import RequestOutput
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Command = Union[FinishSample, Abort]
-
-
-@dataclass
-class SampleText:
-    """One sample's output as the front end builds it."""
-
-    index: int
-    detokenizer: Optional[IncrementalDetokenizer]  # None: beam search (its text is decoded once, at the end)
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""  # visible text (a matched stop string cut off)
-    finish_reason: Optional[str] = None
-    stop_reason: Union[int, str, None] = None
-    logprobs: Optional[list[dict[int, float]]] = None  # per token, when params.logprobs asked
-    cumulative_logprob: Optional[float] = None
-    score: Optional[float] = None  # beam search: the hypothesis' length-penalized score
-    sent_tokens: int = 0  # tokens already reported
-    sent_chars: int = 0  # characters of text already reported
-    finish_sent: bool = False  # its finish was reported (DELTA: a finished sample is not repeated)
-    deferred: bool = False  # its text is decoded once, when it ends (nobody reads it before)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -237,7 +208,7 @@ class OutputProcessor:
                 s.cumulative_logprob = (s.cumulative_logprob or 0.0) + logprob
                 if state.detokenize:
                     try:
-                        s.text += _detok(s).step([token])
+                        s.text += detok(s).step([token])
                     except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
                         self._fail_here(state, exc, commands)
                         self._touch(state, touched)
@@ -282,79 +253,13 @@ class OutputProcessor:
         params = state.params
         if state.beam:
             assert isinstance(params, BeamSearchParams)
-            self._take_hypothesis(s, c, params)
-            return
-        if s.deferred:
-            self._take_deferred(s, c)
-            return
-        assert isinstance(params, SamplingParams)
-        new_ids = c.new_token_ids
-        if len(new_ids) == 1 and not state.detokenize and c.top_logprobs is None:
-            # a decode step's one token with no text to make (skip_tokenizer_init, detokenize=False):
-            # what the loop below does for it (no text: no flush, no stop string), without the loop
-            s.token_ids.append(new_ids[0])
-            s.cumulative_logprob = (s.cumulative_logprob or 0.0) + c.logprobs[0]
-            if c.finish_reason is not None:
-                s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
-            return
-        stopped_by_text = False
-        last = len(new_ids) - 1
-        for i, token in enumerate(new_ids):
-            reason = c.finish_reason if i == last else None
-            s.token_ids.append(token)
-            s.cumulative_logprob = (s.cumulative_logprob or 0.0) + c.logprobs[i]  # always: best_of ranks by it
-            if c.top_logprobs is not None:
-                if s.logprobs is None:
-                    s.logprobs = []
-                s.logprobs.append(c.top_logprobs[i])  # in place: a copy per token would be quadratic
-            if reason == "stop":  # a stop token: not part of the text
-                if state.detokenize:
-                    s.text += _detok(s).flush()
-                break
-            if state.detokenize:
-                previous = len(s.text)
-                s.text += _detok(s).step([token])
-                if params.stop and len(s.token_ids) > params.min_tokens and _apply_stop_strings(s, params, previous):
-                    stopped_by_text = True
-                    if reason is None:  # the core's sequence goes on: end it there too
-                        commands.append(FinishSample(state.request_id, s.index, "stop", s.stop_reason))
-                    break
-            if reason == "length" and state.detokenize:
-                s.text += _detok(s).flush()
-        if not stopped_by_text and c.finish_reason is not None:
-            s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
-
-    def _take_deferred(self, s: SampleText, c: CoreSampleOutput) -> None:
-        """Tokens and logprobs only; the text once, when the sample ends (the per-token path's
-        text: a stop token is not in it, and an ending by stop or length flushes)."""
-        n = len(c.new_token_ids)
-        if n:
-            s.token_ids.extend(c.new_token_ids)
-            total = s.cumulative_logprob or 0.0
-            for logprob in c.logprobs[:n]:  # one by one: the same float sum as the per-token path
-                total += logprob
-            s.cumulative_logprob = total
-            if c.top_logprobs is not None:
-                if s.logprobs is None:
-                    s.logprobs = []
-                s.logprobs.extend(c.top_logprobs[:n])
-        if c.finish_reason is None:
-            return
-        if c.finish_reason in ("stop", "length") and n:
-            shown = s.token_ids[:-1] if c.finish_reason == "stop" else s.token_ids
-            s.text = _detok(s).finish_at_once(shown)
-        else:  # the per-token path flushes only with the token that ends the sample
-            _replay_text(s)
-        s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
-
-    def _take_hypothesis(self, s: SampleText, c: CoreSampleOutput, params: BeamSearchParams) -> None:
-        """A beam-search output (it comes once): a hypothesis, or a live beam of an ended search."""
-        s.token_ids = list(c.new_token_ids)
-        s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
-        s.cumulative_logprob, s.score = c.cumulative_logprob, c.score
-        if c.finish_reason in ("stop", "length"):  # a stop token is in token_ids, not in the text
-            shown = s.token_ids[:-1] if c.finish_reason == "stop" else s.token_ids
-            s.text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
+            take_hypothesis(s, c, params, self.tokenizer)
+        elif s.deferred:
+            take_deferred(s, c)
+        else:
+            assert isinstance(params, SamplingParams)
+            if take_tokens(s, c, params, state.detokenize):
+                commands.append(FinishSample(state.request_id, s.index, "stop", s.stop_reason))
 
     # ---- outputs ---------------------------------------------------------------------
 
@@ -362,7 +267,7 @@ class OutputProcessor:
         for s in state.samples:
             if not s.finished:
                 if s.deferred:
-                    _replay_text(s)  # aborted or failed: the text so far, unflushed
+                    replay_text(s)  # aborted or failed: the text so far, unflushed
                 s.finish_reason = reason
         for index in range(len(state.samples), state.shape.num_samples):  # samples never forked
             self._sample(state, index).finish_reason = reason
@@ -404,44 +309,6 @@ class OutputProcessor:
         # positional, in RequestOutput's field order (keywords cost a batch of 256 a tenth of this call)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, state.error,
                              metrics, state.num_cached_tokens, state.cached_tokens_by_tier, prompt_logprobs)
-
-
-def _detok(s: SampleText) -> IncrementalDetokenizer:
-    assert s.detokenizer is not None
-    return s.detokenizer
-
-
-def _replay_text(s: SampleText) -> None:
-    """A deferred sample's text as the per-token path makes it without a flush (an abort, a failure,
-    an ending that came without a token): each token stepped in turn. A detokenizer that fails
-    leaves the text it made up to there (the per-token path would have failed at the same token)."""
-    s.text = ""
-    if s.detokenizer is None:
-        return
-    detok = s.detokenizer.restarted()  # a decode at the end may have failed half-way through
-    for token in s.token_ids:
-        try:
-            s.text += detok.step([token])
-        except Exception:  # noqa: BLE001 - the request is ending anyway; its error says why
-            return
-
-
-def _apply_stop_strings(sample: SampleText, params: SamplingParams, previous: int) -> bool:
-    """Finds a stop string that ends in the newest text; cuts the text at it."""
-    stops: list[str] = params.stop  # type: ignore[assignment]  # normalized to a list by SamplingParams
-    longest = max(len(s) for s in stops)
-    search_from = max(0, previous - longest + 1)
-    best: Optional[tuple[int, str]] = None
-    for stop in stops:
-        at = sample.text.find(stop, search_from)
-        if at != -1 and (best is None or at < best[0]):
-            best = (at, stop)
-    if best is None:
-        return False
-    at, stop = best
-    sample.text = sample.text[: at + len(stop)] if params.include_stop_str_in_output else sample.text[:at]
-    sample.finish_reason, sample.stop_reason = "stop", stop
-    return True
 
 
 def _rank_by_cumulative_logprob(state: RequestState) -> None:
