@@ -277,3 +277,17 @@ def test_a_steady_row_whose_append_fails_ends_its_request_as_one_core_output_wou
     _without_steady_rows(monkeypatch)
     want, none = run()
     assert none == 0 and got == want
+
+
+def test_columns_of_unequal_lengths_are_refused_before_any_row_is_taken(tiny_llama_dir):
+    """A malformed message (a row missing its token or logprob) is an error naming the counts, not
+    rows silently dropped by a zip; no row of it is taken."""
+    tokenizer = Tokenizer.from_folder(tiny_llama_dir, {0})
+    out = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=5, output_kind=CUMULATIVE, detokenize=False)
+    out.add(InputProcessor(tokenizer, 10**6, 512, 16).process("a", "x", params, 0), queued_time=1.0)
+    out.process([CoreOutput("a", [CoreSampleOutput(0, [7], [-0.5])], False, RequestMetrics(0.5, 1.0))])
+    for rows in (CoreTokenRows(["a", "a"], [8], [-0.25, -0.25]), CoreTokenRows(["a"], [8], [])):
+        with pytest.raises(ValueError, match=r"CoreTokenRows: \d+ request ids, \d+ tokens and \d+ logprobs"):
+            out.process([rows])
+    assert out.requests["a"].samples[0].token_ids == [7]

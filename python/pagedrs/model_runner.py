@@ -104,7 +104,7 @@ class ModelRunner:
             return self.padded_forward(padded)[: padded.num_real]
         # the fused CPU decode takes the step's arrays as they are (no metadata, no torch op before the head)
         direct = self.model.step_hidden(step, self.kv_views, self.backend)
-        last: torch.Tensor | None = None  # each sequence's last row (not needed by a decode-only step)
+        meta: AttentionMetadata | None = None  # None: the fused CPU decode ran the step from its arrays
         if direct is not None:
             hidden = direct
         else:
@@ -115,13 +115,13 @@ class ModelRunner:
             input_ids = _tensor(step.input_ids, torch.long, self.device)
             positions = _tensor(step.positions, torch.long, self.device)
             hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)
-            last = meta.query_start_loc[1:].long() - 1
         if not compute_logits:
             return hidden.new_empty((0, vocab))
         if step.num_tokens == step.num_seqs:  # decode only: every token is its sequence's last
             return self.model.compute_logits(hidden)
-        if last is None:
-            last = torch.from_numpy(step.query_start_loc[1:].astype(np.int64) - 1)
+        # each sequence's last row, on the device hidden is on
+        last = (torch.from_numpy(step.query_start_loc[1:].astype(np.int64) - 1) if meta is None
+                else meta.query_start_loc[1:].long() - 1)
         if len(step.logit_rows):  # prompt_logprobs: those prompt rows too, after the last rows
             last = torch.cat([last, torch.from_numpy(step.logit_rows).long().to(self.device)])
         return self.model.compute_logits(hidden[last])

@@ -283,44 +283,44 @@ def _whole_decode_bucket(meta: AttentionMetadata, block_size: int, num_blocks: i
     fewest ops (a batch-32 step's plan was ~0.1 ms of host time, cold, in ~20 small ops)."""
     num_seqs = len(meta.seq_lens_cpu)
     device = meta.block_tables.device
-    index = _arange(num_seqs, device)
-    rows = _ROWS.get((num_seqs, str(device)))
-    if rows is None:  # index[:, None], made once per length like index (read-only for every user)
-        if len(_ROWS) > 4096:
-            _ROWS.clear()
-        rows = _ROWS[num_seqs, str(device)] = index[:, None]
-    if device.type == "cpu":  # the same tensors from NumPy: a few torch calls fewer, each ~3 us cold
+    index, rows = _arange_rows(num_seqs, device)
+    if device.type == "cpu":  # the same tensor from NumPy: a few torch calls fewer, each ~3 us cold
         tables = torch.from_numpy(np.maximum(meta.block_tables.numpy()[:, 0:num_blocks], 0).astype(np.int64))
-        mask = torch.from_numpy((np.arange(num_blocks * block_size)[None, :] < meta.seq_lens.numpy()[:, None])
-                                [:, None, None, :])
     else:
         tables = meta.block_tables[:, 0:num_blocks].long().clamp_min(0)
-        mask = _key_mask(meta, num_blocks * block_size)[:, None, None, :]
-    return _Bucket(rows=rows, rows_are_all=True, out_rows=index, keep=None, tables=tables, mask=mask)
+    return _Bucket(rows=rows, rows_are_all=True, out_rows=index, keep=None, tables=tables,
+                   mask=_key_mask(meta, num_blocks * block_size))
 
 
 def _key_mask(meta: AttentionMetadata, num_keys: int) -> torch.Tensor:
-    """bool [S, num_keys]: key position < the sequence's length (a decode row's causal mask); made in
-    NumPy on the CPU (one call instead of a mixed-dtype torch comparison's few)."""
+    """bool [S, 1, 1, num_keys]: key position < the sequence's length (a decode row's causal mask);
+    made in NumPy on the CPU (one call instead of a mixed-dtype torch comparison's few)."""
     device = meta.seq_lens.device
     if device.type == "cpu":
-        return torch.from_numpy(np.arange(num_keys)[None, :] < meta.seq_lens.numpy()[:, None])
-    return _arange(num_keys, device) < meta.seq_lens[:, None]
+        return torch.from_numpy((np.arange(num_keys)[None, :] < meta.seq_lens.numpy()[:, None])[:, None, None, :])
+    return (_arange(num_keys, device) < meta.seq_lens[:, None])[:, None, None, :]
 
 
-_ARANGES: dict[tuple[int, str], torch.Tensor] = {}
-_ROWS: dict[tuple[int, str], torch.Tensor] = {}  # _arange(n)[:, None]
+# length and device -> (torch.arange(n), the same as a column [n, 1])
+_ARANGES: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _arange_rows(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.arange(n)`` (int64) and its column view ``[:, None]``, made once per length and device
+    and shared: read-only by every user."""
+    key = (n, str(device))
+    pair = _ARANGES.get(key)
+    if pair is None:
+        if len(_ARANGES) > 4096:  # lengths are bounded by max_num_seqs and the longest table; a guard only
+            _ARANGES.clear()
+        t = torch.arange(n, device=device)
+        pair = _ARANGES[key] = (t, t[:, None])
+    return pair
 
 
 def _arange(n: int, device: torch.device) -> torch.Tensor:
-    """``torch.arange(n)`` (int64), made once per length and device and shared: read-only by every user."""
-    key = (n, str(device))
-    t = _ARANGES.get(key)
-    if t is None:
-        if len(_ARANGES) > 4096:  # lengths are bounded by max_num_seqs and the longest table; a guard only
-            _ARANGES.clear()
-        t = _ARANGES[key] = torch.arange(n, device=device)
-    return t
+    """``torch.arange(n)`` (int64), shared (``_arange_rows``)."""
+    return _arange_rows(n, device)[0]
 
 
 def _attend(

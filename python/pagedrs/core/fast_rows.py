@@ -179,8 +179,7 @@ def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[f
             metrics.first_token_time = now
             touched[request.request_id] = request  # its first token: the core's queue bookkeeping reads it
         elif request.stream_tokens:  # (a request read only at its end is touched when it ends)
-            if (steady is not None and s.finish_reason is None and request._timed and s.sent_tokens == num_out - 1
-                    and request.prompt_logprobs is None and request.ended is None):
+            if steady is not None and s.finish_reason is None and s.sent_tokens == num_out - 1 and request.steady:
                 s.sent_tokens = num_out
                 steady.request_ids.append(request.request_id)
                 steady.token_ids.append(token)

@@ -130,6 +130,13 @@ class Request:
                 return False
         return True
 
+    @property
+    def steady(self) -> bool:
+        """Past the output with its first token (its metrics went out), no prompt logprobs to send,
+        not ended: while its samples run, an output says only what they gained (``output``'s short
+        path, and the core's steady rows: ``CoreTokenRows``)."""
+        return self._timed and self.prompt_logprobs is None and self.ended is None
+
     def output(self, streams_tokens: bool) -> Optional[CoreOutput]:
         """The output since the previous one; None when there is nothing worth sending
         (``streams_tokens`` False — beam search — until it finishes)."""
@@ -137,8 +144,7 @@ class Request:
         if not streams_tokens and not finished:
             return None
         samples_held = self.samples
-        if (not finished and self._timed and len(samples_held) == 1 and self.prompt_logprobs is None
-                and self.ended is None):
+        if not finished and len(samples_held) == 1 and self.steady:
             # a running one-sample request past its first token (most of a decode batch): what the
             # general path below builds for it, without its loops and checks
             return CoreOutput(self.request_id, [samples_held[0].take_output()], False, None, self.error,

@@ -35,7 +35,7 @@ from pagedrs.core.continuation import RequestShape, request_shape
 from pagedrs.core.protocol import Abort, CoreOutput, CoreOutputItem, CoreSampleOutput, CoreTokenRows, FinishSample, RequestMetrics
 from pagedrs.frontend.completions import cumulative_completions, delta_completions, one_delta_completion
 from pagedrs.frontend.input_processor import ProcessedRequest, outputs_before_end
-from pagedrs.frontend.sample_text import SampleText, detok, replay_text, take_deferred, take_hypothesis, take_tokens
+from pagedrs.frontend.sample_text import SampleText, replay_text, take_deferred, take_hypothesis, take_plain_token, take_tokens
 from pagedrs.outputs import RequestOutput
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -64,12 +64,12 @@ class RequestState:
     prompt_logprobs_sent: bool = False  # DELTA: an output carried them (they go once)
     beam: bool = False  # BeamSearchParams (asked per sample and step: a bool, not an isinstance)
     longest_hold: int = 0  # characters held back while a sample runs: the longest stop string's, less one
-    # DELTA with one sample and no stop string: a running step's output is its one sample's new
-    # tokens and text (``completions.one_delta_completion``), the server's common case
-    one_delta: bool = False
     # one sample, no stop string, its text made token by token: a steady row's token is taken inline
     # (``OutputProcessor._take_rows``)
     plain_stream: bool = False
+    # DELTA and plain_stream: a running step's output is its one sample's new tokens and text
+    # (``completions.one_delta_completion``), the server's common case
+    one_delta: bool = False
 
     @property
     def finished(self) -> bool:
@@ -111,12 +111,11 @@ class OutputProcessor:
                              detokenize=(isinstance(params, SamplingParams) and params.detokenize
                                          and self.tokenizer.makes_text),
                              beam=isinstance(params, BeamSearchParams),
-                             longest_hold=max(map(len, stops)) - 1 if stops else 0,
-                             one_delta=(kind == RequestOutputKind.DELTA and not stops and shape.num_samples == 1
-                                        and shape.num_outputs == 1))
+                             longest_hold=max(map(len, stops)) - 1 if stops else 0)
         first = self._sample(state, 0)  # its detokenizer exists from the start
         state.plain_stream = (isinstance(params, SamplingParams) and not stops and shape.num_samples == 1
                               and not first.deferred)
+        state.one_delta = state.delta and state.plain_stream
         self._requests[processed.request_id] = state
 
     def remove(self, request_id: str) -> None:
@@ -193,6 +192,9 @@ class OutputProcessor:
         string takes it here, as ``_take`` takes one token with no top logprobs and no finish (the
         server's common case, once per request and step: no objects); any other request gets the
         ``CoreOutput`` the row stands for."""
+        if not len(rows.request_ids) == len(rows.token_ids) == len(rows.logprobs):  # a malformed message: take none
+            raise ValueError(f"CoreTokenRows: {len(rows.request_ids)} request ids, {len(rows.token_ids)} tokens and "
+                             f"{len(rows.logprobs)} logprobs; need one of each per row")
         requests = self._requests
         for request_id, token, logprob in zip(rows.request_ids, rows.token_ids, rows.logprobs):
             state = requests.get(request_id)
@@ -204,15 +206,12 @@ class OutputProcessor:
                 continue
             s = state.samples[0]
             if s.finish_reason is None:
-                s.token_ids.append(token)
-                s.cumulative_logprob = (s.cumulative_logprob or 0.0) + logprob
-                if state.detokenize:
-                    try:
-                        s.text += detok(s).step([token])
-                    except Exception as exc:  # noqa: BLE001 - this request fails, the others go on
-                        self._fail_here(state, exc, commands)
-                        self._touch(state, touched)
-                        continue
+                try:
+                    take_plain_token(s, token, logprob, state.detokenize)
+                except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer: this request fails, the others go on
+                    self._fail_here(state, exc, commands)
+                    self._touch(state, touched)
+                    continue
             touched[request_id] = (state, False)  # one running sample, no stop string: still running
 
     def _fail_here(self, state: RequestState, exc: Exception, commands: list[Command]) -> None:

@@ -56,8 +56,7 @@ def take_tokens(s: SampleText, c: CoreSampleOutput, params: SamplingParams, deto
     if len(new_ids) == 1 and not detokenize and c.top_logprobs is None:
         # a decode step's one token with no text to make (skip_tokenizer_init, detokenize=False):
         # what the loop below does for it (no text: no flush, no stop string), without the loop
-        s.token_ids.append(new_ids[0])
-        s.cumulative_logprob = (s.cumulative_logprob or 0.0) + c.logprobs[0]
+        take_plain_token(s, new_ids[0], c.logprobs[0], False)
         if c.finish_reason is not None:
             s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
         return False
@@ -87,6 +86,15 @@ def take_tokens(s: SampleText, c: CoreSampleOutput, params: SamplingParams, deto
     if not stopped_by_text and c.finish_reason is not None:
         s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
     return core_goes_on
+
+
+def take_plain_token(s: SampleText, token: int, logprob: float, detokenize: bool) -> None:
+    """One token that does not end the sample, of a sample no stop string can end and without top
+    logprobs: what ``take_tokens`` does with it (its id, its logprob in the running sum, its text)."""
+    s.token_ids.append(token)
+    s.cumulative_logprob = (s.cumulative_logprob or 0.0) + logprob
+    if detokenize:
+        s.text += detok(s).step([token])
 
 
 def take_deferred(s: SampleText, c: CoreSampleOutput) -> None:

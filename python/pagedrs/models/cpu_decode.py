@@ -22,6 +22,7 @@ measures the quality of what runs).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -51,11 +52,8 @@ class FusedCpuDecode:
         # the model's other records when its parameters are replaced (LlamaForCausalLM.bind)
         self._embed: np.ndarray | None = embed.detach().numpy() if embed.dtype == torch.float32 else None
         self.enabled = True  # False: every step takes the torch ops (tests compare the two)
-        # What ``runs`` and ``_whole_cache`` found for the runner's views, kept while the same views
-        # (the same list holding the same first and last layers) come back: (views, first, last,
-        # backend, runs, the whole cache as NumPy or None). Why: each torch call there runs cold
-        # after the stack has streamed the weights (24 us a batch-1 step for the cache alone).
-        self._memo: tuple[object, object, object, object, bool, np.ndarray | None] | None = None
+        # what ``runs`` and ``_whole_cache`` found for the runner's views (``_ViewsMemo``)
+        self._memo: _ViewsMemo | None = None
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedCpuDecode | None:
@@ -98,35 +96,33 @@ class FusedCpuDecode:
         """Whether this step runs here: a float32 CPU cache that the torch backend reads."""
         if not self.enabled:
             return False
-        memo = self._known(kv_cache, backend)
-        if memo is not None:
-            return memo[4]
+        memo = self._memo_of(kv_cache)
+        if memo is not None and memo.backend is backend:
+            return memo.runs
         from pagedrs.attention.torch_backend import TorchAttentionBackend
 
         first = kv_cache[0] if isinstance(kv_cache, torch.Tensor) else kv_cache[0][0]
         answer = isinstance(backend, TorchAttentionBackend) and first.dtype == torch.float32 \
             and first.device.type == "cpu"
         if not isinstance(kv_cache, torch.Tensor):  # (a whole tensor's kv_cache[0] is a new view each time)
-            self._memo = (kv_cache, kv_cache[0], kv_cache[-1], backend, answer, None)
+            self._memo = _ViewsMemo(kv_cache, kv_cache[0], kv_cache[-1], backend, answer)
         return answer
 
-    def _known(self, kv_cache: object, backend: object) -> tuple[object, object, object, object, bool,
-                                                                  np.ndarray | None] | None:
-        """The memo, when it is of these very views (the same list, first and last layers) and backend."""
+    def _memo_of(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> _ViewsMemo | None:
+        """The memo, when it is of these very views (the same list, holding the same first and last layers)."""
         memo = self._memo
-        if memo is None or memo[0] is not kv_cache or memo[3] is not backend or isinstance(kv_cache, torch.Tensor):
+        if memo is None or isinstance(kv_cache, torch.Tensor) or memo.views is not kv_cache:
             return None
-        views = cast("Sequence[object]", kv_cache)
-        return memo if memo[1] is views[0] and memo[2] is views[-1] else None
+        return memo if kv_cache[0] is memo.first and kv_cache[-1] is memo.last else None
 
     def _cache_array(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> np.ndarray:
-        """``_whole_cache`` as NumPy, found once per views (``_memo``)."""
-        memo = self._memo
-        if memo is not None and memo[5] is not None and self._known(kv_cache, memo[3]) is not None:
-            return memo[5]
+        """``_whole_cache`` as NumPy, found once per views."""
+        memo = self._memo_of(kv_cache)
+        if memo is not None and memo.cache is not None:
+            return memo.cache
         whole = _whole_cache(kv_cache, self._layers).numpy()
-        if memo is not None and self._known(kv_cache, memo[3]) is not None:
-            self._memo = (*memo[:5], whole)
+        if memo is not None:
+            memo.cache = whole
         return whole
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor,
@@ -166,6 +162,21 @@ class FusedCpuDecode:
         threads = self._method.threads or torch.get_num_threads()
         return self.stack.forward(h, cos_sin, self._cache_array(kv_cache), slot_mapping, query_start_loc, seq_lens,
                                   block_tables, threads)
+
+
+@dataclass
+class _ViewsMemo:
+    """What one runner's views gave, kept while the same views come back (the runner hands the same
+    list every step). Why: each torch call in ``runs`` and ``_whole_cache`` runs cold after the stack
+    has streamed the weights (24 us a batch-1 step for the cache alone). The views are held (not
+    their ids), so a freed cache is never mistaken for a new one."""
+
+    views: object
+    first: object  # views[0] and views[-1] when it was made: a list refilled in place is not these views
+    last: object
+    backend: object
+    runs: bool
+    cache: np.ndarray | None = None  # the whole cache as NumPy, once the stack first ran on these views
 
 
 def _on_kernel(layer: LinearBase) -> bool:

@@ -16,6 +16,7 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::lanes::Avx2;
+use super::attention::Simd;
 use super::lanes::{Lanes, Portable};
 use super::ops::LANES;
 use crate::gemv::{pool, GemvError};
@@ -87,28 +88,22 @@ unsafe fn row_stats_avx2(x: &[f32]) -> RowStats {
     row_stats::<Avx2>(x)
 }
 
-/// Which build runs: AVX2 with FMA where the CPU has both (detected once per call), else portable.
-fn stats_of(x: &[f32], avx2: bool) -> RowStats {
-    #[cfg(target_arch = "x86_64")]
-    if avx2 {
-        // SAFETY: `avx2` is true only where `is_x86_feature_detected!` found AVX2 and FMA.
-        return unsafe { row_stats_avx2(x) };
+/// `row_stats` in the build `simd` (attention's builds: `Simd::best()` where the CPU runs them).
+fn stats_of(x: &[f32], simd: Simd) -> RowStats {
+    match simd {
+        Simd::Portable => row_stats::<Portable>(x),
+        // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by callers that take `best`) on a
+        // CPU that runs AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { row_stats_avx2(x) },
     }
-    let _ = avx2;
-    row_stats::<Portable>(x)
-}
-
-fn has_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
 /// The statistics of each of the `x.len() / cols` rows of `x` (row-major `[rows, cols]`), rows
-/// shared over `threads` threads of the GEMV team (1: the caller alone). Errors: `cols` 0, a
-/// length that is not whole rows, `threads` outside the team sizes.
-pub fn row_stats_all(x: &[f32], cols: usize, threads: usize, simd: bool) -> Result<Vec<RowStats>, GemvError> {
+/// shared over `threads` threads of the GEMV team (1: the caller alone), in the build `simd`
+/// (`Simd::best()`; as for `attention::attend`, `Simd::Avx2` only where the CPU runs AVX2 and FMA).
+/// Errors: `cols` 0, a length that is not whole rows, `threads` outside the team sizes.
+pub fn row_stats_all(x: &[f32], cols: usize, threads: usize, simd: Simd) -> Result<Vec<RowStats>, GemvError> {
     let input = |reason: String| GemvError::Input { tensor: "logits".to_string(), reason };
     if cols == 0 || x.len() % cols != 0 {
         return Err(input(format!("has {} values; need whole rows of {cols} >= 1", x.len())));
@@ -117,18 +112,17 @@ pub fn row_stats_all(x: &[f32], cols: usize, threads: usize, simd: bool) -> Resu
         return Err(input(format!("rows of {cols} values; allowed: fewer than {}", u32::MAX)));
     }
     pool::check_threads(threads)?;
-    let avx2 = simd && has_avx2();
     let rows = x.len() / cols;
     let mut out = vec![RowStats { argmax: 0, logsumexp: 0.0 }; rows];
     if threads == 1 || rows < 2 {
         for (o, row) in out.iter_mut().zip(x.chunks_exact(cols)) {
-            *o = stats_of(row, avx2);
+            *o = stats_of(row, simd);
         }
         return Ok(out);
     }
     let slots: Vec<std::sync::Mutex<&mut RowStats>> = out.iter_mut().map(std::sync::Mutex::new).collect();
     pool::team(threads)?.run(rows, &|r: usize| {
-        let stats = stats_of(&x[r * cols..(r + 1) * cols], avx2);
+        let stats = stats_of(&x[r * cols..(r + 1) * cols], simd);
         **slots[r].lock().unwrap_or_else(|e| e.into_inner()) = stats; // one row, one claim: never contended
     })?;
     drop(slots);
@@ -204,16 +198,16 @@ mod tests {
     fn every_build_and_thread_count_gives_the_same_bits() {
         let all: Vec<Vec<f32>> = rows().into_iter().filter(|r| r.len() == 257).collect();
         let flat: Vec<f32> = (0..6).flat_map(|k| all[0].iter().map(move |v| v * (1.0 + k as f32 * 0.1))).collect();
-        let want = row_stats_all(&flat, 257, 1, false).unwrap();
-        for (threads, simd) in [(1, true), (2, false), (2, true), (3, true)] {
+        let want = row_stats_all(&flat, 257, 1, Simd::Portable).unwrap();
+        for (threads, simd) in [(1, Simd::best()), (2, Simd::Portable), (2, Simd::best()), (3, Simd::best())] {
             let got = row_stats_all(&flat, 257, threads, simd).unwrap();
             for (g, w) in got.iter().zip(&want) {
                 assert_eq!(g.argmax, w.argmax);
-                assert_eq!(g.logsumexp.to_bits(), w.logsumexp.to_bits(), "threads {threads} simd {simd}");
+                assert_eq!(g.logsumexp.to_bits(), w.logsumexp.to_bits(), "threads {threads} {simd:?}");
             }
         }
         for row in rows() {
-            let (a, b) = (stats_of(&row, false), stats_of(&row, true));
+            let (a, b) = (stats_of(&row, Simd::Portable), stats_of(&row, Simd::best()));
             assert_eq!(a.argmax, b.argmax);
             assert!(a.logsumexp.to_bits() == b.logsumexp.to_bits() || (a.logsumexp.is_nan() && b.logsumexp.is_nan()));
         }
@@ -221,10 +215,10 @@ mod tests {
 
     #[test]
     fn bad_shapes_and_thread_counts_are_refused() {
-        let err = row_stats_all(&[1.0; 10], 3, 1, true).unwrap_err().to_string();
+        let err = row_stats_all(&[1.0; 10], 3, 1, Simd::best()).unwrap_err().to_string();
         assert!(err.contains("logits") && err.contains("has 10 values; need whole rows of 3"), "{err}");
-        assert!(row_stats_all(&[], 0, 1, true).is_err());
-        assert!(row_stats_all(&[1.0; 4], 4, 0, true).is_err());
-        assert!(row_stats_all(&[], 5, 1, true).unwrap().is_empty());
+        assert!(row_stats_all(&[], 0, 1, Simd::best()).is_err());
+        assert!(row_stats_all(&[1.0; 4], 4, 0, Simd::best()).is_err());
+        assert!(row_stats_all(&[], 5, 1, Simd::best()).unwrap().is_empty());
     }
 }

@@ -11,6 +11,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use super::gemv::PyGgufMatrix;
+use crate::cpu_decode::attention::Simd;
 use crate::cpu_decode::{DecodeError, DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
 use crate::gemv::Kernel;
 
@@ -175,7 +176,7 @@ fn row_stats<'a>(
     let cols = logits.shape()[1];
     let x = contiguous(logits, "logits")?;
     let stats = py
-        .detach(|| crate::cpu_decode::logits::row_stats_all(x, cols, threads, true))
+        .detach(|| crate::cpu_decode::logits::row_stats_all(x, cols, threads, Simd::best()))
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
     Ok((x, cols, stats))
 }
