@@ -74,6 +74,7 @@ bench-dp: build $(RAY_STAMP)
 
 bench: build
 	cargo bench --bench allocator -- --noplot
+	cargo bench --bench decode_stack
 	$(PY) benches/bench_block_manager.py
 	$(VENV)/bin/pagedrs bench all --threads $(shell nproc) --out bench-out --plot bench-out
 

@@ -1,9 +1,11 @@
 //! Paged attention of each row over the keys it sees, read from the pages in place.
 //!
-//! One work item is one (row, query head): scores `q . k * scale` over the row's visible
-//! positions in order, softmax with the maximum subtracted, then `sum(p * v) / sum(p)`.
-//! Items are independent, so the GEMV team shares them out and the bits do not depend on
-//! how (each item writes only its own `head_dim` outputs).
+//! Per (row, query head): scores `q . k * scale` over the row's visible positions in order,
+//! softmax with the maximum subtracted, then `sum(p * v) / sum(p)`. One work item is one
+//! (row, KV head): the query heads that read that KV head, up to three at a time in one pass
+//! over its keys (a key's row loaded once for them all; each head's values are the bits it
+//! has alone). Items are independent, so the GEMV team shares them out and the bits do not
+//! depend on how (each item writes only its own heads' outputs).
 
 use std::sync::Mutex;
 
@@ -62,28 +64,29 @@ pub fn attend(
     // each row's visible keys, once per call (not once per head): offsets of kv head 0, which
     // the planes sliced at `kv_head * d` turn into that head's
     let keys: Vec<Vec<usize>> = (0..step.rows.len()).map(|r| key_offsets(layer, step, kv, r, stride)).collect();
+    // one item is one (row, KV head): the `group` query heads that read that KV head, whose
+    // outputs lie side by side in `out` (head h at h * d), scored in one pass over the keys
     let item = |i: usize, o: &mut [f32]| {
-        let (r, h) = (i / heads, i % heads);
-        let q = &qkv[r * width + h * d..][..d];
-        let at = (h / group) * d;
-        let (kp, vp) = (&layer.k_plane[at..], &layer.v_plane[at..]);
+        let (r, j) = (i / kv.kv_heads, i % kv.kv_heads);
+        let q = &qkv[r * width + j * group * d..][..group * d];
+        let (kp, vp) = (&layer.k_plane[j * d..], &layer.v_plane[j * d..]);
         match simd {
-            Simd::Portable => attend_one::<Portable>(layer.scale, kp, vp, q, &keys[r], o),
+            Simd::Portable => attend_group::<Portable>(layer.scale, kp, vp, q, d, &keys[r], o),
             // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
             // `best`) on a CPU that runs AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => unsafe { attend_one_avx2(layer.scale, kp, vp, q, &keys[r], o) },
+            Simd::Avx2 => unsafe { attend_group_avx2(layer.scale, kp, vp, q, d, &keys[r], o) },
         }
     };
-    let items = step.rows.len() * heads;
+    let items = step.rows.len() * kv.kv_heads;
     if threads == 1 || items == 1 {
-        for (i, o) in out.chunks_exact_mut(d).enumerate() {
+        for (i, o) in out.chunks_exact_mut(group * d).enumerate() {
             item(i, o);
         }
         return Ok(());
     }
-    // each item owns one head's outputs; the lock is never contended (one item, one claim)
-    let outs: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(d).map(Mutex::new).collect();
+    // each item owns its heads' outputs; the lock is never contended (one item, one claim)
+    let outs: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(group * d).map(Mutex::new).collect();
     let team = pool::team(threads)?;
     team.run(items, &|i: usize| {
         let mut o = outs[i].lock().unwrap_or_else(|e| e.into_inner());
@@ -116,22 +119,48 @@ fn key_offsets(layer: &LayerAttention<'_>, step: &StepLayout<'_>, kv: &KvGeometr
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_one_avx2(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], keys: &[usize], out: &mut [f32]) {
-    attend_one::<Avx2>(scale, kp, vp, q, keys, out)
+unsafe fn attend_group_avx2(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], d: usize, keys: &[usize], out: &mut [f32]) {
+    attend_group::<Avx2>(scale, kp, vp, q, d, keys, out)
 }
 
-/// Scores, softmax (maximum subtracted), `sum(p * v) / sum(p)`, keys in position order, each
-/// in [`Lanes`]'s fixed order.
+/// The query heads in `q` (`[heads, d]`, all reading one KV head) over `keys`, into `out`
+/// (`[heads, d]`): up to three heads at a time share each pass over the keys (three heads'
+/// accumulators fill AVX2's 16 registers; SmolLM2 has 3 heads a KV head, Llama 3 and Mistral 4).
 #[inline(always)]
-fn attend_one<L: Lanes>(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], keys: &[usize], out: &mut [f32]) {
-    let mut scores = vec![0f32; keys.len()];
-    L::scores(q, kp, keys, scale, &mut scores);
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-    let sum = L::softmax_weights(&mut scores, max);
-    L::weighted_sum(&scores, vp, keys, out);
-    for o in out.iter_mut() {
-        *o /= sum;
+fn attend_group<L: Lanes>(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], d: usize, keys: &[usize], out: &mut [f32]) {
+    let heads = q.len() / d;
+    let mut scores = vec![0f32; heads.min(3) * keys.len()];
+    let mut h = 0;
+    while h < heads {
+        let (q, out) = (&q[h * d..], &mut out[h * d..]);
+        h += match heads - h {
+            1 => attend_heads::<L, 1>(scale, kp, vp, &q[..d], keys, &mut out[..d], &mut scores),
+            2 => attend_heads::<L, 2>(scale, kp, vp, &q[..2 * d], keys, &mut out[..2 * d], &mut scores),
+            _ => attend_heads::<L, 3>(scale, kp, vp, &q[..3 * d], keys, &mut out[..3 * d], &mut scores),
+        };
     }
+}
+
+/// `G` heads: scores, softmax (each head's maximum subtracted), `sum(p * v) / sum(p)`, keys in
+/// position order, each head in [`Lanes`]'s fixed order (the bits of one head alone). Returns `G`.
+#[inline(always)]
+fn attend_heads<L: Lanes, const G: usize>(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], keys: &[usize], out: &mut [f32],
+                                           scores: &mut [f32]) -> usize {
+    let (n, d) = (keys.len(), q.len() / G);
+    let scores = &mut scores[..G * n];
+    L::scores_group::<G>(q, d, kp, keys, scale, scores);
+    let mut sums = [0f32; G];
+    for (s, sum) in scores.chunks_exact_mut(n).zip(&mut sums) {
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        *sum = L::softmax_weights(s, max);
+    }
+    L::weighted_sum_group::<G>(scores, vp, keys, out);
+    for (o, sum) in out.chunks_exact_mut(d).zip(sums) {
+        for x in o {
+            *x /= sum;
+        }
+    }
+    G
 }
 
 #[cfg(test)]
@@ -158,10 +187,10 @@ mod tests {
         let tables = [4, 0, 2, 1, 3, 3];
         let meta = StepMeta { slot_mapping: &[2, 6, 4], query_start_loc: &[0, 2, 3], seq_lens: &[7, 2], block_tables: &tables, table_width: 3 };
         let step = StepLayout::new(meta, 3, &kv).unwrap();
-        let heads = 4;
-        let width = (heads + 2 * kv.kv_heads) * kv.head_dim;
-        let qkv: Vec<f32> = (0..3 * width).map(|i| val(i + 3)).collect();
-        for window in [None, Some(2)] {
+        // 2, 4 and 7 query heads a KV head: one pass of 2, of 3 + 1, of 3 + 3 + 1
+        for (heads, window) in [(4, None), (4, Some(2)), (8, None), (14, Some(5))] {
+            let width = (heads + 2 * kv.kv_heads) * kv.head_dim;
+            let qkv: Vec<f32> = (0..3 * width).map(|i| val(i + 3)).collect();
             let layer = LayerAttention { k_plane: &k_plane, v_plane: &v_plane, heads, scale: 0.35, sliding_window: window };
             let mut one = vec![0f32; 3 * heads * 8];
             attend(&layer, &qkv, &step, &kv, &mut one, 1, Simd::best()).unwrap();
@@ -173,7 +202,7 @@ mod tests {
             assert_eq!(one, portable, "the SIMD build changes no bit");
             for (r, row) in step.rows.iter().enumerate() {
                 for h in 0..heads {
-                    let kvh = h / 2;
+                    let kvh = h / (heads / kv.kv_heads);
                     let lo = window.map_or(0, |w| row.keys.saturating_sub(w));
                     let at = |plane: &[f32], p: usize| {
                         let slot = tables[row.seq * 3 + p / 3] as usize * 3 + p % 3;
@@ -184,7 +213,7 @@ mod tests {
                     let want = reference(&qkv[r * width + h * 8..][..8], &keys, &values, 0.35);
                     for (j, w) in want.iter().enumerate() {
                         let got = one[(r * heads + h) * 8 + j] as f64;
-                        assert!((got - w).abs() < 1e-5, "row {r} head {h} {j}: {got} vs {w}");
+                        assert!((got - w).abs() < 1e-5, "{heads} heads: row {r} head {h} {j}: {got} vs {w}");
                     }
                 }
             }
@@ -201,7 +230,10 @@ mod timing {
     /// on 1 and 2 threads. 2026-12-05, Intel Xeon: pages in the L2 11.7-12.0 us a layer on 1 thread, 8.3-8.5
     /// on 2; from the L3 19.4-21.0 and 13.6-16.4: the 9 heads split 5 : 4, and both cores read the L3 at
     /// once. Claiming them as 2 chunks of consecutive heads (shared KV pages) instead of one by one was
-    /// measured and made no difference.
+    /// measured and made no difference. 2026-12-06, the three heads of a KV head in one pass over its keys
+    /// (one item a KV head), run back to back with the one-head-a-pass build: in the L2 12.1 -> 8.5 us a
+    /// layer on 1 thread, 8.8 -> 7.2 on 2; from the L3 20.9 -> 16.4 and 14.7 -> 12.7 (2 threads split 3
+    /// items 2 : 1).
     #[test]
     #[ignore]
     fn attention_speed() {
@@ -256,7 +288,9 @@ mod timing_long {
     /// thread count) was built and measured: no faster here (2048 keys 115.3-120.8 on 2 threads) and
     /// slower at SmolLM2's 160 keys (8.5 -> 10.7 us a layer in the L2, 14.2 -> 15.8 from the L3: twice
     /// the items, and each part's first keys miss the prefetch), so it is not in. The 5 : 4 split of 9
-    /// heads is not what holds 2 threads back: both cores share the L3's bandwidth.
+    /// heads is not what holds 2 threads back: both cores share the L3's bandwidth. 2026-12-06, a KV head's
+    /// query heads in one pass (before -> after, back to back): 512 keys 45.2 -> 32.6 us on 1 thread, 28.9
+    /// -> 24.4 on 2; 1024 keys 91.2 -> 65.9 and 58.5 -> 50.5; 2048 keys 189.4 -> 137.1 and 117.3 -> 102.2.
     #[test]
     #[ignore]
     fn attention_speed_long() {
@@ -286,3 +320,4 @@ mod timing_long {
         }
     }
 }
+

@@ -38,6 +38,12 @@ pub trait Lanes {
     fn softmax_weights(s: &mut [f32], max: f32) -> f32;
     /// `out[i] = sum over k in order of p[k] * V[k][i]` (fused), starting from 0.
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]);
+    /// [`Lanes::scores`] of `G` query heads of `d` floats each (`q` is `[G, d]`) against the same keys:
+    /// `out[g * n + k]` for `n = keys.len()`, the bits of `scores` head by head.
+    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]);
+    /// [`Lanes::weighted_sum`] of `G` heads' weights (`p` is `[G, n]`) over the same values into
+    /// `out` `[G, d]`, the bits of `weighted_sum` head by head.
+    fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]);
     /// `softmax_weights`' sum without writing the weights: `sum(exp(s[k] - max))`, the same bits.
     fn sum_exp(s: &[f32], max: f32) -> f32;
     /// SwiGLU of each fused `[gate | up]` row (`2 * inter` wide) into its `out` row: `silu(g) * u`.
@@ -162,6 +168,20 @@ impl Lanes for Portable {
         sum
     }
     #[inline(always)]
+    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+        let n = keys.len();
+        for (qg, og) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(G) {
+            Self::scores(qg, plane, keys, scale, og);
+        }
+    }
+    #[inline(always)]
+    fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+        let (n, d) = (keys.len(), out.len() / G);
+        for (pg, og) in p.chunks_exact(n.max(1)).zip(out.chunks_exact_mut(d)).take(G) {
+            Self::weighted_sum(&pg[..n], plane, keys, og);
+        }
+    }
+    #[inline(always)]
     fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
         let d = out.len();
         out.fill(0.0);
@@ -211,6 +231,25 @@ impl Lanes for Avx2 {
         // SAFETY: as above.
         unsafe { avx2::weighted_sum(p, plane, keys, out) }
     }
+    #[inline(always)]
+    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+        if G == 1 {
+            return Self::scores(&q[..d], plane, keys, scale, out);
+        }
+        assert!(q.len() == G * d && out.len() >= G * keys.len() && keys.iter().all(|&k| k + d <= plane.len()));
+        // SAFETY: see the type's docs (AVX2 and FMA were detected); the bounds were just checked.
+        unsafe { avx2::scores_group::<G>(q, d, plane, keys, scale, out) }
+    }
+    #[inline(always)]
+    fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+        if G == 1 {
+            return Self::weighted_sum(p, plane, keys, out);
+        }
+        let d = out.len() / G;
+        assert!(out.len() == G * d && p.len() >= G * keys.len() && keys.iter().all(|&k| k + d <= plane.len()));
+        // SAFETY: as above.
+        unsafe { avx2::weighted_sum_group::<G>(p, plane, keys, out) }
+    }
 }
 
 #[cfg(test)]
@@ -238,6 +277,33 @@ mod tests {
             let got = silu_times(g, 3.0) as f64;
             assert!((got - want).abs() <= 1e-6 * want.abs().max(1e-30), "silu({g}) * 3 = {got}, want {want}");
         }
+    }
+
+    /// Two and three heads over one KV head's keys, in one pass, against each head alone (portable).
+    #[cfg(target_arch = "x86_64")]
+    fn grouped_gives_each_heads_bits(d: usize, plane: &[f32], keys: &[usize]) {
+        fn check<const G: usize>(d: usize, plane: &[f32], keys: &[usize]) {
+            let n = keys.len();
+            let q: Vec<f32> = (0..G * d).map(|i| ((i * 13) as f32 * 0.29).sin() * 2.5).collect();
+            let (mut a, mut b) = (vec![f32::NAN; G * n], vec![f32::NAN; G * n]);
+            Avx2::scores_group::<G>(&q, d, plane, keys, 0.41, &mut a);
+            for (g, s) in b.chunks_exact_mut(n).enumerate() {
+                Portable::scores(&q[g * d..(g + 1) * d], plane, keys, 0.41, s);
+            }
+            assert_eq!(a, b, "scores of {G} heads d={d} keys={n}");
+            // weights of every size, exp's zero included
+            let p: Vec<f32> = (0..G * n).map(|i| exp(-((i * 7 % 23) as f32) * 4.0)).collect();
+            let (mut x, mut y) = (vec![f32::NAN; G * d], vec![f32::NAN; G * d]);
+            Avx2::weighted_sum_group::<G>(&p, plane, keys, &mut x);
+            for (g, o) in y.chunks_exact_mut(d).enumerate() {
+                Portable::weighted_sum(&p[g * n..(g + 1) * n], plane, keys, o);
+            }
+            assert_eq!(x, y, "weighted sums of {G} heads d={d} keys={n}");
+            Portable::weighted_sum_group::<G>(&p, plane, keys, &mut x);
+            assert_eq!(x, y, "portable weighted sums of {G} heads d={d} keys={n}");
+        }
+        check::<2>(d, plane, keys);
+        check::<3>(d, plane, keys);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -270,6 +336,7 @@ mod tests {
                 Avx2::weighted_sum(&a, &plane, &keys, &mut x);
                 Portable::weighted_sum(&a, &plane, &keys, &mut y);
                 assert_eq!(x, y, "weighted sum d={d} keys={nkeys}");
+                grouped_gives_each_heads_bits(d, &plane, &keys);
             }
             // SwiGLU: two rows of `d` gates and ups, gates across exp's whole range
             let gu: Vec<f32> = (0..4 * d).map(|i| ((i * 37) as f32 * 0.17).sin() * 40.0).collect();
