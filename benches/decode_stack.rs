@@ -75,7 +75,7 @@ fn main() {
     let seq_lens = [keys as i32];
     let h: Vec<f32> = (0..576).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
     let cos_sin: Vec<f32> = (0..64).map(|i| if i < 32 { 1.0 } else { 0.0 }).collect();
-    let kernel = args.get(2).map(|k| Kernel::parse(&k).expect("a kernel name")).unwrap_or_else(Kernel::best);
+    let kernel = args.get(2).map(|k| Kernel::parse(k).expect("a kernel name")).unwrap_or_else(Kernel::best);
     let steps = 40;
     println!("machine: {}; kernel {}; {keys} keys, batch 1, {steps} steps a round, {rounds} rounds", machine(), kernel.name());
     let mut times: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
