@@ -57,40 +57,21 @@ pub fn attend(
     threads: usize,
     simd: Simd,
 ) -> Result<(), DecodeError> {
-    let (heads, d) = (layer.heads, kv.head_dim);
-    let width = (heads + 2 * kv.kv_heads) * d;
-    let group = heads / kv.kv_heads;
-    let stride = kv.kv_heads * d; // floats between consecutive slots of a page
-    // each row's visible keys, once per call (not once per head): offsets of kv head 0, which
-    // the planes sliced at `kv_head * d` turn into that head's
-    let keys: Vec<Vec<usize>> = (0..step.rows.len()).map(|r| key_offsets(layer, step, kv, r, stride)).collect();
-    // one item is one (row, KV head): the `group` query heads that read that KV head, whose
-    // outputs lie side by side in `out` (head h at h * d), scored in one pass over the keys
-    let item = |i: usize, o: &mut [f32]| {
-        let (r, j) = (i / kv.kv_heads, i % kv.kv_heads);
-        let q = &qkv[r * width + j * group * d..][..group * d];
-        let (kp, vp) = (&layer.k_plane[j * d..], &layer.v_plane[j * d..]);
-        match simd {
-            Simd::Portable => attend_group::<Portable>(layer.scale, kp, vp, q, d, &keys[r], o),
-            // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
-            // `best`) on a CPU that runs AVX2 and FMA.
-            #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => unsafe { attend_group_avx2(layer.scale, kp, vp, q, d, &keys[r], o) },
-        }
-    };
+    let keys = row_keys(layer.sliding_window, step, kv);
+    let size = layer.heads / kv.kv_heads * kv.head_dim;
     let items = step.rows.len() * kv.kv_heads;
     if threads == 1 || items == 1 {
-        for (i, o) in out.chunks_exact_mut(group * d).enumerate() {
-            item(i, o);
+        for (i, o) in out.chunks_exact_mut(size).enumerate() {
+            attend_item(layer, &keys, qkv, kv, i, o, simd);
         }
         return Ok(());
     }
     // each item owns its heads' outputs; the lock is never contended (one item, one claim)
-    let outs: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(group * d).map(Mutex::new).collect();
+    let outs: Vec<Mutex<&mut [f32]>> = out.chunks_exact_mut(size).map(Mutex::new).collect();
     let team = pool::team(threads)?;
     team.run(items, &|i: usize| {
         let mut o = outs[i].lock().unwrap_or_else(|e| e.into_inner());
-        item(i, &mut o);
+        attend_item(layer, &keys, qkv, kv, i, &mut o, simd);
     })
     .map_err(|e| match e {
         GemvError::Threads { reason } => DecodeError::Gemv(GemvError::Threads { reason: format!("attention: {reason}") }),
@@ -98,12 +79,39 @@ pub fn attend(
     })
 }
 
-/// Where each key row `r` sees starts in the K/V plane for KV head 0, in position order
-/// (the page is looked up once per page; keys of a page are `stride` floats apart).
-fn key_offsets(layer: &LayerAttention<'_>, step: &StepLayout<'_>, kv: &KvGeometry, r: usize, stride: usize) -> Vec<usize> {
+/// Item `i` of a layer's attention: row `i / kv_heads` and KV head `i % kv_heads`, whose
+/// `heads / kv_heads` query heads' outputs (side by side in the output, head `h` at `h * d`)
+/// it writes into `o`. `keys` is [`row_keys`] of the layer's window; `qkv` the rotated fused
+/// output `[T, (heads + 2 kv_heads) * d]` (queries first).
+pub fn attend_item(layer: &LayerAttention<'_>, keys: &[Vec<usize>], qkv: &[f32], kv: &KvGeometry, i: usize, o: &mut [f32],
+                   simd: Simd) {
+    let d = kv.head_dim;
+    let width = (layer.heads + 2 * kv.kv_heads) * d;
+    let group = layer.heads / kv.kv_heads;
+    let (r, j) = (i / kv.kv_heads, i % kv.kv_heads);
+    let q = &qkv[r * width + j * group * d..][..group * d];
+    let (kp, vp) = (&layer.k_plane[j * d..], &layer.v_plane[j * d..]);
+    match simd {
+        Simd::Portable => attend_group::<Portable>(layer.scale, kp, vp, q, d, &keys[r], o),
+        // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
+        // `best`) on a CPU that runs AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { attend_group_avx2(layer.scale, kp, vp, q, d, &keys[r], o) },
+    }
+}
+
+/// Where each key row `r` sees starts in the K/V plane for KV head 0, in position order, under
+/// a layer's sliding `window` (the page is looked up once per page; keys of a page are
+/// `kv_heads * head_dim` floats apart, and the planes sliced at `kv_head * d` make them that head's).
+pub fn row_keys(window: Option<usize>, step: &StepLayout<'_>, kv: &KvGeometry) -> Vec<Vec<usize>> {
+    let stride = kv.kv_heads * kv.head_dim;
+    (0..step.rows.len()).map(|r| key_offsets(window, step, kv, r, stride)).collect()
+}
+
+fn key_offsets(window: Option<usize>, step: &StepLayout<'_>, kv: &KvGeometry, r: usize, stride: usize) -> Vec<usize> {
     let row = step.rows[r];
     let bs = kv.block_size;
-    let lo = layer.sliding_window.map_or(0, |w| row.keys.saturating_sub(w));
+    let lo = window.map_or(0, |w| row.keys.saturating_sub(w));
     let mut keys = Vec::with_capacity(row.keys - lo);
     let mut p = lo;
     while p < row.keys {

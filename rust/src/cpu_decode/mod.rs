@@ -18,6 +18,7 @@
 //! [`logits`] (each logits row's argmax and log-sum-exp, for sampling), [`error`].
 
 pub mod attention;
+mod chain;
 pub mod error;
 pub mod lanes;
 pub mod logits;

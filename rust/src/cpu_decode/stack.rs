@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::attention::{attend, LayerAttention, Simd};
+use super::chain;
 use super::error::DecodeError;
 use super::lanes;
 use super::ops::{add, rms_norm, rotary};
@@ -54,7 +55,7 @@ pub struct StackGeometry {
 }
 
 impl StackGeometry {
-    fn qkv_width(&self) -> usize {
+    pub(super) fn qkv_width(&self) -> usize {
         (self.heads + 2 * self.kv_heads) * self.head_dim
     }
 }
@@ -87,12 +88,47 @@ impl Timings {
     }
 }
 
+/// A step's working rows: the residual stream, a norm's output, and each product's output.
+pub(super) struct Buffers {
+    pub residual: Vec<f32>,
+    pub x: Vec<f32>,
+    pub qkv: Vec<f32>,
+    pub o: Vec<f32>,
+    pub out: Vec<f32>,
+    pub gate_up: Vec<f32>,
+    pub act: Vec<f32>,
+}
+
+impl Buffers {
+    /// For the rows of `h` (`[T, hidden]`, the embeddings: the first residual).
+    fn new(g: &StackGeometry, h: &[f32]) -> Buffers {
+        let t = h.len() / g.hidden;
+        Buffers {
+            residual: h.to_vec(),
+            x: vec![0f32; t * g.hidden],
+            qkv: vec![0f32; t * g.qkv_width()],
+            o: vec![0f32; t * g.heads * g.head_dim],
+            out: vec![0f32; t * g.hidden],
+            gate_up: vec![0f32; t * 2 * g.intermediate],
+            act: vec![0f32; t * g.intermediate],
+        }
+    }
+}
+
+/// Nanoseconds a forward spent in each part (what [`Timings`] adds up).
+#[derive(Debug, Default)]
+pub(super) struct Spent {
+    pub products: u64,
+    pub attention: u64,
+    pub elementwise: u64,
+}
+
 #[derive(Debug)]
 pub struct DecodeStack {
-    geo: StackGeometry,
-    layers: Vec<LayerWeights>,
+    pub(super) geo: StackGeometry,
+    pub(super) layers: Vec<LayerWeights>,
     /// The model's final norm, applied to the last layer's output when set.
-    final_norm: Option<Vec<f32>>,
+    pub(super) final_norm: Option<Vec<f32>>,
     pub timings: Timings,
 }
 
@@ -186,6 +222,29 @@ impl DecodeStack {
         self.layers.len()
     }
 
+    /// Layer `l`'s fused QKV output made what attention reads: the bias added, rotary applied to
+    /// the queries and keys of each row, and each row's K and V copied to its slot in `layer_kv`
+    /// (that layer's K plane then V plane).
+    pub(super) fn place_qkv(&self, l: usize, qkv: &mut [f32], cos_sin: &[f32], layer_kv: &mut [f32], kvg: &KvGeometry,
+                            step: &StepLayout<'_>) {
+        let g = &self.geo;
+        let (d, kvh, w) = (g.head_dim, g.kv_heads, g.qkv_width());
+        for (r, row) in qkv.chunks_exact_mut(w).enumerate() {
+            if let Some(b) = &self.layers[l].qkv_bias {
+                add(row, b);
+            }
+            rotary(row, g.heads + kvh, d, &cos_sin[r * d..(r + 1) * d]);
+        }
+        let (k_plane, v_plane) = layer_kv.split_at_mut(kvg.plane());
+        for (row, r) in qkv.chunks_exact(w).zip(&step.rows) {
+            for j in 0..kvh {
+                let at = kvg.slot_offset(r.slot, j);
+                k_plane[at..at + d].copy_from_slice(&row[(g.heads + j) * d..][..d]);
+                v_plane[at..at + d].copy_from_slice(&row[(g.heads + kvh + j) * d..][..d]);
+            }
+        }
+    }
+
     /// Runs every layer over the step's `T` rows: `h` `[T, hidden]` (the embeddings),
     /// `cos_sin` `[T, 2, head_dim / 2]` (each row's cos then sin), `kv` the whole cache of
     /// geometry `kvg`, which gets this step's K/V. Returns `residual + h` of the last layer
@@ -220,16 +279,26 @@ impl DecodeStack {
         }
         pool::check_threads(threads)?;
         let step = StepLayout::new(meta, t, &kvg)?;
-        let (d, kvh, w) = (g.head_dim, g.kv_heads, g.qkv_width());
-        let mut residual = h.to_vec();
-        let mut x = vec![0f32; t * g.hidden];
-        let mut qkv = vec![0f32; t * w];
-        let mut o = vec![0f32; t * g.heads * d];
-        let mut out = vec![0f32; t * g.hidden];
-        let mut gate_up = vec![0f32; t * 2 * g.intermediate];
-        let mut act = vec![0f32; t * g.intermediate];
-        let plane = kvg.plane();
-        let (mut products, mut attention, mut elementwise) = (0u64, 0u64, 0u64);
+        let mut b = Buffers::new(g, h);
+        let spent = if threads == 1 {
+            self.layers_on_this_thread(&mut b, cos_sin, kv, &kvg, &step, kernel)?
+        } else {
+            chain::layers_on_team(self, &mut b, cos_sin, kv, &kvg, &step, threads, kernel)?
+        };
+        let tm = &self.timings;
+        tm.products.fetch_add(spent.products, Ordering::Relaxed);
+        tm.attention.fetch_add(spent.attention, Ordering::Relaxed);
+        tm.elementwise.fetch_add(spent.elementwise, Ordering::Relaxed);
+        tm.steps.fetch_add(1, Ordering::Relaxed);
+        Ok(if self.final_norm.is_some() { b.x } else { b.residual })
+    }
+
+    /// Every layer, then the last residual add and the final norm, on the calling thread alone.
+    fn layers_on_this_thread(&self, b: &mut Buffers, cos_sin: &[f32], kv: &mut [f32], kvg: &KvGeometry,
+                             step: &StepLayout<'_>, kernel: Kernel) -> Result<Spent, DecodeError> {
+        let g = &self.geo;
+        let (t, plane) = (step.rows.len(), kvg.plane());
+        let mut spent = Spent::default();
         let mut clock = Instant::now();
         let mut lap = |acc: &mut u64| {
             let now = Instant::now();
@@ -238,54 +307,34 @@ impl DecodeStack {
         };
         for (l, lw) in self.layers.iter().enumerate() {
             if l > 0 {
-                add(&mut residual, &out);
+                add(&mut b.residual, &b.out);
             }
-            rms_norm(&residual, &lw.input_norm, g.eps, &mut x);
-            lap(&mut elementwise);
-            lw.qkv.matmul(&x, t, &mut qkv, threads, kernel)?;
-            lap(&mut products);
-            for (r, row) in qkv.chunks_exact_mut(w).enumerate() {
-                if let Some(b) = &lw.qkv_bias {
-                    add(row, b);
-                }
-                rotary(row, g.heads + kvh, d, &cos_sin[r * d..(r + 1) * d]);
-            }
-            let (k_plane, rest) = kv[l * 2 * plane..(l + 1) * 2 * plane].split_at_mut(plane);
-            for (row, r) in qkv.chunks_exact(w).zip(&step.rows) {
-                for j in 0..kvh {
-                    let at = kvg.slot_offset(r.slot, j);
-                    k_plane[at..at + d].copy_from_slice(&row[(g.heads + j) * d..][..d]);
-                    rest[at..at + d].copy_from_slice(&row[(g.heads + kvh + j) * d..][..d]);
-                }
-            }
-            lap(&mut elementwise);
-            let layer = LayerAttention {
-                k_plane, v_plane: rest, heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window,
-            };
-            attend(&layer, &qkv, &step, &kvg, &mut o, threads, Simd::best())?;
-            lap(&mut attention);
-            lw.o.matmul(&o, t, &mut out, threads, kernel)?;
-            lap(&mut products);
-            add(&mut residual, &out);
-            rms_norm(&residual, &lw.post_norm, g.eps, &mut x);
-            lap(&mut elementwise);
-            lw.gate_up.matmul(&x, t, &mut gate_up, threads, kernel)?;
-            lap(&mut products);
-            lanes::silu_mul(Simd::best(), &gate_up, g.intermediate, &mut act);
-            lap(&mut elementwise);
-            lw.down.matmul(&act, t, &mut out, threads, kernel)?;
-            lap(&mut products);
+            rms_norm(&b.residual, &lw.input_norm, g.eps, &mut b.x);
+            lap(&mut spent.elementwise);
+            lw.qkv.matmul(&b.x, t, &mut b.qkv, 1, kernel)?;
+            lap(&mut spent.products);
+            self.place_qkv(l, &mut b.qkv, cos_sin, &mut kv[l * 2 * plane..(l + 1) * 2 * plane], kvg, step);
+            lap(&mut spent.elementwise);
+            let (k_plane, v_plane) = kv[l * 2 * plane..(l + 1) * 2 * plane].split_at(plane);
+            let layer = LayerAttention { k_plane, v_plane, heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window };
+            attend(&layer, &b.qkv, step, kvg, &mut b.o, 1, Simd::best())?;
+            lap(&mut spent.attention);
+            lw.o.matmul(&b.o, t, &mut b.out, 1, kernel)?;
+            lap(&mut spent.products);
+            add(&mut b.residual, &b.out);
+            rms_norm(&b.residual, &lw.post_norm, g.eps, &mut b.x);
+            lap(&mut spent.elementwise);
+            lw.gate_up.matmul(&b.x, t, &mut b.gate_up, 1, kernel)?;
+            lap(&mut spent.products);
+            lanes::silu_mul(Simd::best(), &b.gate_up, g.intermediate, &mut b.act);
+            lap(&mut spent.elementwise);
+            lw.down.matmul(&b.act, t, &mut b.out, 1, kernel)?;
+            lap(&mut spent.products);
         }
-        let tm = &self.timings;
-        tm.products.fetch_add(products, Ordering::Relaxed);
-        tm.attention.fetch_add(attention, Ordering::Relaxed);
-        tm.elementwise.fetch_add(elementwise, Ordering::Relaxed);
-        tm.steps.fetch_add(1, Ordering::Relaxed);
-        add(&mut residual, &out);
+        add(&mut b.residual, &b.out);
         if let Some(norm) = &self.final_norm {
-            rms_norm(&residual, norm, g.eps, &mut x);
-            return Ok(x);
+            rms_norm(&b.residual, norm, g.eps, &mut b.x);
         }
-        Ok(residual)
+        Ok(spent)
     }
 }

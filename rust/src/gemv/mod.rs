@@ -15,6 +15,7 @@
 pub mod error;
 pub mod format;
 pub mod pack;
+pub mod phases;
 pub mod pool;
 pub mod quantize;
 pub mod scalar;
@@ -170,69 +171,105 @@ impl PackedMatrix {
     /// thread alone). Errors name the tensor: a shape mismatch, a non-finite input, an
     /// unsupported kernel, `threads` outside 1 to [`pool::MAX_THREADS`].
     pub fn matmul(&self, x: &[f32], m: usize, out: &mut [f32], threads: usize, kernel: Kernel) -> Result<(), GemvError> {
-        let input = |reason: String| GemvError::Input { tensor: self.name.clone(), reason };
-        if m == 0 {
-            return Err(input("x has 0 rows; need >= 1".to_string()));
-        }
-        if x.len() != m * self.cols {
-            return Err(input(format!("x has {} values; [{m}, {}] needs {}", x.len(), self.cols, m * self.cols)));
-        }
+        self.check_input(x, m)?;
         if out.len() != m * self.rows {
-            return Err(input(format!("out has {} values; [{m}, {}] needs {}", out.len(), self.rows, m * self.rows)));
+            return Err(self.input_error(format!("out has {} values; [{m}, {}] needs {}", out.len(), self.rows, m * self.rows)));
         }
         pool::check_threads(threads)?; // up front: also when one tile runs on the caller alone
-        if !kernel.supported() {
-            return Err(input(format!("kernel {:?} is not supported by this CPU", kernel.name())));
-        }
-        let acts = quantize::quantize(x, m, self.cols)
-            .map_err(|(row, col)| GemvError::NonFiniteInput { tensor: self.name.clone(), row, col })?;
-        let chunk = m * TILE;
+        self.check_kernel(kernel)?;
+        let acts = self.quantize_input(x, m)?;
         let tiles = self.tiles();
-        let rows = self.rows;
         let dst = SendPtr(out.as_mut_ptr());
-        // Tile `t` computes its `m x 16` outputs into `buf`, then writes them where they go in
-        // `out` (row-major `[m, rows]`): each thread writes its own tiles' outputs, so no
-        // output crosses to another core to be copied (a whole-product buffer and a copy after
-        // cost ~3 us a call on 2 threads, measured on SmolLM2's shapes).
-        let tile_into_out = |t: usize, buf: &mut [f32]| {
-            kernel.run(self, t, &acts, buf);
-            let (n0, width) = (t * TILE, TILE.min(rows - t * TILE));
-            for mi in 0..m {
-                // SAFETY: tile `t` alone writes `out[mi * rows + n0 ..][..width]` (tiles cover
-                // disjoint columns), which lies inside `out` (`out.len() == m * rows`, checked above),
-                // and `buf` holds `m * 16 >= (mi + 1) * 16` floats.
-                unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(mi * TILE), dst.at(mi * rows + n0), width) };
-            }
-        };
         if threads == 1 || tiles == 1 {
-            let mut buf = vec![0f32; chunk];
-            kernel.on_thread(m, || {
-                for t in 0..tiles {
-                    tile_into_out(t, &mut buf);
-                }
-            });
+            // SAFETY: `out` is `[m, rows]` (checked above) and this thread alone writes it;
+            // the kernel is supported and `acts` was quantized for `m` rows of this matrix.
+            unsafe { self.tiles_into(kernel, &acts, 0..tiles, dst.at(0)) };
         } else {
             let team = pool::team(threads)?;
             // chunks of whole tiles, about 16 per thread: small enough to balance (a thread
             // may be late), large enough that claiming one costs little next to it
-            let chunks = chunk_count(tiles, self.blocks(), m, team.threads());
+            let chunks = self.chunks(m, team.threads());
             team.run(chunks, &|c: usize| {
-                let mut small = [0f32; 8 * TILE];
-                let mut large = Vec::new();
-                let buf: &mut [f32] = if chunk <= small.len() {
-                    &mut small[..chunk]
-                } else {
-                    large.resize(chunk, 0f32);
-                    &mut large
-                };
-                kernel.on_thread(m, || {
-                    for t in chunk_range(c, chunks, tiles) {
-                        tile_into_out(t, buf);
-                    }
-                });
+                // SAFETY: as above; chunks cover disjoint tiles, so no two threads write one column.
+                unsafe { self.tiles_into(kernel, &acts, chunk_range(c, chunks, tiles), dst.at(0)) };
             })?;
         }
         Ok(())
+    }
+
+    fn input_error(&self, reason: String) -> GemvError {
+        GemvError::Input { tensor: self.name.clone(), reason }
+    }
+
+    /// Err naming the tensor when this CPU does not run `kernel`.
+    pub fn check_kernel(&self, kernel: Kernel) -> Result<(), GemvError> {
+        if !kernel.supported() {
+            return Err(self.input_error(format!("kernel {:?} is not supported by this CPU", kernel.name())));
+        }
+        Ok(())
+    }
+
+    fn check_input(&self, x: &[f32], m: usize) -> Result<(), GemvError> {
+        if m == 0 {
+            return Err(self.input_error("x has 0 rows; need >= 1".to_string()));
+        }
+        if x.len() != m * self.cols {
+            return Err(self.input_error(format!("x has {} values; [{m}, {}] needs {}", x.len(), self.cols, m * self.cols)));
+        }
+        Ok(())
+    }
+
+    /// `x` (`[m, cols]`) checked and quantized for this matrix's products: an error names the
+    /// tensor when `m` is 0, the length is wrong or a value is not finite.
+    pub fn quantize_input(&self, x: &[f32], m: usize) -> Result<quantize::QuantizedActs, GemvError> {
+        self.check_input(x, m)?;
+        quantize::quantize(x, m, self.cols)
+            .map_err(|(row, col)| GemvError::NonFiniteInput { tensor: self.name.clone(), row, col })
+    }
+
+    /// How many chunks a product with `m` rows is claimed in on `threads` threads (see [`chunk_count`]).
+    pub fn chunks(&self, m: usize, threads: usize) -> usize {
+        chunk_count(self.tiles(), self.blocks(), m, threads)
+    }
+
+    /// The tiles of chunk `c` of `chunks` (consecutive, covering all once).
+    pub fn chunk_tiles(&self, c: usize, chunks: usize) -> std::ops::Range<usize> {
+        chunk_range(c, chunks, self.tiles())
+    }
+
+    /// Tiles `tiles` of the product: each computes its `m x 16` outputs into a buffer on this
+    /// thread, then writes them where they go in `out` (row-major `[m, rows]`, starting at `out`),
+    /// so no output crosses to another core to be copied (a whole-product buffer and a copy
+    /// after cost ~3 us a call on 2 threads, measured on SmolLM2's shapes).
+    ///
+    /// # Safety
+    /// `out` points at `m * rows` writable floats (`m = acts.m`), no other thread reads or writes
+    /// the columns of these tiles while this runs, `kernel.supported()`, `acts` came from
+    /// [`PackedMatrix::quantize_input`] of this matrix, and `tiles.end <= self.tiles()`.
+    pub unsafe fn tiles_into(&self, kernel: Kernel, acts: &quantize::QuantizedActs, tiles: std::ops::Range<usize>,
+                             out: *mut f32) {
+        let (m, rows) = (acts.m, self.rows);
+        let chunk = m * TILE;
+        let mut small = [0f32; 8 * TILE];
+        let mut large = Vec::new();
+        let buf: &mut [f32] = if chunk <= small.len() {
+            &mut small[..chunk]
+        } else {
+            large.resize(chunk, 0f32);
+            &mut large
+        };
+        kernel.on_thread(m, || {
+            for t in tiles {
+                kernel.run(self, t, acts, buf);
+                let (n0, width) = (t * TILE, TILE.min(rows - t * TILE));
+                for mi in 0..m {
+                    // SAFETY: tile `t` lies inside the product (the contract), its columns
+                    // `n0 .. n0 + width` of row `mi` lie inside `out`'s `m * rows` floats and no
+                    // other thread touches them; `buf` holds `m * 16 >= (mi + 1) * 16` floats.
+                    unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(mi * TILE), out.add(mi * rows + n0), width) };
+                }
+            }
+        });
     }
 }
 

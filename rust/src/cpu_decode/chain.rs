@@ -1,0 +1,443 @@
+//! The stack's layers on a team of threads as one chain of phases ([`crate::gemv::phases`]):
+//! five a layer (the QKV product, attention, the output product, gate/up, down), each shared
+//! out as items (tile chunks, or (row, KV head) attention items), and between two phases the
+//! serial step that the next one reads (bias, rotary and the K/V writes; a residual add and a
+//! norm; SwiGLU; each product's input quantized once).
+//!
+//! Why: on 2 threads each of the ~150 team calls of a batch-1 token cost ~1 us beyond its work
+//! (publishing the call, waking the helper, waiting for it to leave), and the serial steps ran
+//! on the caller only. Here the helper joins once a step and follows the phases by a counter.
+//!
+//! The bits are those of [`super::DecodeStack`]'s one-thread loop: the same operations on the
+//! same rows in the same order (tiles and attention items are independent of how they are
+//! shared out, and every serial step runs whole on one thread).
+//!
+//! Sharing: the buffers are reached through raw pointers taken once, and the phases order every
+//! access: an `after` step runs alone (no item runs), the items of a phase write disjoint parts
+//! (their own tiles' columns, their own heads' outputs) of a buffer no item of the phase reads,
+//! and read only what the `after` before them wrote. The phase counters' release/acquire pairs
+//! order each `after` before the next phase's items and the items before the next `after`.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use super::attention::{attend_item, row_keys, LayerAttention, Simd};
+use super::error::DecodeError;
+use super::lanes;
+use super::ops::{add, rms_norm};
+use super::stack::{Buffers, DecodeStack, Spent};
+use super::step::{KvGeometry, StepLayout};
+use crate::gemv::phases::{run_phases, PhasePlan};
+use crate::gemv::quantize::QuantizedActs;
+use crate::gemv::{pool, GemvError, Kernel, PackedMatrix};
+
+/// What a phase does: a layer's phases in order.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Kind {
+    Qkv,
+    Attention,
+    O,
+    GateUp,
+    Down,
+}
+
+const LAYER: [Kind; 5] = [Kind::Qkv, Kind::Attention, Kind::O, Kind::GateUp, Kind::Down];
+
+/// A buffer reached from several threads under the phases' order (see the module's docs).
+#[derive(Clone, Copy)]
+struct Buf {
+    ptr: *mut f32,
+    len: usize,
+}
+
+impl Buf {
+    fn of(v: &mut [f32]) -> Buf {
+        Buf { ptr: v.as_mut_ptr(), len: v.len() }
+    }
+
+    /// # Safety
+    /// No thread writes the buffer while the borrow lives.
+    unsafe fn read(&self) -> &[f32] {
+        // SAFETY: `ptr` and `len` came from a live slice that outlives the chain (`of`); the
+        // caller guarantees no concurrent write.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// # Safety
+    /// No other thread reads or writes the buffer while the borrow lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn write(&self) -> &mut [f32] {
+        // SAFETY: as `read`, and the caller guarantees the access is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+struct Chain<'a> {
+    stack: &'a DecodeStack,
+    cos_sin: &'a [f32],
+    kvg: &'a KvGeometry,
+    step: &'a StepLayout<'a>,
+    kernel: Kernel,
+    simd: Simd,
+    threads: usize,
+    /// Each distinct sliding window's row keys, and which of them each layer reads.
+    keys: Vec<(Option<usize>, Vec<Vec<usize>>)>,
+    layer_keys: Vec<usize>,
+    residual: Buf,
+    x: Buf,
+    qkv: Buf,
+    o: Buf,
+    out: Buf,
+    gate_up: Buf,
+    act: Buf,
+    kv: Buf,
+    /// The next product's input, quantized by the `after` before it; read by its items.
+    acts: UnsafeCell<QuantizedActs>,
+    /// Set (before the next phase opens) when an input was not finite: later items and steps
+    /// do nothing, and the error is returned.
+    failed: AtomicBool,
+    error: Mutex<Option<DecodeError>>,
+    start: Instant,
+    /// When the open phase opened (ns since `start`).
+    opened: AtomicU64,
+    products: AtomicU64,
+    attention: AtomicU64,
+    elementwise: AtomicU64,
+}
+
+// SAFETY: the raw buffers and `acts` are accessed under the phases' order (the module's docs):
+// never a write concurrent with another access to the same floats.
+unsafe impl Sync for Chain<'_> {}
+
+impl Chain<'_> {
+    fn rows(&self) -> usize {
+        self.step.rows.len()
+    }
+
+    /// Quantizes `x` as `m`'s input into `acts`, or records the error. Only from an `after` step.
+    /// Returns the nanoseconds it took (counted with the products, as the one-thread loop does).
+    fn quantize_for(&self, m: &PackedMatrix, x: &[f32]) -> u64 {
+        let began = self.now();
+        match m.quantize_input(x, self.rows()) {
+            // SAFETY: an `after` step runs alone, so no item reads `acts` now.
+            Ok(a) => unsafe { *self.acts.get() = a },
+            Err(e) => self.fail(e.into()),
+        }
+        self.now() - began
+    }
+
+    fn fail(&self, e: DecodeError) {
+        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        slot.get_or_insert(e);
+        self.failed.store(true, Ordering::Relaxed);
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_nanos() as u64
+    }
+}
+
+impl PhasePlan for Chain<'_> {
+    fn phases(&self) -> usize {
+        self.stack.layers.len() * LAYER.len()
+    }
+
+    fn items(&self, p: usize) -> usize {
+        let (l, kind) = self.phase(p);
+        match kind {
+            Kind::Attention => self.rows() * self.kvg.kv_heads,
+            _ => self.product(l, kind).0.chunks(self.rows(), self.threads),
+        }
+    }
+
+    fn item(&self, p: usize, i: usize) {
+        // set before this phase opened, so seen here: `acts` may not fit this product then
+        if self.failed.load(Ordering::Relaxed) {
+            return;
+        }
+        let (l, kind) = self.phase(p);
+        match kind {
+            Kind::Attention => self.attention_item(l, i),
+            _ => {
+                let (m, dst) = self.product(l, kind);
+                let chunks = m.chunks(self.rows(), self.threads);
+                // SAFETY: `dst` is this product's `[rows, m.rows()]` output (`Buffers`), chunk `i`'s
+                // tiles are written by this item alone and read by no item of the phase; the kernel
+                // was checked (`layers_on_team`), and `acts` holds this product's input, quantized by
+                // the `after` before this phase (not failed, checked above), read-only until it ends.
+                unsafe { m.tiles_into(self.kernel, &*self.acts.get(), m.chunk_tiles(i, chunks), dst.ptr) };
+            }
+        }
+    }
+
+    fn after(&self, p: usize) {
+        let (l, kind) = self.phase(p);
+        let began = self.now();
+        let phase = if kind == Kind::Attention { &self.attention } else { &self.products };
+        phase.fetch_add(began - self.opened.load(Ordering::Relaxed), Ordering::Relaxed);
+        let quantizing = if self.failed.load(Ordering::Relaxed) { 0 } else { self.between(l, kind) };
+        let end = self.now();
+        self.products.fetch_add(quantizing, Ordering::Relaxed);
+        self.elementwise.fetch_add(end - began - quantizing, Ordering::Relaxed);
+        self.opened.store(end, Ordering::Relaxed);
+    }
+}
+
+impl Chain<'_> {
+    /// Phase `p`'s layer and kind.
+    fn phase(&self, p: usize) -> (usize, Kind) {
+        (p / LAYER.len(), LAYER[p % LAYER.len()])
+    }
+
+    /// Item `i` of layer `l`'s attention: a (row, KV head) and that KV head's query heads.
+    fn attention_item(&self, l: usize, i: usize) {
+        let g = &self.stack.geo;
+        let (plane, size) = (self.kvg.plane(), g.heads / g.kv_heads * g.head_dim);
+        // SAFETY: attention items only read `qkv` and the cache (written by the `after` before
+        // them), and item `i` alone writes its `size` outputs of `o` (`i < rows * kv_heads`, so
+        // they lie inside it), which no other item of the phase reads.
+        let (qkv, kv, o) = unsafe {
+            (self.qkv.read(), self.kv.read(), std::slice::from_raw_parts_mut(self.o.ptr.add(i * size), size))
+        };
+        let (k_plane, v_plane) = kv[l * 2 * plane..(l + 1) * 2 * plane].split_at(plane);
+        let layer = LayerAttention {
+            k_plane, v_plane, heads: g.heads, scale: g.scale, sliding_window: self.stack.layers[l].sliding_window,
+        };
+        attend_item(&layer, &self.keys[self.layer_keys[l]].1, qkv, self.kvg, i, o, self.simd);
+    }
+
+    /// The product of phase kind `kind` in layer `l`, and the buffer it writes.
+    fn product(&self, l: usize, kind: Kind) -> (&PackedMatrix, Buf) {
+        let lw = &self.stack.layers[l];
+        match kind {
+            Kind::Qkv => (&lw.qkv, self.qkv),
+            Kind::O => (&lw.o, self.out),
+            Kind::GateUp => (&lw.gate_up, self.gate_up),
+            _ => (&lw.down, self.out),
+        }
+    }
+}
+
+impl Chain<'_> {
+    /// The serial step after phase `kind` of layer `l`: what the next phase reads. Returns the
+    /// nanoseconds spent quantizing the next product's input.
+    fn between(&self, l: usize, kind: Kind) -> u64 {
+        let (g, layers) = (&self.stack.geo, &self.stack.layers);
+        let lw = &layers[l];
+        // SAFETY: an `after` step runs alone (no item runs meanwhile), so these borrows of eight
+        // distinct buffers are the only ones until it returns.
+        let (residual, x, qkv, o, out, gate_up, act, kv) = unsafe {
+            (self.residual.write(), self.x.write(), self.qkv.write(), self.o.read(), self.out.read(),
+             self.gate_up.read(), self.act.write(), self.kv.write())
+        };
+        match kind {
+            Kind::Qkv => {
+                let plane = self.kvg.plane();
+                self.stack.place_qkv(l, qkv, self.cos_sin, &mut kv[l * 2 * plane..(l + 1) * 2 * plane], self.kvg, self.step);
+                0
+            }
+            Kind::Attention => self.quantize_for(&lw.o, o),
+            Kind::O => {
+                add(residual, out);
+                rms_norm(residual, &lw.post_norm, g.eps, x);
+                self.quantize_for(&lw.gate_up, x)
+            }
+            Kind::GateUp => {
+                lanes::silu_mul(self.simd, gate_up, g.intermediate, act);
+                self.quantize_for(&lw.down, act)
+            }
+            Kind::Down => {
+                add(residual, out);
+                if let Some(next) = layers.get(l + 1) {
+                    rms_norm(residual, &next.input_norm, g.eps, x);
+                    return self.quantize_for(&next.qkv, x);
+                }
+                if let Some(norm) = &self.stack.final_norm {
+                    rms_norm(residual, norm, g.eps, x);
+                }
+                0
+            }
+        }
+    }
+}
+
+/// Every layer, the last residual add and the final norm on `threads` threads: the bits of
+/// `DecodeStack::layers_on_this_thread`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn layers_on_team(stack: &DecodeStack, b: &mut Buffers, cos_sin: &[f32], kv: &mut [f32], kvg: &KvGeometry,
+                             step: &StepLayout<'_>, threads: usize, kernel: Kernel) -> Result<Spent, DecodeError> {
+    let first = &stack.layers[0];
+    first.qkv.check_kernel(kernel)?;
+    let team = pool::team(threads)?;
+    let start = Instant::now();
+    rms_norm(&b.residual, &first.input_norm, stack.geo.eps, &mut b.x);
+    let normed = start.elapsed().as_nanos() as u64;
+    let acts = first.qkv.quantize_input(&b.x, step.rows.len())?;
+    let mut keys: Vec<(Option<usize>, Vec<Vec<usize>>)> = Vec::new();
+    let mut layer_keys = Vec::with_capacity(stack.layers.len());
+    for lw in &stack.layers {
+        let at = match keys.iter().position(|(w, _)| *w == lw.sliding_window) {
+            Some(at) => at,
+            None => {
+                keys.push((lw.sliding_window, row_keys(lw.sliding_window, step, kvg)));
+                keys.len() - 1
+            }
+        };
+        layer_keys.push(at);
+    }
+    let quantized = start.elapsed().as_nanos() as u64;
+    let chain = Chain {
+        stack, cos_sin, kvg, step, kernel, simd: Simd::best(), threads: team.threads(), keys, layer_keys,
+        residual: Buf::of(&mut b.residual), x: Buf::of(&mut b.x), qkv: Buf::of(&mut b.qkv), o: Buf::of(&mut b.o),
+        out: Buf::of(&mut b.out), gate_up: Buf::of(&mut b.gate_up), act: Buf::of(&mut b.act), kv: Buf::of(kv),
+        acts: UnsafeCell::new(acts), failed: AtomicBool::new(false), error: Mutex::new(None), start,
+        opened: AtomicU64::new(quantized), products: AtomicU64::new(quantized - normed), attention: AtomicU64::new(0),
+        elementwise: AtomicU64::new(normed),
+    };
+    run_phases(&team, &chain).map_err(|e| match e {
+        GemvError::Threads { reason } => DecodeError::Gemv(GemvError::Threads { reason: format!("decode layers: {reason}") }),
+        e => DecodeError::Gemv(e),
+    })?;
+    if let Some(e) = chain.error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        return Err(e);
+    }
+    Ok(Spent {
+        products: chain.products.into_inner(),
+        attention: chain.attention.into_inner(),
+        elementwise: chain.elementwise.into_inner(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu_decode::{LayerWeights, StackGeometry, StepMeta};
+    use crate::gemv::Format;
+    use std::sync::Arc;
+
+    fn matrix(name: &str, format: Format, rows: usize, cols: usize, seed: &mut u64) -> Arc<PackedMatrix> {
+        let mut next = || {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            (*seed >> 16) as u32
+        };
+        // scales 2^-9 .. 2^-6: activations stay moderate through the layers
+        let f16 = |r: u32| (((r >> 31) as u16) << 15) | (((6 + (r >> 10) % 4) as u16) << 10) | (r & 0x3ff) as u16;
+        let mut raw = Vec::new();
+        for _ in 0..rows * cols / 32 {
+            raw.extend_from_slice(&f16(next()).to_le_bytes());
+            if format.has_min() {
+                raw.extend_from_slice(&f16(next()).to_le_bytes());
+            }
+            raw.extend((0..format.quant_bytes()).map(|_| next() as u8));
+        }
+        Arc::new(PackedMatrix::from_gguf(name, &raw, rows, cols, format).unwrap())
+    }
+
+    /// A 3-layer stack (hidden 64, 4 heads over 2 KV heads of 16, intermediate 96; Q4_1, Q8_0 and
+    /// Q4_0 products, a QKV bias, a sliding window on the middle layer, the final norm) and a step of
+    /// `t` rows: two sequences, the first with `t - 1` new tokens after 21 cached, the second decoding
+    /// its 6th token. Returns the stack, the cache and the step's arrays.
+    struct Case {
+        stack: DecodeStack,
+        kv: Vec<f32>,
+        kvg: KvGeometry,
+        h: Vec<f32>,
+        cos_sin: Vec<f32>,
+        slots: Vec<i64>,
+        qsl: Vec<i32>,
+        lens: Vec<i32>,
+        tables: Vec<i32>,
+    }
+
+    fn case(t: usize) -> Case {
+        let geo = StackGeometry { hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 96, eps: 1e-5, scale: 0.25 };
+        let mut seed = 0x2545f4914f6cdd1du64;
+        let formats = [Format::Q4_1, Format::Q8_0, Format::Q4_0];
+        let layers = (0..3).map(|l| {
+            let f = formats[l];
+            LayerWeights {
+                input_norm: (0..64).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect(),
+                post_norm: (0..64).map(|i| 1.2 - (i % 5) as f32 * 0.1).collect(),
+                qkv: matrix("qkv", f, 128, 64, &mut seed),
+                qkv_bias: (l == 1).then(|| (0..128).map(|i| (i as f32 * 0.37).sin() * 0.1).collect()),
+                o: matrix("o", f, 64, 64, &mut seed),
+                gate_up: matrix("gate_up", f, 192, 64, &mut seed),
+                down: matrix("down", f, 64, 96, &mut seed),
+                sliding_window: (l == 1).then_some(5),
+            }
+        }).collect();
+        let stack = DecodeStack::new(geo, layers).unwrap().with_final_norm(vec![0.9; 64]).unwrap();
+        let kvg = KvGeometry { layers: 3, num_blocks: 8, block_size: 4, kv_heads: 2, head_dim: 16 };
+        let kv: Vec<f32> = (0..kvg.len()).map(|i| ((i * 7919 % 1009) as f32 / 504.0) - 1.0).collect();
+        // seq 0 on blocks [7, 2, 5, 0, 3, 6, 1, 4] (21 cached + t - 1 new), seq 1 on [4-independent] blocks
+        let (new0, cached0) = (t - 1, 21);
+        let len0 = cached0 + new0;
+        let tables = vec![7, 2, 5, 0, 3, 6, 1, 4, 1, 6, 0, 0, 0, 0, 0, 0];
+        assert!(len0 <= 32, "a case of at most 12 rows");
+        let slot = |table: &[i32], p: usize| table[p / 4] as i64 * 4 + (p % 4) as i64;
+        let mut slots: Vec<i64> = (cached0..len0).map(|p| slot(&tables[..8], p)).collect();
+        slots.push(slot(&tables[8..], 5));
+        let h: Vec<f32> = (0..t * 64).map(|i| ((i * 31) as f32 * 0.05).cos()).collect();
+        let cos_sin: Vec<f32> = (0..t * 16).map(|i| ((i / 16) as f32 * 0.3 + (i % 8) as f32 * 0.1).cos()).collect();
+        Case { stack, kv, kvg, h, cos_sin, slots, qsl: vec![0, new0 as i32, t as i32], lens: vec![len0 as i32, 6], tables }
+    }
+
+    fn run(c: &mut Case, threads: usize) -> Result<Vec<f32>, DecodeError> {
+        let meta = StepMeta { slot_mapping: &c.slots, query_start_loc: &c.qsl, seq_lens: &c.lens, block_tables: &c.tables,
+                              table_width: 8 };
+        c.stack.forward(&c.h, &c.cos_sin, &mut c.kv, c.kvg, meta, threads, Kernel::best())
+    }
+
+    /// The team's chain gives the one-thread loop's bits, in its output and in every page it
+    /// writes, at decode and prefill sizes, on 2 to 4 threads.
+    #[test]
+    fn a_team_gives_the_one_thread_bits() {
+        for t in [2, 3, 9, 12] {
+            let mut one = case(t);
+            let want = run(&mut one, 1).unwrap();
+            assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|&x| x != 0.0));
+            for threads in [2, 3, 4] {
+                let mut c = case(t);
+                for round in 0..3 {
+                    let got = run(&mut c, threads).unwrap();
+                    assert_eq!(got, want, "t {t} threads {threads} round {round}");
+                    assert_eq!(c.kv, one.kv, "t {t} threads {threads}: the pages written");
+                }
+            }
+        }
+    }
+
+    /// A non-finite value is the one-thread loop's error, naming the tensor, on a team too: at the
+    /// first product (a NaN embedding) and mid-chain (an infinite rotary angle makes layer 0's
+    /// attention NaN, so its output product refuses), with the same pages written (layer 0's, not
+    /// the layers' after it); the team serves the next step.
+    #[test]
+    fn a_non_finite_input_is_the_same_error_on_a_team() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        type Spoil = fn(&mut Case);
+        let spoils: [(Spoil, &str); 2] = [
+            (|c| c.h[70] = f32::NAN, "tensor \"qkv\": input x[1, 0]"),
+            (|c| c.cos_sin[20] = f32::INFINITY, "tensor \"o\": input x[1, "),
+        ];
+        for (spoil, want) in spoils {
+            let mut one = case(3);
+            spoil(&mut one);
+            let e1 = run(&mut one, 1).unwrap_err().to_string();
+            assert!(e1.contains(want), "{e1}");
+            for threads in [2, 3, 4] {
+                let mut c = case(3);
+                spoil(&mut c);
+                assert_eq!(run(&mut c, threads).unwrap_err().to_string(), e1);
+                assert_eq!(bits(&c.kv), bits(&one.kv), "threads {threads}: the same pages written");
+            }
+            let plane = one.kvg.plane();
+            assert_eq!(bits(&one.kv[2 * plane..]), bits(&case(3).kv[2 * plane..]), "no layer after the error written");
+            let mut ok = case(3);
+            assert_eq!(run(&mut ok, 2).unwrap(), run(&mut case(3), 1).unwrap());
+        }
+    }
+}
