@@ -15,6 +15,7 @@
 //! Files: [`step`] (the step's rows, validated once), [`ops`] (norm, rotary, residual adds),
 //! [`lanes`] (attention's products and softmax weights, SwiGLU: portable and AVX2 builds of one
 //! float order), [`attention`] (paged attention over block tables), [`stack`] (the layers),
+//! `chain` (the layers on a team of threads, one call a step),
 //! [`logits`] (each logits row's argmax and log-sum-exp, for sampling), [`error`].
 
 pub mod attention;
