@@ -19,6 +19,7 @@
 //! order each `after` before the next phase's items and the items before the next `after`.
 
 use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
@@ -177,7 +178,16 @@ impl PhasePlan for Chain<'_> {
         let began = self.now();
         let phase = if kind == Kind::Attention { &self.attention } else { &self.products };
         phase.fetch_add(began - self.opened.load(Ordering::Relaxed), Ordering::Relaxed);
-        let quantizing = if self.failed.load(Ordering::Relaxed) { 0 } else { self.between(l, kind) };
+        // a panic here would leave `acts` quantized for another product: fail the chain (later
+        // items then do nothing) rather than let a product read activations of another width
+        let quantizing = if self.failed.load(Ordering::Relaxed) {
+            0
+        } else {
+            catch_unwind(AssertUnwindSafe(|| self.between(l, kind))).unwrap_or_else(|_| {
+                self.fail(DecodeError::Gemv(GemvError::Threads { reason: format!("layer {l}: the step after {kind:?} panicked") }));
+                0
+            })
+        };
         let end = self.now();
         self.products.fetch_add(quantizing, Ordering::Relaxed);
         self.elementwise.fetch_add(end - began - quantizing, Ordering::Relaxed);
@@ -339,8 +349,8 @@ mod tests {
 
     /// A 3-layer stack (hidden 64, 4 heads over 2 KV heads of 16, intermediate 96; Q4_1, Q8_0 and
     /// Q4_0 products, a QKV bias, a sliding window on the middle layer, the final norm) and a step of
-    /// `t` rows: two sequences, the first with `t - 1` new tokens after 21 cached, the second decoding
-    /// its 6th token. Returns the stack, the cache and the step's arrays.
+    /// `t` rows (2 to 36): two sequences on blocks of their own, the first with `t - 1` new tokens after
+    /// 21 cached, the second decoding its 6th token.
     struct Case {
         stack: DecodeStack,
         kv: Vec<f32>,
@@ -371,16 +381,17 @@ mod tests {
             }
         }).collect();
         let stack = DecodeStack::new(geo, layers).unwrap().with_final_norm(vec![0.9; 64]).unwrap();
-        let kvg = KvGeometry { layers: 3, num_blocks: 8, block_size: 4, kv_heads: 2, head_dim: 16 };
+        let kvg = KvGeometry { layers: 3, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 16 };
         let kv: Vec<f32> = (0..kvg.len()).map(|i| ((i * 7919 % 1009) as f32 / 504.0) - 1.0).collect();
-        // seq 0 on blocks [7, 2, 5, 0, 3, 6, 1, 4] (21 cached + t - 1 new), seq 1 on [4-independent] blocks
+        // seq 0: 21 cached + t - 1 new on 14 scattered blocks; seq 1: decoding its 6th token on 2 others
         let (new0, cached0) = (t - 1, 21);
         let len0 = cached0 + new0;
-        let tables = vec![7, 2, 5, 0, 3, 6, 1, 4, 1, 6, 0, 0, 0, 0, 0, 0];
-        assert!(len0 <= 32, "a case of at most 12 rows");
+        let mut tables = vec![23, 2, 17, 5, 11, 0, 20, 8, 14, 3, 19, 9, 12, 6, 0, 0];
+        tables.extend([1, 21].into_iter().chain(std::iter::repeat(0)).take(16));
+        assert!(len0 <= 56, "a case of at most 36 rows");
         let slot = |table: &[i32], p: usize| table[p / 4] as i64 * 4 + (p % 4) as i64;
-        let mut slots: Vec<i64> = (cached0..len0).map(|p| slot(&tables[..8], p)).collect();
-        slots.push(slot(&tables[8..], 5));
+        let mut slots: Vec<i64> = (cached0..len0).map(|p| slot(&tables[..16], p)).collect();
+        slots.push(slot(&tables[16..], 5));
         let h: Vec<f32> = (0..t * 64).map(|i| ((i * 31) as f32 * 0.05).cos()).collect();
         let cos_sin: Vec<f32> = (0..t * 16).map(|i| ((i / 16) as f32 * 0.3 + (i % 8) as f32 * 0.1).cos()).collect();
         Case { stack, kv, kvg, h, cos_sin, slots, qsl: vec![0, new0 as i32, t as i32], lens: vec![len0 as i32, 6], tables }
@@ -388,15 +399,16 @@ mod tests {
 
     fn run(c: &mut Case, threads: usize) -> Result<Vec<f32>, DecodeError> {
         let meta = StepMeta { slot_mapping: &c.slots, query_start_loc: &c.qsl, seq_lens: &c.lens, block_tables: &c.tables,
-                              table_width: 8 };
+                              table_width: 16 };
         c.stack.forward(&c.h, &c.cos_sin, &mut c.kv, c.kvg, meta, threads, Kernel::best())
     }
 
     /// The team's chain gives the one-thread loop's bits, in its output and in every page it
-    /// writes, at decode and prefill sizes, on 2 to 4 threads.
+    /// writes, at decode and prefill sizes (from 16 rows on AMX's groups, where the CPU has it), on 2
+    /// to 4 threads.
     #[test]
     fn a_team_gives_the_one_thread_bits() {
-        for t in [2, 3, 9, 12] {
+        for t in [2, 3, 9, 12, 20, 36] {
             let mut one = case(t);
             let want = run(&mut one, 1).unwrap();
             assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|&x| x != 0.0));

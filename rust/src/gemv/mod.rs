@@ -248,6 +248,9 @@ impl PackedMatrix {
     /// [`PackedMatrix::quantize_input`] of this matrix, and `tiles.end <= self.tiles()`.
     pub unsafe fn tiles_into(&self, kernel: Kernel, acts: &quantize::QuantizedActs, tiles: std::ops::Range<usize>,
                              out: *mut f32) {
+        // a misuse is a panic here, never a kernel reading past the activations
+        assert_eq!(acts.blocks, self.blocks(), "tensor {:?}: activations quantized for another width", self.name);
+        assert!(tiles.end <= self.tiles(), "tensor {:?}: tiles {tiles:?} of {}", self.name, self.tiles());
         let (m, rows) = (acts.m, self.rows);
         let chunk = m * TILE;
         let mut small = [0f32; 8 * TILE];
