@@ -58,11 +58,12 @@ pub fn attend(
     simd: Simd,
 ) -> Result<(), DecodeError> {
     let keys = row_keys(layer.sliding_window, step, kv);
-    let size = layer.heads / kv.kv_heads * kv.head_dim;
-    let items = step.rows.len() * kv.kv_heads;
+    let per_item = units_per_item(step.rows.len(), kv.kv_heads, threads);
+    let size = per_item * layer.heads / kv.kv_heads * kv.head_dim;
+    let items = step.rows.len() * kv.kv_heads / per_item;
     if threads == 1 || items == 1 {
         for (i, o) in out.chunks_exact_mut(size).enumerate() {
-            attend_item(layer, &keys, qkv, kv, i, o, simd);
+            attend_item(layer, &keys, qkv, kv, i, per_item, o, simd);
         }
         return Ok(());
     }
@@ -71,7 +72,7 @@ pub fn attend(
     let team = pool::team(threads)?;
     team.run(items, &|i: usize| {
         let mut o = outs[i].lock().unwrap_or_else(|e| e.into_inner());
-        attend_item(layer, &keys, qkv, kv, i, &mut o, simd);
+        attend_item(layer, &keys, qkv, kv, i, per_item, &mut o, simd);
     })
     .map_err(|e| match e {
         GemvError::Threads { reason } => DecodeError::Gemv(GemvError::Threads { reason: format!("attention: {reason}") }),
@@ -79,24 +80,38 @@ pub fn attend(
     })
 }
 
-/// Item `i` of a layer's attention: row `i / kv_heads` and KV head `i % kv_heads`, whose
-/// `heads / kv_heads` query heads' outputs (side by side in the output, head `h` at `h * d`)
-/// it writes into `o`. `keys` is [`row_keys`] of the layer's window; `qkv` the rotated fused
-/// output `[T, (heads + 2 kv_heads) * d]` (queries first).
-pub fn attend_item(layer: &LayerAttention<'_>, keys: &[Vec<usize>], qkv: &[f32], kv: &KvGeometry, i: usize, o: &mut [f32],
-                   simd: Simd) {
+/// How many (row, KV head) units make one work item of a layer's attention on `threads` threads:
+/// a whole row (all its KV heads) when there are at least two rows a thread, else one. Why: a
+/// page holds every KV head of a slot side by side, so items of one KV head each had a thread
+/// stream the row's pages for a third of their bytes, and at batch 32 on 2 threads both threads
+/// pulled the same pages; a row's KV heads one after another on one thread read them once. At
+/// batch 1 the 3 KV heads of SmolLM2 stay 3 items, so 2 threads share them.
+pub fn units_per_item(rows: usize, kv_heads: usize, threads: usize) -> usize {
+    if rows >= 2 * threads { kv_heads } else { 1 }
+}
+
+/// Item `i` of a layer's attention: units `i * per_item ..` of `per_item` (unit `u` is row
+/// `u / kv_heads` and KV head `u % kv_heads`, whose `heads / kv_heads` query heads' outputs lie
+/// side by side in the output, head `h` at `h * d`), written into `o` (the units' outputs, in
+/// order). `keys` is [`row_keys`] of the layer's window; `qkv` the rotated fused output
+/// `[T, (heads + 2 kv_heads) * d]` (queries first).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_item(layer: &LayerAttention<'_>, keys: &[Vec<usize>], qkv: &[f32], kv: &KvGeometry, i: usize,
+                   per_item: usize, o: &mut [f32], simd: Simd) {
     let d = kv.head_dim;
     let width = (layer.heads + 2 * kv.kv_heads) * d;
     let group = layer.heads / kv.kv_heads;
-    let (r, j) = (i / kv.kv_heads, i % kv.kv_heads);
-    let q = &qkv[r * width + j * group * d..][..group * d];
-    let (kp, vp) = (&layer.k_plane[j * d..], &layer.v_plane[j * d..]);
-    match simd {
-        Simd::Portable => attend_group::<Portable>(layer.scale, kp, vp, q, d, &keys[r], o),
-        // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
-        // `best`) on a CPU that runs AVX2 and FMA.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { attend_group_avx2(layer.scale, kp, vp, q, d, &keys[r], o) },
+    for (u, o) in (i * per_item..(i + 1) * per_item).zip(o.chunks_exact_mut(group * d)) {
+        let (r, j) = (u / kv.kv_heads, u % kv.kv_heads);
+        let q = &qkv[r * width + j * group * d..][..group * d];
+        let (kp, vp) = (&layer.k_plane[j * d..], &layer.v_plane[j * d..]);
+        match simd {
+            Simd::Portable => attend_group::<Portable>(layer.scale, kp, vp, q, d, &keys[r], o),
+            // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
+            // `best`) on a CPU that runs AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => unsafe { attend_group_avx2(layer.scale, kp, vp, q, d, &keys[r], o) },
+        }
     }
 }
 

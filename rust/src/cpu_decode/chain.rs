@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use super::attention::{attend_item, row_keys, LayerAttention, Simd};
+use super::attention::{attend_item, row_keys, units_per_item, LayerAttention, Simd};
 use super::error::DecodeError;
 use super::lanes;
 use super::ops::{add, rms_norm};
@@ -86,6 +86,8 @@ struct Chain<'a> {
     /// Each distinct sliding window's row keys, and which of them each layer reads.
     keys: Vec<(Option<usize>, Vec<Vec<usize>>)>,
     layer_keys: Vec<usize>,
+    /// (row, KV head) units an attention item holds (`attention::units_per_item`).
+    attention_units: usize,
     residual: Buf,
     x: Buf,
     qkv: Buf,
@@ -148,7 +150,7 @@ impl PhasePlan for Chain<'_> {
     fn items(&self, p: usize) -> usize {
         let (l, kind) = self.phase(p);
         match kind {
-            Kind::Attention => self.rows() * self.kvg.kv_heads,
+            Kind::Attention => self.rows() * self.kvg.kv_heads / self.attention_units,
             _ => self.product(l, kind).0.chunks(self.rows(), self.threads),
         }
     }
@@ -204,9 +206,9 @@ impl Chain<'_> {
     /// Item `i` of layer `l`'s attention: a (row, KV head) and that KV head's query heads.
     fn attention_item(&self, l: usize, i: usize) {
         let g = &self.stack.geo;
-        let (plane, size) = (self.kvg.plane(), g.heads / g.kv_heads * g.head_dim);
+        let (plane, size) = (self.kvg.plane(), self.attention_units * g.heads / g.kv_heads * g.head_dim);
         // SAFETY: attention items only read `qkv` and the cache (written by the `after` before
-        // them), and item `i` alone writes its `size` outputs of `o` (`i < rows * kv_heads`, so
+        // them), and item `i` alone writes its `size` outputs of `o` (`i` < the phase's items, so
         // they lie inside it), which no other item of the phase reads.
         let (qkv, kv, o) = unsafe {
             (self.qkv.read(), self.kv.read(), std::slice::from_raw_parts_mut(self.o.ptr.add(i * size), size))
@@ -215,7 +217,7 @@ impl Chain<'_> {
         let layer = LayerAttention {
             k_plane, v_plane, heads: g.heads, scale: g.scale, sliding_window: self.stack.layers[l].sliding_window,
         };
-        attend_item(&layer, &self.keys[self.layer_keys[l]].1, qkv, self.kvg, i, o, self.simd);
+        attend_item(&layer, &self.keys[self.layer_keys[l]].1, qkv, self.kvg, i, self.attention_units, o, self.simd);
     }
 
     /// The product of phase kind `kind` in layer `l`, and the buffer it writes.
@@ -300,6 +302,7 @@ pub(super) fn layers_on_team(stack: &DecodeStack, b: &mut Buffers, cos_sin: &[f3
     let quantized = start.elapsed().as_nanos() as u64;
     let chain = Chain {
         stack, cos_sin, kvg, step, kernel, simd: Simd::best(), threads: team.threads(), keys, layer_keys,
+        attention_units: units_per_item(step.rows.len(), kvg.kv_heads, team.threads()),
         residual: Buf::of(&mut b.residual), x: Buf::of(&mut b.x), qkv: Buf::of(&mut b.qkv), o: Buf::of(&mut b.o),
         out: Buf::of(&mut b.out), gate_up: Buf::of(&mut b.gate_up), act: Buf::of(&mut b.act), kv: Buf::of(kv),
         acts: UnsafeCell::new(acts), failed: AtomicBool::new(false), error: Mutex::new(None), start,
