@@ -17,7 +17,8 @@
 //! `exp` at once, and a head's outputs kept in registers across all its keys (eight independent
 //! chains, instead of a load and a store of the output per key).
 //!
-//! Files: this one (the definitions, the portable build, the trait), `lanes/avx2.rs` (the AVX2 build).
+//! Files: this one (the definitions, the portable build, the trait), `lanes/avx2.rs` (the AVX2 build),
+//! `lanes/avx2/group.rs` (its passes of several heads over one KV head's keys).
 //!
 //! Why intrinsics and fused multiply-adds: the portable loops are what the compiler vectorizes
 //! poorly (measured on an Intel Xeon, 2026-12-03: SmolLM2's attention over 160 keys took 30 us a

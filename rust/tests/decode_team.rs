@@ -1,0 +1,134 @@
+//! The stack's layers on a team of threads (`cpu_decode::chain`, one team call a step) give the
+//! one-thread loop's bits, in outputs and pages, for every size of step and cut of attention, and
+//! its errors.
+
+use std::sync::Arc;
+
+use pagedrs::cpu_decode::{DecodeError, DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
+use pagedrs::gemv::{Format, Kernel, PackedMatrix};
+
+fn matrix(name: &str, format: Format, rows: usize, cols: usize, seed: &mut u64) -> Arc<PackedMatrix> {
+    let mut next = || {
+        *seed ^= *seed << 13;
+        *seed ^= *seed >> 7;
+        *seed ^= *seed << 17;
+        (*seed >> 16) as u32
+    };
+    // scales 2^-9 .. 2^-6: activations stay moderate through the layers
+    let f16 = |r: u32| (((r >> 31) as u16) << 15) | (((6 + (r >> 10) % 4) as u16) << 10) | (r & 0x3ff) as u16;
+    let mut raw = Vec::new();
+    for _ in 0..rows * cols / 32 {
+        raw.extend_from_slice(&f16(next()).to_le_bytes());
+        if format.has_min() {
+            raw.extend_from_slice(&f16(next()).to_le_bytes());
+        }
+        raw.extend((0..format.quant_bytes()).map(|_| next() as u8));
+    }
+    Arc::new(PackedMatrix::from_gguf(name, &raw, rows, cols, format).unwrap())
+}
+
+/// A 3-layer stack (hidden 64, 4 heads over 2 KV heads of 16, intermediate 96; Q4_1, Q8_0 and
+/// Q4_0 products, a QKV bias, a sliding window on the middle layer, the final norm) and a step of
+/// `t` rows (2 to 36): two sequences on blocks of their own, the first with `t - 1` new tokens after
+/// 21 cached, the second decoding its 6th token.
+struct Case {
+    stack: DecodeStack,
+    kv: Vec<f32>,
+    kvg: KvGeometry,
+    h: Vec<f32>,
+    cos_sin: Vec<f32>,
+    slots: Vec<i64>,
+    qsl: Vec<i32>,
+    lens: Vec<i32>,
+    tables: Vec<i32>,
+}
+
+fn case(t: usize) -> Case {
+    let geo = StackGeometry { hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 96, eps: 1e-5, scale: 0.25 };
+    let mut seed = 0x2545f4914f6cdd1du64;
+    let formats = [Format::Q4_1, Format::Q8_0, Format::Q4_0];
+    let layers = (0..3).map(|l| {
+        let f = formats[l];
+        LayerWeights {
+            input_norm: (0..64).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect(),
+            post_norm: (0..64).map(|i| 1.2 - (i % 5) as f32 * 0.1).collect(),
+            qkv: matrix("qkv", f, 128, 64, &mut seed),
+            qkv_bias: (l == 1).then(|| (0..128).map(|i| (i as f32 * 0.37).sin() * 0.1).collect()),
+            o: matrix("o", f, 64, 64, &mut seed),
+            gate_up: matrix("gate_up", f, 192, 64, &mut seed),
+            down: matrix("down", f, 64, 96, &mut seed),
+            sliding_window: (l == 1).then_some(5),
+        }
+    }).collect();
+    let stack = DecodeStack::new(geo, layers).unwrap().with_final_norm(vec![0.9; 64]).unwrap();
+    let kvg = KvGeometry { layers: 3, num_blocks: 24, block_size: 4, kv_heads: 2, head_dim: 16 };
+    let kv: Vec<f32> = (0..kvg.len()).map(|i| ((i * 7919 % 1009) as f32 / 504.0) - 1.0).collect();
+    // seq 0: 21 cached + t - 1 new on 14 scattered blocks; seq 1: decoding its 6th token on 2 others
+    let (new0, cached0) = (t - 1, 21);
+    let len0 = cached0 + new0;
+    let mut tables = vec![23, 2, 17, 5, 11, 0, 20, 8, 14, 3, 19, 9, 12, 6, 0, 0];
+    tables.extend([1, 21].into_iter().chain(std::iter::repeat(0)).take(16));
+    assert!(len0 <= 56, "a case of at most 36 rows");
+    let slot = |table: &[i32], p: usize| table[p / 4] as i64 * 4 + (p % 4) as i64;
+    let mut slots: Vec<i64> = (cached0..len0).map(|p| slot(&tables[..16], p)).collect();
+    slots.push(slot(&tables[16..], 5));
+    let h: Vec<f32> = (0..t * 64).map(|i| ((i * 31) as f32 * 0.05).cos()).collect();
+    let cos_sin: Vec<f32> = (0..t * 16).map(|i| ((i / 16) as f32 * 0.3 + (i % 8) as f32 * 0.1).cos()).collect();
+    Case { stack, kv, kvg, h, cos_sin, slots, qsl: vec![0, new0 as i32, t as i32], lens: vec![len0 as i32, 6], tables }
+}
+
+fn run(c: &mut Case, threads: usize) -> Result<Vec<f32>, DecodeError> {
+    let meta = StepMeta { slot_mapping: &c.slots, query_start_loc: &c.qsl, seq_lens: &c.lens, block_tables: &c.tables,
+                          table_width: 16 };
+    c.stack.forward(&c.h, &c.cos_sin, &mut c.kv, c.kvg, meta, threads, Kernel::best())
+}
+
+/// The team's chain gives the one-thread loop's bits, in its output and in every page it
+/// writes, at decode and prefill sizes (from 16 rows on AMX's groups, where the CPU has it), on 2
+/// to 4 threads.
+#[test]
+fn a_team_gives_the_one_thread_bits() {
+    for t in [2, 3, 9, 12, 20, 36] {
+        let mut one = case(t);
+        let want = run(&mut one, 1).unwrap();
+        assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|&x| x != 0.0));
+        for threads in [2, 3, 4] {
+            let mut c = case(t);
+            for round in 0..3 {
+                let got = run(&mut c, threads).unwrap();
+                assert_eq!(got, want, "t {t} threads {threads} round {round}");
+                assert_eq!(c.kv, one.kv, "t {t} threads {threads}: the pages written");
+            }
+        }
+    }
+}
+
+/// A non-finite value is the one-thread loop's error, naming the tensor, on a team too: at the
+/// first product (a NaN embedding) and mid-chain (an infinite rotary angle makes layer 0's
+/// attention NaN, so its output product refuses), with the same pages written (layer 0's, not
+/// the layers' after it); the team serves the next step.
+#[test]
+fn a_non_finite_input_is_the_same_error_on_a_team() {
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    type Spoil = fn(&mut Case);
+    let spoils: [(Spoil, &str); 2] = [
+        (|c| c.h[70] = f32::NAN, "tensor \"qkv\": input x[1, 0]"),
+        (|c| c.cos_sin[20] = f32::INFINITY, "tensor \"o\": input x[1, "),
+    ];
+    for (spoil, want) in spoils {
+        let mut one = case(3);
+        spoil(&mut one);
+        let e1 = run(&mut one, 1).unwrap_err().to_string();
+        assert!(e1.contains(want), "{e1}");
+        for threads in [2, 3, 4] {
+            let mut c = case(3);
+            spoil(&mut c);
+            assert_eq!(run(&mut c, threads).unwrap_err().to_string(), e1);
+            assert_eq!(bits(&c.kv), bits(&one.kv), "threads {threads}: the same pages written");
+        }
+        let plane = one.kvg.plane();
+        assert_eq!(bits(&one.kv[2 * plane..]), bits(&case(3).kv[2 * plane..]), "no layer after the error written");
+        let mut ok = case(3);
+        assert_eq!(run(&mut ok, 2).unwrap(), run(&mut case(3), 1).unwrap());
+    }
+}
