@@ -7,6 +7,7 @@ teardown) runs on top of the explicit checks.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 
@@ -403,3 +404,24 @@ def test_cpu_threads_is_a_whole_count_up_to_the_kernels_limit(value, monkeypatch
     monkeypatch.setenv(CPU_THREADS_ENV, "5000")
     with pytest.raises(ValueError, match=r"\$PAGEDRS_CPU_THREADS is '5000'; allowed: an integer from 1 to 1024"):
         EngineArgs().resolved_cpu_threads()
+
+
+def test_more_cpu_threads_than_cores_is_said_at_startup(tiny_llama_dir, caplog):
+    """cpu_threads past the cores this process may use is allowed but slows every step (32 threads on
+    2 cores decoded at 0.54x of one thread): the engine says so once at startup, naming the field, the
+    value and the cores; at or under the cores it says nothing."""
+    from pagedrs import Engine, EngineArgs
+    from pagedrs.engine_args import usable_cores
+    from pagedrs.executor.local import oversubscription_warning
+
+    assert oversubscription_warning(2, cores=2) is None
+    said = oversubscription_warning(3, cores=2)
+    assert said is not None and "cpu_threads is 3, more than the 2 core(s)" in said and "at most 2" in said
+    cores = usable_cores()
+    for threads, warned in [(cores, False), (cores + 1, True)]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pagedrs.engine"):
+            engine = Engine(EngineArgs(model=str(tiny_llama_dir), cpu_threads=threads, num_gpu_blocks=16))
+        engine.shutdown()
+        messages = [r.getMessage() for r in caplog.records if "more than the" in r.getMessage()]
+        assert messages == ([oversubscription_warning(threads)] if warned else []), messages

@@ -14,6 +14,14 @@ CPU_THREADS_ENV = "PAGEDRS_CPU_THREADS"
 # MAX_THREADS), far past any CPU here; refused at startup, not at the first step.
 MAX_CPU_THREADS = 1024
 
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity mask where the OS has one, else the CPU count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
 _LAYOUTS = ("paged", "contiguous")
 _PREEMPTION = ("swap", "recompute", "auto")
 _RESERVE = ("max_model_len", "request")
@@ -77,7 +85,8 @@ class EngineArgs:
     # a core (measured: the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy
     # process). `pagedrs serve` defaults to every core it may use: a server owns its machine.
     # With weight_dtype "gguf" the kernel's own team takes these threads and torch keeps one
-    # (models/gguf_linear.py, hand_cpu_threads_to_gemv). 1 to MAX_CPU_THREADS.
+    # (models/gguf_linear.py, hand_cpu_threads_to_gemv). 1 to MAX_CPU_THREADS; more than the cores this
+    # process may use is allowed and said at startup (every step then waits on threads with no core).
     cpu_threads: Optional[int] = None
     # Most samples (SamplingParams.n) one request may ask for: each sample holds its own
     # pages and sampling rows, so n is a multiplier a hostile client must not control.

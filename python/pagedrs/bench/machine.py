@@ -13,6 +13,8 @@ import os
 import platform
 from dataclasses import asdict, dataclass
 
+from pagedrs.engine_args import usable_cores
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -74,13 +76,6 @@ def _describe_cache() -> str:
     return f"L{level} {size >> 20} MiB" if size >= 1 << 20 else (f"L{level} {size >> 10} KiB" if size else "cache unknown")
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def describe_machine() -> Machine:
     import torch
 
@@ -90,7 +85,7 @@ def describe_machine() -> Machine:
         accelerator = "cpu"
     return Machine(
         cpu_model=_cpu_model(),
-        logical_cores=_usable_cores(),
+        logical_cores=usable_cores(),
         torch_threads=torch.get_num_threads(),
         torch_version=torch.__version__,
         python_version=platform.python_version(),

@@ -37,6 +37,7 @@ from pagedrs.bench import ttft_breakdown
 from pagedrs.bench.config import BenchConfig
 from pagedrs.bench.report import Column, markdown_table, render
 from pagedrs.bench.workloads import BenchRequest, LengthDistribution, Workload, WorkloadSpec, synthetic_workload
+from pagedrs.engine_args import usable_cores
 
 SERVE_FULL = WorkloadSpec(
     name="sharegpt-like-serve",
@@ -295,8 +296,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     vocab, name = loaded.config.vocab_size, loaded.name
     del loaded
     model_name = cfg.model  # the server serves --model under that name
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = int(os.environ.get("PAGEDRS_CPU_THREADS") or threads)  # what `pagedrs serve` uses too
+    threads = int(os.environ.get("PAGEDRS_CPU_THREADS") or usable_cores())  # what `pagedrs serve` uses too
     random = synthetic_workload(spec, vocab)
     by_name = {"random": random, "prefix": _shared_prefix(random, settings.shared_prefix_tokens, vocab)}
     workloads = [by_name[name] for name in cfg.serve_workloads]

@@ -11,7 +11,7 @@ import torch
 from pagedrs.attention import AttentionBackend
 from pagedrs.attention.kv_quant import SCALE_RULE, is_fp8, resolve_kv_cache_dtype
 from pagedrs.decode_graphs import DecodePadding, capture_sizes, graph_headroom_bytes
-from pagedrs.engine_args import EngineArgs
+from pagedrs.engine_args import MAX_CPU_THREADS, EngineArgs, usable_cores
 from pagedrs.executor.base import DiskTierHandle
 from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, model_fingerprint
 from pagedrs.kv_tiers.disk_tier import DiskTier, PageMeta
@@ -30,6 +30,20 @@ from pagedrs.step_input import StepInput, Transfer
 logger = logging.getLogger("pagedrs.engine")
 
 
+def oversubscription_warning(threads: int, cores: int | None = None) -> str | None:
+    """What to tell a user whose ``cpu_threads`` exceeds the cores this process may use, else None.
+    Why a warning and not an error: more threads than cores is allowed (a machine's cores may be
+    freed later), but every step then waits on threads with no core; measured (Intel Xeon, 2 cores,
+    2026-12-06, ``cargo bench --bench decode_stack -- 160 3 amx_int8 N``): a batch-1 SmolLM2 step
+    on 8 threads ran 1.27x of one thread's speed, on 32 threads 0.54x, where 2 threads ran 1.56x."""
+    cores = usable_cores() if cores is None else cores
+    if threads <= cores:
+        return None
+    return (f"cpu_threads is {threads}, more than the {cores} core(s) this process may use: threads past "
+            f"the cores wait for one, and a step gets slower, not faster (allowed: any count up to "
+            f"{MAX_CPU_THREADS}; best: at most {cores})")
+
+
 class LocalExecutor:
     """One process, one device: today's ``ModelRunner`` behind the ``Executor`` protocol."""
 
@@ -40,6 +54,9 @@ class LocalExecutor:
         self.device = torch.device(args.device)
         if self.device.type == "cpu":
             torch.set_num_threads(args.resolved_cpu_threads())
+            warning = oversubscription_warning(args.resolved_cpu_threads())
+            if warning is not None:
+                logger.warning(warning)
         from pagedrs.distributed import parallel_state
 
         if (parallel_state.tp_rank(), parallel_state.tp_size()) != (tp_rank, tp_size):

@@ -160,12 +160,11 @@ def _serve_default_threads() -> int | None:
     """$PAGEDRS_CPU_THREADS when set (EngineArgs reads it), else every core this process may use."""
     import os
 
-    from pagedrs.engine_args import CPU_THREADS_ENV, MAX_CPU_THREADS
+    from pagedrs.engine_args import CPU_THREADS_ENV, MAX_CPU_THREADS, usable_cores
 
     if os.environ.get(CPU_THREADS_ENV):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return min(cores, MAX_CPU_THREADS)
+    return min(usable_cores(), MAX_CPU_THREADS)
 
 
 def main(argv: list[str] | None = None) -> int:
