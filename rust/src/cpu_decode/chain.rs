@@ -1,6 +1,7 @@
 //! The stack's layers on a team of threads as one chain of phases ([`crate::gemv::phases`]):
 //! five a layer (the QKV product, attention, the output product, gate/up, down), each shared
-//! out as items (tile chunks, or (row, KV head) attention items), and between two phases the
+//! out as items (tile chunks; attention's (row, KV head) units, or whole rows when there are at
+//! least two a thread: `attention::units_per_item`), and between two phases the
 //! serial step that the next one reads (bias, rotary and the K/V writes; a residual add and a
 //! norm; SwiGLU; each product's input quantized once).
 //!
