@@ -5,8 +5,10 @@
 //! with random Q4_1 weights (the embedded model's format; 95 MB, so they stream from the last-level
 //! cache or memory as in a real step), one row over KEYS keys (default 160). Runs 1 and THREADS (default 2) threads in
 //! alternating rounds (so a busy moment hurts both) and prints, per thread count, the median time a
-//! step and the stack's own split (products, attention, elementwise), then the 1 -> 2 thread ratio:
-//! issue 30 asks >= 1.8x. The machine is printed first; compare ratios within one run.
+//! step and the stack's own split (products, attention, elementwise, with the bytes per second each
+//! streams: weights, and the K/V of the row's keys), then the 1 -> THREADS ratio:
+//! issue 30 asks >= 1.8x. The machine is printed first; compare ratios within one run, and the GB/s
+//! with what `benches/linear_streaming.py` measures a weights-sized buffer to read at.
 use pagedrs::cpu_decode::{DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
 use pagedrs::gemv::{Format, Kernel, PackedMatrix, QK};
 use std::sync::Arc;
@@ -65,6 +67,10 @@ fn main() {
         down: matrix(&format!("blk.{l}.down"), 576, 1536),
         sliding_window: None,
     }).collect();
+    // what a step streams: every product's weights, and each layer's K and V of the row's keys
+    let weight_bytes: usize = layers.iter().map(|l| [&l.qkv, &l.o, &l.gate_up, &l.down].iter().map(|m| m.weight_bytes()).sum::<usize>())
+        .sum();
+    let kv_bytes = 30 * 2 * keys * 3 * 64 * 4;
     let stack = DecodeStack::new(geo, layers).unwrap();
     let block_size = 16;
     let blocks = keys.div_ceil(block_size) + 1;
@@ -103,8 +109,10 @@ fn main() {
         let us = |x: u64| x as f64 / n as f64 / 1e3;
         let mut sorted = v.clone();
         sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        println!("{threads} thread(s): median {:.3} ms a step (range {:.3}-{:.3}); products {:.0} us, attention {:.0} us, elementwise {:.0} us",
-                 median(v.clone()), sorted[0], sorted[sorted.len() - 1], us(p), us(a), us(e));
+        println!("{threads} thread(s): median {:.3} ms a step (range {:.3}-{:.3}); products {:.0} us ({:.1} GB/s of weights), \
+                  attention {:.0} us ({:.1} GB/s of K/V), elementwise {:.0} us",
+                 median(v.clone()), sorted[0], sorted[sorted.len() - 1], us(p), weight_bytes as f64 / us(p) / 1e3, us(a),
+                 kv_bytes as f64 / us(a) / 1e3, us(e));
     }
     let ratios: Vec<f64> = times[0].iter().zip(&times[1]).map(|(a, b)| a / b).collect();
     println!("1 -> {many} threads: median {:.2}x (rounds: {})", median(ratios.clone()),
