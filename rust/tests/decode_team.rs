@@ -106,29 +106,36 @@ fn a_team_gives_the_one_thread_bits() {
 /// A non-finite value is the one-thread loop's error, naming the tensor, on a team too: at the
 /// first product (a NaN embedding) and mid-chain (an infinite rotary angle makes layer 0's
 /// attention NaN, so its output product refuses), with the same pages written (layer 0's, not
-/// the layers' after it); the team serves the next step.
+/// the layers' after it); at 20 rows too, where the steps between phases run in rows on several
+/// threads and two rows fail (the earlier one is named, as on one thread); the team serves the
+/// next step.
 #[test]
 fn a_non_finite_input_is_the_same_error_on_a_team() {
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     type Spoil = fn(&mut Case);
-    let spoils: [(Spoil, &str); 2] = [
-        (|c| c.h[70] = f32::NAN, "tensor \"qkv\": input x[1, 0]"),
-        (|c| c.cos_sin[20] = f32::INFINITY, "tensor \"o\": input x[1, "),
+    let spoils: [(usize, Spoil, &str); 4] = [
+        (3, |c| c.h[70] = f32::NAN, "tensor \"qkv\": input x[1, 0]"),
+        (3, |c| c.cos_sin[20] = f32::INFINITY, "tensor \"o\": input x[1, "),
+        (20, |c| c.h[64 * 17 + 3] = f32::NAN, "tensor \"qkv\": input x[17, 0]"),
+        (20, |c| {
+            c.cos_sin[16 * 17 + 2] = f32::INFINITY;
+            c.cos_sin[16 * 6 + 5] = f32::INFINITY;
+        }, "tensor \"o\": input x[6, "),
     ];
-    for (spoil, want) in spoils {
-        let mut one = case(3);
+    for (t, spoil, want) in spoils {
+        let mut one = case(t);
         spoil(&mut one);
         let e1 = run(&mut one, 1).unwrap_err().to_string();
         assert!(e1.contains(want), "{e1}");
         for threads in [2, 3, 4] {
-            let mut c = case(3);
+            let mut c = case(t);
             spoil(&mut c);
-            assert_eq!(run(&mut c, threads).unwrap_err().to_string(), e1);
-            assert_eq!(bits(&c.kv), bits(&one.kv), "threads {threads}: the same pages written");
+            assert_eq!(run(&mut c, threads).unwrap_err().to_string(), e1, "{t} rows, threads {threads}");
+            assert_eq!(bits(&c.kv), bits(&one.kv), "{t} rows, threads {threads}: the same pages written");
         }
         let plane = one.kvg.plane();
-        assert_eq!(bits(&one.kv[2 * plane..]), bits(&case(3).kv[2 * plane..]), "no layer after the error written");
-        let mut ok = case(3);
-        assert_eq!(run(&mut ok, 2).unwrap(), run(&mut case(3), 1).unwrap());
+        assert_eq!(bits(&one.kv[2 * plane..]), bits(&case(t).kv[2 * plane..]), "no layer after the error written");
+        let mut ok = case(t);
+        assert_eq!(run(&mut ok, 2).unwrap(), run(&mut case(t), 1).unwrap());
     }
 }

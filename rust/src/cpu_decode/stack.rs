@@ -227,16 +227,29 @@ impl DecodeStack {
     /// (that layer's K plane then V plane).
     pub(super) fn place_qkv(&self, l: usize, qkv: &mut [f32], cos_sin: &[f32], layer_kv: &mut [f32], kvg: &KvGeometry,
                             step: &StepLayout<'_>) {
+        self.rotate_qkv(l, qkv, cos_sin);
+        self.write_kv(qkv, layer_kv, kvg, step);
+    }
+
+    /// The row-local part of [`DecodeStack::place_qkv`] for whole rows of `qkv` (`cos_sin` theirs):
+    /// the bias, then rotary on the queries and keys.
+    pub(super) fn rotate_qkv(&self, l: usize, qkv: &mut [f32], cos_sin: &[f32]) {
         let g = &self.geo;
-        let (d, kvh, w) = (g.head_dim, g.kv_heads, g.qkv_width());
-        for (r, row) in qkv.chunks_exact_mut(w).enumerate() {
+        let d = g.head_dim;
+        for (row, cs) in qkv.chunks_exact_mut(g.qkv_width()).zip(cos_sin.chunks_exact(d)) {
             if let Some(b) = &self.layers[l].qkv_bias {
                 add(row, b);
             }
-            rotary(row, g.heads + kvh, d, &cos_sin[r * d..(r + 1) * d]);
+            rotary(row, g.heads + g.kv_heads, d, cs);
         }
+    }
+
+    /// Each row's K and V (of the rotated `qkv`) copied to its slot in `layer_kv`.
+    pub(super) fn write_kv(&self, qkv: &[f32], layer_kv: &mut [f32], kvg: &KvGeometry, step: &StepLayout<'_>) {
+        let g = &self.geo;
+        let (d, kvh) = (g.head_dim, g.kv_heads);
         let (k_plane, v_plane) = layer_kv.split_at_mut(kvg.plane());
-        for (row, r) in qkv.chunks_exact(w).zip(&step.rows) {
+        for (row, r) in qkv.chunks_exact(g.qkv_width()).zip(&step.rows) {
             for j in 0..kvh {
                 let at = kvg.slot_offset(r.slot, j);
                 k_plane[at..at + d].copy_from_slice(&row[(g.heads + j) * d..][..d]);

@@ -31,33 +31,91 @@ pub struct QuantizedActs {
 /// feeds (SmolLM2's layer inputs, Intel Xeon).
 pub fn quantize(x: &[f32], m: usize, k: usize) -> Result<QuantizedActs, (usize, usize)> {
     assert!(k % QK == 0 && x.len() == m * k, "quantize: caller checked the shape");
-    let blocks = k / QK;
-    let mut out = QuantizedActs {
-        m,
-        blocks,
-        qs: vec![0; m * k],
-        d: vec![0.0; m * blocks],
-        sum: vec![0; m * blocks],
-        dsum: vec![0.0; m * blocks],
-    };
-    #[cfg(target_arch = "x86_64")]
-    let avx2 = is_x86_feature_detected!("avx2"); // once per call, not per block
-    for (i, (src, dst)) in x.chunks_exact(QK).zip(out.qs.chunks_exact_mut(QK)).enumerate() {
-        #[cfg(target_arch = "x86_64")]
-        let block = if avx2 {
-            // SAFETY: AVX2 was just detected; `src` and `dst` hold one block (32 values) each.
-            unsafe { avx2::block(src, dst) }
-        } else {
-            block(src, dst)
-        };
-        #[cfg(not(target_arch = "x86_64"))]
-        let block = block(src, dst);
-        let (d, sum) = block.map_err(|c| (i / blocks, (i % blocks) * QK + c))?;
-        out.d[i] = d;
-        out.sum[i] = sum;
-        out.dsum[i] = d * sum as f32;
-    }
+    let mut out = QuantizedActs::zeroed(m, k);
+    let rows = out.rows_mut();
+    // SAFETY: `rows` points into `out`, which lives to the end of the call and is touched by
+    // nothing else meanwhile; rows 0 .. m are `out`'s.
+    unsafe { rows.quantize(x, 0)? };
     Ok(out)
+}
+
+impl QuantizedActs {
+    /// Room for `m` rows of `k` activations (`k` a multiple of 32), zero until quantized into.
+    pub fn zeroed(m: usize, k: usize) -> QuantizedActs {
+        let blocks = k / QK;
+        QuantizedActs { m, blocks, qs: vec![0; m * k], d: vec![0.0; m * blocks], sum: vec![0; m * blocks],
+                        dsum: vec![0.0; m * blocks] }
+    }
+
+    /// Its storage as raw rows, for threads that each quantize rows of their own ([`ActsRows`]).
+    pub fn rows_mut(&mut self) -> ActsRows {
+        ActsRows {
+            qs: self.qs.as_mut_ptr(), d: self.d.as_mut_ptr(), sum: self.sum.as_mut_ptr(), dsum: self.dsum.as_mut_ptr(),
+            m: self.m, blocks: self.blocks,
+        }
+    }
+}
+
+/// A [`QuantizedActs`]' storage, to be filled row by row from several threads (each its own rows:
+/// a prompt's layer inputs quantized in parallel).
+#[derive(Clone, Copy)]
+pub struct ActsRows {
+    qs: *mut i8,
+    d: *mut f32,
+    sum: *mut i32,
+    dsum: *mut f32,
+    m: usize,
+    blocks: usize,
+}
+
+// SAFETY: only pointers; `quantize`'s contract keeps threads to disjoint rows.
+unsafe impl Send for ActsRows {}
+// SAFETY: as above.
+unsafe impl Sync for ActsRows {}
+
+impl ActsRows {
+    /// Quantizes `x` (whole rows of `k = blocks * 32`) into rows `first ..` of the storage.
+    /// `Err((row, col))` (`row` counted from row 0 of the storage) at the first non-finite value.
+    ///
+    /// # Safety
+    /// The `QuantizedActs` these pointers came from is alive and not read or written meanwhile,
+    /// except through other `ActsRows` calls on other rows; `first + x.len() / k <= m`.
+    pub unsafe fn quantize(&self, x: &[f32], first: usize) -> Result<(), (usize, usize)> {
+        let k = self.blocks * QK;
+        if k == 0 {
+            return Ok(()); // rows of no columns
+        }
+        let rows = x.len() / k;
+        assert!(x.len() % k == 0 && first + rows <= self.m, "quantize: rows {first} + {rows} of {}", self.m);
+        let at = first * self.blocks;
+        // SAFETY: rows `first .. first + rows` lie inside the storage (just checked) and no other
+        // thread touches them (the contract).
+        let (qs, d, sum, dsum) = unsafe {
+            (std::slice::from_raw_parts_mut(self.qs.add(first * k), rows * k),
+             std::slice::from_raw_parts_mut(self.d.add(at), rows * self.blocks),
+             std::slice::from_raw_parts_mut(self.sum.add(at), rows * self.blocks),
+             std::slice::from_raw_parts_mut(self.dsum.add(at), rows * self.blocks))
+        };
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = is_x86_feature_detected!("avx2"); // once per call, not per block
+        let blocks = self.blocks;
+        for (i, (src, dst)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+            #[cfg(target_arch = "x86_64")]
+            let block = if avx2 {
+                // SAFETY: AVX2 was just detected; `src` and `dst` hold one block (32 values) each.
+                unsafe { avx2::block(src, dst) }
+            } else {
+                block(src, dst)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let block = block(src, dst);
+            let (scale, s) = block.map_err(|c| (first + i / blocks, (i % blocks) * QK + c))?;
+            d[i] = scale;
+            sum[i] = s;
+            dsum[i] = scale * s as f32;
+        }
+        Ok(())
+    }
 }
 
 /// One block: its int8 values into `dst`, and `(d, sum)`; `Err(col)` at the first non-finite value.

@@ -32,12 +32,26 @@ use super::ops::{add, rms_norm};
 use super::stack::{Buffers, DecodeStack, Spent};
 use super::step::{KvGeometry, StepLayout};
 use crate::gemv::phases::{run_phases, PhasePlan};
-use crate::gemv::quantize::QuantizedActs;
+use crate::gemv::quantize::{ActsRows, QuantizedActs};
 use crate::gemv::{pool, GemvError, Kernel, PackedMatrix};
 
-/// What a phase does: a layer's phases in order.
+mod rows;
+
+/// What a phase does: a layer's phases in order. `Rows(k)`: the step after phase `k` shared out by
+/// rows (steps of at least [`rows::PARALLEL_ROWS`] rows).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
+    Qkv,
+    Attention,
+    O,
+    GateUp,
+    Down,
+    Rows(Product),
+}
+
+/// The phase a `Rows` phase follows.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Product {
     Qkv,
     Attention,
     O,
@@ -46,6 +60,10 @@ enum Kind {
 }
 
 const LAYER: [Kind; 5] = [Kind::Qkv, Kind::Attention, Kind::O, Kind::GateUp, Kind::Down];
+const LAYER_IN_ROWS: [Kind; 10] = [
+    Kind::Qkv, Kind::Rows(Product::Qkv), Kind::Attention, Kind::Rows(Product::Attention), Kind::O, Kind::Rows(Product::O),
+    Kind::GateUp, Kind::Rows(Product::GateUp), Kind::Down, Kind::Rows(Product::Down),
+];
 
 /// A buffer reached from several threads under the phases' order (see the module's docs).
 #[derive(Clone, Copy)]
@@ -74,6 +92,25 @@ impl Buf {
         // SAFETY: as `read`, and the caller guarantees the access is exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
+
+    /// Rows `r` of a buffer of rows `width` floats wide.
+    ///
+    /// # Safety
+    /// No thread writes these rows while the borrow lives; they lie inside the buffer.
+    unsafe fn read_rows(&self, r: std::ops::Range<usize>, width: usize) -> &[f32] {
+        debug_assert!(r.end * width <= self.len);
+        // SAFETY: inside the buffer (the contract), which outlives the chain (`of`).
+        unsafe { std::slice::from_raw_parts(self.ptr.add(r.start * width), r.len() * width) }
+    }
+
+    /// # Safety
+    /// No other thread reads or writes these rows while the borrow lives; they lie inside the buffer.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn write_rows(&self, r: std::ops::Range<usize>, width: usize) -> &mut [f32] {
+        debug_assert!(r.end * width <= self.len);
+        // SAFETY: as `read_rows`, and the caller guarantees the access is exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start * width), r.len() * width) }
+    }
 }
 
 struct Chain<'a> {
@@ -89,6 +126,12 @@ struct Chain<'a> {
     layer_keys: Vec<usize>,
     /// (row, KV head) units an attention item holds (`attention::units_per_item`).
     attention_units: usize,
+    /// A layer's phases (`LAYER`, or `LAYER_IN_ROWS`), and the rows of one item of a `Rows` phase.
+    kinds: &'static [Kind],
+    row_chunk: usize,
+    /// The first non-finite input a `Rows` phase's items met, as (row, column): the earliest wins,
+    /// so the error is the one-thread loop's.
+    row_error: Mutex<Option<(usize, usize)>>,
     residual: Buf,
     x: Buf,
     qkv: Buf,
@@ -97,8 +140,10 @@ struct Chain<'a> {
     gate_up: Buf,
     act: Buf,
     kv: Buf,
-    /// The next product's input, quantized by the `after` before it; read by its items.
+    /// The next product's input, quantized by the `after` before it (or, in rows, by a `Rows`
+    /// phase's items through `acts_rows`); read by its items.
     acts: UnsafeCell<QuantizedActs>,
+    acts_rows: UnsafeCell<Option<ActsRows>>,
     /// Set (before the next phase opens) when an input was not finite: later items and steps
     /// do nothing, and the error is returned.
     failed: AtomicBool,
@@ -145,13 +190,14 @@ impl Chain<'_> {
 
 impl PhasePlan for Chain<'_> {
     fn phases(&self) -> usize {
-        self.stack.layers.len() * LAYER.len()
+        self.stack.layers.len() * self.kinds.len()
     }
 
     fn items(&self, p: usize) -> usize {
         let (l, kind) = self.phase(p);
         match kind {
             Kind::Attention => self.rows() * self.kvg.kv_heads / self.attention_units,
+            Kind::Rows(_) => self.rows().div_ceil(self.row_chunk),
             _ => self.product(l, kind).0.chunks(self.rows(), self.threads),
         }
     }
@@ -164,6 +210,7 @@ impl PhasePlan for Chain<'_> {
         let (l, kind) = self.phase(p);
         match kind {
             Kind::Attention => self.attention_item(l, i),
+            Kind::Rows(after) => self.rows_item(l, after, i),
             _ => {
                 let (m, dst) = self.product(l, kind);
                 let chunks = m.chunks(self.rows(), self.threads);
@@ -179,7 +226,11 @@ impl PhasePlan for Chain<'_> {
     fn after(&self, p: usize) {
         let (l, kind) = self.phase(p);
         let began = self.now();
-        let phase = if kind == Kind::Attention { &self.attention } else { &self.products };
+        let phase = match kind {
+            Kind::Attention => &self.attention,
+            Kind::Rows(_) => &self.elementwise, // (quantizing included, at these sizes)
+            _ => &self.products,
+        };
         phase.fetch_add(began - self.opened.load(Ordering::Relaxed), Ordering::Relaxed);
         // a panic here would leave `acts` quantized for another product: fail the chain (later
         // items then do nothing) rather than let a product read activations of another width
@@ -201,7 +252,7 @@ impl PhasePlan for Chain<'_> {
 impl Chain<'_> {
     /// Phase `p`'s layer and kind.
     fn phase(&self, p: usize) -> (usize, Kind) {
-        (p / LAYER.len(), LAYER[p % LAYER.len()])
+        (p / self.kinds.len(), self.kinds[p % self.kinds.len()])
     }
 
     /// Item `i` of layer `l`'s attention: a (row, KV head) and that KV head's query heads.
@@ -237,6 +288,9 @@ impl Chain<'_> {
     /// The serial step after phase `kind` of layer `l`: what the next phase reads. Returns the
     /// nanoseconds spent quantizing the next product's input.
     fn between(&self, l: usize, kind: Kind) -> u64 {
+        if self.kinds.len() != LAYER.len() {
+            return self.between_in_rows(l, kind);
+        }
         let (g, layers) = (&self.stack.geo, &self.stack.layers);
         let lw = &layers[l];
         // SAFETY: an `after` step runs alone (no item runs meanwhile), so these borrows of eight
@@ -272,6 +326,7 @@ impl Chain<'_> {
                 }
                 0
             }
+            Kind::Rows(_) => unreachable!("a Rows phase only in LAYER_IN_ROWS"),
         }
     }
 }
@@ -304,9 +359,11 @@ pub(super) fn layers_on_team(stack: &DecodeStack, b: &mut Buffers, cos_sin: &[f3
     let chain = Chain {
         stack, cos_sin, kvg, step, kernel, simd: Simd::best(), threads: team.threads(), keys, layer_keys,
         attention_units: units_per_item(step.rows.len(), kvg.kv_heads, team.threads()),
+        kinds: if step.rows.len() >= rows::PARALLEL_ROWS { &LAYER_IN_ROWS } else { &LAYER },
+        row_chunk: rows::chunk(step.rows.len(), team.threads()), row_error: Mutex::new(None),
         residual: Buf::of(&mut b.residual), x: Buf::of(&mut b.x), qkv: Buf::of(&mut b.qkv), o: Buf::of(&mut b.o),
         out: Buf::of(&mut b.out), gate_up: Buf::of(&mut b.gate_up), act: Buf::of(&mut b.act), kv: Buf::of(kv),
-        acts: UnsafeCell::new(acts), failed: AtomicBool::new(false), error: Mutex::new(None), start,
+        acts: UnsafeCell::new(acts), acts_rows: UnsafeCell::new(None), failed: AtomicBool::new(false), error: Mutex::new(None), start,
         opened: AtomicU64::new(quantized), products: AtomicU64::new(quantized - normed), attention: AtomicU64::new(0),
         elementwise: AtomicU64::new(normed),
     };

@@ -1,0 +1,128 @@
+//! The steps between phases shared out by rows, for a step of many rows (a prompt's chunk, a
+//! large batch): each row's bias and rotary, residual add, norm, SwiGLU and quantization depend
+//! on that row alone, so items of consecutive rows give the one-thread loop's bits. Only the K/V
+//! writes stay serial (two rows never write one slot in a well-formed step, but a padded step's
+//! rows may share a scratch slot, and there the last row must win, as it does on one thread).
+//!
+//! Why: `benches/profile_step.py --weight-dtype gguf --batch 8 --threads 2` (960 prompt tokens)
+//! spent 11% of its time in these steps on one thread while the other waited.
+
+use super::{Chain, Product};
+use crate::cpu_decode::error::DecodeError;
+use crate::cpu_decode::lanes;
+use crate::cpu_decode::ops::{add, rms_norm};
+use crate::gemv::quantize::QuantizedActs;
+use crate::gemv::{GemvError, PackedMatrix};
+
+/// From this many rows a step's serial steps are shared out (below, one is a few microseconds
+/// and a phase costs ~0.5 us more).
+pub(super) const PARALLEL_ROWS: usize = 16;
+
+/// Rows an item of a `Rows` phase holds: about four items a thread, at least 4 rows.
+pub(super) fn chunk(rows: usize, threads: usize) -> usize {
+    rows.div_ceil(4 * threads).max(4)
+}
+
+impl Chain<'_> {
+    /// Item `i` of the rows step after `after` in layer `l`: rows `i * row_chunk ..`.
+    pub(super) fn rows_item(&self, l: usize, after: Product, i: usize) {
+        let r = i * self.row_chunk..((i + 1) * self.row_chunk).min(self.rows());
+        let (g, layers) = (&self.stack.geo, &self.stack.layers);
+        let (h, d) = (g.hidden, g.head_dim);
+        // SAFETY (every row borrow below): the items of a `Rows` phase own disjoint rows `r` of
+        // the buffers they write, and read only rows `r` of buffers no item of the phase writes.
+        match after {
+            Product::Qkv => {
+                let qkv = unsafe { self.qkv.write_rows(r.clone(), g.qkv_width()) };
+                self.stack.rotate_qkv(l, qkv, &self.cos_sin[r.start * d..r.end * d]);
+            }
+            Product::Attention => self.quantize_rows(unsafe { self.o.read_rows(r.clone(), g.heads * d) }, r.start),
+            Product::O => {
+                let (residual, x) = unsafe { (self.residual.write_rows(r.clone(), h), self.x.write_rows(r.clone(), h)) };
+                add(residual, unsafe { self.out.read_rows(r.clone(), h) });
+                rms_norm(residual, &layers[l].post_norm, g.eps, x);
+                self.quantize_rows(x, r.start);
+            }
+            Product::GateUp => {
+                let act = unsafe { self.act.write_rows(r.clone(), g.intermediate) };
+                lanes::silu_mul(self.simd, unsafe { self.gate_up.read_rows(r.clone(), 2 * g.intermediate) }, g.intermediate,
+                                act);
+                self.quantize_rows(act, r.start);
+            }
+            Product::Down => {
+                let (residual, x) = unsafe { (self.residual.write_rows(r.clone(), h), self.x.write_rows(r.clone(), h)) };
+                add(residual, unsafe { self.out.read_rows(r.clone(), h) });
+                if let Some(next) = layers.get(l + 1) {
+                    rms_norm(residual, &next.input_norm, g.eps, x);
+                    self.quantize_rows(x, r.start);
+                } else if let Some(norm) = &self.stack.final_norm {
+                    rms_norm(residual, norm, g.eps, x);
+                }
+            }
+        }
+    }
+
+    /// Whole rows `first ..` of the next product's input into `acts`; the earliest non-finite
+    /// value any item meets is kept for the `after` step.
+    fn quantize_rows(&self, x: &[f32], first: usize) {
+        // SAFETY: `acts_rows` was set by the `after` before this phase and is only read now.
+        let Some(rows) = (unsafe { *self.acts_rows.get() }) else { return };
+        // SAFETY: `rows` points into `acts`, which no product item reads during a `Rows` phase,
+        // and this item alone writes these rows of it.
+        if let Err(at) = unsafe { rows.quantize(x, first) } {
+            let mut kept = self.row_error.lock().unwrap_or_else(|p| p.into_inner());
+            if kept.is_none_or(|k| at < k) {
+                *kept = Some(at);
+            }
+        }
+    }
+
+    /// The serial steps of a chain in rows (`LAYER_IN_ROWS`): after a product, room for the next
+    /// product's input; after a `Rows` phase, the K/V writes or the error its items met.
+    pub(super) fn between_in_rows(&self, l: usize, kind: super::Kind) -> u64 {
+        use super::Kind;
+        let layers = &self.stack.layers;
+        let lw = &layers[l];
+        let next_input = |kind| -> Option<&PackedMatrix> {
+            match kind {
+                Product::Qkv => None,
+                Product::Attention => Some(&lw.o),
+                Product::O => Some(&lw.gate_up),
+                Product::GateUp => Some(&lw.down),
+                Product::Down => layers.get(l + 1).map(|n| &*n.qkv),
+            }
+        };
+        match kind {
+            Kind::Rows(Product::Qkv) => {
+                let plane = self.kvg.plane();
+                // SAFETY: an `after` step runs alone, so these borrows are the only ones.
+                let (qkv, kv) = unsafe { (self.qkv.read(), self.kv.write()) };
+                self.stack.write_kv(qkv, &mut kv[l * 2 * plane..(l + 1) * 2 * plane], self.kvg, self.step);
+            }
+            Kind::Rows(after) => {
+                let met = self.row_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let (Some((row, col)), Some(m)) = (met, next_input(after)) {
+                    self.fail(DecodeError::Gemv(GemvError::NonFiniteInput { tensor: m.name().to_string(), row, col }));
+                }
+            }
+            product => {
+                let after = match product {
+                    Kind::Qkv => Product::Qkv,
+                    Kind::Attention => Product::Attention,
+                    Kind::O => Product::O,
+                    Kind::GateUp => Product::GateUp,
+                    _ => Product::Down,
+                };
+                // SAFETY: an `after` step runs alone: no item reads `acts` or `acts_rows` now.
+                unsafe {
+                    *self.acts_rows.get() = next_input(after).map(|m| {
+                        let acts = &mut *self.acts.get();
+                        *acts = QuantizedActs::zeroed(self.rows(), m.cols());
+                        acts.rows_mut()
+                    });
+                }
+            }
+        }
+        0
+    }
+}
