@@ -65,7 +65,8 @@ impl StackGeometry {
 /// Python profiler cannot see the split). Two clock reads per phase: ~50 ns a layer.
 #[derive(Debug, Default)]
 pub struct Timings {
-    /// The GEMV products (activation quantization included).
+    /// The GEMV products (activation quantization included, except on a team in a step of 16+
+    /// rows, where each row's quantization runs with its norm in the rows phases: `elementwise`).
     pub products: AtomicU64,
     /// Paged attention.
     pub attention: AtomicU64,
