@@ -3,7 +3,8 @@
 //! out as items (tile chunks; attention's (row, KV head) units, or whole rows when there are at
 //! least two a thread: `attention::units_per_item`), and between two phases the
 //! serial step that the next one reads (bias, rotary and the K/V writes; a residual add and a
-//! norm; SwiGLU; each product's input quantized once).
+//! norm; SwiGLU; each product's input quantized once). In a step of 16+ rows those steps are
+//! phases of their own, shared out by rows (ten phases a layer: [`rows`]).
 //!
 //! Why: on 2 threads each of the ~150 team calls of a batch-1 token cost ~1 us beyond its work
 //! (publishing the call, waking the helper, waiting for it to leave), and the serial steps ran
@@ -11,11 +12,13 @@
 //!
 //! The bits are those of [`super::DecodeStack`]'s one-thread loop: the same operations on the
 //! same rows in the same order (tiles and attention items are independent of how they are
-//! shared out, and every serial step runs whole on one thread).
+//! shared out, every serial step runs whole on one thread, and a rows step's work is each row's
+//! alone).
 //!
 //! Sharing: the buffers are reached through raw pointers taken once, and the phases order every
 //! access: an `after` step runs alone (no item runs), the items of a phase write disjoint parts
-//! (their own tiles' columns, their own heads' outputs) of a buffer no item of the phase reads,
+//! (their own tiles' columns, their own heads' outputs, their own rows) of a buffer no item of
+//! the phase reads,
 //! and read only what the `after` before them wrote. The phase counters' release/acquire pairs
 //! order each `after` before the next phase's items and the items before the next `after`.
 
