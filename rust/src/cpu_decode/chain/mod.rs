@@ -260,6 +260,9 @@ impl Chain<'_> {
 
     /// Item `i` of layer `l`'s attention: a (row, KV head) and that KV head's query heads.
     fn attention_item(&self, l: usize, i: usize) {
+        // the last rows first: a prompt's rows see more keys the later they come, and the threads
+        // claim items in order, so the longest go first and the short ones fill in at the end
+        let i = self.rows() * self.kvg.kv_heads / self.attention_units - 1 - i;
         let g = &self.stack.geo;
         let (plane, size) = (self.kvg.plane(), self.attention_units * g.heads / g.kv_heads * g.head_dim);
         // SAFETY: attention items only read `qkv` and the cache (written by the `after` before
