@@ -30,8 +30,7 @@ use std::time::Instant;
 
 use super::attention::{attend_item, row_keys, units_per_item, LayerAttention, Simd};
 use super::error::DecodeError;
-use super::lanes;
-use super::ops::{add, rms_norm};
+use super::ops::rms_norm;
 use super::stack::{Buffers, DecodeStack, Spent};
 use super::step::{KvGeometry, StepLayout};
 use crate::gemv::phases::{run_phases, PhasePlan};
@@ -40,19 +39,16 @@ use crate::gemv::{pool, GemvError, Kernel, PackedMatrix};
 
 mod rows;
 
-/// What a phase does: a layer's phases in order. `Rows(k)`: the step after phase `k` shared out by
-/// rows (steps of at least [`rows::PARALLEL_ROWS`] rows).
+/// What a phase does: a product (attention counted among them: a phase of items whose output the
+/// next product reads), or `Rows(p)`, the step after product `p` shared out by rows (steps of at
+/// least [`rows::PARALLEL_ROWS`] rows; in smaller steps that work runs whole in `p`'s `after`).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Kind {
-    Qkv,
-    Attention,
-    O,
-    GateUp,
-    Down,
+    Product(Product),
     Rows(Product),
 }
 
-/// The phase a `Rows` phase follows.
+/// A layer's products in order.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Product {
     Qkv,
@@ -62,10 +58,14 @@ enum Product {
     Down,
 }
 
-const LAYER: [Kind; 5] = [Kind::Qkv, Kind::Attention, Kind::O, Kind::GateUp, Kind::Down];
+const LAYER: [Kind; 5] = [
+    Kind::Product(Product::Qkv), Kind::Product(Product::Attention), Kind::Product(Product::O),
+    Kind::Product(Product::GateUp), Kind::Product(Product::Down),
+];
 const LAYER_IN_ROWS: [Kind; 10] = [
-    Kind::Qkv, Kind::Rows(Product::Qkv), Kind::Attention, Kind::Rows(Product::Attention), Kind::O, Kind::Rows(Product::O),
-    Kind::GateUp, Kind::Rows(Product::GateUp), Kind::Down, Kind::Rows(Product::Down),
+    Kind::Product(Product::Qkv), Kind::Rows(Product::Qkv), Kind::Product(Product::Attention),
+    Kind::Rows(Product::Attention), Kind::Product(Product::O), Kind::Rows(Product::O), Kind::Product(Product::GateUp),
+    Kind::Rows(Product::GateUp), Kind::Product(Product::Down), Kind::Rows(Product::Down),
 ];
 
 /// A buffer reached from several threads under the phases' order (see the module's docs).
@@ -168,18 +168,6 @@ impl Chain<'_> {
         self.step.rows.len()
     }
 
-    /// Quantizes `x` as `m`'s input into `acts`, or records the error. Only from an `after` step.
-    /// Returns the nanoseconds it took (counted with the products, as the one-thread loop does).
-    fn quantize_for(&self, m: &PackedMatrix, x: &[f32]) -> u64 {
-        let began = self.now();
-        match m.quantize_input(x, self.rows()) {
-            // SAFETY: an `after` step runs alone, so no item reads `acts` now.
-            Ok(a) => unsafe { *self.acts.get() = a },
-            Err(e) => self.fail(e.into()),
-        }
-        self.now() - began
-    }
-
     fn fail(&self, e: DecodeError) {
         let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
         slot.get_or_insert(e);
@@ -199,9 +187,9 @@ impl PhasePlan for Chain<'_> {
     fn items(&self, p: usize) -> usize {
         let (l, kind) = self.phase(p);
         match kind {
-            Kind::Attention => self.rows() * self.kvg.kv_heads / self.attention_units,
+            Kind::Product(Product::Attention) => self.rows() * self.kvg.kv_heads / self.attention_units,
             Kind::Rows(_) => self.rows().div_ceil(self.row_chunk),
-            _ => self.product(l, kind).0.chunks(self.rows(), self.threads),
+            Kind::Product(p) => self.product(l, p).0.chunks(self.rows(), self.threads),
         }
     }
 
@@ -212,10 +200,10 @@ impl PhasePlan for Chain<'_> {
         }
         let (l, kind) = self.phase(p);
         match kind {
-            Kind::Attention => self.attention_item(l, i),
+            Kind::Product(Product::Attention) => self.attention_item(l, i),
             Kind::Rows(after) => self.rows_item(l, after, i),
-            _ => {
-                let (m, dst) = self.product(l, kind);
+            Kind::Product(p) => {
+                let (m, dst) = self.product(l, p);
                 let chunks = m.chunks(self.rows(), self.threads);
                 // SAFETY: `dst` is this product's `[rows, m.rows()]` output (`Buffers`), chunk `i`'s
                 // tiles are written by this item alone and read by no item of the phase; the kernel
@@ -230,7 +218,7 @@ impl PhasePlan for Chain<'_> {
         let (l, kind) = self.phase(p);
         let began = self.now();
         let phase = match kind {
-            Kind::Attention => &self.attention,
+            Kind::Product(Product::Attention) => &self.attention,
             Kind::Rows(_) => &self.elementwise, // (quantizing included, at these sizes)
             _ => &self.products,
         };
@@ -278,62 +266,34 @@ impl Chain<'_> {
         attend_item(&layer, &self.keys[self.layer_keys[l]].1, qkv, self.kvg, i, self.attention_units, o, self.simd);
     }
 
-    /// The product of phase kind `kind` in layer `l`, and the buffer it writes.
-    fn product(&self, l: usize, kind: Kind) -> (&PackedMatrix, Buf) {
+    /// Product `p`'s matrix in layer `l`, and the buffer it writes (not attention's: its items
+    /// are `attention_item`).
+    fn product(&self, l: usize, p: Product) -> (&PackedMatrix, Buf) {
         let lw = &self.stack.layers[l];
-        match kind {
-            Kind::Qkv => (&lw.qkv, self.qkv),
-            Kind::O => (&lw.o, self.out),
-            Kind::GateUp => (&lw.gate_up, self.gate_up),
-            _ => (&lw.down, self.out),
+        match p {
+            Product::Qkv => (&lw.qkv, self.qkv),
+            Product::O => (&lw.o, self.out),
+            Product::GateUp => (&lw.gate_up, self.gate_up),
+            Product::Down | Product::Attention => (&lw.down, self.out),
         }
     }
 }
 
 impl Chain<'_> {
     /// The serial step after phase `kind` of layer `l`: what the next phase reads. Returns the
-    /// nanoseconds spent quantizing the next product's input.
+    /// nanoseconds spent quantizing the next product's input (counted with the products). In a
+    /// step of few rows the row work runs here, whole, between the same serial steps a step in
+    /// rows runs around its `Rows` phase: one definition of each step for both.
     fn between(&self, l: usize, kind: Kind) -> u64 {
+        self.between_phases(l, kind);
+        let Kind::Product(after) = kind else { return 0 };
         if self.kinds.len() != LAYER.len() {
-            return self.between_in_rows(l, kind);
+            return 0; // its `Rows` phase comes next
         }
-        let (g, layers) = (&self.stack.geo, &self.stack.layers);
-        let lw = &layers[l];
-        // SAFETY: an `after` step runs alone (no item runs meanwhile), so these borrows of eight
-        // distinct buffers are the only ones until it returns.
-        let (residual, x, qkv, o, out, gate_up, act, kv) = unsafe {
-            (self.residual.write(), self.x.write(), self.qkv.write(), self.o.read(), self.out.read(),
-             self.gate_up.read(), self.act.write(), self.kv.write())
-        };
-        match kind {
-            Kind::Qkv => {
-                let plane = self.kvg.plane();
-                self.stack.place_qkv(l, qkv, self.cos_sin, &mut kv[l * 2 * plane..(l + 1) * 2 * plane], self.kvg, self.step);
-                0
-            }
-            Kind::Attention => self.quantize_for(&lw.o, o),
-            Kind::O => {
-                add(residual, out);
-                rms_norm(residual, &lw.post_norm, g.eps, x);
-                self.quantize_for(&lw.gate_up, x)
-            }
-            Kind::GateUp => {
-                lanes::silu_mul(self.simd, gate_up, g.intermediate, act);
-                self.quantize_for(&lw.down, act)
-            }
-            Kind::Down => {
-                add(residual, out);
-                if let Some(next) = layers.get(l + 1) {
-                    rms_norm(residual, &next.input_norm, g.eps, x);
-                    return self.quantize_for(&next.qkv, x);
-                }
-                if let Some(norm) = &self.stack.final_norm {
-                    rms_norm(residual, norm, g.eps, x);
-                }
-                0
-            }
-            Kind::Rows(_) => unreachable!("a Rows phase only in LAYER_IN_ROWS"),
-        }
+        // SAFETY: an `after` step runs alone, so its row work owns every row.
+        let quantizing = unsafe { self.row_work(l, after, 0..self.rows()) };
+        self.between_phases(l, Kind::Rows(after));
+        quantizing
     }
 }
 
