@@ -17,95 +17,30 @@
 //!
 //! The integer sums are exact (|sum| <= 32 * 128 * 127 < 2^31), so any kernel's bits are these.
 //! Rows past the last group of 16 run on the AVX-512 kernel (every CPU with AMX has AVX-512).
+//!
+//! Files: this one (the schedule of passes: [`tile`] and `group`), `detect` ([`supported`]),
+//! `tiles` (register assignment, configuration, the `Tiles` guard), `passes` (a pass's tile
+//! instructions), `unpack` (Q4 quants into B tiles), `float_steps` (a block's float steps).
 
-use std::arch::asm;
+mod detect;
+mod float_steps;
+mod passes;
+mod tiles;
+mod unpack;
+
 use std::arch::x86_64::*;
-use std::sync::OnceLock;
 
 use super::avx512;
 use super::format::{Format, QK};
 use super::pack::TILE;
 use super::quantize::QuantizedActs;
 
-/// Whether this CPU and OS run the kernel: CPUID's AMX-TILE and AMX-INT8, AVX-512 for the float
-/// steps, and Linux's permission to use the tile data (asked for once per process; never assumed).
-pub fn supported() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| cpu_has_amx_int8() && avx512::supported() && request_tile_permission())
-}
+pub use detect::supported;
+pub(crate) use tiles::Tiles;
 
-/// CPUID leaf 7, sub-leaf 0, EDX bit 24 (AMX-TILE) and bit 25 (AMX-INT8). (`is_x86_feature_detected!`
-/// does not take the AMX names on stable Rust.)
-fn cpu_has_amx_int8() -> bool {
-    // SAFETY: CPUID exists on every x86-64 CPU (the `unsafe` is for compilers before 1.94, where
-    // the intrinsics were unsafe functions).
-    #[allow(unused_unsafe)]
-    let (max_leaf, edx) = unsafe { (__cpuid(0).eax, __cpuid_count(7, 0).edx) };
-    max_leaf >= 7 && edx & (1 << 24) != 0 && edx & (1 << 25) != 0
-}
-
-/// Linux's `arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`: until a process has asked, the
-/// kernel does not save the 8 KB of tile data on a context switch, and the first tile instruction
-/// faults (SIGILL). The permission is the process's (every thread's, the pool's included).
-#[cfg(target_os = "linux")]
-fn request_tile_permission() -> bool {
-    const SYS_ARCH_PRCTL: usize = 158;
-    const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
-    const XFEATURE_XTILEDATA: usize = 18;
-    let ret: isize;
-    // SAFETY: the arch_prctl system call reads only its two integer arguments and writes only rax
-    // (the result) and rcx / r11 (which `syscall` itself clobbers, declared here); it touches no
-    // memory of this process and does not use the stack.
-    unsafe {
-        asm!("syscall", inlateout("rax") SYS_ARCH_PRCTL => ret, in("rdi") ARCH_REQ_XCOMP_PERM,
-             in("rsi") XFEATURE_XTILEDATA, lateout("rcx") _, lateout("r11") _, options(nostack));
-    }
-    ret == 0
-}
-
-/// Elsewhere: not supported (how another OS grants the tile state is not known here).
-#[cfg(not(target_os = "linux"))]
-fn request_tile_permission() -> bool {
-    false
-}
-
-/// The tile registers (all 8): a pass's A and B tiles (one pair per block of the pass), and two sets
-/// of C tiles, alternating by pass, so one pass's products run while the last pass's are stored.
-const A0: u8 = 0;
-const B0: u8 = 1;
-const A1: u8 = 3;
-const B1: u8 = 6;
-/// C tiles of even passes (first and second block), then of odd ones.
-const CE0: u8 = 2;
-const CE1: u8 = 4;
-const CO0: u8 = 5;
-const CO1: u8 = 7;
-
-/// `ldtilecfg`'s 64-byte operand, palette 1: bytes 16.. hold each tile's bytes per row (u16), 48..
-/// its rows.
-#[repr(C, align(64))]
-struct TileConfig([u8; 64]);
-
-impl TileConfig {
-    fn new() -> TileConfig {
-        let mut c = [0u8; 64];
-        c[0] = 1; // palette 1
-        let mut set = |t: u8, rows: u8, colsb: u16| {
-            c[16 + 2 * t as usize..18 + 2 * t as usize].copy_from_slice(&colsb.to_le_bytes());
-            c[48 + t as usize] = rows;
-        };
-        for a in [A0, A1] {
-            set(a, TILE as u8, QK as u16); // 16 activation rows x 32 int8 (one block)
-        }
-        for b in [B0, B1] {
-            set(b, (QK / 4) as u8, 4 * TILE as u16); // 8 groups of 4 values x 16 weight rows x 4
-        }
-        for cc in [CE0, CE1, CO0, CO1] {
-            set(cc, TILE as u8, 4 * TILE as u16); // 16 x 16 int32
-        }
-        TileConfig(c)
-    }
-}
+use float_steps::float_steps;
+use passes::{load_pass, multiply_pass, store_pass};
+use unpack::unpack_pass;
 
 /// Blocks per pass: two (A, B) pairs, with the two C sets all 8 tile registers.
 const BLOCKS_PER_PASS: usize = 2;
@@ -129,43 +64,6 @@ const RING: usize = 2;
 struct Scratch {
     c: [[[i32; TILE * TILE]; BLOCKS_PER_PASS]; RING],
     b: [[[i8; QK * TILE]; BLOCKS_PER_PASS]; RING],
-}
-
-/// This thread's tile configuration, held while it lives (`tilerelease` on drop). Why a guard:
-/// `ldtilecfg` + `tilerelease` cost ~50 ns, and configuring per 16-row tile of the product cost
-/// ~15% at M = 16, so `matmul` holds one for each thread's run of tiles ([`super::Kernel`]).
-pub(crate) struct Tiles(std::marker::PhantomData<*const ()>); // not Send: the tile state is the thread's
-
-thread_local! {
-    /// Whether a `Tiles` lives on this thread.
-    static CONFIGURED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-impl Tiles {
-    /// Configures this thread's tiles, unless a `Tiles` already holds them (then `None`).
-    ///
-    /// # Safety
-    /// The CPU and OS must run the kernel (`supported()`).
-    pub(crate) unsafe fn configure() -> Option<Tiles> {
-        if CONFIGURED.get() {
-            return None;
-        }
-        let cfg = TileConfig::new();
-        // SAFETY: `supported()` holds (AMX-TILE, and the OS's permission), and `cfg` is a valid
-        // palette-1 configuration of 64 readable bytes; it only sets this thread's tile state.
-        unsafe { asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly, preserves_flags)) };
-        CONFIGURED.set(true);
-        Some(Tiles(std::marker::PhantomData))
-    }
-}
-
-impl Drop for Tiles {
-    fn drop(&mut self) {
-        CONFIGURED.set(false);
-        // SAFETY: this thread's tiles were configured by this guard (it is not Send); releasing them
-        // returns the tile state to its initial one, and no tile instruction runs until the next guard.
-        unsafe { asm!("tilerelease", options(nostack, nomem, preserves_flags)) };
-    }
 }
 
 /// Same contract as `scalar::tile`. Uses this thread's `Tiles` if one lives, else configures its own.
@@ -276,144 +174,5 @@ unsafe fn group<const F: usize>(tile: &[u8], blocks: usize, acts: &QuantizedActs
         let o = &mut out[(m0 + r) * TILE..(m0 + r + 1) * TILE];
         // SAFETY: `o` has exactly 16 f32, room for one unaligned 16-lane store.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *acc) };
-    }
-}
-
-/// A pass's A / B tiles: `n` (1 or 2) blocks, A from `a` (and `a + 32`) with stride `k`, B from
-/// `b[u]` with stride 64.
-///
-/// # Safety
-/// Tiles configured as `TileConfig::new()`; `a`'s 16 rows of 32 (64 if n = 2) bytes at stride `k`
-/// readable, and each `b[u]` (u < n) for 512 bytes.
-#[inline(always)]
-unsafe fn load_pass(n: usize, a: *const i8, k: usize, b: [*const i8; 2]) {
-    // SAFETY: the caller's contract; tile loads touch no flags and no stack.
-    unsafe {
-        asm!("tileloadd tmm{A0}, [{a} + {k}*1]", "tileloadd tmm{B0}, [{b0} + {s}*1]", A0 = const A0, B0 = const B0,
-             a = in(reg) a, k = in(reg) k, b0 = in(reg) b[0], s = in(reg) 4 * TILE, options(nostack, readonly, preserves_flags));
-        if n == 2 {
-            asm!("tileloadd tmm{A1}, [{a} + {k}*1]", "tileloadd tmm{B1}, [{b1} + {s}*1]", A1 = const A1, B1 = const B1,
-                 a = in(reg) a.add(QK), k = in(reg) k, b1 = in(reg) b[1], s = in(reg) 4 * TILE,
-                 options(nostack, readonly, preserves_flags));
-        }
-    }
-}
-
-/// C set `set` (0: even passes, 1: odd) = A B for the pass's `n` blocks, zeroed first.
-///
-/// # Safety
-/// Tiles configured as `TileConfig::new()`, the pass's A / B tiles loaded.
-#[inline(always)]
-unsafe fn multiply_pass(set: usize, n: usize) {
-    macro_rules! multiply {
-        ($c0:expr, $c1:expr) => {
-            asm!("tilezero tmm{C}", "tdpbssd tmm{C}, tmm{A}, tmm{B}", C = const $c0, A = const A0, B = const B0,
-                 options(nostack, nomem, preserves_flags));
-            if n == 2 {
-                asm!("tilezero tmm{C}", "tdpbssd tmm{C}, tmm{A}, tmm{B}", C = const $c1, A = const A1, B = const B1,
-                     options(nostack, nomem, preserves_flags));
-            }
-        };
-    }
-    // SAFETY: the caller's contract; these touch tile registers only.
-    unsafe {
-        if set == 0 {
-            multiply!(CE0, CE1);
-        } else {
-            multiply!(CO0, CO1);
-        }
-    }
-}
-
-/// C set `set`'s `n` tiles stored at `c` (and `c + 256` int32), rows 64 bytes apart.
-///
-/// # Safety
-/// Tiles configured as `TileConfig::new()`; `c` writable for `n` KB.
-#[inline(always)]
-unsafe fn store_pass(set: usize, n: usize, c: *mut i32) {
-    macro_rules! store {
-        ($c0:expr, $c1:expr) => {
-            asm!("tilestored [{c} + {s}*1], tmm{C}", C = const $c0, c = in(reg) c, s = in(reg) 4 * TILE,
-                 options(nostack, preserves_flags));
-            if n == 2 {
-                asm!("tilestored [{c} + {s}*1], tmm{C}", C = const $c1, c = in(reg) c.add(TILE * TILE), s = in(reg) 4 * TILE,
-                     options(nostack, preserves_flags));
-            }
-        };
-    }
-    // SAFETY: the caller's contract.
-    unsafe {
-        if set == 0 {
-            store!(CE0, CE1);
-        } else {
-            store!(CO0, CO1);
-        }
-    }
-}
-
-/// Block `b`'s float steps for the group's 16 rows, as `scalar.rs` (lane `j` = weight row `j`):
-/// `acc[r] = fma(d_w * d_a, isum, acc[r])`, then for Q4_1 `acc[r] = fma(m_w, dsum_a, acc[r])`.
-///
-/// # Safety
-/// AVX-512 F; `blk` the block's tile bytes, `c` its stored C tile (64-byte aligned, 16 x 16
-/// int32), `(m0 + 16) * blocks <= acts.d.len()` (and `dsum`'s), b < blocks.
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn float_steps<const F: usize>(acc: &mut [__m512; TILE], blk: *const u8, c: *const i32, acts: &QuantizedActs,
-                                      m0: usize, blocks: usize, b: usize) {
-    let format = FORMATS[F];
-    // SAFETY: the caller's contract: every read lies in `blk`'s scales, `c`'s 1 KB or `acts`' (row, block) values.
-    unsafe {
-        let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));
-        let mw = if format == Format::Q4_1 {
-            _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(2 * TILE) as *const __m256i))
-        } else {
-            _mm512_setzero_ps()
-        };
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let ab = (m0 + r) * blocks + b;
-            let isum = _mm512_load_si512(c.add(r * TILE) as *const __m512i);
-            let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
-            *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), *acc);
-            if format == Format::Q4_1 {
-                *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*acts.dsum.get_unchecked(ab)), *acc);
-            }
-        }
-    }
-}
-
-/// The `n` Q4 blocks of one pass (quants at `q`, `q + tbb`) unpacked by `unpack_q4` into `dst`
-/// (and `dst + 512`).
-///
-/// # Safety
-/// As `unpack_q4`, for each of the `n <= 2` blocks.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn unpack_pass(q: *const u8, tbb: usize, n: usize, dst: *mut i8, minus8: bool) {
-    for u in 0..n {
-        // SAFETY: the caller's contract.
-        unsafe { unpack_q4(q.add(u * tbb), dst.add(u * QK * TILE), minus8) };
-    }
-}
-
-/// A Q4 block's packed quants (4 x 64 bytes at `q`) as the B tile (8 x 64 bytes at `dst`): row
-/// `2v` the low nibbles of vector `v`, row `2v + 1` the high ones, each minus 8 if `minus8` (Q4_0).
-///
-/// # Safety
-/// AVX-512 F/BW; `q` readable for 256 bytes, `dst` writable for 512.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn unpack_q4(q: *const u8, dst: *mut i8, minus8: bool) {
-    let low = _mm512_set1_epi8(0x0f);
-    let eight = _mm512_set1_epi8(if minus8 { 8 } else { 0 });
-    for v in 0..4 {
-        // SAFETY: v < 4, so the reads lie in q's 256 bytes and the writes in dst's 512 (unaligned).
-        unsafe {
-            let raw = _mm512_loadu_si512(q.add(v * 64) as *const __m512i);
-            let lo = _mm512_sub_epi8(_mm512_and_si512(raw, low), eight);
-            let hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), eight);
-            _mm512_storeu_si512(dst.add(128 * v) as *mut __m512i, lo);
-            _mm512_storeu_si512(dst.add(128 * v + 64) as *mut __m512i, hi);
-        }
     }
 }

@@ -1,14 +1,23 @@
 //! Python bindings of the scheduler: `pagedrs._core.Scheduler` and `StepPlan`.
+//!
+//! Files: this one (`Scheduler`: one `#[pymethods]` block, as PyO3 without its
+//! `multiple-pymethods` feature requires), `step_plan` (`StepPlan`), `arrays` (NumPy conversions).
+
+mod arrays;
+mod step_plan;
 
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::convert::core_err as to_py_err;
-use crate::block_manager::{DiskPage, SeqId, Transfer};
+use crate::block_manager::{DiskPage, SeqId};
 use super::core_stats::PyCoreStats;
 use super::scheduler_config::PySchedulerConfig;
-use crate::scheduler::{Scheduler, SchedulerOutput};
+use crate::scheduler::Scheduler;
+
+use arrays::{token_pairs, transfers_to_list};
+pub use step_plan::PyStepPlan;
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
@@ -16,95 +25,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PySchedulerConfig>()?;
     m.add_class::<PyCoreStats>()?;
     Ok(())
-}
-
-fn pairs_to_array<'py>(py: Python<'py>, pairs: &[(u32, u32)]) -> Bound<'py, PyArray2<i64>> {
-    let flat: Vec<i64> = pairs.iter().flat_map(|&(a, b)| [a as i64, b as i64]).collect();
-    let rows = pairs.len();
-    flat.into_pyarray(py).reshape([rows, 2]).expect("a [rows * 2] vector reshapes to [rows, 2]")
-}
-
-/// Transfers as `[(id, src tier, dst tier, int64 [N, 2] pairs)]`.
-fn transfers_to_list<'py>(py: Python<'py>, transfers: &[Transfer]) -> PyResult<Bound<'py, PyList>> {
-    let list = PyList::empty(py);
-    for t in transfers {
-        list.append((t.id, t.src.to_string(), t.dst.to_string(), pairs_to_array(py, &t.pairs)))?;
-    }
-    Ok(list)
-}
-
-/// One step's plan, as NumPy arrays ready for the runner. Its Python twin is
-/// `pagedrs.step_input.StepInput` (built by `StepInput.from_plan`); a test checks that
-/// the two name the same fields.
-#[pyclass(name = "StepPlan", module = "pagedrs._core", frozen)]
-pub struct PyStepPlan {
-    /// This step's id: report it with `Scheduler.complete_step` once it ran or failed.
-    #[pyo3(get)]
-    step_id: u64,
-    /// uint64 [S] scheduled sequences in batch order.
-    #[pyo3(get)]
-    seq_ids: Py<PyArray1<u64>>,
-    /// bool [S] whether a token is sampled after the step (its last new token is its last token).
-    #[pyo3(get)]
-    do_sample: Py<PyArray1<bool>>,
-    /// int32 [S] draft tokens (speculative decoding) among each sequence's last new tokens.
-    #[pyo3(get)]
-    num_draft_tokens: Py<PyArray1<i32>>,
-    /// int64 [T] tokens to compute, sequences back to back.
-    #[pyo3(get)]
-    input_ids: Py<PyArray1<i64>>,
-    /// int64 [T] position of each token in its sequence.
-    #[pyo3(get)]
-    positions: Py<PyArray1<i64>>,
-    /// int64 [T] slot receiving each token's K/V.
-    #[pyo3(get)]
-    slot_mapping: Py<PyArray1<i64>>,
-    /// int32 [S+1] cumulative new-token counts.
-    #[pyo3(get)]
-    query_start_loc: Py<PyArray1<i32>>,
-    /// int32 [S] context length after the step.
-    #[pyo3(get)]
-    seq_lens: Py<PyArray1<i32>>,
-    /// int32 [S, max_blocks] block tables, padded with 0.
-    #[pyo3(get)]
-    block_tables: Py<PyArray2<i32>>,
-    /// list of (transfer id, src tier, dst tier, int64 [N, 2] pairs), in execution order.
-    #[pyo3(get)]
-    transfers: Py<PyList>,
-    /// int64 [N, 2] (src, dst) device copies (copy-on-write), after the transfers.
-    #[pyo3(get)]
-    copies: Py<PyArray2<i64>>,
-}
-
-impl PyStepPlan {
-    fn from_output(py: Python<'_>, out: SchedulerOutput) -> PyResult<Self> {
-        let rows = out.seq_ids.len();
-        let block_tables = out.block_tables.into_pyarray(py).reshape([rows, out.max_blocks])?;
-        let transfers = transfers_to_list(py, &out.transfers)?;
-        Ok(Self {
-            step_id: out.step_id,
-            transfers: transfers.unbind(),
-            copies: pairs_to_array(py, &out.copies).unbind(),
-            seq_ids: out.seq_ids.into_pyarray(py).unbind(),
-            do_sample: out.do_sample.into_pyarray(py).unbind(),
-            num_draft_tokens: out.num_draft_tokens.into_pyarray(py).unbind(),
-            input_ids: out.input_ids.into_pyarray(py).unbind(),
-            positions: out.positions.into_pyarray(py).unbind(),
-            slot_mapping: out.slot_mapping.into_pyarray(py).unbind(),
-            query_start_loc: out.query_start_loc.into_pyarray(py).unbind(),
-            seq_lens: out.seq_lens.into_pyarray(py).unbind(),
-            block_tables: block_tables.unbind(),
-        })
-    }
-}
-
-#[pymethods]
-impl PyStepPlan {
-    /// Number of scheduled sequences.
-    #[getter]
-    fn num_seqs(&self, py: Python<'_>) -> usize {
-        self.seq_ids.bind(py).len()
-    }
 }
 
 /// The continuous-batching scheduler over a paged (or contiguous) KV space.
@@ -448,17 +368,4 @@ impl PyScheduler {
     fn check_invariants(&self) -> PyResult<()> {
         self.inner.check_invariants().map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
-}
-
-/// `(sequence, token)` pairs from two equal-length arrays; a length mismatch names both lengths.
-fn token_pairs(seq_ids: &PyReadonlyArray1<'_, u64>, token_ids: &PyReadonlyArray1<'_, u32>) -> PyResult<Vec<(SeqId, u32)>> {
-    let (ids, tokens) = (seq_ids.as_slice()?, token_ids.as_slice()?);
-    if ids.len() != tokens.len() {
-        return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "seq_ids has {} entries but token_ids has {}; they must match",
-            ids.len(),
-            tokens.len()
-        )));
-    }
-    Ok(ids.iter().copied().zip(tokens.iter().copied()).collect())
 }
