@@ -75,11 +75,11 @@ def _fail_on_call(engine: Engine, monkeypatch, which: int, exc: BaseException):
     real = inner.execute
     calls = {"n": 0}
 
-    def execute(step):
+    def execute(step, **kw):
         calls["n"] += 1
         if calls["n"] == which:
             raise exc
-        return real(step)
+        return real(step, **kw)
 
     monkeypatch.setattr(inner, "execute", execute)
     return real
@@ -192,7 +192,8 @@ def test_fill_placeholders_takes_each_rows_token():
         positions=np.arange(5, dtype=np.int64), slot_mapping=np.arange(5, dtype=np.int64),
         query_start_loc=np.array([0, 2, 3, 4, 5], dtype=np.int32), seq_lens=np.array([2, 4, 7, 1], dtype=np.int32),
         block_tables=np.zeros((4, 2), dtype=np.int32), seq_ids=np.array([11, 12, 13, 14], dtype=np.uint64))
-    filled = fill_placeholders(step, {12: 40, 99: 1})
+    filled, on_device = fill_placeholders(step, {12: 40, 99: 1})
+    assert on_device is None  # host tokens only (tests/test_token_fill.py has the device's)
     assert filled.input_ids.tolist() == [5, 6, 40, 0, 9]  # 13 drew nothing: ended meanwhile, its row dropped
     assert step.input_ids[2] == PLACEHOLDER_TOKEN, "the plan itself is not written"
 

@@ -50,11 +50,11 @@ class StepLog:
         self.sizes: list[int | None] = []
         original = runner.execute
 
-        def execute(step, compute_logits=True):
+        def execute(step, compute_logits=True, **kw):  # (kw: asynchronous scheduling's device fill)
             if step.num_tokens:
                 self.tables.append(step.block_tables.tolist())
                 self.sizes.append(runner.padded_size(step))
-            return original(step, compute_logits)
+            return original(step, compute_logits, **kw)
 
         runner.execute = execute  # type: ignore[method-assign]
 

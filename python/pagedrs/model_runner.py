@@ -17,6 +17,8 @@ through a CUDA graph of that size when ``capture_graphs`` captured one.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -26,6 +28,9 @@ from pagedrs.kv_tiers.disk_tier import DiskTier
 from pagedrs.models.interface import KvModel
 from pagedrs.models.loader import LoadedModel
 from pagedrs.step_input import StepInput, Transfer
+
+if TYPE_CHECKING:  # (executor/ imports this module: no cycle at run time)
+    from pagedrs.executor.token_fill import DeviceFill
 
 
 class ModelRunner:
@@ -81,12 +86,13 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
+    def execute(self, step: StepInput, compute_logits: bool = True, fill: DeviceFill | None = None) -> torch.Tensor:
         """float32 logits [S + E, vocab]: row i for the last new token of scheduled sequence i, then
         one row per token row in ``step.logit_rows`` (E of them; a decode-only step has none).
 
         ``compute_logits=False`` (tensor-parallel workers: rank 0 samples) skips the output
-        head and returns an empty tensor."""
+        head and returns an empty tensor. ``fill``: input ids still on the device (asynchronous
+        scheduling), written into the step's device ids before the forward reads them."""
         # block movement first, in the plan's order: swap-outs free blocks others may reuse now
         self.run_transfers(step.transfers)
         if len(step.copies):
@@ -98,12 +104,16 @@ class ModelRunner:
         if size is not None:
             assert self.static is not None  # padded_size is None without it
             padded = self.static.fill(step, size)
+            if fill is not None:  # the static buffer's first rows are the step's, in order
+                fill.apply(padded.input_ids)
             graphs = self.graphs
             if graphs is not None and size in graphs.sizes:
                 return graphs.replay(padded)[: padded.num_real].clone()  # the graph's buffer is reused
             return self.padded_forward(padded)[: padded.num_real]
         # the fused CPU decode takes the step's arrays as they are (no metadata, no torch op before the head)
-        direct = self.model.step_hidden(step, self.kv_views, self.backend)
+        # (it reads the ids on the host: only on the CPU, where the device's ids are the host's)
+        direct = self.model.step_hidden(fill.materialize(step) if fill is not None and self.device.type == "cpu"
+                                        else step, self.kv_views, self.backend)
         meta: AttentionMetadata | None = None  # None: the fused CPU decode ran the step from its arrays
         if direct is not None:
             hidden = direct
@@ -113,6 +123,8 @@ class ModelRunner:
             if self.model.uses_attention_backend(self.kv_views, self.backend):
                 self.backend.plan(meta, self.block_size, *self._heads)
             input_ids = _tensor(step.input_ids, torch.long, self.device)
+            if fill is not None:  # (on the CPU this writes the worker's copy of the ids, never the plan's)
+                fill.apply(input_ids)
             positions = _tensor(step.positions, torch.long, self.device)
             hidden = self.model(input_ids, positions, self.kv_views, meta, self.backend)
         if not compute_logits:

@@ -45,12 +45,13 @@ from pagedrs.core.continuation import IndependentSamples
 from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import SamplesState
 from pagedrs.core.step import StepContext, finish_step, on_failed_step, plan_step
+from pagedrs.executor.token_fill import DrawnTokens
 
 if TYPE_CHECKING:
     from pagedrs.core.engine_core import EngineCore
     from pagedrs.executor.async_execution import AsyncExecution
 
-StepTokens = Future  # Future[dict[int, int]]: a step's drawn tokens by sequence id (what placeholders wait for)
+StepTokens = Future  # Future[DrawnTokens]: a step's drawn tokens (what the next step's placeholders wait for)
 
 
 @dataclass
@@ -152,12 +153,27 @@ class AsyncScheduler:
             self._failed(current, None)
             raise
         if not current.placeholders:
-            current.tokens.set_result({})  # the next step reads none of this one's tokens: it may run now
+            current.tokens.set_result(DrawnTokens())  # the next step reads none of this one's tokens: it may run now
         try:
             finish_step(core, ctx, current.placeholders, current.tokens.set_result)
+        except Exception as exc:
+            if current.tokens.done() and not current.tokens.cancelled() and current.tokens.exception() is None:
+                self._dead_after_publication(current, exc)
+            raise
         finally:
             if not current.tokens.done():  # finish_step failed before the tokens: the next step must not run
                 current.tokens.set_exception(EngineDeadError("the step before this one did not finish"))
+
+    def _dead_after_publication(self, current: InFlight, exc: Exception) -> None:
+        """``finish_step`` failed after it published the step's tokens: the next step runs (or ran) on
+        tokens the core never took, so no request can go on exactly. The next step is waited for and
+        reported failed, every request ends with the error, and the engine says it is dead."""
+        following, self._in_flight = self._in_flight, None
+        if following is not None:
+            self._report(following, ok=False)
+        dead = EngineDeadError(f"a step failed after the next one was launched on its tokens: {exc!r}")
+        self._core.fail_all(dead, current.ctx.touched)
+        raise dead from exc
 
     def _failed(self, current: InFlight, exc: Optional[BaseException]) -> None:
         """Step N failed: N+1 (launched, waiting for N's tokens) never runs, both are reported

@@ -18,6 +18,7 @@ and report the same log-probabilities (``sampling.chosen_logprobs`` in both).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from pagedrs import sampling
+from pagedrs.core import drawn_ids
 from pagedrs.core.continuation import IndependentSamples
 from pagedrs.core.protocol import CoreTokenRows
 from pagedrs.core.request import Request, Sample, TokenRule
@@ -128,18 +130,31 @@ class FastRows:
         return fast, slow
 
 
-def draw(logits: torch.Tensor, fast: FastStep) -> tuple[list[int], list[float]]:
+def draw(logits: torch.Tensor, fast: FastStep,
+         on_drawn: Optional[Callable[[torch.Tensor], None]] = None) -> tuple[list[int], list[float]]:
     """One token per plain row (``sampling.draw``, the generic path's draw: no penalty, no
-    min_tokens mask, no seed here), and its log-probability under the raw logits."""
+    min_tokens mask, no seed here), and its log-probability under the raw logits.
+
+    ``on_drawn`` (asynchronous scheduling) gets the drawn ids (int64 [rows], on the logits' device)
+    once the draw cannot fail any more and before they are copied to the host: the next step may
+    be launched on them (core/drawn_ids.py has the copy that keeps out of its way)."""
     rows = fast.rows
     whole = len(fast.index) == logits.shape[0] and fast.index[-1] == len(fast.index) - 1
     raw = logits.float() if whole else logits[fast.index].float()
     if raw.device.type == "cpu" and raw.dim() == 2 and raw.shape[1] and fast.all_greedy:
-        return _greedy_on_cpu(raw)
+        tokens, logprobs = _greedy_on_cpu(raw)
+        if on_drawn is not None:
+            on_drawn(torch.tensor(tokens, dtype=torch.int64))
+        return tokens, logprobs
     token_ids = sampling.draw(raw, [r.greedy for r in rows], [r.temperature for r in rows], [r.min_p for r in rows],
                               [r.top_k for r in rows], [r.top_p for r in rows])
     chosen, _ = sampling.chosen_logprobs(raw, token_ids)
-    return token_ids.tolist(), chosen.tolist()
+    if on_drawn is None:
+        return token_ids.tolist(), chosen.tolist()
+    copy = drawn_ids.to_host_behind(token_ids, chosen)  # enqueued before the next step's kernels
+    on_drawn(token_ids)
+    host_ids, host_logprobs = copy.wait()
+    return host_ids.tolist(), host_logprobs.tolist()
 
 
 def _greedy_on_cpu(raw: torch.Tensor) -> tuple[list[int], list[float]]:

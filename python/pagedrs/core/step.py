@@ -14,25 +14,27 @@ a policy, a fork, an append); only a failed forward pass ends every request that
 and only a failed plan or a dead executor ends the engine (``EngineDeadError``).
 
 Everything one step reads and produces lives on its ``StepContext``, not on the core: two
-steps in flight at once (asynchronous scheduling) each have their own.
+steps in flight at once (asynchronous scheduling) each have their own. ``StepContext`` is
+defined in core/step_context.py and the clean-up after a failed step in core/step_failures.py
+(both re-exported here).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, cast
 
 import torch
 
 from pagedrs.core import fast_rows, prompt_logprobs, spec_step
 from pagedrs.core.continuation import Decision, StepRow
-from pagedrs.core.protocol import CoreTokenRows, EngineDeadError, is_engine_fatal
+from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
+from pagedrs.core.step_context import Rows, StepContext
+from pagedrs.core.step_failures import drop_failed_disk_writes, on_failed_step
 from pagedrs.core.structured.mask import StepMasks, apply_grammar_masks
-from pagedrs.kv_tiers.errors import CorruptPageError
+from pagedrs.executor.token_fill import DrawnTokens
 from pagedrs.sampling import SampleResult, SamplingRow, sample
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.step_input import StepInput
@@ -40,32 +42,9 @@ from pagedrs.step_input import StepInput
 if TYPE_CHECKING:
     from pagedrs.core.engine_core import EngineCore
 
-logger = logging.getLogger("pagedrs.engine")
-
 # fewer constrained rows than this: their masks are computed when sampled (under a millisecond),
 # not handed to the mask thread, whose wake-up and GIL hand-offs cost a batch-1 step more
 MIN_OVERLAPPED_ROWS = 8
-
-Rows = dict[str, tuple[Request, list[tuple[int, Sample]]]]  # request id -> (request, [(logits row, sample)])
-
-
-@dataclass
-class StepContext:
-    """One step's working set, filled phase by phase."""
-
-    start: float  # time.monotonic() when the step began
-    step: Optional[StepInput] = None  # the plan, as the executor takes it
-    logits: Optional[torch.Tensor] = None  # float32 [rows, vocab]
-    rows: Rows = field(default_factory=dict)  # the sampling rows, by request
-    draws: list[tuple[int, Request, Sample]] = field(default_factory=list)  # (logits row, request, sample) per draw
-    results: list[Optional[SampleResult]] = field(default_factory=list)  # per draw; None: that request failed
-    decisions: list[tuple[Request, Decision]] = field(default_factory=list)
-    touched: dict[str, Request] = field(default_factory=dict)  # requests that progressed or ended: their outputs
-    prompt_rows: list[prompt_logprobs.PromptRows] = field(default_factory=list)  # prompt_logprobs' rows
-    spec: Optional[spec_step.SpecRows] = None  # speculating sequences' verify rows (core/spec_step.py)
-    masks: Optional[StepMasks] = None  # grammar masks computed while the forward runs (synchronous steps)
-    # the steady decode rows' outputs in columns (core/fast_rows.py, ``record``), before ``touched``'s
-    steady: CoreTokenRows = field(default_factory=CoreTokenRows)
 
 
 def run_step(core: EngineCore, ctx: StepContext) -> None:
@@ -130,13 +109,15 @@ def start_masks(core: EngineCore, step: StepInput) -> Optional[StepMasks]:
 
 
 def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int] = frozenset(),
-                on_tokens: Optional[Callable[[dict[int, int]], None]] = None) -> None:
+                on_tokens: Optional[Callable[[DrawnTokens], None]] = None) -> None:
     """After the executor ran ``ctx.step`` (its logits in ``ctx.logits``): reports it done,
     samples, decides and carries out. Asynchronous scheduling (core/async_step.py): the
     sequences in ``placeholders`` already hold a placeholder for the token they draw now;
     ``on_tokens`` gets their tokens as soon as they are drawn (the next step, already
-    launched, waits for them), the scheduler's placeholders are resolved with them instead
-    of an append, and a sequence that ends now has its extra row in the next step dropped."""
+    launched, waits for them): on the device, before their copy to the host, when the plain
+    rows' batched draw holds them all, else on the host once every row is drawn. The
+    scheduler's placeholders are resolved with them instead of an append, and a sequence that
+    ends now has its extra row in the next step dropped."""
     step = ctx.step
     assert step is not None
     core.scheduler.complete_transfers(core.executor.take_completed_transfers())
@@ -154,12 +135,13 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
             core, StepContext(ctx.start, view, logits, touched=ctx.touched, masks=ctx.masks if view is step else None),
             view, on_drawn))
         return
-    fast, tokens, logprobs = _sample(core, ctx, step)
+    published = _Published(on_tokens, placeholders) if on_tokens is not None and placeholders else None
+    fast, tokens, logprobs = _sample(core, ctx, step, published)
     if placeholders:
         drawn = _drawn(ctx, fast, tokens)
         given = {seq_id: drawn[seq_id] for seq_id in placeholders if seq_id in drawn}
-        if on_tokens is not None:
-            on_tokens(given)
+        if on_tokens is not None and (published is None or not published.done):
+            on_tokens(DrawnTokens(host=given))
         core.scheduler.resolve_placeholders(*fast_rows.as_arrays(list(given), list(given.values())))
         for seq_id in placeholders - given.keys():  # a row that drew nothing: its request failed (and let go)
             entry = core.sequence(seq_id)
@@ -191,56 +173,48 @@ def _drawn(ctx: StepContext, fast: fast_rows.FastStep, tokens: list[int]) -> dic
     return drawn
 
 
-def on_failed_step(core: EngineCore, step: StepInput, exc: BaseException, touched: dict[str, Request]) -> None:
-    """Nothing a failed step wrote is ever served: the core forgets it on every tier
-    and resets the step's sequences (and any whose pages it left unwritten) to be
-    recomputed. A lost disk page (a checksum failure) is the tier's fault, not the
-    request's: its slots leave the disk index and the sequences are simply recomputed.
-    Any other failure ends the requests that were in the step."""
-    scheduler = core.scheduler
-    scheduler.complete_transfers(core.executor.take_completed_transfers())
-    lost_pages = isinstance(exc, CorruptPageError)
-    if lost_pages:
-        assert isinstance(exc, CorruptPageError)
-        dropped = scheduler.invalidate_disk_slots(exc.slots)
-        logger.warning("a step read %d disk page(s) that failed their checksum (%d dropped from the tier); "
-                       "recomputing its %d sequences: %s", len(exc.slots), dropped, step.num_seqs, exc)
-    reset = scheduler.complete_step(step.step_id, False)
-    drop_failed_disk_writes(core)
-    if lost_pages:
-        return
-    logger.error("the forward pass failed; ending the %d requests in it", step.num_seqs, exc_info=exc)
-    for seq_id in step.seq_ids.tolist():
-        entry = core.sequence(seq_id)
-        if entry is not None:
-            core.fail(entry[0], exc, touched)
-    if len(reset) > step.num_seqs:
-        logger.warning("the failed step also lost pages of %d paused sequences; they are recomputed",
-                       len(reset) - step.num_seqs)
-
-
-def drop_failed_disk_writes(core: EngineCore) -> None:
-    """Disk writes that failed after they were queued (a full disk): their slots leave
-    the core's index, so the pages are lost, never read back wrong."""
-    failed = core.executor.take_failed_disk_slots()
-    if failed:
-        core.scheduler.invalidate_disk_slots(failed)
-
-
 # ---- sample -------------------------------------------------------------------------------
 
 
-def _sample(core: EngineCore, ctx: StepContext, step: StepInput) -> tuple[fast_rows.FastStep, list[int], list[float]]:
+class _Published:
+    """Publishes a step's placeholder tokens early, from the plain rows' draw, when it holds them all."""
+
+    def __init__(self, on_tokens: Callable[[DrawnTokens], None], placeholders: frozenset[int]) -> None:
+        self.on_tokens = on_tokens
+        self.placeholders = placeholders
+        self.done = False
+
+    def for_draw(self, fast: fast_rows.FastStep) -> Optional[Callable[[torch.Tensor], None]]:
+        """The draw's ``on_drawn``: None unless every placeholder's sequence is one of its rows."""
+        rows = {row.sample.seq_id: i for i, row in enumerate(fast.rows)}
+        if not self.placeholders <= rows.keys():
+            return None
+        device_rows = {seq_id: rows[seq_id] for seq_id in self.placeholders}
+
+        def on_drawn(ids: torch.Tensor) -> None:
+            self.done = True  # from here on the next step may run on these ids: they are the step's tokens
+            self.on_tokens(DrawnTokens(device_ids=ids, device_rows=device_rows))
+
+        return on_drawn
+
+
+def _sample(core: EngineCore, ctx: StepContext, step: StepInput, published: Optional[_Published] = None,
+            ) -> tuple[fast_rows.FastStep, list[int], list[float]]:
     """The plain rows' tokens in one batched draw (core/fast_rows.py; returned with their
-    log-probabilities), the other rows' the generic way (``ctx.rows``, ``ctx.draws``, ``ctx.results``)."""
+    log-probabilities), the other rows' the generic way (``ctx.rows``, ``ctx.draws``, ``ctx.results``).
+    ``published``: asynchronous scheduling's early publication of the draw's ids (see ``finish_step``)."""
     fast, slow = core.fast_rows.split(step.seq_ids.tolist(), step.do_sample.tolist())
     tokens: list[int] = []
     logprobs: list[float] = []
     if fast.rows:
         assert ctx.logits is not None
         try:
-            tokens, logprobs = fast_rows.draw(ctx.logits, fast)
+            on_drawn = None if published is None else published.for_draw(fast)
+            tokens, logprobs = (fast_rows.draw(ctx.logits, fast) if on_drawn is None
+                                else fast_rows.draw(ctx.logits, fast, on_drawn=on_drawn))
         except Exception:  # noqa: BLE001 - the generic path finds the row that fails and ends its request
+            if published is not None and published.done:
+                raise  # the next step runs on the published ids: drawing others for these rows would be wrong
             slow = sorted(slow + fast.index)
             fast = fast_rows.FastStep([], [])
     ctx.rows = _rows(core, step, slow)

@@ -19,6 +19,7 @@ control group beside the model's (``parallel_state.control_group``): they are CP
 One process hosts one tensor-parallel engine at a time (the group is the process's
 default ``torch.distributed`` group). Under ``torchrun`` (RANK / WORLD_SIZE / MASTER_ADDR set) the existing group is used
 instead: rank 0 returns an executor and every other rank runs the worker loop and exits.
+The ranks' side (the shard, the worker loop, the command header) is tp_worker.py.
 
 Failures: a worker that dies makes rank 0's next collective fail (its sockets close) and
 a monitor thread notices its exit within a second; the executor is then dead for good
@@ -29,11 +30,9 @@ other workers. A worker whose parent (rank 0) dies exits at once: no orphans.
 from __future__ import annotations
 
 import atexit
-import datetime
 import functools
 import logging
 import os
-import sys
 import threading
 import weakref
 from typing import Any
@@ -43,11 +42,22 @@ import torch.distributed as dist
 
 from pagedrs.attention import AttentionBackend
 from pagedrs.distributed import parallel_state
-from pagedrs.distributed.step_codec import decode, encode
+from pagedrs.distributed.step_codec import encode
+from pagedrs.distributed.tp_worker import (  # the ranks' side; backend_name, serve_rank, run_worker re-exported here
+    _COLLECTIVE_TIMEOUT,
+    _INIT,
+    _PLAN,
+    _STEP,
+    _STOP,
+    _Shard,
+    _worker_entry,
+    backend_name,
+    run_worker,
+    serve_rank,
+)
 from pagedrs.engine_args import EngineArgs
 from pagedrs.errors import EngineDeadError
 from pagedrs.executor.base import DiskTierHandle
-from pagedrs.executor.local import LocalExecutor
 from pagedrs.kv_tiers.errors import DiskTierError
 from pagedrs.memory import KvPlan
 from pagedrs.net import free_port
@@ -55,40 +65,10 @@ from pagedrs.step_input import StepInput
 
 logger = logging.getLogger("pagedrs.engine")
 
-# Commands rank 0 broadcasts as an int64 header [command, payload bytes, a, b].
-_PLAN, _INIT, _STEP, _STOP = 1, 2, 3, 4
-_COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
-
 
 class ExecutorDeadError(EngineDeadError):
     """A tensor-parallel worker is gone; this executor cannot run another step (an
     EngineDeadError: the serving loop stops instead of failing request after request)."""
-
-
-def backend_name(device: torch.device) -> str:
-    """The model's collectives' backend (the control messages always take gloo)."""
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-class _Shard:
-    """What every rank holds: its weight shard and KV pools; runs a step on them."""
-
-    def __init__(self, args: EngineArgs, rank: int, size: int, attention_backend: AttentionBackend | None) -> None:
-        device = torch.device(args.device)
-        if device.type == "cuda":
-            device = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
-            torch.cuda.set_device(device)
-            args = _replace_device(args, str(device))
-        self.local = LocalExecutor(args, attention_backend=attention_backend, tp_rank=rank, tp_size=size)
-
-    def plan(self) -> KvPlan:
-        return self.local.plan_kv_memory()
-
-
-def _replace_device(args: EngineArgs, device: str) -> EngineArgs:
-    from dataclasses import replace
-
-    return replace(args, device=device)
 
 
 class TPExecutor:
@@ -329,73 +309,3 @@ def _shutdown_at_exit(executor: weakref.ref[TPExecutor]) -> None:
 
 def _launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _worker_entry(args: EngineArgs, rank: int, size: int, port: int, parent_pid: int) -> None:
-    """A spawned worker: join the group, then serve rank 0's commands until STOP."""
-    _exit_with_parent(parent_pid)
-    serve_rank(args, rank, size, f"tcp://127.0.0.1:{port}", _COLLECTIVE_TIMEOUT.total_seconds())
-    # STOP served and the group destroyed: the worker holds nothing else. It leaves without the
-    # interpreter's finalization, where the C++ destructors of torch.distributed's background
-    # threads were seen to abort (exit code -6, SIGABRT) on a loaded machine after a clean stop.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def serve_rank(args: EngineArgs, rank: int, size: int, init_method: str, timeout_s: float) -> None:
-    """Ranks 1..N-1, spawned (``_worker_entry``) or a Ray actor (ray_workers.py): join the group at
-    ``init_method``, serve rank 0's commands until STOP, leave the group."""
-    dist.init_process_group(backend_name(torch.device(args.device)), init_method=init_method, rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
-    parallel_state.set_tensor_parallel(rank, size)
-    parallel_state.join_control_group()
-    try:
-        run_worker(args, rank, size, None)
-    finally:
-        parallel_state.set_control_group(None)
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-        parallel_state.set_tensor_parallel(0, 1)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """A worker must never outlive rank 0 (no orphans holding memory or devices)."""
-
-    def watch() -> None:
-        import time
-
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, name="pagedrs-tp-parent-watch", daemon=True).start()
-
-
-def run_worker(args: EngineArgs, rank: int, size: int, attention_backend: AttentionBackend | None) -> None:
-    """Ranks 1..N-1: hold a shard and run every command rank 0 broadcasts."""
-    shard = _Shard(args, rank, size, attention_backend)
-    group = parallel_state.control_group()
-    while True:
-        header = torch.empty(4, dtype=torch.int64)
-        dist.broadcast(header, src=0, group=group)
-        command, length, a, b = (int(x) for x in header)
-        if command == _PLAN:
-            local = shard.plan()
-            counts = torch.tensor([local.num_gpu_blocks, local.num_cpu_blocks], dtype=torch.int64)
-            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=group)
-        elif command == _INIT:
-            shard.local.init_kv_cache(a, b)
-            dist.barrier(group=group)
-        elif command == _STEP:
-            buf = torch.empty(length, dtype=torch.uint8)
-            dist.broadcast(buf, src=0, group=group)
-            shard.local.execute(decode(buf.numpy()), compute_logits=False)
-            shard.local.take_completed_transfers()
-        elif command == _STOP:
-            return
-        else:
-            raise RuntimeError(f"tensor-parallel worker {rank}: unknown command {command}")

@@ -3,46 +3,35 @@
 One worker thread runs the steps in the order they are launched (a device stream's order), so
 step N+1's transfers, copies and forward come after step N's. ``launch(step, after)`` returns a
 ``Future`` of the logits at once; the job first waits for ``after`` — the previous step's drawn
-tokens, by sequence id — and fills the step's placeholder input ids from it (on a GPU this
-fill is a device-side gather from the sampled-ids buffer; here it is the CPU half, the same
-contract). If ``after`` fails, the job runs nothing and fails too: a step planned on top of a
-failed one must not write anything.
+tokens (``token_fill.DrawnTokens``) — and fills the step's placeholder input ids from them: host
+values at once, tokens still on the device by a ``DeviceFill`` the runner applies on the device
+(executor/token_fill.py). If ``after`` fails, the job runs nothing and fails too: a step planned
+on top of a failed one must not write anything.
 
 Everything else of the ``Executor`` protocol passes through to the wrapped executor, serialized
 with the worker where it touches the runner (``execute`` runs on the worker too).
 
 On a GPU the worker returns once the step's kernels are enqueued (the logits are still being
-computed); the core's sampling then waits for them, and the next step's kernels are enqueued as
-soon as its tokens are known, while the core makes step N's outputs and plans N+2. The tokens
-still make one round trip through the host per step (a device-side fill from the sampled-ids
-buffer would remove it; not done yet).
+computed); the core's sampling then waits for them. When every placeholder's token comes from the
+plain rows' batched draw (a steady decode batch), the core publishes the drawn ids while they are
+still on the device, so the next step's kernels are enqueued right behind the sampling kernels,
+and the tokens' one copy to the host (on a side stream, core/fast_rows.py) overlaps them; rows
+drawn the generic way are published once drawn on the host.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
-import numpy as np
 import torch
 
-from pagedrs._core import PLACEHOLDER_TOKEN
 from pagedrs.executor.base import Executor
+from pagedrs.executor.token_fill import DeviceFill, fill_placeholders
 from pagedrs.step_input import StepInput
 
-
-def fill_placeholders(step: StepInput, tokens: dict[int, int]) -> StepInput:
-    """``step`` with each placeholder input id replaced by its sequence's token (0 for a
-    sequence that drew none: it ended meanwhile, and its row is dropped)."""
-    where = np.nonzero(step.input_ids == PLACEHOLDER_TOKEN)[0]
-    if where.size == 0:
-        return step
-    rows = np.searchsorted(step.query_start_loc, where, side="right") - 1
-    ids = step.input_ids.copy()
-    ids[where] = [tokens.get(seq_id, 0) for seq_id in step.seq_ids[rows].tolist()]
-    return dataclasses.replace(step, input_ids=ids)
+__all__ = ["AsyncExecution", "fill_placeholders"]
 
 
 class AsyncExecution:
@@ -72,10 +61,15 @@ class AsyncExecution:
         return self.launch(step, None).result()
 
     def _run(self, step: StepInput, after: Optional[Future]) -> torch.Tensor:
+        fill: Optional[DeviceFill] = None
         if after is not None:
-            step = fill_placeholders(step, after.result())  # raises: the step before failed, run nothing
+            step, fill = fill_placeholders(step, after.result())  # raises: the step before failed, run nothing
         try:
-            return self._inner.execute(step)
+            if fill is None:
+                return self._inner.execute(step)
+            if getattr(self._inner, "fills_on_device", False):  # (not in the Executor protocol: an opt-in)
+                return cast(Any, self._inner).execute(step, fill=fill)
+            return self._inner.execute(fill.materialize(step))  # an executor that reads its ids on the host
         finally:
             done = self._inner.take_completed_transfers()
             with self._lock:

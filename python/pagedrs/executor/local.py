@@ -13,6 +13,7 @@ from pagedrs.attention.kv_quant import SCALE_RULE, is_fp8, resolve_kv_cache_dtyp
 from pagedrs.decode_graphs import DecodePadding, capture_sizes, graph_headroom_bytes
 from pagedrs.engine_args import MAX_CPU_THREADS, EngineArgs, usable_cores
 from pagedrs.executor.base import DiskTierHandle
+from pagedrs.executor.token_fill import DeviceFill
 from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, model_fingerprint
 from pagedrs.kv_tiers.disk_tier import DiskTier, PageMeta
 from pagedrs.kv_tiers.errors import DiskTierError
@@ -46,6 +47,8 @@ def oversubscription_warning(threads: int, cores: int | None = None) -> str | No
 
 class LocalExecutor:
     """One process, one device: today's ``ModelRunner`` behind the ``Executor`` protocol."""
+
+    fills_on_device = True  # ``execute`` takes a ``DeviceFill`` (asynchronous scheduling's worker asks)
 
     def __init__(
         self, args: EngineArgs, attention_backend: AttentionBackend | None = None, *, tp_rank: int = 0, tp_size: int = 1
@@ -208,13 +211,19 @@ class LocalExecutor:
         with torch.inference_mode():
             self.runner.run_transfers(transfers)
 
-    def execute(self, step: StepInput, compute_logits: bool = True) -> torch.Tensor:
+    def execute(self, step: StepInput, compute_logits: bool = True, fill: DeviceFill | None = None) -> torch.Tensor:
+        """``fill``: placeholder input ids whose tokens are still on the device (asynchronous
+        scheduling, executor/token_fill.py); the runner writes them there."""
         if self.runner is None:
             raise RuntimeError("LocalExecutor.execute before init_kv_cache")
         try:
             if self.draft is not None:  # the draft's pages follow the target's (once: a proposal may have run it)
+                if fill is not None:  # the draft's mirror reads the ids on the host
+                    step, fill = fill.materialize(step), None
                 self.draft.mirror(step)
-            return self.runner.execute(step, compute_logits=compute_logits)
+            if fill is None:
+                return self.runner.execute(step, compute_logits=compute_logits)
+            return self.runner.execute(step, compute_logits=compute_logits, fill=fill)
         finally:
             # The runner's copies are synchronous with respect to later reads of the host
             # pool (a device-to-host copy blocks), so every transfer is done by now, also
