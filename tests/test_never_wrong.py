@@ -239,3 +239,37 @@ def test_an_interrupt_mid_step_caches_nothing_and_the_requests_go_on(tiny_llama_
     engine.add_request("b", p, greedy(5))
     assert run(engine)["b"].outputs[0].token_ids == hf_greedy(hf_model, p, 5)
     assert_free(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_interrupt_while_tokens_are_drawn_recomputes_the_step(tiny_llama_dir, hf_model, monkeypatch,
+                                                                 async_scheduling):
+    """Ctrl-C after the forward, while the step's tokens are drawn: the step was not reported done,
+    so it is reported failed (its rows computed again, nothing it wrote a prefix hit; with
+    asynchronous scheduling the step launched after it too). Before, the step was already reported
+    done and the engine waited forever for tokens it never took: every later step was empty."""
+    from pagedrs.core import fast_rows
+
+    engine = make_engine(tiny_llama_dir, async_scheduling=async_scheduling)
+    p = prompt(33, seed=9)
+    real = fast_rows.draw
+    calls = {"n": 0}
+
+    def interrupted(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fast_rows, "draw", interrupted)
+    engine.add_request("a", p, greedy(8))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(20):
+            engine.step()
+    assert calls["n"] == 3 and engine.stats()["num_failed_steps"] >= 1
+    done = run(engine)
+    assert done["a"].error is None
+    assert done["a"].outputs[0].token_ids == hf_greedy(hf_model, p, 8)
+    engine.add_request("b", p, greedy(8))  # its prefix comes from the cache: only what was written
+    assert run(engine)["b"].outputs[0].token_ids == hf_greedy(hf_model, p, 8)
+    assert_free(engine)

@@ -129,14 +129,14 @@ def test_rows_drawn_the_generic_way_wait_for_the_host(tiny_llama_dir, monkeypatc
     assert counts["device"] > 0 and copies, (counts, copies)
 
 
-def test_a_failure_after_the_ids_were_published_is_not_drawn_again(tiny_llama_dir, monkeypatch):
+def test_a_failure_after_the_ids_were_published_recomputes_both_steps(tiny_llama_dir, monkeypatch):
     """Once the next step may run on the published ids, the core must not draw other tokens for the
-    same rows (the generic path's retry would), nor go on with a step whose tokens it never took:
-    every request ends with the error, no page is left held, and the engine says it is dead."""
-    from pagedrs.errors import EngineDeadError
-
+    same rows (the generic path's retry would). The step was not reported done yet: it and the step
+    launched on its ids are reported failed and computed again, and the output is a clean run's."""
+    prompts = make_prompts(make_engine(tiny_llama_dir), 2, seed=13)
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True)  # sampled rows, one choice
+    clean = _outputs(make_engine(tiny_llama_dir, async_scheduling=True), prompts, params)
     engine = make_engine(tiny_llama_dir, async_scheduling=True)
-    prompts = make_prompts(engine, 2, seed=13)
     calls = {"n": 0}
     real_wait = drawn_ids.HostCopy.wait
 
@@ -148,11 +148,48 @@ def test_a_failure_after_the_ids_were_published_is_not_drawn_again(tiny_llama_di
 
     monkeypatch.setattr(drawn_ids.HostCopy, "wait", failing_wait)
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True))
-    with pytest.raises(EngineDeadError, match="lost the copy"):
-        while engine.has_unfinished():
+        engine.add_request(f"r{i}", p, params)
+    with pytest.raises(RuntimeError, match="lost the copy"):
+        for _ in range(20):
             engine.step()
-    assert calls["n"] == 3
+    assert calls["n"] == 3 and engine.stats()["num_failed_steps"] >= 1
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason, None,
+                                         c.cumulative_logprob) for c in out.outputs]
+    _same(done, clean)
+    stats = engine.stats()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"], stats
+    assert not engine.core.scheduler.open_steps()
+
+
+def test_a_failure_after_the_step_committed_its_published_tokens_ends_the_engine(tiny_llama_dir, monkeypatch):
+    """A failure after the step was reported done, with the next step already run on its published
+    ids (here: while the rows' decisions are made): the core took those tokens only in part, so no
+    request can go on exactly. Every request ends with the error, no page stays held, and the
+    engine says it is dead instead of going on from a state it cannot vouch for."""
+    from pagedrs.core import step as core_step
+    from pagedrs.errors import EngineDeadError
+
+    engine = make_engine(tiny_llama_dir, async_scheduling=True)
+    prompts = make_prompts(engine, 2, seed=14)
+    calls = {"n": 0}
+    real_decide = core_step._decide
+
+    def failing_decide(core, ctx):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("a decision failed")
+        return real_decide(core, ctx)
+
+    monkeypatch.setattr(core_step, "_decide", failing_decide)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, _greedy(8))
+    with pytest.raises(EngineDeadError, match="a decision failed"):
+        for _ in range(20):
+            engine.step()
     assert not engine.has_unfinished()
     stats = engine.stats()
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"], stats

@@ -156,8 +156,12 @@ class AsyncScheduler:
             current.tokens.set_result(DrawnTokens())  # the next step reads none of this one's tokens: it may run now
         try:
             finish_step(core, ctx, current.placeholders, current.tokens.set_result)
-        except Exception as exc:
-            if current.tokens.done() and not current.tokens.cancelled() and current.tokens.exception() is None:
+        except BaseException as exc:
+            if step.step_id in core.scheduler.open_steps():  # drawing failed or was interrupted: never committed,
+                self._failed(current, None)  # so this step and the one after it go back, computed again
+                raise
+            published = current.tokens.done() and not current.tokens.cancelled() and current.tokens.exception() is None
+            if published and isinstance(exc, Exception):
                 self._dead_after_publication(current, exc)
             raise
         finally:
@@ -165,9 +169,10 @@ class AsyncScheduler:
                 current.tokens.set_exception(EngineDeadError("the step before this one did not finish"))
 
     def _dead_after_publication(self, current: InFlight, exc: Exception) -> None:
-        """``finish_step`` failed after it published the step's tokens: the next step runs (or ran) on
-        tokens the core never took, so no request can go on exactly. The next step is waited for and
-        reported failed, every request ends with the error, and the engine says it is dead."""
+        """``finish_step`` failed after the step was committed and its tokens published: the next
+        step runs (or ran) on tokens the core took only in part, so no request can go on exactly.
+        The next step is waited for and reported failed, every request ends with the error, and the
+        engine says it is dead."""
         following, self._in_flight = self._in_flight, None
         if following is not None:
             self._report(following, ok=False)
@@ -181,7 +186,8 @@ class AsyncScheduler:
         core, ctx = self._core, current.ctx
         step = ctx.step
         assert step is not None
-        current.tokens.set_exception(exc if exc is not None else EngineDeadError("the previous step was interrupted"))
+        if not current.tokens.done():  # (published already: the next step ran on them, and fails below all the same)
+            current.tokens.set_exception(exc if exc is not None else EngineDeadError("the previous step was interrupted"))
         following, self._in_flight = self._in_flight, None
         if following is not None:
             try:

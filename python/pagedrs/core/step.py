@@ -72,7 +72,11 @@ def run_step(core: EngineCore, ctx: StepContext) -> None:
         core.scheduler.complete_transfers(core.executor.take_completed_transfers())
         core.scheduler.complete_step(step.step_id, False)
         raise
-    finish_step(core, ctx)
+    try:
+        finish_step(core, ctx)
+    except BaseException:  # an interrupt (or a failure) while drawing: its rows are computed again
+        abandon_step(core, step)
+        raise
 
 
 def plan_step(core: EngineCore, ctx: StepContext) -> StepInput:
@@ -121,22 +125,22 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
     step = ctx.step
     assert step is not None
     core.scheduler.complete_transfers(core.executor.take_completed_transfers())
-    core.scheduler.complete_step(step.step_id, True)  # what it wrote becomes a prefix hit
-    drop_failed_disk_writes(core)
-    if ctx.prompt_rows:
-        assert ctx.logits is not None
-        prompt_logprobs.record(ctx.logits, ctx.prompt_rows)
     if ctx.masks is not None:  # the forward is done: so are the masks, or they are waited for here, before
         ctx.masks.wait()  # any matcher is touched again (a fork's clone, a consume; llguidance borrows it)
     if ctx.spec is not None:  # several tokens per speculating sequence, one sampling round each
         assert ctx.logits is not None and not placeholders
+        _commit(core, ctx)
         # round 0's view is the step itself: the grammar masks planned for its rows serve there
         spec_step.verify(core, step, ctx.logits, ctx.spec, lambda view, logits, on_drawn: _round(
             core, StepContext(ctx.start, view, logits, touched=ctx.touched, masks=ctx.masks if view is step else None),
             view, on_drawn))
         return
+    # Drawn before the step is reported done: until then an interrupt or a failure here leaves the
+    # step open, and the caller reports it failed (``abandon_step``): its rows are computed again
+    # instead of the core waiting forever for tokens it never took.
     published = _Published(on_tokens, placeholders) if on_tokens is not None and placeholders else None
     fast, tokens, logprobs = _sample(core, ctx, step, published)
+    _commit(core, ctx)
     if placeholders:
         drawn = _drawn(ctx, fast, tokens)
         given = {seq_id: drawn[seq_id] for seq_id in placeholders if seq_id in drawn}
@@ -150,6 +154,29 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
     ctx.decisions = _decide(core, ctx)
     appends = fast_rows.record(core, fast, tokens, logprobs, ctx.touched, ctx.steady) if fast.rows else ([], [], [])
     _carry_out(core, ctx, appends, placeholders)
+
+
+def _commit(core: EngineCore, ctx: StepContext) -> None:
+    """The step is done: what it wrote becomes a prefix hit, and its prompt rows' log-probabilities are kept."""
+    assert ctx.step is not None
+    core.scheduler.complete_step(ctx.step.step_id, True)
+    drop_failed_disk_writes(core)
+    if ctx.prompt_rows:
+        assert ctx.logits is not None
+        prompt_logprobs.record(ctx.logits, ctx.prompt_rows)
+
+
+def abandon_step(core: EngineCore, step: StepInput) -> bool:
+    """After ``finish_step`` raised: if the step was never reported done (it failed or was
+    interrupted while its tokens were drawn), it is reported failed now, so its sequences are
+    computed again and nothing it wrote is a prefix hit; with asynchronous scheduling the step
+    after it fails too. Whether it was still open."""
+    if step.step_id not in core.scheduler.open_steps():
+        return False
+    core.scheduler.complete_transfers(core.executor.take_completed_transfers())
+    core.scheduler.complete_step(step.step_id, False)
+    drop_failed_disk_writes(core)
+    return True
 
 
 def _round(core: EngineCore, ctx: StepContext, step: StepInput,
