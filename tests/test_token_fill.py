@@ -129,6 +129,21 @@ def test_rows_drawn_the_generic_way_wait_for_the_host(tiny_llama_dir, monkeypatc
     assert counts["device"] > 0 and copies, (counts, copies)
 
 
+def _fail_third_call(monkeypatch, owner, name: str, exc: BaseException) -> dict[str, int]:
+    """``owner.name`` raises ``exc`` on its third call, once; returns the call count."""
+    calls = {"n": 0}
+    real = getattr(owner, name)
+
+    def failing(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise exc
+        return real(*args, **kw)
+
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
 def test_a_failure_after_the_ids_were_published_recomputes_both_steps(tiny_llama_dir, monkeypatch):
     """Once the next step may run on the published ids, the core must not draw other tokens for the
     same rows (the generic path's retry would). The step was not reported done yet: it and the step
@@ -137,16 +152,7 @@ def test_a_failure_after_the_ids_were_published_recomputes_both_steps(tiny_llama
     params = SamplingParams(max_tokens=8, temperature=1.0, top_k=1, ignore_eos=True)  # sampled rows, one choice
     clean = _outputs(make_engine(tiny_llama_dir, async_scheduling=True), prompts, params)
     engine = make_engine(tiny_llama_dir, async_scheduling=True)
-    calls = {"n": 0}
-    real_wait = drawn_ids.HostCopy.wait
-
-    def failing_wait(self):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("the device lost the copy")
-        return real_wait(self)
-
-    monkeypatch.setattr(drawn_ids.HostCopy, "wait", failing_wait)
+    calls = _fail_third_call(monkeypatch, drawn_ids.HostCopy, "wait", RuntimeError("the device lost the copy"))
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
     with pytest.raises(RuntimeError, match="lost the copy"):
@@ -175,16 +181,7 @@ def test_a_failure_after_the_step_committed_its_published_tokens_ends_the_engine
 
     engine = make_engine(tiny_llama_dir, async_scheduling=True)
     prompts = make_prompts(engine, 2, seed=14)
-    calls = {"n": 0}
-    real_decide = core_step._decide
-
-    def failing_decide(core, ctx):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("a decision failed")
-        return real_decide(core, ctx)
-
-    monkeypatch.setattr(core_step, "_decide", failing_decide)
+    _fail_third_call(monkeypatch, core_step, "_decide", RuntimeError("a decision failed"))
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, _greedy(8))
     with pytest.raises(EngineDeadError, match="a decision failed"):
