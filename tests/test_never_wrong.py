@@ -273,3 +273,45 @@ def test_an_interrupt_while_tokens_are_drawn_recomputes_the_step(tiny_llama_dir,
     engine.add_request("b", p, greedy(8))  # its prefix comes from the cache: only what was written
     assert run(engine)["b"].outputs[0].token_ids == hf_greedy(hf_model, p, 8)
     assert_free(engine)
+
+
+def test_an_interrupt_while_a_speculative_steps_first_round_is_drawn_recomputes_it(tiny_llama_dir, hf_model,
+                                                                                    monkeypatch):
+    """The same with prompt-lookup speculation: an interrupt while round 0 of a verify step is drawn
+    leaves the step open, so it is reported failed, its drafts dropped and its rows computed again
+    (before, the drafts stayed unverified and the next plan ended every request). An interrupt in a
+    later round, after round 0's tokens were taken, still ends the requests: the closing note says so."""
+    from pagedrs.core import fast_rows, spec_step
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": None}
+    engine = make_engine(tiny_llama_dir, speculative_config=spec, enable_prefix_caching=False)
+    unit = prompt(5, seed=10)
+    p = unit * 5  # repetitive: the lookup proposes drafts from the first step on
+    rounds = {"in_verify": False, "n": 0}
+    real_verify, real_draw = spec_step.verify, fast_rows.draw
+
+    def verify(*args, **kw):
+        rounds["in_verify"] = True
+        try:
+            return real_verify(*args, **kw)
+        finally:
+            rounds["in_verify"] = False
+
+    def draw(*args, **kw):
+        if rounds["in_verify"]:
+            rounds["n"] += 1
+            if rounds["n"] == 1:  # round 0 of the first verify step
+                raise KeyboardInterrupt
+        return real_draw(*args, **kw)
+
+    monkeypatch.setattr(spec_step, "verify", verify)
+    monkeypatch.setattr(fast_rows, "draw", draw)
+    engine.add_request("a", p, greedy(8))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(20):
+            engine.step()
+    assert rounds["n"] == 1 and engine.stats()["num_failed_steps"] >= 1
+    done = run(engine)
+    assert done["a"].error is None
+    assert done["a"].outputs[0].token_ids == hf_greedy(hf_model, p, 8)
+    assert_free(engine)

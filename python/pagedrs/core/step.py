@@ -129,11 +129,11 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
         ctx.masks.wait()  # any matcher is touched again (a fork's clone, a consume; llguidance borrows it)
     if ctx.spec is not None:  # several tokens per speculating sequence, one sampling round each
         assert ctx.logits is not None and not placeholders
-        _commit(core, ctx)
-        # round 0's view is the step itself: the grammar masks planned for its rows serve there
+        # round 0's view is the step itself: the grammar masks planned for its rows serve there, and
+        # the step is reported done once that round is drawn (as below: an interrupt before leaves it open)
         spec_step.verify(core, step, ctx.logits, ctx.spec, lambda view, logits, on_drawn: _round(
             core, StepContext(ctx.start, view, logits, touched=ctx.touched, masks=ctx.masks if view is step else None),
-            view, on_drawn))
+            view, on_drawn, (lambda: _commit(core, ctx)) if view is step else None))
         return
     # Drawn before the step is reported done: until then an interrupt or a failure here leaves the
     # step open, and the caller reports it failed (``abandon_step``): its rows are computed again
@@ -180,11 +180,15 @@ def abandon_step(core: EngineCore, step: StepInput) -> bool:
 
 
 def _round(core: EngineCore, ctx: StepContext, step: StepInput,
-           on_drawn: Callable[[dict[int, int]], frozenset[int]]) -> None:
+           on_drawn: Callable[[dict[int, int]], frozenset[int]], drawn_first: Optional[Callable[[], None]] = None,
+           ) -> None:
     """One sampling round of a speculative step over ``step``'s sequences (``ctx.logits``: one row
     each): sample, let ``on_drawn`` see the tokens (it returns the sequences whose token the core
-    already holds: accepted drafts), decide, carry out."""
+    already holds: accepted drafts), decide, carry out. ``drawn_first``: called once the round is
+    drawn, before anything is taken (round 0 reports the step done there)."""
     fast, tokens, logprobs = _sample(core, ctx, step)
+    if drawn_first is not None:
+        drawn_first()
     resolved = on_drawn(_drawn(ctx, fast, tokens))
     ctx.decisions = _decide(core, ctx)
     appends = fast_rows.record(core, fast, tokens, logprobs, ctx.touched) if fast.rows else ([], [], [])
