@@ -54,9 +54,10 @@ def test_report_prints_its_machine_and_serializes(report: dict, tmp_path: Path) 
 
 
 def test_split_step_names_each_interval() -> None:
+    # the step is reported done (complete) after its draw (sampling): that is part of "output"
     at = {"schedule": 1.0, "schedule_end": 2.0, "execute": 2.5, "forward": 3.0, "forward_end": 5.0, "head": 5.5,
-          "head_end": 6.0, "execute_end": 7.0, "complete": 7.2, "complete_end": 7.5, "sampling": 8.0,
-          "sampling_end": 9.0, "core": 0.7, "core_end": 9.5}
+          "head_end": 6.0, "execute_end": 7.0, "sampling": 7.5, "sampling_end": 8.5, "complete": 8.6,
+          "complete_end": 8.8, "core": 0.7, "core_end": 9.5}
     parts = split_step(at, start=0.5, end=10.0)
     assert parts == {"schedule": 1.0, "inputs": 1.0, "runner": 4.0, "sampling": 1.5, "output": 1.5,
                      "frontend": 0.5, "forward": 2.0, "head": 0.5, "step": 9.5, "core": 9.0}

@@ -220,8 +220,9 @@ def split_step(at: dict[str, float], start: float, end: float) -> dict[str, floa
         "schedule": at["schedule_end"] - at["schedule"],
         "inputs": at["forward"] - at["schedule_end"],
         "runner": at["execute_end"] - at["forward"],
-        "sampling": at["sampling_end"] - at["complete_end"],
-        "output": (at["schedule"] - start) + (at["complete_end"] - at["execute_end"]) + (at["core_end"] - at["sampling_end"]),
+        # the step is reported done (complete_step) after its draw, so that in "output"
+        "sampling": at["sampling_end"] - at["execute_end"],
+        "output": (at["schedule"] - start) + (at["core_end"] - at["sampling_end"]),
         "frontend": end - at["core_end"],
         "forward": at["forward_end"] - at["forward"],
         "head": at["head_end"] - at["head"],
