@@ -61,8 +61,7 @@ class DeviceFill:
         """``input_ids[where] = ids[rows]`` on ``input_ids``' device, in place; no host sync (the
         index arrays travel host-to-device, the tokens never leave the device)."""
         device = input_ids.device
-        where = torch.from_numpy(self.where).to(device, non_blocking=True)
-        rows = torch.from_numpy(self.rows).to(self.ids.device, non_blocking=True)
+        where, rows = _to_device(self.where, device), _to_device(self.rows, self.ids.device)
         input_ids.index_copy_(0, where, self.ids.index_select(0, rows).to(device, non_blocking=True))
 
     def materialize(self, step: StepInput) -> StepInput:
@@ -71,6 +70,16 @@ class DeviceFill:
         ids = step.input_ids.copy()
         ids[self.where] = self.ids.index_select(0, torch.from_numpy(self.rows).to(self.ids.device)).cpu().numpy()
         return dataclasses.replace(step, input_ids=ids)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` without waiting for it: on a GPU from pinned memory, since a copy from
+    pageable memory may hold the host until it is done (torch's ``non_blocking`` only promises
+    overlap for pinned memory), and the worker must not wait on step N's forward."""
+    t = torch.from_numpy(array)
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def fill_placeholders(step: StepInput, tokens: DrawnTokens | Mapping[int, int]) -> tuple[StepInput, Optional[DeviceFill]]:
