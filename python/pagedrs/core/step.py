@@ -114,8 +114,8 @@ def start_masks(core: EngineCore, step: StepInput) -> Optional[StepMasks]:
 
 def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int] = frozenset(),
                 on_tokens: Optional[Callable[[DrawnTokens], None]] = None) -> None:
-    """After the executor ran ``ctx.step`` (its logits in ``ctx.logits``): reports it done,
-    samples, decides and carries out. Asynchronous scheduling (core/async_step.py): the
+    """After the executor ran ``ctx.step`` (its logits in ``ctx.logits``): samples, reports it
+    done, decides and carries out. Asynchronous scheduling (core/async_step.py): the
     sequences in ``placeholders`` already hold a placeholder for the token they draw now;
     ``on_tokens`` gets their tokens as soon as they are drawn (the next step, already
     launched, waits for them): on the device, before their copy to the host, when the plain
