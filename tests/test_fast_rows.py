@@ -52,7 +52,8 @@ def test_fast_rows_equal_the_generic_path_in_a_mixed_batch(tiny_llama_dir, monke
     params = _mixed_params(_eos_of(engine))
     calls = []
     real_draw = fast_rows.draw
-    monkeypatch.setattr(fast_rows, "draw", lambda logits, fast: calls.append(len(fast.rows)) or real_draw(logits, fast))
+    monkeypatch.setattr(fast_rows, "draw", lambda logits, fast, *rest: calls.append(len(fast.rows))
+                        or real_draw(logits, fast, *rest))
     fast = _run(engine, prompts, params)
     assert calls and max(calls) >= 5, "the fast path took no rows"
     assert len(engine.core.fast_rows) == 0, "released sequences stayed in the fast rows' table"
@@ -75,7 +76,7 @@ def test_a_failing_batched_draw_falls_back_to_the_generic_path(tiny_llama_dir, m
     params = [SamplingParams(max_tokens=7, temperature=0.0, ignore_eos=True)] * 4
     expected = _run(engine, prompts, params)
 
-    def broken(logits, fast):
+    def broken(logits, fast, *rest):
         raise RuntimeError("injected: the batched draw failed")
 
     monkeypatch.setattr(fast_rows, "draw", broken)

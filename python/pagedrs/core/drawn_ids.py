@@ -1,4 +1,4 @@
-"""The drawn ids' copy to the host when the next step is launched on them first.
+"""The drawn ids handed to the next step early, and their copy to the host behind it.
 
 Under asynchronous scheduling the core publishes step N's drawn ids while they are on the device
 (executor/token_fill.py), and the worker enqueues step N+1's kernels right away. A plain
@@ -13,10 +13,16 @@ Built without a GPU to run it on (no device was lent since): `benches/gpu_check.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+from pagedrs.executor.token_fill import DrawnTokens
+
+if TYPE_CHECKING:  # (fast_rows imports this module)
+    from pagedrs.core.fast_rows import FastStep
 
 
 @dataclass
@@ -53,3 +59,26 @@ def to_host_behind(*tensors: torch.Tensor) -> HostCopy:
         done = torch.cuda.Event()
         done.record(stream)
     return HostCopy(hosts, done)
+
+
+class EarlyPublication:
+    """Publishes a step's placeholder tokens early, from the plain rows' draw, when it holds them all
+    (``finish_step``'s ``on_tokens``): ``done`` once published, after which the draw must not be redone."""
+
+    def __init__(self, on_tokens: Callable[[DrawnTokens], None], placeholders: frozenset[int]) -> None:
+        self.on_tokens = on_tokens
+        self.placeholders = placeholders
+        self.done = False
+
+    def for_draw(self, fast: FastStep) -> Optional[Callable[[torch.Tensor], None]]:
+        """The draw's ``on_drawn``: None unless every placeholder's sequence is one of its rows."""
+        rows = {row.sample.seq_id: i for i, row in enumerate(fast.rows)}
+        if not self.placeholders <= rows.keys():
+            return None
+        device_rows = {seq_id: rows[seq_id] for seq_id in self.placeholders}
+
+        def on_drawn(ids: torch.Tensor) -> None:
+            self.done = True  # from here on the next step may run on these ids: they are the step's tokens
+            self.on_tokens(DrawnTokens(device_ids=ids, device_rows=device_rows))
+
+        return on_drawn

@@ -29,6 +29,7 @@ import torch
 
 from pagedrs.core import fast_rows, prompt_logprobs, spec_step
 from pagedrs.core.continuation import Decision, StepRow
+from pagedrs.core.drawn_ids import EarlyPublication
 from pagedrs.core.protocol import EngineDeadError, is_engine_fatal
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.step_context import Rows, StepContext
@@ -69,8 +70,7 @@ def run_step(core: EngineCore, ctx: StepContext) -> None:
             ctx.masks.wait()
         # Reported failed, so that the next schedule() cannot report it done; its sequences
         # are recomputed when the caller steps again.
-        core.scheduler.complete_transfers(core.executor.take_completed_transfers())
-        core.scheduler.complete_step(step.step_id, False)
+        abandon_step(core, step)
         raise
     try:
         finish_step(core, ctx)
@@ -138,7 +138,7 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
     # Drawn before the step is reported done: until then an interrupt or a failure here leaves the
     # step open, and the caller reports it failed (``abandon_step``): its rows are computed again
     # instead of the core waiting forever for tokens it never took.
-    published = _Published(on_tokens, placeholders) if on_tokens is not None and placeholders else None
+    published = EarlyPublication(on_tokens, placeholders) if on_tokens is not None and placeholders else None
     fast, tokens, logprobs = _sample(core, ctx, step, published)
     _commit(core, ctx)
     if placeholders:
@@ -166,17 +166,16 @@ def _commit(core: EngineCore, ctx: StepContext) -> None:
         prompt_logprobs.record(ctx.logits, ctx.prompt_rows)
 
 
-def abandon_step(core: EngineCore, step: StepInput) -> bool:
-    """After ``finish_step`` raised: if the step was never reported done (it failed or was
-    interrupted while its tokens were drawn), it is reported failed now, so its sequences are
+def abandon_step(core: EngineCore, step: StepInput) -> None:
+    """After an interrupt mid-step, or ``finish_step`` raising: if the step was never reported done
+    (its forward or its draw did not finish), it is reported failed now, so its sequences are
     computed again and nothing it wrote is a prefix hit; with asynchronous scheduling the step
-    after it fails too. Whether it was still open."""
+    after it fails too. A step already reported done is left as it is."""
     if step.step_id not in core.scheduler.open_steps():
-        return False
+        return
     core.scheduler.complete_transfers(core.executor.take_completed_transfers())
     core.scheduler.complete_step(step.step_id, False)
     drop_failed_disk_writes(core)
-    return True
 
 
 def _round(core: EngineCore, ctx: StepContext, step: StepInput,
@@ -207,29 +206,7 @@ def _drawn(ctx: StepContext, fast: fast_rows.FastStep, tokens: list[int]) -> dic
 # ---- sample -------------------------------------------------------------------------------
 
 
-class _Published:
-    """Publishes a step's placeholder tokens early, from the plain rows' draw, when it holds them all."""
-
-    def __init__(self, on_tokens: Callable[[DrawnTokens], None], placeholders: frozenset[int]) -> None:
-        self.on_tokens = on_tokens
-        self.placeholders = placeholders
-        self.done = False
-
-    def for_draw(self, fast: fast_rows.FastStep) -> Optional[Callable[[torch.Tensor], None]]:
-        """The draw's ``on_drawn``: None unless every placeholder's sequence is one of its rows."""
-        rows = {row.sample.seq_id: i for i, row in enumerate(fast.rows)}
-        if not self.placeholders <= rows.keys():
-            return None
-        device_rows = {seq_id: rows[seq_id] for seq_id in self.placeholders}
-
-        def on_drawn(ids: torch.Tensor) -> None:
-            self.done = True  # from here on the next step may run on these ids: they are the step's tokens
-            self.on_tokens(DrawnTokens(device_ids=ids, device_rows=device_rows))
-
-        return on_drawn
-
-
-def _sample(core: EngineCore, ctx: StepContext, step: StepInput, published: Optional[_Published] = None,
+def _sample(core: EngineCore, ctx: StepContext, step: StepInput, published: Optional[EarlyPublication] = None,
             ) -> tuple[fast_rows.FastStep, list[int], list[float]]:
     """The plain rows' tokens in one batched draw (core/fast_rows.py; returned with their
     log-probabilities), the other rows' the generic way (``ctx.rows``, ``ctx.draws``, ``ctx.results``).
@@ -240,9 +217,7 @@ def _sample(core: EngineCore, ctx: StepContext, step: StepInput, published: Opti
     if fast.rows:
         assert ctx.logits is not None
         try:
-            on_drawn = None if published is None else published.for_draw(fast)
-            tokens, logprobs = (fast_rows.draw(ctx.logits, fast) if on_drawn is None
-                                else fast_rows.draw(ctx.logits, fast, on_drawn=on_drawn))
+            tokens, logprobs = fast_rows.draw(ctx.logits, fast, None if published is None else published.for_draw(fast))
         except Exception:  # noqa: BLE001 - the generic path finds the row that fails and ends its request
             if published is not None and published.done:
                 raise  # the next step runs on the published ids: drawing others for these rows would be wrong

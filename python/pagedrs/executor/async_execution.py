@@ -15,7 +15,7 @@ On a GPU the worker returns once the step's kernels are enqueued (the logits are
 computed); the core's sampling then waits for them. When every placeholder's token comes from the
 plain rows' batched draw (a steady decode batch), the core publishes the drawn ids while they are
 still on the device, so the next step's kernels are enqueued right behind the sampling kernels,
-and the tokens' one copy to the host (on a side stream, core/fast_rows.py) overlaps them; rows
+and the tokens' one copy to the host (on a side stream, core/drawn_ids.py) overlaps them; rows
 drawn the generic way are published once drawn on the host.
 """
 

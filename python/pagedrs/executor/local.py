@@ -221,8 +221,6 @@ class LocalExecutor:
                 if fill is not None:  # the draft's mirror reads the ids on the host
                     step, fill = fill.materialize(step), None
                 self.draft.mirror(step)
-            if fill is None:
-                return self.runner.execute(step, compute_logits=compute_logits)
             return self.runner.execute(step, compute_logits=compute_logits, fill=fill)
         finally:
             # The runner's copies are synchronous with respect to later reads of the host
