@@ -8,6 +8,7 @@ wrong with no error; now its greedy output equals transformers on the same weigh
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -273,8 +274,8 @@ def test_an_interrupt_while_a_speculative_steps_first_round_is_drawn_recomputes_
                                                                                     monkeypatch):
     """The same with prompt-lookup speculation: an interrupt while round 0 of a verify step is drawn
     leaves the step open, so it is reported failed, its drafts dropped and its rows computed again
-    (before, the drafts stayed unverified and the next plan ended every request). An interrupt in a
-    later round, after round 0's tokens were taken, still ends the requests: the closing note says so."""
+    (before, the drafts stayed unverified and the next plan ended every request). A later round's
+    interrupt is the next test's."""
     from pagedrs.core import fast_rows, spec_step
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": None}
@@ -302,6 +303,67 @@ def test_an_interrupt_while_a_speculative_steps_first_round_is_drawn_recomputes_
     monkeypatch.setattr(fast_rows, "draw", draw)
     _interrupted_then_exact(engine, p, hf_model)
     assert rounds["n"] >= 1  # (it raised at round 0 of the first verify step: the helper saw it)
+    assert_free(engine)
+
+
+@pytest.mark.parametrize("where, at, spoil", [
+    ("draw", 2, None),  # round 1 drawn: d1 was accepted (in the output), d2 d3 still held as drafts
+    ("draw", 4, None),  # round 3 (the bonus): d1 d2 d3 accepted, none verified in the scheduler yet
+    ("record", 2, 1),  # round 1 rejected d2 (the rest cut), interrupted before its token was recorded
+])
+def test_an_interrupt_in_a_later_verify_round_rewinds_the_sequence_and_stays_exact(
+        tiny_llama_dir, hf_model, monkeypatch, where, at, spoil):
+    """An interrupt after a verify step was reported done (round 0 drawn): nothing failed, so
+    the step is not recomputed; each speculating sequence is rewound to the tokens the engine
+    recorded, its last one computed again (``Scheduler.rewind``). Before, the drafts stayed
+    unverified (or the sequence waited for a token that never came): the next plan ended every
+    request. The proposer knows transformers' continuation, so rounds past 0 happen; ``spoil``
+    changes one draft so that round rejects."""
+    from pagedrs.core import fast_rows, spec_step
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": None}
+    engine = make_engine(tiny_llama_dir, speculative_config=spec)
+    vocab = engine.loaded.config.vocab_size
+    p = prompt(9, seed=11)
+    ref = hf_greedy(hf_model, p, 8)
+
+    def propose_(tokens, k, lo, hi):
+        n = len(tokens) - len(p)
+        drafts = list(ref[n : n + k])
+        if spoil is not None and spoil < len(drafts):
+            drafts[spoil] = (drafts[spoil] + 1) % vocab
+        return np.asarray(drafts, dtype=np.uint32)
+
+    calls = {"in_verify": False, "n": 0}
+    real_verify, real = spec_step.verify, getattr(fast_rows, where)
+
+    def verify(*args, **kw):
+        calls["in_verify"] = True
+        try:
+            return real_verify(*args, **kw)
+        finally:
+            calls["in_verify"] = False
+
+    def interrupted(*args, **kw):
+        if calls["in_verify"]:
+            calls["n"] += 1
+            if calls["n"] == at:
+                raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(spec_step, "propose", propose_)
+    monkeypatch.setattr(spec_step, "verify", verify)
+    monkeypatch.setattr(fast_rows, where, interrupted)
+    engine.add_request("a", p, greedy(8))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(20):
+            engine.step()
+    assert engine.stats()["num_failed_steps"] == 0  # reported done before the interrupt: rewound, not failed
+    done = run(engine)
+    assert done["a"].error is None
+    assert done["a"].outputs[0].token_ids == ref
+    engine.add_request("b", p + ref[:5], greedy(3))  # its prefix comes from the cache: only verified tokens
+    assert run(engine)["b"].outputs[0].token_ids == ref[5:8]
     assert_free(engine)
 
 

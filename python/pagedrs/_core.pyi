@@ -305,6 +305,10 @@ class Scheduler:
     def accept_drafts(self, seq_id: int, num_accepted: int) -> int:
         """After the step that computed the sequence's drafts: keeps the first ``num_accepted``, cuts the
         rest from its tokens and pages; returns how many were cut. Sequences gone meanwhile are skipped."""
+    def rewind(self, seq_id: int, num_tokens: int) -> bool:
+        """A verify step cut short after it was reported done: the engine's record of the sequence holds
+        its first ``num_tokens`` tokens; the scheduler agrees and computes the last one again (accepting
+        the drafts below it, or by a recompute). False: already consistent, or the sequence is gone."""
     def set_max_steps_in_flight(self, n: int) -> None:
         """1: a step runs before the next is planned (default); 2: asynchronous scheduling."""
     def complete_transfers(self, ids: Sequence[int]) -> None:

@@ -150,3 +150,55 @@ fn set_draft_tokens_replaces_a_reserved_proposal_and_the_kept_ones_are_the_new_t
     s.check_invariants().unwrap();
     assert!(s.set_draft_tokens(1, &[5]).is_err(), "no drafts held now");
 }
+
+/// A verify round cut short after the step was reported done (rounds 0 and 1 accepted d1 d2,
+/// then an interrupt): the drafts below the last recorded one are kept, the rest cut, and
+/// the last recorded one is computed again by the next decode, which gives its row.
+#[test]
+fn rewind_keeps_the_recorded_drafts_and_computes_the_last_one_again() {
+    let mut s = scheduler(16, 64);
+    decoding(&mut s);
+    s.set_proposal(1, &[14, 15, 16]).unwrap();
+    let step = s.schedule().unwrap();
+    assert!(s.rewind(1, 6).is_err(), "a step in flight is reported first");
+    s.complete_step(step.step_id, true).unwrap();
+    assert!(s.rewind(1, 3).is_err(), "below its last sampled token (4 tokens)");
+    assert!(s.rewind(1, 8).is_err(), "above what it holds (7)");
+    assert!(s.rewind(1, 6).unwrap());
+    assert_eq!(s.num_tokens(1).unwrap(), 6);
+    let next = s.schedule().unwrap();
+    assert_eq!((next.input_ids.clone(), next.positions.clone()), (vec![15], vec![5]), "d2 computed again");
+    assert_eq!(next.do_sample, vec![true]);
+    s.complete_step(next.step_id, true).unwrap();
+    assert!(!s.rewind(9, 1).unwrap(), "a sequence no longer here is skipped");
+    s.check_invariants().unwrap();
+    s.finish(1).unwrap();
+    assert_eq!(s.kv().num_free_blocks(), 16);
+}
+
+/// The round drew a rejection (`accept_drafts` cut the rest) and the interrupt came before the
+/// drawn token was appended: every recorded token is computed and none is coming, so the
+/// sequence is prefilled again; a consistent sequence is left alone.
+#[test]
+fn rewind_recomputes_a_sequence_left_waiting_for_a_token_and_leaves_a_consistent_one() {
+    let mut s = scheduler(16, 64);
+    decoding(&mut s);
+    for id in s.open_steps() {
+        s.complete_step(id, true).unwrap();
+    }
+    assert!(!s.rewind(1, 4).unwrap(), "13 is still to compute: consistent");
+    s.set_proposal(1, &[14, 15, 16]).unwrap();
+    let step = s.schedule().unwrap();
+    s.complete_step(step.step_id, true).unwrap();
+    s.accept_drafts(1, 1).unwrap();
+    assert!(s.rewind(1, 5).unwrap());
+    assert_eq!((s.num_running(), s.num_waiting()), (0, 1));
+    let next = s.schedule().unwrap();
+    // prefilled again up to the last recorded token: its first page (10..13, committed) is a prefix hit
+    assert_eq!((next.input_ids.clone(), next.positions.clone()), (vec![14], vec![4]));
+    assert_eq!(next.do_sample, vec![true]);
+    s.complete_step(next.step_id, true).unwrap();
+    s.check_invariants().unwrap();
+    s.finish(1).unwrap();
+    assert_eq!(s.kv().num_free_blocks(), 16);
+}

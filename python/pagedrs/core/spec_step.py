@@ -27,6 +27,12 @@ nothing needs rolling back): the draw is never a token the grammar refuses, and 
 refuses can never equal the draw, so it is rejected, and the output is the constrained
 distribution's, token for token under greedy.
 
+Interrupted: the step is reported done once round 0 is drawn (core/step.py). An interrupt before
+that leaves it open, and it is reported failed (its rows computed again); one in a later round
+(or while a round's tokens are recorded) rewinds each speculating sequence to the tokens the
+engine recorded, the last one computed again by the next step (``rewind_interrupted``), so no
+draft stays unverified and no sequence waits for a token that never comes.
+
 Adaptive rule: each sequence keeps an EMA of its acceptance rate; below
 ``min_acceptance_rate`` it stops proposing for a while (doubling each time), so a workload
 with nothing to look up costs one n-gram search per step and no extra rows. The scheduler
@@ -201,3 +207,22 @@ def verify(core: EngineCore, step: StepInput, logits: torch.Tensor, spec: SpecRo
         ids = np.asarray([spec.seq_ids[a] for a in active], dtype=np.uint64)
         view = replace(step, seq_ids=ids, do_sample=np.ones(len(active), dtype=bool))
         round_logits = logits[[spec.rows[a][j] for a in active]]
+
+
+def rewind_interrupted(core: EngineCore, spec: SpecRows, touched: dict[str, Request]) -> None:
+    """After a verify step reported done was cut short (an interrupt in a later round, or while
+    a round's tokens were recorded): each speculating sequence still here is brought back to
+    what the engine recorded for it, its last recorded token to be computed again by the next
+    step (``Scheduler.rewind``), so it neither keeps unverified drafts (the next plan would
+    refuse them and every request would end) nor waits for a token that never comes. A
+    sequence the scheduler cannot rewind ends with that error; the others go on."""
+    for seq_id in spec.seq_ids:
+        entry = core.sequence(seq_id)
+        if entry is None:
+            continue
+        request, state = entry
+        try:
+            core.scheduler.rewind(seq_id, len(request.prompt_token_ids) + len(state.token_ids))
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not take the engine down
+            core.fail(request, exc, touched)
+

@@ -131,9 +131,14 @@ def finish_step(core: EngineCore, ctx: StepContext, placeholders: frozenset[int]
         assert ctx.logits is not None and not placeholders
         # round 0's view is the step itself: the grammar masks planned for its rows serve there, and
         # the step is reported done once that round is drawn (as below: an interrupt before leaves it open)
-        spec_step.verify(core, step, ctx.logits, ctx.spec, lambda view, logits, on_drawn: _round(
-            core, StepContext(ctx.start, view, logits, touched=ctx.touched, masks=ctx.masks if view is step else None),
-            view, on_drawn, (lambda: _commit(core, ctx)) if view is step else None))
+        try:
+            spec_step.verify(core, step, ctx.logits, ctx.spec, lambda view, logits, on_drawn: _round(
+                core, StepContext(ctx.start, view, logits, touched=ctx.touched, masks=ctx.masks if view is step else None),
+                view, on_drawn, (lambda: _commit(core, ctx)) if view is step else None))
+        except BaseException:  # cut short: an open step is abandoned by the caller; a committed one is rewound here
+            if step.step_id not in core.scheduler.open_steps():
+                spec_step.rewind_interrupted(core, ctx.spec, ctx.touched)
+            raise
         return
     # Drawn before the step is reported done: until then an interrupt or a failure here leaves the
     # step open, and the caller reports it failed (``abandon_step``): its rows are computed again

@@ -201,6 +201,13 @@ impl PyScheduler {
         self.inner.accept_drafts(seq_id, num_accepted).map_err(to_py_err)
     }
 
+    /// A verify step cut short after it was reported done: the engine's record of the sequence
+    /// holds its first `num_tokens` tokens; the scheduler agrees and computes the last one again
+    /// (rust/src/scheduler/speculation.rs). Returns whether anything changed.
+    fn rewind(&mut self, seq_id: SeqId, num_tokens: usize) -> PyResult<bool> {
+        self.inner.rewind(seq_id, num_tokens).map_err(to_py_err)
+    }
+
     /// Sets how many steps may be in flight (1: synchronous, the default; 2: asynchronous scheduling).
     fn set_max_steps_in_flight(&mut self, n: usize) -> PyResult<()> {
         self.inner.set_max_steps_in_flight(n).map_err(to_py_err)

@@ -139,4 +139,53 @@ impl Scheduler {
         self.stats.draft_tokens_accepted += num_accepted as u64;
         Ok(dropped)
     }
+
+    /// A verify step cut short after it was reported done (an interrupt while a later round
+    /// was drawn, or before its token was recorded): the caller's record of `id` holds its
+    /// first `num_tokens` tokens, and the row that was to give the next one is lost. Makes the
+    /// scheduler agree with that record and compute the last recorded token again, so its
+    /// next decode gives that row:
+    ///
+    /// - still holding drafts, with `num_tokens` past its last sampled token: the drafts below
+    ///   the last recorded one are accepted, the rest cut, and the last recorded one is
+    ///   appended as a sampled token (its K/V is written again by the next step);
+    /// - every recorded token computed and none to come (the drawn token never appended), or
+    ///   nothing past its last sampled token recorded: back to waiting, prefilled again
+    ///   (its committed pages are prefix hits);
+    /// - already consistent (the last recorded token still to compute): nothing changes.
+    ///
+    /// Returns whether anything changed. A sequence no longer here is skipped (false). Refused,
+    /// with nothing changed, while a step is in flight, for a sequence holding placeholders,
+    /// or for a `num_tokens` outside what it holds.
+    pub fn rewind(&mut self, id: SeqId, num_tokens: usize) -> Result<bool, CoreError> {
+        if !self.open_steps.is_empty() {
+            return Err(CoreError::InvalidArgument(format!(
+                "rewind of sequence {id}: steps {:?} are in flight; report them first",
+                self.open_steps()
+            )));
+        }
+        let Some(seq) = self.seqs.get(&id) else { return Ok(false) };
+        let len = seq.tokens.len();
+        let sampled = len - seq.drafts; // its tokens up to the last sampled one
+        if seq.placeholders > 0 || num_tokens > len || num_tokens < sampled {
+            return Err(CoreError::InvalidArgument(format!(
+                "rewind of sequence {id} to num_tokens = {num_tokens}: it holds {len} tokens ({} of them drafts, {} \
+                 placeholders); allowed: {sampled}..={len}, without placeholders",
+                seq.drafts, seq.placeholders
+            )));
+        }
+        if seq.drafts > 0 && num_tokens > sampled {
+            let last = seq.tokens[num_tokens - 1];
+            self.accept_drafts(id, num_tokens - 1 - sampled)?;
+            self.append_token(id, last)?;
+            return Ok(true);
+        }
+        if seq.drafts == 0 && !seq.waits_for_token() {
+            return Ok(false);
+        }
+        let seq = self.seqs.get_mut(&id).expect("checked above");
+        seq.tokens.truncate(num_tokens + seq.drafts); // reset_for_recompute drops the drafts
+        self.reset_after_failure(id, true)?;
+        Ok(true)
+    }
 }

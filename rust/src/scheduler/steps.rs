@@ -147,7 +147,7 @@ impl Scheduler {
     /// `ran`: it was in the failed step, so the row it was to produce never came and it
     /// is admitted again at once; one that only lost pages keeps waiting for a token if it
     /// did (see `Sequence::parked`).
-    fn reset_after_failure(&mut self, id: SeqId, ran: bool) -> Result<(), CoreError> {
+    pub(super) fn reset_after_failure(&mut self, id: SeqId, ran: bool) -> Result<(), CoreError> {
         let now = self.stats.num_steps;
         let seq = self.seqs.get_mut(&id).expect("checked by the caller");
         if seq.has_pages() {
