@@ -31,6 +31,7 @@ mod unpack;
 use std::arch::x86_64::*;
 
 use super::avx512;
+use super::prefetch;
 use super::format::{Format, QK};
 use super::pack::TILE;
 use super::quantize::QuantizedActs;
@@ -135,7 +136,7 @@ unsafe fn group<const F: usize>(tile: &[u8], blocks: usize, acts: &QuantizedActs
             unsafe {
                 let blk = tile.as_ptr().add(b0 * tbb);
                 if m0 == 0 {
-                    avx512::prefetch_ahead::<8>(blk, n * tbb); // the first group streams the weights
+                    prefetch::prefetch_ahead(blk, n * tbb, prefetch::avx512_distance(8)); // the first group streams the weights
                 }
                 let bq: [*const i8; 2] = if format == Format::Q8_0 {
                     [blk.add(qoff) as *const i8, blk.add((tbb + qoff) * (n - 1)) as *const i8]

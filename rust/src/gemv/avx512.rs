@@ -11,40 +11,12 @@ use std::arch::x86_64::*;
 
 use super::format::{Format, QK};
 use super::pack::TILE;
+use super::prefetch::{avx512_distance, prefetch_ahead};
 use super::quantize::QuantizedActs;
 
 /// Whether this CPU can run the kernel.
 pub fn supported() -> bool {
     is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vnni")
-}
-
-/// Bytes ahead of the block being read that `prefetch_ahead` asks for, by the rows of the pass.
-/// Measured on an Intel Xeon (10.4 GB/s read bound, 1 thread, SmolLM2's linear layers at M = 1,
-/// the other core busy): 0: 63-72% of the bound, 256: 72-74%, 512: 73-77%, 1024: 75%, 4096:
-/// 59-78%. With more rows a block takes longer to multiply and the stream needs to be asked for
-/// further ahead (`cargo bench --bench gemv_rows`, 2026-12-04, same Xeon, Q4_1 streaming, GB/s
-/// at 512 / 2048 / 4096 bytes: M = 1 12.7 / 11.9 / 9.5; M = 5 7.5 / 8.9 / 8.5; M = 8 6.1 / 6.8 / 7.0).
-const fn prefetch_bytes(rows: usize) -> usize {
-    match rows {
-        1 => 512,
-        2 => 1024,
-        3 | 4 => 2048,
-        _ => 4096,
-    }
-}
-
-/// Asks for the cache lines of the block `prefetch_bytes(R)` ahead, so the weight stream
-/// is in flight while this block is multiplied. A prefetch of an address past the matrix is
-/// harmless (it never faults; `wrapping_add` keeps the pointer arithmetic defined).
-#[inline(always)]
-pub(super) fn prefetch_ahead<const R: usize>(blk: *const u8, block_bytes: usize) {
-    let d = prefetch_bytes(R);
-    let mut off = 0;
-    while off < block_bytes {
-        // SAFETY: _mm_prefetch never faults, whatever the address; it is only a hint.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(d + off) as *const i8) };
-        off += 64;
-    }
 }
 
 /// Activation rows multiplied together per pass over a tile: each block's weights are loaded and
@@ -126,7 +98,7 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
         unsafe {
             let blk = tile.as_ptr().add(b * tbb);
             if m0 == 0 {
-                prefetch_ahead::<R>(blk, tbb);
+                prefetch_ahead(blk, tbb, avx512_distance(R));
             }
             let q = blk.add(qoff);
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(blk as *const __m256i));

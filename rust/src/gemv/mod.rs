@@ -10,7 +10,8 @@
 //! in block order per row (see [`scalar`]). Bounds are checked here, at the boundary.
 //!
 //! Files: [`format`] (block formats), [`pack`] (tiles), [`quantize`] (activations),
-//! [`scalar`] / [`avx2`] / [`avx512`] / [`amx`] (kernels), [`pool`] (threads), [`error`].
+//! [`scalar`] / [`avx2`] / [`avx512`] / [`amx`] (kernels; `prefetch`, the weight stream's
+//! software prefetch they share), [`pool`] (threads), [`error`].
 
 pub mod error;
 pub mod format;
@@ -21,6 +22,8 @@ pub mod quantize;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+mod prefetch;
 // AVX-512 intrinsics are stable since Rust 1.89 (see avx512.rs).
 #[cfg(target_arch = "x86_64")]
 #[clippy::msrv = "1.89"]
