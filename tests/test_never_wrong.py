@@ -276,31 +276,11 @@ def test_an_interrupt_while_a_speculative_steps_first_round_is_drawn_recomputes_
     leaves the step open, so it is reported failed, its drafts dropped and its rows computed again
     (before, the drafts stayed unverified and the next plan ended every request). A later round's
     interrupt is the next test's."""
-    from pagedrs.core import fast_rows, spec_step
-
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": None}
     engine = make_engine(tiny_llama_dir, speculative_config=spec, enable_prefix_caching=False)
     unit = prompt(5, seed=10)
     p = unit * 5  # repetitive: the lookup proposes drafts from the first step on
-    rounds = {"in_verify": False, "n": 0}
-    real_verify, real_draw = spec_step.verify, fast_rows.draw
-
-    def verify(*args, **kw):
-        rounds["in_verify"] = True
-        try:
-            return real_verify(*args, **kw)
-        finally:
-            rounds["in_verify"] = False
-
-    def draw(*args, **kw):
-        if rounds["in_verify"]:
-            rounds["n"] += 1
-            if rounds["n"] == 1:  # round 0 of the first verify step
-                raise KeyboardInterrupt
-        return real_draw(*args, **kw)
-
-    monkeypatch.setattr(spec_step, "verify", verify)
-    monkeypatch.setattr(fast_rows, "draw", draw)
+    rounds = _interrupt_in_verify(monkeypatch, "draw", 1)  # round 0 of the first verify step
     _interrupted_then_exact(engine, p, hf_model)
     assert rounds["n"] >= 1  # (it raised at round 0 of the first verify step: the helper saw it)
     assert_free(engine)
@@ -319,7 +299,7 @@ def test_an_interrupt_in_a_later_verify_round_rewinds_the_sequence_and_stays_exa
     unverified (or the sequence waited for a token that never came): the next plan ended every
     request. The proposer knows transformers' continuation, so rounds past 0 happen; ``spoil``
     changes one draft so that round rejects."""
-    from pagedrs.core import fast_rows, spec_step
+    from pagedrs.core import spec_step
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": None}
     engine = make_engine(tiny_llama_dir, speculative_config=spec)
@@ -334,8 +314,28 @@ def test_an_interrupt_in_a_later_verify_round_rewinds_the_sequence_and_stays_exa
             drafts[spoil] = (drafts[spoil] + 1) % vocab
         return np.asarray(drafts, dtype=np.uint32)
 
+    monkeypatch.setattr(spec_step, "propose", propose_)
+    _interrupt_in_verify(monkeypatch, where, at)
+    engine.add_request("a", p, greedy(8))
+    with pytest.raises(KeyboardInterrupt):
+        for _ in range(20):
+            engine.step()
+    assert engine.stats()["num_failed_steps"] == 0  # reported done before the interrupt: rewound, not failed
+    done = run(engine)
+    assert done["a"].error is None
+    assert done["a"].outputs[0].token_ids == ref
+    engine.add_request("b", p + ref[:5], greedy(3))  # its prefix comes from the cache: only verified tokens
+    assert run(engine)["b"].outputs[0].token_ids == ref[5:8]
+    assert_free(engine)
+
+
+def _interrupt_in_verify(monkeypatch, name: str, at: int) -> dict:
+    """``fast_rows.<name>`` raises KeyboardInterrupt at its ``at``-th call (1-based) inside a
+    speculative verify (one call per round); returns the count (``n``)."""
+    from pagedrs.core import fast_rows, spec_step
+
     calls = {"in_verify": False, "n": 0}
-    real_verify, real = spec_step.verify, getattr(fast_rows, where)
+    real_verify, real = spec_step.verify, getattr(fast_rows, name)
 
     def verify(*args, **kw):
         calls["in_verify"] = True
@@ -351,20 +351,9 @@ def test_an_interrupt_in_a_later_verify_round_rewinds_the_sequence_and_stays_exa
                 raise KeyboardInterrupt
         return real(*args, **kw)
 
-    monkeypatch.setattr(spec_step, "propose", propose_)
     monkeypatch.setattr(spec_step, "verify", verify)
-    monkeypatch.setattr(fast_rows, where, interrupted)
-    engine.add_request("a", p, greedy(8))
-    with pytest.raises(KeyboardInterrupt):
-        for _ in range(20):
-            engine.step()
-    assert engine.stats()["num_failed_steps"] == 0  # reported done before the interrupt: rewound, not failed
-    done = run(engine)
-    assert done["a"].error is None
-    assert done["a"].outputs[0].token_ids == ref
-    engine.add_request("b", p + ref[:5], greedy(3))  # its prefix comes from the cache: only verified tokens
-    assert run(engine)["b"].outputs[0].token_ids == ref[5:8]
-    assert_free(engine)
+    monkeypatch.setattr(fast_rows, name, interrupted)
+    return calls
 
 
 def _interrupted_then_exact(engine: Engine, p: list[int], hf_model) -> None:
