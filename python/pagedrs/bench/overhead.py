@@ -67,7 +67,8 @@ class OverheadSpec:
     layers: int = SMOLLM2_LAYERS  # the deep model; the shallow one has 1 layer
     prompt_len: int = 32
     warmup_steps: int = 3
-    steps: int = 20  # timed decode steps per batch size
+    steps: int = 20  # timed decode steps per batch size (and output kind), over all rounds
+    rounds: int = 2  # rounds that alternate the two depths (see ``measure``)
     device: str = "cpu"
     block_size: int = 16
     # RequestOutputKind names, each run in turn
@@ -289,27 +290,36 @@ def _median_parts(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, Any]:
     """Median seconds per part at each depth, batch size and output kind, with the fixed and
-    per-layer split; the kinds alternate per batch size, so a noisy spell hits both alike."""
+    per-layer split. Both depths' engines stay up, and each (batch, kind) is timed in
+    ``spec.rounds`` rounds that alternate the depths (their steps pooled), so that a noisy spell
+    on a shared machine hits both ends of the line alike: timed one depth after the other, the
+    extrapolated fixed part swung 3x between runs of the same code (AMD EPYC, 2026-12-06)."""
     depths = (1, spec.layers) if spec.layers > 1 else (1, 2)
     per_depth: dict[tuple[str, int], dict[int, dict[str, float]]] = {}  # (kind, depth) -> batch -> parts
-    steps: dict[str, dict[int, dict[int, list[dict[str, float]]]]] = {k: {} for k in spec.output_kinds}
+    steps: dict[str, dict[int, dict[int, list[dict[str, float]]]]] = {k: {d: {} for d in depths} for k in spec.output_kinds}
+    rounds = max(1, min(spec.rounds, spec.steps))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(folder_root or tmp)
-        for depth in depths:
-            engine = build_overhead_engine(write_model(root / f"layers{depth}", depth), spec)
-            try:
-                time_decode_steps(engine, OverheadSpec(batch_sizes=(1,), prompt_len=4, warmup_steps=1, steps=1,
-                                                       device=spec.device, block_size=spec.block_size),
+        engines: dict[int, Any] = {}
+        try:
+            for depth in depths:
+                engines[depth] = build_overhead_engine(write_model(root / f"layers{depth}", depth), spec)
+                time_decode_steps(engines[depth], OverheadSpec(batch_sizes=(1,), prompt_len=4, warmup_steps=1, steps=1,
+                                                               device=spec.device, block_size=spec.block_size),
                                   1, seed=99)  # first-call costs out of the timing
+            for batch in spec.batch_sizes:
                 for kind in spec.output_kinds:
-                    per_depth[kind, depth], steps[kind][depth] = {}, {}
-                for batch in spec.batch_sizes:
-                    for kind in spec.output_kinds:
-                        progress(f"overhead: {depth} layer(s), batch {batch}, {kind}")
-                        rows = time_decode_steps(engine, spec, batch, seed=batch, output_kind=kind)
-                        steps[kind][depth][batch] = rows
-                        per_depth[kind, depth][batch] = _median_parts(rows)
-            finally:
+                    for r in range(rounds):
+                        round_spec = dataclasses.replace(spec, steps=spec.steps // rounds + (r < spec.steps % rounds))
+                        for depth in depths if r % 2 == 0 else depths[::-1]:
+                            progress(f"overhead: {depth} layer(s), batch {batch}, {kind}, round {r + 1} of {rounds}")
+                            rows = time_decode_steps(engines[depth], round_spec, batch, seed=batch * rounds + r,
+                                                     output_kind=kind)
+                            steps[kind][depth].setdefault(batch, []).extend(rows)
+                    for depth in depths:
+                        per_depth.setdefault((kind, depth), {})[batch] = _median_parts(steps[kind][depth][batch])
+        finally:
+            for engine in engines.values():
                 engine.shutdown()
     lo, hi = depths
     table = []
