@@ -310,8 +310,9 @@ fn run_failing(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<
 /// [`run_failing`], where `speculate` (a seed) gives every live sequence a proposal before each
 /// step (speculative decoding): 0..4 drafts, a random number of them the model's own next
 /// tokens and the rest wrong. After the step each sequence keeps the drafts the model agrees
-/// with (`accept_drafts`), then appends its next token as usual: outputs, reads and pages must
-/// be exactly those of a run without drafts.
+/// with (`accept_drafts`), then appends its next token as usual; or, now and then, is rewound as
+/// after an interrupt (`rewind`: the accepted drafts recorded, the last one computed again, no
+/// token appended). Outputs, reads and pages must be exactly those of a run without drafts.
 fn run_speculating(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Option<u64>, speculate: Option<u64>) -> Result<u64, TestCaseError> {
     let fail_roll = |step: u64, salt: u64, n: u64| failures.map(|f| mix(f ^ step.wrapping_mul(0x9E37_79B9) ^ salt) % n);
     let mut draws = 0u64;
@@ -434,6 +435,15 @@ fn run_speculating(cfg: Setup, reqs: Vec<Req>, chaos: Option<u64>, failures: Opt
                     tokens.get_mut(&id).unwrap().push(out.input_ids[end - k + accepted] as u32);
                     *remaining.get_mut(&id).unwrap() -= 1;
                     accepted += 1;
+                }
+                // Now and then an interrupt cuts the verify short once the step is reported done:
+                // the sequence is rewound to the tokens recorded so far (its last one computed
+                // again), and the token below is not drawn; the next steps must give it.
+                let interrupt = speculate.is_some_and(|seed| mix(seed ^ 0x5EED ^ step.wrapping_mul(0x9E37_79B9) ^ id) % 4 == 0);
+                if interrupt && s.open_steps().is_empty() && !forks.contains_key(&id) {
+                    let changed = s.rewind(id, tokens[&id].len()).map_err(|e| TestCaseError::fail(format!("rewind of {id}: {e}")))?;
+                    prop_assert!(changed, "sequence {} held drafts: the rewind must change it", id);
+                    continue;
                 }
                 s.accept_drafts(id, accepted).map_err(|e| TestCaseError::fail(format!("accept_drafts of {id}: {e}")))?;
             }

@@ -202,3 +202,16 @@ fn rewind_recomputes_a_sequence_left_waiting_for_a_token_and_leaves_a_consistent
     s.finish(1).unwrap();
     assert_eq!(s.kv().num_free_blocks(), 16);
 }
+
+/// Placeholders (asynchronous scheduling, which never speculates) are refused by name, nothing changed.
+#[test]
+fn rewind_refuses_a_sequence_with_placeholders() {
+    let mut s = scheduler(16, 64);
+    s.add_sequence(1, vec![10, 11, 12], 0, 0, 16, 1).unwrap();
+    let step = s.schedule().unwrap();
+    s.complete_step(step.step_id, true).unwrap();
+    s.append_placeholders(&[1]).unwrap();
+    let err = s.rewind(1, 3).unwrap_err().to_string();
+    assert!(err.contains("placeholders"), "{err}");
+    assert_eq!(s.num_tokens(1).unwrap(), 4);
+}
