@@ -93,9 +93,15 @@ def main() -> None:
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N", help="print torch.profiler's top N ops")
     parser.add_argument("--decode-only", action="store_true",
                         help="leave out the steps that compute prompt tokens (the prefill): a decode step's split")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    parser.add_argument("--prompt-len", type=int, default=120, help="prompt tokens per request (the context decoded over)")
+    parser.add_argument("--no-fused", action="store_true",
+                        help="run every step through the torch ops, not the fused CPU decode (models/cpu_decode.py)")
     args = parser.parse_args()
-    llm = LLM(model="smollm2-135m", max_model_len=512, cpu_threads=args.threads, max_num_seqs=args.batch,
-              weight_dtype=args.weight_dtype)
+    if args.prompt_len < 1:
+        parser.error(f"--prompt-len is {args.prompt_len}; allowed: >= 1")
+    llm = LLM(model="smollm2-135m", max_model_len=max(512, args.prompt_len + args.tokens + 8), cpu_threads=args.threads,
+              max_num_seqs=args.batch, weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype)
     engine = llm.engine
     acc: dict[str, float] = collections.defaultdict(float)
     engine.scheduler = _TimedScheduler(engine.scheduler, acc)  # type: ignore[assignment]
@@ -120,10 +126,13 @@ def main() -> None:
     _timed(engine.output_processor, "process", "front end: OutputProcessor.process", acc)
     _time_linears(engine.executor.loaded.model, acc)
     rng = np.random.default_rng(0)
-    prompts = [{"prompt_token_ids": rng.integers(100, 40000, 120).tolist()} for _ in range(args.batch)]
+    prompts = [{"prompt_token_ids": rng.integers(100, 40000, args.prompt_len).tolist()} for _ in range(args.batch)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     acc.clear()
     fused = engine.executor.loaded.model.fused_cpu_decode
+    if fused is not None and args.no_fused:
+        fused.enabled = False
+        fused = None
     if fused is not None:
         fused.stack.reset_timings()
     _timed(engine, "step", "Engine.step (total)", acc)
@@ -163,7 +172,8 @@ def main() -> None:
     for key, seconds in sorted(acc.items(), key=lambda kv: -kv[1]):
         print(f"  {key:40s} {seconds:8.3f} s {seconds / total:7.1%}")
     weight_format = engine.loaded.weight_format
-    print(f"weights {weight_format.name if weight_format else args.weight_dtype}")
+    print(f"weights {weight_format.name if weight_format else args.weight_dtype}; kv cache {args.kv_cache_dtype}; "
+          f"prompt {args.prompt_len} tokens{'; fused CPU decode off' if args.no_fused else ''}")
     if isinstance(profiler, torch.profiler.profile):
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.torch_profile))
     print(f"Machine: {describe_machine().describe()}")  # torch threads as the engine set them

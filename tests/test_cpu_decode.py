@@ -3,8 +3,9 @@ in one Rust call.
 
 What must hold: it computes what the torch ops compute (to float rounding); every row is computed on
 its own, so a sequence's logits are the same bits alone or in a batch, on 1 or 2 threads, prefilled
-whole or in chunks, decoded plainly or verified speculatively, from a prefix-cache hit or not; steps it
-does not cover (fp8 pages, a model not wholly on the kernel) take the torch ops; a malformed step is a
+whole or in chunks, decoded plainly or verified speculatively, from a prefix-cache hit or not; fp8 pages
+run fused too, by the torch backend's rule; steps it does not cover (a model not wholly on the kernel)
+take the torch ops; a malformed step is a
 ValueError naming the field, raised before the cache is touched. Quality against float32 is measured
 in ``tests/test_quant.py`` (what runs there is this path).
 """
@@ -184,7 +185,7 @@ def test_engine_modes_decode_what_a_sequence_decodes_alone(gguf, token_prompts):
 
 def test_steps_it_does_not_cover_take_the_torch_ops(gguf):
     r = runner(gguf, kv_cache_dtype=torch.float8_e4m3fn)
-    assert gguf.model.uses_attention_backend(r.kv_views, r.backend)
+    assert not gguf.model.uses_attention_backend(r.kv_views, r.backend)  # fp8 pages run fused (below)
     step = build_step([PagedSeq([1, 2, 3])], [3], BLOCK, BlockPool(48))
     assert torch.isfinite(r.execute(step)).all()
     set_fused(gguf, False)
@@ -209,6 +210,31 @@ def test_a_malformed_step_is_refused_before_the_cache_is_written(gguf, field, co
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         r.execute(step)
     assert not r.kv_cache.any()  # nothing written
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    ({"kv_dtype": "fp8_e3m4"}, ValueError, 'kv_dtype: "fp8_e3m4" is unknown; allowed: "float32", "fp8_e4m3", "fp8_e5m2"'),
+    ({"kv_dtype": "fp8_e4m3", "k_scale": float("nan")}, ValueError, "k_scale is NaN; an fp8 cache's scales must be finite and > 0"),
+    ({"kv_dtype": "fp8_e5m2", "v_scale": 0.0}, ValueError, "v_scale is 0; an fp8 cache's scales must be finite and > 0"),
+    ({"kv_dtype": "fp8_e4m3", "v_scale": -1.0}, ValueError, "v_scale is -1"),
+    ({"kv_dtype": "fp8_e4m3", "cache": np.float32}, TypeError, 'kv_cache: must be a uint8 NumPy array .* "fp8_e4m3"'),
+    ({"cache": np.uint8}, TypeError, 'kv_cache: must be a float32 NumPy array for kv_dtype "float32"'),
+])
+def test_a_bad_cache_format_is_refused_naming_the_field_before_a_write(tiny_gguf, change, error, message):
+    """The stack's cache arguments, called directly: each bad one is an error naming it, and the cache
+    is untouched."""
+    fused = tiny_gguf.model.fused_cpu_decode
+    config = tiny_gguf.config
+    layers, kv_heads, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    cache = np.zeros((layers, 2, 4, BLOCK, kv_heads, d), dtype=change.get("cache", np.uint8
+                                                                          if "kv_dtype" in change else np.float32))
+    kw = {k: v for k, v in change.items() if k != "cache"}
+    h = np.ones((1, config.hidden_size), dtype=np.float32)
+    cos_sin = np.ones((1, 2, d // 2), dtype=np.float32)
+    with pytest.raises(error, match=message):
+        fused.stack.forward(h, cos_sin, cache, np.zeros(1, np.int64), np.array([0, 1], np.int32),
+                            np.ones(1, np.int32), np.zeros((1, 1), np.int32), **kw)
+    assert not cache.any()
 
 
 def test_a_non_finite_activation_names_the_tensor(gguf):
@@ -407,3 +433,54 @@ def test_value_bounds_of_step_arrays():
     big[500] = -9
     lo, hi = value_bounds(big)
     assert (lo, hi) == (-9, 999) and type(lo) is int and type(hi) is int
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pages_run_fused_and_compute_what_the_torch_ops_compute(tiny_gguf, kv_dtype):
+    """An fp8 cache runs fused too (before, every step took the torch ops): the same steps through
+    both paths from empty caches write the same codes (where the two paths' K/V, equal to float
+    rounding, could straddle a rounding boundary, a neighbouring code) and their logits agree to
+    float rounding. Each path reads the other's pages: the rule is one (``attention.kv_quant``)."""
+    from pagedrs.attention.kv_quant import KV_CACHE_DTYPES
+
+    dtype = KV_CACHE_DTYPES[kv_dtype]
+    prompts = [list(range(3, 3 + n)) for n in (5, 20, 9, 30)]
+    logits, caches = {}, {}
+    try:
+        for on in (True, False):
+            set_fused(tiny_gguf, on)
+            r = runner(tiny_gguf, kv_cache_dtype=dtype)
+            assert tiny_gguf.model.uses_attention_backend(r.kv_views, r.backend) is not on
+            first, second = mixed_steps(prompts, seed=3)
+            logits[on] = torch.cat([r.execute(first), r.execute(second)])
+            caches[on] = r.kv_cache.view(torch.uint8).clone()
+    finally:
+        set_fused(tiny_gguf, True)
+    a, b = caches[True], caches[False]
+    assert (b != 0).any()
+    differ = a != b
+    assert differ.float().mean() < 0.01, f"{differ.float().mean():.4f} of the codes differ"
+    # a differing code is a neighbour (same sign, magnitude one step away)
+    assert ((a[differ].int() - b[differ].int()).abs() == 1).all()
+    # measured: no code differs and the logits agree to 2.7e-7 of the scale, as with float32 pages
+    bound = 1e-5 if not differ.any() else 0.05
+    assert (logits[True] - logits[False]).abs().max() <= bound * logits[False].abs().max()
+
+
+def test_fp8_pages_written_by_one_path_read_the_same_in_the_other(tiny_gguf):
+    """A prefill through the torch ops, then a decode step fused over its pages, equals the same
+    decode step through the torch ops over the same pages (to the two paths' float rounding, far
+    below one fp8 step): the fused path reads the torch path's codes as the torch path does."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 20, 9, 30)]
+    out = {}
+    try:
+        for fused_decode in (True, False):
+            set_fused(tiny_gguf, False)
+            r = runner(tiny_gguf, kv_cache_dtype=torch.float8_e4m3fn)
+            first, second = mixed_steps(prompts, seed=4)
+            r.execute(first)
+            set_fused(tiny_gguf, fused_decode)
+            out[fused_decode] = r.execute(second)
+    finally:
+        set_fused(tiny_gguf, True)
+    assert (out[True] - out[False]).abs().max() <= 1e-5 * out[False].abs().max()  # measured 3.0e-7

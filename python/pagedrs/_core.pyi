@@ -428,16 +428,21 @@ class DecodeStack:
         self,
         hidden: npt.NDArray[np.float32],
         cos_sin: npt.NDArray[np.float32],
-        kv_cache: npt.NDArray[np.float32],
+        kv_cache: npt.NDArray[np.float32] | npt.NDArray[np.uint8],
         slot_mapping: npt.NDArray[np.int64],
         query_start_loc: npt.NDArray[np.int32],
         seq_lens: npt.NDArray[np.int32],
         block_tables: npt.NDArray[np.int32],
         threads: int = 1,
         kernel: str | None = None,
+        kv_dtype: str = "float32",
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> npt.NDArray[np.float32]:
         """``residual + h`` after the last layer [T, hidden]; writes the step's K/V into ``kv_cache``
-        ([layers, 2, blocks, block_size, kv_heads, head_dim]), after checking everything."""
+        ([layers, 2, blocks, block_size, kv_heads, head_dim]), after checking everything: float32
+        values (``kv_dtype="float32"``), or fp8 codes as uint8 (``"fp8_e4m3"``, ``"fp8_e5m2"``;
+        stored as ``x / scale``, the torch backend's rule)."""
 
 def gemv_kernels() -> list[str]:
     """The GEMV kernels this CPU runs (run-time detection), slowest first: "scalar", "avx2", "avx512_vnni"."""

@@ -9,8 +9,11 @@ attention heads over the GEMV's thread team.
 
 It runs a step when the model is wholly on the kernel (every layer's four products have a
 GGUF matrix, one tensor-parallel rank, float32 activations) and the step's pages are a
-float32 cache read by the torch backend; anything else (fp8 pages, a dense layer, CUDA) takes
-the torch ops of ``llama.decoder_layer``. Every row is computed on its own, so a row's bits do
+float32 or fp8 cache read by the torch backend; anything else (a dense layer, CUDA) takes
+the torch ops of ``llama.decoder_layer``. An fp8 cache (``kv_cache_dtype="fp8_e4m3"`` /
+``"fp8_e5m2"``) is handed over as its bytes with the backend's scales; the stack writes and reads
+the codes by the torch backend's rule (``attention.kv_quant``; ``rust/src/cpu_decode/kv_fp8.rs``),
+so a page either path wrote reads the same in the other. Every row is computed on its own, so a row's bits do
 not depend on its batch, its thread count or its kind of step (decode, speculative
 verification, prompt): a sequence decodes the same tokens alone or in any batch.
 
@@ -54,6 +57,8 @@ class FusedCpuDecode:
         self.enabled = True  # False: every step takes the torch ops (tests compare the two)
         # what ``runs`` and ``_whole_cache`` found for the runner's views (``_ViewsMemo``)
         self._memo: _ViewsMemo | None = None
+        # the cache's format and scales for the stack, set by ``runs`` (called before every step here)
+        self._kv_args: tuple[str, float, float] = ("float32", 1.0, 1.0)
 
     @staticmethod
     def build(model: LlamaForCausalLM) -> FusedCpuDecode | None:
@@ -93,19 +98,24 @@ class FusedCpuDecode:
         return FusedCpuDecode(stack, cast(GgufLinearMethod, linears[0].method), model)
 
     def runs(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> bool:
-        """Whether this step runs here: a float32 CPU cache that the torch backend reads."""
+        """Whether this step runs here: a float32 or fp8 CPU cache that the torch backend reads."""
         if not self.enabled:
             return False
         memo = self._memo_of(kv_cache)
         if memo is not None and memo.backend is backend:
+            self._kv_args = memo.kv_args
             return memo.runs
         from pagedrs.attention.torch_backend import TorchAttentionBackend
 
         first = kv_cache[0] if isinstance(kv_cache, torch.Tensor) else kv_cache[0][0]
-        answer = isinstance(backend, TorchAttentionBackend) and first.dtype == torch.float32 \
-            and first.device.type == "cpu"
+        kv_dtype = _KV_DTYPES.get(first.dtype)
+        answer = isinstance(backend, TorchAttentionBackend) and kv_dtype is not None and first.device.type == "cpu"
+        self._kv_args = (kv_dtype or "float32", 1.0, 1.0)
+        if answer and kv_dtype is not None and kv_dtype != "float32":
+            k_scale, v_scale = backend.kv_scales(first.device)
+            self._kv_args = (kv_dtype, float(k_scale), float(v_scale))
         if not isinstance(kv_cache, torch.Tensor):  # (a whole tensor's kv_cache[0] is a new view each time)
-            self._memo = _ViewsMemo(kv_cache, kv_cache[0], kv_cache[-1], backend, answer)
+            self._memo = _ViewsMemo(kv_cache, kv_cache[0], kv_cache[-1], backend, answer, self._kv_args)
         return answer
 
     def _memo_of(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]]) -> _ViewsMemo | None:
@@ -120,7 +130,8 @@ class FusedCpuDecode:
         memo = self._memo_of(kv_cache)
         if memo is not None and memo.cache is not None:
             return memo.cache
-        whole = _whole_cache(kv_cache, self._layers).numpy()
+        tensor = _whole_cache(kv_cache, self._layers)
+        whole = (tensor.view(torch.uint8) if tensor.dtype in _FP8 else tensor).numpy()  # NumPy has no fp8: its bytes
         if memo is not None:
             memo.cache = whole
         return whole
@@ -160,8 +171,9 @@ class FusedCpuDecode:
                   query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
         """The Rust stack over one step (it writes the step's K/V into the cache): float32 [T, hidden]."""
         threads = self._method.threads or torch.get_num_threads()
+        kv_dtype, k_scale, v_scale = self._kv_args  # what ``runs`` found for this cache, just before
         return self.stack.forward(h, cos_sin, self._cache_array(kv_cache), slot_mapping, query_start_loc, seq_lens,
-                                  block_tables, threads)
+                                  block_tables, threads, kv_dtype=kv_dtype, k_scale=k_scale, v_scale=v_scale)
 
 
 @dataclass
@@ -176,7 +188,14 @@ class _ViewsMemo:
     last: object
     backend: object
     runs: bool
-    cache: np.ndarray | None = None  # the whole cache as NumPy, once the stack first ran on these views
+    kv_args: tuple[str, float, float]  # the stack's kv_dtype, k_scale, v_scale for this cache
+    cache: np.ndarray | None = None  # the whole cache as NumPy (an fp8 one's bytes), once the stack first ran on these views
+
+
+# the cache dtypes the stack reads, by the name it takes them under
+_KV_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.float8_e4m3fn: "fp8_e4m3",
+                                      torch.float8_e5m2: "fp8_e5m2"}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _on_kernel(layer: LinearBase) -> bool:

@@ -10,6 +10,8 @@
 use std::sync::Mutex;
 
 use super::error::DecodeError;
+use super::kv_cache::Planes;
+use super::kv_fp8::widen_rows;
 use super::lanes::{Lanes, Portable};
 #[cfg(target_arch = "x86_64")]
 use super::lanes::Avx2;
@@ -18,8 +20,7 @@ use crate::gemv::{pool, GemvError};
 
 /// What one layer's attention reads.
 pub struct LayerAttention<'a> {
-    pub k_plane: &'a [f32],
-    pub v_plane: &'a [f32],
+    pub planes: Planes<'a>,
     pub heads: usize,
     pub scale: f32,
     pub sliding_window: Option<usize>,
@@ -104,14 +105,49 @@ pub fn attend_item(layer: &LayerAttention<'_>, keys: &[Vec<usize>], qkv: &[f32],
     for (u, o) in (i * per_item..(i + 1) * per_item).zip(o.chunks_exact_mut(group * d)) {
         let (r, j) = (u / kv.kv_heads, u % kv.kv_heads);
         let q = &qkv[r * width + j * group * d..][..group * d];
-        let (kp, vp) = (&layer.k_plane[j * d..], &layer.v_plane[j * d..]);
-        match simd {
-            Simd::Portable => attend_group::<Portable>(layer.scale, kp, vp, q, d, &keys[r], o),
-            // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
-            // `best`) on a CPU that runs AVX2 and FMA.
-            #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => unsafe { attend_group_avx2(layer.scale, kp, vp, q, d, &keys[r], o) },
+        match layer.planes {
+            Planes::F32 { k, v } => attend_group_on(simd, layer.scale, &k[j * d..], &v[j * d..], q, d, &keys[r], o),
+            Planes::Fp8 { k, v, fp8 } => {
+                // the unit's keys and values widened into rows of their own (the same values the
+                // float32 path would read, so the same bits after), then attended as a dense plane
+                let n = keys[r].len();
+                WIDENED.with(|w| {
+                    let mut w = w.borrow_mut();
+                    let (starts, wk, wv, dense) = &mut *w;
+                    starts.clear();
+                    starts.extend(keys[r].iter().map(|&at| at + j * d));
+                    dense.clear();
+                    dense.extend((0..n).map(|t| t * d));
+                    // grown, never shrunk: a step's units reuse one thread's buffers
+                    if wk.len() < n * d {
+                        wk.resize(n * d, 0.0);
+                        wv.resize(n * d, 0.0);
+                    }
+                    widen_rows(fp8.format, k, starts, d, fp8.k_scale, wk);
+                    widen_rows(fp8.format, v, starts, d, fp8.v_scale, wv);
+                    attend_group_on(simd, layer.scale, &wk[..n * d], &wv[..n * d], q, d, dense, o);
+                });
+            }
         }
+    }
+}
+
+/// Per thread: an fp8 unit's key starts, its widened keys and values, and their dense offsets.
+type Widened = (Vec<usize>, Vec<f32>, Vec<f32>, Vec<usize>);
+
+thread_local! {
+    static WIDENED: std::cell::RefCell<Widened> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+}
+
+/// [`attend_group`] in the build `simd`.
+#[allow(clippy::too_many_arguments)]
+fn attend_group_on(simd: Simd, scale: f32, kp: &[f32], vp: &[f32], q: &[f32], d: usize, keys: &[usize], o: &mut [f32]) {
+    match simd {
+        Simd::Portable => attend_group::<Portable>(scale, kp, vp, q, d, keys, o),
+        // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
+        // `best`) on a CPU that runs AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { attend_group_avx2(scale, kp, vp, q, d, keys, o) },
     }
 }
 
@@ -214,7 +250,7 @@ mod tests {
         for (heads, window) in [(4, None), (4, Some(2)), (8, None), (14, Some(5))] {
             let width = (heads + 2 * kv.kv_heads) * kv.head_dim;
             let qkv: Vec<f32> = (0..3 * width).map(|i| val(i + 3)).collect();
-            let layer = LayerAttention { k_plane: &k_plane, v_plane: &v_plane, heads, scale: 0.35, sliding_window: window };
+            let layer = LayerAttention { planes: Planes::F32 { k: &k_plane, v: &v_plane }, heads, scale: 0.35, sliding_window: window };
             let mut one = vec![0f32; 3 * heads * 8];
             attend(&layer, &qkv, &step, &kv, &mut one, 1, Simd::best()).unwrap();
             let mut two = vec![0f32; 3 * heads * 8];
@@ -245,102 +281,41 @@ mod tests {
 }
 
 #[cfg(test)]
-mod timing {
+mod fp8_tests {
     use super::*;
+    use crate::cpu_decode::kv_cache::Fp8Cache;
+    use crate::cpu_decode::kv_fp8::Fp8;
     use crate::cpu_decode::step::StepMeta;
 
-    /// `cargo test --release --lib attention_speed -- --ignored --nocapture`: SmolLM2's geometry, 160 keys,
-    /// on 1 and 2 threads. 2026-12-05, Intel Xeon: pages in the L2 11.7-12.0 us a layer on 1 thread, 8.3-8.5
-    /// on 2; from the L3 19.4-21.0 and 13.6-16.4: the 9 heads split 5 : 4, and both cores read the L3 at
-    /// once. Claiming them as 2 chunks of consecutive heads (shared KV pages) instead of one by one was
-    /// measured and made no difference. 2026-12-06, the three heads of a KV head in one pass over its keys
-    /// (one item a KV head), run back to back with the one-head-a-pass build: in the L2 12.1 -> 8.5 us a
-    /// layer on 1 thread, 8.8 -> 7.2 on 2; from the L3 20.9 -> 16.4 and 14.7 -> 12.7 (2 threads split 3
-    /// items 2 : 1).
+    /// Attention over fp8 planes gives the bits of attention over float32 planes that hold the
+    /// codes' widened values (`code * scale`), on both builds and any thread count.
     #[test]
-    #[ignore]
-    fn attention_speed() {
-        let kv = KvGeometry { layers: 1, num_blocks: 16, block_size: 16, kv_heads: 3, head_dim: 64 };
-        let k_plane: Vec<f32> = (0..kv.plane()).map(|i| (i as f32 * 0.001).sin()).collect();
-        let v_plane = k_plane.clone();
-        let tables: Vec<i32> = (0..16).rev().collect();
-        let keys = 160usize;
-        let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
-        let seq_lens = [keys as i32];
-        let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables, table_width: 16 };
-        let step = StepLayout::new(meta, 1, &kv).unwrap();
-        let qkv: Vec<f32> = (0..15 * 64).map(|i| (i as f32 * 0.01).cos()).collect();
-        let layer = LayerAttention { k_plane: &k_plane, v_plane: &v_plane, heads: 9, scale: 0.125, sliding_window: None };
-        let mut out = vec![0f32; 9 * 64];
-        for (simd, threads) in [(Simd::best(), 1), (Simd::Portable, 1), (Simd::best(), 2)] {
-            let t = std::time::Instant::now();
-            for _ in 0..2000 {
+    fn fp8_planes_read_as_their_widened_values() {
+        let kv = KvGeometry { layers: 1, num_blocks: 5, block_size: 3, kv_heads: 2, head_dim: 12 };
+        let tables = [4, 0, 2, 1, 3, 3];
+        let meta = StepMeta { slot_mapping: &[2, 6, 4], query_start_loc: &[0, 2, 3], seq_lens: &[7, 2], block_tables: &tables, table_width: 3 };
+        let step = StepLayout::new(meta, 3, &kv).unwrap();
+        let k: Vec<u8> = (0..kv.plane()).map(|i| (i * 37 % 251) as u8 & 0xf7).collect(); // no NaN codes
+        let v: Vec<u8> = (0..kv.plane()).map(|i| (i * 91 % 241) as u8 & 0xf7).collect();
+        for (format, k_scale, v_scale) in [(Fp8::E4m3, 1.0, 1.0), (Fp8::E5m2, 0.01, 0.02), (Fp8::E4m3, 0.3, 0.7)] {
+            let wide = |c: &[u8], s: f32| c.iter().map(|&c| format.decode(c) * s).collect::<Vec<f32>>();
+            let (kf, vf) = (wide(&k, k_scale), wide(&v, v_scale));
+            let heads = 6;
+            let width = (heads + 2 * kv.kv_heads) * kv.head_dim;
+            let qkv: Vec<f32> = (0..3 * width).map(|i| ((i * 13 % 97) as f32 / 48.0) - 1.0).collect();
+            let run = |planes: Planes<'_>, threads: usize, simd: Simd| {
+                let layer = LayerAttention { planes, heads, scale: 0.3, sliding_window: Some(4) };
+                let mut out = vec![0f32; 3 * heads * kv.head_dim];
                 attend(&layer, &qkv, &step, &kv, &mut out, threads, simd).unwrap();
-            }
-            println!("{simd:?}, {threads} thread(s): {:.1} us per layer", t.elapsed().as_secs_f64() / 2000.0 * 1e6);
-        }
-        // a step's layers: 30 x 8 planes of their own, cycled, so each layer's pages come from the L3
-        let planes: Vec<(Vec<f32>, Vec<f32>)> = (0..240).map(|l| {
-            let k: Vec<f32> = (0..kv.plane()).map(|i| ((i + l) as f32 * 0.001).sin()).collect();
-            (k.clone(), k)
-        }).collect();
-        for (simd, threads) in [(Simd::best(), 1), (Simd::Portable, 1), (Simd::best(), 2)] {
-            let t = std::time::Instant::now();
-            for i in 0..4800 {
-                let (k, v) = &planes[i % planes.len()];
-                let layer = LayerAttention { k_plane: k, v_plane: v, heads: 9, scale: 0.125, sliding_window: None };
-                attend(&layer, &qkv, &step, &kv, &mut out, threads, simd).unwrap();
-            }
-            println!("{simd:?}, {threads} thread(s), pages from the L3: {:.1} us per layer",
-                     t.elapsed().as_secs_f64() / 4800.0 * 1e6);
-        }
-    }
-}
-
-#[cfg(test)]
-mod timing_long {
-    use super::*;
-    use crate::cpu_decode::step::StepMeta;
-
-    /// `cargo test --release --lib attention_speed_long -- --ignored --nocapture`: SmolLM2's geometry at
-    /// batch 1 over long contexts, 16 layers' pages cycled (so they come from the L3), 1 and 2 threads.
-    /// 2026-12-05, Intel Xeon: 512 keys 45.2-45.7 us a layer on 1 thread, 30.0-30.8 on 2; 1024 keys
-    /// 90.9-91.8 and 58.9-60.5; 2048 keys 186.9-190.0 and 116.7-124.4 (1.5-1.6x: 27 GB/s of K/V at
-    /// 2 threads, what the GEMV products reach). Splitting each row's keys into parts of 64 or more
-    /// (flash-decoding: (row, head, part) items, the parts met in a fixed order, the same bits on any
-    /// thread count) was built and measured: no faster here (2048 keys 115.3-120.8 on 2 threads) and
-    /// slower at SmolLM2's 160 keys (8.5 -> 10.7 us a layer in the L2, 14.2 -> 15.8 from the L3: twice
-    /// the items, and each part's first keys miss the prefetch), so it is not in. The 5 : 4 split of 9
-    /// heads is not what holds 2 threads back: both cores share the L3's bandwidth. 2026-12-06, a KV head's
-    /// query heads in one pass (before -> after, back to back): 512 keys 45.2 -> 32.6 us on 1 thread, 28.9
-    /// -> 24.4 on 2; 1024 keys 91.2 -> 65.9 and 58.5 -> 50.5; 2048 keys 189.4 -> 137.1 and 117.3 -> 102.2.
-    #[test]
-    #[ignore]
-    fn attention_speed_long() {
-        for keys in [512usize, 1024, 2048] {
-            let blocks = keys / 16;
-            let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads: 3, head_dim: 64 };
-            let tables: Vec<i32> = (0..blocks as i32).rev().collect();
-            let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
-            let seq_lens = [keys as i32];
-            let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens,
-                                  block_tables: &tables, table_width: blocks };
-            let step = StepLayout::new(meta, 1, &kv).unwrap();
-            let qkv: Vec<f32> = (0..15 * 64).map(|i| (i as f32 * 0.01).cos()).collect();
-            let planes: Vec<Vec<f32>> = (0..16).map(|l| (0..kv.plane()).map(|i| ((i + l) as f32 * 0.001).sin()).collect())
-                .collect();
-            let mut out = vec![0f32; 9 * 64];
-            for threads in [1, 2] {
-                let t = std::time::Instant::now();
-                let n = 800;
-                for i in 0..n {
-                    let p = &planes[i % planes.len()];
-                    let layer = LayerAttention { k_plane: p, v_plane: p, heads: 9, scale: 0.125, sliding_window: None };
-                    attend(&layer, &qkv, &step, &kv, &mut out, threads, Simd::best()).unwrap();
-                }
-                println!("{keys} keys, {threads} thread(s): {:.1} us per layer", t.elapsed().as_secs_f64() / n as f64 * 1e6);
+                out
+            };
+            let want = run(Planes::F32 { k: &kf, v: &vf }, 1, Simd::best());
+            assert!(want.iter().all(|x| x.is_finite()));
+            let fp8 = Fp8Cache { format, k_scale, v_scale };
+            for (threads, simd) in [(1, Simd::best()), (2, Simd::best()), (1, Simd::Portable)] {
+                let got = run(Planes::Fp8 { k: &k, v: &v, fp8 }, threads, simd);
+                assert_eq!(got, want, "{format:?} threads {threads} {simd:?}");
             }
         }
     }
 }
-

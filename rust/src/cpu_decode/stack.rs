@@ -24,6 +24,7 @@ use std::time::Instant;
 use super::attention::{attend, LayerAttention, Simd};
 use super::chain;
 use super::error::DecodeError;
+use super::kv_cache::{KvCacheMut, PlanesMut};
 use super::lanes;
 use super::ops::{add, rms_norm, rotary};
 use super::step::{KvGeometry, StepLayout, StepMeta};
@@ -226,7 +227,7 @@ impl DecodeStack {
     /// Layer `l`'s fused QKV output made what attention reads: the bias added, rotary applied to
     /// the queries and keys of each row, and each row's K and V copied to its slot in `layer_kv`
     /// (that layer's K plane then V plane).
-    pub(super) fn place_qkv(&self, l: usize, qkv: &mut [f32], cos_sin: &[f32], layer_kv: &mut [f32], kvg: &KvGeometry,
+    pub(super) fn place_qkv(&self, l: usize, qkv: &mut [f32], cos_sin: &[f32], layer_kv: PlanesMut<'_>, kvg: &KvGeometry,
                             step: &StepLayout<'_>) {
         self.rotate_qkv(l, qkv, cos_sin);
         self.write_kv(qkv, layer_kv, kvg, step);
@@ -245,16 +246,14 @@ impl DecodeStack {
         }
     }
 
-    /// Each row's K and V (of the rotated `qkv`) copied to its slot in `layer_kv`.
-    pub(super) fn write_kv(&self, qkv: &[f32], layer_kv: &mut [f32], kvg: &KvGeometry, step: &StepLayout<'_>) {
+    /// Each row's K and V (of the rotated `qkv`) stored in its slot of `layer_kv` (as they are in
+    /// a float32 cache, encoded in an fp8 one).
+    pub(super) fn write_kv(&self, qkv: &[f32], mut layer_kv: PlanesMut<'_>, kvg: &KvGeometry, step: &StepLayout<'_>) {
         let g = &self.geo;
         let (d, kvh) = (g.head_dim, g.kv_heads);
-        let (k_plane, v_plane) = layer_kv.split_at_mut(kvg.plane());
         for (row, r) in qkv.chunks_exact(g.qkv_width()).zip(&step.rows) {
             for j in 0..kvh {
-                let at = kvg.slot_offset(r.slot, j);
-                k_plane[at..at + d].copy_from_slice(&row[(g.heads + j) * d..][..d]);
-                v_plane[at..at + d].copy_from_slice(&row[(g.heads + kvh + j) * d..][..d]);
+                layer_kv.put(kvg.slot_offset(r.slot, j), &row[(g.heads + j) * d..][..d], &row[(g.heads + kvh + j) * d..][..d]);
             }
         }
     }
@@ -269,6 +268,21 @@ impl DecodeStack {
         h: &[f32],
         cos_sin: &[f32],
         kv: &mut [f32],
+        kvg: KvGeometry,
+        meta: StepMeta<'_>,
+        threads: usize,
+        kernel: Kernel,
+    ) -> Result<Vec<f32>, DecodeError> {
+        self.forward_cache(h, cos_sin, KvCacheMut::F32(kv), kvg, meta, threads, kernel)
+    }
+
+    /// [`DecodeStack::forward`] over a cache of float32 values or fp8 codes ([`KvCacheMut`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_cache(
+        &self,
+        h: &[f32],
+        cos_sin: &[f32],
+        mut kv: KvCacheMut<'_>,
         kvg: KvGeometry,
         meta: StepMeta<'_>,
         threads: usize,
@@ -294,10 +308,17 @@ impl DecodeStack {
         pool::check_threads(threads)?;
         let step = StepLayout::new(meta, t, &kvg)?;
         let mut b = Buffers::new(g, h);
+        if let KvCacheMut::Fp8(_, fp8) = &kv {
+            for (name, s) in [("k_scale", fp8.k_scale), ("v_scale", fp8.v_scale)] {
+                if !(s.is_finite() && s > 0.0) {
+                    return Err(step_err("kv_cache", format!("{name} is {s}; an fp8 cache's scales must be finite and > 0")));
+                }
+            }
+        }
         let spent = if threads == 1 {
-            self.layers_on_this_thread(&mut b, cos_sin, kv, &kvg, &step, kernel)?
+            self.layers_on_this_thread(&mut b, cos_sin, &mut kv, &kvg, &step, kernel)?
         } else {
-            chain::layers_on_team(self, &mut b, cos_sin, kv, &kvg, &step, threads, kernel)?
+            chain::layers_on_team(self, &mut b, cos_sin, &mut kv, &kvg, &step, threads, kernel)?
         };
         let tm = &self.timings;
         tm.products.fetch_add(spent.products, Ordering::Relaxed);
@@ -308,10 +329,10 @@ impl DecodeStack {
     }
 
     /// Every layer, then the last residual add and the final norm, on the calling thread alone.
-    fn layers_on_this_thread(&self, b: &mut Buffers, cos_sin: &[f32], kv: &mut [f32], kvg: &KvGeometry,
+    fn layers_on_this_thread(&self, b: &mut Buffers, cos_sin: &[f32], kv: &mut KvCacheMut<'_>, kvg: &KvGeometry,
                              step: &StepLayout<'_>, kernel: Kernel) -> Result<Spent, DecodeError> {
         let g = &self.geo;
-        let (t, plane) = (step.rows.len(), kvg.plane());
+        let t = step.rows.len();
         let mut spent = Spent::default();
         let mut clock = Instant::now();
         let mut lap = |acc: &mut u64| {
@@ -327,10 +348,9 @@ impl DecodeStack {
             lap(&mut spent.elementwise);
             lw.qkv.matmul(&b.x, t, &mut b.qkv, 1, kernel)?;
             lap(&mut spent.products);
-            self.place_qkv(l, &mut b.qkv, cos_sin, &mut kv[l * 2 * plane..(l + 1) * 2 * plane], kvg, step);
+            self.place_qkv(l, &mut b.qkv, cos_sin, kv.layer_mut(l, kvg), kvg, step);
             lap(&mut spent.elementwise);
-            let (k_plane, v_plane) = kv[l * 2 * plane..(l + 1) * 2 * plane].split_at(plane);
-            let layer = LayerAttention { k_plane, v_plane, heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window };
+            let layer = LayerAttention { planes: kv.layer(l, kvg), heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window };
             attend(&layer, &b.qkv, step, kvg, &mut b.o, 1, Simd::best())?;
             lap(&mut spent.attention);
             lw.o.matmul(&b.o, t, &mut b.out, 1, kernel)?;

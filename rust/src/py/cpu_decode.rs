@@ -7,11 +7,13 @@ use numpy::{
     Element, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2,
     PyReadonlyArray3, PyReadwriteArrayDyn, PyUntypedArrayMethods,
 };
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use super::gemv::PyGgufMatrix;
 use crate::cpu_decode::attention::Simd;
+use crate::cpu_decode::kv_cache::{Fp8Cache, KvCacheMut};
+use crate::cpu_decode::kv_fp8::Fp8;
 use crate::cpu_decode::{DecodeError, DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
 use crate::gemv::Kernel;
 
@@ -114,24 +116,28 @@ impl PyDecodeStack {
     }
 
     /// `residual + h` after the last layer (normed by the final norm when the stack has it), float32
-    /// `[T, hidden]`; writes the step's K/V into
-    /// `kv_cache` (float32 `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`).
+    /// `[T, hidden]`; writes the step's K/V into `kv_cache` (`[layers, 2, num_blocks, block_size,
+    /// kv_heads, head_dim]`): float32 values (`kv_dtype="float32"`), or fp8 codes as uint8
+    /// (`"fp8_e4m3"` / `"fp8_e5m2"`, a value stored as `x / scale`; the torch backend's rule).
     /// `kernel` None picks the fastest GEMV this CPU runs.
     #[pyo3(signature = (hidden, cos_sin, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, threads = 1,
-                        kernel = None))]
+                        kernel = None, kv_dtype = "float32", k_scale = 1.0, v_scale = 1.0))]
     #[allow(clippy::too_many_arguments)]
     fn forward<'py>(
         &self,
         py: Python<'py>,
         hidden: PyReadonlyArray2<'py, f32>,
         cos_sin: PyReadonlyArray3<'py, f32>,
-        mut kv_cache: PyReadwriteArrayDyn<'py, f32>,
+        kv_cache: &Bound<'py, PyAny>,
         slot_mapping: PyReadonlyArray1<'py, i64>,
         query_start_loc: PyReadonlyArray1<'py, i32>,
         seq_lens: PyReadonlyArray1<'py, i32>,
         block_tables: PyReadonlyArray2<'py, i32>,
         threads: usize,
         kernel: Option<&str>,
+        kv_dtype: &str,
+        k_scale: f32,
+        v_scale: f32,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let kernel = match kernel {
             None => Kernel::best(),
@@ -140,14 +146,39 @@ impl PyDecodeStack {
                                               Kernel::available().into_iter().map(Kernel::name).collect::<Vec<_>>()))
             })?,
         };
-        let shape = kv_cache.shape().to_vec();
-        if shape.len() != 6 || shape[1] != 2 || !kv_cache.is_c_contiguous() {
-            return Err(PyValueError::new_err(format!(
-                "kv_cache: has shape {shape:?}; need a C-contiguous [layers, 2, num_blocks, block_size, kv_heads, head_dim]"
-            )));
-        }
-        let kvg = KvGeometry { layers: shape[0], num_blocks: shape[2], block_size: shape[3], kv_heads: shape[4],
-                               head_dim: shape[5] };
+        let fp8 = match kv_dtype {
+            "float32" => None,
+            name => Some(Fp8::parse(name).ok_or_else(|| {
+                PyValueError::new_err(format!("kv_dtype: {name:?} is unknown; allowed: \"float32\", \"fp8_e4m3\", \"fp8_e5m2\""))
+            })?),
+        };
+        let geometry = |shape: &[usize], contiguous: bool| {
+            if shape.len() != 6 || shape[1] != 2 || !contiguous {
+                return Err(PyValueError::new_err(format!(
+                    "kv_cache: has shape {shape:?}; need a C-contiguous [layers, 2, num_blocks, block_size, kv_heads, head_dim]"
+                )));
+            }
+            Ok(KvGeometry { layers: shape[0], num_blocks: shape[2], block_size: shape[3], kv_heads: shape[4], head_dim: shape[5] })
+        };
+        let (mut values, mut codes);
+        let (kvg, cache) = match fp8 {
+            None => {
+                values = kv_cache.extract::<PyReadwriteArrayDyn<'py, f32>>().map_err(|_| {
+                    PyTypeError::new_err("kv_cache: must be a float32 NumPy array for kv_dtype \"float32\"")
+                })?;
+                let kvg = geometry(values.shape(), values.is_c_contiguous())?;
+                let v = values.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
+                (kvg, KvCacheMut::F32(v))
+            }
+            Some(format) => {
+                codes = kv_cache.extract::<PyReadwriteArrayDyn<'py, u8>>().map_err(|_| {
+                    PyTypeError::new_err(format!("kv_cache: must be a uint8 NumPy array (the fp8 codes) for kv_dtype {kv_dtype:?}"))
+                })?;
+                let kvg = geometry(codes.shape(), codes.is_c_contiguous())?;
+                let c = codes.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
+                (kvg, KvCacheMut::Fp8(c, Fp8Cache { format, k_scale, v_scale }))
+            }
+        };
         let rows = hidden.shape()[0];
         let width = block_tables.shape()[1];
         let h = contiguous(&hidden, "hidden")?;
@@ -159,8 +190,7 @@ impl PyDecodeStack {
             block_tables: contiguous(&block_tables, "block_tables")?,
             table_width: width,
         };
-        let kv = kv_cache.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
-        let out = py.detach(|| self.inner.forward(h, cs, kv, kvg, meta, threads, kernel)).map_err(value_err)?;
+        let out = py.detach(|| self.inner.forward_cache(h, cs, cache, kvg, meta, threads, kernel)).map_err(value_err)?;
         let hidden_size = self.inner.geometry().hidden;
         PyArray1::from_vec(py, out).reshape([rows, hidden_size])
     }

@@ -30,6 +30,7 @@ use std::time::Instant;
 
 use super::attention::{attend_item, row_keys, units_per_item, LayerAttention, Simd};
 use super::error::DecodeError;
+use super::kv_cache::KvCacheMut;
 use super::ops::rms_norm;
 use super::stack::{Buffers, DecodeStack, Spent};
 use super::step::{KvGeometry, StepLayout};
@@ -37,6 +38,8 @@ use crate::gemv::phases::{run_phases, PhasePlan};
 use crate::gemv::quantize::{ActsRows, QuantizedActs};
 use crate::gemv::{pool, GemvError, Kernel, PackedMatrix};
 
+mod kv_buf;
+use kv_buf::KvBuf;
 mod rows;
 
 /// What a phase does: a product (attention counted among them: a phase of items whose output the
@@ -70,19 +73,19 @@ const LAYER_IN_ROWS: [Kind; 10] = [
 
 /// A buffer reached from several threads under the phases' order (see the module's docs).
 #[derive(Clone, Copy)]
-struct Buf {
-    ptr: *mut f32,
+struct Buf<T = f32> {
+    ptr: *mut T,
     len: usize,
 }
 
-impl Buf {
-    fn of(v: &mut [f32]) -> Buf {
+impl<T> Buf<T> {
+    fn of(v: &mut [T]) -> Buf<T> {
         Buf { ptr: v.as_mut_ptr(), len: v.len() }
     }
 
     /// # Safety
     /// No thread writes the buffer while the borrow lives.
-    unsafe fn read(&self) -> &[f32] {
+    unsafe fn read(&self) -> &[T] {
         // SAFETY: `ptr` and `len` came from a live slice that outlives the chain (`of`); the
         // caller guarantees no concurrent write.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
@@ -91,11 +94,13 @@ impl Buf {
     /// # Safety
     /// No other thread reads or writes the buffer while the borrow lives.
     #[allow(clippy::mut_from_ref)]
-    unsafe fn write(&self) -> &mut [f32] {
+    unsafe fn write(&self) -> &mut [T] {
         // SAFETY: as `read`, and the caller guarantees the access is exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
+}
 
+impl Buf<f32> {
     /// Rows `r` of a buffer of rows `width` floats wide.
     ///
     /// # Safety
@@ -142,7 +147,7 @@ struct Chain<'a> {
     out: Buf,
     gate_up: Buf,
     act: Buf,
-    kv: Buf,
+    kv: KvBuf,
     /// The next product's input, quantized by the `after` before it (or, in rows, by a `Rows`
     /// phase's items through `acts_rows`); read by its items.
     acts: UnsafeCell<QuantizedActs>,
@@ -252,17 +257,14 @@ impl Chain<'_> {
         // claim items in order, so the longest go first and the short ones fill in at the end
         let i = self.rows() * self.kvg.kv_heads / self.attention_units - 1 - i;
         let g = &self.stack.geo;
-        let (plane, size) = (self.kvg.plane(), self.attention_units * g.heads / g.kv_heads * g.head_dim);
+        let size = self.attention_units * g.heads / g.kv_heads * g.head_dim;
         // SAFETY: attention items only read `qkv` and the cache (written by the `after` before
         // them), and item `i` alone writes its `size` outputs of `o` (`i` < the phase's items, so
         // they lie inside it), which no other item of the phase reads.
-        let (qkv, kv, o) = unsafe {
-            (self.qkv.read(), self.kv.read(), std::slice::from_raw_parts_mut(self.o.ptr.add(i * size), size))
+        let (qkv, planes, o) = unsafe {
+            (self.qkv.read(), self.kv.layer(l, self.kvg), std::slice::from_raw_parts_mut(self.o.ptr.add(i * size), size))
         };
-        let (k_plane, v_plane) = kv[l * 2 * plane..(l + 1) * 2 * plane].split_at(plane);
-        let layer = LayerAttention {
-            k_plane, v_plane, heads: g.heads, scale: g.scale, sliding_window: self.stack.layers[l].sliding_window,
-        };
+        let layer = LayerAttention { planes, heads: g.heads, scale: g.scale, sliding_window: self.stack.layers[l].sliding_window };
         attend_item(&layer, &self.keys[self.layer_keys[l]].1, qkv, self.kvg, i, self.attention_units, o, self.simd);
     }
 
@@ -300,7 +302,7 @@ impl Chain<'_> {
 /// Every layer, the last residual add and the final norm on `threads` threads: the bits of
 /// `DecodeStack::layers_on_this_thread`.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn layers_on_team(stack: &DecodeStack, b: &mut Buffers, cos_sin: &[f32], kv: &mut [f32], kvg: &KvGeometry,
+pub(super) fn layers_on_team(stack: &DecodeStack, b: &mut Buffers, cos_sin: &[f32], kv: &mut KvCacheMut<'_>, kvg: &KvGeometry,
                              step: &StepLayout<'_>, threads: usize, kernel: Kernel) -> Result<Spent, DecodeError> {
     let first = &stack.layers[0];
     first.qkv.check_kernel(kernel)?;
@@ -328,7 +330,7 @@ pub(super) fn layers_on_team(stack: &DecodeStack, b: &mut Buffers, cos_sin: &[f3
         kinds: if step.rows.len() >= rows::PARALLEL_ROWS { &LAYER_IN_ROWS } else { &LAYER },
         row_chunk: rows::chunk(step.rows.len(), team.threads()), row_error: Mutex::new(None),
         residual: Buf::of(&mut b.residual), x: Buf::of(&mut b.x), qkv: Buf::of(&mut b.qkv), o: Buf::of(&mut b.o),
-        out: Buf::of(&mut b.out), gate_up: Buf::of(&mut b.gate_up), act: Buf::of(&mut b.act), kv: Buf::of(kv),
+        out: Buf::of(&mut b.out), gate_up: Buf::of(&mut b.gate_up), act: Buf::of(&mut b.act), kv: KvBuf::of(kv),
         acts: UnsafeCell::new(acts), acts_rows: UnsafeCell::new(None), failed: AtomicBool::new(false), error: Mutex::new(None), start,
         opened: AtomicU64::new(quantized), products: AtomicU64::new(quantized - normed), attention: AtomicU64::new(0),
         elementwise: AtomicU64::new(normed),

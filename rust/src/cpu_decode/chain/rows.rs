@@ -115,10 +115,9 @@ impl Chain<'_> {
         };
         match kind {
             Kind::Rows(Product::Qkv) => {
-                let plane = self.kvg.plane();
                 // SAFETY: an `after` step runs alone, so these borrows are the only ones.
-                let (qkv, kv) = unsafe { (self.qkv.read(), self.kv.write()) };
-                self.stack.write_kv(qkv, &mut kv[l * 2 * plane..(l + 1) * 2 * plane], self.kvg, self.step);
+                let (qkv, planes) = unsafe { (self.qkv.read(), self.kv.layer_mut(l, self.kvg)) };
+                self.stack.write_kv(qkv, planes, self.kvg, self.step);
             }
             Kind::Rows(after) => {
                 let met = self.row_error.lock().unwrap_or_else(|p| p.into_inner()).take();

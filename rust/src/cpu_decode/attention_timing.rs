@@ -1,0 +1,102 @@
+//! Timings of [`super::attention`], run by hand (`--ignored`): what the numbers in its docs came from.
+
+mod timing {
+    use super::super::attention::*;
+    use crate::cpu_decode::kv_cache::Planes;
+    use crate::cpu_decode::step::{KvGeometry, StepLayout, StepMeta};
+
+    /// `cargo test --release --lib attention_speed -- --ignored --nocapture`: SmolLM2's geometry, 160 keys,
+    /// on 1 and 2 threads. 2026-12-05, Intel Xeon: pages in the L2 11.7-12.0 us a layer on 1 thread, 8.3-8.5
+    /// on 2; from the L3 19.4-21.0 and 13.6-16.4: the 9 heads split 5 : 4, and both cores read the L3 at
+    /// once. Claiming them as 2 chunks of consecutive heads (shared KV pages) instead of one by one was
+    /// measured and made no difference. 2026-12-06, the three heads of a KV head in one pass over its keys
+    /// (one item a KV head), run back to back with the one-head-a-pass build: in the L2 12.1 -> 8.5 us a
+    /// layer on 1 thread, 8.8 -> 7.2 on 2; from the L3 20.9 -> 16.4 and 14.7 -> 12.7 (2 threads split 3
+    /// items 2 : 1).
+    #[test]
+    #[ignore]
+    fn attention_speed() {
+        let kv = KvGeometry { layers: 1, num_blocks: 16, block_size: 16, kv_heads: 3, head_dim: 64 };
+        let k_plane: Vec<f32> = (0..kv.plane()).map(|i| (i as f32 * 0.001).sin()).collect();
+        let v_plane = k_plane.clone();
+        let tables: Vec<i32> = (0..16).rev().collect();
+        let keys = 160usize;
+        let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
+        let seq_lens = [keys as i32];
+        let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables, table_width: 16 };
+        let step = StepLayout::new(meta, 1, &kv).unwrap();
+        let qkv: Vec<f32> = (0..15 * 64).map(|i| (i as f32 * 0.01).cos()).collect();
+        let layer = LayerAttention { planes: Planes::F32 { k: &k_plane, v: &v_plane }, heads: 9, scale: 0.125, sliding_window: None };
+        let mut out = vec![0f32; 9 * 64];
+        for (simd, threads) in [(Simd::best(), 1), (Simd::Portable, 1), (Simd::best(), 2)] {
+            let t = std::time::Instant::now();
+            for _ in 0..2000 {
+                attend(&layer, &qkv, &step, &kv, &mut out, threads, simd).unwrap();
+            }
+            println!("{simd:?}, {threads} thread(s): {:.1} us per layer", t.elapsed().as_secs_f64() / 2000.0 * 1e6);
+        }
+        // a step's layers: 30 x 8 planes of their own, cycled, so each layer's pages come from the L3
+        let planes: Vec<(Vec<f32>, Vec<f32>)> = (0..240).map(|l| {
+            let k: Vec<f32> = (0..kv.plane()).map(|i| ((i + l) as f32 * 0.001).sin()).collect();
+            (k.clone(), k)
+        }).collect();
+        for (simd, threads) in [(Simd::best(), 1), (Simd::Portable, 1), (Simd::best(), 2)] {
+            let t = std::time::Instant::now();
+            for i in 0..4800 {
+                let (k, v) = &planes[i % planes.len()];
+                let layer = LayerAttention { planes: Planes::F32 { k, v }, heads: 9, scale: 0.125, sliding_window: None };
+                attend(&layer, &qkv, &step, &kv, &mut out, threads, simd).unwrap();
+            }
+            println!("{simd:?}, {threads} thread(s), pages from the L3: {:.1} us per layer",
+                     t.elapsed().as_secs_f64() / 4800.0 * 1e6);
+        }
+    }
+}
+
+mod timing_long {
+    use super::super::attention::*;
+    use crate::cpu_decode::kv_cache::Planes;
+    use crate::cpu_decode::step::{KvGeometry, StepLayout, StepMeta};
+
+    /// `cargo test --release --lib attention_speed_long -- --ignored --nocapture`: SmolLM2's geometry at
+    /// batch 1 over long contexts, 16 layers' pages cycled (so they come from the L3), 1 and 2 threads.
+    /// 2026-12-05, Intel Xeon: 512 keys 45.2-45.7 us a layer on 1 thread, 30.0-30.8 on 2; 1024 keys
+    /// 90.9-91.8 and 58.9-60.5; 2048 keys 186.9-190.0 and 116.7-124.4 (1.5-1.6x: 27 GB/s of K/V at
+    /// 2 threads, what the GEMV products reach). Splitting each row's keys into parts of 64 or more
+    /// (flash-decoding: (row, head, part) items, the parts met in a fixed order, the same bits on any
+    /// thread count) was built and measured: no faster here (2048 keys 115.3-120.8 on 2 threads) and
+    /// slower at SmolLM2's 160 keys (8.5 -> 10.7 us a layer in the L2, 14.2 -> 15.8 from the L3: twice
+    /// the items, and each part's first keys miss the prefetch), so it is not in. The 5 : 4 split of 9
+    /// heads is not what holds 2 threads back: both cores share the L3's bandwidth. 2026-12-06, a KV head's
+    /// query heads in one pass (before -> after, back to back): 512 keys 45.2 -> 32.6 us on 1 thread, 28.9
+    /// -> 24.4 on 2; 1024 keys 91.2 -> 65.9 and 58.5 -> 50.5; 2048 keys 189.4 -> 137.1 and 117.3 -> 102.2.
+    #[test]
+    #[ignore]
+    fn attention_speed_long() {
+        for keys in [512usize, 1024, 2048] {
+            let blocks = keys / 16;
+            let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads: 3, head_dim: 64 };
+            let tables: Vec<i32> = (0..blocks as i32).rev().collect();
+            let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
+            let seq_lens = [keys as i32];
+            let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens,
+                                  block_tables: &tables, table_width: blocks };
+            let step = StepLayout::new(meta, 1, &kv).unwrap();
+            let qkv: Vec<f32> = (0..15 * 64).map(|i| (i as f32 * 0.01).cos()).collect();
+            let planes: Vec<Vec<f32>> = (0..16).map(|l| (0..kv.plane()).map(|i| ((i + l) as f32 * 0.001).sin()).collect())
+                .collect();
+            let mut out = vec![0f32; 9 * 64];
+            for threads in [1, 2] {
+                let t = std::time::Instant::now();
+                let n = 800;
+                for i in 0..n {
+                    let p = &planes[i % planes.len()];
+                    let layer = LayerAttention { planes: Planes::F32 { k: p, v: p }, heads: 9, scale: 0.125, sliding_window: None };
+                    attend(&layer, &qkv, &step, &kv, &mut out, threads, Simd::best()).unwrap();
+                }
+                println!("{keys} keys, {threads} thread(s): {:.1} us per layer", t.elapsed().as_secs_f64() / n as f64 * 1e6);
+            }
+        }
+    }
+}
+

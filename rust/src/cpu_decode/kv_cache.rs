@@ -1,0 +1,100 @@
+//! The KV cache as the fused decode gets it: float32 values, or fp8 codes with their scales
+//! ([`super::kv_fp8`]). One layer's part is its K plane then its V plane, each
+//! `[num_blocks, block_size, kv_heads, head_dim]` elements ([`KvGeometry::plane`]).
+
+use super::kv_fp8::Fp8;
+use super::step::KvGeometry;
+
+/// An fp8 cache's format and its per-tensor scales (a value is stored as `x / scale`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fp8Cache {
+    pub format: Fp8,
+    pub k_scale: f32,
+    pub v_scale: f32,
+}
+
+/// The whole cache `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`.
+pub enum KvCacheMut<'a> {
+    F32(&'a mut [f32]),
+    Fp8(&'a mut [u8], Fp8Cache),
+}
+
+/// One layer's K and V planes, for attention to read.
+#[derive(Clone, Copy)]
+pub enum Planes<'a> {
+    F32 { k: &'a [f32], v: &'a [f32] },
+    Fp8 { k: &'a [u8], v: &'a [u8], fp8: Fp8Cache },
+}
+
+/// One layer's K and V planes, for the step's new rows to be written.
+pub enum PlanesMut<'a> {
+    F32 { k: &'a mut [f32], v: &'a mut [f32] },
+    Fp8 { k: &'a mut [u8], v: &'a mut [u8], fp8: Fp8Cache },
+}
+
+impl KvCacheMut<'_> {
+    /// Elements (floats or codes) of the whole cache.
+    pub fn len(&self) -> usize {
+        match self {
+            KvCacheMut::F32(v) => v.len(),
+            KvCacheMut::Fp8(c, _) => c.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Layer `l`'s planes to read (the caller checked the cache's length against `kvg`).
+    pub fn layer(&self, l: usize, kvg: &KvGeometry) -> Planes<'_> {
+        let p = kvg.plane();
+        match self {
+            KvCacheMut::F32(v) => {
+                let (k, v) = v[l * 2 * p..(l + 1) * 2 * p].split_at(p);
+                Planes::F32 { k, v }
+            }
+            KvCacheMut::Fp8(c, fp8) => {
+                let (k, v) = c[l * 2 * p..(l + 1) * 2 * p].split_at(p);
+                Planes::Fp8 { k, v, fp8: *fp8 }
+            }
+        }
+    }
+
+    /// Layer `l`'s planes to write.
+    pub fn layer_mut(&mut self, l: usize, kvg: &KvGeometry) -> PlanesMut<'_> {
+        let p = kvg.plane();
+        match self {
+            KvCacheMut::F32(v) => {
+                let (k, v) = v[l * 2 * p..(l + 1) * 2 * p].split_at_mut(p);
+                PlanesMut::F32 { k, v }
+            }
+            KvCacheMut::Fp8(c, fp8) => {
+                let fp8 = *fp8;
+                let (k, v) = c[l * 2 * p..(l + 1) * 2 * p].split_at_mut(p);
+                PlanesMut::Fp8 { k, v, fp8 }
+            }
+        }
+    }
+}
+
+impl PlanesMut<'_> {
+    /// One slot's `d` values of a KV head at `at` (`KvGeometry::slot_offset`): K and V, stored
+    /// as they are or encoded (`x / scale`, saturated, rounded to nearest even).
+    pub fn put(&mut self, at: usize, key: &[f32], value: &[f32]) {
+        let d = key.len();
+        match self {
+            PlanesMut::F32 { k, v } => {
+                k[at..at + d].copy_from_slice(key);
+                v[at..at + d].copy_from_slice(value);
+            }
+            PlanesMut::Fp8 { k, v, fp8 } => {
+                for (c, &x) in k[at..at + d].iter_mut().zip(key) {
+                    *c = fp8.format.encode(x / fp8.k_scale);
+                }
+                for (c, &x) in v[at..at + d].iter_mut().zip(value) {
+                    *c = fp8.format.encode(x / fp8.v_scale);
+                }
+            }
+        }
+    }
+}
