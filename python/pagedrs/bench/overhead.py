@@ -295,7 +295,6 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
     on a shared machine hits both ends of the line alike: timed one depth after the other, the
     extrapolated fixed part swung 3x between runs of the same code (AMD EPYC, 2026-12-06)."""
     depths = (1, spec.layers) if spec.layers > 1 else (1, 2)
-    per_depth: dict[tuple[str, int], dict[int, dict[str, float]]] = {}  # (kind, depth) -> batch -> parts
     steps: dict[str, dict[int, dict[int, list[dict[str, float]]]]] = {k: {d: {} for d in depths} for k in spec.output_kinds}
     rounds = max(1, min(spec.rounds, spec.steps))
     with tempfile.TemporaryDirectory() as tmp:
@@ -316,8 +315,6 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
                             rows = time_decode_steps(engines[depth], round_spec, batch, seed=batch * rounds + r,
                                                      output_kind=kind)
                             steps[kind][depth].setdefault(batch, []).extend(rows)
-                    for depth in depths:
-                        per_depth.setdefault((kind, depth), {})[batch] = _median_parts(steps[kind][depth][batch])
         finally:
             for engine in engines.values():
                 engine.shutdown()
@@ -325,7 +322,7 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
     table = []
     for kind in spec.output_kinds:
         for batch in spec.batch_sizes:
-            shallow, deep = per_depth[kind, lo][batch], per_depth[kind, hi][batch]
+            shallow, deep = _median_parts(steps[kind][lo][batch]), _median_parts(steps[kind][hi][batch])
             per_layer = {k: (deep[k] - shallow[k]) / (hi - lo) for k in deep}
             fixed = {k: shallow[k] - lo * per_layer[k] for k in deep}
             table.append({"batch": batch, "output_kind": kind, "layers": hi, "measured": deep, "shallow": shallow,

@@ -19,6 +19,13 @@ pub enum KvCacheMut<'a> {
     Fp8(&'a mut [u8], Fp8Cache),
 }
 
+/// The whole cache, shared: what attention's items read, on every thread at once.
+#[derive(Clone, Copy)]
+pub enum KvCache<'a> {
+    F32(&'a [f32]),
+    Fp8(&'a [u8], Fp8Cache),
+}
+
 /// One layer's K and V planes, for attention to read.
 #[derive(Clone, Copy)]
 pub enum Planes<'a> {
@@ -32,7 +39,24 @@ pub enum PlanesMut<'a> {
     Fp8 { k: &'a mut [u8], v: &'a mut [u8], fp8: Fp8Cache },
 }
 
-impl KvCacheMut<'_> {
+impl<'a> KvCache<'a> {
+    /// Layer `l`'s planes (the caller checked the cache's length against `kvg`).
+    pub fn layer(self, l: usize, kvg: &KvGeometry) -> Planes<'a> {
+        let p = kvg.plane();
+        match self {
+            KvCache::F32(v) => {
+                let (k, v) = v[l * 2 * p..(l + 1) * 2 * p].split_at(p);
+                Planes::F32 { k, v }
+            }
+            KvCache::Fp8(c, fp8) => {
+                let (k, v) = c[l * 2 * p..(l + 1) * 2 * p].split_at(p);
+                Planes::Fp8 { k, v, fp8 }
+            }
+        }
+    }
+}
+
+impl<'a> KvCacheMut<'a> {
     /// Elements (floats or codes) of the whole cache.
     pub fn len(&self) -> usize {
         match self {
@@ -45,23 +69,24 @@ impl KvCacheMut<'_> {
         self.len() == 0
     }
 
-    /// Layer `l`'s planes to read (the caller checked the cache's length against `kvg`).
-    pub fn layer(&self, l: usize, kvg: &KvGeometry) -> Planes<'_> {
-        let p = kvg.plane();
+    /// The cache to read (see [`KvCache::layer`]).
+    pub fn shared(&self) -> KvCache<'_> {
         match self {
-            KvCacheMut::F32(v) => {
-                let (k, v) = v[l * 2 * p..(l + 1) * 2 * p].split_at(p);
-                Planes::F32 { k, v }
-            }
-            KvCacheMut::Fp8(c, fp8) => {
-                let (k, v) = c[l * 2 * p..(l + 1) * 2 * p].split_at(p);
-                Planes::Fp8 { k, v, fp8: *fp8 }
-            }
+            KvCacheMut::F32(v) => KvCache::F32(v),
+            KvCacheMut::Fp8(c, fp8) => KvCache::Fp8(c, *fp8),
+        }
+    }
+
+    /// The same cache for a shorter borrow (to take one layer's planes and keep the cache).
+    pub fn reborrow(&mut self) -> KvCacheMut<'_> {
+        match self {
+            KvCacheMut::F32(v) => KvCacheMut::F32(v),
+            KvCacheMut::Fp8(c, fp8) => KvCacheMut::Fp8(c, *fp8),
         }
     }
 
     /// Layer `l`'s planes to write.
-    pub fn layer_mut(&mut self, l: usize, kvg: &KvGeometry) -> PlanesMut<'_> {
+    pub fn into_layer_mut(self, l: usize, kvg: &KvGeometry) -> PlanesMut<'a> {
         let p = kvg.plane();
         match self {
             KvCacheMut::F32(v) => {
@@ -69,7 +94,6 @@ impl KvCacheMut<'_> {
                 PlanesMut::F32 { k, v }
             }
             KvCacheMut::Fp8(c, fp8) => {
-                let fp8 = *fp8;
                 let (k, v) = c[l * 2 * p..(l + 1) * 2 * p].split_at_mut(p);
                 PlanesMut::Fp8 { k, v, fp8 }
             }

@@ -15,6 +15,8 @@
 //! `s eeee mmm` is the binary16 `s 0eeee mmm0000000` times 2^8 (the biases differ by 8, and
 //! subnormals line up too), which F16C widens 8 at a time on AVX2 hosts.
 
+use crate::gemv::format::f16_to_f32;
+
 /// The two 8-bit float formats (OCP FP8: E4M3 without infinities, E5M2 with).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fp8 {
@@ -23,11 +25,11 @@ pub enum Fp8 {
 }
 
 impl Fp8 {
-    /// The format of a `kv_cache_dtype` name (or a torch dtype's name), None if it is not fp8.
+    /// The format of a `kv_cache_dtype` name, None if it is not fp8.
     pub fn parse(name: &str) -> Option<Fp8> {
         match name {
-            "fp8_e4m3" | "float8_e4m3fn" => Some(Fp8::E4m3),
-            "fp8_e5m2" | "float8_e5m2" => Some(Fp8::E5m2),
+            "fp8_e4m3" => Some(Fp8::E4m3),
+            "fp8_e5m2" => Some(Fp8::E5m2),
             _ => None,
         }
     }
@@ -78,16 +80,11 @@ impl Fp8 {
     /// The exact value of `code` (NaN codes give NaN; E5M2's infinities, infinity).
     pub fn decode(self, code: u8) -> f32 {
         match self {
-            Fp8::E5m2 => f16_bits_to_f32((code as u16) << 8),
+            Fp8::E5m2 => f16_to_f32((code as u16) << 8),
             Fp8::E4m3 if code & 0x7f == 0x7f => f32::NAN.copysign(if code & 0x80 != 0 { -1.0 } else { 1.0 }),
-            Fp8::E4m3 => f16_bits_to_f32(((code as u16 & 0x80) << 8) | ((code as u16 & 0x7f) << 7)) * 256.0,
+            Fp8::E4m3 => f16_to_f32(((code as u16 & 0x80) << 8) | ((code as u16 & 0x7f) << 7)) * 256.0,
         }
     }
-}
-
-/// A binary16's value (exact in f32).
-fn f16_bits_to_f32(h: u16) -> f32 {
-    crate::gemv::format::f16_to_f32(h)
 }
 
 /// `out[i] = decode(codes[i]) * scale`, the same bits on every build.

@@ -348,9 +348,9 @@ impl DecodeStack {
             lap(&mut spent.elementwise);
             lw.qkv.matmul(&b.x, t, &mut b.qkv, 1, kernel)?;
             lap(&mut spent.products);
-            self.place_qkv(l, &mut b.qkv, cos_sin, kv.layer_mut(l, kvg), kvg, step);
+            self.place_qkv(l, &mut b.qkv, cos_sin, kv.reborrow().into_layer_mut(l, kvg), kvg, step);
             lap(&mut spent.elementwise);
-            let layer = LayerAttention { planes: kv.layer(l, kvg), heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window };
+            let layer = LayerAttention { planes: kv.shared().layer(l, kvg), heads: g.heads, scale: g.scale, sliding_window: lw.sliding_window };
             attend(&layer, &b.qkv, step, kvg, &mut b.o, 1, Simd::best())?;
             lap(&mut spent.attention);
             lw.o.matmul(&b.o, t, &mut b.out, 1, kernel)?;

@@ -183,8 +183,8 @@ impl Scheduler {
         if seq.drafts == 0 && !seq.waits_for_token() {
             return Ok(false);
         }
-        let seq = self.seqs.get_mut(&id).expect("checked above");
-        seq.tokens.truncate(num_tokens + seq.drafts); // reset_for_recompute drops the drafts
+        // here `num_tokens` is its last sampled token (drafts held) or its length (none held):
+        // the reset drops the drafts and keeps the rest
         self.reset_after_failure(id, true)?;
         Ok(true)
     }

@@ -1,11 +1,10 @@
-//! The cache as the chain's threads reach it (see `Buf`).
+//! The cache as the chain's threads reach it (see `Buf`): a layer's planes are written by the
+//! `after` of its QKV rows (alone) and read by its attention items (all at once), through one
+//! split of the cache into layers ([`KvCache::layer`], [`KvCacheMut::into_layer_mut`]).
 
 use super::Buf;
-use crate::cpu_decode::kv_cache::{Fp8Cache, KvCacheMut, Planes, PlanesMut};
-use crate::cpu_decode::step::KvGeometry;
+use crate::cpu_decode::kv_cache::{Fp8Cache, KvCache, KvCacheMut};
 
-/// The cache, reached like the buffers: a layer's planes are written by the `after` of its QKV
-/// rows and read by its attention items.
 #[derive(Clone, Copy)]
 pub(super) enum KvBuf {
     F32(Buf),
@@ -20,42 +19,30 @@ impl KvBuf {
         }
     }
 
-    /// Layer `l`'s planes to read.
+    /// The cache to read.
     ///
     /// # Safety
-    /// As `Buf::read`; the cache holds `kvg`'s layers (checked by `forward_cache`).
-    pub(super) unsafe fn layer(&self, l: usize, kvg: &KvGeometry) -> Planes<'_> {
-        let p = kvg.plane();
-        match self {
-            KvBuf::F32(b) => {
-                // SAFETY: the caller's contract.
-                let (k, v) = unsafe { b.read() }[l * 2 * p..(l + 1) * 2 * p].split_at(p);
-                Planes::F32 { k, v }
-            }
-            KvBuf::Fp8(b, fp8) => {
-                // SAFETY: the caller's contract.
-                let (k, v) = unsafe { b.read() }[l * 2 * p..(l + 1) * 2 * p].split_at(p);
-                Planes::Fp8 { k, v, fp8: *fp8 }
+    /// As `Buf::read`.
+    pub(super) unsafe fn read(&self) -> KvCache<'_> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                KvBuf::F32(b) => KvCache::F32(b.read()),
+                KvBuf::Fp8(b, fp8) => KvCache::Fp8(b.read(), *fp8),
             }
         }
     }
 
-    /// Layer `l`'s planes to write.
+    /// The cache to write.
     ///
     /// # Safety
-    /// As `Buf::write`; the cache holds `kvg`'s layers.
-    pub(super) unsafe fn layer_mut(&self, l: usize, kvg: &KvGeometry) -> PlanesMut<'_> {
-        let p = kvg.plane();
-        match self {
-            KvBuf::F32(b) => {
-                // SAFETY: the caller's contract.
-                let (k, v) = unsafe { b.write() }[l * 2 * p..(l + 1) * 2 * p].split_at_mut(p);
-                PlanesMut::F32 { k, v }
-            }
-            KvBuf::Fp8(b, fp8) => {
-                // SAFETY: the caller's contract.
-                let (k, v) = unsafe { b.write() }[l * 2 * p..(l + 1) * 2 * p].split_at_mut(p);
-                PlanesMut::Fp8 { k, v, fp8: *fp8 }
+    /// As `Buf::write`.
+    pub(super) unsafe fn write(&self) -> KvCacheMut<'_> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            match self {
+                KvBuf::F32(b) => KvCacheMut::F32(b.write()),
+                KvBuf::Fp8(b, fp8) => KvCacheMut::Fp8(b.write(), *fp8),
             }
         }
     }

@@ -262,7 +262,7 @@ impl Chain<'_> {
         // them), and item `i` alone writes its `size` outputs of `o` (`i` < the phase's items, so
         // they lie inside it), which no other item of the phase reads.
         let (qkv, planes, o) = unsafe {
-            (self.qkv.read(), self.kv.layer(l, self.kvg), std::slice::from_raw_parts_mut(self.o.ptr.add(i * size), size))
+            (self.qkv.read(), self.kv.read().layer(l, self.kvg), std::slice::from_raw_parts_mut(self.o.ptr.add(i * size), size))
         };
         let layer = LayerAttention { planes, heads: g.heads, scale: g.scale, sliding_window: self.stack.layers[l].sliding_window };
         attend_item(&layer, &self.keys[self.layer_keys[l]].1, qkv, self.kvg, i, self.attention_units, o, self.simd);

@@ -116,7 +116,7 @@ impl Chain<'_> {
         match kind {
             Kind::Rows(Product::Qkv) => {
                 // SAFETY: an `after` step runs alone, so these borrows are the only ones.
-                let (qkv, planes) = unsafe { (self.qkv.read(), self.kv.layer_mut(l, self.kvg)) };
+                let (qkv, planes) = unsafe { (self.qkv.read(), self.kv.write().into_layer_mut(l, self.kvg)) };
                 self.stack.write_kv(qkv, planes, self.kvg, self.step);
             }
             Kind::Rows(after) => {
