@@ -8,7 +8,10 @@
 //! step and the stack's own split (products, attention, elementwise, with the bytes per second each
 //! streams: weights, and the K/V of the row's keys), then the 1 -> THREADS ratio:
 //! issue 30 asks >= 1.8x. The machine is printed first; compare ratios within one run, and the GB/s
-//! with what `benches/linear_streaming.py` measures a weights-sized buffer to read at.
+//! with what `benches/linear_streaming.py` measures a weights-sized buffer to read at. The row's
+//! pages are visited in descending order (a long-running server's recycled pages); `PAGES=ascending`
+//! puts them one after another (a fresh engine's). Weights and pages are in 2 MiB pages, as in
+//! the engine (`pagedrs::huge_pages`).
 use pagedrs::cpu_decode::{DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
 use pagedrs::gemv::{Format, Kernel, PackedMatrix, QK};
 use std::sync::Arc;
@@ -75,8 +78,14 @@ fn main() {
     let block_size = 16;
     let blocks = keys.div_ceil(block_size) + 1;
     let kvg = KvGeometry { layers: 30, num_blocks: blocks, block_size, kv_heads: 3, head_dim: 64 };
-    let mut kv: Vec<f32> = (0..kvg.len()).map(|i| ((i % 977) as f32 * 0.002).sin()).collect();
-    let tables: Vec<i32> = (0..blocks as i32).rev().collect();
+    // in 2 MiB pages, as the engine's CPU cache (`model_runner.py` advises its tensor before the first write)
+    let mut kv: Vec<f32> = Vec::with_capacity(kvg.len());
+    pagedrs::huge_pages::advise(kv.as_ptr() as *const u8, kvg.len() * 4);
+    kv.extend((0..kvg.len()).map(|i| ((i % 977) as f32 * 0.002).sin()));
+    // the row's pages in descending order (a long-running server's recycled pages), or with
+    // PAGES=ascending one after another (a fresh engine's)
+    let tables: Vec<i32> = if std::env::var("PAGES").as_deref() == Ok("ascending") { (0..blocks as i32).collect() }
+                           else { (0..blocks as i32).rev().collect() };
     let slot = tables[(keys - 1) / block_size] as i64 * block_size as i64 + ((keys - 1) % block_size) as i64;
     let seq_lens = [keys as i32];
     let h: Vec<f32> = (0..576).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();

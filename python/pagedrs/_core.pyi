@@ -444,5 +444,9 @@ class DecodeStack:
         values (``kv_dtype="float32"``), or fp8 codes as uint8 (``"fp8_e4m3"``, ``"fp8_e5m2"``;
         stored as ``x / scale``, the torch backend's rule)."""
 
+def advise_huge_pages(ptr: int, nbytes: int) -> int:
+    """Asks Linux to back the whole 2 MiB pages inside ``nbytes`` at address ``ptr`` with huge pages
+    (a hint: changes no byte); returns the bytes advised, 0 where none (THP off, another OS)."""
+
 def gemv_kernels() -> list[str]:
     """The GEMV kernels this CPU runs (run-time detection), slowest first: "scalar", "avx2", "avx512_vnni"."""

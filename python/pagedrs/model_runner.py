@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedrs import huge_pages
 from pagedrs.attention import AttentionBackend, AttentionMetadata, get_backend
 from pagedrs.decode_graphs import DecodeGraphs, DecodePadding, PaddedStep, StaticDecodeInputs, padded_size
 from pagedrs.kv_tiers.disk_tier import DiskTier
@@ -67,8 +68,10 @@ class ModelRunner:
         self.backend.check_kv_cache_dtype(self.kv_dtype)
         self.padding = padding
         scratch = 1 if padding is not None else 0  # the scratch page, past the scheduler's blocks
-        self.kv_cache = torch.zeros(self.model.kv_cache_shape(num_gpu_blocks + scratch, block_size), dtype=self.kv_dtype,
-                                    device=self.device)
+        kv_shape = self.model.kv_cache_shape(num_gpu_blocks + scratch, block_size)
+        # on the CPU the step streams these pages from memory: in 2 MiB pages (pagedrs/huge_pages.py)
+        self.kv_cache = (huge_pages.zeros(kv_shape, self.kv_dtype) if self.device.type == "cpu"
+                         else torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device))
         self.cpu_cache = torch.zeros(
             self.model.kv_cache_shape(num_cpu_blocks, block_size),
             dtype=self.kv_dtype,

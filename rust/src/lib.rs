@@ -14,6 +14,7 @@
 //! - [`scheduler`]: continuous batching with chunked prefill and preemption.
 //! - [`gemv`]: GEMV over GGUF block formats (the CPU decode's linear layers).
 //! - [`cpu_decode`]: a whole decoder forward on the CPU over GEMV weights (batch-1 decode without torch ops).
+//! - [`huge_pages`]: buffers streamed every step (weights, the CPU's KV cache) placed in 2 MiB pages.
 //! - `py` (feature `python`): the PyO3 bindings, and nothing else of PyO3.
 
 pub mod sync;
@@ -23,6 +24,7 @@ pub mod block_manager;
 pub mod scheduler;
 pub mod gemv;
 pub mod cpu_decode;
+pub mod huge_pages;
 
 #[cfg(feature = "python")]
 mod py;

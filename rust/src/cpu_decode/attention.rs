@@ -11,7 +11,7 @@ use std::sync::Mutex;
 
 use super::error::DecodeError;
 use super::kv_cache::Planes;
-use super::kv_fp8::widen_rows;
+use super::kv_fp8::{widen_rows, Fp8};
 use super::lanes::{Lanes, Portable};
 #[cfg(target_arch = "x86_64")]
 use super::lanes::Avx2;
@@ -82,75 +82,106 @@ pub fn attend(
 }
 
 /// How many (row, KV head) units make one work item of a layer's attention on `threads` threads:
-/// a whole row (all its KV heads) when there are at least two rows a thread, else one. Why: a
-/// page holds every KV head of a slot side by side, so items of one KV head each had a thread
-/// stream the row's pages for a third of their bytes, and at batch 32 on 2 threads both threads
-/// pulled the same pages; a row's KV heads one after another on one thread read them once. At
-/// batch 1 the 3 KV heads of SmolLM2 stay 3 items, so 2 threads share them.
+/// a whole row (all its KV heads) on one thread or when there are at least two rows a thread,
+/// else one. Why: a page holds every KV head of a slot side by side, so items of one KV head each
+/// had a thread stream the row's pages for a third of their bytes, and at batch 32 on 2 threads
+/// both threads pulled the same pages; a row's KV heads one after another on one thread read them
+/// once, and with an fp8 cache each run of keys is widened once for all of them (by one KV head at a
+/// time, SmolLM2 at 1,000 keys took 0.68-0.95 s of attention for 96 tokens against 0.50-0.63 whole).
+/// At batch 1 on 2 threads the 3 KV heads of SmolLM2 stay 3 items, so both threads share them.
 pub fn units_per_item(rows: usize, kv_heads: usize, threads: usize) -> usize {
-    if rows >= 2 * threads { kv_heads } else { 1 }
+    if threads == 1 || rows >= 2 * threads { kv_heads } else { 1 }
 }
 
 /// Item `i` of a layer's attention: units `i * per_item ..` of `per_item` (unit `u` is row
 /// `u / kv_heads` and KV head `u % kv_heads`, whose `heads / kv_heads` query heads' outputs lie
 /// side by side in the output, head `h` at `h * d`), written into `o` (the units' outputs, in
 /// order). `keys` is [`row_keys`] of the layer's window; `qkv` the rotated fused output
-/// `[T, (heads + 2 kv_heads) * d]` (queries first).
+/// `[T, (heads + 2 kv_heads) * d]` (queries first). A row's consecutive units run as one
+/// [`attend_units`] (with an fp8 cache, each run of keys is widened once for all of them).
 #[allow(clippy::too_many_arguments)]
 pub fn attend_item(layer: &LayerAttention<'_>, keys: &[Vec<usize>], qkv: &[f32], kv: &KvGeometry, i: usize,
                    per_item: usize, o: &mut [f32], simd: Simd) {
     let d = kv.head_dim;
     let width = (layer.heads + 2 * kv.kv_heads) * d;
     let group = layer.heads / kv.kv_heads;
-    for (u, o) in (i * per_item..(i + 1) * per_item).zip(o.chunks_exact_mut(group * d)) {
-        let (r, j) = (u / kv.kv_heads, u % kv.kv_heads);
-        let q = &qkv[r * width + j * group * d..][..group * d];
-        match layer.planes {
-            Planes::F32 { k, v } => attend_group_on(simd, layer.scale, &k[j * d..], &v[j * d..], q, d, &keys[r], o),
-            Planes::Fp8 { k, v, fp8 } => {
-                // the unit's keys and values widened into rows of their own (the same values the
-                // float32 path would read, so the same bits after), then attended as a dense plane
-                let n = keys[r].len();
-                WIDENED.with(|w| {
-                    let mut w = w.borrow_mut();
-                    let (starts, wk, wv, dense) = &mut *w;
-                    starts.clear();
-                    starts.extend(keys[r].iter().map(|&at| at + j * d));
-                    dense.clear();
-                    dense.extend((0..n).map(|t| t * d));
-                    // grown, never shrunk: a step's units reuse one thread's buffers
-                    if wk.len() < n * d {
-                        wk.resize(n * d, 0.0);
-                        wv.resize(n * d, 0.0);
-                    }
-                    widen_rows(fp8.format, k, starts, d, fp8.k_scale, wk);
-                    widen_rows(fp8.format, v, starts, d, fp8.v_scale, wv);
-                    attend_group_on(simd, layer.scale, &wk[..n * d], &wv[..n * d], q, d, dense, o);
-                });
+    let (mut u, end) = (i * per_item, (i + 1) * per_item);
+    let mut o = o;
+    while u < end {
+        let (r, j0) = (u / kv.kv_heads, u % kv.kv_heads);
+        let nj = (end - u).min(kv.kv_heads - j0);
+        let (mine, rest) = std::mem::take(&mut o).split_at_mut(nj * group * d);
+        let q = &qkv[r * width + j0 * group * d..][..nj * group * d];
+        let shape = Units { kv_heads: nj, group, d, scale: layer.scale };
+        let (k, v) = match layer.planes {
+            Planes::F32 { k, v } => (Rows::F32(&k[j0 * d..]), Rows::F32(&v[j0 * d..])),
+            Planes::Fp8 { k, v, fp8 } => (
+                Rows::Fp8 { codes: &k[j0 * d..], format: fp8.format, scale: fp8.k_scale },
+                Rows::Fp8 { codes: &v[j0 * d..], format: fp8.format, scale: fp8.v_scale },
+            ),
+        };
+        attend_units_on(simd, &shape, k, v, q, &keys[r], mine);
+        o = rest;
+        u += nj;
+    }
+}
+
+/// Where a unit's keys (or values) are read: a float32 plane, or an fp8 one whose codes are
+/// widened run by run ([`attend_units`]) into a buffer the loops then read as a float32 plane.
+/// Widened values are `code * scale` ([`widen_rows`]): the bits a float32 page of those values
+/// holds, so the loops after compute the same bits either way.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Fp8 { codes: &'a [u8], format: Fp8, scale: f32 },
+}
+
+impl Rows<'_> {
+    /// Keys a pass takes at a time from this source: all `n` from a float32 plane (the loops read
+    /// it in place and ask for what is ahead themselves), `RUN` from an fp8 one.
+    #[inline(always)]
+    fn run_len(&self, n: usize) -> usize {
+        match self {
+            Rows::F32(_) => n.max(1),
+            Rows::Fp8 { .. } => RUN,
+        }
+    }
+
+    /// The plane and key offsets the loops read for `run` (offsets into this source, `width`
+    /// floats from each): the source itself, or the run's rows widened into `wide` (`dense` holds
+    /// `0, width, 2 width, ..`: one row after another).
+    #[inline(always)]
+    fn run<'s>(&'s self, run: &'s [usize], width: usize, wide: &'s mut [f32], dense: &'s [usize]) -> (&'s [f32], &'s [usize]) {
+        match *self {
+            Rows::F32(plane) => (plane, run),
+            Rows::Fp8 { codes, format, scale } => {
+                let wide = &mut wide[..run.len() * width];
+                widen_rows(format, codes, run, width, scale, wide);
+                (wide, &dense[..run.len()])
             }
         }
     }
 }
 
-/// Per thread: an fp8 unit's key starts, its widened keys and values, and their dense offsets.
-type Widened = (Vec<usize>, Vec<f32>, Vec<f32>, Vec<usize>);
-
-thread_local! {
-    static WIDENED: std::cell::RefCell<Widened> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new(), Vec::new())) };
+/// The heads [`attend_units`] computes: `kv_heads` consecutive KV heads of one row (KV head `j`'s
+/// keys at `d * j` past each key start), `group` query heads each.
+struct Units {
+    kv_heads: usize,
+    group: usize,
+    d: usize,
+    scale: f32,
 }
 
-/// [`attend_group`] in the build `simd`.
-#[allow(clippy::too_many_arguments)]
-fn attend_group_on(simd: Simd, scale: f32, kp: &[f32], vp: &[f32], q: &[f32], d: usize, keys: &[usize], o: &mut [f32]) {
+/// [`attend_units`] in the build `simd`.
+fn attend_units_on(simd: Simd, u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys: &[usize], o: &mut [f32]) {
     match simd {
-        Simd::Portable => attend_group::<Portable>(scale, kp, vp, q, d, keys, o),
+        Simd::Portable => attend_units::<Portable>(u, k, v, q, keys, o),
         // SAFETY: `Simd::Avx2` is only chosen (by `best`) or passed (by tests that take
         // `best`) on a CPU that runs AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { attend_group_avx2(scale, kp, vp, q, d, keys, o) },
+        Simd::Avx2 => unsafe { attend_units_avx2(u, k, v, q, keys, o) },
     }
 }
-
 /// Where each key row `r` sees starts in the K/V plane for KV head 0, in position order, under
 /// a layer's sliding `window` (the page is looked up once per page; keys of a page are
 /// `kv_heads * head_dim` floats apart, and the planes sliced at `kv_head * d` make them that head's).
@@ -178,48 +209,107 @@ fn key_offsets(window: Option<usize>, step: &StepLayout<'_>, kv: &KvGeometry, r:
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_group_avx2(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], d: usize, keys: &[usize], out: &mut [f32]) {
-    attend_group::<Avx2>(scale, kp, vp, q, d, keys, out)
+unsafe fn attend_units_avx2(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys: &[usize], o: &mut [f32]) {
+    attend_units::<Avx2>(u, k, v, q, keys, o)
 }
 
-/// The query heads in `q` (`[heads, d]`, all reading one KV head) over `keys`, into `out`
-/// (`[heads, d]`): up to three heads at a time share each pass over the keys (three heads'
-/// accumulators fill AVX2's 16 registers; SmolLM2 has 3 heads a KV head, Llama 3 and Mistral 4).
-#[inline(always)]
-fn attend_group<L: Lanes>(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], d: usize, keys: &[usize], out: &mut [f32]) {
-    let heads = q.len() / d;
-    let mut scores = vec![0f32; heads.min(3) * keys.len()];
-    let mut h = 0;
-    while h < heads {
-        let (q, out) = (&q[h * d..], &mut out[h * d..]);
-        h += match heads - h {
-            1 => attend_heads::<L, 1>(scale, kp, vp, &q[..d], keys, &mut out[..d], &mut scores),
-            2 => attend_heads::<L, 2>(scale, kp, vp, &q[..2 * d], keys, &mut out[..2 * d], &mut scores),
-            _ => attend_heads::<L, 3>(scale, kp, vp, &q[..3 * d], keys, &mut out[..3 * d], &mut scores),
-        };
-    }
-}
+/// Keys of an fp8 run ([`Rows::run`]): each pass widens the next `RUN` keys' rows (every KV head
+/// of the item) into a buffer that stays in the L1 while every head reads it, then goes on. Why:
+/// widening a whole unit's keys first (the first fp8 build) wrote and read back megabytes through
+/// the L2 at long contexts, which cost what the 4x fewer bytes from memory saved (SmolLM2 at 1,000
+/// keys: fp8 pages 63-75 tok/s against float32's 70-79); measured after in the README.
+const RUN: usize = 16;
 
-/// `G` heads: scores, softmax (each head's maximum subtracted), `sum(p * v) / sum(p)`, keys in
-/// position order, each head in [`Lanes`]'s fixed order (the bits of one head alone). Returns `G`.
+/// The `kv_heads * group` query heads of `q` (`[heads, d]`; query head `j * group + g` reads KV
+/// head `j`) over `keys`, into `o` (`[heads, d]`): scores, softmax (each head's maximum
+/// subtracted), `sum(p * v) / sum(p)`, keys in position order, each head in [`Lanes`]'s fixed
+/// order (the bits of one head alone, whichever heads share its pass and however the keys are cut
+/// into runs: a score is one key's alone and a weighted sum's chain goes on across runs). Up to
+/// three query heads of a KV head share each loaded key (three heads' accumulators fill AVX2's 16
+/// registers; SmolLM2 has 3 a KV head, Llama 3 and Mistral 4).
 #[inline(always)]
-fn attend_heads<L: Lanes, const G: usize>(scale: f32, kp: &[f32], vp: &[f32], q: &[f32], keys: &[usize], out: &mut [f32],
-                                           scores: &mut [f32]) -> usize {
-    let (n, d) = (keys.len(), q.len() / G);
-    let scores = &mut scores[..G * n];
-    L::scores_group::<G>(q, d, kp, keys, scale, scores);
-    let mut sums = [0f32; G];
-    for (s, sum) in scores.chunks_exact_mut(n).zip(&mut sums) {
-        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        *sum = L::softmax_weights(s, max);
-    }
-    L::weighted_sum_group::<G>(scores, vp, keys, out);
-    for (o, sum) in out.chunks_exact_mut(d).zip(sums) {
-        for x in o {
-            *x /= sum;
+fn attend_units<L: Lanes>(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys: &[usize], o: &mut [f32]) {
+    let (n, d, group) = (keys.len(), u.d, u.group);
+    let heads = u.kv_heads * group;
+    let width = u.kv_heads * d;
+    SCRATCH.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        let Scratch { scores, wide, dense } = &mut *cell;
+        // grown, never shrunk (one set a thread)
+        if scores.len() < heads * n {
+            scores.resize(heads * n, 0.0);
         }
+        if wide.len() < RUN * width {
+            wide.resize(RUN * width, 0.0);
+        }
+        dense.clear();
+        dense.extend((0..RUN).map(|t| t * width));
+        let scores = &mut scores[..heads * n];
+        for t0 in (0..n).step_by(k.run_len(n)) {
+            let (kp, run) = k.run(&keys[t0..(t0 + k.run_len(n)).min(n)], width, wide, dense);
+            for j in 0..u.kv_heads {
+                each_group(group, |h, g| {
+                    let (q, out) = (&q[(j * group + h) * d..], &mut scores[(j * group + h) * n + t0..]);
+                    match g {
+                        1 => L::scores_group::<1>(&q[..d], d, &kp[j * d..], run, u.scale, out, n),
+                        2 => L::scores_group::<2>(&q[..2 * d], d, &kp[j * d..], run, u.scale, out, n),
+                        _ => L::scores_group::<3>(&q[..3 * d], d, &kp[j * d..], run, u.scale, out, n),
+                    }
+                });
+            }
+        }
+        let mut sums = vec![0f32; heads];
+        for (s, sum) in scores.chunks_exact_mut(n.max(1)).zip(&mut sums) {
+            let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            *sum = L::softmax_weights(s, max);
+        }
+        for t0 in (0..n).step_by(v.run_len(n)) {
+            let (vp, run) = v.run(&keys[t0..(t0 + v.run_len(n)).min(n)], width, wide, dense);
+            for j in 0..u.kv_heads {
+                each_group(group, |h, g| {
+                    let (p, out) = (&scores[(j * group + h) * n + t0..], &mut o[(j * group + h) * d..]);
+                    match g {
+                        1 => L::weighted_sum_group::<1>(p, n, &vp[j * d..], run, &mut out[..d], t0 > 0),
+                        2 => L::weighted_sum_group::<2>(p, n, &vp[j * d..], run, &mut out[..2 * d], t0 > 0),
+                        _ => L::weighted_sum_group::<3>(p, n, &vp[j * d..], run, &mut out[..3 * d], t0 > 0),
+                    }
+                });
+            }
+        }
+        if n == 0 {
+            o[..heads * d].fill(0.0);
+        }
+        for (out, sum) in o.chunks_exact_mut(d).zip(sums) {
+            for x in out {
+                *x /= sum;
+            }
+        }
+    });
+}
+
+/// Calls `f(first, count)` for a KV head's `group` query heads in passes of up to three.
+#[inline(always)]
+fn each_group(group: usize, mut f: impl FnMut(usize, usize)) {
+    let mut h = 0;
+    while h < group {
+        let g = (group - h).min(3);
+        f(h, g);
+        h += g;
     }
-    G
+}
+
+/// Per thread: the scores (then softmax weights) of the heads [`attend_units`] runs, and an fp8
+/// run's widened rows (`RUN` keys of a row's KV heads: 12 KiB on SmolLM2, read again from the L1)
+/// with their offsets.
+#[derive(Default)]
+struct Scratch {
+    scores: Vec<f32>,
+    wide: Vec<f32>,
+    dense: Vec<usize>,
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
 }
 
 #[cfg(test)]
@@ -315,6 +405,50 @@ mod fp8_tests {
             for (threads, simd) in [(1, Simd::best()), (2, Simd::best()), (1, Simd::Portable)] {
                 let got = run(Planes::Fp8 { k: &k, v: &v, fp8 }, threads, simd);
                 assert_eq!(got, want, "{format:?} threads {threads} {simd:?}");
+            }
+        }
+    }
+
+    /// Rows over more keys than an fp8 run ([`RUN`]), with the last run partial and windows that
+    /// start mid-run: each run's widened rows carry the weighted sums' chains on (the bits of the
+    /// float32 planes of the widened values), on both builds, 1 and 2 threads, and batches that
+    /// give whole-row items and one-KV-head items.
+    #[test]
+    fn fp8_runs_carry_each_chain_across_runs() {
+        let kv = KvGeometry { layers: 1, num_blocks: 12, block_size: 16, kv_heads: 3, head_dim: 20 };
+        // 4 rows: 61 keys (4 runs, the last of 13), 33 over blocks out of order, 17, 1
+        let tables = [5, 9, 2, 11, 0, 7, 3, 1, 8, 6, 4, 10, 10, 10, 10, 10];
+        let lens = [61i32, 33, 17, 1];
+        let slot = |seq: usize, p: usize| (tables[seq * 4 + p / 16] as i64) * 16 + (p % 16) as i64;
+        let slots: Vec<i64> = lens.iter().enumerate().map(|(s, &l)| slot(s, l as usize - 1)).collect();
+        let k: Vec<u8> = (0..kv.plane()).map(|i| (i * 53 % 247) as u8 & 0xf7).collect();
+        let v: Vec<u8> = (0..kv.plane()).map(|i| (i * 29 % 239) as u8 & 0xf7).collect();
+        let (format, k_scale, v_scale) = (Fp8::E4m3, 0.05, 0.2);
+        let wide = |c: &[u8], s: f32| c.iter().map(|&c| format.decode(c) * s).collect::<Vec<f32>>();
+        let (kf, vf) = (wide(&k, k_scale), wide(&v, v_scale));
+        let heads = 9;
+        let width = (heads + 2 * kv.kv_heads) * kv.head_dim;
+        for rows in [1usize, 4] {
+            let qsl: Vec<i32> = (0..=rows as i32).collect();
+            let meta = StepMeta { slot_mapping: &slots[..rows], query_start_loc: &qsl, seq_lens: &lens[..rows],
+                                  block_tables: &tables[..rows * 4], table_width: 4 };
+            let step = StepLayout::new(meta, rows, &kv).unwrap();
+            let qkv: Vec<f32> = (0..rows * width).map(|i| ((i * 17 % 89) as f32 / 30.0) - 1.5).collect();
+            for window in [None, Some(40), Some(5)] {
+                let run = |planes: Planes<'_>, threads: usize, simd: Simd| {
+                    let layer = LayerAttention { planes, heads, scale: 0.2, sliding_window: window };
+                    let mut out = vec![f32::NAN; rows * heads * kv.head_dim];
+                    attend(&layer, &qkv, &step, &kv, &mut out, threads, simd).unwrap();
+                    out
+                };
+                let want = run(Planes::F32 { k: &kf, v: &vf }, 1, Simd::Portable);
+                assert!(want.iter().all(|x| x.is_finite()));
+                let fp8 = Fp8Cache { format, k_scale, v_scale };
+                for (threads, simd) in [(1, Simd::best()), (2, Simd::best()), (1, Simd::Portable), (2, Simd::Portable)] {
+                    assert_eq!(run(Planes::F32 { k: &kf, v: &vf }, threads, simd), want, "float32 rows {rows} {window:?}");
+                    let got = run(Planes::Fp8 { k: &k, v: &v, fp8 }, threads, simd);
+                    assert_eq!(got, want, "rows {rows} window {window:?} threads {threads} {simd:?}");
+                }
             }
         }
     }

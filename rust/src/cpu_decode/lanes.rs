@@ -37,14 +37,19 @@ pub trait Lanes {
     fn scores(q: &[f32], plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]);
     /// `s[k] = exp(s[k] - max)` in place; returns their sum (8 lanes, then the tail).
     fn softmax_weights(s: &mut [f32], max: f32) -> f32;
-    /// `out[i] = sum over k in order of p[k] * V[k][i]` (fused), starting from 0.
-    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]);
+    /// `out[i] = sum over k in order of p[k] * V[k][i]` (fused), starting from 0, or, with
+    /// `accumulate`, from `out[i]`: the chain of an earlier call over the keys before these goes on
+    /// (a sum over keys split into runs gives the bits of one call over them all).
+    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32], accumulate: bool);
     /// [`Lanes::scores`] of `G` query heads of `d` floats each (`q` is `[G, d]`) against the same keys:
-    /// `out[g * n + k]` for `n = keys.len()`, the bits of `scores` head by head.
-    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]);
-    /// [`Lanes::weighted_sum`] of `G` heads' weights (`p` is `[G, n]`) over the same values into
-    /// `out` `[G, d]`, the bits of `weighted_sum` head by head.
-    fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]);
+    /// `out[g * stride + k]`, the bits of `scores` head by head (`stride >= keys.len()`).
+    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32],
+                                    stride: usize);
+    /// [`Lanes::weighted_sum`] of `G` heads' weights (head `g`'s at `p[g * stride..]`) over the same
+    /// values into `out` `[G, d]`, the bits of `weighted_sum` head by head.
+    fn weighted_sum_group<const G: usize>(p: &[f32], stride: usize, plane: &[f32], keys: &[usize], out: &mut [f32],
+                                          accumulate: bool);
+
     /// `softmax_weights`' sum without writing the weights: `sum(exp(s[k] - max))`, the same bits.
     fn sum_exp(s: &[f32], max: f32) -> f32;
     /// SwiGLU of each fused `[gate | up]` row (`2 * inter` wide) into its `out` row: `silu(g) * u`.
@@ -169,23 +174,27 @@ impl Lanes for Portable {
         sum
     }
     #[inline(always)]
-    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32],
+                                    stride: usize) {
         let n = keys.len();
-        for (qg, og) in q.chunks_exact(d).zip(out.chunks_exact_mut(n)).take(G) {
-            Self::scores(qg, plane, keys, scale, og);
+        for (g, qg) in q.chunks_exact(d).take(G).enumerate() {
+            Self::scores(qg, plane, keys, scale, &mut out[g * stride..][..n]);
         }
     }
     #[inline(always)]
-    fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+    fn weighted_sum_group<const G: usize>(p: &[f32], stride: usize, plane: &[f32], keys: &[usize], out: &mut [f32],
+                                          accumulate: bool) {
         let (n, d) = (keys.len(), out.len() / G);
-        for (pg, og) in p.chunks_exact(n.max(1)).zip(out.chunks_exact_mut(d)).take(G) {
-            Self::weighted_sum(&pg[..n], plane, keys, og);
+        for (g, og) in out.chunks_exact_mut(d).take(G).enumerate() {
+            Self::weighted_sum(&p[g * stride..][..n], plane, keys, og, accumulate);
         }
     }
     #[inline(always)]
-    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32], accumulate: bool) {
         let d = out.len();
-        out.fill(0.0);
+        if !accumulate {
+            out.fill(0.0);
+        }
         for (&k, &pk) in keys.iter().zip(p) {
             for (o, v) in out.iter_mut().zip(&plane[k..][..d]) {
                 *o = pk.mul_add(*v, *o);
@@ -227,30 +236,36 @@ impl Lanes for Avx2 {
         unsafe { avx2::sum_exp(s, max) }
     }
     #[inline(always)]
-    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+    fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32], accumulate: bool) {
         assert!(p.len() >= keys.len() && keys.iter().all(|&k| k + out.len() <= plane.len()));
         // SAFETY: as above.
-        unsafe { avx2::weighted_sum(p, plane, keys, out) }
+        unsafe { avx2::weighted_sum(p, plane, keys, out, accumulate) }
     }
     #[inline(always)]
-    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+    fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32],
+                                    stride: usize) {
+        let n = keys.len();
+        assert!(q.len() >= G * d && stride >= n && out.len() >= (G - 1) * stride + n
+                && keys.iter().all(|&k| k + d <= plane.len()));
         if G == 1 {
             return Self::scores(&q[..d], plane, keys, scale, out);
         }
-        assert!(q.len() == G * d && out.len() >= G * keys.len() && keys.iter().all(|&k| k + d <= plane.len()));
         // SAFETY: see the type's docs (AVX2 and FMA were detected); the bounds were just checked.
-        unsafe { avx2::scores_group::<G>(q, d, plane, keys, scale, out) }
+        unsafe { avx2::scores_group::<G>(&q[..G * d], d, plane, keys, scale, out, stride) }
     }
     #[inline(always)]
-    fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+    fn weighted_sum_group<const G: usize>(p: &[f32], stride: usize, plane: &[f32], keys: &[usize], out: &mut [f32],
+                                          accumulate: bool) {
+        let (n, d) = (keys.len(), out.len() / G);
+        assert!(out.len() == G * d && stride >= n && p.len() >= (G - 1) * stride + n
+                && keys.iter().all(|&k| k + d <= plane.len()));
         if G == 1 {
-            return Self::weighted_sum(p, plane, keys, out);
+            return Self::weighted_sum(p, plane, keys, out, accumulate);
         }
-        let d = out.len() / G;
-        assert!(out.len() == G * d && p.len() >= G * keys.len() && keys.iter().all(|&k| k + d <= plane.len()));
         // SAFETY: as above.
-        unsafe { avx2::weighted_sum_group::<G>(p, plane, keys, out) }
+        unsafe { avx2::weighted_sum_group::<G>(p, stride, plane, keys, out, accumulate) }
     }
+
 }
 
 #[cfg(test)]
@@ -287,7 +302,7 @@ mod tests {
             let n = keys.len();
             let q: Vec<f32> = (0..G * d).map(|i| ((i * 13) as f32 * 0.29).sin() * 2.5).collect();
             let (mut a, mut b) = (vec![f32::NAN; G * n], vec![f32::NAN; G * n]);
-            Avx2::scores_group::<G>(&q, d, plane, keys, 0.41, &mut a);
+            Avx2::scores_group::<G>(&q, d, plane, keys, 0.41, &mut a, n);
             for (g, s) in b.chunks_exact_mut(n).enumerate() {
                 Portable::scores(&q[g * d..(g + 1) * d], plane, keys, 0.41, s);
             }
@@ -295,13 +310,30 @@ mod tests {
             // weights of every size, exp's zero included
             let p: Vec<f32> = (0..G * n).map(|i| exp(-((i * 7 % 23) as f32) * 4.0)).collect();
             let (mut x, mut y) = (vec![f32::NAN; G * d], vec![f32::NAN; G * d]);
-            Avx2::weighted_sum_group::<G>(&p, plane, keys, &mut x);
+            Avx2::weighted_sum_group::<G>(&p, n, plane, keys, &mut x, false);
             for (g, o) in y.chunks_exact_mut(d).enumerate() {
-                Portable::weighted_sum(&p[g * n..(g + 1) * n], plane, keys, o);
+                Portable::weighted_sum(&p[g * n..(g + 1) * n], plane, keys, o, false);
             }
             assert_eq!(x, y, "weighted sums of {G} heads d={d} keys={n}");
-            Portable::weighted_sum_group::<G>(&p, plane, keys, &mut x);
+            Portable::weighted_sum_group::<G>(&p, n, plane, keys, &mut x, false);
             assert_eq!(x, y, "portable weighted sums of {G} heads d={d} keys={n}");
+            // the keys in two runs, the second going on from the first's sums (`accumulate`), and
+            // the scores of a run written at their place in the whole row (`stride`): the same bits
+            let cut = n / 3;
+            for avx in [true, false] {
+                let (mut z, mut s) = (vec![f32::NAN; G * d], vec![f32::NAN; G * n]);
+                for (lo, hi) in [(0, cut), (cut, n)] {
+                    if avx {
+                        Avx2::weighted_sum_group::<G>(&p[lo..], n, plane, &keys[lo..hi], &mut z, lo > 0);
+                        Avx2::scores_group::<G>(&q, d, plane, &keys[lo..hi], 0.41, &mut s[lo..], n);
+                    } else {
+                        Portable::weighted_sum_group::<G>(&p[lo..], n, plane, &keys[lo..hi], &mut z, lo > 0);
+                        Portable::scores_group::<G>(&q, d, plane, &keys[lo..hi], 0.41, &mut s[lo..], n);
+                    }
+                }
+                assert_eq!(z, y, "weighted sums in two runs (avx2 {avx}), {G} heads d={d} keys={n}");
+                assert_eq!(s, a, "scores in two runs (avx2 {avx}), {G} heads d={d} keys={n}");
+            }
         }
         check::<2>(d, plane, keys);
         check::<3>(d, plane, keys);
@@ -334,8 +366,8 @@ mod tests {
                 assert_eq!(weights_sum.to_bits(), sums.0.to_bits(), "sum_exp is softmax_weights' sum d={d}");
                 assert_eq!(a, b, "weights d={d} keys={nkeys}");
                 let (mut x, mut y) = (vec![f32::NAN; d], vec![f32::NAN; d]);
-                Avx2::weighted_sum(&a, &plane, &keys, &mut x);
-                Portable::weighted_sum(&a, &plane, &keys, &mut y);
+                Avx2::weighted_sum(&a, &plane, &keys, &mut x, false);
+                Portable::weighted_sum(&a, &plane, &keys, &mut y, false);
                 assert_eq!(x, y, "weighted sum d={d} keys={nkeys}");
                 grouped_gives_each_heads_bits(d, &plane, &keys);
             }

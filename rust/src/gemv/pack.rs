@@ -15,6 +15,7 @@
 
 use super::error::GemvError;
 use super::format::{f16_is_finite, Format, QK};
+use crate::huge_pages::HugeBuf;
 
 /// Rows per tile (one per 32-bit lane of a 512-bit vector).
 pub const TILE: usize = 16;
@@ -26,7 +27,8 @@ pub struct PackedMatrix {
     pub(crate) format: Format,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
-    pub(crate) data: Vec<u8>,
+    /// The tiles, in 2 MiB pages ([`crate::huge_pages`]): every product streams all of them.
+    pub(crate) data: HugeBuf,
 }
 
 impl PackedMatrix {
@@ -57,7 +59,7 @@ impl PackedMatrix {
         }
         let tiles = rows.div_ceil(TILE);
         let tbb = TILE * bb;
-        let mut data = vec![0u8; tiles * nb * tbb];
+        let mut data = HugeBuf::zeroed(tiles * nb * tbb);
         for row in 0..rows {
             let (t, j) = (row / TILE, row % TILE);
             for b in 0..nb {

@@ -121,7 +121,17 @@ fn gemv_kernels() -> Vec<&'static str> {
     Kernel::available().into_iter().map(Kernel::name).collect()
 }
 
+/// Asks the kernel to back the whole 2 MiB pages of `nbytes` bytes at address `ptr` with huge
+/// pages (`crate::huge_pages::advise`); returns the bytes advised (0 where none: a hint only).
+/// For a CPU tensor streamed every step (the KV cache), called before its pages are first
+/// written. Any address is safe to pass: the advice changes no byte and no mapping's access.
+#[pyfunction]
+fn advise_huge_pages(ptr: usize, nbytes: usize) -> usize {
+    crate::huge_pages::advise(ptr as *const u8, nbytes)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGgufMatrix>()?;
+    m.add_function(wrap_pyfunction!(advise_huge_pages, m)?)?;
     m.add_function(wrap_pyfunction!(gemv_kernels, m)?)
 }

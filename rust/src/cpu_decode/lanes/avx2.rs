@@ -214,7 +214,7 @@ pub unsafe fn sum_exp(s: &[f32], max: f32) -> f32 {
 /// The CPU runs AVX2 and FMA; `keys[k] + out.len() <= plane.len()` for every key;
 /// `p.len() >= keys.len()`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+pub unsafe fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32], accumulate: bool) {
     let d = out.len();
     let n = d / LANES * LANES;
     let pp = plane.as_ptr();
@@ -222,16 +222,16 @@ pub unsafe fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [
     // 64 outputs (8 vectors) at a time stay in registers across every key
     while c0 + 64 <= n {
         // SAFETY: c0 + 64 <= n <= d: inside `out` and inside every key's d floats.
-        unsafe { chunk::<8>(p, pp, keys, c0, out) };
+        unsafe { chunk::<8>(p, pp, keys, c0, out, accumulate) };
         c0 += 64;
     }
     while c0 < n {
         // SAFETY: c0 + 8 <= n, as above.
-        unsafe { chunk::<1>(p, pp, keys, c0, out) };
+        unsafe { chunk::<1>(p, pp, keys, c0, out, accumulate) };
         c0 += 8;
     }
     for (i, o) in out.iter_mut().enumerate().skip(n) {
-        let mut s = 0f32;
+        let mut s = if accumulate { *o } else { 0.0 };
         for (&k, &pk) in keys.iter().zip(p) {
             s = pk.mul_add(plane[k + i], s);
         }
@@ -239,14 +239,20 @@ pub unsafe fn weighted_sum(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [
     }
 }
 
-/// Outputs `c0 .. c0 + 8W` over every key.
+/// Outputs `c0 .. c0 + 8W` over every key (from 0, or from `out`'s with `accumulate`).
 ///
 /// # Safety
 /// AVX2 and FMA; `c0 + 8W <= out.len()` and every key's floats `c0 .. c0 + 8W` inside the plane.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chunk<const W: usize>(p: &[f32], pp: *const f32, keys: &[usize], c0: usize, out: &mut [f32]) {
+unsafe fn chunk<const W: usize>(p: &[f32], pp: *const f32, keys: &[usize], c0: usize, out: &mut [f32], accumulate: bool) {
     let mut acc = [_mm256_setzero_ps(); W];
+    if accumulate {
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: c0 + 8j + 8 <= c0 + 8W <= out.len().
+            *a = unsafe { _mm256_loadu_ps(out.as_ptr().add(c0 + 8 * j)) };
+        }
+    }
     for (i, (&k, &pk)) in keys.iter().zip(p).enumerate() {
         if let Some(&ahead) = keys.get(i + SUM_AHEAD) {
             let mut j = 0;

@@ -8,7 +8,7 @@ use super::super::{dot, DOT_LANES, LANES};
 use super::{prefetch_row, reduce8, SCORE_AHEAD, SUM_AHEAD};
 
 /// `G` query heads that read one KV head, scored against every key in one pass: `out[g * n + k]`
-/// is head `g`'s score of key `k` (`n = keys.len()`), the bits of [`scores`] for each head (each
+/// is head `g`'s score of key `k` (`n = stride`), the bits of [`scores`] for each head (each
 /// lane's chain runs the same FMAs in the same order; the two 8-lane halves of a key's 16 lanes
 /// are separate chains, computed one after the other here and met by the same add). Why: a key's
 /// row is loaded once for all `G` heads instead of once per head (on SmolLM2's 9 heads over 3 KV
@@ -16,9 +16,10 @@ use super::{prefetch_row, reduce8, SCORE_AHEAD, SUM_AHEAD};
 ///
 /// # Safety
 /// The CPU runs AVX2 and FMA; `q.len() == G * d`; `keys[k] + d <= plane.len()` for every key;
-/// `out.len() >= G * keys.len()`.
+/// `stride >= keys.len()` and `out.len() >= (G - 1) * stride + keys.len()`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+pub unsafe fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], keys: &[usize], scale: f32, out: &mut [f32],
+                                           stride: usize) {
     let nk = keys.len();
     let n = d / DOT_LANES * DOT_LANES;
     let (qp, pp) = (q.as_ptr(), plane.as_ptr());
@@ -62,27 +63,29 @@ pub unsafe fn scores_group<const G: usize>(q: &[f32], d: usize, plane: &[f32], k
                                         plane[ks[4] + i], plane[ks[5] + i], plane[ks[6] + i], plane[ks[7] + i]);
                 s = _mm256_fmadd_ps(_mm256_set1_ps(qg[i]), kv, s);
             }
-            // SAFETY: g * nk + 8 * g8 + 8 <= G * nk <= out.len() (the contract).
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(g * nk + 8 * g8), _mm256_mul_ps(s, scale_v)) };
+            // SAFETY: g * stride + 8 * g8 + 8 <= (G - 1) * stride + nk <= out.len() (the contract).
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(g * stride + 8 * g8), _mm256_mul_ps(s, scale_v)) };
         }
     }
     for g in 0..G {
         let qg = &q[g * d..(g + 1) * d];
-        for (&k, o) in keys[eights..].iter().zip(&mut out[g * nk + eights..(g + 1) * nk]) {
+        for (&k, o) in keys[eights..].iter().zip(&mut out[g * stride + eights..g * stride + nk]) {
             *o = dot(qg, &plane[k..][..d]) * scale;
         }
     }
 }
 
 /// `G` heads' weighted sums over one KV head's values in one pass: `out[g * d + i] = sum over k in
-/// order of p[g * n + k] * V[k][i]`, the bits of [`weighted_sum`] for each head (every output is
-/// its own chain of FMAs from 0, keys in order). A value row is loaded once for all `G` heads.
+/// order of p[g * stride + k] * V[k][i]`, the bits of [`weighted_sum`] for each head (every output
+/// is its own chain of FMAs from 0, or from `out`'s value with `accumulate`, keys in order). A
+/// value row is loaded once for all `G` heads.
 ///
 /// # Safety
 /// The CPU runs AVX2 and FMA; `out.len() == G * d`; `keys[k] + d <= plane.len()` for every key;
-/// `p.len() >= G * keys.len()`.
+/// `stride >= keys.len()` and `p.len() >= (G - 1) * stride + keys.len()`.
 #[target_feature(enable = "avx2,fma")]
-pub unsafe fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys: &[usize], out: &mut [f32]) {
+pub unsafe fn weighted_sum_group<const G: usize>(p: &[f32], stride: usize, plane: &[f32], keys: &[usize], out: &mut [f32],
+                                                 accumulate: bool) {
     let d = out.len() / G;
     let nk = keys.len();
     let n = d / LANES * LANES;
@@ -91,18 +94,18 @@ pub unsafe fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys:
     // 32 outputs of each head (4 vectors, 4G accumulators) at a time across every key
     while c0 + 32 <= n {
         // SAFETY: c0 + 32 <= n <= d: inside each head's outputs and every key's d floats.
-        unsafe { chunk_group::<G, 4>(p, nk, pp, keys, c0, d, out) };
+        unsafe { chunk_group::<G, 4>(p, stride, pp, keys, c0, d, out, accumulate) };
         c0 += 32;
     }
     while c0 < n {
         // SAFETY: c0 + 8 <= n, as above.
-        unsafe { chunk_group::<G, 1>(p, nk, pp, keys, c0, d, out) };
+        unsafe { chunk_group::<G, 1>(p, stride, pp, keys, c0, d, out, accumulate) };
         c0 += 8;
     }
     for g in 0..G {
         for i in n..d {
-            let mut s = 0f32;
-            for (&k, &pk) in keys.iter().zip(&p[g * nk..(g + 1) * nk]) {
+            let mut s = if accumulate { out[g * d + i] } else { 0.0 };
+            for (&k, &pk) in keys.iter().zip(&p[g * stride..g * stride + nk]) {
                 s = pk.mul_add(plane[k + i], s);
             }
             out[g * d + i] = s;
@@ -110,16 +113,26 @@ pub unsafe fn weighted_sum_group<const G: usize>(p: &[f32], plane: &[f32], keys:
     }
 }
 
-/// Outputs `c0 .. c0 + 8W` of each of `G` heads over every key.
+/// Outputs `c0 .. c0 + 8W` of each of `G` heads over every key (from 0, or from `out`'s with
+/// `accumulate`).
 ///
 /// # Safety
-/// AVX2 and FMA; `c0 + 8W <= d`, `out.len() == G * d`, `p.len() >= G * nk`, and every key's floats
-/// `c0 .. c0 + 8W` inside the plane.
+/// AVX2 and FMA; `c0 + 8W <= d`, `out.len() == G * d`, `p.len() >= (G - 1) * stride + keys.len()`,
+/// and every key's floats `c0 .. c0 + 8W` inside the plane.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chunk_group<const G: usize, const W: usize>(p: &[f32], nk: usize, pp: *const f32, keys: &[usize], c0: usize,
-                                                       d: usize, out: &mut [f32]) {
+unsafe fn chunk_group<const G: usize, const W: usize>(p: &[f32], stride: usize, pp: *const f32, keys: &[usize], c0: usize,
+                                                       d: usize, out: &mut [f32], accumulate: bool) {
     let mut acc = [[_mm256_setzero_ps(); W]; G];
+    if accumulate {
+        for (g, a) in acc.iter_mut().enumerate() {
+            for (j, x) in a.iter_mut().enumerate() {
+                // SAFETY: g * d + c0 + 8j + 8 <= (g + 1) * d <= out.len() (the contract).
+                *x = unsafe { _mm256_loadu_ps(out.as_ptr().add(g * d + c0 + 8 * j)) };
+            }
+        }
+    }
     for (i, &k) in keys.iter().enumerate() {
         if let Some(&ahead) = keys.get(i + SUM_AHEAD) {
             let mut j = 0;
@@ -134,7 +147,7 @@ unsafe fn chunk_group<const G: usize, const W: usize>(p: &[f32], nk: usize, pp: 
             *x = unsafe { _mm256_loadu_ps(pp.add(k + c0 + 8 * j)) };
         }
         for (g, a) in acc.iter_mut().enumerate() {
-            let pv = _mm256_set1_ps(p[g * nk + i]);
+            let pv = _mm256_set1_ps(p[g * stride + i]);
             for (j, x) in a.iter_mut().enumerate() {
                 *x = _mm256_fmadd_ps(pv, v[j], *x);
             }
