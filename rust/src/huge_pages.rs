@@ -78,8 +78,8 @@ unsafe impl Sync for Chunk {}
 
 impl Chunk {
     fn new(size: usize) -> Chunk {
-        let size = size.div_ceil(HUGE_PAGE).max(1) * HUGE_PAGE;
-        let layout = Layout::from_size_align(size, HUGE_PAGE).expect("a chunk's size fits isize");
+        let size = size.max(1).checked_next_multiple_of(HUGE_PAGE).expect("a buffer's size overflows usize");
+        let layout = Layout::from_size_align(size, HUGE_PAGE).expect("a buffer's size fits isize");
         // SAFETY: `layout` has a non-zero size.
         let ptr = unsafe { alloc(layout) };
         let Some(ptr) = NonNull::new(ptr) else { std::alloc::handle_alloc_error(layout) };
@@ -113,7 +113,8 @@ pub struct HugeBuf {
 impl HugeBuf {
     /// `len` zero bytes.
     pub fn zeroed(len: usize) -> HugeBuf {
-        let take = len.div_ceil(ALIGN).max(1) * ALIGN;
+        // (a size past usize panics here, as `vec![0u8; len]` would, instead of wrapping)
+        let take = len.max(1).checked_next_multiple_of(ALIGN).expect("a buffer's size overflows usize");
         let (chunk, offset) = if take >= CHUNK {
             (Arc::new(Chunk::new(take)), 0)
         } else {
@@ -187,6 +188,12 @@ mod tests {
         let weak = Arc::downgrade(&big.chunk);
         drop(big);
         assert!(weak.upgrade().is_none());
+    }
+
+    #[test]
+    #[should_panic(expected = "overflows usize")]
+    fn a_size_past_usize_panics_instead_of_wrapping() {
+        HugeBuf::zeroed(usize::MAX - 3);
     }
 
     #[test]
