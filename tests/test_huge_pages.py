@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedrs import huge_pages
@@ -30,3 +31,6 @@ def test_advice_covers_whole_aligned_pages_and_never_fails() -> None:
     assert advise_huge_pages(0, 0) == 0
     assert advise_huge_pages(2**64 - 1, 2**64 - 1) == 0  # no overflow, nothing mapped there
     assert advise_huge_pages(HUGE * 4096, HUGE) == 0  # an unmapped range: refused, reported as 0
+    for ptr, nbytes in [(-1, HUGE), (t.data_ptr(), -1), (2**64, 1)]:
+        with pytest.raises(OverflowError):  # not an address or a size: refused before any call
+            advise_huge_pages(ptr, nbytes)

@@ -234,19 +234,22 @@ fn attend_units<L: Lanes>(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys: 
     let width = u.kv_heads * d;
     SCRATCH.with(|cell| {
         let mut cell = cell.borrow_mut();
-        let Scratch { scores, wide, dense } = &mut *cell;
+        let Scratch { scores, sums, wide, dense } = &mut *cell;
         // grown, never shrunk (one set a thread)
         if scores.len() < heads * n {
             scores.resize(heads * n, 0.0);
         }
-        if wide.len() < RUN * width {
+        sums.resize(heads, 0.0);
+        if !matches!((k, v), (Rows::F32(_), Rows::F32(_))) && dense.get(1) != Some(&width) {
+            // an fp8 run's rows, one after another (float32 planes are read in place)
             wide.resize(RUN * width, 0.0);
+            dense.clear();
+            dense.extend((0..RUN).map(|t| t * width));
         }
-        dense.clear();
-        dense.extend((0..RUN).map(|t| t * width));
         let scores = &mut scores[..heads * n];
-        for t0 in (0..n).step_by(k.run_len(n)) {
-            let (kp, run) = k.run(&keys[t0..(t0 + k.run_len(n)).min(n)], width, wide, dense);
+        let step = k.run_len(n);
+        for t0 in (0..n).step_by(step) {
+            let (kp, run) = k.run(&keys[t0..(t0 + step).min(n)], width, wide, dense);
             for j in 0..u.kv_heads {
                 each_group(group, |h, g| {
                     let (q, out) = (&q[(j * group + h) * d..], &mut scores[(j * group + h) * n + t0..]);
@@ -258,13 +261,13 @@ fn attend_units<L: Lanes>(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys: 
                 });
             }
         }
-        let mut sums = vec![0f32; heads];
-        for (s, sum) in scores.chunks_exact_mut(n.max(1)).zip(&mut sums) {
+        for (s, sum) in scores.chunks_exact_mut(n.max(1)).zip(sums.iter_mut()) {
             let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
             *sum = L::softmax_weights(s, max);
         }
-        for t0 in (0..n).step_by(v.run_len(n)) {
-            let (vp, run) = v.run(&keys[t0..(t0 + v.run_len(n)).min(n)], width, wide, dense);
+        let step = v.run_len(n);
+        for t0 in (0..n).step_by(step) {
+            let (vp, run) = v.run(&keys[t0..(t0 + step).min(n)], width, wide, dense);
             for j in 0..u.kv_heads {
                 each_group(group, |h, g| {
                     let (p, out) = (&scores[(j * group + h) * n + t0..], &mut o[(j * group + h) * d..]);
@@ -279,7 +282,7 @@ fn attend_units<L: Lanes>(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys: 
         if n == 0 {
             o[..heads * d].fill(0.0);
         }
-        for (out, sum) in o.chunks_exact_mut(d).zip(sums) {
+        for (out, &sum) in o.chunks_exact_mut(d).zip(sums.iter()) {
             for x in out {
                 *x /= sum;
             }
@@ -298,12 +301,13 @@ fn each_group(group: usize, mut f: impl FnMut(usize, usize)) {
     }
 }
 
-/// Per thread: the scores (then softmax weights) of the heads [`attend_units`] runs, and an fp8
-/// run's widened rows (`RUN` keys of a row's KV heads: 12 KiB on SmolLM2, read again from the L1)
-/// with their offsets.
+/// Per thread: the scores (then softmax weights) of the heads [`attend_units`] runs and their
+/// sums, and an fp8 run's widened rows (`RUN` keys of a row's KV heads: 12 KiB on SmolLM2, read
+/// again from the L1) with their offsets.
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
+    sums: Vec<f32>,
     wide: Vec<f32>,
     dense: Vec<usize>,
 }

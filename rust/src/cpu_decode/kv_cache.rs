@@ -45,11 +45,11 @@ impl<'a> KvCache<'a> {
         let p = kvg.plane();
         match self {
             KvCache::F32(v) => {
-                let (k, v) = v[l * 2 * p..(l + 1) * 2 * p].split_at(p);
+                let (k, v) = v[kvg.layer_span(l)].split_at(p);
                 Planes::F32 { k, v }
             }
             KvCache::Fp8(c, fp8) => {
-                let (k, v) = c[l * 2 * p..(l + 1) * 2 * p].split_at(p);
+                let (k, v) = c[kvg.layer_span(l)].split_at(p);
                 Planes::Fp8 { k, v, fp8 }
             }
         }
@@ -90,11 +90,11 @@ impl<'a> KvCacheMut<'a> {
         let p = kvg.plane();
         match self {
             KvCacheMut::F32(v) => {
-                let (k, v) = v[l * 2 * p..(l + 1) * 2 * p].split_at_mut(p);
+                let (k, v) = v[kvg.layer_span(l)].split_at_mut(p);
                 PlanesMut::F32 { k, v }
             }
             KvCacheMut::Fp8(c, fp8) => {
-                let (k, v) = c[l * 2 * p..(l + 1) * 2 * p].split_at_mut(p);
+                let (k, v) = c[kvg.layer_span(l)].split_at_mut(p);
                 PlanesMut::Fp8 { k, v, fp8 }
             }
         }

@@ -28,6 +28,10 @@ impl KvGeometry {
     pub fn plane(&self) -> usize {
         self.num_blocks * self.block_size * self.kv_heads * self.head_dim
     }
+    /// Where layer `l`'s K plane then V plane lie in the whole cache.
+    pub fn layer_span(&self, l: usize) -> std::ops::Range<usize> {
+        l * 2 * self.plane()..(l + 1) * 2 * self.plane()
+    }
     /// Floats of the whole cache.
     pub fn len(&self) -> usize {
         self.layers * 2 * self.plane()
