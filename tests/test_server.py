@@ -276,6 +276,8 @@ ERROR_CASES = [
     ("completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs", "logprobs=21"),
     ("completions", {"model": MODEL, "prompt": TOO_LONG}, 400, "prompt", f"max_model_len is {MAX_MODEL_LEN}"),
     ("completions", {"model": MODEL, "prompt": ""}, 400, "prompt", "the prompt is empty"),
+    # refused by the engine's input processor (a FieldError), not by the server's own checks
+    ("completions", {"model": MODEL, "prompt": [[1, 2, 10**7]]}, 400, "prompt", "token id 10000000 is outside the vocabulary"),
     ("completions", {"model": MODEL, "prompt": 5}, 400, "prompt", "Input should be"),
     ("completions", {"model": MODEL}, 400, "prompt", "Field required"),
     ("completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),

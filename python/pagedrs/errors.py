@@ -6,7 +6,10 @@ the base layer, so that any layer may raise or catch them.
 
 from __future__ import annotations
 
-__all__ = ["EngineCoreDeadError", "EngineCoreError", "EngineDeadError", "PinCapError", "PrefixCacheBusyError", "UnknownPinError"]
+__all__ = [
+    "EngineCoreDeadError", "EngineCoreError", "EngineDeadError", "FieldError", "PinCapError", "PrefixCacheBusyError",
+    "UnknownPinError",
+]
 
 
 class EngineDeadError(RuntimeError):
@@ -42,3 +45,13 @@ class UnknownPinError(KeyError):
 
     def __str__(self) -> str:  # KeyError's repr-quoting would hide the message
         return str(self.args[0]) if self.args else ""
+
+
+class FieldError(ValueError):
+    """A request's input refused, naming the request field at fault (``param``: "prompt",
+    "priority", ...), so that a server reports it in the error's ``param`` as well as in the
+    message. A ValueError: callers that catch ValueError see no change."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param

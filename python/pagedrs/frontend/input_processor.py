@@ -18,6 +18,7 @@ from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import request_shape
 from pagedrs.core.protocol import CoreRequest
 from pagedrs.core.structured import grammar
+from pagedrs.errors import FieldError
 from pagedrs.sampling_params import RequestOutputKind, SamplingParams
 from pagedrs.tokenizer import TokenIdsOnly
 
@@ -99,8 +100,8 @@ class InputProcessor:
         if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)) or not (
             PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]
         ):
-            raise ValueError(
-                f"request {request_id!r}: priority is {priority!r}; it must be an int in "
+            raise FieldError(
+                "priority", f"request {request_id!r}: priority is {priority!r}; it must be an int in "
                 f"[{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}]"
             )
         if getattr(params, "stop", None) and isinstance(self.tokenizer, TokenIdsOnly):
@@ -129,60 +130,68 @@ class InputProcessor:
             if "prompt_token_ids" in prompt:
                 prompt = prompt["prompt_token_ids"]
                 if isinstance(prompt, str):
-                    raise ValueError(f"request {request_id!r}: prompt_token_ids is a string; it must be a list of ints")
+                    raise FieldError(
+                        "prompt", f"request {request_id!r}: prompt_token_ids is a string; it must be a list of ints"
+                    )
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise ValueError(
-                    f"request {request_id!r}: a dict prompt needs 'prompt_token_ids' or 'prompt'; got keys {sorted(map(str, prompt))}"
+                raise FieldError(
+                    "prompt", f"request {request_id!r}: a dict prompt needs 'prompt_token_ids' or 'prompt'; "
+                    f"got keys {sorted(map(str, prompt))}"
                 )
         if isinstance(prompt, str):
             if len(prompt) > 64 * self.max_model_len:  # no tokenizer packs 64 characters per token
-                raise ValueError(
-                    f"request {request_id!r}: the prompt has {len(prompt)} characters; it cannot fit "
+                raise FieldError(
+                    "prompt", f"request {request_id!r}: the prompt has {len(prompt)} characters; it cannot fit "
                     f"max_model_len = {self.max_model_len} tokens"
                 )
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800" from JSON
-                raise ValueError(
-                    f"request {request_id!r}: the prompt is not valid Unicode text: {exc.reason} "
+                raise FieldError(
+                    "prompt", f"request {request_id!r}: the prompt is not valid Unicode text: {exc.reason} "
                     f"(character {exc.object[exc.start]!r} at index {exc.start})"
                 ) from None
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             text, token_ids = None, self._token_ids(request_id, prompt)
         else:
-            raise ValueError(
-                f"request {request_id!r}: prompt must be a str, a list of token ids or a dict; got {type(prompt).__name__}"
+            raise FieldError(
+                "prompt", f"request {request_id!r}: prompt must be a str, a list of token ids or a dict; "
+                f"got {type(prompt).__name__}"
             )
         if not token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty; at least 1 token is needed")
+            raise FieldError("prompt", f"request {request_id!r}: the prompt is empty; at least 1 token is needed")
         if len(token_ids) > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}"
+            raise FieldError(
+                "prompt", f"request {request_id!r}: the prompt has {len(token_ids)} tokens; "
+                f"max_model_len is {self.max_model_len}"
             )
         return text, token_ids
 
     def _token_ids(self, request_id: str, prompt: Any) -> list[int]:
         if len(prompt) > self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}"
+            raise FieldError(
+                "prompt", f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}"
             )
         if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-                raise ValueError(
-                    f"request {request_id!r}: a token-id array must be 1-D of integers; got {prompt.dtype} {prompt.shape}"
+                raise FieldError(
+                    "prompt", f"request {request_id!r}: a token-id array must be 1-D of integers; "
+                    f"got {prompt.dtype} {prompt.shape}"
                 )
             token_ids = prompt.astype(np.int64).tolist()
         else:
             for t in prompt:  # bools are ints to Python, but never token ids
                 if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-                    raise ValueError(f"request {request_id!r}: token id {t!r} is not an int")
+                    raise FieldError("prompt", f"request {request_id!r}: token id {t!r} is not an int")
             token_ids = [int(t) for t in prompt]
         for t in token_ids:
             if not 0 <= t < self.vocab_size:
-                raise ValueError(f"request {request_id!r}: token id {t} is outside the vocabulary [0, {self.vocab_size})")
+                raise FieldError(
+                    "prompt", f"request {request_id!r}: token id {t} is outside the vocabulary [0, {self.vocab_size})"
+                )
         return token_ids
 
 

@@ -217,10 +217,10 @@ class Generation:
                 self._unfinished.add(request_id)
                 await loop.add(request_id, {"prompt_token_ids": prompt}, self.params, self.stream, tag=tag,
                                priority=self.priority, cache_salt=self.engine_salt)
-        except ValueError as exc:
+        except ValueError as exc:  # a FieldError names the request field at fault
             self.abort()
             loop.metrics.rejected.labels(status="400").inc()
-            raise bad_request(str(exc)) from exc
+            raise bad_request(str(exc), param=getattr(exc, "param", None)) from exc
         except RuntimeError as exc:  # the engine loop stopped or refuses adds (shutting down)
             self.abort()
             loop.metrics.rejected.labels(status="503").inc()

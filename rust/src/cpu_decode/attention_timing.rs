@@ -141,3 +141,90 @@ mod hot {
                  out.iter().sum::<f32>());
     }
 }
+
+mod cold {
+    use super::super::attention::*;
+    use crate::cpu_decode::kv_cache::Planes;
+    use crate::cpu_decode::step::{KvGeometry, StepLayout, StepMeta};
+
+    /// `cargo test --release --lib attention_cold -- --ignored --nocapture`: one row over 1000 keys
+    /// in each of 30 layers' own pages, with a weights-sized stream read between layers (as the
+    /// engine's products do), 1 thread: attention's time alone.
+    #[test]
+    #[ignore]
+    fn attention_cold() {
+        let keys = 1000usize;
+        let blocks = 256usize;
+        let layers: usize = std::env::var("LAYERS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
+        let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads: 3, head_dim: 64 };
+        let order = std::env::var("PAGES").unwrap_or_default();
+        let tables: Vec<i32> = match order.as_str() {
+            "descending" => (0..blocks as i32).rev().collect(),
+            _ => (0..blocks as i32).collect(),
+        };
+        let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
+        let seq_lens = [keys as i32];
+        let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
+                              table_width: blocks };
+        let step = StepLayout::new(meta, 1, &kv).unwrap();
+        let qkv: Vec<f32> = (0..15 * 64).map(|i| (i as f32 * 0.01).cos()).collect();
+        let planes: Vec<(Vec<f32>, Vec<f32>)> = (0..layers).map(|l| {
+            let k: Vec<f32> = (0..kv.plane()).map(|i| (((i + l) * 37) % 1001) as f32 * 0.001 - 0.5).collect();
+            let v: Vec<f32> = (0..kv.plane()).map(|i| (((i + l) * 91) % 997) as f32 * 0.001 - 0.5).collect();
+            (k, v)
+        }).collect();
+        let weights: Vec<u64> = (0..3 * 1024 * 1024 / 8).map(|i| i as u64).collect();
+        let mut out = vec![0f32; 9 * 64];
+        let threads: usize = std::env::var("THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+        let mut times = Vec::new();
+        let mut sink = 0u64;
+        for _ in 0..9 {
+            let mut spent = 0f64;
+            for _ in 0..10 {
+                for (k, v) in &planes {
+                    if std::env::var("NOWEIGHTS").is_err() {
+                        sink = sink.wrapping_add(weights.iter().fold(0u64, |a, &x| a ^ x));
+                    }
+                    let layer = LayerAttention { planes: Planes::F32 { k, v }, heads: 9, scale: 0.125, sliding_window: None };
+                    let t = std::time::Instant::now();
+                    if std::env::var("STRIDED").is_ok() {
+                        let mut acc = [0f32; 16];
+                        for j in 0..3 {
+                            for key in 0..keys {
+                                let r = &k[key * 192 + j * 64..][..64];
+                                for c in r.chunks_exact(16) {
+                                    for i in 0..16 { acc[i] += c[i]; }
+                                }
+                            }
+                        }
+                        for j in 0..6 {
+                            for key in 0..keys {
+                                let r = &v[key * 192 + j * 32..][..32];
+                                for c in r.chunks_exact(16) {
+                                    for i in 0..16 { acc[i] += c[i]; }
+                                }
+                            }
+                        }
+                        out[0] += acc.iter().sum::<f32>();
+                    } else if std::env::var("READ").is_ok() {
+                        let n = keys * 192;
+                        let mut acc = [0f32; 16];
+                        for (a, b) in k[..n].chunks_exact(16).zip(v[..n].chunks_exact(16)) {
+                            for i in 0..16 {
+                                acc[i] += a[i] + b[i];
+                            }
+                        }
+                        out[0] += acc.iter().sum::<f32>();
+                    } else {
+                        attend(&layer, &qkv, &step, &kv, &mut out, threads, Simd::best()).unwrap();
+                    }
+                    spent += t.elapsed().as_secs_f64();
+                }
+            }
+            times.push(spent / (10 * layers) as f64 * 1e6);
+        }
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        println!("{keys} keys, 30 layers' pages, {threads} thread(s): median {:.1} us a layer (min {:.1}); {sink} {}", times[4],
+                 times[0], out.iter().sum::<f32>());
+    }
+}
