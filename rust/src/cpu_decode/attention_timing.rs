@@ -147,21 +147,33 @@ mod cold {
     use crate::cpu_decode::kv_cache::Planes;
     use crate::cpu_decode::step::{KvGeometry, StepLayout, StepMeta};
 
+    /// Sum of `plane`'s floats at `starts[i] .. starts[i] + len`, 16 lanes (a read the loads bound).
+    fn read(plane: &[f32], starts: impl Iterator<Item = usize>, len: usize, acc: &mut [f32; 16]) {
+        for s in starts {
+            for c in plane[s..s + len].chunks_exact(16) {
+                for i in 0..16 {
+                    acc[i] += c[i];
+                }
+            }
+        }
+    }
+
     /// `cargo test --release --lib attention_cold -- --ignored --nocapture`: one row over 1000 keys
-    /// in each of 30 layers' own pages, with a weights-sized stream read between layers (as the
-    /// engine's products do), 1 thread: attention's time alone.
+    /// (SmolLM2's 3 KV heads of 64, 9 query heads) in each of 30 layers' own pages (46 MB, past the
+    /// L3), ascending, a 3 MB weights-like read between layers (as a step's products do), 1 thread;
+    /// beside it, the same K/V bytes only read: in order, and in attention's order (each KV head's
+    /// 256 bytes of every key for the scores, then each 128-byte half of its values).
+    /// 2026-12-06, fifth session, AMD EPYC Zen 3 (noisy; medians of 9): attention 240-330 us a layer
+    /// (75-85 with the pages in the caches, `attention_hot`); read in order 71-94; read in attention's
+    /// order 137-190, and slower still with software prefetch ahead of it (8, 32, 96 keys: 149-224).
+    /// Runs of 16-256 keys with all of a key's KV heads at once (the rows read in order) and the
+    /// loops' own prefetch off were measured too: 245-295, inside the noise of the build in use.
     #[test]
     #[ignore]
     fn attention_cold() {
-        let keys = 1000usize;
-        let blocks = 256usize;
-        let layers: usize = std::env::var("LAYERS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
+        let (keys, blocks, layers) = (1000usize, 256usize, 30usize);
         let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads: 3, head_dim: 64 };
-        let order = std::env::var("PAGES").unwrap_or_default();
-        let tables: Vec<i32> = match order.as_str() {
-            "descending" => (0..blocks as i32).rev().collect(),
-            _ => (0..blocks as i32).collect(),
-        };
+        let tables: Vec<i32> = (0..blocks as i32).collect();
         let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
         let seq_lens = [keys as i32];
         let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
@@ -173,58 +185,44 @@ mod cold {
             let v: Vec<f32> = (0..kv.plane()).map(|i| (((i + l) * 91) % 997) as f32 * 0.001 - 0.5).collect();
             (k, v)
         }).collect();
-        let weights: Vec<u64> = (0..3 * 1024 * 1024 / 8).map(|i| i as u64).collect();
-        let mut out = vec![0f32; 9 * 64];
-        let threads: usize = std::env::var("THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
-        let mut times = Vec::new();
-        let mut sink = 0u64;
-        for _ in 0..9 {
-            let mut spent = 0f64;
-            for _ in 0..10 {
-                for (k, v) in &planes {
-                    if std::env::var("NOWEIGHTS").is_err() {
-                        sink = sink.wrapping_add(weights.iter().fold(0u64, |a, &x| a ^ x));
-                    }
-                    let layer = LayerAttention { planes: Planes::F32 { k, v }, heads: 9, scale: 0.125, sliding_window: None };
-                    let t = std::time::Instant::now();
-                    if std::env::var("STRIDED").is_ok() {
-                        let mut acc = [0f32; 16];
-                        for j in 0..3 {
-                            for key in 0..keys {
-                                let r = &k[key * 192 + j * 64..][..64];
-                                for c in r.chunks_exact(16) {
-                                    for i in 0..16 { acc[i] += c[i]; }
+        let weights: Vec<u64> = (0..3 * 1024 * 1024 / 8).map(|i| i as u64 * 7).collect();
+        let row = 3 * 64;
+        for what in ["attention", "read in order", "read in attention's order"] {
+            let (mut out, mut acc, mut sink) = (vec![0f32; 9 * 64], [0f32; 16], 0u64);
+            let mut times = Vec::new();
+            for _ in 0..9 {
+                let mut spent = 0f64;
+                for _ in 0..10 {
+                    for (k, v) in &planes {
+                        sink = sink.wrapping_add(weights.iter().fold(0u64, |a, &x| a.wrapping_add(x)));
+                        let t = std::time::Instant::now();
+                        match what {
+                            "attention" => {
+                                let layer = LayerAttention { planes: Planes::F32 { k, v }, heads: 9, scale: 0.125,
+                                                             sliding_window: None };
+                                attend(&layer, &qkv, &step, &kv, &mut out, 1, Simd::best()).unwrap();
+                            }
+                            "read in order" => {
+                                read(k, std::iter::once(0), keys * row, &mut acc);
+                                read(v, std::iter::once(0), keys * row, &mut acc);
+                            }
+                            _ => {
+                                for j in 0..3 {
+                                    read(k, (0..keys).map(|t| t * row + j * 64), 64, &mut acc);
+                                }
+                                for h in 0..6 {
+                                    read(v, (0..keys).map(|t| t * row + h * 32), 32, &mut acc);
                                 }
                             }
                         }
-                        for j in 0..6 {
-                            for key in 0..keys {
-                                let r = &v[key * 192 + j * 32..][..32];
-                                for c in r.chunks_exact(16) {
-                                    for i in 0..16 { acc[i] += c[i]; }
-                                }
-                            }
-                        }
-                        out[0] += acc.iter().sum::<f32>();
-                    } else if std::env::var("READ").is_ok() {
-                        let n = keys * 192;
-                        let mut acc = [0f32; 16];
-                        for (a, b) in k[..n].chunks_exact(16).zip(v[..n].chunks_exact(16)) {
-                            for i in 0..16 {
-                                acc[i] += a[i] + b[i];
-                            }
-                        }
-                        out[0] += acc.iter().sum::<f32>();
-                    } else {
-                        attend(&layer, &qkv, &step, &kv, &mut out, threads, Simd::best()).unwrap();
+                        spent += t.elapsed().as_secs_f64();
                     }
-                    spent += t.elapsed().as_secs_f64();
                 }
+                times.push(spent / (10 * layers) as f64 * 1e6);
             }
-            times.push(spent / (10 * layers) as f64 * 1e6);
+            times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            println!("{what}: median {:.1} us a layer (min {:.1}); checksum {} {sink}", times[4], times[0],
+                     out.iter().sum::<f32>() + acc.iter().sum::<f32>());
         }
-        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        println!("{keys} keys, 30 layers' pages, {threads} thread(s): median {:.1} us a layer (min {:.1}); {sink} {}", times[4],
-                 times[0], out.iter().sum::<f32>());
     }
 }
