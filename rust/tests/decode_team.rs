@@ -192,3 +192,58 @@ fn an_fp8_cache_is_written_and_read_as_its_codes() {
         }
     }
 }
+
+/// One row over a long context (300 keys, 3 KV heads): on 2 and 4 threads its attention is split
+/// into score and sum phases (`cpu_decode::attention_split`; 3 threads share the KV heads evenly
+/// and are not), with the one-thread loop's bits in the output and the pages, a middle layer's
+/// window wide enough to split too or so narrow that no layer is split; a NaN query (an infinite
+/// rotary angle) is the same error on every thread count.
+#[test]
+fn a_long_row_split_over_a_team_gives_the_one_thread_bits() {
+    let geo = StackGeometry { hidden: 64, heads: 6, kv_heads: 3, head_dim: 16, intermediate: 96, eps: 1e-5, scale: 0.25 };
+    let kvg = KvGeometry { layers: 3, num_blocks: 40, block_size: 16, kv_heads: 3, head_dim: 16 };
+    let len = 300usize;
+    let tables: Vec<i32> = (0..40).map(|b| (b * 23 + 7) % 40).collect();
+    let slot = tables[(len - 1) / 16] as i64 * 16 + ((len - 1) % 16) as i64;
+    let h: Vec<f32> = (0..64).map(|i| ((i * 31) as f32 * 0.05).cos()).collect();
+    let good: Vec<f32> = (0..16).map(|i| (2.1 + (i % 8) as f32 * 0.1).cos()).collect();
+    for window in [None, Some(200), Some(5)] {
+        let mut seed = 0x9e3779b97f4a7c15u64;
+        let layers = (0..3).map(|l| LayerWeights {
+            input_norm: (0..64).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect(),
+            post_norm: (0..64).map(|i| 1.2 - (i % 5) as f32 * 0.1).collect(),
+            qkv: matrix("qkv", Format::Q8_0, 192, 64, &mut seed),
+            qkv_bias: None,
+            o: matrix("o", Format::Q4_1, 64, 96, &mut seed),
+            gate_up: matrix("gate_up", Format::Q4_0, 192, 64, &mut seed),
+            down: matrix("down", Format::Q4_1, 64, 96, &mut seed),
+            sliding_window: if l == 1 { window } else { None },
+        }).collect();
+        let stack = DecodeStack::new(geo, layers).unwrap().with_final_norm(vec![0.9; 64]).unwrap();
+        let run = |cos_sin: &[f32], threads: usize| {
+            let mut kv: Vec<f32> = (0..kvg.len()).map(|i| ((i * 7919 % 1009) as f32 / 504.0) - 1.0).collect();
+            let seq_lens = [len as i32];
+            let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
+                                  table_width: 40 };
+            let out = stack.forward(&h, cos_sin, &mut kv, kvg, meta, threads, Kernel::best()).map_err(|e| e.to_string());
+            (out, kv)
+        };
+        let (want, want_kv) = run(&good, 1);
+        let want = want.unwrap();
+        assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|&x| x != 0.0));
+        let mut bad = good.clone();
+        bad[3] = f32::INFINITY;
+        let (err, err_kv) = run(&bad, 1);
+        let err = err.unwrap_err();
+        assert!(err.contains("tensor \"o\""), "{err}");
+        for threads in [2, 3, 4] {
+            let (got, kv) = run(&good, threads);
+            assert_eq!(got.unwrap(), want, "window {window:?}, {threads} threads");
+            assert_eq!(kv, want_kv, "window {window:?}, {threads} threads: the pages written");
+            let (got, kv) = run(&bad, threads);
+            assert_eq!(got.unwrap_err(), err, "window {window:?}, {threads} threads");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&kv), bits(&err_kv), "window {window:?}, {threads} threads: the pages of a failed step");
+        }
+    }
+}

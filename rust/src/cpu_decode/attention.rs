@@ -9,6 +9,7 @@
 
 use std::sync::Mutex;
 
+use super::attention_split::{attend_on_team, KeySplit};
 use super::error::DecodeError;
 use super::kv_cache::Planes;
 use super::kv_fp8::{widen_rows, Fp8};
@@ -59,6 +60,15 @@ pub fn attend(
     simd: Simd,
 ) -> Result<(), DecodeError> {
     let keys = row_keys(layer.sliding_window, step, kv);
+    let n = keys.first().map_or(0, Vec::len);
+    if let Planes::F32 { k, v } = layer.planes {
+        if let Some(split) = KeySplit::plan(step.rows.len(), layer.heads, kv.kv_heads, kv.head_dim, n, threads, true) {
+            // one row on threads its KV heads do not share out evenly (`attention_split`)
+            let team = pool::team(threads)?;
+            return attend_on_team(&split, &team, &qkv[..layer.heads * kv.head_dim], k, v, &keys[0], layer.scale, out, simd)
+                .map_err(|e| threads_error(e, "attention"));
+        }
+    }
     let per_item = units_per_item(step.rows.len(), kv.kv_heads, threads);
     let size = per_item * layer.heads / kv.kv_heads * kv.head_dim;
     let items = step.rows.len() * kv.kv_heads / per_item;
@@ -75,10 +85,15 @@ pub fn attend(
         let mut o = outs[i].lock().unwrap_or_else(|e| e.into_inner());
         attend_item(layer, &keys, qkv, kv, i, per_item, &mut o, simd);
     })
-    .map_err(|e| match e {
-        GemvError::Threads { reason } => DecodeError::Gemv(GemvError::Threads { reason: format!("attention: {reason}") }),
+    .map_err(|e| threads_error(e, "attention"))
+}
+
+/// A team's failure as the step's error, naming the part that failed.
+fn threads_error(e: GemvError, part: &str) -> DecodeError {
+    match e {
+        GemvError::Threads { reason } => DecodeError::Gemv(GemvError::Threads { reason: format!("{part}: {reason}") }),
         e => DecodeError::Gemv(e),
-    })
+    }
 }
 
 /// How many (row, KV head) units make one work item of a layer's attention on `threads` threads:

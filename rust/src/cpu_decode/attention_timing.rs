@@ -159,35 +159,44 @@ mod cold {
     }
 
     /// `cargo test --release --lib attention_cold -- --ignored --nocapture`: one row over 1000 keys
-    /// (SmolLM2's 3 KV heads of 64, 9 query heads) in each of 30 layers' own pages (46 MB, past the
-    /// L3), ascending, a 3 MB weights-like read between layers (as a step's products do), 1 thread;
-    /// beside it, the same K/V bytes only read: in order, and in attention's order (each KV head's
-    /// 256 bytes of every key for the scores, then each 128-byte half of its values).
-    /// 2026-12-06, fifth session, AMD EPYC Zen 3 (noisy; medians of 9): attention 240-330 us a layer
-    /// (75-85 with the pages in the caches, `attention_hot`); read in order 71-94; read in attention's
-    /// order 137-190, and slower still with software prefetch ahead of it (8, 32, 96 keys: 149-224).
-    /// Runs of 16-256 keys with all of a key's KV heads at once (the rows read in order) and the
-    /// loops' own prefetch off were measured too: 245-295, inside the noise of the build in use.
+    /// (SmolLM2's 3 KV heads of 64, 9 query heads; then one KV head for the 9) in each of 30
+    /// layers' own pages (past the L3), ascending, a 3 MB weights-like read between layers (as a
+    /// step's products do), on 1 and 2 threads; beside it, the same K/V bytes only read: in order,
+    /// and in attention's order (each KV head's 256 bytes of every key for the scores, then each
+    /// 128-byte half of its values).
+    /// 2026-12-06, fifth session, AMD EPYC Zen 3 (noisy; medians of 9): attention on 1 thread
+    /// 220-330 us a layer (75-85 with the pages in the caches, `attention_hot`); read in order 71-106;
+    /// read in attention's order 126-190, and slower still with software prefetch ahead of it (8, 32,
+    /// 96 keys: 149-224). Runs of 16-256 keys with all of a key's KV heads at once (the rows read in
+    /// order) and the loops' own prefetch off were measured too: 245-295, inside the noise of the
+    /// build in use. On 2 threads, items of one KV head (before `attention_split`): 146-153 us with 3
+    /// KV heads (2 : 1), 123-125 with one (one thread did it all); split in two phases: 137 and 71-87.
     #[test]
     #[ignore]
     fn attention_cold() {
+        for kv_heads in [3usize, 1] {
+            cold(kv_heads);
+        }
+    }
+
+    fn cold(kv_heads: usize) {
         let (keys, blocks, layers) = (1000usize, 256usize, 30usize);
-        let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads: 3, head_dim: 64 };
+        let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads, head_dim: 64 };
         let tables: Vec<i32> = (0..blocks as i32).collect();
         let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
         let seq_lens = [keys as i32];
         let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
                               table_width: blocks };
         let step = StepLayout::new(meta, 1, &kv).unwrap();
-        let qkv: Vec<f32> = (0..15 * 64).map(|i| (i as f32 * 0.01).cos()).collect();
+        let qkv: Vec<f32> = (0..(9 + 2 * kv_heads) * 64).map(|i| (i as f32 * 0.01).cos()).collect();
         let planes: Vec<(Vec<f32>, Vec<f32>)> = (0..layers).map(|l| {
             let k: Vec<f32> = (0..kv.plane()).map(|i| (((i + l) * 37) % 1001) as f32 * 0.001 - 0.5).collect();
             let v: Vec<f32> = (0..kv.plane()).map(|i| (((i + l) * 91) % 997) as f32 * 0.001 - 0.5).collect();
             (k, v)
         }).collect();
         let weights: Vec<u64> = (0..3 * 1024 * 1024 / 8).map(|i| i as u64 * 7).collect();
-        let row = 3 * 64;
-        for what in ["attention", "read in order", "read in attention's order"] {
+        let row = kv_heads * 64;
+        for what in ["attention, 1 thread", "attention, 2 threads", "read in order", "read in attention's order"] {
             let (mut out, mut acc, mut sink) = (vec![0f32; 9 * 64], [0f32; 16], 0u64);
             let mut times = Vec::new();
             for _ in 0..9 {
@@ -197,20 +206,21 @@ mod cold {
                         sink = sink.wrapping_add(weights.iter().fold(0u64, |a, &x| a.wrapping_add(x)));
                         let t = std::time::Instant::now();
                         match what {
-                            "attention" => {
+                            "attention, 1 thread" | "attention, 2 threads" => {
                                 let layer = LayerAttention { planes: Planes::F32 { k, v }, heads: 9, scale: 0.125,
                                                              sliding_window: None };
-                                attend(&layer, &qkv, &step, &kv, &mut out, 1, Simd::best()).unwrap();
+                                let threads = if what.ends_with("1 thread") { 1 } else { 2 };
+                                attend(&layer, &qkv, &step, &kv, &mut out, threads, Simd::best()).unwrap();
                             }
                             "read in order" => {
                                 read(k, std::iter::once(0), keys * row, &mut acc);
                                 read(v, std::iter::once(0), keys * row, &mut acc);
                             }
                             _ => {
-                                for j in 0..3 {
+                                for j in 0..kv_heads {
                                     read(k, (0..keys).map(|t| t * row + j * 64), 64, &mut acc);
                                 }
-                                for h in 0..6 {
+                                for h in 0..2 * kv_heads {
                                     read(v, (0..keys).map(|t| t * row + h * 32), 32, &mut acc);
                                 }
                             }
@@ -221,7 +231,7 @@ mod cold {
                 times.push(spent / (10 * layers) as f64 * 1e6);
             }
             times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-            println!("{what}: median {:.1} us a layer (min {:.1}); checksum {} {sink}", times[4], times[0],
+            println!("{kv_heads} KV heads, {what}: median {:.1} us a layer (min {:.1}); checksum {} {sink}", times[4], times[0],
                      out.iter().sum::<f32>() + acc.iter().sum::<f32>());
         }
     }

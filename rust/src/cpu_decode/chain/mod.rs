@@ -29,8 +29,9 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use super::attention::{attend_item, row_keys, units_per_item, LayerAttention, Simd};
+use super::attention_split::KeySplit;
 use super::error::DecodeError;
-use super::kv_cache::KvCacheMut;
+use super::kv_cache::{KvCacheMut, Planes};
 use super::ops::rms_norm;
 use super::stack::{Buffers, DecodeStack, Spent};
 use super::step::{KvGeometry, StepLayout};
@@ -51,10 +52,12 @@ enum Kind {
     Rows(Product),
 }
 
-/// A layer's products in order.
+/// A layer's products in order. `Scores` is attention's first phase where one row's attention is
+/// split ([`KeySplit`]); `Attention` is then its second (the sums).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Product {
     Qkv,
+    Scores,
     Attention,
     O,
     GateUp,
@@ -64,6 +67,10 @@ enum Product {
 const LAYER: [Kind; 5] = [
     Kind::Product(Product::Qkv), Kind::Product(Product::Attention), Kind::Product(Product::O),
     Kind::Product(Product::GateUp), Kind::Product(Product::Down),
+];
+const LAYER_SPLIT: [Kind; 6] = [
+    Kind::Product(Product::Qkv), Kind::Product(Product::Scores), Kind::Product(Product::Attention),
+    Kind::Product(Product::O), Kind::Product(Product::GateUp), Kind::Product(Product::Down),
 ];
 const LAYER_IN_ROWS: [Kind; 10] = [
     Kind::Product(Product::Qkv), Kind::Rows(Product::Qkv), Kind::Product(Product::Attention),
@@ -134,8 +141,15 @@ struct Chain<'a> {
     layer_keys: Vec<usize>,
     /// (row, KV head) units an attention item holds (`attention::units_per_item`).
     attention_units: usize,
-    /// A layer's phases (`LAYER`, or `LAYER_IN_ROWS`), and the rows of one item of a `Rows` phase.
+    /// Where a one-row step's attention is split in two phases: the split of each distinct window
+    /// (as `keys`; empty where not split), the scores and the pieces (`KeySplit`'s buffers).
+    splits: Vec<KeySplit>,
+    scores: Buf,
+    pieces: Buf,
+    /// A layer's phases (`LAYER`, `LAYER_SPLIT` or `LAYER_IN_ROWS`), whether the row work has
+    /// phases of its own (`LAYER_IN_ROWS`), and the rows of one item of a `Rows` phase.
     kinds: &'static [Kind],
+    in_rows: bool,
     row_chunk: usize,
     /// The first non-finite input a `Rows` phase's items met, as (row, column): the earliest wins,
     /// so the error is the one-thread loop's.
@@ -192,6 +206,8 @@ impl PhasePlan for Chain<'_> {
     fn items(&self, p: usize) -> usize {
         let (l, kind) = self.phase(p);
         match kind {
+            Kind::Product(Product::Scores) => self.splits[self.layer_keys[l]].score_items(),
+            Kind::Product(Product::Attention) if !self.splits.is_empty() => self.splits[self.layer_keys[l]].sum_items(),
             Kind::Product(Product::Attention) => self.rows() * self.kvg.kv_heads / self.attention_units,
             Kind::Rows(_) => self.rows().div_ceil(self.row_chunk),
             Kind::Product(p) => self.product(l, p).0.chunks(self.rows(), self.threads),
@@ -205,6 +221,8 @@ impl PhasePlan for Chain<'_> {
         }
         let (l, kind) = self.phase(p);
         match kind {
+            Kind::Product(Product::Scores) => self.scores_item(l, i),
+            Kind::Product(Product::Attention) if !self.splits.is_empty() => self.sums_item(l, i),
             Kind::Product(Product::Attention) => self.attention_item(l, i),
             Kind::Rows(after) => self.rows_item(l, after, i),
             Kind::Product(p) => {
@@ -223,7 +241,7 @@ impl PhasePlan for Chain<'_> {
         let (l, kind) = self.phase(p);
         let began = self.now();
         let phase = match kind {
-            Kind::Product(Product::Attention) => &self.attention,
+            Kind::Product(Product::Attention | Product::Scores) => &self.attention,
             Kind::Rows(_) => &self.elementwise, // (quantizing included, at these sizes)
             _ => &self.products,
         };
@@ -268,6 +286,35 @@ impl Chain<'_> {
         attend_item(&layer, &self.keys[self.layer_keys[l]].1, qkv, self.kvg, i, self.attention_units, o, self.simd);
     }
 
+    /// Score item `i` of layer `l`'s split attention ([`KeySplit::scores`]).
+    fn scores_item(&self, l: usize, i: usize) {
+        let (g, split) = (&self.stack.geo, &self.splits[self.layer_keys[l]]);
+        let block = split.score_block(i);
+        // SAFETY: score items only read `qkv` and the cache (written by the `after` before them),
+        // and item `i` alone writes its block of `scores` (inside it: `scores` holds the largest
+        // split's `scores_len`), which no item of the phase reads.
+        let (qkv, planes, out) = unsafe {
+            (self.qkv.read(), self.kv.read().layer(l, self.kvg),
+             std::slice::from_raw_parts_mut(self.scores.ptr.add(block.start), block.len()))
+        };
+        let Planes::F32 { k, .. } = planes else { unreachable!("a split reads float32 pages (KeySplit::plan)") };
+        split.scores(i, &qkv[..g.heads * g.head_dim], k, &self.keys[self.layer_keys[l]].1[0], g.scale, out, self.simd);
+    }
+
+    /// Sum item `i` of layer `l`'s split attention ([`KeySplit::sums`]).
+    fn sums_item(&self, l: usize, i: usize) {
+        let split = &self.splits[self.layer_keys[l]];
+        let block = split.piece_block(i);
+        // SAFETY: sum items read `scores` (written by the phase before, read-only now) and the
+        // cache, and item `i` alone writes its piece of `pieces`, which no item of the phase reads.
+        let (scores, planes, out) = unsafe {
+            (&self.scores.read()[..split.scores_len()], self.kv.read().layer(l, self.kvg),
+             std::slice::from_raw_parts_mut(self.pieces.ptr.add(block.start), block.len()))
+        };
+        let Planes::F32 { v, .. } = planes else { unreachable!("a split reads float32 pages (KeySplit::plan)") };
+        split.sums(i, scores, v, &self.keys[self.layer_keys[l]].1[0], out, self.simd);
+    }
+
     /// Product `p`'s matrix in layer `l`, and the buffer it writes (not attention's: its items
     /// are `attention_item`).
     fn product(&self, l: usize, p: Product) -> (&PackedMatrix, Buf) {
@@ -276,7 +323,7 @@ impl Chain<'_> {
             Product::Qkv => (&lw.qkv, self.qkv),
             Product::O => (&lw.o, self.out),
             Product::GateUp => (&lw.gate_up, self.gate_up),
-            Product::Down | Product::Attention => (&lw.down, self.out),
+            Product::Down | Product::Attention | Product::Scores => (&lw.down, self.out),
         }
     }
 }
@@ -287,9 +334,14 @@ impl Chain<'_> {
     /// step of few rows the row work runs here, whole, between the same serial steps a step in
     /// rows runs around its `Rows` phase: one definition of each step for both.
     fn between(&self, l: usize, kind: Kind) -> u64 {
+        if kind == Kind::Product(Product::Attention) && !self.splits.is_empty() {
+            let split = &self.splits[self.layer_keys[l]];
+            // SAFETY: an `after` step runs alone; the one row's outputs lie inside `o`.
+            unsafe { split.scatter(self.pieces.read(), self.o.write_rows(0..1, self.stack.geo.heads * self.stack.geo.head_dim)) };
+        }
         self.between_phases(l, kind);
         let Kind::Product(after) = kind else { return 0 };
-        if self.kinds.len() != LAYER.len() {
+        if self.in_rows {
             return 0; // its `Rows` phase comes next
         }
         // SAFETY: an `after` step runs alone, so its row work owns every row.
@@ -323,11 +375,22 @@ pub(super) fn layers_on_team(stack: &DecodeStack, b: &mut Buffers, cos_sin: &[f3
         };
         layer_keys.push(at);
     }
+    let g = &stack.geo;
+    let float32 = matches!(kv, KvCacheMut::F32(_));
+    let splits: Vec<KeySplit> = keys.iter()
+        .map_while(|(_, rows)| KeySplit::plan(rows.len(), g.heads, g.kv_heads, g.head_dim, rows.first().map_or(0, Vec::len), team.threads(),
+                                              float32))
+        .collect();
+    let splits = if splits.len() == keys.len() { splits } else { Vec::new() }; // every layer's, or none
+    let mut scores = vec![0f32; splits.iter().map(KeySplit::scores_len).max().unwrap_or(0)];
+    let mut pieces = vec![0f32; splits.first().map_or(0, KeySplit::pieces_len)];
+    let in_rows = step.rows.len() >= rows::PARALLEL_ROWS;
     let quantized = start.elapsed().as_nanos() as u64;
     let chain = Chain {
         stack, cos_sin, kvg, step, kernel, simd: Simd::best(), threads: team.threads(), keys, layer_keys,
         attention_units: units_per_item(step.rows.len(), kvg.kv_heads, team.threads()),
-        kinds: if step.rows.len() >= rows::PARALLEL_ROWS { &LAYER_IN_ROWS } else { &LAYER },
+        kinds: if in_rows { &LAYER_IN_ROWS } else if splits.is_empty() { &LAYER } else { &LAYER_SPLIT },
+        in_rows, scores: Buf::of(&mut scores), pieces: Buf::of(&mut pieces), splits,
         row_chunk: rows::chunk(step.rows.len(), team.threads()), row_error: Mutex::new(None),
         residual: Buf::of(&mut b.residual), x: Buf::of(&mut b.x), qkv: Buf::of(&mut b.qkv), o: Buf::of(&mut b.o),
         out: Buf::of(&mut b.out), gate_up: Buf::of(&mut b.gate_up), act: Buf::of(&mut b.act), kv: KvBuf::of(kv),

@@ -52,6 +52,7 @@ impl Chain<'_> {
                 self.stack.rotate_qkv(l, qkv, &self.cos_sin[r.start * d..r.end * d]);
                 0
             }
+            Product::Scores => 0, // the sums come next: nothing to do between
             Product::Attention => self.quantize_rows(unsafe { self.o.read_rows(r.clone(), g.heads * d) }, r.start),
             Product::O => {
                 let (residual, x) = unsafe { (self.residual.write_rows(r.clone(), h), self.x.write_rows(r.clone(), h)) };
@@ -106,7 +107,7 @@ impl Chain<'_> {
         let lw = &layers[l];
         let next_input = |kind| -> Option<&PackedMatrix> {
             match kind {
-                Product::Qkv => None,
+                Product::Qkv | Product::Scores => None,
                 Product::Attention => Some(&lw.o),
                 Product::O => Some(&lw.gate_up),
                 Product::GateUp => Some(&lw.down),
