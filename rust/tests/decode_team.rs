@@ -197,9 +197,12 @@ fn an_fp8_cache_is_written_and_read_as_its_codes() {
 /// into score and sum phases (`cpu_decode::attention_split`; 3 threads share the KV heads evenly
 /// and are not), with the one-thread loop's bits in the output and the pages, a middle layer's
 /// window wide enough to split too or so narrow that no layer is split; a NaN query (an infinite
-/// rotary angle) is the same error on every thread count.
+/// rotary angle) is the same error on every thread count; an fp8 cache too.
 #[test]
 fn a_long_row_split_over_a_team_gives_the_one_thread_bits() {
+    use pagedrs::cpu_decode::kv_cache::{Fp8Cache, KvCacheMut};
+    use pagedrs::cpu_decode::kv_fp8::Fp8;
+
     let geo = StackGeometry { hidden: 64, heads: 6, kv_heads: 3, head_dim: 16, intermediate: 96, eps: 1e-5, scale: 0.25 };
     let kvg = KvGeometry { layers: 3, num_blocks: 40, block_size: 16, kv_heads: 3, head_dim: 16 };
     let len = 300usize;
@@ -244,6 +247,21 @@ fn a_long_row_split_over_a_team_gives_the_one_thread_bits() {
             assert_eq!(got.unwrap_err(), err, "window {window:?}, {threads} threads");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&kv), bits(&err_kv), "window {window:?}, {threads} threads: the pages of a failed step");
+        }
+        // the same over an fp8 cache (split too: each item widens only the codes it reads)
+        let fp8 = Fp8Cache { format: Fp8::E4m3, k_scale: 0.5, v_scale: 0.25 };
+        let run_fp8 = |threads: usize| {
+            let mut codes: Vec<u8> = (0..kvg.len()).map(|i| (i * 53 % 247) as u8 & 0xf7).collect();
+            let seq_lens = [len as i32];
+            let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
+                                  table_width: 40 };
+            let out = stack.forward_cache(&h, &good, KvCacheMut::Fp8(&mut codes, fp8), kvg, meta, threads, Kernel::best()).unwrap();
+            (out, codes)
+        };
+        let want = run_fp8(1);
+        assert!(want.0.iter().all(|x| x.is_finite()));
+        for threads in [2, 3, 4] {
+            assert_eq!(run_fp8(threads), want, "fp8, window {window:?}, {threads} threads");
         }
     }
 }

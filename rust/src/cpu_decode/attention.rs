@@ -61,13 +61,12 @@ pub fn attend(
 ) -> Result<(), DecodeError> {
     let keys = row_keys(layer.sliding_window, step, kv);
     let n = keys.first().map_or(0, Vec::len);
-    if let Planes::F32 { k, v } = layer.planes {
-        if let Some(split) = KeySplit::plan(step.rows.len(), layer.heads, kv.kv_heads, kv.head_dim, n, threads, true) {
-            // one row on threads its KV heads do not share out evenly (`attention_split`)
-            let team = pool::team(threads)?;
-            return attend_on_team(&split, &team, &qkv[..layer.heads * kv.head_dim], k, v, &keys[0], layer.scale, out, simd)
-                .map_err(|e| threads_error(e, "attention"));
-        }
+    if let Some(split) = KeySplit::plan(step.rows.len(), layer.heads, kv.kv_heads, kv.head_dim, n, threads) {
+        // one row on threads its KV heads do not share out evenly (`attention_split`)
+        let team = pool::team(threads)?;
+        return attend_on_team(&split, &team, &qkv[..layer.heads * kv.head_dim], layer.planes, &keys[0], layer.scale, out,
+                              simd)
+            .map_err(|e| threads_error(e, "attention"));
     }
     let per_item = units_per_item(step.rows.len(), kv.kv_heads, threads);
     let size = per_item * layer.heads / kv.kv_heads * kv.head_dim;
@@ -128,13 +127,7 @@ pub fn attend_item(layer: &LayerAttention<'_>, keys: &[Vec<usize>], qkv: &[f32],
         let (mine, rest) = std::mem::take(&mut o).split_at_mut(nj * group * d);
         let q = &qkv[r * width + j0 * group * d..][..nj * group * d];
         let shape = Units { kv_heads: nj, group, d, scale: layer.scale };
-        let (k, v) = match layer.planes {
-            Planes::F32 { k, v } => (Rows::F32(&k[j0 * d..]), Rows::F32(&v[j0 * d..])),
-            Planes::Fp8 { k, v, fp8 } => (
-                Rows::Fp8 { codes: &k[j0 * d..], format: fp8.format, scale: fp8.k_scale },
-                Rows::Fp8 { codes: &v[j0 * d..], format: fp8.format, scale: fp8.v_scale },
-            ),
-        };
+        let (k, v) = Rows::of(layer.planes, j0 * d);
         attend_units_on(simd, &shape, k, v, q, &keys[r], mine);
         o = rest;
         u += nj;
@@ -146,16 +139,30 @@ pub fn attend_item(layer: &LayerAttention<'_>, keys: &[Vec<usize>], qkv: &[f32],
 /// Widened values are `code * scale` ([`widen_rows`]): the bits a float32 page of those values
 /// holds, so the loops after compute the same bits either way.
 #[derive(Clone, Copy)]
-enum Rows<'a> {
+pub(super) enum Rows<'a> {
     F32(&'a [f32]),
     Fp8 { codes: &'a [u8], format: Fp8, scale: f32 },
+}
+
+impl<'a> Rows<'a> {
+    /// A layer's K and V sources from `offset` on (a KV head's, or a column's, first value of
+    /// each key at the key's start).
+    pub(super) fn of(planes: Planes<'a>, offset: usize) -> (Rows<'a>, Rows<'a>) {
+        match planes {
+            Planes::F32 { k, v } => (Rows::F32(&k[offset..]), Rows::F32(&v[offset..])),
+            Planes::Fp8 { k, v, fp8 } => (
+                Rows::Fp8 { codes: &k[offset..], format: fp8.format, scale: fp8.k_scale },
+                Rows::Fp8 { codes: &v[offset..], format: fp8.format, scale: fp8.v_scale },
+            ),
+        }
+    }
 }
 
 impl Rows<'_> {
     /// Keys a pass takes at a time from this source: all `n` from a float32 plane (the loops read
     /// it in place and ask for what is ahead themselves), `RUN` from an fp8 one.
     #[inline(always)]
-    fn run_len(&self, n: usize) -> usize {
+    pub(super) fn run_len(&self, n: usize) -> usize {
         match self {
             Rows::F32(_) => n.max(1),
             Rows::Fp8 { .. } => RUN,
@@ -166,7 +173,7 @@ impl Rows<'_> {
     /// floats from each): the source itself, or the run's rows widened into `wide` (`dense` holds
     /// `0, width, 2 width, ..`: one row after another).
     #[inline(always)]
-    fn run<'s>(&'s self, run: &'s [usize], width: usize, wide: &'s mut [f32], dense: &'s [usize]) -> (&'s [f32], &'s [usize]) {
+    pub(super) fn run<'s>(&'s self, run: &'s [usize], width: usize, wide: &'s mut [f32], dense: &'s [usize]) -> (&'s [f32], &'s [usize]) {
         match *self {
             Rows::F32(plane) => (plane, run),
             Rows::Fp8 { codes, format, scale } => {
@@ -233,7 +240,7 @@ unsafe fn attend_units_avx2(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys
 /// widening a whole unit's keys first (the first fp8 build) wrote and read back megabytes through
 /// the L2 at long contexts, which cost what the 4x fewer bytes from memory saved (SmolLM2 at 1,000
 /// keys: fp8 pages 63-75 tok/s against float32's 70-79); measured after in the README.
-const RUN: usize = 16;
+pub(super) const RUN: usize = 16;
 
 /// The `kv_heads * group` query heads of `q` (`[heads, d]`; query head `j * group + g` reads KV
 /// head `j`) over `keys`, into `o` (`[heads, d]`): scores, softmax (each head's maximum

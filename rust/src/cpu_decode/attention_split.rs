@@ -15,15 +15,18 @@
 //!   bits do not depend on which columns share its pass. Item `(j, c)` writes its own piece
 //!   (`[group][columns]`), and [`KeySplit::scatter`] puts the pieces into the row's outputs.
 //!
-//! Only float32 pages (an fp8 run widens every column of a key at once: splitting columns would
-//! widen each key `cols` times), only one row (more rows give enough items: `units_per_item`),
-//! and only from [`MIN_KEYS`] keys (below, the second phase costs about what the balance saves).
+//! Float32 pages are read in place; fp8 pages as the one-item path reads them, run by run of
+//! [`RUN`] keys widened into a per-thread buffer, each item widening only what it reads (a score
+//! item its KV head's codes, a sum item its columns), so every code is still widened once. Only
+//! one row (more rows give enough items: `units_per_item`), and only from [`MIN_KEYS`] keys (below,
+//! the second phase costs about what the balance saves).
 
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use super::attention::Simd;
+use super::attention::{Rows, Simd, RUN};
+use super::kv_cache::Planes;
 #[cfg(target_arch = "x86_64")]
 use super::lanes::Avx2;
 use super::lanes::{Lanes, Portable};
@@ -52,10 +55,9 @@ pub struct KeySplit {
 impl KeySplit {
     /// The split for a step of `rows` rows over `keys` keys (its longest row's) on `threads`
     /// threads, or None where the one-item-a-KV-head path shares out evenly, or the step is not
-    /// one row, or its pages are not float32, or it has fewer than [`MIN_KEYS`] keys.
-    pub fn plan(rows: usize, heads: usize, kv_heads: usize, head_dim: usize, keys: usize, threads: usize,
-                float32: bool) -> Option<KeySplit> {
-        if rows != 1 || threads < 2 || !float32 || keys < MIN_KEYS || kv_heads == 0 || kv_heads % threads == 0 {
+    /// one row, or it has fewer than [`MIN_KEYS`] keys.
+    pub fn plan(rows: usize, heads: usize, kv_heads: usize, head_dim: usize, keys: usize, threads: usize) -> Option<KeySplit> {
+        if rows != 1 || threads < 2 || keys < MIN_KEYS || kv_heads == 0 || kv_heads % threads == 0 {
             return None;
         }
         let piece = (head_dim.div_ceil(8)).div_ceil(threads) * 8;
@@ -106,15 +108,15 @@ impl KeySplit {
         start..start + self.group * self.columns(c).len()
     }
 
-    /// Score item `i`: `q` is the row's queries `[heads, d]`, `k` the layer's K plane, `keys` the
-    /// row's key offsets ([`super::attention::row_keys`]), `out` this item's block.
+    /// Score item `i`: `q` is the row's queries `[heads, d]`, `planes` the layer's pages, `keys`
+    /// the row's key offsets ([`super::attention::row_keys`]), `out` this item's block.
     #[allow(clippy::too_many_arguments)]
-    pub fn scores(&self, i: usize, q: &[f32], k: &[f32], keys: &[usize], scale: f32, out: &mut [f32], simd: Simd) {
+    pub fn scores(&self, i: usize, q: &[f32], planes: Planes<'_>, keys: &[usize], scale: f32, out: &mut [f32], simd: Simd) {
         assert_eq!(keys.len(), self.keys, "the row's keys");
         let (j, p) = (i / self.parts, i % self.parts);
         let keys = &keys[self.part(p)];
         let (d, group) = (self.head_dim, self.group);
-        let (q, k) = (&q[j * group * d..(j + 1) * group * d], &k[j * d..]);
+        let (q, (k, _)) = (&q[j * group * d..(j + 1) * group * d], Rows::of(planes, j * d));
         match simd {
             Simd::Portable => scores_part::<Portable>(q, d, group, k, keys, scale, out),
             // SAFETY: `Simd::Avx2` is only chosen (`Simd::best`) on a CPU that runs AVX2 and FMA.
@@ -123,9 +125,9 @@ impl KeySplit {
         }
     }
 
-    /// Sum item `i`: `scores` the whole scores buffer (every score item done), `v` the layer's V
-    /// plane, `out` this item's piece.
-    pub fn sums(&self, i: usize, scores: &[f32], v: &[f32], keys: &[usize], out: &mut [f32], simd: Simd) {
+    /// Sum item `i`: `scores` the whole scores buffer (every score item done), `planes` the
+    /// layer's pages, `out` this item's piece.
+    pub fn sums(&self, i: usize, scores: &[f32], planes: Planes<'_>, keys: &[usize], out: &mut [f32], simd: Simd) {
         assert_eq!(keys.len(), self.keys, "the row's keys");
         let (j, c) = (i / self.cols, i % self.cols);
         let (n, group) = (self.keys, self.group);
@@ -139,8 +141,7 @@ impl KeySplit {
                     w.extend_from_slice(&scores[block][g * len..(g + 1) * len]);
                 }
             }
-            let cols = self.columns(c);
-            let v = &v[j * self.head_dim + cols.start..];
+            let (_, v) = Rows::of(planes, j * self.head_dim + self.columns(c).start);
             match simd {
                 Simd::Portable => sums_piece::<Portable>(&mut w, n, group, v, keys, out),
                 // SAFETY: as in `scores`.
@@ -167,15 +168,15 @@ impl KeySplit {
 /// Both phases of `split` on `team` for one row, into `o` (`[heads, d]`): what the chain's
 /// phases run, for `attention::attend` on several threads.
 #[allow(clippy::too_many_arguments)]
-pub fn attend_on_team(split: &KeySplit, team: &Team, q: &[f32], k: &[f32], v: &[f32], keys: &[usize], scale: f32,
+pub fn attend_on_team(split: &KeySplit, team: &Team, q: &[f32], planes: Planes<'_>, keys: &[usize], scale: f32,
                       o: &mut [f32], simd: Simd) -> Result<(), GemvError> {
     let mut scores = vec![0f32; split.scores_len()];
     let blocks = in_blocks(&mut scores, (0..split.score_items()).map(|i| split.score_block(i)));
-    team.run(split.score_items(), &|i| split.scores(i, q, k, keys, scale, &mut lock(&blocks[i]), simd))?;
+    team.run(split.score_items(), &|i| split.scores(i, q, planes, keys, scale, &mut lock(&blocks[i]), simd))?;
     drop(blocks);
     let mut pieces = vec![0f32; split.pieces_len()];
     let blocks = in_blocks(&mut pieces, (0..split.sum_items()).map(|i| split.piece_block(i)));
-    team.run(split.sum_items(), &|i| split.sums(i, &scores, v, keys, &mut lock(&blocks[i]), simd))?;
+    team.run(split.sum_items(), &|i| split.sums(i, &scores, planes, keys, &mut lock(&blocks[i]), simd))?;
     drop(blocks);
     split.scatter(&pieces, o);
     Ok(())
@@ -200,6 +201,30 @@ fn lock<'a, 'b>(m: &'a Mutex<&'b mut [f32]>) -> std::sync::MutexGuard<'a, &'b mu
 thread_local! {
     /// Per thread: a sum item's gathered scores, then weights (`[group, keys]`).
     static WEIGHTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// Per thread: an fp8 run's widened rows and their offsets (`Rows::run`).
+    static WIDE: RefCell<(Vec<f32>, Vec<usize>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Calls `f(plane, run offsets, first key)` for each run of `keys` read from `src`, `width`
+/// values a key: the whole of a float32 plane at once, an fp8 one [`RUN`] keys at a time widened
+/// into the per-thread buffer (as `attention::attend_units` reads them).
+#[inline(always)]
+fn each_run(src: Rows<'_>, keys: &[usize], width: usize, mut f: impl FnMut(&[f32], &[usize], usize)) {
+    let n = keys.len();
+    let step = src.run_len(n);
+    WIDE.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        let (wide, dense) = &mut *cell;
+        if matches!(src, Rows::Fp8 { .. }) && dense.get(1) != Some(&width) {
+            wide.resize(RUN * width, 0.0);
+            dense.clear();
+            dense.extend((0..RUN).map(|t| t * width));
+        }
+        for t0 in (0..n).step_by(step) {
+            let (plane, run) = src.run(&keys[t0..(t0 + step).min(n)], width, wide, dense);
+            f(plane, run, t0);
+        }
+    });
 }
 
 /// Calls `f(first, count)` for a KV head's `group` query heads in passes of up to three (as
@@ -214,38 +239,42 @@ fn each_group(group: usize, mut f: impl FnMut(usize, usize)) {
     }
 }
 
-/// The `group` query heads `q` (`[group, d]`) of one KV head (its keys at `k[key..]`) over
-/// `keys`, into `out` (`[group, keys]`).
+/// The `group` query heads `q` (`[group, d]`) of one KV head (its keys from `k`) over `keys`,
+/// into `out` (`[group, keys]`).
 #[inline(always)]
-fn scores_part<L: Lanes>(q: &[f32], d: usize, group: usize, k: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+fn scores_part<L: Lanes>(q: &[f32], d: usize, group: usize, k: Rows<'_>, keys: &[usize], scale: f32, out: &mut [f32]) {
     let n = keys.len();
-    each_group(group, |h, g| {
-        let (q, out) = (&q[h * d..], &mut out[h * n..]);
-        match g {
-            1 => L::scores_group::<1>(&q[..d], d, k, keys, scale, out, n),
-            2 => L::scores_group::<2>(&q[..2 * d], d, k, keys, scale, out, n),
-            _ => L::scores_group::<3>(&q[..3 * d], d, k, keys, scale, out, n),
-        }
+    each_run(k, keys, d, |plane, run, t0| {
+        each_group(group, |h, g| {
+            let (q, out) = (&q[h * d..], &mut out[h * n + t0..]);
+            match g {
+                1 => L::scores_group::<1>(&q[..d], d, plane, run, scale, out, n),
+                2 => L::scores_group::<2>(&q[..2 * d], d, plane, run, scale, out, n),
+                _ => L::scores_group::<3>(&q[..3 * d], d, plane, run, scale, out, n),
+            }
+        });
     });
 }
 
 /// Softmax of each of the `group` rows of `w` (`[group, n]` scores, weights after), then their
-/// weighted sums over `v` (the piece's first column at `v[key]`), divided by each row's sum, into
-/// `out` (`[group, columns]`).
+/// weighted sums over `v` (the piece's first column at each key's start), divided by each row's
+/// sum, into `out` (`[group, columns]`); the chains go on from run to run.
 #[inline(always)]
-fn sums_piece<L: Lanes>(w: &mut [f32], n: usize, group: usize, v: &[f32], keys: &[usize], out: &mut [f32]) {
+fn sums_piece<L: Lanes>(w: &mut [f32], n: usize, group: usize, v: Rows<'_>, keys: &[usize], out: &mut [f32]) {
     let sums: Vec<f32> = w.chunks_exact_mut(n).map(|s| {
         let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
         L::softmax_weights(s, max)
     }).collect();
     let cols = out.len() / group;
-    each_group(group, |h, g| {
-        let (p, o) = (&w[h * n..], &mut out[h * cols..(h + g) * cols]);
-        match g {
-            1 => L::weighted_sum_group::<1>(p, n, v, keys, o, false),
-            2 => L::weighted_sum_group::<2>(p, n, v, keys, o, false),
-            _ => L::weighted_sum_group::<3>(p, n, v, keys, o, false),
-        }
+    each_run(v, keys, cols, |plane, run, t0| {
+        each_group(group, |h, g| {
+            let (p, o) = (&w[h * n + t0..], &mut out[h * cols..(h + g) * cols]);
+            match g {
+                1 => L::weighted_sum_group::<1>(p, n, plane, run, o, t0 > 0),
+                2 => L::weighted_sum_group::<2>(p, n, plane, run, o, t0 > 0),
+                _ => L::weighted_sum_group::<3>(p, n, plane, run, o, t0 > 0),
+            }
+        });
     });
     for (o, &sum) in out.chunks_exact_mut(cols).zip(&sums) {
         for x in o {
@@ -256,37 +285,38 @@ fn sums_piece<L: Lanes>(w: &mut [f32], n: usize, group: usize, v: &[f32], keys: 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn scores_part_avx2(q: &[f32], d: usize, group: usize, k: &[f32], keys: &[usize], scale: f32, out: &mut [f32]) {
+unsafe fn scores_part_avx2(q: &[f32], d: usize, group: usize, k: Rows<'_>, keys: &[usize], scale: f32, out: &mut [f32]) {
     scores_part::<Avx2>(q, d, group, k, keys, scale, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn sums_piece_avx2(w: &mut [f32], n: usize, group: usize, v: &[f32], keys: &[usize], out: &mut [f32]) {
+unsafe fn sums_piece_avx2(w: &mut [f32], n: usize, group: usize, v: Rows<'_>, keys: &[usize], out: &mut [f32]) {
     sums_piece::<Avx2>(w, n, group, v, keys, out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::attention::{attend, row_keys, LayerAttention};
-    use super::super::kv_cache::Planes;
+    use super::super::kv_cache::{Fp8Cache, Planes};
+    use super::super::kv_fp8::Fp8;
     use super::super::step::{KvGeometry, StepLayout, StepMeta};
     use super::*;
 
     /// The split's phases, items in the order given, then the scatter.
     #[allow(clippy::too_many_arguments)]
-    fn split_attention(s: &KeySplit, q: &[f32], k: &[f32], v: &[f32], keys: &[usize], scale: f32, simd: Simd,
+    fn split_attention(s: &KeySplit, q: &[f32], planes: Planes<'_>, keys: &[usize], scale: f32, simd: Simd,
                        order: &[usize]) -> Vec<f32> {
         let mut scores = vec![f32::NAN; s.scores_len()];
         for &i in order.iter().filter(|&&i| i < s.score_items()) {
             let block = s.score_block(i);
-            s.scores(i, q, k, keys, scale, &mut scores[block], simd);
+            s.scores(i, q, planes, keys, scale, &mut scores[block], simd);
         }
         assert!(scores.iter().all(|x| !x.is_nan()), "the score blocks cover the buffer");
         let mut pieces = vec![f32::NAN; s.pieces_len()];
         for &i in order.iter().filter(|&&i| i < s.sum_items()) {
             let block = s.piece_block(i);
-            s.sums(i, &scores, v, keys, &mut pieces[block], simd);
+            s.sums(i, &scores, planes, keys, &mut pieces[block], simd);
         }
         let mut o = vec![f32::NAN; s.pieces_len()];
         s.scatter(&pieces, &mut o);
@@ -295,16 +325,21 @@ mod tests {
     }
 
     /// Every split (parts and pieces for 2-5 threads, head dims that are and are not multiples of
-    /// 8, 1-3 KV heads of 1-7 query heads, windows, keys over scattered pages) gives the bits of
-    /// the one-item path on both builds, whatever order its items run in.
+    /// 8, 1-3 KV heads of 1-7 query heads, windows, keys over scattered pages, float32 and fp8
+    /// pages: parts and pieces that start and end mid-run) gives the bits of the one-item path on
+    /// both builds, whatever order its items run in.
     #[test]
     fn split_rows_have_the_bits_of_one_item_a_kv_head() {
         let val = |i: usize| ((i * 7919 % 1000) as f32 / 500.0) - 1.0;
         for (kv_heads, group, d) in [(3, 3, 64), (1, 4, 20), (2, 7, 8), (3, 1, 36), (1, 2, 72)] {
             let kv = KvGeometry { layers: 1, num_blocks: 40, block_size: 16, kv_heads, head_dim: d };
             let (k, v): (Vec<f32>, Vec<f32>) = ((0..kv.plane()).map(val).collect(), (0..kv.plane()).map(|i| val(i + 5)).collect());
+            let (k8, v8): (Vec<u8>, Vec<u8>) = ((0..kv.plane()).map(|i| (i * 53 % 247) as u8 & 0xf7).collect(),
+                                                (0..kv.plane()).map(|i| (i * 29 % 239) as u8 & 0xf7).collect());
+            let fp8 = Fp8Cache { format: Fp8::E4m3, k_scale: 0.05, v_scale: 0.2 };
             let tables: Vec<i32> = (0..40).map(|b| (b * 17 + 3) % 40).collect();
-            for (len, window) in [(131usize, None), (600, Some(300)), (257, None)] {
+            for ((len, window), planes) in [(131usize, None), (600, Some(300)), (257, None)].into_iter()
+                .flat_map(|c| [(c, Planes::F32 { k: &k, v: &v }), (c, Planes::Fp8 { k: &k8, v: &v8, fp8 })]) {
                 let slot = tables[(len - 1) / 16] as i64 * 16 + ((len - 1) % 16) as i64;
                 let seq_lens = [len as i32];
                 let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
@@ -313,11 +348,11 @@ mod tests {
                 let keys = row_keys(window, &step, &kv).remove(0);
                 let heads = kv_heads * group;
                 let qkv: Vec<f32> = (0..(heads + 2 * kv_heads) * d).map(|i| val(i * 3 + 1)).collect();
-                let layer = LayerAttention { planes: Planes::F32 { k: &k, v: &v }, heads, scale: 0.3, sliding_window: window };
+                let layer = LayerAttention { planes, heads, scale: 0.3, sliding_window: window };
                 let mut want = vec![0f32; heads * d];
                 attend(&layer, &qkv, &step, &kv, &mut want, 1, Simd::Portable).unwrap();
                 for threads in [2, 3, 4, 5] {
-                    let Some(s) = KeySplit::plan(1, heads, kv_heads, d, keys.len(), threads, true) else {
+                    let Some(s) = KeySplit::plan(1, heads, kv_heads, d, keys.len(), threads) else {
                         assert_eq!(kv_heads % threads, 0, "split unless the KV heads share out evenly");
                         continue;
                     };
@@ -325,8 +360,9 @@ mod tests {
                     let backward: Vec<usize> = forward.iter().rev().copied().collect();
                     for simd in [Simd::Portable, Simd::best()] {
                         for order in [&forward, &backward] {
-                            let got = split_attention(&s, &qkv[..heads * d], &k, &v, &keys, 0.3, simd, order);
-                            assert_eq!(got, want, "{kv_heads}x{group} heads of {d}, {len} keys {window:?}, {threads} threads {simd:?}");
+                            let got = split_attention(&s, &qkv[..heads * d], layer.planes, &keys, 0.3, simd, order);
+                            let fp8 = matches!(planes, Planes::Fp8 { .. });
+                            assert_eq!(got, want, "{kv_heads}x{group} heads of {d}, {len} keys {window:?}, fp8 {fp8}, {threads} threads {simd:?}");
                         }
                     }
                 }
@@ -362,16 +398,15 @@ mod tests {
     }
 
     #[test]
-    fn only_one_row_of_float32_pages_with_enough_keys_and_uneven_heads_is_split() {
-        assert!(KeySplit::plan(1, 9, 3, 64, 1000, 2, true).is_some());
-        assert_eq!(KeySplit::plan(2, 9, 3, 64, 1000, 2, true), None, "two rows");
-        assert_eq!(KeySplit::plan(1, 9, 3, 64, 1000, 1, true), None, "one thread");
-        assert_eq!(KeySplit::plan(1, 9, 3, 64, 1000, 2, false), None, "fp8 pages");
-        assert_eq!(KeySplit::plan(1, 9, 3, 64, MIN_KEYS - 1, 2, true), None, "few keys");
-        assert_eq!(KeySplit::plan(1, 8, 2, 64, 1000, 2, true), None, "2 KV heads on 2 threads");
-        let s = KeySplit::plan(1, 9, 3, 64, 1000, 2, true).unwrap();
+    fn only_one_row_with_enough_keys_and_uneven_heads_is_split() {
+        assert!(KeySplit::plan(1, 9, 3, 64, 1000, 2).is_some());
+        assert_eq!(KeySplit::plan(2, 9, 3, 64, 1000, 2), None, "two rows");
+        assert_eq!(KeySplit::plan(1, 9, 3, 64, 1000, 1), None, "one thread");
+        assert_eq!(KeySplit::plan(1, 9, 3, 64, MIN_KEYS - 1, 2), None, "few keys");
+        assert_eq!(KeySplit::plan(1, 8, 2, 64, 1000, 2), None, "2 KV heads on 2 threads");
+        let s = KeySplit::plan(1, 9, 3, 64, 1000, 2).unwrap();
         assert_eq!((s.parts, s.cols, s.piece, s.score_items(), s.sum_items()), (2, 2, 32, 6, 6));
-        let s = KeySplit::plan(1, 4, 1, 20, 200, 4, true).unwrap();
+        let s = KeySplit::plan(1, 4, 1, 20, 200, 4).unwrap();
         assert_eq!((s.parts, s.cols, s.piece), (4, 3, 8), "20 columns as 8 + 8 + 4");
     }
 }

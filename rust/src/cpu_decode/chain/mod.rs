@@ -31,7 +31,7 @@ use std::time::Instant;
 use super::attention::{attend_item, row_keys, units_per_item, LayerAttention, Simd};
 use super::attention_split::KeySplit;
 use super::error::DecodeError;
-use super::kv_cache::{KvCacheMut, Planes};
+use super::kv_cache::KvCacheMut;
 use super::ops::rms_norm;
 use super::stack::{Buffers, DecodeStack, Spent};
 use super::step::{KvGeometry, StepLayout};
@@ -297,8 +297,7 @@ impl Chain<'_> {
             (self.qkv.read(), self.kv.read().layer(l, self.kvg),
              std::slice::from_raw_parts_mut(self.scores.ptr.add(block.start), block.len()))
         };
-        let Planes::F32 { k, .. } = planes else { unreachable!("a split reads float32 pages (KeySplit::plan)") };
-        split.scores(i, &qkv[..g.heads * g.head_dim], k, &self.keys[self.layer_keys[l]].1[0], g.scale, out, self.simd);
+        split.scores(i, &qkv[..g.heads * g.head_dim], planes, &self.keys[self.layer_keys[l]].1[0], g.scale, out, self.simd);
     }
 
     /// Sum item `i` of layer `l`'s split attention ([`KeySplit::sums`]).
@@ -311,8 +310,7 @@ impl Chain<'_> {
             (&self.scores.read()[..split.scores_len()], self.kv.read().layer(l, self.kvg),
              std::slice::from_raw_parts_mut(self.pieces.ptr.add(block.start), block.len()))
         };
-        let Planes::F32 { v, .. } = planes else { unreachable!("a split reads float32 pages (KeySplit::plan)") };
-        split.sums(i, scores, v, &self.keys[self.layer_keys[l]].1[0], out, self.simd);
+        split.sums(i, scores, planes, &self.keys[self.layer_keys[l]].1[0], out, self.simd);
     }
 
     /// Product `p`'s matrix in layer `l`, and the buffer it writes (not attention's: its items
@@ -376,10 +374,8 @@ pub(super) fn layers_on_team(stack: &DecodeStack, b: &mut Buffers, cos_sin: &[f3
         layer_keys.push(at);
     }
     let g = &stack.geo;
-    let float32 = matches!(kv, KvCacheMut::F32(_));
     let splits: Vec<KeySplit> = keys.iter()
-        .map_while(|(_, rows)| KeySplit::plan(rows.len(), g.heads, g.kv_heads, g.head_dim, rows.first().map_or(0, Vec::len), team.threads(),
-                                              float32))
+        .map_while(|(_, rows)| KeySplit::plan(rows.len(), g.heads, g.kv_heads, g.head_dim, rows.first().map_or(0, Vec::len), team.threads()))
         .collect();
     let splits = if splits.len() == keys.len() { splits } else { Vec::new() }; // every layer's, or none
     let mut scores = vec![0f32; splits.iter().map(KeySplit::scores_len).max().unwrap_or(0)];
