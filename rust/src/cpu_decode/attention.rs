@@ -312,9 +312,10 @@ fn attend_units<L: Lanes>(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys: 
     });
 }
 
-/// Calls `f(first, count)` for a KV head's `group` query heads in passes of up to three.
+/// Calls `f(first, count)` for a KV head's `group` query heads in passes of up to three (each
+/// head's bits are its own whichever heads share its pass; `attention_split` passes the same way).
 #[inline(always)]
-fn each_group(group: usize, mut f: impl FnMut(usize, usize)) {
+pub(super) fn each_group(group: usize, mut f: impl FnMut(usize, usize)) {
     let mut h = 0;
     while h < group {
         let g = (group - h).min(3);

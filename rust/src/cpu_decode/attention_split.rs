@@ -25,7 +25,7 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use super::attention::{Rows, Simd, RUN};
+use super::attention::{each_group, Rows, Simd, RUN};
 use super::kv_cache::Planes;
 #[cfg(target_arch = "x86_64")]
 use super::lanes::Avx2;
@@ -225,18 +225,6 @@ fn each_run(src: Rows<'_>, keys: &[usize], width: usize, mut f: impl FnMut(&[f32
             f(plane, run, t0);
         }
     });
-}
-
-/// Calls `f(first, count)` for a KV head's `group` query heads in passes of up to three (as
-/// `attention::attend_units` does: each head's bits are its own either way).
-#[inline(always)]
-fn each_group(group: usize, mut f: impl FnMut(usize, usize)) {
-    let mut h = 0;
-    while h < group {
-        let g = (group - h).min(3);
-        f(h, g);
-        h += g;
-    }
 }
 
 /// The `group` query heads `q` (`[group, d]`) of one KV head (its keys from `k`) over `keys`,

@@ -1,5 +1,12 @@
 //! Timings of [`super::attention`], run by hand (`--ignored`): what the numbers in its docs came from.
 
+/// A block table of `blocks` pages in ascending order, and the slot of key `keys - 1` (one row's).
+fn ascending(keys: usize, blocks: usize) -> (Vec<i32>, i64) {
+    let tables: Vec<i32> = (0..blocks as i32).collect();
+    let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
+    (tables, slot)
+}
+
 mod timing {
     use super::super::attention::*;
     use crate::cpu_decode::kv_cache::Planes;
@@ -117,8 +124,7 @@ mod hot {
         let keys = 1024usize;
         let blocks = keys / 16;
         let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads: 3, head_dim: 64 };
-        let tables: Vec<i32> = (0..blocks as i32).collect();
-        let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
+        let (tables, slot) = super::ascending(keys, blocks);
         let seq_lens = [keys as i32];
         let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
                               table_width: blocks };
@@ -182,8 +188,7 @@ mod cold {
     fn cold(kv_heads: usize) {
         let (keys, blocks, layers) = (1000usize, 256usize, 30usize);
         let kv = KvGeometry { layers: 1, num_blocks: blocks, block_size: 16, kv_heads, head_dim: 64 };
-        let tables: Vec<i32> = (0..blocks as i32).collect();
-        let slot = tables[(keys - 1) / 16] as i64 * 16 + ((keys - 1) % 16) as i64;
+        let (tables, slot) = super::ascending(keys, blocks);
         let seq_lens = [keys as i32];
         let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
                               table_width: blocks };
