@@ -141,15 +141,16 @@ unsafe fn chunk_group<const G: usize, const W: usize>(p: &[f32], stride: usize, 
                 j += 2;
             }
         }
-        let mut v = [_mm256_setzero_ps(); W];
-        for (j, x) in v.iter_mut().enumerate() {
+        // the G weights first, then one value vector at a time: G * W accumulators, G weights and
+        // one vector fill AVX2's 16 registers at G = 3, W = 4 (the W vectors loaded first, the
+        // compiler kept one accumulator on the stack, a store and a load on its chain every key)
+        // SAFETY: g * stride + i < (G - 1) * stride + keys.len() <= p.len() (the contract).
+        let pv: [__m256; G] = std::array::from_fn(|g| _mm256_set1_ps(unsafe { *p.get_unchecked(g * stride + i) }));
+        for j in 0..W {
             // SAFETY: the function's contract.
-            *x = unsafe { _mm256_loadu_ps(pp.add(k + c0 + 8 * j)) };
-        }
-        for (g, a) in acc.iter_mut().enumerate() {
-            let pv = _mm256_set1_ps(p[g * stride + i]);
-            for (j, x) in a.iter_mut().enumerate() {
-                *x = _mm256_fmadd_ps(pv, v[j], *x);
+            let v = unsafe { _mm256_loadu_ps(pp.add(k + c0 + 8 * j)) };
+            for (a, &pv) in acc.iter_mut().zip(&pv) {
+                a[j] = _mm256_fmadd_ps(pv, v, a[j]);
             }
         }
     }
