@@ -193,9 +193,9 @@ fn an_fp8_cache_is_written_and_read_as_its_codes() {
     }
 }
 
-/// One row over a long context (300 keys, 3 KV heads): on 2 and 4 threads its attention is split
-/// into score and sum phases (`cpu_decode::attention_split`; 3 threads share the KV heads evenly
-/// and are not), with the one-thread loop's bits in the output and the pages, a middle layer's
+/// One row over a long context (300 keys, 3 KV heads): on 4 threads its attention is split into
+/// score and sum phases (`cpu_decode::attention_split`; on 2 and 3 every thread has a KV head and
+/// it is not), with the one-thread loop's bits in the output and the pages, a middle layer's
 /// window wide enough to split too or so narrow that no layer is split; a NaN query (an infinite
 /// rotary angle) is the same error on every thread count; an fp8 cache too.
 #[test]

@@ -176,7 +176,9 @@ mod cold {
     /// 96 keys: 149-224). Runs of 16-256 keys with all of a key's KV heads at once (the rows read in
     /// order) and the loops' own prefetch off were measured too: 245-295, inside the noise of the
     /// build in use. On 2 threads, items of one KV head (before `attention_split`): 146-153 us with 3
-    /// KV heads (2 : 1), 123-125 with one (one thread did it all); split in two phases: 137 and 71-87.
+    /// KV heads (2 : 1), 123-125 with one (one thread did it all); split in two phases: 137-146 and
+    /// 60-87 (3 KV heads on 2 threads are no longer split: with the pages in the caches the split
+    /// lost, see `attention_split`).
     #[test]
     #[ignore]
     fn attention_cold() {
