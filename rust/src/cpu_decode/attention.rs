@@ -12,7 +12,7 @@ use std::sync::Mutex;
 use super::attention_split::{attend_on_team, KeySplit};
 use super::error::DecodeError;
 use super::kv_cache::Planes;
-use super::kv_fp8::{widen_rows, Fp8};
+use super::kv_rows::{each_run, Rows};
 use super::lanes::{Lanes, Portable};
 #[cfg(target_arch = "x86_64")]
 use super::lanes::Avx2;
@@ -134,57 +134,6 @@ pub fn attend_item(layer: &LayerAttention<'_>, keys: &[Vec<usize>], qkv: &[f32],
     }
 }
 
-/// Where a unit's keys (or values) are read: a float32 plane, or an fp8 one whose codes are
-/// widened run by run ([`attend_units`]) into a buffer the loops then read as a float32 plane.
-/// Widened values are `code * scale` ([`widen_rows`]): the bits a float32 page of those values
-/// holds, so the loops after compute the same bits either way.
-#[derive(Clone, Copy)]
-pub(super) enum Rows<'a> {
-    F32(&'a [f32]),
-    Fp8 { codes: &'a [u8], format: Fp8, scale: f32 },
-}
-
-impl<'a> Rows<'a> {
-    /// A layer's K and V sources from `offset` on (a KV head's, or a column's, first value of
-    /// each key at the key's start).
-    pub(super) fn of(planes: Planes<'a>, offset: usize) -> (Rows<'a>, Rows<'a>) {
-        match planes {
-            Planes::F32 { k, v } => (Rows::F32(&k[offset..]), Rows::F32(&v[offset..])),
-            Planes::Fp8 { k, v, fp8 } => (
-                Rows::Fp8 { codes: &k[offset..], format: fp8.format, scale: fp8.k_scale },
-                Rows::Fp8 { codes: &v[offset..], format: fp8.format, scale: fp8.v_scale },
-            ),
-        }
-    }
-}
-
-impl Rows<'_> {
-    /// Keys a pass takes at a time from this source: all `n` from a float32 plane (the loops read
-    /// it in place and ask for what is ahead themselves), `RUN` from an fp8 one.
-    #[inline(always)]
-    pub(super) fn run_len(&self, n: usize) -> usize {
-        match self {
-            Rows::F32(_) => n.max(1),
-            Rows::Fp8 { .. } => RUN,
-        }
-    }
-
-    /// The plane and key offsets the loops read for `run` (offsets into this source, `width`
-    /// floats from each): the source itself, or the run's rows widened into `wide` (`dense` holds
-    /// `0, width, 2 width, ..`: one row after another).
-    #[inline(always)]
-    pub(super) fn run<'s>(&'s self, run: &'s [usize], width: usize, wide: &'s mut [f32], dense: &'s [usize]) -> (&'s [f32], &'s [usize]) {
-        match *self {
-            Rows::F32(plane) => (plane, run),
-            Rows::Fp8 { codes, format, scale } => {
-                let wide = &mut wide[..run.len() * width];
-                widen_rows(format, codes, run, width, scale, wide);
-                (wide, &dense[..run.len()])
-            }
-        }
-    }
-}
-
 /// The heads [`attend_units`] computes: `kv_heads` consecutive KV heads of one row (KV head `j`'s
 /// keys at `d * j` past each key start), `group` query heads each.
 struct Units {
@@ -235,13 +184,6 @@ unsafe fn attend_units_avx2(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys
     attend_units::<Avx2>(u, k, v, q, keys, o)
 }
 
-/// Keys of an fp8 run ([`Rows::run`]): each pass widens the next `RUN` keys' rows (every KV head
-/// of the item) into a buffer that stays in the L1 while every head reads it, then goes on. Why:
-/// widening a whole unit's keys first (the first fp8 build) wrote and read back megabytes through
-/// the L2 at long contexts, which cost what the 4x fewer bytes from memory saved (SmolLM2 at 1,000
-/// keys: fp8 pages 63-75 tok/s against float32's 70-79); measured after in the README.
-pub(super) const RUN: usize = 16;
-
 /// The `kv_heads * group` query heads of `q` (`[heads, d]`; query head `j * group + g` reads KV
 /// head `j`) over `keys`, into `o` (`[heads, d]`): scores, softmax (each head's maximum
 /// subtracted), `sum(p * v) / sum(p)`, keys in position order, each head in [`Lanes`]'s fixed
@@ -256,60 +198,85 @@ fn attend_units<L: Lanes>(u: &Units, k: Rows<'_>, v: Rows<'_>, q: &[f32], keys: 
     let width = u.kv_heads * d;
     SCRATCH.with(|cell| {
         let mut cell = cell.borrow_mut();
-        let Scratch { scores, sums, wide, dense } = &mut *cell;
+        let Scratch { scores, sums } = &mut *cell;
         // grown, never shrunk (one set a thread)
         if scores.len() < heads * n {
             scores.resize(heads * n, 0.0);
         }
         sums.resize(heads, 0.0);
-        if !matches!((k, v), (Rows::F32(_), Rows::F32(_))) && dense.get(1) != Some(&width) {
-            // an fp8 run's rows, one after another (float32 planes are read in place)
-            wide.resize(RUN * width, 0.0);
-            dense.clear();
-            dense.extend((0..RUN).map(|t| t * width));
-        }
         let scores = &mut scores[..heads * n];
-        let step = k.run_len(n);
-        for t0 in (0..n).step_by(step) {
-            let (kp, run) = k.run(&keys[t0..(t0 + step).min(n)], width, wide, dense);
+        // a run's rows hold every KV head of the item (an fp8 run widened once for them all)
+        each_run(k, keys, width, |kp, run, t0| {
             for j in 0..u.kv_heads {
-                each_group(group, |h, g| {
-                    let (q, out) = (&q[(j * group + h) * d..], &mut scores[(j * group + h) * n + t0..]);
-                    match g {
-                        1 => L::scores_group::<1>(&q[..d], d, &kp[j * d..], run, u.scale, out, n),
-                        2 => L::scores_group::<2>(&q[..2 * d], d, &kp[j * d..], run, u.scale, out, n),
-                        _ => L::scores_group::<3>(&q[..3 * d], d, &kp[j * d..], run, u.scale, out, n),
-                    }
-                });
+                let q = &q[j * group * d..(j + 1) * group * d];
+                scores_heads::<L>(q, d, &kp[j * d..], run, u.scale, &mut scores[j * group * n + t0..], n);
             }
-        }
-        for (s, sum) in scores.chunks_exact_mut(n.max(1)).zip(sums.iter_mut()) {
-            let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            *sum = L::softmax_weights(s, max);
-        }
-        let step = v.run_len(n);
-        for t0 in (0..n).step_by(step) {
-            let (vp, run) = v.run(&keys[t0..(t0 + step).min(n)], width, wide, dense);
+        });
+        softmax_rows::<L>(scores, n, sums);
+        each_run(v, keys, width, |vp, run, t0| {
             for j in 0..u.kv_heads {
-                each_group(group, |h, g| {
-                    let (p, out) = (&scores[(j * group + h) * n + t0..], &mut o[(j * group + h) * d..]);
-                    match g {
-                        1 => L::weighted_sum_group::<1>(p, n, &vp[j * d..], run, &mut out[..d], t0 > 0),
-                        2 => L::weighted_sum_group::<2>(p, n, &vp[j * d..], run, &mut out[..2 * d], t0 > 0),
-                        _ => L::weighted_sum_group::<3>(p, n, &vp[j * d..], run, &mut out[..3 * d], t0 > 0),
-                    }
-                });
+                let out = &mut o[j * group * d..(j + 1) * group * d];
+                weighted_sums_heads::<L>(&scores[j * group * n + t0..], n, &vp[j * d..], run, out, group, t0 > 0);
             }
-        }
+        });
         if n == 0 {
             o[..heads * d].fill(0.0);
         }
-        for (out, &sum) in o.chunks_exact_mut(d).zip(sums.iter()) {
-            for x in out {
-                *x /= sum;
-            }
+        divide_rows(&mut o[..heads * d], d, sums);
+    });
+}
+
+/// Scores of the query heads `q` (`[heads, d]`, every one reading the KV head whose keys `run`
+/// starts in `plane`) against the run's keys: head `h`'s at `out[h * stride ..]`, passes of up to
+/// three heads ([`each_group`]).
+#[inline(always)]
+pub(super) fn scores_heads<L: Lanes>(q: &[f32], d: usize, plane: &[f32], run: &[usize], scale: f32, out: &mut [f32],
+                                     stride: usize) {
+    each_group(q.len() / d, |h, g| {
+        let (q, out) = (&q[h * d..], &mut out[h * stride..]);
+        match g {
+            1 => L::scores_group::<1>(&q[..d], d, plane, run, scale, out, stride),
+            2 => L::scores_group::<2>(&q[..2 * d], d, plane, run, scale, out, stride),
+            _ => L::scores_group::<3>(&q[..3 * d], d, plane, run, scale, out, stride),
         }
     });
+}
+
+/// Weighted sums of `heads` heads whose weights lie at `p[h * stride ..]` over the run's values
+/// (`plane`), into `out` (`[heads, columns]`): from 0, or going on with `accumulate`; passes of up
+/// to three heads ([`each_group`]).
+#[inline(always)]
+pub(super) fn weighted_sums_heads<L: Lanes>(p: &[f32], stride: usize, plane: &[f32], run: &[usize], out: &mut [f32],
+                                            heads: usize, accumulate: bool) {
+    let cols = out.len() / heads;
+    each_group(heads, |h, g| {
+        let (p, out) = (&p[h * stride..], &mut out[h * cols..(h + g) * cols]);
+        match g {
+            1 => L::weighted_sum_group::<1>(p, stride, plane, run, out, accumulate),
+            2 => L::weighted_sum_group::<2>(p, stride, plane, run, out, accumulate),
+            _ => L::weighted_sum_group::<3>(p, stride, plane, run, out, accumulate),
+        }
+    });
+}
+
+/// Each head's softmax weights in place (`scores` holds `n` of each, its maximum subtracted) and
+/// their sums into `sums` (one a head).
+#[inline(always)]
+pub(super) fn softmax_rows<L: Lanes>(scores: &mut [f32], n: usize, sums: &mut [f32]) {
+    for (s, sum) in scores.chunks_exact_mut(n.max(1)).zip(sums.iter_mut()) {
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        *sum = L::softmax_weights(s, max);
+    }
+}
+
+/// Each head's outputs (`cols` of them in `out`) divided by its sum.
+#[inline(always)]
+pub(super) fn divide_rows(out: &mut [f32], cols: usize, sums: &[f32]) {
+    for (out, &sum) in out.chunks_exact_mut(cols).zip(sums) {
+        for x in out {
+            *x /= sum;
+        }
+    }
 }
 
 /// Calls `f(first, count)` for a KV head's `group` query heads in passes of up to three (each
@@ -325,14 +292,11 @@ pub(super) fn each_group(group: usize, mut f: impl FnMut(usize, usize)) {
 }
 
 /// Per thread: the scores (then softmax weights) of the heads [`attend_units`] runs and their
-/// sums, and an fp8 run's widened rows (`RUN` keys of a row's KV heads: 12 KiB on SmolLM2, read
-/// again from the L1) with their offsets.
+/// sums.
 #[derive(Default)]
 struct Scratch {
     scores: Vec<f32>,
     sums: Vec<f32>,
-    wide: Vec<f32>,
-    dense: Vec<usize>,
 }
 
 thread_local! {
@@ -436,10 +400,10 @@ mod fp8_tests {
         }
     }
 
-    /// Rows over more keys than an fp8 run ([`RUN`]), with the last run partial and windows that
-    /// start mid-run: each run's widened rows carry the weighted sums' chains on (the bits of the
-    /// float32 planes of the widened values), on both builds, 1 and 2 threads, and batches that
-    /// give whole-row items and one-KV-head items.
+    /// Rows over more keys than an fp8 run (`kv_rows::RUN`, 16 keys), with the last run partial and
+    /// windows that start mid-run: each run's widened rows carry the weighted sums' chains on (the
+    /// bits of the float32 planes of the widened values), on both builds, 1 and 2 threads, and
+    /// batches that give whole-row items and one-KV-head items.
     #[test]
     fn fp8_runs_carry_each_chain_across_runs() {
         let kv = KvGeometry { layers: 1, num_blocks: 12, block_size: 16, kv_heads: 3, head_dim: 20 };

@@ -15,8 +15,8 @@
 //!   bits do not depend on which columns share its pass. Item `(j, c)` writes its own piece
 //!   (`[group][columns]`), and [`KeySplit::scatter`] puts the pieces into the row's outputs.
 //!
-//! Float32 pages are read in place; fp8 pages as the one-item path reads them, run by run of
-//! [`RUN`] keys widened into a per-thread buffer, each item widening only what it reads (a score
+//! Float32 pages are read in place; fp8 pages as the one-item path reads them ([`each_run`]), run
+//! by run widened into a per-thread buffer, each item widening only what it reads (a score
 //! item its KV head's codes, a sum item its columns), so every code is still widened once. Only
 //! one row (more rows give enough items: `units_per_item`), only where some thread would get no KV
 //! head (SmolLM2's 3 on 2 threads, 2 : 1, measured no faster split: 7-30 us by KV head against 9-35
@@ -28,8 +28,9 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::Mutex;
 
-use super::attention::{each_group, Rows, Simd, RUN};
+use super::attention::{divide_rows, scores_heads, softmax_rows, weighted_sums_heads, Simd};
 use super::kv_cache::Planes;
+use super::kv_rows::{each_run, Rows};
 #[cfg(target_arch = "x86_64")]
 use super::lanes::Avx2;
 use super::lanes::{Lanes, Portable};
@@ -121,10 +122,10 @@ impl KeySplit {
         let (d, group) = (self.head_dim, self.group);
         let (q, (k, _)) = (&q[j * group * d..(j + 1) * group * d], Rows::of(planes, j * d));
         match simd {
-            Simd::Portable => scores_part::<Portable>(q, d, group, k, keys, scale, out),
+            Simd::Portable => scores_part::<Portable>(q, d, k, keys, scale, out),
             // SAFETY: `Simd::Avx2` is only chosen (`Simd::best`) on a CPU that runs AVX2 and FMA.
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => unsafe { scores_part_avx2(q, d, group, k, keys, scale, out) },
+            Simd::Avx2 => unsafe { scores_part_avx2(q, d, k, keys, scale, out) },
         }
     }
 
@@ -134,9 +135,11 @@ impl KeySplit {
         assert_eq!(keys.len(), self.keys, "the row's keys");
         let (j, c) = (i / self.cols, i % self.cols);
         let (n, group) = (self.keys, self.group);
-        WEIGHTS.with(|w| {
-            let mut w = w.borrow_mut();
+        WEIGHTS.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            let (w, sums) = &mut *cell;
             w.clear();
+            sums.resize(group, 0.0);
             // head j*group + g's scores, every part's in key order: one row of n per head
             for g in 0..group {
                 for p in 0..self.parts {
@@ -146,10 +149,10 @@ impl KeySplit {
             }
             let (_, v) = Rows::of(planes, j * self.head_dim + self.columns(c).start);
             match simd {
-                Simd::Portable => sums_piece::<Portable>(&mut w, n, group, v, keys, out),
+                Simd::Portable => sums_piece::<Portable>(w, sums, n, group, v, keys, out),
                 // SAFETY: as in `scores`.
                 #[cfg(target_arch = "x86_64")]
-                Simd::Avx2 => unsafe { sums_piece_avx2(&mut w, n, group, v, keys, out) },
+                Simd::Avx2 => unsafe { sums_piece_avx2(w, sums, n, group, v, keys, out) },
             }
         });
     }
@@ -202,88 +205,43 @@ fn lock<'a, 'b>(m: &'a Mutex<&'b mut [f32]>) -> std::sync::MutexGuard<'a, &'b mu
 }
 
 thread_local! {
-    /// Per thread: a sum item's gathered scores, then weights (`[group, keys]`).
-    static WEIGHTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// Per thread: an fp8 run's widened rows and their offsets (`Rows::run`).
-    static WIDE: RefCell<(Vec<f32>, Vec<usize>)> = const { RefCell::new((Vec::new(), Vec::new())) };
-}
-
-/// Calls `f(plane, run offsets, first key)` for each run of `keys` read from `src`, `width`
-/// values a key: the whole of a float32 plane at once, an fp8 one [`RUN`] keys at a time widened
-/// into the per-thread buffer (as `attention::attend_units` reads them).
-#[inline(always)]
-fn each_run(src: Rows<'_>, keys: &[usize], width: usize, mut f: impl FnMut(&[f32], &[usize], usize)) {
-    let n = keys.len();
-    let step = src.run_len(n);
-    WIDE.with(|cell| {
-        let mut cell = cell.borrow_mut();
-        let (wide, dense) = &mut *cell;
-        if matches!(src, Rows::Fp8 { .. }) && dense.get(1) != Some(&width) {
-            wide.resize(RUN * width, 0.0);
-            dense.clear();
-            dense.extend((0..RUN).map(|t| t * width));
-        }
-        for t0 in (0..n).step_by(step) {
-            let (plane, run) = src.run(&keys[t0..(t0 + step).min(n)], width, wide, dense);
-            f(plane, run, t0);
-        }
-    });
+    /// Per thread: a sum item's gathered scores, then weights (`[group, keys]`), and their sums.
+    static WEIGHTS: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// The `group` query heads `q` (`[group, d]`) of one KV head (its keys from `k`) over `keys`,
 /// into `out` (`[group, keys]`).
 #[inline(always)]
-fn scores_part<L: Lanes>(q: &[f32], d: usize, group: usize, k: Rows<'_>, keys: &[usize], scale: f32, out: &mut [f32]) {
+fn scores_part<L: Lanes>(q: &[f32], d: usize, k: Rows<'_>, keys: &[usize], scale: f32, out: &mut [f32]) {
     let n = keys.len();
-    each_run(k, keys, d, |plane, run, t0| {
-        each_group(group, |h, g| {
-            let (q, out) = (&q[h * d..], &mut out[h * n + t0..]);
-            match g {
-                1 => L::scores_group::<1>(&q[..d], d, plane, run, scale, out, n),
-                2 => L::scores_group::<2>(&q[..2 * d], d, plane, run, scale, out, n),
-                _ => L::scores_group::<3>(&q[..3 * d], d, plane, run, scale, out, n),
-            }
-        });
-    });
+    each_run(k, keys, d, |plane, run, t0| scores_heads::<L>(q, d, plane, run, scale, &mut out[t0..], n));
 }
 
-/// Softmax of each of the `group` rows of `w` (`[group, n]` scores, weights after), then their
-/// weighted sums over `v` (the piece's first column at each key's start), divided by each row's
-/// sum, into `out` (`[group, columns]`); the chains go on from run to run.
+/// Softmax of each of the `group` rows of `w` (`[group, n]` scores, weights after; their sums into
+/// `sums`), then their weighted sums over `v` (the piece's first column at each key's start),
+/// divided by each row's sum, into `out` (`[group, columns]`); the chains go on from run to run.
 #[inline(always)]
-fn sums_piece<L: Lanes>(w: &mut [f32], n: usize, group: usize, v: Rows<'_>, keys: &[usize], out: &mut [f32]) {
-    let sums: Vec<f32> = w.chunks_exact_mut(n).map(|s| {
-        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        L::softmax_weights(s, max)
-    }).collect();
+#[allow(clippy::too_many_arguments)]
+fn sums_piece<L: Lanes>(w: &mut [f32], sums: &mut [f32], n: usize, group: usize, v: Rows<'_>, keys: &[usize],
+                        out: &mut [f32]) {
+    softmax_rows::<L>(w, n, sums);
     let cols = out.len() / group;
-    each_run(v, keys, cols, |plane, run, t0| {
-        each_group(group, |h, g| {
-            let (p, o) = (&w[h * n + t0..], &mut out[h * cols..(h + g) * cols]);
-            match g {
-                1 => L::weighted_sum_group::<1>(p, n, plane, run, o, t0 > 0),
-                2 => L::weighted_sum_group::<2>(p, n, plane, run, o, t0 > 0),
-                _ => L::weighted_sum_group::<3>(p, n, plane, run, o, t0 > 0),
-            }
-        });
-    });
-    for (o, &sum) in out.chunks_exact_mut(cols).zip(&sums) {
-        for x in o {
-            *x /= sum;
-        }
-    }
+    each_run(v, keys, cols, |plane, run, t0| weighted_sums_heads::<L>(&w[t0..], n, plane, run, out, group, t0 > 0));
+    divide_rows(out, cols, sums);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn scores_part_avx2(q: &[f32], d: usize, group: usize, k: Rows<'_>, keys: &[usize], scale: f32, out: &mut [f32]) {
-    scores_part::<Avx2>(q, d, group, k, keys, scale, out)
+unsafe fn scores_part_avx2(q: &[f32], d: usize, k: Rows<'_>, keys: &[usize], scale: f32, out: &mut [f32]) {
+    scores_part::<Avx2>(q, d, k, keys, scale, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn sums_piece_avx2(w: &mut [f32], n: usize, group: usize, v: Rows<'_>, keys: &[usize], out: &mut [f32]) {
-    sums_piece::<Avx2>(w, n, group, v, keys, out)
+#[allow(clippy::too_many_arguments)]
+unsafe fn sums_piece_avx2(w: &mut [f32], sums: &mut [f32], n: usize, group: usize, v: Rows<'_>, keys: &[usize],
+                          out: &mut [f32]) {
+    sums_piece::<Avx2>(w, sums, n, group, v, keys, out)
 }
 
 #[cfg(test)]

@@ -14,11 +14,11 @@
 //!
 //! Files: [`step`] (the step's rows, validated once), [`ops`] (norm, rotary, residual adds),
 //! [`lanes`] (attention's products and softmax weights, SwiGLU: portable and AVX2 builds of one
-//! float order), [`attention`] (paged attention over block tables; [`attention_split`]: one row's cut finer for a team), [`kv_cache`] (the cache as
-//! float32 values or fp8 codes) and [`kv_fp8`] (the codes: written and widened by the torch
-//! backend's rule), [`stack`] (the layers),
-//! `chain` (the layers on a team of threads, one call a step),
-//! [`logits`] (each logits row's argmax and log-sum-exp, for sampling), [`error`].
+//! float order), [`attention`] (paged attention over block tables) and [`attention_split`] (one
+//! row's cut finer for a team), [`kv_cache`] (the cache as float32 values or fp8 codes), `kv_rows`
+//! (attention's reads of it, fp8 widened run by run) and [`kv_fp8`] (the codes: written and widened
+//! by the torch backend's rule), [`stack`] (the layers), `chain` (the layers on a team of threads,
+//! one call a step), [`logits`] (each logits row's argmax and log-sum-exp, for sampling), [`error`].
 
 pub mod attention;
 pub mod attention_split;
@@ -28,6 +28,7 @@ mod chain;
 pub mod error;
 pub mod kv_cache;
 pub mod kv_fp8;
+mod kv_rows;
 pub mod lanes;
 pub mod logits;
 pub mod ops;
