@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import re
 
 import numpy as np
@@ -25,6 +26,7 @@ from hypothesis.stateful import (
 )
 
 from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs.errors import FieldError
 from pagedrs.kv_tiers.errors import CorruptPageError
 
 
@@ -132,8 +134,12 @@ def test_n_is_bounded_by_engine_args(tiny_llama_dir):
 )
 def test_malformed_prompts_are_refused_with_nothing_changed(tiny_llama_dir, prompt, message):
     engine = make_engine(tiny_llama_dir)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(FieldError, match=message) as refused:
         engine.add_request("bad", prompt, SamplingParams(max_tokens=2))
+    assert refused.value.param == "prompt" and isinstance(refused.value, ValueError)
+    # it crosses a process boundary whole (pickled by multiprocessing or Ray)
+    again = pickle.loads(pickle.dumps(refused.value))
+    assert (type(again), again.param, str(again)) == (FieldError, "prompt", str(refused.value))
     assert engine.num_unfinished() == 0
     assert_idle_and_free(engine)
 

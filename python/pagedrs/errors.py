@@ -55,3 +55,7 @@ class FieldError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+    def __reduce__(self) -> tuple[type[FieldError], tuple[str, str]]:
+        # both arguments: Exception's own reduce would rebuild it from the message alone, and fail
+        return (FieldError, (self.param, str(self)))

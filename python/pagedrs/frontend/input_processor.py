@@ -164,17 +164,17 @@ class InputProcessor:
         if not token_ids:
             raise FieldError("prompt", f"request {request_id!r}: the prompt is empty; at least 1 token is needed")
         if len(token_ids) > self.max_model_len:
-            raise FieldError(
-                "prompt", f"request {request_id!r}: the prompt has {len(token_ids)} tokens; "
-                f"max_model_len is {self.max_model_len}"
-            )
+            raise self._too_long(request_id, len(token_ids))
         return text, token_ids
 
+    def _too_long(self, request_id: str, tokens: int) -> FieldError:
+        return FieldError(
+            "prompt", f"request {request_id!r}: the prompt has {tokens} tokens; max_model_len is {self.max_model_len}"
+        )
+
     def _token_ids(self, request_id: str, prompt: Any) -> list[int]:
-        if len(prompt) > self.max_model_len:
-            raise FieldError(
-                "prompt", f"request {request_id!r}: the prompt has {len(prompt)} tokens; max_model_len is {self.max_model_len}"
-            )
+        if len(prompt) > self.max_model_len:  # before reading a huge list
+            raise self._too_long(request_id, len(prompt))
         if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
                 raise FieldError(
