@@ -109,10 +109,10 @@ def main() -> None:
 
     prefill = [False]  # whether the step being timed computes prompt tokens
 
-    def timed_from_plan(plan: Any) -> Any:
+    def timed_from_plan(plan: Any, page_meta: Any) -> Any:
         start = time.perf_counter()
         try:
-            step = from_plan(plan)
+            step = from_plan(plan, page_meta)
             prefill[0] = step.num_tokens != step.num_seqs
             return step
         finally:

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from pagedrs import Engine, EngineArgs
+from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.kv_tiers.disk_store import FILE_NAME, HEADER_BYTES, DiskPageStore
 from pagedrs.kv_tiers.errors import CorruptPageError, DiskTierError, StoreBusyError
 from test_engine import greedy
@@ -467,7 +468,9 @@ class Watch:
             return failed
 
         store.write, store.read, store.take_failed_slots = watched_write, watched_read, watched_take
-        execute = eng.executor.execute
+        # the executor that runs the steps: with asynchronous scheduling the one the worker thread calls
+        runs = eng.executor.inner if isinstance(eng.executor, AsyncExecution) else eng.executor
+        execute = runs.execute
 
         def synced_execute(*args, **kw):
             try:
@@ -475,7 +478,7 @@ class Watch:
             finally:
                 store._writer.wait()
 
-        eng.executor.execute = synced_execute
+        runs.execute = synced_execute
 
     def lost(self) -> set[int]:
         return {s for kind, ss in self.events if kind == "lost" for s in ss}
@@ -558,10 +561,11 @@ def disk_engine(model_dir, path, **kw) -> Engine:
     return engine(model_dir, kv_disk_path=str(path), kv_disk_gb=gib(400), **kw)
 
 
-def test_a_disk_that_fills_while_serving_loses_pages_never_outputs(tiny_llama_dir, tmp_path, monkeypatch, no_disk):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_disk_that_fills_while_serving_loses_pages_never_outputs(tiny_llama_dir, tmp_path, monkeypatch, no_disk, async_scheduling):
     """Injected: after 24 pages the disk is full, for every write that follows (always runs)."""
     prompts, reference = no_disk
-    eng = disk_engine(tiny_llama_dir, tmp_path)
+    eng = disk_engine(tiny_llama_dir, tmp_path, async_scheduling=async_scheduling)
     watch = Watch(eng)
     written = {"records": 0}
 
@@ -599,9 +603,10 @@ def test_a_small_tmpfs_that_fills_while_serving_loses_pages_never_outputs(tiny_l
     eng.shutdown()
 
 
-def test_pages_corrupted_on_disk_are_recomputed_and_never_hit_again(tiny_llama_dir, tmp_path, no_disk):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pages_corrupted_on_disk_are_recomputed_and_never_hit_again(tiny_llama_dir, tmp_path, no_disk, async_scheduling):
     prompts, reference = no_disk
-    eng = disk_engine(tiny_llama_dir, tmp_path)
+    eng = disk_engine(tiny_llama_dir, tmp_path, async_scheduling=async_scheduling)
     watch = Watch(eng)
     store = watch.store
 
@@ -621,10 +626,11 @@ def test_pages_corrupted_on_disk_are_recomputed_and_never_hit_again(tiny_llama_d
     eng.shutdown()
 
 
-def test_writes_that_fail_mid_page_lose_pages_never_outputs(tiny_llama_dir, tmp_path, monkeypatch, no_disk):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_writes_that_fail_mid_page_lose_pages_never_outputs(tiny_llama_dir, tmp_path, monkeypatch, no_disk, async_scheduling):
     """Every third page write stops half way with ENOSPC, and zeroing its magic fails too."""
     prompts, reference = no_disk
-    eng = disk_engine(tiny_llama_dir, tmp_path)
+    eng = disk_engine(tiny_llama_dir, tmp_path, async_scheduling=async_scheduling)
     watch = Watch(eng)
     count = {"records": 0}
 

@@ -13,7 +13,7 @@ from pagedrs.distributed.tp_executor import TPExecutor
 from pagedrs.executor import DiskTierHandle, LocalExecutor, make_executor, plan_tiers
 from pagedrs.kv_tiers.errors import DiskTierError
 from pagedrs.models.interface import KvModel
-from pagedrs.step_input import Transfer
+from pagedrs.step_input import Transfer, transfers_from
 from test_kv_tiers import BLOCK, engine, gib
 
 
@@ -42,14 +42,15 @@ def test_the_local_disk_tier_runs_the_engines_setup_and_flush(tiny_llama_dir, tm
     assert disk is not None and tiers.disk_blocks == disk.num_slots > 0
     assert len(disk.seed.slots) == 0  # a new store holds nothing
     handle: DiskTierHandle = disk  # the protocol is what the engine holds
-    with pytest.raises(RuntimeError, match="needs set_page_meta first"):
-        ex.init_kv_cache(24, 0)
     scheduler = Scheduler(_config(a, tiers.disk_blocks))
-    handle.set_page_meta(scheduler.disk_pages)
     ex.init_kv_cache(24, 0)
     assert handle.take_failed_disk_slots() == []
-    transfers = [Transfer(int(i), str(s), str(d), p) for i, s, d, p in scheduler.flush_to_disk()]
+    transfers = list(transfers_from(scheduler.flush_to_disk(), scheduler.disk_pages))
     handle.run_transfers(transfers)  # nothing cached yet: an empty flush
+    # a copy to disk without its slots' meta (hash, parent, tokens) is refused, never written with a guess
+    with pytest.raises(RuntimeError, match="transfer 7 to the disk tier carries no page meta"):
+        handle.run_transfers([Transfer(7, "gpu", "disk", np.array([[0, 0]], dtype=np.int64))])
+    assert disk.store.bytes_written == 0
     ex.shutdown()
     assert ex.disk_tier() is None
     handle.close()  # idempotent after shutdown

@@ -182,10 +182,6 @@ class EngineArgs:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError(f"async_scheduling=True with tensor_parallel_size={self.tensor_parallel_size}: not supported "
                              "yet; allowed: async_scheduling=False, or tensor_parallel_size=1")
-        if self.async_scheduling and self.kv_disk_path is not None:
-            raise ValueError(f"async_scheduling=True with kv_disk_path={str(self.kv_disk_path)!r}: not supported yet "
-                             "(the disk tier's writes are not ordered with an asynchronous step); allowed: "
-                             "async_scheduling=False, or kv_disk_path=None")
         _check_speculative(self)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")

@@ -180,7 +180,10 @@ class ModelRunner:
                 if self.disk is None:
                     raise RuntimeError(f"transfer {transfer.id} uses the disk tier, which this runner does not have")
                 if transfer.dst == "disk":
-                    self.disk.write(caches[transfer.src], transfer.pairs)
+                    if transfer.meta is None:
+                        raise RuntimeError(f"transfer {transfer.id} to the disk tier carries no page meta (hash, parent, "
+                                           "tokens); build it with step_input.transfers_from")
+                    self.disk.write(caches[transfer.src], transfer.pairs, transfer.meta)
                 else:
                     self.disk.read(transfer.pairs, caches[transfer.dst])
                 continue

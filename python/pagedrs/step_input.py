@@ -20,18 +20,30 @@ come before any host→device copy, because blocks a swap-out frees may be hande
 sequences in the same step), then ``copies`` (copy-on-write), then the forward pass.
 After a transfer's copy has finished, its id goes back to the core
 (``Scheduler.complete_transfers``) so the host pages it pinned can be reused.
+
+A copy to the disk tier carries what each destination slot will hold beside the page (its
+chained hash, its parent's hash, its tokens), taken from the core when the copy is handed out
+(:func:`transfers_from`): the runner writes it later, on the executor's worker thread with
+asynchronous scheduling, while the core plans the next step, so it must never ask the core.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 TIERS = ("gpu", "cpu", "disk")  # the tier names the core uses; the executor maps each to its storage
 # fields the Python core fills after the plan (core/prompt_logprobs.py); the core's StepPlan has none of them
 CORE_FILLED = frozenset({"logit_rows"})
+
+
+# (hashes uint64 [N], parents uint64 [N], tokens uint32 [N, block_size]) of N disk slots
+DiskPageMeta = tuple[np.ndarray, np.ndarray, np.ndarray]
+# slots uint32 [N] -> their DiskPageMeta (the core's ``Scheduler.disk_pages``)
+PageMeta = Callable[[np.ndarray], DiskPageMeta]
 
 
 def _empty_pairs() -> np.ndarray:
@@ -46,6 +58,19 @@ class Transfer:
     src: str  # a name in TIERS
     dst: str  # a name in TIERS
     pairs: np.ndarray  # int64 [N, 2] (src block, dst block)
+    # a copy to the disk tier: what each destination slot holds beside its page (see the module docs)
+    meta: Optional[DiskPageMeta] = None
+
+
+def transfers_from(core_transfers: Iterable[tuple[Any, Any, Any, np.ndarray]], page_meta: PageMeta) -> tuple[Transfer, ...]:
+    """The core's ``(id, src, dst, pairs)`` batches as ``Transfer``s, each copy to the disk tier
+    with its slots' meta from ``page_meta`` (asked now, while the core is not planning)."""
+    out = []
+    for i, s, d, p in core_transfers:
+        dst = str(d)
+        meta = page_meta(np.ascontiguousarray(p[:, 1], dtype=np.uint32)) if dst == "disk" and len(p) else None
+        out.append(Transfer(int(i), str(s), dst, p, meta))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -68,11 +93,12 @@ class StepInput:
     logit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @classmethod
-    def from_plan(cls, plan: Any) -> StepInput:
-        """The single conversion from the core's ``StepPlan``."""
+    def from_plan(cls, plan: Any, page_meta: PageMeta) -> StepInput:
+        """The single conversion from the core's ``StepPlan``; ``page_meta`` (the core's
+        ``Scheduler.disk_pages``) gives copies to the disk tier their slots' meta."""
         values = {name: getattr(plan, name) for name in _PLAN_FIELDS}
         transfers = plan.transfers
-        values["transfers"] = tuple(Transfer(int(i), str(s), str(d), p) for i, s, d, p in transfers) if transfers else ()
+        values["transfers"] = transfers_from(transfers, page_meta) if transfers else ()
         return cls(**values)
 
     @property

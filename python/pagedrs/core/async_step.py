@@ -29,6 +29,11 @@ after): beam search (its beams change places by the decision), a request's first
 ``n``/``best_of`` > 1 (the fork happens at the decision). Structured outputs do run ahead: a
 grammar's mask is computed when its row is sampled, after the previous token was consumed.
 
+The disk tier: step N's copies to disk run on the worker while N+1 is planned, so each carries
+its slots' meta from when the core handed it out (``step_input.Transfer.meta``), and its slots
+stay pinned in the core until the copy is reported done. Not supported yet (refused by
+``EngineArgs``): tensor parallelism, speculative decoding.
+
 The executor side is ``executor/async_execution.py``: one worker thread, steps in order.
 """
 

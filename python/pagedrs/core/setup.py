@@ -18,7 +18,7 @@ from pagedrs.executor import Executor, make_executor, plan_tiers
 from pagedrs.executor.base import DiskTierHandle
 from pagedrs.memory import KvPlan
 from pagedrs.models.config import ModelConfig
-from pagedrs.step_input import Transfer
+from pagedrs.step_input import transfers_from
 
 
 @dataclass
@@ -74,7 +74,6 @@ def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBack
     if disk is not None:
         seed = disk.seed
         scheduler.seed_disk(seed.slots, seed.hashes, seed.parents, seed.tokens, seed.invalidated)
-        disk.set_page_meta(scheduler.disk_pages)
         # A clean shutdown also flushes the cached pages to disk first.
         closer.detach()
         closer = weakref.finalize(owner, functools.partial(_flush_and_close, scheduler, executor, disk))
@@ -102,7 +101,7 @@ def _flush_and_close(scheduler: Scheduler, executor: Executor, disk: DiskTierHan
     the store is made durable and closed (by the executor's shutdown). Takes no core, so it
     can run at collection."""
     try:
-        transfers = [Transfer(int(i), str(s), str(d), p) for i, s, d, p in scheduler.flush_to_disk()]
+        transfers = list(transfers_from(scheduler.flush_to_disk(), scheduler.disk_pages))
         disk.run_transfers(transfers)
         scheduler.complete_transfers([t.id for t in transfers])
     finally:

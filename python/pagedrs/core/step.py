@@ -88,7 +88,7 @@ def plan_step(core: EngineCore, ctx: StepContext) -> StepInput:
         dead = EngineDeadError(f"the scheduler failed while it planned a step: {exc}")
         core.fail_all(dead, ctx.touched)
         raise dead from exc
-    step, ctx.prompt_rows = prompt_logprobs.plan(core, StepInput.from_plan(plan))
+    step, ctx.prompt_rows = prompt_logprobs.plan(core, StepInput.from_plan(plan, core.scheduler.disk_pages))
     if core.speculator is not None:
         step, ctx.spec = core.speculator.plan(step)
     ctx.step = step

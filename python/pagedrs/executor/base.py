@@ -19,7 +19,6 @@ from typing import Protocol
 
 import torch
 
-from pagedrs.kv_tiers.disk_tier import PageMeta
 from pagedrs.kv_tiers.store_layout import SeedPages
 from pagedrs.memory import KvPlan
 from pagedrs.models.loader import LoadedModel
@@ -37,9 +36,9 @@ class TierPlan:
 class DiskTierHandle(Protocol):
     """The engine's handle on an executor's open disk page store.
 
-    Order of use: ``seed`` goes to the scheduler, then ``set_page_meta`` (before
-    ``Executor.init_kv_cache``), then ``take_failed_disk_slots`` after each step; at a clean
-    shutdown ``run_transfers`` (the scheduler's flush) and ``close``."""
+    Order of use: ``seed`` goes to the scheduler, then ``take_failed_disk_slots`` after each
+    step; at a clean shutdown ``run_transfers`` (the scheduler's flush) and ``close``. Copies to
+    disk carry their slots' meta (``Transfer.meta``): the tier never asks the core."""
 
     @property
     def num_slots(self) -> int:
@@ -49,10 +48,6 @@ class DiskTierHandle(Protocol):
     @property
     def seed(self) -> SeedPages:
         """The pages the store held when it opened (the scheduler is seeded with them)."""
-        ...
-
-    def set_page_meta(self, page_meta: PageMeta) -> None:
-        """Where disk writes get each slot's (hash, parent, tokens): the core, which assigned it."""
         ...
 
     def run_transfers(self, transfers: list[Transfer]) -> None:

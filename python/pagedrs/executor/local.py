@@ -15,7 +15,7 @@ from pagedrs.engine_args import MAX_CPU_THREADS, EngineArgs, usable_cores
 from pagedrs.executor.base import DiskTierHandle
 from pagedrs.executor.token_fill import DeviceFill
 from pagedrs.kv_tiers import DiskPageStore, StoreGeometry, model_fingerprint
-from pagedrs.kv_tiers.disk_tier import DiskTier, PageMeta
+from pagedrs.kv_tiers.disk_tier import DiskTier
 from pagedrs.kv_tiers.errors import DiskTierError
 from pagedrs.kv_tiers.sizing import resolved_swap_space_gb
 from pagedrs.kv_tiers.store_layout import SeedPages
@@ -266,7 +266,6 @@ class _LocalDiskTier:
         self._executor = executor
         self.store = store
         self._seed = seed
-        self._page_meta: PageMeta | None = None
 
     @property
     def num_slots(self) -> int:
@@ -276,14 +275,9 @@ class _LocalDiskTier:
     def seed(self) -> SeedPages:
         return self._seed
 
-    def set_page_meta(self, page_meta: PageMeta) -> None:
-        self._page_meta = page_meta
-
     def runner_tier(self) -> DiskTier:
-        """The runner's side of the tier (gather and scatter of page slices); needs the page meta."""
-        if self._page_meta is None:
-            raise RuntimeError("LocalExecutor.init_kv_cache with a disk store needs set_page_meta first")
-        return DiskTier(self.store, self._page_meta)
+        """The runner's side of the tier (gather and scatter of page slices)."""
+        return DiskTier(self.store)
 
     def run_transfers(self, transfers: list[Transfer]) -> None:
         self._executor.run_transfers(transfers)
