@@ -200,7 +200,8 @@ def test_fill_placeholders_takes_each_rows_token():
 
 @pytest.mark.parametrize(("kw", "field"), [
     (dict(async_scheduling="yes"), "async_scheduling is 'yes'"),
-    (dict(async_scheduling=True, tensor_parallel_size=2), "tensor_parallel_size=2"),
+    (dict(async_scheduling=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+     "speculative_config with async_scheduling=True"),
 ])
 def test_bad_settings_are_refused_by_name(kw, field):
     with pytest.raises(ValueError, match=field.replace("(", r"\(").replace(")", r"\)")):

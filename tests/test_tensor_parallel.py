@@ -104,6 +104,30 @@ def test_tp2_n_samples_with_copy_on_write_equal_tp1(tiny_llama_dir, tp2):
     assert run(tp2(tiny_llama_dir), prompts, params) == one
 
 
+@pytest.mark.parametrize(
+    "mode",
+    [dict(enable_prefix_caching=True),
+     dict(num_gpu_blocks=14, preemption_mode="swap", watermark=0.0, admission_policy="prompt_only")],
+    ids=["prefix-caching", "swap"],
+)
+def test_tp2_with_asynchronous_scheduling_equals_tp1(tiny_llama_dir, tp2, mode):
+    """The step worker drives the ranks (rank 0's forward and the step broadcast) while the core
+    plans the next step: greedy tokens and seeded n > 1 samples (copy-on-write forks) equal one
+    synchronous rank's, through prefix hits and swaps, and every page comes back."""
+    prompts = prompts_for(shared=9)
+    greedy_params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(n=3, max_tokens=9, temperature=0.8, seed=5, ignore_eos=True)
+    one = Engine(EngineArgs(model=str(tiny_llama_dir), **{**BASE, **mode}))
+    expected = run(one, prompts, greedy_params), run(one, prompts[:3], sampled)
+    engine = tp2(tiny_llama_dir, async_scheduling=True, **mode)
+    assert type(engine.executor).__name__ == "AsyncExecution"
+    assert (run(engine, prompts, greedy_params), run(engine, prompts[:3], sampled)) == expected
+    stats = engine.stats()
+    if "preemption_mode" in mode:
+        assert stats["num_preemptions"] > 0
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+
+
 def test_heads_not_divisible_by_tp_are_refused_before_serving(tiny_llama_dir):
     """The tiny llama has 4 attention heads: 3 ranks cannot split them."""
     before = {p.pid for p in _live_children()}
@@ -115,10 +139,12 @@ def test_heads_not_divisible_by_tp_are_refused_before_serving(tiny_llama_dir):
         time.sleep(0.1)
 
 
-def test_a_killed_worker_fails_requests_and_leaves_no_orphans(tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_killed_worker_fails_requests_and_leaves_no_orphans(tiny_llama_dir, async_scheduling):
     before = {p.pid for p in _live_children()}
-    engine = Engine(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, **BASE))
-    workers = engine.executor._workers
+    engine = Engine(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, async_scheduling=async_scheduling,
+                               **BASE))
+    workers = (engine.executor.inner if async_scheduling else engine.executor)._workers
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=100, ignore_eos=True))
     engine.step()
     os.kill(workers[0].pid, signal.SIGKILL)

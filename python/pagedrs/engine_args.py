@@ -179,9 +179,6 @@ class EngineArgs:
                 raise ValueError(f"{name} is {getattr(self, name)!r}; it must be True or False")
         if self.pad_decode is not None and not isinstance(self.pad_decode, bool):
             raise ValueError(f"pad_decode is {self.pad_decode!r}; it must be True, False or None")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError(f"async_scheduling=True with tensor_parallel_size={self.tensor_parallel_size}: not supported "
-                             "yet; allowed: async_scheduling=False, or tensor_parallel_size=1")
         _check_speculative(self)
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark is {self.watermark!r}; it must be in [0, 1)")

@@ -31,8 +31,9 @@ grammar's mask is computed when its row is sampled, after the previous token was
 
 The disk tier: step N's copies to disk run on the worker while N+1 is planned, so each carries
 its slots' meta from when the core handed it out (``step_input.Transfer.meta``), and its slots
-stay pinned in the core until the copy is reported done. Not supported yet (refused by
-``EngineArgs``): tensor parallelism, speculative decoding.
+stay pinned in the core until the copy is reported done. Tensor parallelism: the worker drives
+the ranks (the step's broadcast, rank 0's forward). Not supported yet (refused by
+``EngineArgs``): speculative decoding.
 
 The executor side is ``executor/async_execution.py``: one worker thread, steps in order.
 """
