@@ -102,3 +102,50 @@ def test_a_restart_finds_the_pages_an_asynchronous_engine_wrote(tiny_llama_dir, 
     eligible = sum((len(p) - 1) // 4 for p in prompts)
     assert s["prefix_hits_disk"] + s["prefix_hits_device"] >= 0.9 * eligible, s
     second.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_interrupt_after_a_steps_disk_copies_never_serves_them_wrong(tiny_llama_dir, hf_model, tmp_path,  # noqa: F811
+                                                                        async_scheduling):
+    """Ctrl-C right after a step queued its copies to disk (before its forward; on the worker with
+    asynchronous scheduling): the steps in flight go back and are computed again, the copies' slots
+    leave the core's index, and neither this engine nor one restarted on the store ever answers
+    differently from transformers."""
+    eng = engine(tiny_llama_dir, async_scheduling=async_scheduling, kv_disk_path=str(tmp_path), kv_disk_gb=gib(400))
+    runner = (eng.executor.inner if async_scheduling else eng.executor).runner
+    real = runner.run_transfers
+    armed = {"left": 2}  # two interrupts, each right after copies to disk
+
+    def run_transfers(transfers):
+        real(transfers)
+        if armed["left"] and any(t.dst == "disk" for t in transfers):
+            armed["left"] -= 1
+            raise KeyboardInterrupt
+
+    runner.run_transfers = run_transfers
+    prompts = conversations(eng.loaded.config.vocab_size)
+    interrupted = 0
+    for _ in range(2):  # two turns: the second finds pages the first pushed to disk
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{i}", p, greedy(6))
+        done = {}
+        while eng.has_unfinished():
+            try:
+                outs = eng.step()
+            except KeyboardInterrupt:
+                interrupted += 1
+                assert not eng.core.scheduler.open_steps(), "an interrupted step left a step open"
+                continue
+            done.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+            eng.check_invariants()
+        for i, p in enumerate(prompts):
+            assert done[f"r{i}"] == hf_greedy(hf_model, p, 6), f"user {i}"
+    assert interrupted == 2 and eng.stats()["prefix_hits_disk"] > 0
+    eng.shutdown()
+
+    second = engine(tiny_llama_dir, kv_disk_path=str(tmp_path), kv_disk_gb=gib(400))
+    done = run_all(second, prompts, greedy(6))
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"] == hf_greedy(hf_model, p, 6), f"after the restart: user {i}"
+    assert second.stats()["prefix_hits_disk"] > 0
+    second.shutdown()
