@@ -226,6 +226,24 @@ def test_echo_and_logprobs(client: openai.OpenAI) -> None:
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
 
 
+def test_logit_bias_and_allowed_token_ids_equal_offline_generate(client: openai.OpenAI, offline: LLM) -> None:
+    """The OpenAI client's logit_bias (string keys) and vLLM's allowed_token_ids (extra_body) reach the
+    sampler: the same tokens as the Python API with the same settings, streamed or not."""
+    first = offline.generate(PROMPTS[0], SamplingParams(**GREEDY), use_tqdm=False)[0].outputs[0].token_ids
+    bias = {first[0]: -100.0, first[1]: 3.0}
+    allowed = sorted(set(first) | {5, 6, 7})
+    expected = offline.generate(PROMPTS[0], SamplingParams(**GREEDY, logit_bias=bias, allowed_token_ids=allowed),
+                                use_tqdm=False)[0].outputs[0]
+    assert expected.token_ids[0] != first[0] and set(expected.token_ids) <= set(allowed)
+    wire = {str(t): b for t, b in bias.items()}
+    extra = {"allowed_token_ids": allowed, "return_token_ids": True}
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], logit_bias=wire, extra_body=extra, **GREEDY)
+    assert whole.choices[0].token_ids == expected.token_ids and whole.choices[0].text == expected.text
+    chunks = client.completions.create(model=MODEL, prompt=PROMPTS[0], logit_bias=wire, extra_body=extra, stream=True,
+                                       **GREEDY)
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+
+
 def test_chat_equals_offline_chat_streaming_or_not(client: openai.OpenAI, offline: LLM) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox?"}]
     expected = offline.chat(messages, SamplingParams(**GREEDY))[0]
@@ -279,6 +297,17 @@ ERROR_CASES = [
     # refused by the engine's input processor (a FieldError), not by the server's own checks
     ("completions", {"model": MODEL, "prompt": [[1, 2, 10**7]]}, 400, "prompt", "token id 10000000 is outside the vocabulary"),
     ("completions", {"model": MODEL, "prompt": 5}, 400, "prompt", "Input should be"),
+    # logit_bias (OpenAI) and allowed_token_ids (vLLM): shape here, ranges in SamplingParams, ids in the engine
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias",
+     "keys are token ids written as decimal integers"),
+    ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, 400,
+     "logit_bias", "finite numbers in [-100, 100]"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"5": True}}, 400, "logit_bias", "boolean"),
+    ("completions", {"model": MODEL, "prompt": "x", "logit_bias": {"10000000": 1}}, 400, "logit_bias",
+     "token id 10000000, outside the vocabulary"),
+    ("chat", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "allowed_token_ids": [3, 10**7]}, 400,
+     "allowed_token_ids", "outside the vocabulary"),
+    ("completions", {"model": MODEL, "prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "at least 1"),
     ("completions", {"model": MODEL}, 400, "prompt", "Field required"),
     ("completions", {"model": MODEL, "prompt": "x", "suffix": "y"}, 400, "suffix", "not supported"),
     ("completions", {"model": MODEL, "prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs",

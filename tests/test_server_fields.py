@@ -193,6 +193,7 @@ SHARED_HONOURED: dict[str, tuple[dict[str, Any], Callable[[Reply], None]]] = {
     "stop": ({"stop": ["zz"]}, _params_has(stop=["zz"])),
     "temperature": ({"temperature": 0.5}, _params_has(temperature=0.5)),
     "top_p": ({"top_p": 0.5}, _params_has(top_p=0.5)),
+    "logit_bias": ({"logit_bias": {"97": 5, "98": -100}}, _params_has(logit_bias={97: 5.0, 98: -100.0})),
     "stream": ({"stream": True}, _streamed),
     "stream_options": ({"stream": True, "stream_options": {"include_usage": True}}, _streamed_usage),
 }
@@ -222,9 +223,8 @@ HONOURED: dict[str, dict[str, tuple[dict[str, Any], Callable[[Reply], None]]]] =
 }
 # field -> a plausible value that the server must refuse (not supported yet)
 REFUSED: dict[str, dict[str, Any]] = {
-    COMPLETIONS: {"logit_bias": {"97": 5}, "suffix": "!"},
+    COMPLETIONS: {"suffix": "!"},
     CHAT: {
-        "logit_bias": {"97": 5},
         "audio": {"voice": "alloy", "format": "mp3"},
         "function_call": "auto",
         "functions": [{"name": "f", "parameters": {"type": "object"}}],

@@ -5,10 +5,11 @@ Everything is a tensor op over the step's [S, V] logits; per-row settings become
 generator: each draws its own noise, so a seeded request gets the same tokens
 whatever else shares its batch.
 
-Order (vLLM's): repetition / frequency / presence penalties -> min_tokens mask
-(EOS and stop ids) -> greedy rows take the argmax here -> temperature -> min-p
--> top-k -> top-p -> one draw per row via the exponential race
-``argmax(p / q), q ~ Exp(1)``, which samples exactly from ``p``.
+Order (vLLM's): allowed_token_ids (every other logit -inf) -> logit_bias (added) ->
+repetition / frequency / presence penalties -> min_tokens mask (EOS and stop ids) ->
+greedy rows take the argmax here -> temperature -> min-p -> top-k -> top-p -> one
+draw per row via the exponential race ``argmax(p / q), q ~ Exp(1)``, which samples
+exactly from ``p``.
 
 Logprobs follow vLLM's default: the log-softmax of the model's *raw* logits,
 before penalties, temperature and truncation, so they describe the model rather
@@ -58,7 +59,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampleResult]:
     raw = logits.float()
     # Neither writes into the caller's logits; with no penalty and no min_tokens mask (a greedy
     # batch, usually) they return them as they are, uncopied.
-    x = mask_min_tokens(apply_penalties(raw, rows), rows)
+    x = mask_min_tokens(apply_penalties(apply_token_biases(raw, rows), rows), rows)
+    _check_something_allowed(x, rows)
     token_ids = draw(
         x, [r.params.is_greedy for r in rows], [r.params.temperature for r in rows], [r.params.min_p for r in rows],
         [r.params.top_k for r in rows], [r.params.top_p for r in rows], [r.generator for r in rows],
@@ -98,6 +100,51 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
         return x.argmax(dim=-1)
     return torch.from_numpy(x.detach().numpy().argmax(axis=-1).astype("int64", copy=False))
+
+
+def apply_token_biases(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """``allowed_token_ids`` (every other logit of the row -inf), then ``logit_bias`` (each listed
+    token's logit plus its bias), into a copy; ``logits`` itself when no row has either. A token id
+    past the logits' width raises (the input processor refuses such ids before a request runs)."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias is not None or r.params.allowed_token_ids is not None]
+    if not biased:
+        return logits
+    out = logits.clone()
+    for i in biased:
+        allowed, tokens, biases = _bias_tensors(rows[i].params)
+        if allowed is not None:
+            keep = torch.zeros(out.shape[1], dtype=torch.bool)
+            keep[allowed] = True
+            out[i].masked_fill_(~keep.to(out.device), float("-inf"))
+        if tokens is not None and biases is not None:
+            out[i, tokens.to(out.device)] += biases.to(out.device, out.dtype)
+    return out
+
+
+def _check_something_allowed(x: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """A row restricted by ``allowed_token_ids`` whose every token is masked (the grammar's mask or
+    ``min_tokens`` took the rest) has nothing to draw: a ValueError naming the field, so the caller
+    ends that request alone, instead of an argmax over -inf returning token 0 (a token nobody allowed).
+    Only those rows are checked (a max over the vocabulary each)."""
+    for i, r in enumerate(rows):
+        if r.params.allowed_token_ids is not None and not bool(torch.isfinite(x[i]).any()):
+            raise ValueError(f"allowed_token_ids: every allowed token is masked at this step (by the grammar or "
+                             f"min_tokens={r.params.min_tokens}), so nothing can be drawn; allowed ids "
+                             f"{r.params.allowed_token_ids[:8]}{' ...' if len(r.params.allowed_token_ids) > 8 else ''}")
+
+
+def _bias_tensors(params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(allowed ids, biased ids, their biases) as CPU tensors, made once per SamplingParams (a list
+    of 100k allowed ids as a tensor costs milliseconds; the params do not change once made)."""
+    cached = params.__dict__.get("_bias_tensors")
+    if cached is None:
+        allowed = None if params.allowed_token_ids is None else torch.tensor(params.allowed_token_ids, dtype=torch.int64)
+        bias = params.logit_bias
+        tokens = None if bias is None else torch.tensor(list(bias), dtype=torch.int64)
+        values = None if bias is None else torch.tensor(list(bias.values()), dtype=torch.float32)
+        cached = (allowed, tokens, values)
+        params.__dict__["_bias_tensors"] = cached
+    return cached
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -29,6 +29,9 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_TOKEN_ID = 2**31 - 1
+MAX_LOGIT_BIAS = 4096  # entries in logit_bias (OpenAI documents no bound; each costs a little every step)
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+MAX_ALLOWED_TOKEN_IDS = 2**18  # entries in allowed_token_ids: more than any vocabulary served today
 MAX_TOKENS_LIMIT = 2**31 - 1  # the context length caps generation far below this
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40
 # overflows to inf and the softmax to NaN.
@@ -177,6 +180,19 @@ def _fail(name: str, value: object, allowed: str) -> None:
     raise ValueError(f"SamplingParams.{name}={value!r} is out of range: allowed {allowed}")
 
 
+def _short(value: object) -> object:
+    """A value as an error message shows it: long reprs cut (a hostile request's values may be huge)."""
+    text = repr(value)
+    return value if len(text) <= 80 else _Shown(text[:77] + "...")
+
+
+class _Shown(str):
+    """Text shown as it is by ``repr`` (a cut repr in an error message)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 def _conflict(name: str, value: object, allowed: str) -> None:
     raise ValueError(f"SamplingParams.{name}={value!r} is not allowed with use_beam_search=True: {allowed}")
 
@@ -227,6 +243,13 @@ class SamplingParams:
     # which RequestOutputs the request gets (RequestOutputKind); a plain int 0-2 is taken as one.
     # Last field: a field added at the end travels through the multiprocess codec unchanged.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # token id -> a number added to its logit before every draw (OpenAI's logit_bias: -100 in
+    # effect bans a token, 100 all but forces it); before the penalties, as in vLLM. The reported
+    # logprobs stay the model's (raw logits). {} means none.
+    logit_bias: Optional[dict[int, float]] = None
+    # vLLM's: only these token ids can be drawn (every other logit is -inf before sampling);
+    # None: any token. Checked against the model's vocabulary when the request is added.
+    allowed_token_ids: Optional[list[int]] = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -275,6 +298,8 @@ class SamplingParams:
         if self.best_of is not None and (not _is_int(self.best_of) or not self.n <= self.best_of <= MAX_N):
             _fail("best_of", self.best_of, f"None or an integer in [n={self.n}, {MAX_N}]")
         self.output_kind = self._normalize_output_kind(self.output_kind)
+        self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        self.allowed_token_ids = self._normalize_allowed_token_ids(self.allowed_token_ids)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
         if self.structured_outputs is not None and self.min_tokens:
@@ -308,7 +333,7 @@ class SamplingParams:
             _conflict("temperature", self.temperature, "allowed 0 (greedy) or the default 1.0; "
                       "use BeamSearchParams(temperature=...) to search a scaled distribution")
         defaults = {"top_p": 1.0, "min_p": 0.0, "seed": None, "repetition_penalty": 1.0,
-                    "presence_penalty": 0.0, "frequency_penalty": 0.0}
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0, "logit_bias": None, "allowed_token_ids": None}
         for name, default in defaults.items():
             if getattr(self, name) != default:
                 _conflict(name, getattr(self, name), f"allowed only {default!r} (beam search does not sample)")
@@ -349,6 +374,44 @@ class SamplingParams:
             return RequestOutputKind(kind)
         _fail("output_kind", kind, f"a RequestOutputKind: {OUTPUT_KINDS}")
         raise AssertionError("unreachable: _fail raises")
+
+    @staticmethod
+    def _normalize_logit_bias(bias: object) -> Optional[dict[int, float]]:
+        """None (also for {}), or a dict of token ids to finite biases in [-100, 100]: each entry
+        checked, the first bad one named (never the whole dict: it may hold thousands)."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            _fail("logit_bias", _short(bias), "None or a dict of token ids to biases")
+        assert isinstance(bias, dict)
+        if len(bias) > MAX_LOGIT_BIAS:
+            _fail("logit_bias", _Shown(f"<{len(bias)} entries>"), f"at most {MAX_LOGIT_BIAS} entries")
+        out: dict[int, float] = {}
+        for token, value in bias.items():
+            if not _is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+                _fail("logit_bias", {_short(token): _short(value)},
+                      f"token ids (ints) in [0, {MAX_TOKEN_ID}] as keys")
+            if not _is_number(value) or abs(value) > MAX_LOGIT_BIAS_VALUE:
+                _fail("logit_bias", {token: _short(value)},
+                      f"finite numbers in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}] as biases")
+            out[int(token)] = float(value)
+        return out or None
+
+    @staticmethod
+    def _normalize_allowed_token_ids(ids: object) -> Optional[list[int]]:
+        """None, or a non-empty list of token ids (an empty one would leave nothing to draw)."""
+        if ids is None:
+            return None
+        if not isinstance(ids, (list, tuple)):
+            _fail("allowed_token_ids", _short(ids), "None or a non-empty list of token ids")
+        assert isinstance(ids, (list, tuple))
+        if not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS:
+            _fail("allowed_token_ids", _Shown(f"<{len(ids)} entries>"),
+                  f"None or a list of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (none would leave nothing to draw)")
+        for token in ids:
+            if not _is_int(token) or not 0 <= token <= MAX_TOKEN_ID:
+                _fail("allowed_token_ids", _Shown(f"[..., {_short(token)!r}, ...]"), f"token ids (ints) in [0, {MAX_TOKEN_ID}]")
+        return [int(t) for t in ids]
 
     @staticmethod
     def _normalize_stop(stop: str | list[str] | None) -> list[str]:

@@ -72,7 +72,7 @@ def is_plain(request: Request, sample: Sample) -> bool:
             and request.num_samples == 1 and sample.grammar is None and sample.generator is None
             and params.seed is None and params.logprobs is None and params.structured_outputs is None
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0)
+            and params.presence_penalty == 0.0 and params.logit_bias is None and params.allowed_token_ids is None)
 
 
 class FastRows:

@@ -110,8 +110,19 @@ class InputProcessor:
                 "skip_tokenizer_init=True; use stop_token_ids instead"
             )
         self._check_structured(request_id, params)
+        if isinstance(params, SamplingParams):
+            self._check_vocabulary(request_id, params)
         text, token_ids = self._tokenize(request_id, prompt)
         return ProcessedRequest(request_id, text, token_ids, params, int(priority), arrival_time, cache_salt)
+
+    def _check_vocabulary(self, request_id: str, params: SamplingParams) -> None:
+        """Token ids that bias or restrict sampling must be the model's: a FieldError naming the field."""
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            if ids:
+                top = max(ids)
+                if top >= self.vocab_size:
+                    raise FieldError(name, f"request {request_id!r}: {name} has token id {top}, outside the "
+                                           f"vocabulary [0, {self.vocab_size})")
 
     def _check_structured(self, request_id: str, params: Union[SamplingParams, BeamSearchParams]) -> None:
         """A grammar that does not compile is refused here, with llguidance's message (cached per spec)."""

@@ -36,6 +36,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pagedrs.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
 from pagedrs.server.field_policy import check_role, name_unknown_fields, not_supported
 
 # Request fields that map one-to-one onto SamplingParams fields of the same name.
@@ -60,6 +61,8 @@ SAMPLING_FIELDS = (
     "use_beam_search",
     "length_penalty",
     "early_stopping",
+    "logit_bias",
+    "allowed_token_ids",
 )
 
 # OpenAI's legacy completions default; chat defaults to "until the context is full".
@@ -115,6 +118,25 @@ Int = Annotated[int, BeforeValidator(_not_a_bool)]
 TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
 CacheSalt = Annotated[StrictStr, AfterValidator(_valid_unicode), AfterValidator(_salt_size)]
+
+
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as decimal strings ("50256"): as ints here.
+    Their range, the biases' range and the vocabulary are checked by SamplingParams and the engine."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not (0 < len(key) <= 10 and key.isascii() and key.isdigit()):
+            raise PydanticCustomError(
+                "logit_bias_key", "logit_bias has the key {key}; keys are token ids written as decimal integers "
+                '(OpenAI\'s form, e.g. "50256")', {"key": repr(key[:40])},
+            )
+        out[int(key)] = value
+    return out
+
+
+# at most MAX_LOGIT_BIAS entries (SamplingParams' bound, checked here before any work on them)
+LogitBias = Annotated[dict[StrictStr, Annotated[float, BeforeValidator(_not_a_bool)]],
+                      Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_token_id_keys)]
 
 # Reasons for the fields OpenAI (or vLLM) defines that pagedrs does not implement yet.
 _TOOLS = "the legacy functions API is not implemented: use tools and tool_choice"
@@ -225,7 +247,7 @@ class _SamplingRequest(_Strict):
     frequency_penalty: float | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    logit_bias: Annotated[Any, not_supported("token biases are not applied", {})] = None
+    logit_bias: LogitBias | None = None  # token id (as a string) -> bias in [-100, 100], added to its logit
     user: Text | None = None  # ignored on purpose (field_policy.IGNORED_FIELDS)
     cache_salt: CacheSalt | None = None  # vLLM's: requests share cached pages only under the same salt
     return_token_ids: StrictBool | None = None  # vLLM's: prompt and generated token ids beside the text
@@ -245,6 +267,7 @@ class _SamplingRequest(_Strict):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     min_tokens: Int | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
