@@ -113,9 +113,9 @@ def apply_token_biases(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
     for i in biased:
         allowed, tokens, biases = _bias_tensors(rows[i].params)
         if allowed is not None:
-            keep = torch.zeros(out.shape[1], dtype=torch.bool)
-            keep[allowed] = True
-            out[i].masked_fill_(~keep.to(out.device), float("-inf"))
+            keep = torch.zeros(out.shape[1], dtype=torch.bool, device=out.device)
+            keep[allowed.to(out.device)] = True
+            out[i].masked_fill_(~keep, float("-inf"))
         if tokens is not None and biases is not None:
             out[i, tokens.to(out.device)] += biases.to(out.device, out.dtype)
     return out
@@ -125,12 +125,18 @@ def _check_something_allowed(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     """A row restricted by ``allowed_token_ids`` whose every token is masked (the grammar's mask or
     ``min_tokens`` took the rest) has nothing to draw: a ValueError naming the field, so the caller
     ends that request alone, instead of an argmax over -inf returning token 0 (a token nobody allowed).
-    Only those rows are checked (a max over the vocabulary each)."""
-    for i, r in enumerate(rows):
-        if r.params.allowed_token_ids is not None and not bool(torch.isfinite(x[i]).any()):
+    Only those rows are checked, in one op (one wait for the device a step, and only when some row
+    has ``allowed_token_ids``)."""
+    restricted = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not restricted:
+        return
+    left = torch.isfinite(x[restricted]).any(dim=1).tolist()
+    for i, ok in zip(restricted, left):
+        if not ok:
+            allowed = rows[i].params.allowed_token_ids or []
             raise ValueError(f"allowed_token_ids: every allowed token is masked at this step (by the grammar or "
-                             f"min_tokens={r.params.min_tokens}), so nothing can be drawn; allowed ids "
-                             f"{r.params.allowed_token_ids[:8]}{' ...' if len(r.params.allowed_token_ids) > 8 else ''}")
+                             f"min_tokens={rows[i].params.min_tokens}), so nothing can be drawn; allowed ids "
+                             f"{allowed[:8]}{' ...' if len(allowed) > 8 else ''}")
 
 
 def _bias_tensors(params: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
