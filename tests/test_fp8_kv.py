@@ -11,6 +11,7 @@ is tests/test_fp8_kernels_emulated.py.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -39,10 +40,23 @@ def engine(model_dir, **kw) -> Engine:
 
 
 def test_unknown_kv_cache_dtype_names_the_field_and_the_allowed_values() -> None:
-    with pytest.raises(ValueError, match=r"kv_cache_dtype is 'fp8'; allowed: 'auto', 'fp8_e4m3', 'fp8_e5m2'"):
-        EngineArgs(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype is 'int8'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype is 'int8'; allowed: 'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'"):
         EngineArgs(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_cache_dtype is 'FP8'"):
+        EngineArgs(kv_cache_dtype="FP8")
+
+
+def test_vllms_fp8_is_taken_as_e4m3_everywhere() -> None:
+    """vLLM's ``--kv-cache-dtype fp8`` (e4m3): one name per format after EngineArgs, so every reader
+    (the pool's dtype, the disk store's geometry, the stats) sees fp8_e4m3."""
+    from pagedrs.cli_args import add_engine_args
+    from pagedrs.kv_size import kv_itemsize
+
+    assert EngineArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser, cpu_threads_help="")
+    assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    assert kv_itemsize("bfloat16", "fp8") == kv_itemsize("bfloat16", "fp8_e4m3") == 1
 
 
 def test_fp8_with_the_contiguous_layout_is_refused() -> None:

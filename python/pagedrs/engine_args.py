@@ -29,7 +29,7 @@ _DTYPES = ("float32", "float16", "bfloat16")
 # the linear weights' formats (models/quant.py builds them); one list for the engine, the CLI and the benches
 WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 # auto: pages in the model dtype; fp8_*: 8-bit pages with per-tensor scales (attention/kv_quant.py)
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # "fp8" is vLLM's name for fp8_e4m3 (taken as that)
 
 
 @dataclass
@@ -151,6 +151,8 @@ class EngineArgs:
             raise ValueError("structured_outputs_backend is 'xgrammar', but the xgrammar package is not installed "
                              "(pip install xgrammar); allowed without it: 'llguidance'")
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"  # vLLM's alias: every later reader sees one name per format
         choice("distributed_executor_backend", ("mp", "ray"))
         if isinstance(self.max_pinned_fraction, bool) or not isinstance(self.max_pinned_fraction, (int, float)) or not (
             0 < self.max_pinned_fraction <= 1

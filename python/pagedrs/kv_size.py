@@ -19,7 +19,7 @@ __all__ = ["DTYPE_BYTES", "KV_CACHE_DTYPES", "PRESETS", "KvGeometry", "geometry_
            "resolve", "tp_layout"]
 
 # EngineArgs.kv_cache_dtype -> bytes per stored element (None: the model dtype's)
-KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "fp8_e4m3": 1, "fp8_e5m2": 1}
+KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}  # "fp8": vLLM's e4m3
 
 
 # Published architecture figures (config.json of each model).
