@@ -121,8 +121,9 @@ def test_serve_and_generate_take_kv_cache_dtype() -> None:
     serve = serve_parser().parse_args(["--kv-cache-dtype", "fp8_e4m3"])
     assert engine_kwargs(serve)["kv_cache_dtype"] == "fp8_e4m3"
     assert engine_kwargs(serve_parser().parse_args([]))["kv_cache_dtype"] == "auto"
+    assert engine_kwargs(serve_parser().parse_args(["--kv-cache-dtype", "fp8"]))["kv_cache_dtype"] == "fp8"  # vLLM's
     with pytest.raises(SystemExit):
-        serve_parser().parse_args(["--kv-cache-dtype", "fp8"])
+        serve_parser().parse_args(["--kv-cache-dtype", "fp4"])
 
 
 # ---------------------------------------------------------------- the torch backend
