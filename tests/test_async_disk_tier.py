@@ -16,6 +16,7 @@ import threading
 import numpy as np
 import pytest
 
+from test_async_scheduling import step_through_interrupts
 from test_engine import greedy, hf_greedy, run_all
 from test_kv_tiers import TIERS, conversations, engine, gib, hf_model, two_turns  # noqa: F401  (a fixture)
 
@@ -128,18 +129,10 @@ def test_an_interrupt_after_a_steps_disk_copies_never_serves_them_wrong(tiny_lla
     for _ in range(2):  # two turns: the second finds pages the first pushed to disk
         for i, p in enumerate(prompts):
             eng.add_request(f"r{i}", p, greedy(6))
-        done = {}
-        while eng.has_unfinished():
-            try:
-                outs = eng.step()
-            except KeyboardInterrupt:
-                interrupted += 1
-                assert not eng.core.scheduler.open_steps(), "an interrupted step left a step open"
-                continue
-            done.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
-            eng.check_invariants()
+        finished, count = step_through_interrupts(eng)
+        interrupted += count
         for i, p in enumerate(prompts):
-            assert done[f"r{i}"] == hf_greedy(hf_model, p, 6), f"user {i}"
+            assert finished[f"r{i}"].outputs[0].token_ids == hf_greedy(hf_model, p, 6), f"user {i}"
     assert interrupted == 2 and eng.stats()["prefix_hits_disk"] > 0
     eng.shutdown()
 

@@ -85,6 +85,23 @@ def _fail_on_call(engine: Engine, monkeypatch, which: int, exc: BaseException):
     return real
 
 
+def step_through_interrupts(engine: Engine) -> tuple[dict, int]:
+    """Steps until nothing is left; a KeyboardInterrupt out of a step is counted, and must leave no
+    step open. Returns the finished outputs by request id and the count of interrupts."""
+    done: dict = {}
+    interrupted = 0
+    while engine.has_unfinished():
+        try:
+            outs = engine.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+            assert not engine.core.scheduler.open_steps(), "an interrupted step left a step open"
+            continue
+        done.update({out.request_id: out for out in outs if out.finished})
+        engine.check_invariants()
+    return done, interrupted
+
+
 def _greedy(n: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
@@ -219,20 +236,9 @@ def test_an_interrupt_mid_step_gives_both_steps_back_and_the_requests_finish_unc
     _fail_on_call(engine, monkeypatch, 4, KeyboardInterrupt())
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, _greedy(10))
-    done: dict = {}
-    interrupted = 0
-    while engine.has_unfinished():
-        try:
-            outs = engine.step()
-        except KeyboardInterrupt:
-            interrupted += 1
-            assert not engine.core.scheduler.open_steps(), "an interrupted step left a step open"
-            continue
-        for out in outs:
-            if out.finished:
-                done[out.request_id] = [(c.token_ids, c.text, c.finish_reason, c.stop_reason, None,
-                                         c.cumulative_logprob) for c in out.outputs]
-        engine.check_invariants()
+    finished, interrupted = step_through_interrupts(engine)
+    done = {rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason, None, c.cumulative_logprob)
+                  for c in out.outputs] for rid, out in finished.items()}
     assert interrupted == 1
     assert {k: v[0][:4] for k, v in done.items()} == {k: v[0][:4] for k, v in want.items()}
 
