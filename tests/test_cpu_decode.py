@@ -213,7 +213,9 @@ def test_a_malformed_step_is_refused_before_the_cache_is_written(gguf, field, co
 
 
 @pytest.mark.parametrize(("change", "error", "message"), [
-    ({"kv_dtype": "fp8_e3m4"}, ValueError, 'kv_dtype: "fp8_e3m4" is unknown; allowed: "float32", "fp8_e4m3", "fp8_e5m2"'),
+    ({"kv_dtype": "fp8_e3m4"}, ValueError,
+     'kv_dtype: "fp8_e3m4" is unknown; allowed: "float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"'),
+    ({"kv_dtype": "bfloat16", "cache": np.float32}, TypeError, 'kv_cache: must be a uint16 NumPy array .* "bfloat16"'),
     ({"kv_dtype": "fp8_e4m3", "k_scale": float("nan")}, ValueError, "k_scale is NaN; an fp8 cache's scales must be finite and > 0"),
     ({"kv_dtype": "fp8_e5m2", "v_scale": 0.0}, ValueError, "v_scale is 0; an fp8 cache's scales must be finite and > 0"),
     ({"kv_dtype": "fp8_e4m3", "v_scale": -1.0}, ValueError, "v_scale is -1"),
@@ -435,12 +437,13 @@ def test_value_bounds_of_step_arrays():
     assert (lo, hi) == (-9, 999) and type(lo) is int and type(hi) is int
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "bfloat16"])
 def test_fp8_pages_run_fused_and_compute_what_the_torch_ops_compute(tiny_gguf, kv_dtype):
-    """An fp8 cache runs fused too (before, every step took the torch ops): the same steps through
-    both paths from empty caches write the same codes (where the two paths' K/V, equal to float
+    """An fp8 or bfloat16 cache runs fused too (before, every step took the torch ops): the same steps
+    through both paths from empty caches write the same codes (where the two paths' K/V, equal to float
     rounding, could straddle a rounding boundary, a neighbouring code) and their logits agree to
-    float rounding. Each path reads the other's pages: the rule is one (``attention.kv_quant``)."""
+    float rounding. Each path reads the other's pages: the rule is one (``attention.kv_quant``; for
+    bfloat16, torch's rounding to nearest even, ``cpu_decode/kv_bf16.rs``)."""
     from pagedrs.attention.kv_quant import KV_CACHE_DTYPES
 
     dtype = KV_CACHE_DTYPES[kv_dtype]
@@ -453,7 +456,7 @@ def test_fp8_pages_run_fused_and_compute_what_the_torch_ops_compute(tiny_gguf, k
             assert tiny_gguf.model.uses_attention_backend(r.kv_views, r.backend) is not on
             first, second = mixed_steps(prompts, seed=3)
             logits[on] = torch.cat([r.execute(first), r.execute(second)])
-            caches[on] = r.kv_cache.view(torch.uint8).clone()
+            caches[on] = r.kv_cache.view(torch.int16 if dtype == torch.bfloat16 else torch.uint8).clone()
     finally:
         set_fused(tiny_gguf, True)
     a, b = caches[True], caches[False]
@@ -467,16 +470,17 @@ def test_fp8_pages_run_fused_and_compute_what_the_torch_ops_compute(tiny_gguf, k
     assert (logits[True] - logits[False]).abs().max() <= bound * logits[False].abs().max()
 
 
-def test_fp8_pages_written_by_one_path_read_the_same_in_the_other(tiny_gguf):
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_fp8_pages_written_by_one_path_read_the_same_in_the_other(tiny_gguf, dtype):
     """A prefill through the torch ops, then a decode step fused over its pages, equals the same
     decode step through the torch ops over the same pages (to the two paths' float rounding, far
-    below one fp8 step): the fused path reads the torch path's codes as the torch path does."""
+    below one fp8 or bfloat16 step): the fused path reads the torch path's codes as the torch path does."""
     prompts = [list(range(3, 3 + n)) for n in (5, 20, 9, 30)]
     out = {}
     try:
         for fused_decode in (True, False):
             set_fused(tiny_gguf, False)
-            r = runner(tiny_gguf, kv_cache_dtype=torch.float8_e4m3fn)
+            r = runner(tiny_gguf, kv_cache_dtype=dtype)
             first, second = mixed_steps(prompts, seed=4)
             r.execute(first)
             set_fused(tiny_gguf, fused_decode)

@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--tokens", type=int, required=True)
     k.add_argument("--seqs", type=int, default=1)
     k.add_argument("--dtype", default="float16")
-    k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+    k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    help="pages in the model dtype (auto) or in 8 bits (fp8: 1 byte per element)")
     k.add_argument("--draft-model", default=None,
                    help="a speculative draft (preset or config.json): every page holds its layers too")

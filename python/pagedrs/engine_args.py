@@ -29,7 +29,7 @@ _DTYPES = ("float32", "float16", "bfloat16")
 # the linear weights' formats (models/quant.py builds them); one list for the engine, the CLI and the benches
 WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
 # auto: pages in the model dtype; fp8_*: 8-bit pages with per-tensor scales (attention/kv_quant.py)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # "fp8" is vLLM's name for fp8_e4m3 (taken as that)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # "fp8" is vLLM's name for fp8_e4m3 (taken as that)
 
 
 @dataclass
@@ -101,8 +101,9 @@ class EngineArgs:
     # As in vLLM: build no tokenizer (a folder with config + safetensors only). Prompts must
     # be token ids; outputs carry token ids and empty text.
     skip_tokenizer_init: bool = False
-    # KV pages in the model dtype ("auto") or in 8 bits ("fp8_e4m3", "fp8_e5m2": twice the tokens of
-    # bf16 pages in the same bytes, four times float32's), scaled per tensor (attention/kv_quant.py)
+    # KV pages in the model dtype ("auto"), in bfloat16 ("bfloat16": twice float32's tokens in the same
+    # bytes, values rounded to 8 bits of precision; a CPU's float32 model), or in 8 bits ("fp8_e4m3",
+    # "fp8_e5m2": twice the tokens of bf16 pages, four times float32's), scaled per tensor (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
     # CUDA: decode steps run as CUDA graphs (one per padded batch size, vLLM's capture list) unless
     # True. Ignored on the CPU, where nothing is captured.

@@ -19,7 +19,7 @@ __all__ = ["DTYPE_BYTES", "KV_CACHE_DTYPES", "PRESETS", "KvGeometry", "geometry_
            "resolve", "tp_layout"]
 
 # EngineArgs.kv_cache_dtype -> bytes per stored element (None: the model dtype's)
-KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}  # "fp8": vLLM's e4m3
+KV_CACHE_DTYPES: dict[str, int | None] = {"auto": None, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}  # "fp8": vLLM's e4m3
 
 
 # Published architecture figures (config.json of each model).
@@ -58,7 +58,7 @@ def resolve(model: str) -> KvGeometry:
 
 
 def kv_itemsize(dtype: str, kv_cache_dtype: str = "auto") -> int:
-    """Bytes per stored K or V element: the model dtype's, or 1 for an fp8 cache."""
+    """Bytes per stored K or V element: the model dtype's, 2 for a bfloat16 cache, 1 for an fp8 one."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype is {dtype!r}; allowed: {', '.join(DTYPE_BYTES)}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:

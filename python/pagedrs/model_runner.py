@@ -65,7 +65,7 @@ class ModelRunner:
             kv_cache_dtype=self.kv_dtype,
         )
         self.backend.check_model(self.config)
-        self.backend.check_kv_cache_dtype(self.kv_dtype)
+        self.backend.check_kv_cache_dtype(self.kv_dtype, self.dtype)
         self.padding = padding
         scratch = 1 if padding is not None else 0  # the scratch page, past the scheduler's blocks
         kv_shape = self.model.kv_cache_shape(num_gpu_blocks + scratch, block_size)

@@ -193,6 +193,44 @@ fn an_fp8_cache_is_written_and_read_as_its_codes() {
     }
 }
 
+/// The same step over a bfloat16 cache (`kv_cache_dtype="bfloat16"`): a team gives the one thread's
+/// bits and codes; every code layer 0 writes is the float32 run's value rounded to nearest even (its
+/// input is the float32 run's: a float32 cache holding exactly the old codes' values). Later layers
+/// differ from the float32 run by the new rows' rounding, amplified where an int8 activation block
+/// rounds the other way (2.5-6.6% of the output's range on this random model: no bound is asked;
+/// what the rounding costs a real model is `tests/test_bf16_kv.py`'s).
+#[test]
+fn a_bfloat16_cache_is_written_and_read_as_its_codes() {
+    use pagedrs::cpu_decode::kv_bf16;
+    use pagedrs::cpu_decode::kv_cache::KvCacheMut;
+
+    for t in [2, 12] {
+        let run_bf16 = |c: &mut Case, codes: &mut Vec<u16>, threads: usize| {
+            let meta = StepMeta { slot_mapping: &c.slots, query_start_loc: &c.qsl, seq_lens: &c.lens,
+                                  block_tables: &c.tables, table_width: 16 };
+            c.stack.forward_cache(&c.h, &c.cos_sin, KvCacheMut::Bf16(codes), c.kvg, meta, threads, Kernel::best()).unwrap()
+        };
+        let mut reference = case(t);
+        let start: Vec<u16> = reference.kv.iter().map(|&x| kv_bf16::encode(x)).collect();
+        for (x, &c) in reference.kv.iter_mut().zip(&start) {
+            *x = kv_bf16::decode(c);
+        }
+        let want_f32 = run(&mut reference, 1).unwrap();
+        let (mut one, mut codes_one) = (case(t), start.clone());
+        let want = run_bf16(&mut one, &mut codes_one, 1);
+        for threads in [2, 3] {
+            let (mut c, mut codes) = (case(t), start.clone());
+            assert_eq!(run_bf16(&mut c, &mut codes, threads), want, "t {t} threads {threads}");
+            assert_eq!(codes, codes_one, "t {t} threads {threads}: the codes written");
+        }
+        let p = reference.kvg.plane();
+        for (i, (&code, &x)) in codes_one[..2 * p].iter().zip(&reference.kv[..2 * p]).enumerate() {
+            assert_eq!(code, kv_bf16::encode(x), "t {t}: layer 0 element {i}");
+        }
+        assert!(want.iter().all(|x| x.is_finite()) && want != want_f32, "t {t}");
+    }
+}
+
 /// One row over a long context (300 keys, 3 KV heads): on 4 threads its attention is split into
 /// score and sum phases (`cpu_decode::attention_split`; on 2 and 3 every thread has a KV head and
 /// it is not), with the one-thread loop's bits in the output and the pages, a middle layer's

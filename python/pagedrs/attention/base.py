@@ -75,9 +75,10 @@ class AttentionBackend(ABC):
         """The fp8 cache's (k_scale, v_scale) on ``device``."""
         return self._kv_scales if self._kv_scales is not None else unit_scales(device)
 
-    def check_kv_cache_dtype(self, dtype: torch.dtype) -> None:
-        """Raises ValueError when this backend cannot store pages in ``dtype``: an fp8 cache is never
-        handed to a backend that would read its bytes as something else."""
+    def check_kv_cache_dtype(self, dtype: torch.dtype, model_dtype: torch.dtype | None = None) -> None:
+        """Raises ValueError when this backend cannot store pages in ``dtype`` (for a model computing
+        in ``model_dtype``): an fp8 cache is never handed to a backend that would read its bytes as
+        something else."""
         if is_fp8(dtype) and not self.reads_fp8:
             raise ValueError(f"kv_cache_dtype: the {self.name!r} attention backend cannot read a {dtype} KV cache; "
                              "use kv_cache_dtype='auto' or a backend that reads fp8 pages (torch, cuda)")

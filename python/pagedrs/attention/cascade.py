@@ -130,7 +130,9 @@ def attend_cascade(
 
     def pages(cache: torch.Tensor, index: torch.Tensor, which: int) -> torch.Tensor:
         got = cache[index]
-        return got if kv_scales is None else got.to(query.dtype).mul_(kv_scales[which])  # fp8: widen what is read
+        if kv_scales is not None:  # fp8: widen what is read
+            return got.to(query.dtype).mul_(kv_scales[which])
+        return got if got.dtype == query.dtype else got.to(query.dtype)  # bfloat16 pages of a float32 model
 
     for part in cascade.own:
         n, keys = part.seqs.shape[0], part.tables.shape[1] * block_size

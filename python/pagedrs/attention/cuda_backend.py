@@ -197,6 +197,16 @@ class CudaAttentionBackend(AttentionBackend):
             )  # fmt: skip
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
+    def check_kv_cache_dtype(self, dtype: torch.dtype, model_dtype: torch.dtype | None = None) -> None:
+        """The kernels read pages in the model's dtype or fp8: 16-bit pages of another dtype's model
+        (kv_cache_dtype="bfloat16" with a float16 or float32 model) are refused before any request,
+        never read as what they are not (no GPU run has checked such a mix)."""
+        super().check_kv_cache_dtype(dtype, model_dtype)
+        if not is_fp8(dtype) and model_dtype is not None and dtype != model_dtype:
+            raise ValueError(f"kv_cache_dtype: the CUDA kernels read pages in the model's dtype ({model_dtype}) or fp8, "
+                             f"not {dtype} pages of a {model_dtype} model; use kv_cache_dtype='auto' (or dtype='bfloat16' "
+                             "for bfloat16 pages)")
+
     def plan(self, meta: AttentionMetadata, block_size: int, num_heads: int, num_kv_heads: int) -> _StepPlan:
         """The step's work items, made once and kept on ``meta.plan`` (its split-K plan for
         each window is made by the first layer that attends with it: ``split_for``)."""

@@ -23,6 +23,7 @@ import torch
 # EngineArgs.kv_cache_dtype -> the storage dtype (None: the model dtype)
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
+    "bfloat16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }

@@ -350,6 +350,8 @@ def _attend_bucket(
     v = value_cache.index_select(0, pages).view(num_seqs, keys, num_kv_heads, head_dim)
     if kv_scales is not None:  # fp8 pages: only the gathered ones are widened
         k, v = dequantize(k, kv_scales[0], query.dtype), dequantize(v, kv_scales[1], query.dtype)
+    elif k.dtype != query.dtype:  # 16-bit pages of a float32 model (kv_cache_dtype="bfloat16"): exact widening
+        k, v = k.to(query.dtype), v.to(query.dtype)
     if bucket.rowwise:
         return _attend_rowwise(q, k, v, bucket.mask, scale)
     o = F.scaled_dot_product_attention(

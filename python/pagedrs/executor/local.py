@@ -151,8 +151,9 @@ class LocalExecutor:
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             itemsize=self.kv_dtype.itemsize,
-            # an fp8 store's storage and scale rule: a store of other pages is refused, never misread
-            kv_cache=f"{str(self.kv_dtype).removeprefix('torch.')}/scales:{SCALE_RULE}" if is_fp8(self.kv_dtype) else "auto",
+            # pages stored in another dtype than the model's (an fp8 store with its scale rule; bfloat16
+            # pages of a float16 model have float16's itemsize): a store of other pages is refused, never misread
+            kv_cache=_stored_as(self.kv_dtype, self.loaded.dtype),
         )
         slot_bytes = DiskPageStore(args.kv_disk_path, num_slots=1, geometry=geometry).slot_bytes
         num_slots = int(args.kv_disk_gb * 2**30) // slot_bytes
@@ -257,6 +258,15 @@ class LocalExecutor:
         self.runner = None
         if self.draft is not None:
             self.draft.runner = None
+
+
+def _stored_as(kv_dtype: torch.dtype, model_dtype: torch.dtype) -> str:
+    """``StoreGeometry.kv_cache``: "auto" for pages in the model's dtype, else the storage dtype (and an
+    fp8 cache's scale rule: "float8_e4m3fn/scales:unit", the form stores were first written with)."""
+    if kv_dtype == model_dtype:
+        return "auto"
+    name = str(kv_dtype).removeprefix("torch.")
+    return f"{name}/scales:{SCALE_RULE}" if is_fp8(kv_dtype) else name
 
 
 class _LocalDiskTier:

@@ -98,7 +98,7 @@ class FusedCpuDecode:
         return FusedCpuDecode(stack, cast(GgufLinearMethod, linears[0].method), model)
 
     def runs(self, kv_cache: torch.Tensor | Sequence[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend) -> bool:
-        """Whether this step runs here: a float32 or fp8 CPU cache that the torch backend reads."""
+        """Whether this step runs here: a float32, bfloat16 or fp8 CPU cache that the torch backend reads."""
         if not self.enabled:
             return False
         memo = self._memo_of(kv_cache)
@@ -111,7 +111,7 @@ class FusedCpuDecode:
         kv_dtype = _KV_DTYPES.get(first.dtype)
         answer = isinstance(backend, TorchAttentionBackend) and kv_dtype is not None and first.device.type == "cpu"
         self._kv_args = (kv_dtype or "float32", 1.0, 1.0)
-        if answer and kv_dtype is not None and kv_dtype != "float32":
+        if answer and kv_dtype is not None and kv_dtype.startswith("fp8"):
             k_scale, v_scale = backend.kv_scales(first.device)
             self._kv_args = (kv_dtype, float(k_scale), float(v_scale))
         if not isinstance(kv_cache, torch.Tensor):  # (a whole tensor's kv_cache[0] is a new view each time)
@@ -131,7 +131,13 @@ class FusedCpuDecode:
         if memo is not None and memo.cache is not None:
             return memo.cache
         tensor = _whole_cache(kv_cache, self._layers)
-        whole = (tensor.view(torch.uint8) if tensor.dtype in _FP8 else tensor).numpy()  # NumPy has no fp8: its bytes
+        # NumPy has neither fp8 nor bfloat16: their codes (the stack reads a bfloat16 as its 16 bits)
+        if tensor.dtype in _FP8:
+            whole = tensor.view(torch.uint8).numpy()
+        elif tensor.dtype == torch.bfloat16:
+            whole = tensor.view(torch.int16).numpy().view(np.uint16)
+        else:
+            whole = tensor.numpy()
         if memo is not None:
             memo.cache = whole
         return whole
@@ -193,7 +199,7 @@ class _ViewsMemo:
 
 
 # the cache dtypes the stack reads, by the name it takes them under
-_KV_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.float8_e4m3fn: "fp8_e4m3",
+_KV_DTYPES: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "fp8_e4m3",
                                       torch.float8_e5m2: "fp8_e5m2"}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

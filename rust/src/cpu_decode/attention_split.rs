@@ -248,6 +248,7 @@ unsafe fn sums_piece_avx2(w: &mut [f32], sums: &mut [f32], n: usize, group: usiz
 mod tests {
     use super::super::attention::{attend, row_keys, LayerAttention};
     use super::super::kv_cache::{Fp8Cache, Planes};
+    use super::super::kv_bf16;
     use super::super::kv_fp8::Fp8;
     use super::super::step::{KvGeometry, StepLayout, StepMeta};
     use super::*;
@@ -286,9 +287,12 @@ mod tests {
             let (k8, v8): (Vec<u8>, Vec<u8>) = ((0..kv.plane()).map(|i| (i * 53 % 247) as u8 & 0xf7).collect(),
                                                 (0..kv.plane()).map(|i| (i * 29 % 239) as u8 & 0xf7).collect());
             let fp8 = Fp8Cache { format: Fp8::E4m3, k_scale: 0.05, v_scale: 0.2 };
+            let (k16, v16): (Vec<u16>, Vec<u16>) = (k.iter().map(|&x| kv_bf16::encode(x)).collect(),
+                                                    v.iter().map(|&x| kv_bf16::encode(x)).collect());
             let tables: Vec<i32> = (0..40).map(|b| (b * 17 + 3) % 40).collect();
             for ((len, window), planes) in [(131usize, None), (600, Some(300)), (257, None)].into_iter()
-                .flat_map(|c| [(c, Planes::F32 { k: &k, v: &v }), (c, Planes::Fp8 { k: &k8, v: &v8, fp8 })]) {
+                .flat_map(|c| [(c, Planes::F32 { k: &k, v: &v }), (c, Planes::Fp8 { k: &k8, v: &v8, fp8 }),
+                               (c, Planes::Bf16 { k: &k16, v: &v16 })]) {
                 let slot = tables[(len - 1) / 16] as i64 * 16 + ((len - 1) % 16) as i64;
                 let seq_lens = [len as i32];
                 let meta = StepMeta { slot_mapping: &[slot], query_start_loc: &[0, 1], seq_lens: &seq_lens, block_tables: &tables,
@@ -310,8 +314,8 @@ mod tests {
                     for simd in [Simd::Portable, Simd::best()] {
                         for order in [&forward, &backward] {
                             let got = split_attention(&s, &qkv[..heads * d], layer.planes, &keys, 0.3, simd, order);
-                            let fp8 = matches!(planes, Planes::Fp8 { .. });
-                            assert_eq!(got, want, "{kv_heads}x{group} heads of {d}, {len} keys {window:?}, fp8 {fp8}, {threads} threads {simd:?}");
+                            let codes = match planes { Planes::F32 { .. } => "f32", Planes::Bf16 { .. } => "bf16", _ => "fp8" };
+                            assert_eq!(got, want, "{kv_heads}x{group} heads of {d}, {len} keys {window:?}, {codes}, {threads} threads {simd:?}");
                         }
                     }
                 }

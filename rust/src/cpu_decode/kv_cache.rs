@@ -1,7 +1,8 @@
-//! The KV cache as the fused decode gets it: float32 values, or fp8 codes with their scales
-//! ([`super::kv_fp8`]). One layer's part is its K plane then its V plane, each
-//! `[num_blocks, block_size, kv_heads, head_dim]` elements ([`KvGeometry::plane`]).
+//! The KV cache as the fused decode gets it: float32 values, bfloat16 codes ([`super::kv_bf16`]),
+//! or fp8 codes with their scales ([`super::kv_fp8`]). One layer's part is its K plane then its V
+//! plane, each `[num_blocks, block_size, kv_heads, head_dim]` elements ([`KvGeometry::plane`]).
 
+use super::kv_bf16;
 use super::kv_fp8::Fp8;
 use super::step::KvGeometry;
 
@@ -16,6 +17,7 @@ pub struct Fp8Cache {
 /// The whole cache `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`.
 pub enum KvCacheMut<'a> {
     F32(&'a mut [f32]),
+    Bf16(&'a mut [u16]),
     Fp8(&'a mut [u8], Fp8Cache),
 }
 
@@ -23,6 +25,7 @@ pub enum KvCacheMut<'a> {
 #[derive(Clone, Copy)]
 pub enum KvCache<'a> {
     F32(&'a [f32]),
+    Bf16(&'a [u16]),
     Fp8(&'a [u8], Fp8Cache),
 }
 
@@ -30,12 +33,14 @@ pub enum KvCache<'a> {
 #[derive(Clone, Copy)]
 pub enum Planes<'a> {
     F32 { k: &'a [f32], v: &'a [f32] },
+    Bf16 { k: &'a [u16], v: &'a [u16] },
     Fp8 { k: &'a [u8], v: &'a [u8], fp8: Fp8Cache },
 }
 
 /// One layer's K and V planes, for the step's new rows to be written.
 pub enum PlanesMut<'a> {
     F32 { k: &'a mut [f32], v: &'a mut [f32] },
+    Bf16 { k: &'a mut [u16], v: &'a mut [u16] },
     Fp8 { k: &'a mut [u8], v: &'a mut [u8], fp8: Fp8Cache },
 }
 
@@ -47,6 +52,10 @@ impl<'a> KvCache<'a> {
             KvCache::F32(v) => {
                 let (k, v) = v[kvg.layer_span(l)].split_at(p);
                 Planes::F32 { k, v }
+            }
+            KvCache::Bf16(c) => {
+                let (k, v) = c[kvg.layer_span(l)].split_at(p);
+                Planes::Bf16 { k, v }
             }
             KvCache::Fp8(c, fp8) => {
                 let (k, v) = c[kvg.layer_span(l)].split_at(p);
@@ -61,6 +70,7 @@ impl<'a> KvCacheMut<'a> {
     pub fn len(&self) -> usize {
         match self {
             KvCacheMut::F32(v) => v.len(),
+            KvCacheMut::Bf16(c) => c.len(),
             KvCacheMut::Fp8(c, _) => c.len(),
         }
     }
@@ -73,6 +83,7 @@ impl<'a> KvCacheMut<'a> {
     pub fn shared(&self) -> KvCache<'_> {
         match self {
             KvCacheMut::F32(v) => KvCache::F32(v),
+            KvCacheMut::Bf16(c) => KvCache::Bf16(c),
             KvCacheMut::Fp8(c, fp8) => KvCache::Fp8(c, *fp8),
         }
     }
@@ -81,6 +92,7 @@ impl<'a> KvCacheMut<'a> {
     pub fn reborrow(&mut self) -> KvCacheMut<'_> {
         match self {
             KvCacheMut::F32(v) => KvCacheMut::F32(v),
+            KvCacheMut::Bf16(c) => KvCacheMut::Bf16(c),
             KvCacheMut::Fp8(c, fp8) => KvCacheMut::Fp8(c, *fp8),
         }
     }
@@ -93,6 +105,10 @@ impl<'a> KvCacheMut<'a> {
                 let (k, v) = v[kvg.layer_span(l)].split_at_mut(p);
                 PlanesMut::F32 { k, v }
             }
+            KvCacheMut::Bf16(c) => {
+                let (k, v) = c[kvg.layer_span(l)].split_at_mut(p);
+                PlanesMut::Bf16 { k, v }
+            }
             KvCacheMut::Fp8(c, fp8) => {
                 let (k, v) = c[kvg.layer_span(l)].split_at_mut(p);
                 PlanesMut::Fp8 { k, v, fp8 }
@@ -103,13 +119,22 @@ impl<'a> KvCacheMut<'a> {
 
 impl PlanesMut<'_> {
     /// One slot's `d` values of a KV head at `at` (`KvGeometry::slot_offset`): K and V, stored
-    /// as they are or encoded (`x / scale`, saturated, rounded to nearest even).
+    /// as they are, rounded to bfloat16 (nearest even), or encoded (`x / scale`, saturated,
+    /// rounded to nearest even).
     pub fn put(&mut self, at: usize, key: &[f32], value: &[f32]) {
         let d = key.len();
         match self {
             PlanesMut::F32 { k, v } => {
                 k[at..at + d].copy_from_slice(key);
                 v[at..at + d].copy_from_slice(value);
+            }
+            PlanesMut::Bf16 { k, v } => {
+                for (c, &x) in k[at..at + d].iter_mut().zip(key) {
+                    *c = kv_bf16::encode(x);
+                }
+                for (c, &x) in v[at..at + d].iter_mut().zip(value) {
+                    *c = kv_bf16::encode(x);
+                }
             }
             PlanesMut::Fp8 { k, v, fp8 } => {
                 for (c, &x) in k[at..at + d].iter_mut().zip(key) {

@@ -1,10 +1,11 @@
-//! Where attention reads a layer's keys and values: a float32 plane in place, or an fp8 plane's
-//! codes widened run by run into a per-thread buffer the loops then read as a float32 plane. One
+//! Where attention reads a layer's keys and values: a float32 plane in place, or a bfloat16 or fp8
+//! plane's codes widened run by run into a per-thread buffer the loops then read as a float32 plane. One
 //! reader for both ways attention is shared out ([`super::attention`] by KV head,
 //! [`super::attention_split`] by key part and column piece), so both read the same bits.
 
 use std::cell::RefCell;
 
+use super::kv_bf16;
 use super::kv_cache::Planes;
 use super::kv_fp8::{widen_rows, Fp8};
 
@@ -15,6 +16,7 @@ use super::kv_fp8::{widen_rows, Fp8};
 #[derive(Clone, Copy)]
 pub(super) enum Rows<'a> {
     F32(&'a [f32]),
+    Bf16(&'a [u16]),
     Fp8 { codes: &'a [u8], format: Fp8, scale: f32 },
 }
 
@@ -24,6 +26,7 @@ impl<'a> Rows<'a> {
     pub(super) fn of(planes: Planes<'a>, offset: usize) -> (Rows<'a>, Rows<'a>) {
         match planes {
             Planes::F32 { k, v } => (Rows::F32(&k[offset..]), Rows::F32(&v[offset..])),
+            Planes::Bf16 { k, v } => (Rows::Bf16(&k[offset..]), Rows::Bf16(&v[offset..])),
             Planes::Fp8 { k, v, fp8 } => (
                 Rows::Fp8 { codes: &k[offset..], format: fp8.format, scale: fp8.k_scale },
                 Rows::Fp8 { codes: &v[offset..], format: fp8.format, scale: fp8.v_scale },
@@ -39,7 +42,7 @@ impl Rows<'_> {
     fn run_len(&self, n: usize) -> usize {
         match self {
             Rows::F32(_) => n.max(1),
-            Rows::Fp8 { .. } => RUN,
+            Rows::Bf16(_) | Rows::Fp8 { .. } => RUN,
         }
     }
 
@@ -50,6 +53,11 @@ impl Rows<'_> {
     fn run<'s>(&'s self, run: &'s [usize], width: usize, wide: &'s mut [f32], dense: &'s [usize]) -> (&'s [f32], &'s [usize]) {
         match *self {
             Rows::F32(plane) => (plane, run),
+            Rows::Bf16(codes) => {
+                let wide = &mut wide[..run.len() * width];
+                kv_bf16::widen_rows(codes, run, width, wide);
+                (wide, &dense[..run.len()])
+            }
             Rows::Fp8 { codes, format, scale } => {
                 let wide = &mut wide[..run.len() * width];
                 widen_rows(format, codes, run, width, scale, wide);
@@ -83,7 +91,7 @@ pub(super) fn each_run(src: Rows<'_>, keys: &[usize], width: usize, mut f: impl 
     WIDE.with(|cell| {
         let mut cell = cell.borrow_mut();
         let (wide, dense) = &mut *cell;
-        if matches!(src, Rows::Fp8 { .. }) && dense.get(1) != Some(&width) {
+        if !matches!(src, Rows::F32(_)) && dense.get(1) != Some(&width) {
             wide.resize(RUN * width, 0.0);
             dense.clear();
             dense.extend((0..RUN).map(|t| t * width));

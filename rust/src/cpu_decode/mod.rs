@@ -27,6 +27,7 @@ mod attention_timing;
 mod chain;
 pub mod error;
 pub mod kv_cache;
+pub mod kv_bf16;
 pub mod kv_fp8;
 mod kv_rows;
 pub mod lanes;

@@ -17,6 +17,13 @@ use crate::cpu_decode::kv_fp8::Fp8;
 use crate::cpu_decode::{DecodeError, DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
 use crate::gemv::Kernel;
 
+/// How the cache's elements are stored (`DecodeStack.forward`'s `kv_dtype`).
+enum Codes {
+    F32,
+    Bf16,
+    Fp8(Fp8),
+}
+
 fn value_err(e: DecodeError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
@@ -117,8 +124,9 @@ impl PyDecodeStack {
 
     /// `residual + h` after the last layer (normed by the final norm when the stack has it), float32
     /// `[T, hidden]`; writes the step's K/V into `kv_cache` (`[layers, 2, num_blocks, block_size,
-    /// kv_heads, head_dim]`): float32 values (`kv_dtype="float32"`), or fp8 codes as uint8
-    /// (`"fp8_e4m3"` / `"fp8_e5m2"`, a value stored as `x / scale`; the torch backend's rule).
+    /// kv_heads, head_dim]`): float32 values (`kv_dtype="float32"`), bfloat16 codes as uint16
+    /// (`"bfloat16"`, rounded to nearest even), or fp8 codes as uint8 (`"fp8_e4m3"` / `"fp8_e5m2"`,
+    /// a value stored as `x / scale`); each the torch backend's rule.
     /// `kernel` None picks the fastest GEMV this CPU runs.
     #[pyo3(signature = (hidden, cos_sin, kv_cache, slot_mapping, query_start_loc, seq_lens, block_tables, threads = 1,
                         kernel = None, kv_dtype = "float32", k_scale = 1.0, v_scale = 1.0))]
@@ -146,10 +154,13 @@ impl PyDecodeStack {
                                               Kernel::available().into_iter().map(Kernel::name).collect::<Vec<_>>()))
             })?,
         };
-        let fp8 = match kv_dtype {
-            "float32" => None,
-            name => Some(Fp8::parse(name).ok_or_else(|| {
-                PyValueError::new_err(format!("kv_dtype: {name:?} is unknown; allowed: \"float32\", \"fp8_e4m3\", \"fp8_e5m2\""))
+        let codes_of = match kv_dtype {
+            "float32" => Codes::F32,
+            "bfloat16" => Codes::Bf16,
+            name => Codes::Fp8(Fp8::parse(name).ok_or_else(|| {
+                PyValueError::new_err(format!(
+                    "kv_dtype: {name:?} is unknown; allowed: \"float32\", \"bfloat16\", \"fp8_e4m3\", \"fp8_e5m2\""
+                ))
             })?),
         };
         let geometry = |shape: &[usize], contiguous: bool| {
@@ -160,9 +171,9 @@ impl PyDecodeStack {
             }
             Ok(KvGeometry { layers: shape[0], num_blocks: shape[2], block_size: shape[3], kv_heads: shape[4], head_dim: shape[5] })
         };
-        let (mut values, mut codes);
-        let (kvg, cache) = match fp8 {
-            None => {
+        let (mut values, mut codes, mut halves);
+        let (kvg, cache) = match codes_of {
+            Codes::F32 => {
                 values = kv_cache.extract::<PyReadwriteArrayDyn<'py, f32>>().map_err(|_| {
                     PyTypeError::new_err("kv_cache: must be a float32 NumPy array for kv_dtype \"float32\"")
                 })?;
@@ -170,7 +181,15 @@ impl PyDecodeStack {
                 let v = values.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
                 (kvg, KvCacheMut::F32(v))
             }
-            Some(format) => {
+            Codes::Bf16 => {
+                halves = kv_cache.extract::<PyReadwriteArrayDyn<'py, u16>>().map_err(|_| {
+                    PyTypeError::new_err("kv_cache: must be a uint16 NumPy array (the bfloat16 codes) for kv_dtype \"bfloat16\"")
+                })?;
+                let kvg = geometry(halves.shape(), halves.is_c_contiguous())?;
+                let c = halves.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
+                (kvg, KvCacheMut::Bf16(c))
+            }
+            Codes::Fp8(format) => {
                 codes = kv_cache.extract::<PyReadwriteArrayDyn<'py, u8>>().map_err(|_| {
                     PyTypeError::new_err(format!("kv_cache: must be a uint8 NumPy array (the fp8 codes) for kv_dtype {kv_dtype:?}"))
                 })?;

@@ -8,6 +8,7 @@ use crate::cpu_decode::kv_cache::{Fp8Cache, KvCache, KvCacheMut};
 #[derive(Clone, Copy)]
 pub(super) enum KvBuf {
     F32(Buf),
+    Bf16(Buf<u16>),
     Fp8(Buf<u8>, Fp8Cache),
 }
 
@@ -15,6 +16,7 @@ impl KvBuf {
     pub(super) fn of(kv: &mut KvCacheMut<'_>) -> KvBuf {
         match kv {
             KvCacheMut::F32(v) => KvBuf::F32(Buf::of(v)),
+            KvCacheMut::Bf16(c) => KvBuf::Bf16(Buf::of(c)),
             KvCacheMut::Fp8(c, fp8) => KvBuf::Fp8(Buf::of(c), *fp8),
         }
     }
@@ -28,6 +30,7 @@ impl KvBuf {
         unsafe {
             match self {
                 KvBuf::F32(b) => KvCache::F32(b.read()),
+                KvBuf::Bf16(b) => KvCache::Bf16(b.read()),
                 KvBuf::Fp8(b, fp8) => KvCache::Fp8(b.read(), *fp8),
             }
         }
@@ -42,6 +45,7 @@ impl KvBuf {
         unsafe {
             match self {
                 KvBuf::F32(b) => KvCacheMut::F32(b.write()),
+                KvBuf::Bf16(b) => KvCacheMut::Bf16(b.write()),
                 KvBuf::Fp8(b, fp8) => KvCacheMut::Fp8(b.write(), *fp8),
             }
         }
