@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--torch-profile", type=int, default=0, metavar="N", help="print torch.profiler's top N ops")
     parser.add_argument("--decode-only", action="store_true",
                         help="leave out the steps that compute prompt tokens (the prefill): a decode step's split")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
     parser.add_argument("--prompt-len", type=int, default=120, help="prompt tokens per request (the context decoded over)")
     parser.add_argument("--no-fused", action="store_true",
                         help="run every step through the torch ops, not the fused CPU decode (models/cpu_decode.py)")

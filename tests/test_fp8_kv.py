@@ -232,19 +232,20 @@ def test_swapping_and_prefix_hits_move_fp8_pages_bit_for_bit(tiny_llama_dir, kv:
     tight.shutdown()
 
 
-def test_tensor_parallel_ranks_store_fp8_pages_like_one_rank(tiny_llama_dir) -> None:
-    """Each rank stores its own KV heads in fp8 with the same unit scales: the greedy tokens of
-    tensor_parallel_size=2 equal one rank's (the tiny llama's 2 KV heads are split)."""
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "bfloat16"])
+def test_tensor_parallel_ranks_store_fp8_pages_like_one_rank(tiny_llama_dir, kv: str) -> None:
+    """Each rank stores its own KV heads in fp8 with the same unit scales (or in bfloat16): the greedy
+    tokens of tensor_parallel_size=2 equal one rank's (the tiny llama's 2 KV heads are split)."""
     from pagedrs import SamplingParams
     from test_tensor_parallel import BASE, prompts_for, run
 
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    one = Engine(EngineArgs(model=str(tiny_llama_dir), kv_cache_dtype="fp8_e4m3", **BASE))
+    one = Engine(EngineArgs(model=str(tiny_llama_dir), kv_cache_dtype=kv, **BASE))
     want = run(one, prompts_for(), params)
     one.shutdown()
-    two = Engine(EngineArgs(model=str(tiny_llama_dir), kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, **BASE))
+    two = Engine(EngineArgs(model=str(tiny_llama_dir), kv_cache_dtype=kv, tensor_parallel_size=2, **BASE))
     try:
-        assert two.executor.shard.local.runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert two.executor.shard.local.runner.kv_cache.dtype == PAGES[kv]
         assert run(two, prompts_for(), params) == want
     finally:
         two.shutdown()
