@@ -364,6 +364,7 @@ mod tests {
 #[cfg(test)]
 mod fp8_tests {
     use super::*;
+    use crate::cpu_decode::kv_bf16;
     use crate::cpu_decode::kv_cache::Fp8Cache;
     use crate::cpu_decode::kv_fp8::Fp8;
     use crate::cpu_decode::step::StepMeta;
@@ -400,47 +401,7 @@ mod fp8_tests {
         }
     }
 
-    /// Attention over bfloat16 planes gives the bits of attention over float32 planes holding the
-    /// codes' values, over runs of keys that end mid-run and windows that start mid-run, on both
-    /// builds, 1 and 2 threads, whole-row and one-KV-head items.
-    #[test]
-    fn bf16_planes_read_as_their_values() {
-        use crate::cpu_decode::kv_bf16;
-        let kv = KvGeometry { layers: 1, num_blocks: 12, block_size: 16, kv_heads: 3, head_dim: 20 };
-        let tables = [5, 9, 2, 11, 0, 7, 3, 1, 8, 6, 4, 10, 10, 10, 10, 10];
-        let lens = [61i32, 33, 17, 1];
-        let slot = |seq: usize, p: usize| (tables[seq * 4 + p / 16] as i64) * 16 + (p % 16) as i64;
-        let slots: Vec<i64> = lens.iter().enumerate().map(|(s, &l)| slot(s, l as usize - 1)).collect();
-        let k: Vec<u16> = (0..kv.plane()).map(|i| kv_bf16::encode(((i * 53 % 247) as f32 / 60.0) - 2.0)).collect();
-        let v: Vec<u16> = (0..kv.plane()).map(|i| kv_bf16::encode(((i * 29 % 239) as f32 / 50.0) - 2.5)).collect();
-        let (kf, vf): (Vec<f32>, Vec<f32>) = (k.iter().map(|&c| kv_bf16::decode(c)).collect(),
-                                              v.iter().map(|&c| kv_bf16::decode(c)).collect());
-        let heads = 9;
-        let width = (heads + 2 * kv.kv_heads) * kv.head_dim;
-        for rows in [1usize, 4] {
-            let qsl: Vec<i32> = (0..=rows as i32).collect();
-            let meta = StepMeta { slot_mapping: &slots[..rows], query_start_loc: &qsl, seq_lens: &lens[..rows],
-                                  block_tables: &tables[..rows * 4], table_width: 4 };
-            let step = StepLayout::new(meta, rows, &kv).unwrap();
-            let qkv: Vec<f32> = (0..rows * width).map(|i| ((i * 17 % 89) as f32 / 30.0) - 1.5).collect();
-            for window in [None, Some(40), Some(5)] {
-                let run = |planes: Planes<'_>, threads: usize, simd: Simd| {
-                    let layer = LayerAttention { planes, heads, scale: 0.2, sliding_window: window };
-                    let mut out = vec![f32::NAN; rows * heads * kv.head_dim];
-                    attend(&layer, &qkv, &step, &kv, &mut out, threads, simd).unwrap();
-                    out
-                };
-                let want = run(Planes::F32 { k: &kf, v: &vf }, 1, Simd::Portable);
-                assert!(want.iter().all(|x| x.is_finite()));
-                for (threads, simd) in [(1, Simd::best()), (2, Simd::best()), (1, Simd::Portable), (2, Simd::Portable)] {
-                    let got = run(Planes::Bf16 { k: &k, v: &v }, threads, simd);
-                    assert_eq!(got, want, "rows {rows} window {window:?} threads {threads} {simd:?}");
-                }
-            }
-        }
-    }
-
-    /// Rows over more keys than an fp8 run (`kv_rows::RUN`, 16 keys), with the last run partial and
+    /// Rows over more keys than an fp8 (or bfloat16) run (`kv_rows::RUN`, 16 keys), with the last run partial and
     /// windows that start mid-run: each run's widened rows carry the weighted sums' chains on (the
     /// bits of the float32 planes of the widened values), on both builds, 1 and 2 threads, and
     /// batches that give whole-row items and one-KV-head items.
@@ -457,6 +418,11 @@ mod fp8_tests {
         let (format, k_scale, v_scale) = (Fp8::E4m3, 0.05, 0.2);
         let wide = |c: &[u8], s: f32| c.iter().map(|&c| format.decode(c) * s).collect::<Vec<f32>>();
         let (kf, vf) = (wide(&k, k_scale), wide(&v, v_scale));
+        // bfloat16 pages run the same way: their codes, and float32 planes of the values they hold
+        let (kb, vb): (Vec<u16>, Vec<u16>) = (kf.iter().map(|&x| kv_bf16::encode(x)).collect(),
+                                              vf.iter().map(|&x| kv_bf16::encode(x)).collect());
+        let (kbf, vbf): (Vec<f32>, Vec<f32>) = (kb.iter().map(|&c| kv_bf16::decode(c)).collect(),
+                                                vb.iter().map(|&c| kv_bf16::decode(c)).collect());
         let heads = 9;
         let width = (heads + 2 * kv.kv_heads) * kv.head_dim;
         for rows in [1usize, 4] {
@@ -475,10 +441,13 @@ mod fp8_tests {
                 let want = run(Planes::F32 { k: &kf, v: &vf }, 1, Simd::Portable);
                 assert!(want.iter().all(|x| x.is_finite()));
                 let fp8 = Fp8Cache { format, k_scale, v_scale };
+                let want_bf16 = run(Planes::F32 { k: &kbf, v: &vbf }, 1, Simd::Portable);
                 for (threads, simd) in [(1, Simd::best()), (2, Simd::best()), (1, Simd::Portable), (2, Simd::Portable)] {
                     assert_eq!(run(Planes::F32 { k: &kf, v: &vf }, threads, simd), want, "float32 rows {rows} {window:?}");
                     let got = run(Planes::Fp8 { k: &k, v: &v, fp8 }, threads, simd);
                     assert_eq!(got, want, "rows {rows} window {window:?} threads {threads} {simd:?}");
+                    let got = run(Planes::Bf16 { k: &kb, v: &vb }, threads, simd);
+                    assert_eq!(got, want_bf16, "bfloat16 rows {rows} window {window:?} threads {threads} {simd:?}");
                 }
             }
         }

@@ -24,6 +24,26 @@ enum Codes {
     Fp8(Fp8),
 }
 
+/// `kv_cache` as a writable array of `T`, or a TypeError saying what `kv_dtype` needs (`what`).
+fn writable<'py, T: Element>(kv_cache: &Bound<'py, PyAny>, what: &str, kv_dtype: &str) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
+    kv_cache.extract::<PyReadwriteArrayDyn<'py, T>>()
+        .map_err(|_| PyTypeError::new_err(format!("kv_cache: must be {what} for kv_dtype {kv_dtype:?}")))
+}
+
+/// The cache's geometry from its shape `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`, and
+/// its elements; a ValueError for another shape or a cache that is not C-contiguous.
+fn cache_layout<'a, T: Element>(cache: &'a mut PyReadwriteArrayDyn<'_, T>) -> PyResult<(KvGeometry, &'a mut [T])> {
+    let shape = cache.shape().to_vec();
+    if shape.len() != 6 || shape[1] != 2 || !cache.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "kv_cache: has shape {shape:?}; need a C-contiguous [layers, 2, num_blocks, block_size, kv_heads, head_dim]"
+        )));
+    }
+    let kvg = KvGeometry { layers: shape[0], num_blocks: shape[2], block_size: shape[3], kv_heads: shape[4], head_dim: shape[5] };
+    let elements = cache.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
+    Ok((kvg, elements))
+}
+
 fn value_err(e: DecodeError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
@@ -163,38 +183,21 @@ impl PyDecodeStack {
                 ))
             })?),
         };
-        let geometry = |shape: &[usize], contiguous: bool| {
-            if shape.len() != 6 || shape[1] != 2 || !contiguous {
-                return Err(PyValueError::new_err(format!(
-                    "kv_cache: has shape {shape:?}; need a C-contiguous [layers, 2, num_blocks, block_size, kv_heads, head_dim]"
-                )));
-            }
-            Ok(KvGeometry { layers: shape[0], num_blocks: shape[2], block_size: shape[3], kv_heads: shape[4], head_dim: shape[5] })
-        };
         let (mut values, mut codes, mut halves);
         let (kvg, cache) = match codes_of {
             Codes::F32 => {
-                values = kv_cache.extract::<PyReadwriteArrayDyn<'py, f32>>().map_err(|_| {
-                    PyTypeError::new_err("kv_cache: must be a float32 NumPy array for kv_dtype \"float32\"")
-                })?;
-                let kvg = geometry(values.shape(), values.is_c_contiguous())?;
-                let v = values.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
+                values = writable::<f32>(&kv_cache, "a float32 NumPy array", kv_dtype)?;
+                let (kvg, v) = cache_layout(&mut values)?;
                 (kvg, KvCacheMut::F32(v))
             }
             Codes::Bf16 => {
-                halves = kv_cache.extract::<PyReadwriteArrayDyn<'py, u16>>().map_err(|_| {
-                    PyTypeError::new_err("kv_cache: must be a uint16 NumPy array (the bfloat16 codes) for kv_dtype \"bfloat16\"")
-                })?;
-                let kvg = geometry(halves.shape(), halves.is_c_contiguous())?;
-                let c = halves.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
+                halves = writable::<u16>(&kv_cache, "a uint16 NumPy array (the bfloat16 codes)", kv_dtype)?;
+                let (kvg, c) = cache_layout(&mut halves)?;
                 (kvg, KvCacheMut::Bf16(c))
             }
             Codes::Fp8(format) => {
-                codes = kv_cache.extract::<PyReadwriteArrayDyn<'py, u8>>().map_err(|_| {
-                    PyTypeError::new_err(format!("kv_cache: must be a uint8 NumPy array (the fp8 codes) for kv_dtype {kv_dtype:?}"))
-                })?;
-                let kvg = geometry(codes.shape(), codes.is_c_contiguous())?;
-                let c = codes.as_slice_mut().map_err(|_| PyValueError::new_err("kv_cache: must be C-contiguous"))?;
+                codes = writable::<u8>(&kv_cache, "a uint8 NumPy array (the fp8 codes)", kv_dtype)?;
+                let (kvg, c) = cache_layout(&mut codes)?;
                 (kvg, KvCacheMut::Fp8(c, Fp8Cache { format, k_scale, v_scale }))
             }
         };
