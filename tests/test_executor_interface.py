@@ -106,3 +106,21 @@ def _config(a: EngineArgs, disk_blocks: int):
 
     return SchedulerConfig(num_gpu_blocks=24, block_size=a.block_size, num_cpu_blocks=0,
                            enable_prefix_caching=True, max_model_len=256, num_disk_blocks=disk_blocks)
+
+
+def test_a_plan_with_disk_copies_needs_the_cores_page_meta() -> None:
+    """Copies to disk take their slots' meta when the core hands them out (``transfers_from``); a
+    batch to disk without a source of meta is refused, the other batches need none."""
+    pairs = np.array([[3, 7], [4, 9]], dtype=np.int64)
+    with pytest.raises(ValueError, match="transfer 5 copies pages to the disk tier: page_meta"):
+        transfers_from([(5, "cpu", "disk", pairs)], None)
+    asked = []
+
+    def page_meta(slots: np.ndarray):
+        asked.append(slots.tolist())
+        return np.array([11, 12], dtype=np.uint64), np.array([0, 11], dtype=np.uint64), np.zeros((2, 4), dtype=np.uint32)
+
+    (to_disk,) = transfers_from([(5, "cpu", "disk", pairs)], page_meta)
+    assert asked == [[7, 9]] and to_disk.meta is not None and to_disk.meta[0].tolist() == [11, 12]
+    (to_host,) = transfers_from([(6, "gpu", "cpu", pairs)], None)
+    assert to_host.meta is None and (to_host.id, to_host.src, to_host.dst) == (6, "gpu", "cpu")

@@ -35,7 +35,7 @@ class _Recording:
 
     def schedule(self):
         plan = self.core.schedule()
-        self.plans.append(StepInput.from_plan(plan, self.core.disk_pages))
+        self.plans.append(StepInput.from_plan(plan))
         return plan
 
     def __getattr__(self, name):

@@ -62,13 +62,20 @@ class Transfer:
     meta: Optional[DiskPageMeta] = None
 
 
-def transfers_from(core_transfers: Iterable[tuple[Any, Any, Any, np.ndarray]], page_meta: PageMeta) -> tuple[Transfer, ...]:
+def transfers_from(core_transfers: Iterable[tuple[Any, Any, Any, np.ndarray]],
+                   page_meta: Optional[PageMeta]) -> tuple[Transfer, ...]:
     """The core's ``(id, src, dst, pairs)`` batches as ``Transfer``s, each copy to the disk tier
-    with its slots' meta from ``page_meta`` (asked now, while the core is not planning)."""
+    with its slots' meta from ``page_meta`` (asked now, while the core is not planning; None only
+    where no batch goes to disk, else a ValueError)."""
     out = []
     for i, s, d, p in core_transfers:
         dst = str(d)
-        meta = page_meta(np.ascontiguousarray(p[:, 1], dtype=np.uint32)) if dst == "disk" and len(p) else None
+        meta = None
+        if dst == "disk" and len(p):
+            if page_meta is None:
+                raise ValueError(f"transfer {int(i)} copies pages to the disk tier: page_meta (the core's "
+                                 "Scheduler.disk_pages) must give their slots' hash, parent and tokens")
+            meta = page_meta(np.ascontiguousarray(p[:, 1], dtype=np.uint32))
         out.append(Transfer(int(i), str(s), dst, p, meta))
     return tuple(out)
 
@@ -93,9 +100,10 @@ class StepInput:
     logit_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @classmethod
-    def from_plan(cls, plan: Any, page_meta: PageMeta) -> StepInput:
+    def from_plan(cls, plan: Any, page_meta: Optional[PageMeta] = None) -> StepInput:
         """The single conversion from the core's ``StepPlan``; ``page_meta`` (the core's
-        ``Scheduler.disk_pages``) gives copies to the disk tier their slots' meta."""
+        ``Scheduler.disk_pages``) gives copies to the disk tier their slots' meta (needed only when
+        the plan has such copies: a ValueError then)."""
         values = {name: getattr(plan, name) for name in _PLAN_FIELDS}
         transfers = plan.transfers
         values["transfers"] = transfers_from(transfers, page_meta) if transfers else ()
