@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use pagedrs::cpu_decode::kv_cache::KvCacheMut;
 use pagedrs::cpu_decode::{DecodeError, DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
 use pagedrs::gemv::{Format, Kernel, PackedMatrix};
 
@@ -83,6 +84,28 @@ fn run(c: &mut Case, threads: usize) -> Result<Vec<f32>, DecodeError> {
     c.stack.forward(&c.h, &c.cos_sin, &mut c.kv, c.kvg, meta, threads, Kernel::best())
 }
 
+/// The case's step over a cache of codes starting as `start`, on one thread and on a team of 2 and 3
+/// (`run` the step over given codes): the team's output and codes are the one thread's, which come back.
+fn team_equals_one_thread<T: Clone + PartialEq + std::fmt::Debug>(
+    t: usize, start: &[T], run: impl Fn(&Case, &mut Vec<T>, usize) -> Vec<f32>, label: &str,
+) -> (Vec<f32>, Vec<T>) {
+    let (one, mut codes_one) = (case(t), start.to_vec());
+    let want = run(&one, &mut codes_one, 1);
+    for threads in [2, 3] {
+        let (c, mut codes) = (case(t), start.to_vec());
+        assert_eq!(run(&c, &mut codes, threads), want, "{label} t {t} threads {threads}");
+        assert_eq!(codes, codes_one, "{label} t {t} threads {threads}: the codes written");
+    }
+    (want, codes_one)
+}
+
+/// [`run`] over a cache of codes the caller holds (`kv`: bfloat16 or fp8) instead of the case's floats.
+fn run_codes(c: &Case, kv: KvCacheMut<'_>, threads: usize) -> Vec<f32> {
+    let meta = StepMeta { slot_mapping: &c.slots, query_start_loc: &c.qsl, seq_lens: &c.lens, block_tables: &c.tables,
+                          table_width: 16 };
+    c.stack.forward_cache(&c.h, &c.cos_sin, kv, c.kvg, meta, threads, Kernel::best()).unwrap()
+}
+
 /// The team's chain gives the one-thread loop's bits, in its output and in every page it
 /// writes, at decode and prefill sizes (from 16 rows on AMX's groups, where the CPU has it), on 2
 /// to 4 threads.
@@ -147,19 +170,14 @@ fn a_non_finite_input_is_the_same_error_on_a_team() {
 /// the way out.
 #[test]
 fn an_fp8_cache_is_written_and_read_as_its_codes() {
-    use pagedrs::cpu_decode::kv_cache::{Fp8Cache, KvCacheMut};
+    use pagedrs::cpu_decode::kv_cache::Fp8Cache;
     use pagedrs::cpu_decode::kv_fp8::{widen, Fp8};
 
     let plane = |c: &Case| c.kvg.plane();
     for (format, k_scale, v_scale) in [(Fp8::E4m3, 1.0f32, 1.0f32), (Fp8::E5m2, 1.0, 1.0), (Fp8::E4m3, 0.5, 0.37)] {
         for t in [2, 12] {
             let fp8 = Fp8Cache { format, k_scale, v_scale };
-            let run_fp8 = |c: &mut Case, codes: &mut Vec<u8>, threads: usize| {
-                let meta = StepMeta { slot_mapping: &c.slots, query_start_loc: &c.qsl, seq_lens: &c.lens,
-                                      block_tables: &c.tables, table_width: 16 };
-                c.stack.forward_cache(&c.h, &c.cos_sin, KvCacheMut::Fp8(codes, fp8), c.kvg, meta, threads, Kernel::best())
-                    .unwrap()
-            };
+            let run_fp8 = |c: &Case, codes: &mut Vec<u8>, threads: usize| run_codes(c, KvCacheMut::Fp8(codes, fp8), threads);
             let mut reference = case(t);
             let p = plane(&reference);
             // old pages: the codes of the case's values; the float32 reference holds their widened values
@@ -169,13 +187,7 @@ fn an_fp8_cache_is_written_and_read_as_its_codes() {
                 widen(format, chunk, if i % 2 == 0 { k_scale } else { v_scale }, &mut reference.kv[i * p..(i + 1) * p]);
             }
             let want_f32 = run(&mut reference, 1).unwrap();
-            let (mut one, mut codes_one) = (case(t), start.clone());
-            let want = run_fp8(&mut one, &mut codes_one, 1);
-            for threads in [2, 3] {
-                let (mut c, mut codes) = (case(t), start.clone());
-                assert_eq!(run_fp8(&mut c, &mut codes, threads), want, "{format:?} t {t} threads {threads}");
-                assert_eq!(codes, codes_one, "{format:?} t {t} threads {threads}: the codes written");
-            }
+            let (want, codes_one) = team_equals_one_thread(t, &start, run_fp8, &format!("{format:?}"));
             // layer 0's planes: every code is the float32 run's value encoded (old ones unchanged)
             for (i, (&code, &x)) in codes_one[..2 * p].iter().zip(&reference.kv[..2 * p]).enumerate() {
                 let s = if i < p { k_scale } else { v_scale };
@@ -198,31 +210,20 @@ fn an_fp8_cache_is_written_and_read_as_its_codes() {
 /// input is the float32 run's: a float32 cache holding exactly the old codes' values). Later layers
 /// differ from the float32 run by the new rows' rounding, amplified where an int8 activation block
 /// rounds the other way (2.5-6.6% of the output's range on this random model: no bound is asked;
-/// what the rounding costs a real model is `tests/test_bf16_kv.py`'s).
+/// what the rounding costs a real model is `tests/test_fp8_kv.py`'s quality test).
 #[test]
 fn a_bfloat16_cache_is_written_and_read_as_its_codes() {
     use pagedrs::cpu_decode::kv_bf16;
-    use pagedrs::cpu_decode::kv_cache::KvCacheMut;
 
     for t in [2, 12] {
-        let run_bf16 = |c: &mut Case, codes: &mut Vec<u16>, threads: usize| {
-            let meta = StepMeta { slot_mapping: &c.slots, query_start_loc: &c.qsl, seq_lens: &c.lens,
-                                  block_tables: &c.tables, table_width: 16 };
-            c.stack.forward_cache(&c.h, &c.cos_sin, KvCacheMut::Bf16(codes), c.kvg, meta, threads, Kernel::best()).unwrap()
-        };
+        let run_bf16 = |c: &Case, codes: &mut Vec<u16>, threads: usize| run_codes(c, KvCacheMut::Bf16(codes), threads);
         let mut reference = case(t);
         let start: Vec<u16> = reference.kv.iter().map(|&x| kv_bf16::encode(x)).collect();
         for (x, &c) in reference.kv.iter_mut().zip(&start) {
             *x = kv_bf16::decode(c);
         }
         let want_f32 = run(&mut reference, 1).unwrap();
-        let (mut one, mut codes_one) = (case(t), start.clone());
-        let want = run_bf16(&mut one, &mut codes_one, 1);
-        for threads in [2, 3] {
-            let (mut c, mut codes) = (case(t), start.clone());
-            assert_eq!(run_bf16(&mut c, &mut codes, threads), want, "t {t} threads {threads}");
-            assert_eq!(codes, codes_one, "t {t} threads {threads}: the codes written");
-        }
+        let (want, codes_one) = team_equals_one_thread(t, &start, run_bf16, "bfloat16");
         let p = reference.kvg.plane();
         for (i, (&code, &x)) in codes_one[..2 * p].iter().zip(&reference.kv[..2 * p]).enumerate() {
             assert_eq!(code, kv_bf16::encode(x), "t {t}: layer 0 element {i}");
@@ -238,7 +239,7 @@ fn a_bfloat16_cache_is_written_and_read_as_its_codes() {
 /// rotary angle) is the same error on every thread count; an fp8 cache too.
 #[test]
 fn a_long_row_split_over_a_team_gives_the_one_thread_bits() {
-    use pagedrs::cpu_decode::kv_cache::{Fp8Cache, KvCacheMut};
+    use pagedrs::cpu_decode::kv_cache::Fp8Cache;
     use pagedrs::cpu_decode::kv_fp8::Fp8;
 
     let geo = StackGeometry { hidden: 64, heads: 6, kv_heads: 3, head_dim: 16, intermediate: 96, eps: 1e-5, scale: 0.25 };
