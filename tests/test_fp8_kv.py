@@ -59,6 +59,9 @@ def test_vllms_fp8_is_taken_as_e4m3_everywhere() -> None:
     add_engine_args(parser, cpu_threads_help="")
     assert parser.parse_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
     assert kv_itemsize("bfloat16", "fp8") == kv_itemsize("bfloat16", "fp8_e4m3") == 1
+    from pagedrs import engine_args, kv_size
+
+    assert set(kv_size.KV_CACHE_DTYPES) == set(engine_args.KV_CACHE_DTYPES), "kv-size sizes every name the engine takes"
 
 
 def test_fp8_with_the_contiguous_layout_is_refused() -> None:

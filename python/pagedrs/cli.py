@@ -8,6 +8,7 @@ import sys
 from typing import Any, Optional
 
 from pagedrs.cli_args import add_engine_args, engine_kwargs
+from pagedrs.engine_args import KV_CACHE_DTYPES
 
 _OFFLINE_THREADS_HELP = "torch threads on the CPU (default: $PAGEDRS_CPU_THREADS, else 1 for offline commands)"
 
@@ -130,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--tokens", type=int, required=True)
     k.add_argument("--seqs", type=int, default=1)
     k.add_argument("--dtype", default="float16")
-    k.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"],
-                   help="pages in the model dtype (auto) or in 8 bits (fp8: 1 byte per element)")
+    k.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="pages in the model dtype (auto), in bfloat16 (2 bytes an element) or in 8 bits (fp8*: 1 byte)")
     k.add_argument("--draft-model", default=None,
                    help="a speculative draft (preset or config.json): every page holds its layers too")
     k.add_argument("--json", action="store_true")
