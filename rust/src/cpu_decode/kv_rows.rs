@@ -9,10 +9,10 @@ use super::kv_bf16;
 use super::kv_cache::Planes;
 use super::kv_fp8::{widen_rows, Fp8};
 
-/// Where a unit's keys (or values) are read: a float32 plane, or an fp8 one whose codes are
+/// Where a unit's keys (or values) are read: a float32 plane, or a bfloat16 or fp8 one whose codes are
 /// widened run by run ([`each_run`]) into a buffer the loops then read as a float32 plane.
-/// Widened values are `code * scale` ([`widen_rows`]): the bits a float32 page of those values
-/// holds, so the loops after compute the same bits either way.
+/// Widened values are `code * scale` ([`widen_rows`]; a bfloat16's exact float32): the bits a
+/// float32 page of those values holds, so the loops after compute the same bits either way.
 #[derive(Clone, Copy)]
 pub(super) enum Rows<'a> {
     F32(&'a [f32]),
@@ -37,7 +37,7 @@ impl<'a> Rows<'a> {
 
 impl Rows<'_> {
     /// Keys a pass takes at a time from this source: all `n` from a float32 plane (the loops read
-    /// it in place and ask for what is ahead themselves), `RUN` from an fp8 one.
+    /// it in place and ask for what is ahead themselves), `RUN` from a bfloat16 or fp8 one.
     #[inline(always)]
     fn run_len(&self, n: usize) -> usize {
         match self {
@@ -67,7 +67,7 @@ impl Rows<'_> {
     }
 }
 
-/// Keys of an fp8 run ([`Rows::run`]): each pass widens the next `RUN` keys' rows (every KV head
+/// Keys of a bfloat16 or fp8 run ([`Rows::run`]): each pass widens the next `RUN` keys' rows (every KV head
 /// a pass reads) into a buffer that stays in the L1 while every head reads it, then goes on. Why:
 /// widening a whole unit's keys first (the first fp8 build) wrote and read back megabytes through
 /// the L2 at long contexts, which cost what the 4x fewer bytes from memory saved (SmolLM2 at 1,000
@@ -76,12 +76,12 @@ const RUN: usize = 16;
 
 
 thread_local! {
-    /// Per thread: an fp8 run's widened rows and their offsets (`0, width, 2 width, ..`).
+    /// Per thread: a bfloat16 or fp8 run's widened rows and their offsets (`0, width, 2 width, ..`).
     static WIDE: RefCell<(Vec<f32>, Vec<usize>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 /// Calls `f(plane, run offsets, first key)` for each run of `keys` read from `src`, `width`
-/// values a key (from each key's start in `src`): the whole of a float32 plane at once, an fp8 one
+/// values a key (from each key's start in `src`): the whole of a float32 plane at once, a bfloat16 or fp8 one
 /// [`RUN`] keys at a time, widened into the per-thread buffer (12 KiB a run of SmolLM2's 3 KV heads,
 /// read again from the L1 by every head of the pass).
 #[inline(always)]
