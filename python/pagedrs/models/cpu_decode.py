@@ -111,7 +111,7 @@ class FusedCpuDecode:
         kv_dtype = _KV_DTYPES.get(first.dtype)
         answer = isinstance(backend, TorchAttentionBackend) and kv_dtype is not None and first.device.type == "cpu"
         self._kv_args = (kv_dtype or "float32", 1.0, 1.0)
-        if answer and first.dtype in _FP8:  # only an fp8 cache has scales
+        if answer and kv_dtype is not None and first.dtype in _FP8:  # only an fp8 cache has scales
             k_scale, v_scale = backend.kv_scales(first.device)
             self._kv_args = (kv_dtype, float(k_scale), float(v_scale))
         if not isinstance(kv_cache, torch.Tensor):  # (a whole tensor's kv_cache[0] is a new view each time)
