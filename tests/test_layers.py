@@ -195,9 +195,8 @@ def test_auto_is_exact_for_hf_folders_and_nearest_for_quantized_gguf(monkeypatch
     assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"] * 7 + ["Q8_0"], device=cpu).name == "gguf"
     assert resolve_weight_format("auto", F32, gguf_types=["Q4_0", "Q8_0"], device=cpu).name == "gguf"
     assert resolve_weight_format("auto", torch.bfloat16, gguf_types=["Q4_1"], device=cpu).name == "float32"
-    monkeypatch.setattr(quant, "tp_size", lambda: 2)  # gguf has no tensor-parallel sharding: the aten format
-    assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"], device=cpu).name == "int4"
-    monkeypatch.setattr(quant, "tp_size", lambda: 1)
+    # ranks that would split a row-parallel product inside a block: the aten format
+    assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"], device=cpu, whole_block_shards=False).name == "int4"
     monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: False)  # no SIMD kernel: the aten formats
     assert resolve_weight_format("auto", F32, gguf_types=None, device=cpu).name == "float32"
     assert resolve_weight_format("auto", F32, gguf_types=["Q4_1"] * 7 + ["Q8_0"], device=cpu).name == "int4"

@@ -64,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     p.add_argument("--weight-dtype", type=_weight_dtypes, default=None, metavar="FMT[,FMT...]",
                    help=f"one of {', '.join(WEIGHT_DTYPES)}; decode: these formats instead of the grid's (comma-"
-                        "separated, timed in one run); spec: the weights' format (default auto); the other benches "
-                        "use float32")
+                        "separated, timed in one run); spec: the weights' format (default auto); tp: the weights' "
+                        "format on every rank; the other benches use float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--workload", choices=("random", "prefix", "both"), default="both",

@@ -6,7 +6,8 @@ the model's heads (3 for SmolLM2's 9 heads; gloo on the CPU), greedy
 and ``ignore_eos`` so both generate the same tokens, and reports tokens/s and the share of
 rank 0's step time spent in the model's all-reduces. On a 2-core CPU no speed-up is
 expected: each rank gets one core, and every layer adds two all-reduces through loopback
-TCP; the numbers say what tensor parallelism costs where it cannot pay.
+TCP; the numbers say what tensor parallelism costs where it cannot pay. ``--weight-dtype``: the
+weights' format on every rank (default float32; ``gguf`` shards the file's blocks per rank).
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ def _one(cfg: BenchConfig, tp: int, workload: Any) -> dict[str, Any]:
     from pagedrs import Engine, EngineArgs, SamplingParams
     from pagedrs.distributed import parallel_state
 
-    engine = Engine(EngineArgs(model=cfg.model, dtype=cfg.dtype, weight_dtype="float32", block_size=cfg.block_size,
+    engine = Engine(EngineArgs(model=cfg.model, dtype=cfg.dtype, weight_dtype=_format(cfg), block_size=cfg.block_size,
                                cpu_threads=1, tensor_parallel_size=tp, max_model_len=workload.spec.max_model_len,
                                kv_host_cache_gb=0))
     try:
+        fmt = engine.executor.loaded.weight_format  # what the format resolved to (rank 0's; every rank resolves alike)
         for r in workload.requests:
             engine.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids},
                                SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True))
@@ -45,8 +47,13 @@ def _one(cfg: BenchConfig, tp: int, workload: Any) -> dict[str, Any]:
     finally:
         engine.shutdown()
     generated = sum(len(t) for t in outputs.values())
-    return {"tensor_parallel_size": tp, "tokens_per_s": generated / wall, "wall_s": wall,
+    return {"tensor_parallel_size": tp, "weights": fmt.name if fmt is not None else "float32",
+            "tokens_per_s": generated / wall, "wall_s": wall,
             "collective_share": collectives / step_seconds if step_seconds else 0.0, "outputs": outputs}
+
+
+def _format(cfg: BenchConfig) -> str:
+    return cfg.weight_dtype or "float32"
 
 
 def _smallest_split(heads: int, kv_heads: int) -> int:
@@ -67,7 +74,8 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
     same = rows[0]["outputs"] == rows[1]["outputs"]
     for row in rows:
         del row["outputs"]
-    columns = [Column("tensor parallel size", "tensor_parallel_size"), Column("tok/s", "tokens_per_s", "{:.1f}"),
+    columns = [Column("tensor parallel size", "tensor_parallel_size"), Column("weights", "weights"),
+               Column("tok/s", "tokens_per_s", "{:.1f}"),
                Column("wall s", "wall_s", "{:.1f}"), Column("rank 0 step time in all-reduce", "collective_share", "{:.0%}")]
     notes = [f"workload {spec.name}: {spec.num_requests} requests; 1 torch thread per rank; gloo over loopback",
              f"greedy outputs identical between tp=1 and tp={tp}: {same}",

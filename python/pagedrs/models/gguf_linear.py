@@ -12,7 +12,16 @@ checkpoint goes through the usual weight loaders and shape checks), then
 concatenate their siblings' block rows (rows are independent, so this is exact); the tied
 Q8_0 embedding becomes the head's matrix while the lookup keeps the float32 table. A layer
 whose tensors are not all in one supported block format keeps its float32 weight and the
-dense product. Tensor parallelism is not supported for this format yet (ValueError at load).
+dense product.
+
+Tensor parallelism: each rank builds (and repacks) a matrix of its own shard only, sliced from the
+file's blocks where the dense loader slices the float32 tensor (``LinearBase.row_shard`` and
+``col_shard``, one definition for both). Rows are whole block runs, so a column-parallel shard is
+exact; a row-parallel shard (``o_proj``, ``down_proj``) must start and end on a block boundary (one
+scale covers 32 columns), so its columns per rank must be a multiple of 32, else the load is refused
+by name (and ``auto`` does not pick this format). Each rank quantizes the same 32-column blocks of its
+input slice that one rank would, so a shard's partial sum differs from one rank's only in the order
+the blocks' sums are added.
 """
 
 from __future__ import annotations
@@ -25,12 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrs.models.layers import LinearBase, LinearMethod
+from pagedrs.models.layers import LinearBase, LinearMethod, ShardId
 
 GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what the Rust kernel reads
+BLOCK_COLUMNS = 32  # columns one block (one scale) of each of GGUF_BLOCK_TYPES covers
 
-# fused module name -> its checkpoint siblings, in the fused row order
-_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# fused module name -> its checkpoint siblings with their shard ids, in the fused row order
+_FUSED: dict[str, tuple[tuple[str, ShardId], ...]] = {
+    "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
+    "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+}
 
 
 class GgufLinearMethod(LinearMethod):
@@ -42,9 +55,6 @@ class GgufLinearMethod(LinearMethod):
     threads: int | None = None
 
     def create_weights(self, layer: LinearBase, in_features: int, out_features: int, device: Any) -> None:
-        if layer.tp_size != 1:
-            raise ValueError(f"weight_dtype 'gguf' does not support tensor parallelism yet (tp_size={layer.tp_size}); "
-                             "use int4, int8 or float32")
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32, device=device),
                                     requires_grad=False)
         layer.gguf_matrix = None  # type: ignore[assignment]  # set by install()
@@ -97,21 +107,63 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
     for module_name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or not isinstance(layer.method, GgufLinearMethod):
             continue
+        siblings: tuple[tuple[str, ShardId], ...]
         if module_name == "lm_head":
-            names = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+            siblings = (("model.embed_tokens.weight" if tied else "lm_head.weight", None),)
         else:
             prefix, _, leaf = module_name.rpartition(".")
-            names = [f"{prefix}.{part}.weight" for part in _FUSED.get(leaf, (leaf,))]
-        parts = [raw.get(n) for n in names]
-        if any(p is None for p in parts) or len({p[2] for p in parts if p is not None}) != 1:
+            siblings = tuple((f"{prefix}.{part}.weight", sid) for part, sid in _FUSED.get(leaf, ((leaf, None),)))
+        names = [n for n, _ in siblings]
+        found = [raw.get(n) for n in names]
+        parts = [p for p in found if p is not None]
+        if len(parts) != len(found) or len({p[2] for p in parts}) != 1:
             continue  # keeps its float32 weight
-        blocks = np.concatenate([p[0] for p in parts if p is not None], axis=0)
-        cols, fmt = parts[0][1], parts[0][2]  # type: ignore[index]  # checked above
-        GgufLinearMethod.install(layer, GgufMatrix(np.ascontiguousarray(blocks).reshape(-1), blocks.shape[0], cols,
-                                                   fmt, "+".join(names)))
+        name = "+".join(names)
+        blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], name)
+        GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, parts[0][2], name))
         installed += 1
     model.bind()  # type: ignore[operator]  # LlamaForCausalLM.bind
     return installed
+
+
+def rank_blocks(layer: LinearBase, parts: Sequence[tuple[np.ndarray, int, str]], shard_ids: Sequence[ShardId],
+                name: str) -> tuple[np.ndarray, int]:
+    """This rank's raw blocks of ``layer`` (C-contiguous uint8 ``[rows, bytes per row]``) and their columns:
+    each sibling's rows where ``layer.row_shard`` puts them, then the columns of ``layer.col_shard``.
+
+    ``parts``: each sibling's (blocks ``[rows, bytes per row]``, columns, GGUF type), in the fused row
+    order. A column shard must be whole blocks of ``BLOCK_COLUMNS``: refused by name otherwise."""
+    rows: list[np.ndarray] = []
+    cols = parts[0][1]
+    for (blocks, _, _), sid, sibling in zip(parts, shard_ids, name.split("+"), strict=True):
+        offset, start, n = layer.row_shard(sid)
+        assert offset == sum(r.shape[0] for r in rows), "fused siblings' rows are in shard order"
+        if (blocks.shape[0], cols) != (layer.full_rows(sid), layer.in_features):
+            raise ValueError(f"GGUF tensor {sibling!r} is [{blocks.shape[0]}, {cols}]; the layer needs "
+                             f"[{layer.full_rows(sid)}, {layer.in_features}] (the whole tensor, before ranks split it)")
+        rows.append(blocks[start:start + n])
+    out = np.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+    first, count = layer.col_shard()
+    if (first, count) != (0, cols):
+        if first % BLOCK_COLUMNS or count % BLOCK_COLUMNS:
+            raise ValueError(
+                f"weight_dtype 'gguf' with tensor_parallel_size={layer.tp_size}: GGUF tensor {name!r} ({parts[0][2]}, "
+                f"{cols} columns) would be split at column {first} into {count} columns a rank, inside a block of "
+                f"{BLOCK_COLUMNS} columns (one scale each); a rank's columns must be a multiple of {BLOCK_COLUMNS}: "
+                "use a tensor_parallel_size that allows it, or weight_dtype 'int8', 'int4' or 'float32'")
+        per_block = out.shape[1] // (cols // BLOCK_COLUMNS)
+        out = out[:, first // BLOCK_COLUMNS * per_block:(first + count) // BLOCK_COLUMNS * per_block]
+        cols = count
+    return np.ascontiguousarray(out), cols
+
+
+def shards_hold_whole_blocks(config: dict[str, Any], tp: int) -> bool:
+    """Whether every rank's columns of the row-parallel products (``o_proj``: heads x head_dim inputs,
+    ``down_proj``: the intermediate size) are whole GGUF blocks on ``tp`` ranks (``rank_blocks``)."""
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    return all(n % tp == 0 and (n // tp) % BLOCK_COLUMNS == 0
+               for n in (heads * head_dim, int(config["intermediate_size"])))
 
 
 def hand_cpu_threads_to_gemv(models: Sequence[nn.Module], threads: int) -> bool:

@@ -167,6 +167,20 @@ class LinearBase(nn.Module):
     def bias_size(self) -> int:
         return self.out_per_rank
 
+    def row_shard(self, shard_id: ShardId = None) -> tuple[int, int, int]:
+        """Where the rows of one checkpoint tensor (``shard_id``'s, for a fused layer) land on this rank:
+        (first row in this rank's weight, first row taken from the checkpoint tensor, rows). The one
+        place that says it: ``weight_loader`` and the GGUF path's raw blocks (``gguf_linear``) both slice by it."""
+        return 0, 0, self.out_per_rank
+
+    def col_shard(self) -> tuple[int, int]:
+        """(first column, columns) of a checkpoint tensor this rank keeps."""
+        return 0, self.in_per_rank
+
+    def full_rows(self, shard_id: ShardId = None) -> int:
+        """The rows of the whole checkpoint tensor (``shard_id``'s) before it is split across ranks."""
+        return self.out_features
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         """Whole tensor: the checkpoint's shape must be the parameter's."""
         _copy_checked(param.data, loaded, self, shard_id)
@@ -196,10 +210,13 @@ class ColumnParallelLinear(LinearBase):
     def shard_sizes(self) -> tuple[int, int]:
         return self.in_features, _divide(self.out_features, self.tp_size, "out_features")
 
+    def row_shard(self, shard_id: ShardId = None) -> tuple[int, int, int]:
+        n = self.out_per_rank
+        return 0, self.tp_rank * n, n
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        n = param.shape[0]
-        _copy_checked(param.data, _rows(loaded, self.tp_rank * n, n), self, shard_id,
-                      full=loaded, full_rows=self.out_features)
+        _, start, n = self.row_shard(shard_id)
+        _copy_checked(param.data, _rows(loaded, start, n), self, shard_id, full=loaded, full_rows=self.full_rows())
 
 
 class RowParallelLinear(LinearBase):
@@ -211,10 +228,13 @@ class RowParallelLinear(LinearBase):
     def bias_size(self) -> int:
         return self.out_features
 
+    def col_shard(self) -> tuple[int, int]:
+        k = self.in_per_rank
+        return self.tp_rank * k, k
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
         if param.dim() == 2 and loaded.dim() == 2 and loaded.shape[1] != param.shape[1]:
-            k = param.shape[1]
-            loaded_shard = loaded.narrow(1, self.tp_rank * k, k)
+            loaded_shard = loaded.narrow(1, *self.col_shard())
         else:
             loaded_shard = loaded
         _copy_checked(param.data, loaded_shard, self, shard_id, full=loaded)
@@ -242,13 +262,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             _divide(size, self.tp_size, f"out_sizes[{i}]")
         return self.in_features, self.out_features // self.tp_size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def row_shard(self, shard_id: ShardId = None) -> tuple[int, int, int]:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.out_sizes):
             raise ValueError(f"{type(self).__name__}: shard_id {shard_id!r} is not one of 0..{len(self.out_sizes) - 1}")
         n = self.out_sizes[shard_id] // self.tp_size
-        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
-        _copy_checked(param.data.narrow(0, offset, n), _rows(loaded, self.tp_rank * n, n), self, shard_id,
-                      full=loaded, full_rows=self.out_sizes[shard_id])
+        return sum(self.out_sizes[:shard_id]) // self.tp_size, self.tp_rank * n, n
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        offset, start, n = self.row_shard(shard_id)
+        _copy_checked(param.data.narrow(0, offset, n), _rows(loaded, start, n), self, shard_id,
+                      full=loaded, full_rows=self.full_rows(shard_id))
+
+    def full_rows(self, shard_id: ShardId = None) -> int:
+        self.row_shard(shard_id)  # refuses a shard id this layer does not have
+        assert isinstance(shard_id, int)
+        return self.out_sizes[shard_id]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -281,18 +309,23 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.kv_heads_per_rank * self.head_dim
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+    def row_shard(self, shard_id: ShardId = None) -> tuple[int, int, int]:
         if shard_id == "q":
-            offset, n, first_head, full = 0, self.q_size, self.tp_rank * self.heads_per_rank, self.num_heads
-        elif shard_id in ("k", "v"):
-            offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            n, full = self.kv_size, self.num_kv_heads
+            return 0, self.tp_rank * self.heads_per_rank * self.head_dim, self.q_size
+        if shard_id in ("k", "v"):
             first_head = (self.tp_rank * self.num_kv_heads // self.tp_size if self.num_kv_heads < self.tp_size
                           else self.tp_rank * self.kv_heads_per_rank)
-        else:
-            raise ValueError(f"QKVParallelLinear: shard_id {shard_id!r} is not one of 'q', 'k', 'v'")
-        _copy_checked(param.data.narrow(0, offset, n), _rows(loaded, first_head * self.head_dim, n), self, shard_id,
-                      full=loaded, full_rows=full * self.head_dim)
+            return self.q_size + (0 if shard_id == "k" else self.kv_size), first_head * self.head_dim, self.kv_size
+        raise ValueError(f"QKVParallelLinear: shard_id {shard_id!r} is not one of 'q', 'k', 'v'")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        offset, start, n = self.row_shard(shard_id)
+        _copy_checked(param.data.narrow(0, offset, n), _rows(loaded, start, n), self, shard_id,
+                      full=loaded, full_rows=self.full_rows(shard_id))
+
+    def full_rows(self, shard_id: ShardId = None) -> int:
+        self.row_shard(shard_id)  # refuses a shard id this layer does not have
+        return (self.num_heads if shard_id == "q" else self.num_kv_heads) * self.head_dim
 
 
 def _rows(loaded: torch.Tensor, start: int, n: int) -> torch.Tensor:

@@ -115,9 +115,13 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, 
                skip_tokenizer_init: bool) -> LoadedModel:
     from pagedrs.models.gguf_loader import convert_gguf_cached, linear_tensor_types
 
+    from pagedrs.distributed.parallel_state import tp_size
+    from pagedrs.models.gguf_linear import shards_hold_whole_blocks
+
     folder = convert_gguf_cached(path)
     types = linear_tensor_types(path) if weight_dtype == "auto" else None
-    fmt = resolve_weight_format(weight_dtype, dtype, gguf_types=types, device=device)
+    whole = tp_size() == 1 or shards_hold_whole_blocks(json.loads((folder / "config.json").read_text()), tp_size())
+    fmt = resolve_weight_format(weight_dtype, dtype, gguf_types=types, device=device, whole_block_shards=whole)
     loaded = load_hf_folder(folder, dtype, device, name=name, weight_format=fmt, skip_tokenizer_init=skip_tokenizer_init)
     if fmt.name == "gguf":
         from pagedrs.models.gguf_linear import install_gguf_weights

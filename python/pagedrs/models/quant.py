@@ -31,7 +31,6 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pagedrs.distributed.parallel_state import tp_size
 from pagedrs.engine_args import WEIGHT_DTYPES
 from pagedrs.models.gguf_linear import GGUF_BLOCK_TYPES, GgufLinearMethod, cpu_runs_gguf_kernel
 from pagedrs.models.layers import DenseLinearMethod, LinearBase, LinearMethod
@@ -175,7 +174,7 @@ class WeightFormat:
 
 
 def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_types: list[str] | None,
-                          device: torch.device) -> WeightFormat:
+                          device: torch.device, whole_block_shards: bool = True) -> WeightFormat:
     """``auto`` -> the exact dense path for Hugging Face folders. For a quantized GGUF on a CPU:
     ``gguf`` (the file's own blocks through the Rust GEMV and the fused CPU decode) when every
     tensor is in a block format the kernel reads and the CPU has a SIMD kernel for it; else, on a
@@ -183,7 +182,9 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
     Why gguf first: on the embedded SmolLM2 (tests/test_quant.py, 24 prompts x 32 positions) it
     agrees with float32 on 97.3% of greedy choices against int4's 97.4%, with perplexity -0.07%
     against +0.27%, and decodes 1.9-2.8x faster at batch 1 (README, issue 30).
-    ``bfloat16`` on a CPU without AVX512-BF16 / AMX stays float32.
+    ``bfloat16`` on a CPU without AVX512-BF16 / AMX stays float32. ``whole_block_shards``: whether this
+    many tensor-parallel ranks split the file's row-parallel products on block boundaries
+    (``gguf_linear.shards_hold_whole_blocks``); where not, ``auto`` does not pick ``gguf``.
     """
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype {weight_dtype!r} is not supported; allowed: {', '.join(WEIGHT_DTYPES)}")
@@ -196,8 +197,7 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
         return WeightFormat(weight_dtype, params_dtype)
     if gguf_types is None or device.type != "cpu" or params_dtype != torch.float32:
         return WeightFormat("float32", params_dtype)
-    if (gguf_types and all(t in GGUF_BLOCK_TYPES for t in gguf_types) and cpu_runs_gguf_kernel()
-            and tp_size() == 1):  # the gguf format has no tensor-parallel sharding yet
+    if gguf_types and all(t in GGUF_BLOCK_TYPES for t in gguf_types) and cpu_runs_gguf_kernel() and whole_block_shards:
         return WeightFormat("gguf", params_dtype)
     if not cpu_has_fast_bf16():
         return WeightFormat("float32", params_dtype)

@@ -1,0 +1,165 @@
+"""``weight_dtype="gguf"`` under tensor parallelism: each rank repacks its own shard of the file's blocks.
+
+What must hold: a rank's column-parallel matrix gives, bit for bit, the rows of one rank's product that
+the dense loader gives that rank (the row map is read off the dense shards, not recomputed here); the
+row-parallel partial sums add up to one rank's product (only the order of the blocks' sums differs);
+engines on 2 and 3 ranks decode the tokens one rank does, tiny models and the embedded SmolLM2; a split
+inside a block of 32 columns is refused by name, and ``auto`` then keeps to the aten formats.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs.distributed.parallel_state import set_tensor_parallel
+from pagedrs.models import load_model
+from pagedrs.models.gguf_linear import GgufLinearMethod, shards_hold_whole_blocks
+from pagedrs.models.layers import LinearBase, RowParallelLinear
+
+pytest.importorskip("gguf")
+psutil = pytest.importorskip("psutil")  # the engine tests spawn ranks (test_tensor_parallel.py's needs)
+
+BASE = dict(block_size=4, num_gpu_blocks=64, max_model_len=128, swap_space_gb=0.001, cpu_threads=1)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def kernel_gguf(request, tmp_path_factory) -> Path:
+    """A 2-layer random model as a GGUF whose every product is in a kernel format: llama (2 KV heads,
+    split over 2 ranks) and mistral's shape (1 KV head, replicated on both)."""
+    from conftest import make_tiny_model
+    from gguf_writer import KERNEL_QTYPES, write_gguf
+
+    d = tmp_path_factory.mktemp(f"tp-gguf-{request.param}")
+    write_gguf(make_tiny_model(request.param, d / "hf"), d / "hf", d / "tiny.gguf", qtypes=KERNEL_QTYPES)
+    return d / "tiny.gguf"
+
+
+def load_rank(path: Path, rank: int, size: int, weight_dtype: str):
+    set_tensor_parallel(rank, size)
+    try:
+        return load_model(path, weight_dtype=weight_dtype)
+    finally:
+        set_tensor_parallel(0, 1)
+
+
+def linears(loaded) -> dict[str, LinearBase]:
+    return {n: m for n, m in loaded.model.named_modules() if isinstance(m, LinearBase)}
+
+
+def matmul(layer: LinearBase, x: np.ndarray) -> np.ndarray:
+    return layer.gguf_matrix.matmul(np.ascontiguousarray(x), 1)
+
+
+def test_each_rank_multiplies_its_shard_of_the_files_blocks(kernel_gguf):
+    one, one_dense = linears(load_rank(kernel_gguf, 0, 1, "gguf")), linears(load_rank(kernel_gguf, 0, 1, "float32"))
+    ranks = [linears(load_rank(kernel_gguf, r, 2, "gguf")) for r in range(2)]
+    dense = [linears(load_rank(kernel_gguf, r, 2, "float32")) for r in range(2)]
+    g = np.random.default_rng(0)
+    on_kernel = [n for n, m in one.items() if getattr(m, "gguf_matrix", None) is not None]
+    assert {n.rsplit(".", 1)[-1] for n in on_kernel} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    for name in on_kernel:
+        full = one[name]
+        x = g.standard_normal((3, full.in_features)).astype(np.float32)
+        expected = matmul(full, x)
+        if isinstance(full, RowParallelLinear):
+            partials = []
+            for r in range(2):
+                w = dense[r][name].weight.detach()
+                # the columns this rank holds, found in the dense shard (the loader's own slice)
+                first = next(c for c in range(full.in_features - w.shape[1] + 1)
+                             if torch.equal(one_dense[name].weight[:, c:c + w.shape[1]], w))
+                assert ranks[r][name].gguf_matrix.cols == w.shape[1] == full.in_features // 2
+                partials.append(matmul(ranks[r][name], x[:, first:first + w.shape[1]]))
+            np.testing.assert_allclose(partials[0] + partials[1], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+            assert np.abs(partials[0] - expected).max() > 1e-2 * np.abs(expected).max()  # a partial, not the whole
+        else:
+            for r in range(2):
+                w = dense[r][name].weight.detach()
+                # each of this rank's rows is a row of the whole weight: its index there
+                rows = [int(torch.nonzero((one_dense[name].weight == row).all(dim=1))[0]) for row in w]
+                assert ranks[r][name].gguf_matrix.rows == w.shape[0]
+                np.testing.assert_array_equal(matmul(ranks[r][name], x), expected[:, rows])
+
+
+def run(engine: Engine, prompts, params) -> list[list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        engine.check_invariants()
+    outs = [done[f"r{i}"] for i in range(len(prompts))]
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return outs
+
+
+def tokens_and_logprobs(outs) -> tuple[list[list[int]], list[list[float]]]:
+    toks = [list(o.outputs[0].token_ids) for o in outs]
+    lps = [[float(step[t]) for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
+           for o in outs]
+    return toks, lps
+
+
+def test_two_ranks_decode_what_one_rank_does(kernel_gguf):
+    """Prefix caching and chunked prefill on: the same greedy tokens, each chosen token's logprob equal
+    to float rounding (the partial sums are added in another order)."""
+    prefix = [7 + (3 * i) % 200 for i in range(9)]
+    prompts = [prefix + [20 + (i * 13 + j * 7) % 250 for j in range(3 + (5 * i) % 17)] for i in range(5)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
+    kw = dict(BASE, model=str(kernel_gguf), weight_dtype="gguf", enable_prefix_caching=True,
+              max_num_batched_tokens=16)
+    one = Engine(EngineArgs(**kw))
+    assert one.executor.loaded.weight_format.name == "gguf"
+    expected_toks, expected_lps = tokens_and_logprobs(run(one, prompts, params))
+    two = Engine(EngineArgs(tensor_parallel_size=2, **kw))
+    try:
+        toks, lps = tokens_and_logprobs(run(two, prompts, params))
+        stats = two.stats()
+        assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
+    finally:
+        two.shutdown()
+    assert toks == expected_toks
+    np.testing.assert_allclose(np.array(lps), np.array(expected_lps), rtol=1e-4, atol=1e-4)
+
+
+def test_the_embedded_smollm2_on_three_ranks_picks_gguf_and_decodes_what_one_rank_does():
+    """9 heads and 3 KV heads on 3 ranks: 192 and 512 columns a rank for o_proj and down_proj, whole
+    blocks, so ``auto`` keeps the file's Q4_1 / Q8_0 blocks on every rank."""
+    kw = dict(model="smollm2-135m", block_size=16, num_gpu_blocks=64, max_model_len=256, cpu_threads=1)
+    prompts = ["The capital of France is", "def fib(n):"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    one = Engine(EngineArgs(**kw))
+    assert one.executor.loaded.weight_format.name == "gguf"
+    expected = [list(o.outputs[0].token_ids) for o in run(one, prompts, params)]
+    del one
+    engine = Engine(EngineArgs(tensor_parallel_size=3, **kw))
+    try:
+        assert engine.executor.loaded.weight_format.name == "gguf"
+        got = [list(o.outputs[0].token_ids) for o in run(engine, prompts, params)]
+    finally:
+        engine.shutdown()
+    assert got == expected
+
+
+def test_a_split_inside_a_block_is_refused_by_name_and_auto_keeps_to_aten(kernel_gguf, monkeypatch):
+    """4 ranks give o_proj 16 of its 64 input columns each: half a block of 32."""
+    config = dict(num_attention_heads=4, head_dim=16, hidden_size=64, intermediate_size=128)
+    assert shards_hold_whole_blocks(config, 2) and not shards_hold_whole_blocks(config, 4)
+    assert not shards_hold_whole_blocks(config, 3)  # 64 columns do not split in 3
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4: GGUF tensor 'model\.layers\.0\.self_attn\.o_proj\.weight' "
+                                         r"\(Q4_0, 64 columns\) would be split at column 0 into 16 columns a rank"):
+        load_rank(kernel_gguf, 0, 4, "gguf")
+    from pagedrs.models import quant
+
+    monkeypatch.setattr(quant, "cpu_has_fast_bf16", lambda: True)
+    loaded = load_rank(kernel_gguf, 1, 4, "auto")
+    assert loaded.weight_format.name == "int8"  # the file's most common type is Q8_0
+    assert not any(isinstance(m.method, GgufLinearMethod) for m in linears(loaded).values())
+    assert load_rank(kernel_gguf, 1, 2, "auto").weight_format.name == "gguf"
