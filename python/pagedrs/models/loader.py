@@ -113,10 +113,9 @@ def load_model(
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, weight_dtype: str,
                skip_tokenizer_init: bool) -> LoadedModel:
-    from pagedrs.models.gguf_loader import convert_gguf_cached, linear_tensor_types
-
     from pagedrs.distributed.parallel_state import tp_size
     from pagedrs.models.gguf_linear import shards_hold_whole_blocks
+    from pagedrs.models.gguf_loader import convert_gguf_cached, linear_tensor_types
 
     folder = convert_gguf_cached(path)
     types = linear_tensor_types(path) if weight_dtype == "auto" else None
