@@ -11,7 +11,10 @@ import numpy as np
 import torch
 from gguf.quants import quantize
 
+from kquants import quantize_q4_k, quantize_q6_k
 from pagedrs.models.gguf_loader import permute_qk
+
+K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
 
 # which quantization each tensor kind gets: every supported type appears at least once
 QTYPES = {
@@ -33,6 +36,16 @@ KERNEL_QTYPES = {
     "ffn_up": gguf.GGMLQuantizationType.Q4_1,
     "ffn_down": gguf.GGMLQuantizationType.Q8_0,
 }
+# llama.cpp's "Q4_K_M" mix (Q4_K, with Q6_K values and down projections): q/k/v siblings of two types
+Q4_K_M_QTYPES = {
+    "attn_q": gguf.GGMLQuantizationType.Q4_K,
+    "attn_k": gguf.GGMLQuantizationType.Q4_K,
+    "attn_v": gguf.GGMLQuantizationType.Q6_K,
+    "attn_output": gguf.GGMLQuantizationType.Q4_K,
+    "ffn_gate": gguf.GGMLQuantizationType.Q4_K,
+    "ffn_up": gguf.GGMLQuantizationType.Q4_K,
+    "ffn_down": gguf.GGMLQuantizationType.Q6_K,
+}
 _HF_TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -41,10 +54,11 @@ _HF_TO_GGUF = {
 
 
 def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | None = None,
-               quantized: bool = True, qtypes: dict | None = None) -> None:
+               quantized: bool = True, qtypes: dict | None = None, recode=None) -> None:
     """``quantized=False`` writes every tensor as F32 (a GGUF equal to the HF weights); ``qtypes``
     replaces ``QTYPES`` (e.g. ``KERNEL_QTYPES``). ``rope_freqs``: Llama 3 frequency factors to store as llama.cpp's converter does (see
-    ``llama3_rope_freqs``); the model's own rope_scaling is otherwise not written."""
+    ``llama3_rope_freqs``); the model's own rope_scaling is otherwise not written. ``recode(kind, blocks,
+    cols, qtype) -> (blocks, qtype)`` replaces each quantized tensor's blocks before they are written."""
     cfg = model.config
     w = gguf.GGUFWriter(str(out), arch="llama")
     w.add_block_count(cfg.num_hidden_layers)
@@ -80,8 +94,11 @@ def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | N
                 w.add_tensor(gname, arr)
             elif qtype == gguf.GGMLQuantizationType.F16:
                 w.add_tensor(gname, arr.astype(np.float16))
-            else:
-                w.add_tensor(gname, quantize(arr, qtype), raw_dtype=qtype)
+            else:  # gguf-py cannot write K-quants: tests/kquants.py
+                blocks = K_QUANTIZERS[qtype](arr) if qtype in K_QUANTIZERS else quantize(arr, qtype)
+                if recode is not None:
+                    blocks, qtype = recode(kind, blocks, arr.shape[1], qtype)
+                w.add_tensor(gname, blocks, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

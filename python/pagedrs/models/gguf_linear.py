@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedrs.models.gguf_convert import KERNEL_TYPES, QK, common_type, to_kernel
 from pagedrs.models.layers import LinearBase, LinearMethod, ShardId
 
-GGUF_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what the Rust kernel reads
-BLOCK_COLUMNS = 32  # columns one block (one scale) of each of GGUF_BLOCK_TYPES covers
+GGUF_BLOCK_TYPES = KERNEL_TYPES  # what the Rust kernel reads (the file's other quantized types: gguf_convert.py)
+BLOCK_COLUMNS = QK  # columns one block (one scale) of each of GGUF_BLOCK_TYPES covers
 
 # fused module name -> its checkpoint siblings with their shard ids, in the fused row order
 _FUSED: dict[str, tuple[tuple[str, ShardId], ...]] = {
@@ -116,11 +117,13 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
         names = [n for n, _ in siblings]
         found = [raw.get(n) for n in names]
         parts = [p for p in found if p is not None]
-        if len(parts) != len(found) or len({p[2] for p in parts}) != 1:
+        target = common_type([p[2] for p in parts])
+        if len(parts) != len(found) or target is None:
             continue  # keeps its float32 weight
+        parts = [(to_kernel(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
         name = "+".join(names)
         blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], name)
-        GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, parts[0][2], name))
+        GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, name))
         installed += 1
     model.bind()  # type: ignore[operator]  # LlamaForCausalLM.bind
     return installed

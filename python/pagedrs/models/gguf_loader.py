@@ -252,16 +252,17 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def gguf_raw_linears(path: Path, config: dict[str, Any]) -> dict[str, tuple[np.ndarray, int, str]]:
-    """Raw block bytes of every 2-D Q4_0 / Q4_1 / Q8_0 tensor, by transformers name:
-    (uint8 [rows, bytes per row], cols, GGUF type name). Q/K rows are unpermuted like the
+    """Raw block bytes of every 2-D tensor the kernel runs (``gguf_convert.kernel_type``: its own three
+    formats as they are, the other quantized types once converted), by transformers name: (uint8
+    [rows, bytes per row], cols, the file's GGUF type name). Q/K rows are unpermuted like the
     dequantized path (rows are whole block runs, so permuting rows of bytes is exact)."""
-    from pagedrs.models.gguf_linear import GGUF_BLOCK_TYPES
+    from pagedrs.models.gguf_convert import kernel_type
 
     reader = open_gguf(path)
     permuted = _ARCHITECTURES[_field(reader, "general.architecture")][1]
     out: dict[str, tuple[np.ndarray, int, str]] = {}
     for t in reader.tensors:
-        if len(t.shape) != 2 or t.tensor_type.name not in GGUF_BLOCK_TYPES or t.name == "rope_freqs.weight":
+        if len(t.shape) != 2 or kernel_type(t.tensor_type.name) is None or t.name == "rope_freqs.weight":
             continue
         name = _hf_name(t.name, path)
         cols, rows = int(t.shape[0]), int(t.shape[1])

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from pagedrs.engine_args import WEIGHT_DTYPES
-from pagedrs.models.gguf_linear import GGUF_BLOCK_TYPES, GgufLinearMethod, cpu_runs_gguf_kernel
+from pagedrs.models.gguf_convert import kernel_type
+from pagedrs.models.gguf_linear import GgufLinearMethod, cpu_runs_gguf_kernel
 from pagedrs.models.layers import DenseLinearMethod, LinearBase, LinearMethod
 
 COMPUTE_DTYPE = torch.bfloat16  # what the packed kernels multiply in
@@ -177,7 +178,8 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
                           device: torch.device, whole_block_shards: bool = True) -> WeightFormat:
     """``auto`` -> the exact dense path for Hugging Face folders. For a quantized GGUF on a CPU:
     ``gguf`` (the file's own blocks through the Rust GEMV and the fused CPU decode) when every
-    tensor is in a block format the kernel reads and the CPU has a SIMD kernel for it; else, on a
+    tensor is quantized in a type the kernel reads or that ``gguf_convert`` turns into one (Q4_K ->
+    Q4_1, the other K, 5-bit and i-quant types -> Q8_0) and the CPU has a SIMD kernel; else, on a
     CPU with fast bf16, the nearest aten format (Q4_* -> int4, other quantized types -> int8).
     Why gguf first: on the embedded SmolLM2 (tests/test_quant.py, 24 prompts x 32 positions) it
     agrees with float32 on 97.3% of greedy choices against int4's 97.4%, with perplexity -0.07%
@@ -197,7 +199,7 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
         return WeightFormat(weight_dtype, params_dtype)
     if gguf_types is None or device.type != "cpu" or params_dtype != torch.float32:
         return WeightFormat("float32", params_dtype)
-    if gguf_types and all(t in GGUF_BLOCK_TYPES for t in gguf_types) and cpu_runs_gguf_kernel() and whole_block_shards:
+    if gguf_types and all(kernel_type(t) is not None for t in gguf_types) and cpu_runs_gguf_kernel() and whole_block_shards:
         return WeightFormat("gguf", params_dtype)
     if not cpu_has_fast_bf16():
         return WeightFormat("float32", params_dtype)

@@ -1,0 +1,126 @@
+"""GGUF types the Rust GEMV does not read, turned at load into blocks it does read.
+
+Why: most GGUF files people download are llama.cpp's K-quants ("Q4_K_M": Q4_K for most
+tensors, Q6_K for the output head and some value / down projections; "Q5_K_M", "Q6_K") or the
+5-bit and i-quant types, and the kernel reads Q4_0, Q4_1 and Q8_0 only. Without a conversion such
+a file ran dequantized (float32 on a CPU without fast bfloat16: 32 bits a weight streamed per
+token, against 4.5).
+
+- **Q4_K -> Q4_1**, one Q4_1 block per sub-block of 32: the same 4-bit codes, scale ``d * sc`` and
+  minimum ``-dmin * m`` (each exact in float32: an f16 times a 6-bit integer) stored as f16, so each
+  is rounded once, by at most 2^-11 of itself (half an f16 step; below 2^-14 the products stay on
+  the subnormal grid and are exact). A weight moves by at most ``15 * |d sc| * 2^-11 + |dmin m| *
+  2^-11`` (a 4-bit step is ``|d sc|``: under 1% of one step). 5 bits a weight instead of 4.5.
+- **Every other quantized type gguf-py dequantizes** (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the
+  IQ and TQ types, MXFP4) -> **Q8_0**: dequantized exactly (float32), then quantized again per
+  block of 32 by the Q8_0 rule (``gguf.quants.quantize``: ``d = max|w| / 127`` stored as f16, codes
+  rounded): a weight moves by at most half a Q8_0 step, ``max|w| / 254`` of its block, plus the f16
+  rounding of the step times its code (at most 127 x 2^-11 of a step); a Q6_K step is about 4x a
+  Q8_0 one. 8.5 bits a weight.
+- Fused siblings (q/k/v, gate/up) must share one block format: where their targets differ
+  (Q4_K_M's Q4_K queries beside Q6_K values), every sibling goes to Q8_0.
+
+F32, F16 and BF16 tensors are not converted: their layers keep the dense product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what the Rust kernel reads as they are
+# quantized types gguf-py dequantizes (gguf 0.19), requantized to Q8_0 (Q4_K has its own path)
+REQUANTIZED_TYPES = (
+    "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+    "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
+)
+QK = 32  # weights a block of every KERNEL_TYPES covers
+_Q4_K_BYTES, _QK_K = 144, 256  # Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes
+
+
+def kernel_type(type_name: str) -> str | None:
+    """The block format a GGUF tensor of ``type_name`` runs in on the kernel; None: not on the kernel (dense)."""
+    if type_name in KERNEL_TYPES:
+        return type_name
+    if type_name == "Q4_K":
+        return "Q4_1"
+    if type_name in REQUANTIZED_TYPES:
+        return "Q8_0"
+    return None
+
+
+def common_type(type_names: Sequence[str]) -> str | None:
+    """The one format fused siblings of these GGUF types run in: their shared target, Q8_0 where the
+    targets differ, None when any is not on the kernel."""
+    targets = {kernel_type(t) for t in type_names}
+    if None in targets or not targets:
+        return None
+    return targets.pop() if len(targets) == 1 else "Q8_0"
+
+
+def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
+    """A GGUF tensor's raw blocks (uint8 ``[rows, bytes per row]``) in the kernel format ``target``
+    (``kernel_type(type_name)``, or Q8_0 for any tensor on the kernel): uint8 ``[rows, cols / 32 *
+    block bytes]``. Non-finite scales or weights are refused naming ``name``."""
+    if type_name == target:
+        return blocks
+    if type_name == "Q4_K" and target == "Q4_1":
+        return q4_k_to_q4_1(blocks, cols, name)
+    if target != "Q8_0" or kernel_type(type_name) is None:
+        raise ValueError(f"GGUF tensor {name!r}: no conversion from {type_name} to {target}")
+    return requantize_q8_0(blocks, cols, type_name, name)
+
+
+def q4_k_to_q4_1(blocks: np.ndarray, cols: int, name: str) -> np.ndarray:
+    """Q4_K super-blocks (256 weights) -> 8 Q4_1 blocks each (see the module docs)."""
+    from gguf.quants import Q4_K
+
+    rows = blocks.shape[0]
+    if cols % _QK_K or blocks.shape[1] != cols // _QK_K * _Q4_K_BYTES:
+        raise ValueError(f"GGUF tensor {name!r} (Q4_K): {blocks.shape[1]} bytes a row for {cols} columns; Q4_K needs "
+                         f"{_Q4_K_BYTES} bytes per {_QK_K} columns")
+    sb = np.ascontiguousarray(blocks).reshape(-1, _Q4_K_BYTES)
+    d = sb[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    dmin = sb[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(sb[:, 4:16].copy())  # [n, 8] each, 0..63
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = (d * sc.astype(np.float32)).astype(np.float16)  # exact in float32, rounded once to f16
+        minimum = (-(dmin * mn.astype(np.float32))).astype(np.float16)
+    bad = ~(np.isfinite(scale) & np.isfinite(minimum)).all(axis=1) | ~np.isfinite(d[:, 0]) | ~np.isfinite(dmin[:, 0])
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"GGUF tensor {name!r} (Q4_K): row {i // (cols // _QK_K)}, super-block {i % (cols // _QK_K)} "
+                         f"has a scale that is not finite as float16 (d {float(d[i, 0])}, dmin {float(dmin[i, 0])})")
+    # codes: 4 chunks of 32 bytes, the low nibbles sub-block 2c, the high ones 2c + 1
+    qs = sb[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    codes = (qs & 0x0F).reshape(-1, 8, 32)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # Q4_1: byte t = element t (low), element t + 16 (high)
+    out = np.concatenate([scale.view(np.uint8).reshape(-1, 8, 2), minimum.view(np.uint8).reshape(-1, 8, 2), packed],
+                         axis=-1)
+    return np.ascontiguousarray(out.reshape(rows, cols // QK * 20))
+
+
+def requantize_q8_0(blocks: np.ndarray, cols: int, type_name: str, name: str) -> np.ndarray:
+    """Any tensor gguf-py dequantizes, dequantized exactly and quantized again to Q8_0."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[type_name]
+    with np.errstate(over="ignore", invalid="ignore"):
+        weights = np.asarray(dequantize(np.ascontiguousarray(blocks), qtype), dtype=np.float32).reshape(blocks.shape[0], -1)
+    if weights.shape[1] != cols:
+        raise ValueError(f"GGUF tensor {name!r} ({type_name}): {weights.shape[1]} weights a row, not {cols}")
+    finite = np.isfinite(weights).all(axis=1)
+    if not finite.all():
+        raise ValueError(f"GGUF tensor {name!r} ({type_name}): row {int(np.argmin(finite))} has a weight that is not "
+                         "finite (a NaN or infinite scale)")
+    with np.errstate(over="ignore"):
+        out = np.ascontiguousarray(quantize(weights, GGMLQuantizationType.Q8_0))
+    scales = out.reshape(-1, 34)[:, :2].copy().view(np.float16).reshape(out.shape[0], -1)
+    fits = np.isfinite(scales).all(axis=1)
+    if not fits.all():
+        row = int(np.argmin(fits))
+        raise ValueError(f"GGUF tensor {name!r} ({type_name}): row {row} has weights up to "
+                         f"{float(np.abs(weights[row]).max()):.6g}, past what Q8_0's f16 scale holds (127 x 65504)")
+    return out

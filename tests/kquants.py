@@ -1,0 +1,57 @@
+"""Q4_K and Q6_K quantizers for tests (gguf-py dequantizes K-quants but cannot write them).
+
+Plain round-to-nearest choices, not llama.cpp's search for the best scales: what matters here is
+that the bytes are valid blocks of each layout, which ``tests/test_gguf_convert.py`` checks
+through gguf-py's own dequantization.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK_K = 256
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, cols]`` (cols a multiple of 256) -> uint8 ``[rows, cols / 256 * 144]``."""
+    rows, cols = w.shape
+    sub = w.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(axis=-1), 0.0)  # the code 0 means -dmin * m <= 0
+    scale = (sub.max(axis=-1) - lo) / 15
+    d = _f16(np.maximum(scale.max(axis=-1), 1e-8) / 63)
+    dmin = _f16(np.maximum((-lo).max(axis=-1), 1e-8) / 63)
+    sc = np.clip(np.round(scale / d.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    step = np.maximum(d.astype(np.float32)[:, None] * sc, 1e-12)[..., None]
+    q = np.clip(np.round((sub + (dmin.astype(np.float32)[:, None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    scales = np.concatenate([
+        (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
+        (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4),
+    ], axis=-1)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-block 2c low, 2c + 1 high
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=-1)
+    return out.reshape(rows, cols // QK_K * 144)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, cols]`` (cols a multiple of 256) -> uint8 ``[rows, cols / 256 * 210]``."""
+    rows, cols = w.shape
+    blocks = w.astype(np.float32).reshape(-1, QK_K)
+    sub = blocks.reshape(-1, 16, 16)
+    scale = np.abs(sub).max(axis=-1) / 31
+    d = _f16(np.maximum(scale.max(axis=-1), 1e-8) / 127)
+    sc = np.clip(np.round(scale / d.astype(np.float32)[:, None]), -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+    step = np.where(step == 0, 1.0, step)[..., None]
+    q = (np.clip(np.round(sub / step), -32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)  # [n, half, element]
+    low, high = q & 0x0F, q >> 4
+    ql = (low[:, :, :64] | (low[:, :, 64:] << 4)).reshape(-1, 128)  # byte 64h + t: elements 128h + t, 128h + 64 + t
+    qh = high.reshape(-1, 2, 4, 32)  # bits 2s of byte 32h + t: element 128h + 32s + t
+    qh = (qh[:, :, 0] | (qh[:, :, 1] << 2) | (qh[:, :, 2] << 4) | (qh[:, :, 3] << 6)).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=-1)
+    return out.reshape(rows, cols // QK_K * 210)
