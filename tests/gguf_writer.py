@@ -67,7 +67,8 @@ def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | N
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
+    rope = getattr(cfg, "rope_parameters", None) or {}  # transformers 5 keeps rope_theta there
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or rope.get("rope_theta") or 10000.0))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     _add_tokenizer(w, tokenizer_dir)

@@ -3,7 +3,9 @@
 Why: batch-1 decode on a CPU streams every weight once per token; aten's int4/int8 kernels
 reach under 40% of the memory bandwidth at M = 1, the Rust kernel (``rust/src/gemv``) reads
 the GGUF blocks as they are (Q4_0, Q4_1, Q8_0: no re-quantization, so no second rounding)
-with int8 activations per block of 32, as llama.cpp does.
+with int8 activations per block of 32, as llama.cpp does. Other quantized types are converted once
+at load (``gguf_convert``: Q4_K to Q4_1 blocks with f16-rounded scales, the rest requantized to
+Q8_0), and so are fused siblings whose types differ (all to Q8_0).
 
 Loading: every layer first loads the dequantized float32 weight like the dense path (the
 checkpoint goes through the usual weight loaders and shape checks), then
@@ -11,8 +13,8 @@ checkpoint goes through the usual weight loaders and shape checks), then
 (``gguf_loader.gguf_raw_linears``) and frees the float32 copy. Fused QKV and gate/up
 concatenate their siblings' block rows (rows are independent, so this is exact); the tied
 Q8_0 embedding becomes the head's matrix while the lookup keeps the float32 table. A layer
-whose tensors are not all in one supported block format keeps its float32 weight and the
-dense product.
+with a tensor in no quantized type (F32 / F16 / BF16) keeps its float32 weight and the dense
+product.
 
 Tensor parallelism: each rank builds (and repacks) a matrix of its own shard only, sliced from the
 file's blocks where the dense loader slices the float32 tensor (``LinearBase.row_shard`` and
