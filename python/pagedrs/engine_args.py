@@ -27,7 +27,7 @@ _PREEMPTION = ("swap", "recompute", "auto")
 _RESERVE = ("max_model_len", "request")
 _DTYPES = ("float32", "float16", "bfloat16")
 # the linear weights' formats (models/quant.py builds them); one list for the engine, the CLI and the benches
-WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4", "gguf")
+WEIGHT_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "int8", "int4", "gguf", "q4_0", "q4_1", "q8_0")
 # auto: pages in the model dtype; fp8_*: 8-bit pages with per-tensor scales (attention/kv_quant.py)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # "fp8" is vLLM's name for fp8_e4m3 (taken as that)
 
@@ -37,7 +37,8 @@ class EngineArgs:
     model: Optional[str] = "smollm2-135m"  # a preset name, an HF folder, or a .gguf file
     device: str = "cpu"
     dtype: str = "float32"
-    # linear weights: auto = exact for HF folders, nearest quantized format for a quantized GGUF (CPU)
+    # linear weights: auto = exact for HF folders, the file's own blocks (gguf) for a quantized GGUF (CPU);
+    # q4_0 / q4_1 / q8_0 quantize any checkpoint into those blocks for the Rust GEMV (models/block_quant.py)
     weight_dtype: str = "auto"
     block_size: int = 16
     kv_cache_memory: Optional[int] = None  # bytes for the device KV pool
@@ -84,7 +85,7 @@ class EngineArgs:
     # shared machine OpenMP's spinning workers stall 10-30x whenever another process holds
     # a core (measured: the demo took 5 s with 1 thread and 115-180 s with 2 beside one busy
     # process). `pagedrs serve` defaults to every core it may use: a server owns its machine.
-    # With weight_dtype "gguf" the kernel's own team takes these threads and torch keeps one
+    # With weight_dtype "gguf" (or q4_0 / q4_1 / q8_0) the kernel's own team takes these threads and torch keeps one
     # (models/gguf_linear.py, hand_cpu_threads_to_gemv). 1 to MAX_CPU_THREADS; more than the cores this
     # process may use is allowed and said at startup (every step then waits on threads with no core).
     cpu_threads: Optional[int] = None

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from pagedrs.engine_args import WEIGHT_DTYPES
+from pagedrs.models.block_quant import BLOCK_FORMATS, BlockQuantizedMethod
 from pagedrs.models.gguf_convert import kernel_type
 from pagedrs.models.gguf_linear import GgufLinearMethod, cpu_runs_gguf_kernel
 from pagedrs.models.layers import DenseLinearMethod, LinearBase, LinearMethod
@@ -151,20 +152,25 @@ def cpu_has_fast_bf16() -> bool:
 class WeightFormat:
     """A resolved ``weight_dtype`` (never "auto"): builds the linear method of each layer."""
 
-    name: str  # float32 | bfloat16 | int8 | int4 | gguf (float32 means "the activations' dtype", the exact path)
+    name: str  # float32 | bfloat16 | int8 | int4 | gguf | q4_0 | q4_1 | q8_0 (float32: the activations' dtype, exact)
     params_dtype: torch.dtype  # the model's activation dtype
 
     def head_method(self, in_features: int, out_features: int) -> LinearMethod:
-        """The output head's method: int8 where the body is int4 (see the module docs); gguf in the file's format."""
+        """The output head's method: int8 where the body is int4 (see the module docs), Q8_0 where it is
+        Q4_0 / Q4_1 (``block_quant``); gguf in the file's format."""
         if self.name == "gguf":
             return _gguf_method(self.params_dtype)
         if self.name == "int4":
             return Int8WeightOnlyMethod(self.params_dtype)
+        if self.name in ("q4_0", "q4_1"):
+            return BlockQuantizedMethod(self.params_dtype, "q8_0")
         return self.method(in_features, out_features)
 
     def method(self, in_features: int, out_features: int) -> LinearMethod:
         if self.name == "gguf":
             return _gguf_method(self.params_dtype)
+        if self.name in BLOCK_FORMATS:
+            return BlockQuantizedMethod(self.params_dtype, self.name)
         if self.name == "int4" and Int4WeightOnlyMethod.can_pack(in_features, out_features):
             return Int4WeightOnlyMethod(self.params_dtype)
         if self.name in ("int4", "int8"):
@@ -191,7 +197,7 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype {weight_dtype!r} is not supported; allowed: {', '.join(WEIGHT_DTYPES)}")
     if weight_dtype != "auto":
-        if weight_dtype in ("int8", "int4", "gguf") and device.type != "cpu":
+        if weight_dtype in ("int8", "int4", "gguf", *BLOCK_FORMATS) and device.type != "cpu":
             raise ValueError(f"weight_dtype {weight_dtype!r} runs on the CPU only (device {device.type!r}); "
                              "use float32 or bfloat16 there")
         if weight_dtype == "bfloat16" and device.type == "cpu" and not cpu_has_fast_bf16():
