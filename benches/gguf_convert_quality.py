@@ -24,11 +24,10 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 
 def measure(path: Path | str, label: str) -> str:
-    from test_quant import NEW_TOKENS, PROMPTS, TEXTS, _all_logits, _perplexity
-
     from paged_driver import greedy_generate
     from pagedrs.model_runner import ModelRunner
     from pagedrs.models import load_model
+    from test_quant import NEW_TOKENS, PROMPTS, TEXTS, _all_logits, _perplexity
 
     dense = load_model(path, weight_dtype="float32")
     prompts = [dense.tokenizer.encode(p) for p in PROMPTS]
