@@ -18,6 +18,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
+from engine_runs import greedy_tokens  # noqa: E402
 from pagedrs import Engine, EngineArgs, SamplingParams  # noqa: E402
 from pagedrs._core import GgufMatrix  # noqa: E402
 from pagedrs.models import load_model  # noqa: E402
@@ -49,18 +50,6 @@ def test_every_product_holds_gguf_pys_blocks_of_its_weight(tiny_llama_dir, fmt):
         assert np.abs(matrix.matmul(x, 1) - exact).max() <= 0.02 * np.abs(exact).max()
 
 
-def run(engine: Engine, prompts, params) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-    assert all(o.error is None for o in done.values())
-    return [list(done[f"r{i}"].outputs[0].token_ids) for i in range(len(prompts))]
-
-
 def test_two_ranks_quantize_their_shards_and_decode_what_one_rank_does(tiny_llama_dir):
     """Row-parallel shards of 32 columns: each rank's blocks are the blocks one rank has there."""
     pytest.importorskip("psutil")
@@ -68,11 +57,11 @@ def test_two_ranks_quantize_their_shards_and_decode_what_one_rank_does(tiny_llam
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     kw = dict(model=str(tiny_llama_dir), weight_dtype="q8_0", block_size=4, num_gpu_blocks=64, max_model_len=128,
               cpu_threads=1)
-    expected = run(Engine(EngineArgs(**kw)), prompts, params)
+    expected = greedy_tokens(Engine(EngineArgs(**kw)), prompts, params)
     two = Engine(EngineArgs(tensor_parallel_size=2, **kw))
     try:
         assert two.executor.loaded.weight_format.name == "q8_0"
-        assert run(two, prompts, params) == expected
+        assert greedy_tokens(two, prompts, params) == expected
     finally:
         two.shutdown()
 
@@ -92,7 +81,7 @@ def test_a_layer_without_whole_blocks_keeps_the_dense_product(tmp_path):
     dense = Engine(EngineArgs(model=str(tmp_path), weight_dtype="float32", block_size=4, num_gpu_blocks=32,
                               max_model_len=64, cpu_threads=1))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    assert len(run(engine, [[3, 4, 5, 6]], params)[0]) == 4 and len(run(dense, [[3, 4, 5, 6]], params)[0]) == 4
+    assert [len(greedy_tokens(e, [[3, 4, 5, 6]], params)[0]) for e in (engine, dense)] == [4, 4]
 
 
 def test_non_finite_weights_and_a_cuda_device_are_refused_by_name(tmp_path):

@@ -17,6 +17,7 @@ gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import Q4_K, dequantize, quantize  # noqa: E402
 
+from engine_runs import final_outputs  # noqa: E402
 from kquants import quantize_q4_k, quantize_q6_k  # noqa: E402
 from pagedrs import Engine, EngineArgs, SamplingParams  # noqa: E402
 from pagedrs.models import load_model  # noqa: E402
@@ -132,16 +133,8 @@ def decode(path, weight_dtype: str):
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2)
     engine = Engine(EngineArgs(model=str(path), weight_dtype=weight_dtype, block_size=4, num_gpu_blocks=64,
                                max_model_len=128, cpu_threads=1))
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-    outs = [done[f"r{i}"] for i in range(len(prompts))]
-    assert all(o.error is None for o in outs)
-    return [(list(o.outputs[0].token_ids), [dict(lp) for lp in o.outputs[0].logprobs]) for o in outs]
+    return [(list(o.outputs[0].token_ids), [dict(lp) for lp in o.outputs[0].logprobs])
+            for o in final_outputs(engine, prompts, params)]
 
 
 def test_a_q4_k_m_model_runs_wholly_on_the_kernel_as_its_converted_blocks(q4_k_m_files, monkeypatch):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_runs import final_outputs, greedy_tokens
 from pagedrs import Engine, EngineArgs, SamplingParams
 from pagedrs.distributed.parallel_state import set_tensor_parallel
 from pagedrs.models import load_model
@@ -86,20 +87,6 @@ def test_each_rank_multiplies_its_shard_of_the_files_blocks(kernel_gguf):
                 np.testing.assert_array_equal(matmul(ranks[r][name], x), expected[:, rows])
 
 
-def run(engine: Engine, prompts, params) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        engine.check_invariants()
-    outs = [done[f"r{i}"] for i in range(len(prompts))]
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return outs
-
-
 def tokens_and_logprobs(outs) -> tuple[list[list[int]], list[list[float]]]:
     toks = [list(o.outputs[0].token_ids) for o in outs]
     lps = [[float(step[t]) for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)]
@@ -117,10 +104,10 @@ def test_two_ranks_decode_what_one_rank_does(kernel_gguf):
               max_num_batched_tokens=16)
     one = Engine(EngineArgs(**kw))
     assert one.executor.loaded.weight_format.name == "gguf"
-    expected_toks, expected_lps = tokens_and_logprobs(run(one, prompts, params))
+    expected_toks, expected_lps = tokens_and_logprobs(final_outputs(one, prompts, params))
     two = Engine(EngineArgs(tensor_parallel_size=2, **kw))
     try:
-        toks, lps = tokens_and_logprobs(run(two, prompts, params))
+        toks, lps = tokens_and_logprobs(final_outputs(two, prompts, params))
         stats = two.stats()
         assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]
     finally:
@@ -137,12 +124,12 @@ def test_the_embedded_smollm2_on_three_ranks_picks_gguf_and_decodes_what_one_ran
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     one = Engine(EngineArgs(**kw))
     assert one.executor.loaded.weight_format.name == "gguf"
-    expected = [list(o.outputs[0].token_ids) for o in run(one, prompts, params)]
+    expected = greedy_tokens(one, prompts, params)
     del one
     engine = Engine(EngineArgs(tensor_parallel_size=3, **kw))
     try:
         assert engine.executor.loaded.weight_format.name == "gguf"
-        got = [list(o.outputs[0].token_ids) for o in run(engine, prompts, params)]
+        got = greedy_tokens(engine, prompts, params)
     finally:
         engine.shutdown()
     assert got == expected

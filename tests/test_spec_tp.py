@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("psutil")
 
+from engine_runs import greedy_tokens  # noqa: E402
 from pagedrs import Engine, EngineArgs, SamplingParams  # noqa: E402
 from pagedrs.core import spec_step  # noqa: E402
 
@@ -16,25 +17,11 @@ BASE = dict(block_size=4, num_gpu_blocks=64, max_model_len=128, swap_space_gb=0.
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": None}
 
 
-def run(engine: Engine, prompts, params) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        engine.check_invariants()
-    outs = [done[f"r{i}"] for i in range(len(prompts))]
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 def test_tp2_with_speculation_equals_one_rank_without(tiny_llama_dir, monkeypatch):
     unit = [11, 42, 97, 5, 203]
     prompts = [unit * 3, [20 + (7 * j) % 250 for j in range(9)], unit[:3] * 4 + [8]]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    expected = run(Engine(EngineArgs(model=str(tiny_llama_dir), **BASE)), prompts, params)
+    expected = greedy_tokens(Engine(EngineArgs(model=str(tiny_llama_dir), **BASE)), prompts, params)
 
     def propose_(tokens, k, lo, hi):  # the reference's next k tokens, draft L % (k + 1) spoiled
         t = tokens.tolist()
@@ -50,7 +37,7 @@ def test_tp2_with_speculation_equals_one_rank_without(tiny_llama_dir, monkeypatc
     monkeypatch.setattr(spec_step, "propose", propose_)  # rank 0 proposes: the workers never do
     engine = Engine(EngineArgs(model=str(tiny_llama_dir), tensor_parallel_size=2, speculative_config=SPEC, **BASE))
     try:
-        assert run(engine, prompts, params) == expected
+        assert greedy_tokens(engine, prompts, params) == expected
         stats = engine.stats()
         assert stats["spec_accepted"] > 0 and stats["spec_proposed"] > stats["spec_accepted"], stats
         assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]

@@ -14,6 +14,7 @@ import torch
 
 psutil = pytest.importorskip("psutil")
 
+from engine_runs import final_outputs  # noqa: E402
 from pagedrs import Engine, EngineArgs, SamplingParams  # noqa: E402
 from pagedrs.distributed.tp_executor import ExecutorDeadError  # noqa: E402
 
@@ -34,18 +35,8 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[
     return out
 
 
-def run(engine: Engine, prompts, params) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-        engine.check_invariants()
-    outs = [done[f"r{i}"] for i in range(len(prompts))]
-    assert all(o.error is None for o in outs), [o.error for o in outs]
-    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+def run(engine: Engine, prompts, params) -> list[list[list[int]]]:
+    return [[list(c.token_ids) for c in o.outputs] for o in final_outputs(engine, prompts, params)]
 
 
 def prompts_for(shared: int = 0) -> list[list[int]]:
