@@ -215,8 +215,10 @@ class ColumnParallelLinear(LinearBase):
         return 0, self.tp_rank * n, n
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        _, start, n = self.row_shard(shard_id)
-        _copy_checked(param.data, _rows(loaded, start, n), self, shard_id, full=loaded, full_rows=self.full_rows())
+        """The checkpoint tensor's rows of this rank (``row_shard``), where the fused layout puts them."""
+        offset, start, n = self.row_shard(shard_id)
+        _copy_checked(param.data.narrow(0, offset, n), _rows(loaded, start, n), self, shard_id,
+                      full=loaded, full_rows=self.full_rows(shard_id))
 
 
 class RowParallelLinear(LinearBase):
@@ -268,11 +270,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         n = self.out_sizes[shard_id] // self.tp_size
         return sum(self.out_sizes[:shard_id]) // self.tp_size, self.tp_rank * n, n
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        offset, start, n = self.row_shard(shard_id)
-        _copy_checked(param.data.narrow(0, offset, n), _rows(loaded, start, n), self, shard_id,
-                      full=loaded, full_rows=self.full_rows(shard_id))
-
     def full_rows(self, shard_id: ShardId = None) -> int:
         self.row_shard(shard_id)  # refuses a shard id this layer does not have
         assert isinstance(shard_id, int)
@@ -317,11 +314,6 @@ class QKVParallelLinear(ColumnParallelLinear):
                           else self.tp_rank * self.kv_heads_per_rank)
             return self.q_size + (0 if shard_id == "k" else self.kv_size), first_head * self.head_dim, self.kv_size
         raise ValueError(f"QKVParallelLinear: shard_id {shard_id!r} is not one of 'q', 'k', 'v'")
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
-        offset, start, n = self.row_shard(shard_id)
-        _copy_checked(param.data.narrow(0, offset, n), _rows(loaded, start, n), self, shard_id,
-                      full=loaded, full_rows=self.full_rows(shard_id))
 
     def full_rows(self, shard_id: ShardId = None) -> int:
         self.row_shard(shard_id)  # refuses a shard id this layer does not have
