@@ -84,7 +84,7 @@ def test_a_layer_without_whole_blocks_keeps_the_dense_product(tmp_path):
     assert [len(greedy_tokens(e, [[3, 4, 5, 6]], params)[0]) for e in (engine, dense)] == [4, 4]
 
 
-def test_non_finite_weights_and_a_cuda_device_are_refused_by_name(tmp_path):
+def test_non_finite_or_too_large_weights_and_a_cuda_device_are_refused_by_name(tmp_path):
     from conftest import make_tiny_model
 
     model = make_tiny_model("llama", tmp_path)
@@ -94,5 +94,11 @@ def test_non_finite_weights_and_a_cuda_device_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"weight_dtype 'q4_1': MergedColumnParallelLinear \(in=64, out=256\) has a "
                                          r"weight that is not finite in row 135"):
         load_model(tmp_path, weight_dtype="q4_1")
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[7, 3] = 1e7  # 1e7 / 127 is past f16's 65504
+    model.save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match=r"weight_dtype 'q8_0': MergedColumnParallelLinear \(in=64, out=256\) has "
+                                         r"weights up to 1e\+07 in row 135, past what the format's f16 scale holds"):
+        load_model(tmp_path, weight_dtype="q8_0")
     with pytest.raises(ValueError, match=r"weight_dtype 'q8_0' runs on the CPU only \(device 'cuda'\)"):
         resolve_weight_format("q8_0", torch.float32, gguf_types=None, device=torch.device("cuda"))

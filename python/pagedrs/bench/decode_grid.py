@@ -13,7 +13,7 @@ class Grid:
     formats: tuple[str, ...]  # weight_dtype values
 
 
-FULL_GRID = Grid((1, 16, 32, 64), (32, 128), 64, ("float32", "bfloat16", "int8", "int4"))
+FULL_GRID = Grid((1, 16, 32, 64), (32, 128), 64, ("float32", "bfloat16", "int8", "int4", "q8_0", "gguf"))
 QUICK_GRID = Grid((1, 16), (32,), 16, ("float32", "int8"))
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedrs.models.gguf_convert import QK
+from pagedrs.models.gguf_convert import QK, first_unscalable_row
 from pagedrs.models.gguf_linear import GgufLinearMethod
 from pagedrs.models.layers import LinearBase
 
@@ -54,6 +54,11 @@ class BlockQuantizedMethod(GgufLinearMethod):
                              f"out={layer.out_features}) has a weight that is not finite in row {row}")
         with np.errstate(over="ignore"):
             blocks = np.ascontiguousarray(quantize(weight, GGMLQuantizationType[self.block_format.upper()]))
+        row = first_unscalable_row(blocks, self.block_format.upper())
+        if row is not None:
+            raise ValueError(f"weight_dtype {self.block_format!r}: {type(layer).__name__} (in={layer.in_features}, "
+                             f"out={layer.out_features}) has weights up to {float(np.abs(weight[row]).max()):.6g} in row "
+                             f"{row}, past what the format's f16 scale holds; use float32 or bfloat16")
         rows, cols = weight.shape
         GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), rows, cols, self.block_format,
                                                    f"{self.block_format} of a [{rows}, {cols}] weight"))

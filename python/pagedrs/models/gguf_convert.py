@@ -117,10 +117,20 @@ def requantize_q8_0(blocks: np.ndarray, cols: int, type_name: str, name: str) ->
                          "finite (a NaN or infinite scale)")
     with np.errstate(over="ignore"):
         out = np.ascontiguousarray(quantize(weights, GGMLQuantizationType.Q8_0))
-    scales = out.reshape(-1, 34)[:, :2].copy().view(np.float16).reshape(out.shape[0], -1)
-    fits = np.isfinite(scales).all(axis=1)
-    if not fits.all():
-        row = int(np.argmin(fits))
+    row = first_unscalable_row(out, "Q8_0")
+    if row is not None:
         raise ValueError(f"GGUF tensor {name!r} ({type_name}): row {row} has weights up to "
                          f"{float(np.abs(weights[row]).max()):.6g}, past what Q8_0's f16 scale holds (127 x 65504)")
     return out
+
+
+_SCALE_BYTES = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}  # block bytes, bytes of f16 scales (d, m) first
+
+
+def first_unscalable_row(blocks: np.ndarray, block_type: str) -> int | None:
+    """The first row of ``blocks`` (uint8 ``[rows, bytes per row]`` of a KERNEL_TYPES format) holding a
+    scale or minimum that is not a finite f16 (a weight too large for the format's f16 scale); None if none."""
+    size, scale_bytes = _SCALE_BYTES[block_type]
+    scales = np.ascontiguousarray(blocks.reshape(-1, size)[:, :scale_bytes]).view(np.float16)
+    fits = np.isfinite(scales).all(axis=1).reshape(blocks.shape[0], -1).all(axis=1)
+    return None if fits.all() else int(np.argmin(fits))
