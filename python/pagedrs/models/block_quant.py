@@ -49,9 +49,9 @@ class BlockQuantizedMethod(GgufLinearMethod):
 
         weight = layer.weight.detach().to(torch.float32).contiguous().numpy()
         if not np.isfinite(weight).all():
-            row = int(np.argmin(np.isfinite(weight).all(axis=1)))
+            bad = int(np.argmin(np.isfinite(weight).all(axis=1)))
             raise ValueError(f"weight_dtype {self.block_format!r}: {type(layer).__name__} (in={layer.in_features}, "
-                             f"out={layer.out_features}) has a weight that is not finite in row {row}")
+                             f"out={layer.out_features}) has a weight that is not finite in row {bad}")
         with np.errstate(over="ignore"):
             blocks = np.ascontiguousarray(quantize(weight, GGMLQuantizationType[self.block_format.upper()]))
         row = first_unscalable_row(blocks, self.block_format.upper())
