@@ -74,12 +74,18 @@ def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | N
     _add_tokenizer(w, tokenizer_dir)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    embd_type = (qtypes or {}).get("token_embd")  # None: F32; a type: quantized, and a tied head not written again
     for name, t in model.state_dict().items():
         arr = t.detach().float().numpy()
-        if name == "model.embed_tokens.weight":
+        if name == "model.embed_tokens.weight" and embd_type is not None:
+            w.add_tensor("token_embd.weight", K_QUANTIZERS[embd_type](arr) if embd_type in K_QUANTIZERS
+                         else quantize(arr, embd_type), raw_dtype=embd_type)
+        elif name == "model.embed_tokens.weight":
             w.add_tensor("token_embd.weight", arr)
         elif name == "model.norm.weight":
             w.add_tensor("output_norm.weight", arr)
+        elif name == "lm_head.weight" and embd_type is not None and cfg.tie_word_embeddings:
+            continue  # llama.cpp writes a tied head once, as token_embd
         elif name == "lm_head.weight":
             w.add_tensor("output.weight", arr)
         else:
