@@ -175,3 +175,34 @@ def test_kv_bytes_per_token():
     assert c.head_dim == 16
     assert c.kv_bytes_per_token(torch.float32) == 2 * 3 * 2 * 16 * 4
     assert c.kv_bytes_per_token("bfloat16") == 2 * 3 * 2 * 16 * 2
+
+
+def test_the_converted_folders_tensor_index_places_every_tensor_as_the_reader_does(tiny_gguf, cache_dir, monkeypatch):
+    """A warm load reads the tensors' places from the converted folder's index (parsing the file again
+    cost seconds: gguf-py reads a tokenizer's strings one by one). The index's bytes are the reader's,
+    every tensor; a broken index is parsed again from the file; a file cut short is refused by name."""
+    import gguf
+    import numpy as np
+
+    folder = gguf_loader.convert_gguf_cached(tiny_gguf)
+    index = gguf_loader.tensor_index(tiny_gguf, folder)
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    assert [t["name"] for t in index["tensors"]] == [t.name for t in reader.tensors]
+    for entry, t in zip(index["tensors"], reader.tensors, strict=True):
+        placed = np.memmap(tiny_gguf, dtype=np.uint8, mode="r", offset=entry["offset"], shape=(entry["bytes"],))
+        np.testing.assert_array_equal(placed, np.asarray(t.data).view(np.uint8).reshape(-1))
+        assert entry["type"] == t.tensor_type.name and entry["shape"] == list(reversed(t.shape.tolist()))
+    # a warm load never parses the file: the index is enough
+    monkeypatch.setattr(gguf_loader, "open_gguf", lambda path: pytest.fail("the file was parsed again"))
+    config = json.loads((folder / "config.json").read_text())
+    raw = gguf_loader.gguf_raw_linears(tiny_gguf, config, index)
+    assert {kind for _, _, kind in raw.values()} == {"Q8_0", "Q4_0", "Q4_1"}
+    load_model(tiny_gguf, weight_dtype="gguf")
+    monkeypatch.undo()
+    (folder / "gguf_index.json").write_text("{not json")
+    assert gguf_loader.tensor_index(tiny_gguf, folder) == index  # parsed from the file instead
+    cut = cache_dir / "cut.gguf"
+    last = max((t for t in index["tensors"] if t["type"] in ("Q8_0", "Q4_0", "Q4_1")), key=lambda t: t["offset"])
+    cut.write_bytes(tiny_gguf.read_bytes()[: last["offset"] + last["bytes"] // 2])
+    with pytest.raises(ValueError, match=r"cut\.gguf' is truncated or corrupt: tensor '.*' needs bytes"):
+        gguf_loader.gguf_raw_linears(cut, config, index)

@@ -44,7 +44,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_CONVERTED_FORMAT = 1  # bump when the cached folder's contents change meaning
+_CONVERTED_FORMAT = 2  # bump when the cached folder's contents change meaning (2: gguf_index.json)
+_INDEX = "gguf_index.json"  # the file's architecture and tensors (type, shape, bytes), in the converted folder
 
 
 def cache_root() -> Path:
@@ -102,6 +103,7 @@ def convert_gguf(path: Path, out: Path) -> None:
     state = gguf_state_dict(reader, config, path)
     save_file(state, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / _INDEX).write_text(json.dumps(_tensor_index(reader)))
     from pagedrs.tokenizer import Tokenizer
 
     Tokenizer.from_gguf(path).hf.save_pretrained(str(out))
@@ -216,10 +218,34 @@ def gguf_state_dict(reader: Any, config: dict[str, Any], path: Path) -> dict[str
     return state
 
 
-def linear_tensor_types(path: Path) -> list[str]:
-    """GGUF type names (``Q4_1``, ``Q8_0``, ``F16`` ...) of the file's 2-D layer weights: what "auto" matches."""
-    reader = open_gguf(path)
-    return [t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+def _tensor_index(reader: Any) -> dict[str, Any]:
+    """What loading needs of a GGUF beyond its converted folder: the architecture and, per tensor, its
+    GGUF type, row-major shape and the bytes of its data (absolute offset into the file, length)."""
+    return {"architecture": str(_field(reader, "general.architecture")),
+            "tensors": [{"name": t.name, "type": t.tensor_type.name, "shape": [int(d) for d in reversed(t.shape.tolist())],
+                         "offset": int(t.data_offset), "bytes": int(t.n_bytes)} for t in reader.tensors]}
+
+
+def tensor_index(path: Path, folder: Path | None = None) -> dict[str, Any]:
+    """``_tensor_index`` of the file: from its converted ``folder`` (written at conversion; the folder is
+    keyed by the file's content hash, so its offsets are this file's), else parsed from the file.
+    Why: gguf-py's reader takes seconds to parse a file (it reads the tokenizer's 49k strings one by
+    one), and a warm load needs only the tensors' places."""
+    if folder is not None:
+        try:
+            index = json.loads((folder / _INDEX).read_text())
+            if isinstance(index, dict) and isinstance(index.get("tensors"), list):
+                return index
+        except (OSError, json.JSONDecodeError):
+            pass  # no index (or a broken one): parse the file
+    return _tensor_index(open_gguf(path))
+
+
+def linear_tensor_types(path: Path, index: dict[str, Any] | None = None) -> list[str]:
+    """GGUF type names (``Q4_1``, ``Q8_0``, ``F16`` ...) of the file's 2-D layer weights: what "auto" matches.
+    ``index``: the file's ``tensor_index`` when the caller has it."""
+    index = tensor_index(path) if index is None else index
+    return [t["type"] for t in index["tensors"] if t["name"].startswith("blk.") and len(t["shape"]) == 2]
 
 
 def _hf_name(gguf_name: str, path: Path) -> str:
@@ -251,28 +277,34 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def gguf_raw_linears(path: Path, config: dict[str, Any]) -> dict[str, tuple[np.ndarray, int, str]]:
+def gguf_raw_linears(path: Path, config: dict[str, Any],
+                     index: dict[str, Any] | None = None) -> dict[str, tuple[np.ndarray, int, str]]:
     """Raw block bytes of every 2-D tensor the kernel runs (``gguf_convert.kernel_type``: its own three
     formats as they are, the other quantized types once converted), by transformers name: (uint8
     [rows, bytes per row], cols, the file's GGUF type name). Q/K rows are unpermuted like the
     dequantized path (rows are whole block runs, so permuting rows of bytes is exact)."""
     from pagedrs.models.gguf_convert import kernel_type
 
-    reader = open_gguf(path)
-    permuted = _ARCHITECTURES[_field(reader, "general.architecture")][1]
+    index = tensor_index(path) if index is None else index
+    permuted = _ARCHITECTURES[index["architecture"]][1]
+    size = path.stat().st_size
     out: dict[str, tuple[np.ndarray, int, str]] = {}
-    for t in reader.tensors:
-        if len(t.shape) != 2 or kernel_type(t.tensor_type.name) is None or t.name == "rope_freqs.weight":
+    for t in index["tensors"]:
+        if len(t["shape"]) != 2 or kernel_type(t["type"]) is None or t["name"] == "rope_freqs.weight":
             continue
-        name = _hf_name(t.name, path)
-        cols, rows = int(t.shape[0]), int(t.shape[1])
-        data = np.asarray(t.data, dtype=np.uint8)
-        if data.size % rows:
-            raise ValueError(f"GGUF tensor {t.name!r} in {str(path)!r}: {data.size} bytes do not split into {rows} rows")
-        blocks = torch.from_numpy(data.reshape(rows, -1).copy())  # a writable copy: the reader maps the file read-only
+        name = _hf_name(t["name"], path)
+        (rows, cols), offset, nbytes = t["shape"], int(t["offset"]), int(t["bytes"])
+        if offset + nbytes > size:
+            raise ValueError(f"GGUF file {str(path)!r} is truncated or corrupt: tensor {t['name']!r} needs bytes "
+                             f"{offset}..{offset + nbytes}, the file has {size}")
+        if nbytes % rows:
+            raise ValueError(f"GGUF tensor {t['name']!r} in {str(path)!r}: {nbytes} bytes do not split into {rows} rows")
+        data = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
+        blocks = torch.from_numpy(np.array(data).reshape(rows, -1))  # a copy: the map is read-only
+        del data
         if permuted and name.endswith("q_proj.weight"):
             blocks = unpermute_qk(blocks, config["num_attention_heads"])
         elif permuted and name.endswith("k_proj.weight"):
             blocks = unpermute_qk(blocks, config["num_key_value_heads"])
-        out[name] = (blocks.contiguous().numpy(), cols, t.tensor_type.name)
+        out[name] = (blocks.contiguous().numpy(), cols, t["type"])
     return out
