@@ -180,7 +180,8 @@ def test_kv_bytes_per_token():
 def test_the_converted_folders_tensor_index_places_every_tensor_as_the_reader_does(tiny_gguf, cache_dir, monkeypatch):
     """A warm load reads the tensors' places from the converted folder's index (parsing the file again
     cost seconds: gguf-py reads a tokenizer's strings one by one). The index's bytes are the reader's,
-    every tensor; a broken index is parsed again from the file; a file cut short is refused by name."""
+    every tensor; a broken or inconsistent index is parsed again from the file; a file cut short is
+    refused by name."""
     import gguf
     import numpy as np
 
@@ -201,6 +202,12 @@ def test_the_converted_folders_tensor_index_places_every_tensor_as_the_reader_do
     monkeypatch.undo()
     (folder / "gguf_index.json").write_text("{not json")
     assert gguf_loader.tensor_index(tiny_gguf, folder) == index  # parsed from the file instead
+    # an index that does not add up (bytes that are not its type's for its shape, a missing field) neither
+    for spoil in (lambda t: t.update(bytes=t["bytes"] + 1), lambda t: t.pop("offset"), lambda t: t.update(type="Q9_9")):
+        bad = json.loads(json.dumps(index))
+        spoil(bad["tensors"][3])
+        (folder / "gguf_index.json").write_text(json.dumps(bad))
+        assert gguf_loader.tensor_index(tiny_gguf, folder) == index
     cut = cache_dir / "cut.gguf"
     last = max((t for t in index["tensors"] if t["type"] in ("Q8_0", "Q4_0", "Q4_1")), key=lambda t: t["offset"])
     cut.write_bytes(tiny_gguf.read_bytes()[: last["offset"] + last["bytes"] // 2])

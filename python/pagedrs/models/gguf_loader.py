@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -234,11 +235,36 @@ def tensor_index(path: Path, folder: Path | None = None) -> dict[str, Any]:
     if folder is not None:
         try:
             index = json.loads((folder / _INDEX).read_text())
-            if isinstance(index, dict) and isinstance(index.get("tensors"), list):
-                return index
         except (OSError, json.JSONDecodeError):
-            pass  # no index (or a broken one): parse the file
+            index = None  # no index (or a broken one): parse the file
+        if _well_formed(index):
+            return index
     return _tensor_index(open_gguf(path))
+
+
+def _well_formed(index: Any) -> bool:
+    """Whether ``index`` has the architecture and, per tensor, a name, a known type, a shape and an offset,
+    with the bytes that type and shape take (gguf-py's block sizes): an index that does not add up is
+    never read from (the file is parsed instead)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if not isinstance(index, dict) or not isinstance(index.get("architecture"), str):
+        return False
+    tensors = index.get("tensors")
+    if not isinstance(tensors, list):
+        return False
+    for t in tensors:
+        try:
+            per_block, size = GGML_QUANT_SIZES[GGMLQuantizationType[t["type"]]]
+            count = math.prod(t["shape"])
+            ok = (isinstance(t["name"], str) and all(isinstance(d, int) and d > 0 for d in t["shape"])
+                  and isinstance(t["offset"], int) and t["offset"] >= 0 and count % per_block == 0
+                  and t["bytes"] == count // per_block * size)
+        except (KeyError, TypeError):
+            return False
+        if not ok:
+            return False
+    return True
 
 
 def linear_tensor_types(path: Path, index: dict[str, Any] | None = None) -> list[str]:
@@ -287,7 +313,8 @@ def gguf_raw_linears(path: Path, config: dict[str, Any],
 
     index = tensor_index(path) if index is None else index
     permuted = _ARCHITECTURES[index["architecture"]][1]
-    size = path.stat().st_size
+    file = np.memmap(path, dtype=np.uint8, mode="r")  # read-only; each tensor's rows are copied out of it
+    size = file.size
     out: dict[str, tuple[np.ndarray, int, str]] = {}
     for t in index["tensors"]:
         if len(t["shape"]) != 2 or kernel_type(t["type"]) is None or t["name"] == "rope_freqs.weight":
@@ -299,9 +326,7 @@ def gguf_raw_linears(path: Path, config: dict[str, Any],
                              f"{offset}..{offset + nbytes}, the file has {size}")
         if nbytes % rows:
             raise ValueError(f"GGUF tensor {t['name']!r} in {str(path)!r}: {nbytes} bytes do not split into {rows} rows")
-        data = np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=(nbytes,))
-        blocks = torch.from_numpy(np.array(data).reshape(rows, -1))  # a copy: the map is read-only
-        del data
+        blocks = torch.from_numpy(np.array(file[offset:offset + nbytes]).reshape(rows, -1))  # a copy: the map is read-only
         if permuted and name.endswith("q_proj.weight"):
             blocks = unpermute_qk(blocks, config["num_attention_heads"])
         elif permuted and name.endswith("k_proj.weight"):
