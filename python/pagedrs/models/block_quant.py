@@ -29,15 +29,14 @@ BLOCK_FORMATS = ("q4_0", "q4_1", "q8_0")  # weight_dtype values
 
 
 class BlockQuantizedMethod(GgufLinearMethod):
-    """Loads a dense float32 weight like the dense path, then quantizes it into ``block_format`` blocks
-    for a ``GgufMatrix`` (``GgufLinearMethod``'s product, threads and fused decode)."""
+    """Loads a dense float32 weight like the dense path, then quantizes it into ``name``'s blocks (the
+    ``block_format``) for a ``GgufMatrix`` (``GgufLinearMethod``'s product, threads and fused decode)."""
 
     def __init__(self, params_dtype: torch.dtype, block_format: str) -> None:
         if block_format not in BLOCK_FORMATS:
             raise ValueError(f"block format {block_format!r} is not one of {', '.join(BLOCK_FORMATS)}")
         super().__init__(params_dtype)
-        self.block_format = block_format
-        self.name = block_format
+        self.name = block_format  # LinearMethod's name: the block format
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if getattr(layer, "gguf_matrix", None) is not None or layer.in_per_rank % QK:
@@ -50,15 +49,15 @@ class BlockQuantizedMethod(GgufLinearMethod):
         weight = layer.weight.detach().to(torch.float32).contiguous().numpy()
         if not np.isfinite(weight).all():
             bad = int(np.argmin(np.isfinite(weight).all(axis=1)))
-            raise ValueError(f"weight_dtype {self.block_format!r}: {type(layer).__name__} (in={layer.in_features}, "
+            raise ValueError(f"weight_dtype {self.name!r}: {type(layer).__name__} (in={layer.in_features}, "
                              f"out={layer.out_features}) has a weight that is not finite in row {bad}")
         with np.errstate(over="ignore"):
-            blocks = np.ascontiguousarray(quantize(weight, GGMLQuantizationType[self.block_format.upper()]))
-        row = first_unscalable_row(blocks, self.block_format.upper())
+            blocks = np.ascontiguousarray(quantize(weight, GGMLQuantizationType[self.name.upper()]))
+        row = first_unscalable_row(blocks, self.name.upper())
         if row is not None:
-            raise ValueError(f"weight_dtype {self.block_format!r}: {type(layer).__name__} (in={layer.in_features}, "
+            raise ValueError(f"weight_dtype {self.name!r}: {type(layer).__name__} (in={layer.in_features}, "
                              f"out={layer.out_features}) has weights up to {float(np.abs(weight[row]).max()):.6g} in row "
                              f"{row}, past what the format's f16 scale holds; use float32 or bfloat16")
         rows, cols = weight.shape
-        GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), rows, cols, self.block_format,
-                                                   f"{self.block_format} of a [{rows}, {cols}] weight"))
+        GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), rows, cols, self.name,
+                                                   f"{self.name} of a [{rows}, {cols}] weight"))

@@ -36,7 +36,6 @@ REQUANTIZED_TYPES = (
     "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
 )
 QK = 32  # weights a block of every KERNEL_TYPES covers
-_Q4_K_BYTES, _QK_K = 144, 256  # Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of codes
 
 
 def kernel_type(type_name: str) -> str | None:
@@ -73,14 +72,18 @@ def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: 
 
 
 def q4_k_to_q4_1(blocks: np.ndarray, cols: int, name: str) -> np.ndarray:
-    """Q4_K super-blocks (256 weights) -> 8 Q4_1 blocks each (see the module docs)."""
+    """Q4_K super-blocks (256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+    codes) -> 8 Q4_1 blocks each (see the module docs)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K
 
+    (weights_per, size), q4_1_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K], GGML_QUANT_SIZES[GGMLQuantizationType.Q4_1][1]
     rows = blocks.shape[0]
-    if cols % _QK_K or blocks.shape[1] != cols // _QK_K * _Q4_K_BYTES:
+    if cols % weights_per or blocks.shape[1] != cols // weights_per * size:
         raise ValueError(f"GGUF tensor {name!r} (Q4_K): {blocks.shape[1]} bytes a row for {cols} columns; Q4_K needs "
-                         f"{_Q4_K_BYTES} bytes per {_QK_K} columns")
-    sb = np.ascontiguousarray(blocks).reshape(-1, _Q4_K_BYTES)
+                         f"{size} bytes per {weights_per} columns")
+    per_row = cols // weights_per
+    sb = np.ascontiguousarray(blocks).reshape(-1, size)
     d = sb[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     dmin = sb[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = Q4_K.get_scale_min(sb[:, 4:16].copy())  # [n, 8] each, 0..63
@@ -90,7 +93,7 @@ def q4_k_to_q4_1(blocks: np.ndarray, cols: int, name: str) -> np.ndarray:
     bad = ~(np.isfinite(scale) & np.isfinite(minimum)).all(axis=1) | ~np.isfinite(d[:, 0]) | ~np.isfinite(dmin[:, 0])
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"GGUF tensor {name!r} (Q4_K): row {i // (cols // _QK_K)}, super-block {i % (cols // _QK_K)} "
+        raise ValueError(f"GGUF tensor {name!r} (Q4_K): row {i // per_row}, super-block {i % per_row} "
                          f"has a scale that is not finite as float16 (d {float(d[i, 0])}, dmin {float(dmin[i, 0])})")
     # codes: 4 chunks of 32 bytes, the low nibbles sub-block 2c, the high ones 2c + 1
     qs = sb[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
@@ -98,7 +101,7 @@ def q4_k_to_q4_1(blocks: np.ndarray, cols: int, name: str) -> np.ndarray:
     packed = codes[..., :16] | (codes[..., 16:] << 4)  # Q4_1: byte t = element t (low), element t + 16 (high)
     out = np.concatenate([scale.view(np.uint8).reshape(-1, 8, 2), minimum.view(np.uint8).reshape(-1, 8, 2), packed],
                          axis=-1)
-    return np.ascontiguousarray(out.reshape(rows, cols // QK * 20))
+    return np.ascontiguousarray(out.reshape(rows, cols // QK * q4_1_size))
 
 
 def requantize_q8_0(blocks: np.ndarray, cols: int, type_name: str, name: str) -> np.ndarray:
@@ -124,13 +127,13 @@ def requantize_q8_0(blocks: np.ndarray, cols: int, type_name: str, name: str) ->
     return out
 
 
-_SCALE_BYTES = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}  # block bytes, bytes of f16 scales (d, m) first
-
-
 def first_unscalable_row(blocks: np.ndarray, block_type: str) -> int | None:
     """The first row of ``blocks`` (uint8 ``[rows, bytes per row]`` of a KERNEL_TYPES format) holding a
-    scale or minimum that is not a finite f16 (a weight too large for the format's f16 scale); None if none."""
-    size, scale_bytes = _SCALE_BYTES[block_type]
-    scales = np.ascontiguousarray(blocks.reshape(-1, size)[:, :scale_bytes]).view(np.float16)
+    scale or minimum that is not a finite f16 (a weight too large for the format's f16 scale); None if none.
+    Each block starts with its f16 scale ``d``, and Q4_1's with its minimum ``m`` after it."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = GGML_QUANT_SIZES[GGMLQuantizationType[block_type]][1]
+    scales = np.ascontiguousarray(blocks.reshape(-1, size)[:, :4 if block_type == "Q4_1" else 2]).view(np.float16)
     fits = np.isfinite(scales).all(axis=1).reshape(blocks.shape[0], -1).all(axis=1)
     return None if fits.all() else int(np.argmin(fits))

@@ -36,11 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrs.models.gguf_convert import KERNEL_TYPES, QK, common_type, to_kernel
+from pagedrs.models.gguf_convert import QK, common_type, to_kernel
 from pagedrs.models.layers import LinearBase, LinearMethod, ShardId
-
-GGUF_BLOCK_TYPES = KERNEL_TYPES  # what the Rust kernel reads (the file's other quantized types: gguf_convert.py)
-BLOCK_COLUMNS = QK  # columns one block (one scale) of each of GGUF_BLOCK_TYPES covers
 
 # fused module name -> its checkpoint siblings with their shard ids, in the fused row order
 _FUSED: dict[str, tuple[tuple[str, ShardId], ...]] = {
@@ -123,24 +120,23 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
         if len(parts) != len(found) or target is None:
             continue  # keeps its float32 weight
         parts = [(to_kernel(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
-        name = "+".join(names)
-        blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], name)
-        GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, name))
+        blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], names)
+        GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, "+".join(names)))
         installed += 1
     model.bind()  # type: ignore[operator]  # LlamaForCausalLM.bind
     return installed
 
 
 def rank_blocks(layer: LinearBase, parts: Sequence[tuple[np.ndarray, int, str]], shard_ids: Sequence[ShardId],
-                name: str) -> tuple[np.ndarray, int]:
+                names: Sequence[str]) -> tuple[np.ndarray, int]:
     """This rank's raw blocks of ``layer`` (C-contiguous uint8 ``[rows, bytes per row]``) and their columns:
     each sibling's rows where ``layer.row_shard`` puts them, then the columns of ``layer.col_shard``.
 
     ``parts``: each sibling's (blocks ``[rows, bytes per row]``, columns, GGUF type), in the fused row
-    order. A column shard must be whole blocks of ``BLOCK_COLUMNS``: refused by name otherwise."""
+    order. A column shard must be whole blocks of ``QK``: refused by name otherwise."""
     rows: list[np.ndarray] = []
     cols = parts[0][1]
-    for (blocks, _, _), sid, sibling in zip(parts, shard_ids, name.split("+"), strict=True):
+    for (blocks, _, _), sid, sibling in zip(parts, shard_ids, names, strict=True):
         offset, start, n = layer.row_shard(sid)
         assert offset == sum(r.shape[0] for r in rows), "fused siblings' rows are in shard order"
         if (blocks.shape[0], cols) != (layer.full_rows(sid), layer.in_features):
@@ -150,14 +146,14 @@ def rank_blocks(layer: LinearBase, parts: Sequence[tuple[np.ndarray, int, str]],
     out = np.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
     first, count = layer.col_shard()
     if (first, count) != (0, cols):
-        if first % BLOCK_COLUMNS or count % BLOCK_COLUMNS:
+        if first % QK or count % QK:
             raise ValueError(
-                f"weight_dtype 'gguf' with tensor_parallel_size={layer.tp_size}: GGUF tensor {name!r} ({parts[0][2]}, "
-                f"{cols} columns) would be split at column {first} into {count} columns a rank, inside a block of "
-                f"{BLOCK_COLUMNS} columns (one scale each); a rank's columns must be a multiple of {BLOCK_COLUMNS}: "
+                f"weight_dtype 'gguf' with tensor_parallel_size={layer.tp_size}: GGUF tensor {'+'.join(names)!r} "
+                f"({parts[0][2]}, {cols} columns) would be split at column {first} into {count} columns a rank, inside a block of "
+                f"{QK} columns (one scale each); a rank's columns must be a multiple of {QK}: "
                 "use a tensor_parallel_size that allows it, or weight_dtype 'int8', 'int4' or 'float32'")
-        per_block = out.shape[1] // (cols // BLOCK_COLUMNS)
-        out = out[:, first // BLOCK_COLUMNS * per_block:(first + count) // BLOCK_COLUMNS * per_block]
+        per_block = out.shape[1] // (cols // QK)
+        out = out[:, first // QK * per_block:(first + count) // QK * per_block]
         cols = count
     return np.ascontiguousarray(out), cols
 
@@ -167,7 +163,7 @@ def shards_hold_whole_blocks(config: dict[str, Any], tp: int) -> bool:
     ``down_proj``: the intermediate size) are whole GGUF blocks on ``tp`` ranks (``rank_blocks``)."""
     heads = int(config["num_attention_heads"])
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    return all(n % tp == 0 and (n // tp) % BLOCK_COLUMNS == 0
+    return all(n % tp == 0 and (n // tp) % QK == 0
                for n in (heads * head_dim, int(config["intermediate_size"])))
 
 

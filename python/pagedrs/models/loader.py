@@ -118,17 +118,18 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, 
     from pagedrs.models.gguf_loader import convert_gguf_cached, linear_tensor_types, tensor_index
 
     folder = convert_gguf_cached(path)
+    config = json.loads((folder / "config.json").read_text())
     # where the file's tensors are, from the converted folder (parsing the file again costs seconds)
     index = tensor_index(path, folder) if weight_dtype in ("auto", "gguf") else None
     types = linear_tensor_types(path, index) if weight_dtype == "auto" else None
-    whole = tp_size() == 1 or shards_hold_whole_blocks(json.loads((folder / "config.json").read_text()), tp_size())
+    whole = tp_size() == 1 or shards_hold_whole_blocks(config, tp_size())
     fmt = resolve_weight_format(weight_dtype, dtype, gguf_types=types, device=device, whole_block_shards=whole)
     loaded = load_hf_folder(folder, dtype, device, name=name, weight_format=fmt, skip_tokenizer_init=skip_tokenizer_init)
     if fmt.name == "gguf":
         from pagedrs.models.gguf_linear import install_gguf_weights
         from pagedrs.models.gguf_loader import gguf_raw_linears
 
-        raw = gguf_raw_linears(path, json.loads((folder / "config.json").read_text()), index)
+        raw = gguf_raw_linears(path, config, index)
         install_gguf_weights(loaded.model, raw, tied=loaded.config.tie_word_embeddings)
     return loaded
 
