@@ -27,7 +27,7 @@ def measure(path: Path | str, label: str) -> str:
     from paged_driver import greedy_generate
     from pagedrs.model_runner import ModelRunner
     from pagedrs.models import load_model
-    from test_quant import NEW_TOKENS, PROMPTS, TEXTS, _all_logits, _perplexity
+    from test_quant import NEW_TOKENS, PROMPTS, TEXTS, _perplexity, greedy_agreement
 
     dense = load_model(path, weight_dtype="float32")
     prompts = [dense.tokenizer.encode(p) for p in PROMPTS]
@@ -36,11 +36,7 @@ def measure(path: Path | str, label: str) -> str:
     ppl_dense = _perplexity(dense, TEXTS)
     kernel = load_model(path, weight_dtype="gguf")
     formats = sorted({m.gguf_matrix.format for m in kernel.model.modules() if getattr(m, "gguf_matrix", None) is not None})
-    agree = total = 0
-    for prompt, cont in zip(prompts, continuations, strict=True):
-        choices = _all_logits(kernel, prompt + cont)[len(prompt) - 1 : -1].argmax(-1).tolist()
-        agree += sum(a == b for a, b in zip(choices, cont, strict=True))
-        total += len(cont)
+    agree, total, _ = greedy_agreement(kernel, prompts, continuations)
     ppl = _perplexity(kernel, TEXTS)
     return (f"| {label} | {', '.join(formats)} | {agree}/{total} = {agree / total:.1%} | {ppl:.3f} vs {ppl_dense:.3f} "
             f"({ppl / ppl_dense - 1:+.2%}) |")

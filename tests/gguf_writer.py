@@ -78,8 +78,7 @@ def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | N
     for name, t in model.state_dict().items():
         arr = t.detach().float().numpy()
         if name == "model.embed_tokens.weight" and embd_type is not None:
-            w.add_tensor("token_embd.weight", K_QUANTIZERS[embd_type](arr) if embd_type in K_QUANTIZERS
-                         else quantize(arr, embd_type), raw_dtype=embd_type)
+            w.add_tensor("token_embd.weight", _blocks(arr, embd_type), raw_dtype=embd_type)
         elif name == "model.embed_tokens.weight":
             w.add_tensor("token_embd.weight", arr)
         elif name == "model.norm.weight":
@@ -101,8 +100,8 @@ def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | N
                 w.add_tensor(gname, arr)
             elif qtype == gguf.GGMLQuantizationType.F16:
                 w.add_tensor(gname, arr.astype(np.float16))
-            else:  # gguf-py cannot write K-quants: tests/kquants.py
-                blocks = K_QUANTIZERS[qtype](arr) if qtype in K_QUANTIZERS else quantize(arr, qtype)
+            else:
+                blocks = _blocks(arr, qtype)
                 if recode is not None:
                     blocks, qtype = recode(kind, blocks, arr.shape[1], qtype)
                 w.add_tensor(gname, blocks, raw_dtype=qtype)
@@ -110,6 +109,11 @@ def write_gguf(model, tokenizer_dir: Path, out: Path, rope_freqs: np.ndarray | N
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _blocks(arr: np.ndarray, qtype) -> np.ndarray:
+    """``arr`` quantized to ``qtype``'s blocks (gguf-py cannot write K-quants: tests/kquants.py does)."""
+    return K_QUANTIZERS[qtype](arr) if qtype in K_QUANTIZERS else quantize(arr, qtype)
 
 
 def _add_tokenizer(w, folder: Path) -> None:

@@ -120,6 +120,21 @@ def _all_logits(loaded, token_ids: list[int]) -> torch.Tensor:
         return loaded.model.compute_logits(hidden)
 
 
+def greedy_agreement(loaded, prompts: list[list[int]], continuations: list[list[int]]) -> tuple[int, int, list[int]]:
+    """(positions where ``loaded``'s greedy pick is the reference's, positions, the first miss per prompt):
+    ``loaded`` reads each prompt and its reference continuation (teacher forcing)."""
+    agree = total = 0
+    first_miss = []
+    for prompt, cont in zip(prompts, continuations, strict=True):
+        logits = _all_logits(loaded, prompt + cont)
+        choices = logits[len(prompt) - 1 : -1].argmax(-1).tolist()  # its greedy pick at each position
+        same = [a == b for a, b in zip(choices, cont, strict=True)]
+        agree += sum(same)
+        total += len(same)
+        first_miss.append(same.index(False) if False in same else len(same))
+    return agree, total, first_miss
+
+
 def _perplexity(loaded, texts: list[str]) -> float:
     """exp of the mean next-token NLL over every token of every text (each text one sequence)."""
     nll, count = 0.0, 0
@@ -155,15 +170,7 @@ def test_quantized_formats_stay_close_to_float32(smollm2, reference, weight_dtyp
     head = {"gguf": "gguf", "q8_0": "q8_0", "q4_1": "q8_0"}.get(weight_dtype, "int8")
     assert quantized.model.lm_head.method.name == head
     assert quantized.model.model.embed_tokens.weight.dtype == torch.float32
-    agree = total = 0
-    first_miss = []
-    for prompt, cont in zip(prompts, continuations, strict=True):
-        logits = _all_logits(quantized, prompt + cont)
-        choices = logits[len(prompt) - 1 : -1].argmax(-1).tolist()  # its greedy pick at each of the 32 positions
-        same = [a == b for a, b in zip(choices, cont, strict=True)]
-        agree += sum(same)
-        total += len(same)
-        first_miss.append(same.index(False) if False in same else len(same))
+    agree, total, first_miss = greedy_agreement(quantized, prompts, continuations)
     ppl = _perplexity(quantized, TEXTS)
     print(f"\n{weight_dtype}: greedy agreement {agree}/{total} = {agree / total:.1%}, first miss per prompt "
           f"{first_miss}, perplexity {ppl:.3f} vs float32 {ppl_fp32:.3f} ({ppl / ppl_fp32 - 1:+.2%})")
