@@ -55,7 +55,7 @@ def main() -> None:
     from pagedrs.models.loader import embedded_model_path
 
     embedded = embedded_model_path()
-    folder = convert_gguf_cached(embedded)
+    folder = convert_gguf_cached(embedded, dense_weights=True)  # transformers reads its float32 weights
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder))
     rows = ["| file | kernel formats | greedy agreement with its float32 weights | perplexity |", "|---|---|---|---|",
             measure(embedded, "embedded Q4_1 (native)")]

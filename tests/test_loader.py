@@ -213,3 +213,82 @@ def test_the_converted_folders_tensor_index_places_every_tensor_as_the_reader_do
     cut.write_bytes(tiny_gguf.read_bytes()[: last["offset"] + last["bytes"] // 2])
     with pytest.raises(ValueError, match=r"cut\.gguf' is truncated or corrupt: tensor '.*' needs bytes"):
         gguf_loader.gguf_raw_linears(cut, config, index)
+
+
+def _last_logits(loaded, prompt: list[int]) -> torch.Tensor:
+    from paged_driver import BlockPool, PagedSeq, build_step
+    from pagedrs.model_runner import ModelRunner
+
+    runner = ModelRunner(loaded, num_gpu_blocks=8, num_cpu_blocks=0, block_size=4)
+    return runner.execute(build_step([PagedSeq(prompt)], [len(prompt)], 4, BlockPool(8)))[0]
+
+
+@pytest.mark.parametrize("source", ["tiny", "smollm2"])
+def test_a_block_load_dequantizes_only_what_no_matrix_took(source, tiny_gguf, smollm2_path, cache_dir, monkeypatch):
+    """``weight_dtype="gguf"`` packs the kernel's matrices from the file's blocks before reading any weight,
+    so no product the kernel runs is ever dequantized (a float32 copy of each took 4 bytes a weight of
+    memory during the load, and of disk in the cache); the tensors it does dequantize are the rest (norms,
+    the embedding's lookup table, products in a float type), and the model computes what the old order
+    (everything dense first, then the matrices swapped in) computed, bit for bit. Both files: the tiny one
+    (untied; Q/K rows permuted; F32, F16 and BF16 products beside Q4_0, Q4_1 and Q8_0), SmolLM2 (tied)."""
+    from pagedrs.models.gguf_linear import install_gguf_weights
+    from pagedrs.models.gguf_loader import gguf_raw_linears, tensor_index
+    from pagedrs.models.loader import load_hf_folder
+
+    path = tiny_gguf if source == "tiny" else smollm2_path
+    dequantized: list[str] = []
+    real = gguf_loader.gguf_tensors
+
+    def recording(*args, **kwargs):
+        for name, tensor in real(*args, **kwargs):
+            dequantized.append(name)
+            yield name, tensor
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_loader, "gguf_tensors", recording)
+        loaded = load_model(path, weight_dtype="gguf")
+    folder = gguf_loader.convert_gguf_cached(path)
+    assert not (folder / "model.safetensors").exists()  # no float32 copy on disk either
+    shapes = gguf_loader.gguf_checkpoint_shapes(path, tensor_index(path, folder))
+    matrices = {n: m.gguf_matrix.name for n, m in loaded.model.named_modules() if getattr(m, "gguf_matrix", None)}
+    from_blocks = {part for name in matrices.values() for part in name.split("+")}
+    assert from_blocks and len(dequantized) == len(set(dequantized))
+    assert set(dequantized) == set(shapes) - (from_blocks - {"model.embed_tokens.weight"})
+    if source == "tiny":  # the float-typed products were read dense, and their layers kept a float32 weight
+        dense_products = [n for n in dequantized if n.endswith("proj.weight")]
+        assert dense_products
+    else:  # every product is a matrix: only the embedding table and the norms
+        assert set(dequantized) == {n for n in shapes if n.endswith("norm.weight")} | {"model.embed_tokens.weight"}
+
+    # the old order: every tensor dense (the float32 file), then the matrices installed over the layers
+    config = json.loads((folder / "config.json").read_text())
+    old = load_hf_folder(gguf_loader.convert_gguf_cached(path, dense_weights=True), torch.float32, torch.device("cpu"),
+                         name="old", weight_format=loaded.weight_format)
+    install_gguf_weights(old.model, gguf_raw_linears(path, config), tied=old.config.tie_word_embeddings)
+    old.model.bind()
+    prompt = [5, 9, 17, 33, 65, 129, 250]
+    assert torch.equal(_last_logits(loaded, prompt), _last_logits(old, prompt))
+    assert torch.equal(loaded.model.model.embed_tokens.weight, old.model.model.embed_tokens.weight)
+
+
+def test_the_float32_weights_are_written_once_on_the_first_dense_load(tiny_gguf, cache_dir, monkeypatch):
+    """The converted folder holds float32 weights only once a load wants them dense; later dense loads read
+    them (no second write), and what they hold is what the file's tensors dequantize to."""
+    from safetensors.torch import load_file
+
+    load_model(tiny_gguf, weight_dtype="gguf")
+    folder = gguf_loader.convert_gguf_cached(tiny_gguf)
+    assert not (folder / "model.safetensors").exists()
+    first = load_model(tiny_gguf, weight_dtype="float32")
+    assert (folder / "model.safetensors").is_file()
+    assert [f.name for f in folder.iterdir() if f.name.startswith(".")] == []  # no temporary file left behind
+    monkeypatch.setattr(gguf_loader, "_write_dense_weights", lambda *a: pytest.fail("the weights were written again"))
+    second = load_model(tiny_gguf, weight_dtype="float32")
+    for (k, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    config = json.loads((folder / "config.json").read_text())
+    index = gguf_loader.tensor_index(tiny_gguf, folder)
+    written = load_file(str(folder / "model.safetensors"))
+    streamed = dict(gguf_loader.gguf_tensors(tiny_gguf, index, config))
+    assert written.keys() == streamed.keys()
+    assert all(torch.equal(written[k], streamed[k]) for k in written)

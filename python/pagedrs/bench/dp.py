@@ -173,7 +173,7 @@ def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
 
     s = dict(QUICK if cfg.quick else FULL)
     routings = ROUTINGS if cfg.quick else FULL_ROUTINGS
-    folder = resolve_model(cfg.model)
+    folder = resolve_model(cfg.model, weights=True)
     geo = kv_geometry(folder, cfg.dtype)
     bs = cfg.block_size
     longest = s["system_tokens"] + s["turns"] * (s["user_tokens"] + s["reply_tokens"]) - s["reply_tokens"]  # last prompt

@@ -16,20 +16,22 @@ from typing import Any
 from pagedrs.models.kv_geometry import DTYPE_BYTES, KvGeometry, geometry_from_dict, read_config_json
 
 
-def resolve_model(name: str) -> Path:
-    """The Hugging Face folder for ``name`` (same recognition rules as the engine's loader)."""
+def resolve_model(name: str, *, weights: bool = False) -> Path:
+    """The Hugging Face folder for ``name`` (same recognition rules as the engine's loader). ``weights``:
+    a GGUF's folder must hold its float32 weights (transformers or a dense engine loads them from it);
+    without it the folder may hold only config and tokenizer (written on the first call that asks)."""
     from pagedrs.models.gguf_loader import convert_gguf_cached
     from pagedrs.models.loader import EMBEDDED_MODEL_NAME, embedded_model_path
 
     if name.lower() == EMBEDDED_MODEL_NAME:
-        return convert_gguf_cached(embedded_model_path())
+        return convert_gguf_cached(embedded_model_path(), dense_weights=weights)
     path = Path(name).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return convert_gguf_cached(path)
+        return convert_gguf_cached(path, dense_weights=weights)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     if path.is_dir() and len(ggufs := sorted(path.glob("*.gguf"))) == 1:
-        return convert_gguf_cached(ggufs[0])
+        return convert_gguf_cached(ggufs[0], dense_weights=weights)
     raise ValueError(
         f"--model {name!r} is not {EMBEDDED_MODEL_NAME!r}, a .gguf file, or a folder with "
         "config.json or exactly one .gguf"

@@ -106,7 +106,7 @@ def _median(values: list[float]) -> float | None:
 
 
 def run(cfg: BenchConfig, machine: str) -> tuple[dict[str, Any], str]:
-    folder = resolve_model(cfg.model)
+    folder = resolve_model(cfg.model, weights=True)
     geo = kv_geometry(folder, cfg.dtype)
     spec = QUICK if cfg.quick else FULL
     if cfg.num_requests is not None:

@@ -7,14 +7,14 @@ with int8 activations per block of 32, as llama.cpp does. Other quantized types 
 at load (``gguf_convert``: Q4_K to Q4_1 blocks with f16-rounded scales, the rest requantized to
 Q8_0), and so are fused siblings whose types differ (all to Q8_0).
 
-Loading: every layer first loads the dequantized float32 weight like the dense path (the
-checkpoint goes through the usual weight loaders and shape checks), then
-``install_gguf_weights`` swaps in a ``GgufMatrix`` built from the file's raw blocks
-(``gguf_loader.gguf_raw_linears``) and frees the float32 copy. Fused QKV and gate/up
-concatenate their siblings' block rows (rows are independent, so this is exact); the tied
-Q8_0 embedding becomes the head's matrix while the lookup keeps the float32 table. A layer
-with a tensor in no quantized type (F32 / F16 / BF16) keeps its float32 weight and the dense
-product.
+Loading (``loader._load_gguf_blocks``): before any weight is read, ``install_gguf_weights``
+gives each layer a ``GgufMatrix`` packed from the file's raw blocks (``gguf_loader.gguf_raw_linears``,
+views of the mapped file) and drops its staged float32 weight, which was never written (so never
+resident); only the tensors no matrix took are then dequantized and loaded through the usual
+weight loaders. Fused QKV and gate/up concatenate their siblings' block rows (rows are
+independent, so this is exact); the tied Q8_0 embedding becomes the head's matrix while the lookup
+keeps a float32 table. A layer with a tensor in no quantized type (F32 / F16 / BF16) keeps its
+float32 weight and the dense product.
 
 Tensor parallelism: each rank builds (and repacks) a matrix of its own shard only, sliced from the
 file's blocks where the dense loader slices the float32 tensor (``LinearBase.row_shard`` and
@@ -99,11 +99,15 @@ class GgufLinearMethod(LinearMethod):
         return super().weight_bytes(layer)
 
 
-def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int, str]], *, tied: bool) -> int:
-    """Give every ``GgufLinearMethod`` layer its raw-block matrix; returns how many got one, then rebinds."""
+def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int, str]], *,
+                         tied: bool) -> dict[str, tuple[str, ...]]:
+    """Give every ``GgufLinearMethod`` layer its raw-block matrix. Returns, per parameter that got one
+    (``"model.layers.0.self_attn.qkv_proj.weight"``), the checkpoint tensors it was made of: a load
+    need not read them again (but the tied embedding, which the lookup still needs). Bind the model
+    again afterwards (``load_weights`` does)."""
     from pagedrs._core import GgufMatrix
 
-    installed = 0
+    installed: dict[str, tuple[str, ...]] = {}
     for module_name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or not isinstance(layer.method, GgufLinearMethod):
             continue
@@ -122,8 +126,7 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
         parts = [(to_kernel(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
         blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], names)
         GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, "+".join(names)))
-        installed += 1
-    model.bind()  # type: ignore[operator]  # LlamaForCausalLM.bind
+        installed[f"{module_name}.weight"] = tuple(names)
     return installed
 
 

@@ -1,10 +1,14 @@
-"""GGUF -> a cached Hugging Face folder (config.json, model.safetensors, tokenizer files).
+"""GGUF -> a cached Hugging Face folder (config.json, tokenizer files, the tensors' index; float32
+weights only for the loads that need them), and the file's tensors read at the index's places.
 
-Dequantizing and building the tokenizer from GGUF metadata take seconds, so the
-result is written once under ``$PAGEDRS_CACHE_DIR`` (default ``~/.cache/pagedrs``)
-in ``gguf/<sha256 of the file's content>/`` and every later load reads that folder.
-The hash of a file is remembered by (path, size, mtime) so a warm load does not
-re-read the whole file.
+Parsing the file (gguf-py reads a tokenizer's strings one by one) and building the tokenizer
+from GGUF metadata take seconds, so the result is written once under ``$PAGEDRS_CACHE_DIR``
+(default ``~/.cache/pagedrs``) in ``gguf/<sha256 of the file's content>-v<format>/`` and every
+later load reads that folder. The hash of a file is remembered by (path, size, mtime) so a warm
+load does not re-read the whole file. The weights themselves stay in the GGUF: a block-format load
+(``weight_dtype="gguf"``) maps the file and packs its blocks; the rest of a load dequantizes one
+tensor at a time (``gguf_tensors``); ``model.safetensors`` (float32) is written on the first load
+that wants every weight dense (the dense formats; transformers in the benchmarks).
 
 llama.cpp stores the Q and K projections of ``llama`` models with their rows
 permuted (interleaved rotary halves); ``unpermute_qk`` undoes it so the weights
@@ -19,8 +23,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -45,8 +50,13 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_CONVERTED_FORMAT = 2  # bump when the cached folder's contents change meaning (2: gguf_index.json)
+# bump when the cached folder's contents change meaning (2: gguf_index.json; 3: float32 weights written only
+# for a dense load)
+_CONVERTED_FORMAT = 3
 _INDEX = "gguf_index.json"  # the file's architecture and tensors (type, shape, bytes), in the converted folder
+_Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)  # Q/K rows: float tensors, or arrays of block bytes
+_DENSE = "model.safetensors"  # every tensor in float32, for the dense formats and transformers
+_DEQUANTIZE_FLOATS = 1 << 22  # floats dequantized per call (16 MiB): bounds the transient arrays of a large tensor
 
 
 def cache_root() -> Path:
@@ -73,41 +83,65 @@ def file_sha256(path: Path) -> str:
     return memo[key]
 
 
-def convert_gguf_cached(path: Path) -> Path:
-    """The cached converted folder for this GGUF file, converting it on the first call."""
+def convert_gguf_cached(path: Path, *, dense_weights: bool = False) -> Path:
+    """The cached converted folder for this GGUF file (config.json, tokenizer files, gguf_index.json),
+    converting it on the first call; with ``dense_weights`` it also holds ``model.safetensors``, every
+    tensor dequantized to float32 (written on the first call that asks).
+
+    Why the weights are optional: a load in the file's own blocks (``weight_dtype="gguf"``, what ``auto``
+    picks for a quantized GGUF on a CPU) reads the blocks from the file itself and never needs a float32
+    copy, which takes 4 bytes a weight on disk (about 32 GB for an 8B model). The dense formats, and
+    transformers reading the same weights (the benchmarks' referee), do."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     target = cache_root() / "gguf" / f"{file_sha256(path)}-v{_CONVERTED_FORMAT}"
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        convert_gguf(path, staging)
+    if not (target / _INDEX).is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
         try:
-            staging.rename(target)  # atomic: a concurrent converter may have won, which is fine
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+            convert_gguf(path, staging)
+            try:
+                staging.rename(target)  # atomic: a concurrent converter may have won, which is fine
+            except OSError:
+                if not (target / _INDEX).is_file():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    if dense_weights and not (target / _DENSE).is_file():
+        _write_dense_weights(path, target)
     return target
 
 
 def convert_gguf(path: Path, out: Path) -> None:
-    """Write config.json, model.safetensors (float32) and the tokenizer of a GGUF file into ``out``."""
-    from safetensors.torch import save_file
-
+    """Write config.json, the tokenizer and gguf_index.json (the tensors' places) of a GGUF file into ``out``."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
-    state = gguf_state_dict(reader, config, path)
-    save_file(state, str(out / "model.safetensors"))
+    for t in reader.tensors:
+        if t.name != "rope_freqs.weight":  # a config value, not a weight
+            _hf_name(t.name, path)  # a tensor with no place in the architecture is refused now, not at a later load
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    (out / _INDEX).write_text(json.dumps(_tensor_index(reader)))
     from pagedrs.tokenizer import Tokenizer
 
     Tokenizer.from_gguf(path).hf.save_pretrained(str(out))
+    (out / _INDEX).write_text(json.dumps(_tensor_index(reader)))  # last: the folder is complete when it exists
+
+
+def _write_dense_weights(path: Path, folder: Path) -> None:
+    """``model.safetensors`` (float32, transformers names) in ``folder``, written to a temporary file and
+    renamed into place, so a reader never sees half of it and concurrent writers do not clash."""
+    from safetensors.torch import save_file
+
+    config = json.loads((folder / "config.json").read_text())
+    state = dict(gguf_tensors(path, tensor_index(path, folder), config))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".weights-", suffix=".safetensors")
+    os.close(fd)
+    try:
+        save_file(state, tmp)
+        os.replace(tmp, folder / _DENSE)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def open_gguf(path: Path) -> Any:
@@ -192,31 +226,67 @@ def _rope_freqs(reader: Any, path: Path) -> list[float]:
     return [float(x) for x in np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)]
 
 
-def gguf_state_dict(reader: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its transformers name."""
+def gguf_tensors(path: Path, index: dict[str, Any], config: dict[str, Any],
+                 skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the file (but those whose transformers name is in ``skip``) dequantized to float32
+    under its transformers name, one at a time as the caller takes them (so a load holds one float32
+    tensor beyond its model's at a time), read at the places ``index`` gives (``tensor_index``)."""
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    permuted = _ARCHITECTURES[_field(reader, "general.architecture")][1]
-    state: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # a config value (gguf_config), not a weight
+    permuted = _ARCHITECTURES[index["architecture"]][1]
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    for t in index["tensors"]:
+        if t["name"] == "rope_freqs.weight":  # a config value (gguf_config), not a weight
             continue
-        name = _hf_name(t.name, path)
-        try:
-            array = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {t.name!r} in {str(path)!r} has unsupported type {t.tensor_type.name}") from e
-        # GGUF lists dims innermost first; numpy data is already row-major [out, in].
-        expected = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if array.shape != expected:
-            array = array.reshape(expected)
-        tensor = torch.from_numpy(array.copy())
-        if permuted and name.endswith("q_proj.weight"):
-            tensor = unpermute_qk(tensor, config["num_attention_heads"])
-        elif permuted and name.endswith("k_proj.weight"):
-            tensor = unpermute_qk(tensor, config["num_key_value_heads"])
-        state[name] = tensor
-    return state
+        name = _hf_name(t["name"], path)
+        if name in skip:
+            continue
+        raw = _tensor_bytes(file, t, path)
+        qtype = GGMLQuantizationType[t["type"]]
+        array = np.empty(t["shape"], dtype=np.float32)
+        # in runs of rows: gguf-py's intermediates (two or three arrays of the output's size) stay small
+        step = max(1, _DEQUANTIZE_FLOATS // array.shape[1]) if array.ndim == 2 else array.shape[0]
+        for first in range(0, array.shape[0], step):
+            rows = raw[first:first + step] if array.ndim == 2 else raw  # a vector: its bytes in one run
+            try:
+                array[first:first + step] = np.asarray(dequantize(rows, qtype)).reshape(array[first:first + step].shape)
+            except NotImplementedError as e:
+                raise ValueError(f"GGUF tensor {t['name']!r} in {str(path)!r} has unsupported type {t['type']}") from e
+        tensor = torch.from_numpy(array)
+        yield name, _unpermuted(tensor, name, config) if permuted else tensor
+
+
+def gguf_checkpoint_shapes(path: Path, index: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The file's tensors' transformers names and (row-major) shapes, from ``index``: what a load checks
+    against the config before it reads any weight."""
+    return {_hf_name(t["name"], path): tuple(t["shape"]) for t in index["tensors"] if t["name"] != "rope_freqs.weight"}
+
+
+def _tensor_bytes(file: np.ndarray, t: dict[str, Any], path: Path) -> np.ndarray:
+    """A read-only view of tensor ``t``'s bytes in the mapped ``file``: ``[rows, bytes per row]`` for a matrix."""
+    offset, nbytes = int(t["offset"]), int(t["bytes"])
+    if offset + nbytes > file.size:
+        raise ValueError(f"GGUF file {str(path)!r} is truncated or corrupt: tensor {t['name']!r} needs bytes "
+                         f"{offset}..{offset + nbytes}, the file has {file.size}")
+    raw = file[offset:offset + nbytes]
+    if len(t["shape"]) == 1:
+        return raw
+    rows = t["shape"][0]
+    if nbytes % rows:
+        raise ValueError(f"GGUF tensor {t['name']!r} in {str(path)!r}: {nbytes} bytes do not split into {rows} rows")
+    return raw.reshape(rows, -1)
+
+
+def _unpermuted(rows: _Rows, name: str, config: dict[str, Any]) -> _Rows:
+    """Q and K projections' rows (a tensor of floats, or an array of whole block runs of bytes) back in
+    transformers' rotary layout; other tensors as they are. Only for architectures whose converter
+    permuted them."""
+    if name.endswith("q_proj.weight"):
+        return unpermute_qk(rows, config["num_attention_heads"])
+    if name.endswith("k_proj.weight"):
+        return unpermute_qk(rows, config["num_key_value_heads"])
+    return rows
 
 
 def _tensor_index(reader: Any) -> dict[str, Any]:
@@ -283,13 +353,13 @@ def _hf_name(gguf_name: str, path: Path) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} in {str(path)!r} has no counterpart in the Llama architecture")
 
 
-def permute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def permute_qk(w: _Rows, num_heads: int) -> _Rows:
     """llama.cpp's convert_hf_to_gguf permutation (rotary halves -> interleaved pairs), for tests."""
     rows = w.shape[0]
     return w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_qk(w: _Rows, num_heads: int) -> _Rows:
     """Inverse of ``permute_qk``: interleaved rotary pairs -> the two halves transformers expects."""
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -307,29 +377,21 @@ def gguf_raw_linears(path: Path, config: dict[str, Any],
                      index: dict[str, Any] | None = None) -> dict[str, tuple[np.ndarray, int, str]]:
     """Raw block bytes of every 2-D tensor the kernel runs (``gguf_convert.kernel_type``: its own three
     formats as they are, the other quantized types once converted), by transformers name: (uint8
-    [rows, bytes per row], cols, the file's GGUF type name). Q/K rows are unpermuted like the
+    [rows, bytes per row], cols, the file's GGUF type name). The arrays are read-only views of the mapped
+    file (nothing is copied until a matrix is packed from them), except Q/K rows, unpermuted like the
     dequantized path (rows are whole block runs, so permuting rows of bytes is exact)."""
     from pagedrs.models.gguf_convert import kernel_type
 
     index = tensor_index(path) if index is None else index
     permuted = _ARCHITECTURES[index["architecture"]][1]
-    file = np.memmap(path, dtype=np.uint8, mode="r")  # read-only; each tensor's rows are copied out of it
-    size = file.size
+    file = np.memmap(path, dtype=np.uint8, mode="r")
     out: dict[str, tuple[np.ndarray, int, str]] = {}
     for t in index["tensors"]:
         if len(t["shape"]) != 2 or kernel_type(t["type"]) is None or t["name"] == "rope_freqs.weight":
             continue
         name = _hf_name(t["name"], path)
-        (rows, cols), offset, nbytes = t["shape"], int(t["offset"]), int(t["bytes"])
-        if offset + nbytes > size:
-            raise ValueError(f"GGUF file {str(path)!r} is truncated or corrupt: tensor {t['name']!r} needs bytes "
-                             f"{offset}..{offset + nbytes}, the file has {size}")
-        if nbytes % rows:
-            raise ValueError(f"GGUF tensor {t['name']!r} in {str(path)!r}: {nbytes} bytes do not split into {rows} rows")
-        blocks = torch.from_numpy(np.array(file[offset:offset + nbytes]).reshape(rows, -1))  # a copy: the map is read-only
-        if permuted and name.endswith("q_proj.weight"):
-            blocks = unpermute_qk(blocks, config["num_attention_heads"])
-        elif permuted and name.endswith("k_proj.weight"):
-            blocks = unpermute_qk(blocks, config["num_key_value_heads"])
-        out[name] = (blocks.contiguous().numpy(), cols, t["type"])
+        blocks = _tensor_bytes(file, t, path)
+        if permuted:
+            blocks = np.ascontiguousarray(_unpermuted(blocks, name, config))
+        out[name] = (blocks, t["shape"][1], t["type"])
     return out

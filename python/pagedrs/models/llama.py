@@ -17,7 +17,7 @@ last ``sliding_window`` positions, as transformers does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -276,8 +276,12 @@ class LlamaForCausalLM(nn.Module):
             shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
         return shapes
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Route each checkpoint tensor to its parameter's ``weight_loader``, then let every layer convert."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, preloaded: Collection[str] = ()) -> None:
+        """Route each checkpoint tensor to its parameter's ``weight_loader``, then let every layer convert.
+
+        ``preloaded``: parameters that got their weights another way before this call (a GGUF layer's
+        matrix packed from the file's blocks); a tensor aimed at one of them is not loaded (the tied
+        embedding, which such a head was made of)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         for name, tensor in weights:
             targets: list[tuple[str, ShardId]] = [(name, None)]
@@ -288,6 +292,8 @@ class LlamaForCausalLM(nn.Module):
             if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and not self.shares_embedding:
                 targets.append(("lm_head.weight", None))
             for target, shard in targets:
+                if target in preloaded:
+                    continue
                 param = params[target]
                 loader = getattr(param, "weight_loader", None)
                 if loader is None:

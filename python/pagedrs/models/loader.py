@@ -8,9 +8,12 @@ Sources, in the order they are recognised:
 - a Hugging Face folder: ``config.json``, ``*.safetensors`` (single or sharded
   through ``model.safetensors.index.json``) and tokenizer files.
 
-GGUF files are converted once into a Hugging Face folder under the cache (see
-``gguf_loader``), so every source finally loads through ``load_hf_folder``, and every
-tensor lands through its layer's ``weight_loader`` (``models/layers.py``).
+GGUF files are converted once into a folder under the cache (config, tokenizer, the tensors'
+index; see ``gguf_loader``). A dense load of one then goes through ``load_hf_folder`` like any
+Hugging Face folder (its float32 weights written into the folder on the first such load); a
+block-format load (``weight_dtype="gguf"``) packs the kernel's matrices from the file's own blocks
+and dequantizes only the rest (``_load_gguf_blocks``). Every dense tensor lands through its
+layer's ``weight_loader`` (``models/layers.py``).
 Nothing here touches a model hub.
 
 ``weight_dtype`` picks how linear weights are stored (``models/quant.py``): ``"float32"``
@@ -23,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,18 +124,42 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, 
     folder = convert_gguf_cached(path)
     config = json.loads((folder / "config.json").read_text())
     # where the file's tensors are, from the converted folder (parsing the file again costs seconds)
-    index = tensor_index(path, folder) if weight_dtype in ("auto", "gguf") else None
+    index = tensor_index(path, folder)
     types = linear_tensor_types(path, index) if weight_dtype == "auto" else None
     whole = tp_size() == 1 or shards_hold_whole_blocks(config, tp_size())
     fmt = resolve_weight_format(weight_dtype, dtype, gguf_types=types, device=device, whole_block_shards=whole)
-    loaded = load_hf_folder(folder, dtype, device, name=name, weight_format=fmt, skip_tokenizer_init=skip_tokenizer_init)
     if fmt.name == "gguf":
-        from pagedrs.models.gguf_linear import install_gguf_weights
-        from pagedrs.models.gguf_loader import gguf_raw_linears
+        return _load_gguf_blocks(path, folder, config, index, dtype, device, name=name, weight_format=fmt,
+                                 skip_tokenizer_init=skip_tokenizer_init)
+    convert_gguf_cached(path, dense_weights=True)
+    return load_hf_folder(folder, dtype, device, name=name, weight_format=fmt, skip_tokenizer_init=skip_tokenizer_init)
 
-        raw = gguf_raw_linears(path, config, index)
-        install_gguf_weights(loaded.model, raw, tied=loaded.config.tie_word_embeddings)
-    return loaded
+
+def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], index: dict[str, object],
+                      dtype: torch.dtype, device: torch.device, *, name: str, weight_format: WeightFormat,
+                      skip_tokenizer_init: bool) -> LoadedModel:
+    """``weight_dtype="gguf"``: every product the kernel runs gets its matrix straight from the file's
+    blocks (``install_gguf_weights``), before any weight is read; then only the tensors no matrix took
+    (the embedding table, norms, products in a float type) are dequantized, one at a time.
+
+    Why: staging every product in float32 first, as the dense path does, took 4 bytes a weight of memory
+    during the load (8 with the float32 file read beside it: about 64 GB for an 8B model whose blocks
+    take 5) and a float32 copy of the file on disk."""
+    from pagedrs.models.gguf_linear import install_gguf_weights
+    from pagedrs.models.gguf_loader import gguf_checkpoint_shapes, gguf_raw_linears, gguf_tensors
+
+    config = ModelConfig.from_hf_dict(config_dict)
+    model = LlamaForCausalLM(config, device=device, weight_format=weight_format)
+    taken = install_gguf_weights(model, gguf_raw_linears(path, config_dict, index), tied=config.tie_word_embeddings)
+    # the checkpoint tensors the matrices were made of; the tied embedding is still the lookup's table
+    from_blocks = {n for names in taken.values() for n in names} - {"model.embed_tokens.weight"}
+    shapes = gguf_checkpoint_shapes(path, index)
+    check_checkpoint(model, {k: v for k, v in shapes.items() if k not in from_blocks}, where=str(path),
+                     provided=from_blocks)
+    model.load_weights(gguf_tensors(path, index, config_dict, skip=from_blocks), preloaded=taken)
+    model.eval()
+    return LoadedModel(model=model, config=config, tokenizer=_tokenizer(folder, config, skip_tokenizer_init),
+                       name=name, weight_format=weight_format)
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, name: str,
@@ -147,9 +175,13 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, na
     model = LlamaForCausalLM(config, device=device, weight_format=fmt)
     load_weights(model, state, where=str(folder))
     model.eval()
+    return LoadedModel(model=model, config=config, tokenizer=_tokenizer(folder, config, skip_tokenizer_init),
+                       name=name, weight_format=fmt)
+
+
+def _tokenizer(folder: Path, config: ModelConfig, skip_tokenizer_init: bool) -> Tokenizer:
     eos = set(config.eos_token_ids)
-    tokenizer: Tokenizer = TokenIdsOnly(eos) if skip_tokenizer_init else Tokenizer.from_folder(folder, eos_token_ids=eos)
-    return LoadedModel(model=model, config=config, tokenizer=tokenizer, name=name, weight_format=fmt)
+    return TokenIdsOnly(eos) if skip_tokenizer_init else Tokenizer.from_folder(folder, eos_token_ids=eos)
 
 
 def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
@@ -182,16 +214,25 @@ def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor], *, whe
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    expected = model.checkpoint_shapes()
-    missing = sorted(set(expected) - set(state))
+    check_checkpoint(model, {k: tuple(v.shape) for k, v in state.items()}, where=where)
+    model.load_weights(state.items())
+
+
+def check_checkpoint(model: LlamaForCausalLM, shapes: dict[str, tuple[int, ...]], *, where: str,
+                     provided: Collection[str] = ()) -> None:
+    """A clear error unless ``shapes`` (checkpoint name -> shape) are exactly the tensors the config needs
+    but those ``provided`` another way, each in the shape the config implies."""
+    expected = {k: v for k, v in model.checkpoint_shapes().items() if k not in provided}
+    if model.config.tie_word_embeddings:
+        shapes = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(shapes))
     if missing:
         raise ValueError(f"weights in {where} lack {len(missing)} tensors required by the config, e.g. {missing[:3]}")
-    unexpected = sorted(set(state) - set(expected))
+    unexpected = sorted(set(shapes) - set(expected))
     if unexpected:
         raise ValueError(f"weights in {where} hold tensors this architecture has no place for, e.g. {unexpected[:3]}")
     for key, shape in expected.items():
-        if tuple(state[key].shape) != shape:
+        if tuple(shapes[key]) != shape:
             raise ValueError(
-                f"tensor {key!r} in {where} has shape {tuple(state[key].shape)}, but config.json implies {shape}"
+                f"tensor {key!r} in {where} has shape {tuple(shapes[key])}, but config.json implies {shape}"
             )
-    model.load_weights(state.items())
