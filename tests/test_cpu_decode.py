@@ -242,14 +242,14 @@ def test_a_bad_cache_format_is_refused_naming_the_field_before_a_write(tiny_gguf
 def test_a_non_finite_activation_names_the_tensor(gguf):
     r = runner(gguf)
     step = build_step([PagedSeq([1, 2])], [2], BLOCK, BlockPool(48))
-    weight = gguf.model.model.embed_tokens.weight
-    saved = weight[2].clone()
-    weight[2] = float("nan")
+    table = gguf.model.model.embed_tokens  # the file's Q8_0 blocks: token 2's first scale made NaN
+    saved = table.blocks[2].copy()
+    table.blocks[2, :2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
     try:
         with pytest.raises(ValueError, match=r"tensor .*q_proj.* is NaN or infinite"):
             r.execute(step)
     finally:
-        weight[2] = saved
+        table.blocks[2] = saved
 
 
 def test_a_stack_whose_weights_do_not_fit_its_geometry_is_refused_naming_the_layer(tiny_gguf):

@@ -133,7 +133,7 @@ def test_gguf_layers_hold_the_files_blocks(gguf_model) -> None:
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight is None and qkv.gguf_matrix.format == "q4_1" and qkv.gguf_matrix.rows == 960
     assert model.lm_head.gguf_matrix.format == "q8_0" and model.lm_head.gguf_matrix.rows == 49152
-    assert model.model.embed_tokens.weight.dtype == torch.float32  # the lookup stays exact
+    assert model.model.embed_tokens.qtype == "Q8_0"  # the lookup reads the file's blocks (exact: test_embedding.py)
     reader = open_gguf(embedded_model_path())
     tensors = {t.name: t for t in reader.tensors}
     config = gguf_model.config

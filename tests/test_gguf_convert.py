@@ -155,3 +155,56 @@ def test_a_q4_k_m_model_runs_wholly_on_the_kernel_as_its_converted_blocks(q4_k_m
 
     assert set(linear_tensor_types(converted)) == {"Q4_1", "Q8_0"}
     assert decode(k_quants, "gguf") == decode(converted, "gguf")
+
+
+def test_converted_blocks_are_kept_for_the_next_load(q4_k_m_files, tmp_path, monkeypatch, caplog):
+    """The first load of a K-quant file converts and keeps each converted tensor in the cache folder (every
+    load converted again: ~100 s for an 8B Q4_K_M); the next load reads them back, converting nothing,
+    and decodes the same bits. A kept file of the wrong size (a cut-short copy) is converted again and
+    rewritten, and so is one whose checksum fails (a bit flipped on disk); a write that fails (a full disk) loses only the saving: the load goes on, says so, and
+    leaves no partial file."""
+    import errno
+
+    from pagedrs.models import gguf_convert, gguf_loader, quant
+
+    k_quants, _ = q4_k_m_files
+    monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: True)
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "cache"))
+    fresh = decode(k_quants, "gguf")
+    kept_dir = gguf_loader.convert_gguf_cached(k_quants) / "converted"
+    index = gguf_loader.tensor_index(k_quants, kept_dir.parent)
+    converted_types = {gguf_loader._hf_name(t["name"], k_quants) for t in index["tensors"]
+                       if kernel_type(t["type"]) not in (None, t["type"])}
+    kept = {p.name.rsplit(".", 1)[0] for p in kept_dir.iterdir()}
+    assert kept == converted_types and len(kept) >= 8  # every converted tensor, no temporary file
+    real = gguf_convert.to_kernel
+    conversions: list[str] = []
+
+    def counting(blocks, cols, type_name, target, name):
+        if type_name != target:
+            conversions.append(name)
+        return real(blocks, cols, type_name, target, name)
+
+    monkeypatch.setattr(gguf_convert, "to_kernel", counting)
+    assert decode(k_quants, "gguf") == fresh and conversions == []
+    cut, spoiled = sorted(kept_dir.iterdir())[:2]
+    size, intact = cut.stat().st_size, spoiled.read_bytes()
+    cut.write_bytes(cut.read_bytes()[: size // 2])
+    spoiled.write_bytes(intact[:100] + bytes([intact[100] ^ 1]) + intact[101:])  # one bit flipped, the size kept
+    with caplog.at_level("WARNING", logger="pagedrs.engine"):
+        assert decode(k_quants, "gguf") == fresh
+    assert sorted(conversions) == sorted(p.name.rsplit(".", 1)[0] for p in (cut, spoiled))
+    assert cut.stat().st_size == size and spoiled.read_bytes() == intact  # both rewritten
+    assert "fails its checksum" in caplog.text
+    caplog.clear()
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "full"))
+    gguf_loader.convert_gguf_cached(k_quants)  # the folder itself (config, index) is written before the disk fills
+    monkeypatch.setattr(gguf_loader.tempfile, "mkstemp", full_disk)
+    with caplog.at_level("WARNING", logger="pagedrs.engine"):
+        assert decode(k_quants, "gguf") == fresh
+    assert "were not kept" in caplog.text and "No space left on device" in caplog.text
+    assert not any((gguf_loader.convert_gguf_cached(k_quants) / "converted").glob("*"))

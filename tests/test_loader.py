@@ -231,6 +231,7 @@ def test_a_block_load_dequantizes_only_what_no_matrix_took(source, tiny_gguf, sm
     the embedding's lookup table, products in a float type), and the model computes what the old order
     (everything dense first, then the matrices swapped in) computed, bit for bit. Both files: the tiny one
     (untied; Q/K rows permuted; F32, F16 and BF16 products beside Q4_0, Q4_1 and Q8_0), SmolLM2 (tied)."""
+    from pagedrs.models.embedding import BlockEmbedding
     from pagedrs.models.gguf_linear import install_gguf_weights
     from pagedrs.models.gguf_loader import gguf_raw_linears, tensor_index
     from pagedrs.models.loader import load_hf_folder
@@ -252,13 +253,19 @@ def test_a_block_load_dequantizes_only_what_no_matrix_took(source, tiny_gguf, sm
     shapes = gguf_loader.gguf_checkpoint_shapes(path, tensor_index(path, folder))
     matrices = {n: m.gguf_matrix.name for n, m in loaded.model.named_modules() if getattr(m, "gguf_matrix", None)}
     from_blocks = {part for name in matrices.values() for part in name.split("+")}
+    table = loaded.model.model.embed_tokens
+    if isinstance(table, BlockEmbedding):  # a quantized table is looked up from its blocks
+        from_blocks.add("model.embed_tokens.weight")
+    else:
+        from_blocks.discard("model.embed_tokens.weight")
     assert from_blocks and len(dequantized) == len(set(dequantized))
-    assert set(dequantized) == set(shapes) - (from_blocks - {"model.embed_tokens.weight"})
+    assert set(dequantized) == set(shapes) - from_blocks
     if source == "tiny":  # the float-typed products were read dense, and their layers kept a float32 weight
         dense_products = [n for n in dequantized if n.endswith("proj.weight")]
         assert dense_products
-    else:  # every product is a matrix: only the embedding table and the norms
-        assert set(dequantized) == {n for n in shapes if n.endswith("norm.weight")} | {"model.embed_tokens.weight"}
+    else:  # every product is a matrix and the table is Q8_0: only the norms
+        assert isinstance(table, BlockEmbedding) and table.qtype == "Q8_0"
+        assert set(dequantized) == {n for n in shapes if n.endswith("norm.weight")}
 
     # the old order: every tensor dense (the float32 file), then the matrices installed over the layers
     config = json.loads((folder / "config.json").read_text())
@@ -268,12 +275,14 @@ def test_a_block_load_dequantizes_only_what_no_matrix_took(source, tiny_gguf, sm
     old.model.bind()
     prompt = [5, 9, 17, 33, 65, 129, 250]
     assert torch.equal(_last_logits(loaded, prompt), _last_logits(old, prompt))
-    assert torch.equal(loaded.model.model.embed_tokens.weight, old.model.model.embed_tokens.weight)
+    every_row = torch.arange(loaded.config.vocab_size)
+    assert torch.equal(loaded.model._embed(every_row), old.model.model.embed_tokens.weight)  # the table's floats
 
 
 def test_the_float32_weights_are_written_once_on_the_first_dense_load(tiny_gguf, cache_dir, monkeypatch):
     """The converted folder holds float32 weights only once a load wants them dense; later dense loads read
-    them (no second write), and what they hold is what the file's tensors dequantize to."""
+    them (no second write), a file cut short is written again, and what they hold is what the file's
+    tensors dequantize to."""
     from safetensors.torch import load_file
 
     load_model(tiny_gguf, weight_dtype="gguf")
@@ -282,10 +291,16 @@ def test_the_float32_weights_are_written_once_on_the_first_dense_load(tiny_gguf,
     first = load_model(tiny_gguf, weight_dtype="float32")
     assert (folder / "model.safetensors").is_file()
     assert [f.name for f in folder.iterdir() if f.name.startswith(".")] == []  # no temporary file left behind
-    monkeypatch.setattr(gguf_loader, "_write_dense_weights", lambda *a: pytest.fail("the weights were written again"))
-    second = load_model(tiny_gguf, weight_dtype="float32")
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_loader, "_write_dense_weights", lambda *a: pytest.fail("the weights were written again"))
+        second = load_model(tiny_gguf, weight_dtype="float32")
     for (k, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
+    weights = folder / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])  # cut short (a copy that failed, a disk that filled): written again
+    assert torch.equal(load_model(tiny_gguf, weight_dtype="float32").model.model.norm.weight, first.model.model.norm.weight)
+    assert weights.read_bytes() == whole
     config = json.loads((folder / "config.json").read_text())
     index = gguf_loader.tensor_index(tiny_gguf, folder)
     written = load_file(str(folder / "model.safetensors"))

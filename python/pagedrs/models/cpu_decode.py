@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
+from pagedrs.models.embedding import numpy_rows
 from pagedrs.models.gguf_linear import GgufLinearMethod
 from pagedrs.models.layers import LinearBase
 from pagedrs.step_input import value_bounds
@@ -50,10 +51,11 @@ class FusedCpuDecode:
         self._method = threads_of  # one layer's method: hand_cpu_threads_to_gemv sets the same count on every layer
         self._rotary = model.rotary
         self._layers = model.config.num_hidden_layers
-        embed = model.model.embed_tokens.weight
-        # a NumPy view of the embedding table (no copy) for decode_step; the stack is rebuilt with
-        # the model's other records when its parameters are replaced (LlamaForCausalLM.bind)
-        self._embed: np.ndarray | None = embed.detach().numpy() if embed.dtype == torch.float32 else None
+        # the embedding's rows in NumPy for decode_step (a view of a float32 table, or the blocks' rows);
+        # the stack is rebuilt with the model's other records when its parameters are replaced
+        # (LlamaForCausalLM.bind)
+        self._embed_rows = numpy_rows(model.model.embed_tokens)
+        self._vocab = int(model.model.embed_tokens.num_embeddings)
         self.enabled = True  # False: every step takes the torch ops (tests compare the two)
         # what ``runs`` and ``_whole_cache`` found for the runner's views (``_ViewsMemo``)
         self._memo: _ViewsMemo | None = None
@@ -66,7 +68,7 @@ class FusedCpuDecode:
         from pagedrs._core import DecodeStack, GgufMatrix
 
         layers = [cast("DecoderLayer", layer) for layer in model.model.layers]
-        if model.model.embed_tokens.weight.device.type != "cpu" or model.weight_format.params_dtype != torch.float32:
+        if model.model.norm.weight.device.type != "cpu" or model.weight_format.params_dtype != torch.float32:
             return None
         # per layer: qkv, o, gate_up, down
         linears: list[LinearBase] = [m for layer in layers for m in (
@@ -160,15 +162,15 @@ class FusedCpuDecode:
         each torch op runs cold (a one-row ``rms_norm`` 30-87 us against 4 warm), and a batch-1 step
         made about ten of them around the stack. The stack checks the step's layout itself before it
         writes a page. None when the embedding table is not float32 (the model's path then runs)."""
-        table = self._embed
-        if table is None:
+        rows = self._embed_rows
+        if rows is None:
             return None
         ids = step.input_ids
         lo, hi = value_bounds(ids)
-        if lo < 0 or hi >= table.shape[0]:
+        if lo < 0 or hi >= self._vocab:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"input_ids: token {bad} is outside the vocabulary; allowed 0 to {table.shape[0] - 1}")
-        out = self.run_stack(table.take(ids, axis=0), self._rotary.cos_sin_rows_np(step.positions), kv_cache,
+            raise ValueError(f"input_ids: token {bad} is outside the vocabulary; allowed 0 to {self._vocab - 1}")
+        out = self.run_stack(rows(ids), self._rotary.cos_sin_rows_np(step.positions), kv_cache,
                              step.slot_mapping, step.query_start_loc, step.seq_lens, step.block_tables)
         return torch.from_numpy(out)
 

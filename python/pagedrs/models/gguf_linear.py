@@ -99,12 +99,13 @@ class GgufLinearMethod(LinearMethod):
         return super().weight_bytes(layer)
 
 
-def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int, str]], *,
-                         tied: bool) -> dict[str, tuple[str, ...]]:
+def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int, str]], *, tied: bool,
+                         convert: Callable[[np.ndarray, int, str, str, str], np.ndarray] = to_kernel,
+                         ) -> dict[str, tuple[str, ...]]:
     """Give every ``GgufLinearMethod`` layer its raw-block matrix. Returns, per parameter that got one
     (``"model.layers.0.self_attn.qkv_proj.weight"``), the checkpoint tensors it was made of: a load
-    need not read them again (but the tied embedding, which the lookup still needs). Bind the model
-    again afterwards (``load_weights`` does)."""
+    need not read them again. ``convert``: ``to_kernel``, or one that keeps its results
+    (``gguf_loader.ConvertedBlocks``). Bind the model again afterwards (``load_weights`` does)."""
     from pagedrs._core import GgufMatrix
 
     installed: dict[str, tuple[str, ...]] = {}
@@ -123,7 +124,7 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
         target = common_type([p[2] for p in parts])
         if len(parts) != len(found) or target is None:
             continue  # keeps its float32 weight
-        parts = [(to_kernel(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
+        parts = [(convert(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
         blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], names)
         GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, "+".join(names)))
         installed[f"{module_name}.weight"] = tuple(names)

@@ -19,16 +19,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import tempfile
+import zlib
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
+
+logger = logging.getLogger("pagedrs.engine")
 
 # llama.cpp architecture -> (our model_type, whether Q/K rows were permuted by the converter)
 _ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
@@ -50,8 +54,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# bump when the cached folder's contents change meaning (2: gguf_index.json; 3: float32 weights written only
-# for a dense load)
+# bump when the cached folder's contents change meaning, or gguf_convert's conversions change their bytes (2:
+# gguf_index.json; 3: float32 weights written only for a dense load, converted blocks kept)
 _CONVERTED_FORMAT = 3
 _INDEX = "gguf_index.json"  # the file's architecture and tensors (type, shape, bytes), in the converted folder
 _Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)  # Q/K rows: float tensors, or arrays of block bytes
@@ -108,9 +112,21 @@ def convert_gguf_cached(path: Path, *, dense_weights: bool = False) -> Path:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    if dense_weights and not (target / _DENSE).is_file():
+    if dense_weights and not _whole_safetensors(target / _DENSE):
         _write_dense_weights(path, target)
     return target
+
+
+def _whole_safetensors(path: Path) -> bool:
+    """Whether ``path`` is a safetensors file whose header and data add up (one cut short is written again
+    instead of failing every later load; the data's bits are not checksummed)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return len(list(f.keys())) > 0
+    except (OSError, SafetensorError):
+        return False
 
 
 def convert_gguf(path: Path, out: Path) -> None:
@@ -371,6 +387,69 @@ def _atomic_write_text(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+class ConvertedBlocks:
+    """``gguf_convert.to_kernel`` with its results kept in the converted folder (``converted/<name>.<TARGET>``:
+    the raw block bytes, then their CRC-32), so only the first load of a file converts.
+
+    Why: converting runs at 80-110 M weights a second here (Q4_K -> Q4_1, Q6_K -> Q8_0), about 100 s
+    for an 8B Q4_K_M file on every load, where reading the converted blocks back and checking them
+    takes seconds (CRC-32 at ~2.4 GB/s). Never wrong: a kept file is used only when it has exactly the
+    bytes its shape takes and its checksum holds (a file cut short, or spoiled on disk, is converted
+    again and rewritten); it is written to a temporary name and renamed into place (never seen
+    half-written). A failed write (a full disk, a read-only cache) loses only the saving: the load
+    goes on with the blocks it converted, and says so. The folder is keyed by the GGUF file's content
+    hash and the conversion is a pure function of the blocks, so a kept result is the one the file gives."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = None if folder is None else folder / "converted"
+
+    def __call__(self, blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        from pagedrs.models.gguf_convert import QK, to_kernel
+
+        if type_name == target or self.folder is None:
+            return to_kernel(blocks, cols, type_name, target, name)
+        kept_file = self.folder / f"{name}.{target}"
+        shape = (blocks.shape[0], cols // QK * GGML_QUANT_SIZES[GGMLQuantizationType[target]][1])
+        kept = _read_checked(kept_file, shape)
+        if kept is not None:
+            return kept
+        out = to_kernel(blocks, cols, type_name, target, name)
+        try:
+            self.folder.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-")
+            try:
+                data = memoryview(np.ascontiguousarray(out)).cast("B")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.write(zlib.crc32(data).to_bytes(4, "little"))
+                os.replace(tmp, kept_file)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        except OSError as e:
+            logger.warning("GGUF tensor %r: its %s blocks were not kept in %s (%s); the next load converts it again",
+                           name, target, self.folder, e)
+        return out
+
+
+def _read_checked(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
+    """The uint8 ``shape`` blocks ``ConvertedBlocks`` kept at ``path`` (a read-only map), or None when the file is
+    absent, not that size, or fails its CRC-32."""
+    nbytes = shape[0] * shape[1]
+    try:
+        if path.stat().st_size != nbytes + 4 or nbytes == 0:
+            return None
+    except OSError:
+        return None
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    if zlib.crc32(memoryview(data[:nbytes])) != int.from_bytes(data[nbytes:].tobytes(), "little"):
+        logger.warning("%s fails its checksum; converting that tensor again", path)
+        return None
+    return data[:nbytes].reshape(shape)
 
 
 def gguf_raw_linears(path: Path, config: dict[str, Any],

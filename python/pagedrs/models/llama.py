@@ -28,6 +28,7 @@ from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.distributed.parallel_state import all_reduce_, tp_rank, tp_size
 from pagedrs.models.config import ModelConfig
 from pagedrs.models.cpu_decode import FusedCpuDecode
+from pagedrs.models.embedding import lookup
 from pagedrs.models.layers import (
     DenseLinearMethod,
     LinearBase,
@@ -226,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # type: ignore[assignment]  # a Parameter
         self._bound: list[BoundLayer] | None = None  # made by bind(), after loading
         self._bound_head: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._embed: Callable[[torch.Tensor], torch.Tensor] = lookup(self.model.embed_tokens)  # again in bind()
         # every layer in one Rust call on the CPU when all products run the GGUF kernel (cpu_decode.py)
         self.fused_cpu_decode: FusedCpuDecode | None = None
 
@@ -309,6 +311,7 @@ class LlamaForCausalLM(nn.Module):
         """Builds the per-layer records the forward pass runs over (again after parameters are replaced;
         in-place changes to them need nothing)."""
         self._bound = [layer.bind() for layer in self.model.layers]  # type: ignore[operator]  # DecoderLayer
+        self._embed = lookup(self.model.embed_tokens)
         self._bound_head = self.lm_head.bind()
         self.fused_cpu_decode = FusedCpuDecode.build(self)
         return self._bound
@@ -338,7 +341,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] (normed); ``compute_logits`` turns the rows you need into logits."""
         layers = self._bound if self._bound is not None else self.bind()
-        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        h = self._embed(input_ids)
         norm = self.model.norm
         fused = self.fused_cpu_decode
         if fused is not None and fused.runs(kv_cache, backend):

@@ -56,11 +56,11 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         """The activations' (and so the KV cache's) dtype, whatever the linear weights are stored in."""
-        return self.model.model.embed_tokens.weight.dtype
+        return self.model.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
+        return self.model.model.norm.weight.device
 
 
 def embedded_model_path() -> Path:
@@ -139,20 +139,30 @@ def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], 
                       dtype: torch.dtype, device: torch.device, *, name: str, weight_format: WeightFormat,
                       skip_tokenizer_init: bool) -> LoadedModel:
     """``weight_dtype="gguf"``: every product the kernel runs gets its matrix straight from the file's
-    blocks (``install_gguf_weights``), before any weight is read; then only the tensors no matrix took
-    (the embedding table, norms, products in a float type) are dequantized, one at a time.
+    blocks (``install_gguf_weights``), and a quantized embedding table stays in its blocks
+    (``BlockEmbedding``), before any weight is read; then only the tensors neither took (norms, products
+    and tables in a float type) are dequantized, one at a time.
 
     Why: staging every product in float32 first, as the dense path does, took 4 bytes a weight of memory
     during the load (8 with the float32 file read beside it: about 64 GB for an 8B model whose blocks
     take 5) and a float32 copy of the file on disk."""
+    from pagedrs.models.embedding import BlockEmbedding
     from pagedrs.models.gguf_linear import install_gguf_weights
-    from pagedrs.models.gguf_loader import gguf_checkpoint_shapes, gguf_raw_linears, gguf_tensors
+    from pagedrs.models.gguf_loader import ConvertedBlocks, gguf_checkpoint_shapes, gguf_raw_linears, gguf_tensors
 
     config = ModelConfig.from_hf_dict(config_dict)
     model = LlamaForCausalLM(config, device=device, weight_format=weight_format)
-    taken = install_gguf_weights(model, gguf_raw_linears(path, config_dict, index), tied=config.tie_word_embeddings)
-    # the checkpoint tensors the matrices were made of; the tied embedding is still the lookup's table
-    from_blocks = {n for names in taken.values() for n in names} - {"model.embed_tokens.weight"}
+    raw = gguf_raw_linears(path, config_dict, index)
+    taken = install_gguf_weights(model, raw, tied=config.tie_word_embeddings, convert=ConvertedBlocks(folder))
+    from_blocks = {n for names in taken.values() for n in names}  # the checkpoint tensors the matrices were made of
+    table = raw.get("model.embed_tokens.weight")
+    if table is not None:  # a quantized lookup table: rows dequantized from its blocks as they are looked up
+        blocks, cols, qtype = table
+        model.model.embed_tokens = BlockEmbedding(blocks, qtype, cols, dtype)
+        from_blocks.add("model.embed_tokens.weight")
+    else:  # a float table (F32, F16, BF16): dequantized whole, like the dense path (a tied head made of it too)
+        from_blocks.discard("model.embed_tokens.weight")
+    del raw, table
     shapes = gguf_checkpoint_shapes(path, index)
     check_checkpoint(model, {k: v for k, v in shapes.items() if k not in from_blocks}, where=str(path),
                      provided=from_blocks)

@@ -67,7 +67,7 @@ def load_draft(path: str, target: LoadedModel, *, dtype: str, weight_dtype: str)
 def vocabulary_differences(draft: LoadedModel, target: LoadedModel) -> list[tuple[str, object, object]]:
     """(what, draft's, target's) for every vocabulary trait in which the two differ."""
     def embedding_rows(m: LoadedModel) -> int:
-        return int(m.model.model.embed_tokens.weight.shape[0])
+        return int(m.model.model.embed_tokens.num_embeddings)
 
     traits: list[tuple[str, object, object]] = [
         ("config vocab_size", draft.config.vocab_size, target.config.vocab_size),

@@ -1,0 +1,96 @@
+"""The token lookup kept in a GGUF file's blocks (``weight_dtype="gguf"``), rows dequantized as they are looked up.
+
+Why: a block-format load made every product a matrix of the file's blocks, but the lookup table
+was still dequantized to float32 whole: 4 bytes a weight for the largest tensor of a small model
+(SmolLM2: 113 MB of a 94 MB file) and 2.1 GB for Llama 3's 128k x 4096 table, against 0.56 GB in
+Q8_0. A step looks up one row per token, so dequantizing those rows costs microseconds.
+
+Exactness: a row is dequantized by the function a dense load dequantizes the whole table with
+(gguf-py's ``dequantize``; Q8_0, the common embedding type, by the same product in NumPy, checked
+equal to it bit for bit), so the lookup returns the floats the float32 table held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedrs.models.gguf_convert import QK
+
+_Q8_0_BYTES = 2 + QK  # an f16 scale, then 32 int8 codes
+
+
+class BlockEmbedding(nn.Module):
+    """``[num_embeddings, embedding_dim]`` in the GGUF type ``qtype``'s blocks (uint8 ``[rows, bytes per row]``)."""
+
+    def __init__(self, blocks: np.ndarray, qtype: str, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        per_block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        if blocks.ndim != 2 or blocks.dtype != np.uint8 or embedding_dim % per_block or \
+                blocks.shape[1] != embedding_dim // per_block * size:
+            raise ValueError(f"embedding blocks of shape {blocks.shape} ({blocks.dtype}) are not {qtype} rows of "
+                             f"{embedding_dim} weights ({embedding_dim // per_block * size} bytes a row)")
+        self.blocks = np.array(blocks, dtype=np.uint8, order="C", copy=True)  # not a view of the mapped file
+        self.qtype = qtype
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.dtype = dtype
+        self._dequantize = _q8_0_rows if qtype == "Q8_0" else _gguf_rows(GGMLQuantizationType[qtype])
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 ``[len(ids), embedding_dim]``; a token outside the vocabulary is refused by name."""
+        ids = np.asarray(ids).reshape(-1)
+        if not ids.size:
+            return np.empty((0, self.embedding_dim), dtype=np.float32)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.num_embeddings:
+            raise ValueError(f"input_ids: token {lo if lo < 0 else hi} is outside the vocabulary; allowed 0 to "
+                             f"{self.num_embeddings - 1}")
+        return self._dequantize(self.blocks.take(ids, axis=0)).reshape(ids.size, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = torch.from_numpy(self.rows(ids.detach().cpu().numpy())).view(*ids.shape, self.embedding_dim)
+        return out if self.dtype is torch.float32 else out.to(self.dtype)
+
+    def weight_bytes(self) -> int:
+        return int(self.blocks.nbytes)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={self.qtype}"
+
+
+def _q8_0_rows(rows: np.ndarray) -> np.ndarray:
+    """gguf-py's Q8_0 dequantization (``codes * scale`` in float32) without its generic reshaping."""
+    blocks = rows.reshape(rows.shape[0], -1, _Q8_0_BYTES)
+    scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).astype(np.float32)
+    return np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).astype(np.float32) * scale
+
+
+def _gguf_rows(qtype: object) -> Callable[[np.ndarray], np.ndarray]:
+    from gguf.quants import dequantize
+
+    return lambda rows: np.asarray(dequantize(rows, qtype), dtype=np.float32)  # type: ignore[arg-type]
+
+
+def lookup(embedding: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``ids -> rows`` for the model's forward: ``F.embedding`` over a dense table, else the blocks' rows."""
+    if isinstance(embedding, BlockEmbedding):
+        return embedding.forward
+    weight = embedding.weight
+    return lambda ids: torch.nn.functional.embedding(ids, weight)
+
+
+def numpy_rows(embedding: nn.Module) -> Callable[[np.ndarray], np.ndarray] | None:
+    """``ids -> float32 rows`` in NumPy for the fused CPU decode (no torch op), None for a table that is not
+    float32 on the CPU. A dense table's lookup does not check the ids (the caller does)."""
+    if isinstance(embedding, BlockEmbedding):
+        return embedding.rows
+    weight = embedding.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    table = weight.detach().numpy()
+    return lambda ids: table.take(ids, axis=0)
