@@ -76,7 +76,7 @@ def _gguf_rows(qtype: object) -> Callable[[np.ndarray], np.ndarray]:
     return lambda rows: np.asarray(dequantize(rows, qtype), dtype=np.float32)  # type: ignore[arg-type]
 
 
-def lookup(embedding: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def lookup(embedding: nn.Embedding | BlockEmbedding) -> Callable[[torch.Tensor], torch.Tensor]:
     """``ids -> rows`` for the model's forward: ``F.embedding`` over a dense table, else the blocks' rows."""
     if isinstance(embedding, BlockEmbedding):
         return embedding.forward
@@ -84,7 +84,7 @@ def lookup(embedding: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda ids: torch.nn.functional.embedding(ids, weight)
 
 
-def numpy_rows(embedding: nn.Module) -> Callable[[np.ndarray], np.ndarray] | None:
+def numpy_rows(embedding: nn.Embedding | BlockEmbedding) -> Callable[[np.ndarray], np.ndarray] | None:
     """``ids -> float32 rows`` in NumPy for the fused CPU decode (no torch op), None for a table that is not
     float32 on the CPU. A dense table's lookup does not check the ids (the caller does)."""
     if isinstance(embedding, BlockEmbedding):

@@ -422,7 +422,7 @@ class ConvertedBlocks:
             self.folder.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-")
             try:
-                data = memoryview(np.ascontiguousarray(out)).cast("B")
+                data = np.ascontiguousarray(out).data.cast("B")
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.write(zlib.crc32(data).to_bytes(4, "little"))
@@ -446,7 +446,7 @@ def _read_checked(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
     except OSError:
         return None
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    if zlib.crc32(memoryview(data[:nbytes])) != int.from_bytes(data[nbytes:].tobytes(), "little"):
+    if zlib.crc32(data[:nbytes].data) != int.from_bytes(data[nbytes:].tobytes(), "little"):
         logger.warning("%s fails its checksum; converting that tensor again", path)
         return None
     return data[:nbytes].reshape(shape)

@@ -28,7 +28,7 @@ from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.distributed.parallel_state import all_reduce_, tp_rank, tp_size
 from pagedrs.models.config import ModelConfig
 from pagedrs.models.cpu_decode import FusedCpuDecode
-from pagedrs.models.embedding import lookup
+from pagedrs.models.embedding import BlockEmbedding, lookup
 from pagedrs.models.layers import (
     DenseLinearMethod,
     LinearBase,
@@ -190,7 +190,9 @@ class LlamaBody(nn.Module):
         dtype = fmt.params_dtype
         # _weight skips the random init of a table that is about to be overwritten
         table = torch.empty(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table, _freeze=True)
+        # a GGUF load may put a BlockEmbedding (the file's blocks) in its place (loader._load_gguf_blocks)
+        self.embed_tokens: nn.Embedding | BlockEmbedding = nn.Embedding(config.vocab_size, config.hidden_size,
+                                                                         _weight=table, _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config, fmt, device, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, device, dtype)
 
