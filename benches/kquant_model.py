@@ -1,7 +1,11 @@
 """Writes a random llama in llama.cpp's Q4_K_M mix, sized like SmolLM2 but with K-quant widths, to time it.
 
-    python benches/kquant_model.py OUT.gguf
+    python benches/kquant_model.py OUT.gguf [--geometry smollm2|llama3-8b] [--layers N]
     pagedrs bench decode --quick --model OUT.gguf --weight-dtype float32,gguf --threads 1
+
+``--geometry llama3-8b``: Llama 3 8B's layer widths (hidden 4096, MLP 14336, 32 heads of 128, 8 KV
+heads; default 2 layers, SmolLM2's vocabulary and tokenizer so the tied Q6_K head is 49152 x 4096):
+what loading and decoding matrices of a real 8B's size cost, on a machine without an 8B file.
 
 SmolLM2's widths (576) are not multiples of 256, so no K-quant SmolLM2 exists; this model has 30
 layers of hidden 512, intermediate 1536, 8 heads of 64 (4 KV heads) and SmolLM2's tokenizer and
@@ -19,9 +23,22 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 
+GEOMETRIES = {
+    "smollm2": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
+                    num_key_value_heads=4, head_dim=64, rope_theta=100000.0),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, rope_theta=500000.0),
+}
+
+
 def main() -> None:
-    if len(sys.argv) != 2:
-        raise SystemExit(__doc__)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="smollm2")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the geometry's)")
+    args = parser.parse_args()
     import torch
     import transformers
 
@@ -30,13 +47,15 @@ def main() -> None:
     from pagedrs.models.loader import embedded_model_path
 
     tokenizer_folder = convert_gguf_cached(embedded_model_path())  # SmolLM2's tokenizer.json
+    geometry = dict(GEOMETRIES[args.geometry])
+    if args.layers is not None:
+        geometry["num_hidden_layers"] = args.layers
     config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=64, max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0,
-        tie_word_embeddings=True, initializer_range=0.02, bos_token_id=0, eos_token_id=2)
+        vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        initializer_range=0.02, bos_token_id=0, eos_token_id=2, **geometry)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    out = Path(sys.argv[1])
+    out = args.out
     import gguf
 
     # the tied embedding and head in Q6_K, as llama.cpp's Q4_K_M stores an output head
