@@ -307,3 +307,23 @@ def test_the_float32_weights_are_written_once_on_the_first_dense_load(tiny_gguf,
     streamed = dict(gguf_loader.gguf_tensors(tiny_gguf, index, config))
     assert written.keys() == streamed.keys()
     assert all(torch.equal(written[k], streamed[k]) for k in written)
+
+
+def test_a_block_loads_tensors_are_checked_against_the_config_before_any_is_read(tmp_path, cache_dir):
+    """Tensors a block-format load takes from the file's blocks (the products, a quantized embedding table)
+    are checked against the config like every other: an embedding of another vocabulary size is refused
+    naming it, before a matrix is packed (it used to surface only as a token refused at a later step)."""
+    import gguf
+
+    from gguf_writer import KERNEL_QTYPES
+
+    model = make_tiny_model("mistral", tmp_path / "hf")
+    path = tmp_path / "q8_table.gguf"
+    write_gguf(model, tmp_path / "hf", path, qtypes={**KERNEL_QTYPES, "token_embd": gguf.GGMLQuantizationType.Q8_0})
+    assert type(load_model(path, weight_dtype="gguf").model.model.embed_tokens).__name__ == "BlockEmbedding"
+    folder = gguf_loader.convert_gguf_cached(path)
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] += 1
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"tensor 'model\.embed_tokens\.weight' in .*q8_table\.gguf has shape \(300, 64\), but config\.json implies \(301, 64\)"):
+        load_model(path, weight_dtype="gguf")

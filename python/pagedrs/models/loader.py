@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,6 +151,9 @@ def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], 
 
     config = ModelConfig.from_hf_dict(config_dict)
     model = LlamaForCausalLM(config, device=device, weight_format=weight_format)
+    # every tensor's name and shape against the config (from the index: nothing is read yet), whichever
+    # way it is then loaded
+    check_checkpoint(model, gguf_checkpoint_shapes(path, index), where=str(path))
     raw = gguf_raw_linears(path, config_dict, index)
     taken = install_gguf_weights(model, raw, tied=config.tie_word_embeddings, convert=ConvertedBlocks(folder))
     from_blocks = {n for names in taken.values() for n in names}  # the checkpoint tensors the matrices were made of
@@ -163,9 +165,6 @@ def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], 
     else:  # a float table (F32, F16, BF16): dequantized whole, like the dense path (a tied head made of it too)
         from_blocks.discard("model.embed_tokens.weight")
     del raw, table
-    shapes = gguf_checkpoint_shapes(path, index)
-    check_checkpoint(model, {k: v for k, v in shapes.items() if k not in from_blocks}, where=str(path),
-                     provided=from_blocks)
     model.load_weights(gguf_tensors(path, index, config_dict, skip=from_blocks), preloaded=taken)
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=_tokenizer(folder, config, skip_tokenizer_init),
@@ -228,11 +227,10 @@ def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor], *, whe
     model.load_weights(state.items())
 
 
-def check_checkpoint(model: LlamaForCausalLM, shapes: dict[str, tuple[int, ...]], *, where: str,
-                     provided: Collection[str] = ()) -> None:
-    """A clear error unless ``shapes`` (checkpoint name -> shape) are exactly the tensors the config needs
-    but those ``provided`` another way, each in the shape the config implies."""
-    expected = {k: v for k, v in model.checkpoint_shapes().items() if k not in provided}
+def check_checkpoint(model: LlamaForCausalLM, shapes: dict[str, tuple[int, ...]], *, where: str) -> None:
+    """A clear error unless ``shapes`` (checkpoint name -> shape) are exactly the tensors the config needs,
+    each in the shape the config implies."""
+    expected = model.checkpoint_shapes()
     if model.config.tie_word_embeddings:
         shapes = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
     missing = sorted(set(expected) - set(shapes))
