@@ -327,3 +327,21 @@ def test_a_block_loads_tensors_are_checked_against_the_config_before_any_is_read
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"tensor 'model\.embed_tokens\.weight' in .*q8_table\.gguf has shape \(300, 64\), but config\.json implies \(301, 64\)"):
         load_model(path, weight_dtype="gguf")
+
+
+def test_auto_on_a_folder_keeps_float32_and_says_a_block_format_is_faster(tiny_llama_dir, monkeypatch, caplog):
+    """``auto`` never quantizes a Hugging Face folder (the numbers stay its weights'), but on a CPU the kernel
+    runs on it says, once, that q8_0 / q4_1 would decode several times faster; an explicit choice is not
+    second-guessed, nor a CPU without the kernel."""
+    from pagedrs.models import gguf_linear
+
+    monkeypatch.setattr(gguf_linear, "cpu_runs_gguf_kernel", lambda: True)
+    with caplog.at_level("INFO", logger="pagedrs.engine"):
+        assert load_model(tiny_llama_dir).weight_format.name == "float32"
+    assert [r.getMessage().count("weight_dtype 'q8_0'") for r in caplog.records] == [1]
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pagedrs.engine"):
+        load_model(tiny_llama_dir, weight_dtype="float32")
+        monkeypatch.setattr(gguf_linear, "cpu_runs_gguf_kernel", lambda: False)
+        load_model(tiny_llama_dir)
+    assert "q8_0" not in caplog.text
