@@ -345,3 +345,22 @@ def test_auto_on_a_folder_keeps_float32_and_says_a_block_format_is_faster(tiny_l
         monkeypatch.setattr(gguf_linear, "cpu_runs_gguf_kernel", lambda: False)
         load_model(tiny_llama_dir)
     assert "q8_0" not in caplog.text
+
+
+def test_a_cache_that_cannot_be_written_is_named_with_the_way_out(tiny_gguf, cache_dir, monkeypatch):
+    """A full disk or a read-only home while a GGUF is first converted: an error naming the cache folder and
+    PAGEDRS_CACHE_DIR (not a bare errno from deep inside), no half-written folder left; the hash not being
+    remembered loses only that saving."""
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gguf_loader.tempfile, "mkdtemp", read_only)
+        patch.setattr(gguf_loader, "_atomic_write_text", read_only)
+        with pytest.raises(OSError, match=r"cannot write the converted GGUF folder under '.*cache' \(Read-only file "
+                                          r"system\); set PAGEDRS_CACHE_DIR to a writable folder"):
+            load_model(tiny_gguf, weight_dtype="gguf")
+    assert not list((cache_dir / "gguf").glob("*"))
+    assert load_model(tiny_gguf, weight_dtype="gguf").weight_format.name == "gguf"  # writable again: loads

@@ -17,6 +17,7 @@ match the Hugging Face rotary layout our model uses.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -60,6 +61,7 @@ _CONVERTED_FORMAT = 3
 _INDEX = "gguf_index.json"  # the file's architecture and tensors (type, shape, bytes), in the converted folder
 _Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)  # Q/K rows: float tensors, or arrays of block bytes
 _DENSE = "model.safetensors"  # every tensor in float32, for the dense formats and transformers
+_UNWRITABLE = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # a cache that cannot be written
 _DEQUANTIZE_FLOATS = 1 << 22  # floats dequantized per call (16 MiB): bounds the transient arrays of a large tensor
 
 
@@ -83,7 +85,10 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     memo[key] = h.hexdigest()
-    _atomic_write_text(memo_file, json.dumps(memo))
+    try:
+        _atomic_write_text(memo_file, json.dumps(memo))
+    except OSError as e:  # only the saving is lost: the next load hashes the file again
+        logger.warning("the hash of %s was not remembered in %s (%s)", path, memo_file, e)
     return memo[key]
 
 
@@ -100,20 +105,27 @@ def convert_gguf_cached(path: Path, *, dense_weights: bool = False) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     target = cache_root() / "gguf" / f"{file_sha256(path)}-v{_CONVERTED_FORMAT}"
-    if not (target / _INDEX).is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-        try:
-            convert_gguf(path, staging)
+    try:
+        if not (target / _INDEX).is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
             try:
-                staging.rename(target)  # atomic: a concurrent converter may have won, which is fine
-            except OSError:
-                if not (target / _INDEX).is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-    if dense_weights and not _whole_safetensors(target / _DENSE):
-        _write_dense_weights(path, target)
+                convert_gguf(path, staging)
+                try:
+                    staging.rename(target)  # atomic: a concurrent converter may have won, which is fine
+                except OSError:
+                    if not (target / _INDEX).is_file():
+                        raise
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        if dense_weights and not _whole_safetensors(target / _DENSE):
+            _write_dense_weights(path, target)
+    except OSError as e:
+        if e.errno not in _UNWRITABLE:
+            raise
+        raise OSError(e.errno, f"cannot write the converted GGUF folder under {str(cache_root())!r} ({e.strerror}); "
+                      "set PAGEDRS_CACHE_DIR to a writable folder with room for the tokenizer and index (a few MB; "
+                      "about the file's size more for converted K-quants, 4 bytes a weight for a dense load)") from e
     return target
 
 
