@@ -51,7 +51,7 @@ def main() -> None:
 
     from gguf_writer import write_gguf
     from pagedrs.bench.machine import describe_machine
-    from pagedrs.models.gguf_loader import convert_gguf_cached
+    from pagedrs.models.gguf_cache import convert_gguf_cached
     from pagedrs.models.loader import embedded_model_path
 
     embedded = embedded_model_path()

@@ -43,7 +43,7 @@ def main() -> None:
     import transformers
 
     from gguf_writer import Q4_K_M_QTYPES, write_gguf
-    from pagedrs.models.gguf_loader import convert_gguf_cached
+    from pagedrs.models.gguf_cache import convert_gguf_cached
     from pagedrs.models.loader import embedded_model_path
 
     tokenizer_folder = convert_gguf_cached(embedded_model_path())  # SmolLM2's tokenizer.json

@@ -165,13 +165,13 @@ def test_converted_blocks_are_kept_for_the_next_load(q4_k_m_files, tmp_path, mon
     leaves no partial file."""
     import errno
 
-    from pagedrs.models import gguf_convert, gguf_loader, quant
+    from pagedrs.models import gguf_cache, gguf_convert, gguf_loader, quant
 
     k_quants, _ = q4_k_m_files
     monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: True)
     monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "cache"))
     fresh = decode(k_quants, "gguf")
-    kept_dir = gguf_loader.convert_gguf_cached(k_quants) / "converted"
+    kept_dir = gguf_cache.convert_gguf_cached(k_quants) / "converted"
     index = gguf_loader.tensor_index(k_quants, kept_dir.parent)
     converted_types = {gguf_loader._hf_name(t["name"], k_quants) for t in index["tensors"]
                        if kernel_type(t["type"]) not in (None, t["type"])}
@@ -202,9 +202,9 @@ def test_converted_blocks_are_kept_for_the_next_load(q4_k_m_files, tmp_path, mon
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "full"))
-    gguf_loader.convert_gguf_cached(k_quants)  # the folder itself (config, index) is written before the disk fills
-    monkeypatch.setattr(gguf_loader.tempfile, "mkstemp", full_disk)
+    gguf_cache.convert_gguf_cached(k_quants)  # the folder itself (config, index) is written before the disk fills
+    monkeypatch.setattr(gguf_cache.tempfile, "mkstemp", full_disk)
     with caplog.at_level("WARNING", logger="pagedrs.engine"):
         assert decode(k_quants, "gguf") == fresh
     assert "were not kept" in caplog.text and "No space left on device" in caplog.text
-    assert not any((gguf_loader.convert_gguf_cached(k_quants) / "converted").glob("*"))
+    assert not any((gguf_cache.convert_gguf_cached(k_quants) / "converted").glob("*"))

@@ -11,7 +11,7 @@ import torch
 
 from conftest import make_tiny_model
 from gguf_writer import write_gguf
-from pagedrs.models import ModelConfig, gguf_loader, load_model
+from pagedrs.models import ModelConfig, gguf_cache, gguf_loader, load_model
 
 
 @pytest.fixture(scope="module")
@@ -53,15 +53,15 @@ def test_gguf_logits_match_transformers_reading_the_same_file(tiny_gguf, cache_d
 
 def test_gguf_cache_is_written_then_used(tiny_gguf, cache_dir, monkeypatch):
     first = load_model(tiny_gguf)
-    sha = gguf_loader.file_sha256(tiny_gguf)
+    sha = gguf_cache.file_sha256(tiny_gguf)
     folders = list((cache_dir / "gguf").iterdir())
-    assert [f.name for f in folders] == [f"{sha}-v{gguf_loader._CONVERTED_FORMAT}"]
+    assert [f.name for f in folders] == [f"{sha}-v{gguf_cache._CONVERTED_FORMAT}"]
     assert (folders[0] / "model.safetensors").is_file() and (folders[0] / "tokenizer.json").is_file()
 
     def no_conversion(*args, **kwargs):
         raise AssertionError("second load converted the GGUF again instead of reading the cache")
 
-    monkeypatch.setattr(gguf_loader, "convert_gguf", no_conversion)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", no_conversion)
     second = load_model(tiny_gguf)
     for (k, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
@@ -185,7 +185,7 @@ def test_the_converted_folders_tensor_index_places_every_tensor_as_the_reader_do
     import gguf
     import numpy as np
 
-    folder = gguf_loader.convert_gguf_cached(tiny_gguf)
+    folder = gguf_cache.convert_gguf_cached(tiny_gguf)
     index = gguf_loader.tensor_index(tiny_gguf, folder)
     reader = gguf.GGUFReader(str(tiny_gguf))
     assert [t["name"] for t in index["tensors"]] == [t.name for t in reader.tensors]
@@ -248,7 +248,7 @@ def test_a_block_load_dequantizes_only_what_no_matrix_took(source, tiny_gguf, sm
     with monkeypatch.context() as patch:
         patch.setattr(gguf_loader, "gguf_tensors", recording)
         loaded = load_model(path, weight_dtype="gguf")
-    folder = gguf_loader.convert_gguf_cached(path)
+    folder = gguf_cache.convert_gguf_cached(path)
     assert not (folder / "model.safetensors").exists()  # no float32 copy on disk either
     shapes = gguf_loader.gguf_checkpoint_shapes(path, tensor_index(path, folder))
     matrices = {n: m.gguf_matrix.name for n, m in loaded.model.named_modules() if getattr(m, "gguf_matrix", None)}
@@ -269,7 +269,7 @@ def test_a_block_load_dequantizes_only_what_no_matrix_took(source, tiny_gguf, sm
 
     # the old order: every tensor dense (the float32 file), then the matrices installed over the layers
     config = json.loads((folder / "config.json").read_text())
-    old = load_hf_folder(gguf_loader.convert_gguf_cached(path, dense_weights=True), torch.float32, torch.device("cpu"),
+    old = load_hf_folder(gguf_cache.convert_gguf_cached(path, dense_weights=True), torch.float32, torch.device("cpu"),
                          name="old", weight_format=loaded.weight_format)
     install_gguf_weights(old.model, gguf_raw_linears(path, config), tied=old.config.tie_word_embeddings)
     old.model.bind()
@@ -286,13 +286,13 @@ def test_the_float32_weights_are_written_once_on_the_first_dense_load(tiny_gguf,
     from safetensors.torch import load_file
 
     load_model(tiny_gguf, weight_dtype="gguf")
-    folder = gguf_loader.convert_gguf_cached(tiny_gguf)
+    folder = gguf_cache.convert_gguf_cached(tiny_gguf)
     assert not (folder / "model.safetensors").exists()
     first = load_model(tiny_gguf, weight_dtype="float32")
     assert (folder / "model.safetensors").is_file()
     assert [f.name for f in folder.iterdir() if f.name.startswith(".")] == []  # no temporary file left behind
     with monkeypatch.context() as patch:
-        patch.setattr(gguf_loader, "_write_dense_weights", lambda *a: pytest.fail("the weights were written again"))
+        patch.setattr(gguf_cache, "_write_dense_weights", lambda *a: pytest.fail("the weights were written again"))
         second = load_model(tiny_gguf, weight_dtype="float32")
     for (k, a), b in zip(first.model.state_dict().items(), second.model.state_dict().values(), strict=True):
         assert torch.equal(a, b), k
@@ -321,7 +321,7 @@ def test_a_block_loads_tensors_are_checked_against_the_config_before_any_is_read
     path = tmp_path / "q8_table.gguf"
     write_gguf(model, tmp_path / "hf", path, qtypes={**KERNEL_QTYPES, "token_embd": gguf.GGMLQuantizationType.Q8_0})
     assert type(load_model(path, weight_dtype="gguf").model.model.embed_tokens).__name__ == "BlockEmbedding"
-    folder = gguf_loader.convert_gguf_cached(path)
+    folder = gguf_cache.convert_gguf_cached(path)
     config = json.loads((folder / "config.json").read_text())
     config["vocab_size"] += 1
     (folder / "config.json").write_text(json.dumps(config))
@@ -357,8 +357,8 @@ def test_a_cache_that_cannot_be_written_is_named_with_the_way_out(tiny_gguf, cac
         raise OSError(errno.EROFS, "Read-only file system")
 
     with monkeypatch.context() as patch:
-        patch.setattr(gguf_loader.tempfile, "mkdtemp", read_only)
-        patch.setattr(gguf_loader, "_atomic_write_text", read_only)
+        patch.setattr(gguf_cache.tempfile, "mkdtemp", read_only)
+        patch.setattr(gguf_cache, "_atomic_write_text", read_only)
         with pytest.raises(OSError, match=r"cannot write the converted GGUF folder under '.*cache' \(Read-only file "
                                           r"system\); set PAGEDRS_CACHE_DIR to a writable folder"):
             load_model(tiny_gguf, weight_dtype="gguf")

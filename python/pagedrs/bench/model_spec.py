@@ -20,7 +20,7 @@ def resolve_model(name: str, *, weights: bool = False) -> Path:
     """The Hugging Face folder for ``name`` (same recognition rules as the engine's loader). ``weights``:
     a GGUF's folder must hold its float32 weights (transformers or a dense engine loads them from it);
     without it the folder may hold only config and tokenizer (written on the first call that asks)."""
-    from pagedrs.models.gguf_loader import convert_gguf_cached
+    from pagedrs.models.gguf_cache import convert_gguf_cached
     from pagedrs.models.loader import EMBEDDED_MODEL_NAME, embedded_model_path
 
     if name.lower() == EMBEDDED_MODEL_NAME:

@@ -105,7 +105,7 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
     """Give every ``GgufLinearMethod`` layer its raw-block matrix. Returns, per parameter that got one
     (``"model.layers.0.self_attn.qkv_proj.weight"``), the checkpoint tensors it was made of: a load
     need not read them again. ``convert``: ``to_kernel``, or one that keeps its results
-    (``gguf_loader.ConvertedBlocks``). Bind the model again afterwards (``load_weights`` does)."""
+    (``gguf_cache.ConvertedBlocks``). Bind the model again afterwards (``load_weights`` does)."""
     from pagedrs._core import GgufMatrix
 
     installed: dict[str, tuple[str, ...]] = {}

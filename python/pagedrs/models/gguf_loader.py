@@ -1,14 +1,10 @@
-"""GGUF -> a cached Hugging Face folder (config.json, tokenizer files, the tensors' index; float32
-weights only for the loads that need them), and the file's tensors read at the index's places.
+"""Reading a GGUF file: its config (``gguf_config``), the tensors' places (``tensor_index``), each tensor
+dequantized to float32 (``gguf_tensors``) or as its raw blocks (``gguf_raw_linears``), under transformers'
+names.
 
-Parsing the file (gguf-py reads a tokenizer's strings one by one) and building the tokenizer
-from GGUF metadata take seconds, so the result is written once under ``$PAGEDRS_CACHE_DIR``
-(default ``~/.cache/pagedrs``) in ``gguf/<sha256 of the file's content>-v<format>/`` and every
-later load reads that folder. The hash of a file is remembered by (path, size, mtime) so a warm
-load does not re-read the whole file. The weights themselves stay in the GGUF: a block-format load
-(``weight_dtype="gguf"``) maps the file and packs its blocks; the rest of a load dequantizes one
-tensor at a time (``gguf_tensors``); ``model.safetensors`` (float32) is written on the first load
-that wants every weight dense (the dense formats; transformers in the benchmarks).
+A block-format load (``weight_dtype="gguf"``) maps the file and packs its blocks; the rest of a load
+dequantizes one tensor at a time. The cached folder a file converts into (config, tokenizer, this
+module's index, and float32 weights for the loads that want them) is ``gguf_cache``'s.
 
 llama.cpp stores the Q and K projections of ``llama`` models with their rows
 permuted (interleaved rotary halves); ``unpermute_qk`` undoes it so the weights
@@ -17,23 +13,14 @@ match the Hugging Face rotary layout our model uses.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
-import logging
 import math
-import os
-import shutil
-import tempfile
-import zlib
 from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
-
-logger = logging.getLogger("pagedrs.engine")
 
 # llama.cpp architecture -> (our model_type, whether Q/K rows were permuted by the converter)
 _ARCHITECTURES: dict[str, tuple[str, bool]] = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
@@ -55,121 +42,9 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# bump when the cached folder's contents change meaning, or gguf_convert's conversions change their bytes (2:
-# gguf_index.json; 3: float32 weights written only for a dense load, converted blocks kept)
-_CONVERTED_FORMAT = 3
 _INDEX = "gguf_index.json"  # the file's architecture and tensors (type, shape, bytes), in the converted folder
 _Rows = TypeVar("_Rows", torch.Tensor, np.ndarray)  # Q/K rows: float tensors, or arrays of block bytes
-_DENSE = "model.safetensors"  # every tensor in float32, for the dense formats and transformers
-_UNWRITABLE = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # a cache that cannot be written
 _DEQUANTIZE_FLOATS = 1 << 22  # floats dequantized per call (16 MiB): bounds the transient arrays of a large tensor
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDRS_CACHE_DIR", Path.home() / ".cache" / "pagedrs"))
-
-
-def file_sha256(path: Path) -> str:
-    """Content hash, memoized by (resolved path, size, mtime_ns) in the cache's hashes.json."""
-    stat = path.stat()
-    memo_file = cache_root() / "hashes.json"
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        memo = {}
-    if key in memo:
-        return str(memo[key])
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    memo[key] = h.hexdigest()
-    try:
-        _atomic_write_text(memo_file, json.dumps(memo))
-    except OSError as e:  # only the saving is lost: the next load hashes the file again
-        logger.warning("the hash of %s was not remembered in %s (%s)", path, memo_file, e)
-    return memo[key]
-
-
-def convert_gguf_cached(path: Path, *, dense_weights: bool = False) -> Path:
-    """The cached converted folder for this GGUF file (config.json, tokenizer files, gguf_index.json),
-    converting it on the first call; with ``dense_weights`` it also holds ``model.safetensors``, every
-    tensor dequantized to float32 (written on the first call that asks).
-
-    Why the weights are optional: a load in the file's own blocks (``weight_dtype="gguf"``, what ``auto``
-    picks for a quantized GGUF on a CPU) reads the blocks from the file itself and never needs a float32
-    copy, which takes 4 bytes a weight on disk (about 32 GB for an 8B model). The dense formats, and
-    transformers reading the same weights (the benchmarks' referee), do."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    target = cache_root() / "gguf" / f"{file_sha256(path)}-v{_CONVERTED_FORMAT}"
-    try:
-        if not (target / _INDEX).is_file():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-            try:
-                convert_gguf(path, staging)
-                try:
-                    staging.rename(target)  # atomic: a concurrent converter may have won, which is fine
-                except OSError:
-                    if not (target / _INDEX).is_file():
-                        raise
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-        if dense_weights and not _whole_safetensors(target / _DENSE):
-            _write_dense_weights(path, target)
-    except OSError as e:
-        if e.errno not in _UNWRITABLE:
-            raise
-        raise OSError(e.errno, f"cannot write the converted GGUF folder under {str(cache_root())!r} ({e.strerror}); "
-                      "set PAGEDRS_CACHE_DIR to a writable folder with room for the tokenizer and index (a few MB; "
-                      "about the file's size more for converted K-quants, 4 bytes a weight for a dense load)") from e
-    return target
-
-
-def _whole_safetensors(path: Path) -> bool:
-    """Whether ``path`` is a safetensors file whose header and data add up (one cut short is written again
-    instead of failing every later load; the data's bits are not checksummed)."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return len(list(f.keys())) > 0
-    except (OSError, SafetensorError):
-        return False
-
-
-def convert_gguf(path: Path, out: Path) -> None:
-    """Write config.json, the tokenizer and gguf_index.json (the tensors' places) of a GGUF file into ``out``."""
-    reader = open_gguf(path)
-    config = gguf_config(reader, path)
-    for t in reader.tensors:
-        if t.name != "rope_freqs.weight":  # a config value, not a weight
-            _hf_name(t.name, path)  # a tensor with no place in the architecture is refused now, not at a later load
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    from pagedrs.tokenizer import Tokenizer
-
-    Tokenizer.from_gguf(path).hf.save_pretrained(str(out))
-    (out / _INDEX).write_text(json.dumps(_tensor_index(reader)))  # last: the folder is complete when it exists
-
-
-def _write_dense_weights(path: Path, folder: Path) -> None:
-    """``model.safetensors`` (float32, transformers names) in ``folder``, written to a temporary file and
-    renamed into place, so a reader never sees half of it and concurrent writers do not clash."""
-    from safetensors.torch import save_file
-
-    config = json.loads((folder / "config.json").read_text())
-    state = dict(gguf_tensors(path, tensor_index(path, folder), config))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".weights-", suffix=".safetensors")
-    os.close(fd)
-    try:
-        save_file(state, tmp)
-        os.replace(tmp, folder / _DENSE)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def open_gguf(path: Path) -> Any:
@@ -391,77 +266,6 @@ def unpermute_qk(w: _Rows, num_heads: int) -> _Rows:
     """Inverse of ``permute_qk``: interleaved rotary pairs -> the two halves transformers expects."""
     rows = w.shape[0]
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-class ConvertedBlocks:
-    """``gguf_convert.to_kernel`` with its results kept in the converted folder (``converted/<name>.<TARGET>``:
-    the raw block bytes, then their CRC-32), so only the first load of a file converts.
-
-    Why: converting runs at 80-110 M weights a second here (Q4_K -> Q4_1, Q6_K -> Q8_0), about 100 s
-    for an 8B Q4_K_M file on every load, where reading the converted blocks back and checking them
-    takes seconds (CRC-32 at ~2.4 GB/s). Never wrong: a kept file is used only when it has exactly the
-    bytes its shape takes and its checksum holds (a file cut short, or spoiled on disk, is converted
-    again and rewritten); it is written to a temporary name and renamed into place (never seen
-    half-written). A failed write (a full disk, a read-only cache) loses only the saving: the load
-    goes on with the blocks it converted, and says so. The folder is keyed by the GGUF file's content
-    hash and the conversion is a pure function of the blocks, so a kept result is the one the file gives."""
-
-    def __init__(self, folder: Path | None) -> None:
-        self.folder = None if folder is None else folder / "converted"
-
-    def __call__(self, blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        from pagedrs.models.gguf_convert import QK, to_kernel
-
-        if type_name == target or self.folder is None:
-            return to_kernel(blocks, cols, type_name, target, name)
-        kept_file = self.folder / f"{name}.{target}"
-        shape = (blocks.shape[0], cols // QK * GGML_QUANT_SIZES[GGMLQuantizationType[target]][1])
-        kept = _read_checked(kept_file, shape)
-        if kept is not None:
-            return kept
-        out = to_kernel(blocks, cols, type_name, target, name)
-        try:
-            self.folder.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-")
-            try:
-                data = np.ascontiguousarray(out).data.cast("B")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.write(zlib.crc32(data).to_bytes(4, "little"))
-                os.replace(tmp, kept_file)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        except OSError as e:
-            logger.warning("GGUF tensor %r: its %s blocks were not kept in %s (%s); the next load converts it again",
-                           name, target, self.folder, e)
-        return out
-
-
-def _read_checked(path: Path, shape: tuple[int, int]) -> np.ndarray | None:
-    """The uint8 ``shape`` blocks ``ConvertedBlocks`` kept at ``path`` (a read-only map), or None when the file is
-    absent, not that size, or fails its CRC-32."""
-    nbytes = shape[0] * shape[1]
-    try:
-        if path.stat().st_size != nbytes + 4 or nbytes == 0:
-            return None
-    except OSError:
-        return None
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    if zlib.crc32(data[:nbytes].data) != int.from_bytes(data[nbytes:].tobytes(), "little"):
-        logger.warning("%s fails its checksum; converting that tensor again", path)
-        return None
-    return data[:nbytes].reshape(shape)
 
 
 def gguf_raw_linears(path: Path, config: dict[str, Any],

@@ -135,8 +135,9 @@ def _hint_block_formats(path: Path) -> None:
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, weight_dtype: str,
                skip_tokenizer_init: bool) -> LoadedModel:
     from pagedrs.distributed.parallel_state import tp_size
+    from pagedrs.models.gguf_cache import convert_gguf_cached
     from pagedrs.models.gguf_linear import shards_hold_whole_blocks
-    from pagedrs.models.gguf_loader import convert_gguf_cached, linear_tensor_types, tensor_index
+    from pagedrs.models.gguf_loader import linear_tensor_types, tensor_index
 
     folder = convert_gguf_cached(path)
     config = json.loads((folder / "config.json").read_text())
@@ -164,8 +165,9 @@ def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], 
     during the load (8 with the float32 file read beside it: about 64 GB for an 8B model whose blocks
     take 5) and a float32 copy of the file on disk."""
     from pagedrs.models.embedding import BlockEmbedding
+    from pagedrs.models.gguf_cache import ConvertedBlocks
     from pagedrs.models.gguf_linear import install_gguf_weights
-    from pagedrs.models.gguf_loader import ConvertedBlocks, gguf_checkpoint_shapes, gguf_raw_linears, gguf_tensors
+    from pagedrs.models.gguf_loader import gguf_checkpoint_shapes, gguf_raw_linears, gguf_tensors
 
     config = ModelConfig.from_hf_dict(config_dict)
     model = LlamaForCausalLM(config, device=device, weight_format=weight_format)
