@@ -143,11 +143,16 @@ def _write_dense_weights(path: Path, folder: Path) -> None:
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file renamed into place (none left behind if writing fails)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 class ConvertedBlocks:

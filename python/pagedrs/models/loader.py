@@ -9,7 +9,7 @@ Sources, in the order they are recognised:
   through ``model.safetensors.index.json``) and tokenizer files.
 
 GGUF files are converted once into a folder under the cache (config, tokenizer, the tensors'
-index; see ``gguf_loader``). A dense load of one then goes through ``load_hf_folder`` like any
+index; see ``gguf_cache``; the file itself is read by ``gguf_loader``). A dense load of one then goes through ``load_hf_folder`` like any
 Hugging Face folder (its float32 weights written into the folder on the first such load); a
 block-format load (``weight_dtype="gguf"``) packs the kernel's matrices from the file's own blocks
 and dequantizes only the rest (``_load_gguf_blocks``). Every dense tensor lands through its
