@@ -259,6 +259,7 @@ def test_a_block_load_dequantizes_only_what_no_matrix_took(source, tiny_gguf, sm
     else:
         from_blocks.discard("model.embed_tokens.weight")
     assert from_blocks and len(dequantized) == len(set(dequantized))
+    assert not [n for n, p in loaded.model.named_parameters() if p.is_meta]  # every staged weight that loads got storage
     assert set(dequantized) == set(shapes) - from_blocks
     if source == "tiny":  # the float-typed products were read dense, and their layers kept a float32 weight
         dense_products = [n for n in dequantized if n.endswith("proj.weight")]
@@ -364,3 +365,24 @@ def test_a_cache_that_cannot_be_written_is_named_with_the_way_out(tiny_gguf, cac
             load_model(tiny_gguf, weight_dtype="gguf")
     assert not list((cache_dir / "gguf").glob("*"))
     assert load_model(tiny_gguf, weight_dtype="gguf").weight_format.name == "gguf"  # writable again: loads
+
+
+def test_gguf_staged_weights_have_no_storage_and_cannot_be_filled_by_mistake():
+    """Under "gguf" the products' float32 weights and the lookup table are shapes on the meta device until a
+    load knows which of them load dense (an 8B model's would be 32 GB of address space a host with strict
+    overcommit refuses); a copy into one would do nothing without a word, so the weight loaders refuse it."""
+    from pagedrs.models.layers import LinearBase
+    from pagedrs.models.llama import LlamaForCausalLM, default_weight_loader
+    from pagedrs.models.quant import WeightFormat
+
+    config = ModelConfig.from_hf_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                                       "num_key_value_heads": 1})
+    model = LlamaForCausalLM(config, device="cpu", weight_format=WeightFormat("gguf", torch.float32))
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.is_meta for m in linears) and model.model.embed_tokens.weight.is_meta
+    o_proj = model.model.layers[0].self_attn.o_proj
+    with pytest.raises(RuntimeError, match=r"RowParallelLinear \(in=64, out=64\) has no storage for its weight"):
+        o_proj.weight_loader(o_proj.weight, torch.zeros(64, 64))
+    with pytest.raises(RuntimeError, match=r"no storage \(staged on the meta device\)"):
+        default_weight_loader(model.model.embed_tokens.weight, torch.zeros(64, 64))

@@ -47,7 +47,13 @@ _FUSED: dict[str, tuple[tuple[str, ShardId], ...]] = {
 
 
 class GgufLinearMethod(LinearMethod):
-    """Stages a dense float32 weight for loading; after ``install`` multiplies through a ``GgufMatrix``."""
+    """Multiplies through a ``GgufMatrix`` once ``install`` gave the layer one; a layer whose file tensors are
+    not on the kernel keeps a dense float32 weight and the dense product.
+
+    The weight ``create_weights`` registers lives on the meta device (a shape, no storage) until
+    ``LlamaForCausalLM.load_weights`` gives the layers that still have one real storage: a layer that got a
+    matrix first never needed a float32 copy, and an 8B model's would have been 32 GB of address space that
+    a host with strict overcommit refuses."""
 
     name = "gguf"
     # The kernel's team size; None: torch's intra-op thread count. ``hand_cpu_threads_to_gemv``
@@ -55,7 +61,7 @@ class GgufLinearMethod(LinearMethod):
     threads: int | None = None
 
     def create_weights(self, layer: LinearBase, in_features: int, out_features: int, device: Any) -> None:
-        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32, device=device),
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float32, device="meta"),
                                     requires_grad=False)
         layer.gguf_matrix = None  # type: ignore[assignment]  # set by install()
 

@@ -335,6 +335,9 @@ def _copy_checked(
     full_rows: int | None = None,
 ) -> None:
     """``dst.copy_(src)`` after checking that the checkpoint tensor has the shape this layer implies."""
+    if dst.is_meta:  # a copy into a meta tensor does nothing: the weight would be left unset without a word
+        raise RuntimeError(f"{type(layer).__name__} (in={layer.in_features}, out={layer.out_features}) has no storage "
+                           "for its weight (staged on the meta device and never materialized)")
     full = src if full is None else full
     if (full_rows is not None and full.shape[0] != full_rows) or tuple(src.shape) != tuple(dst.shape):
         shard = "" if shard_id is None else f" (shard {shard_id!r})"

@@ -188,8 +188,10 @@ class LlamaBody(nn.Module):
     def __init__(self, config: ModelConfig, fmt: WeightFormat, device: torch.device | str | None) -> None:
         super().__init__()
         dtype = fmt.params_dtype
-        # _weight skips the random init of a table that is about to be overwritten
-        table = torch.empty(config.vocab_size, config.hidden_size, device=device, dtype=dtype)
+        # _weight skips the random init of a table that is about to be overwritten; under "gguf" the table is a
+        # shape only (meta) until the loader knows whether it stays in the file's blocks (BlockEmbedding)
+        table = torch.empty(config.vocab_size, config.hidden_size, device="meta" if fmt.name == "gguf" else device,
+                            dtype=dtype)
         # a GGUF load may put a BlockEmbedding (the file's blocks) in its place (loader._load_gguf_blocks)
         self.embed_tokens: nn.Embedding | BlockEmbedding = nn.Embedding(config.vocab_size, config.hidden_size,
                                                                          _weight=table, _freeze=True)
@@ -286,6 +288,7 @@ class LlamaForCausalLM(nn.Module):
         ``preloaded``: parameters that got their weights another way before this call (a GGUF layer's
         matrix packed from the file's blocks); a tensor aimed at one of them is not loaded (the tied
         embedding, which such a head was made of)."""
+        self._materialize_staged()
         params = dict(self.named_parameters(remove_duplicate=False))
         for name, tensor in weights:
             targets: list[tuple[str, ShardId]] = [(name, None)]
@@ -308,6 +311,19 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, LinearBase):
                 module.process_weights_after_loading()
         self.bind()
+
+    def _materialize_staged(self) -> None:
+        """Real (uninitialized) storage on the model's device for every parameter staged on the meta device
+        (``GgufLinearMethod``'s weights, the "gguf" format's lookup table): the ones still there when loading
+        starts are the ones the checkpoint fills. Their ``weight_loader`` goes with them."""
+        device = self.model.norm.weight.device
+        for module in self.modules():
+            for name, staged in list(module.named_parameters(recurse=False)):
+                if staged.is_meta:
+                    real = nn.Parameter(torch.empty(staged.shape, dtype=staged.dtype, device=device), requires_grad=False)
+                    if hasattr(staged, "weight_loader"):
+                        real.weight_loader = staged.weight_loader  # type: ignore[attr-defined]
+                    setattr(module, name, real)
 
     def bind(self) -> list[BoundLayer]:
         """Builds the per-layer records the forward pass runs over (again after parameters are replaced;
@@ -367,6 +383,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.is_meta:  # a copy into a meta tensor does nothing: the weight would be left unset without a word
+        raise RuntimeError(f"a parameter of shape {tuple(param.shape)} has no storage (staged on the meta device)")
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"tensor of shape {tuple(loaded.shape)} cannot fill a parameter of shape {tuple(param.shape)}")
     param.data.copy_(loaded)

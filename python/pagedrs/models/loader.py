@@ -185,6 +185,7 @@ def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], 
     else:  # a float table (F32, F16, BF16): dequantized whole, like the dense path (a tied head made of it too)
         from_blocks.discard("model.embed_tokens.weight")
     del raw, table
+    # the weights still staged (layers with no matrix, a float table) get storage here, and load dense
     model.load_weights(gguf_tensors(path, index, config_dict, skip=from_blocks), preloaded=taken)
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=_tokenizer(folder, config, skip_tokenizer_init),
