@@ -20,11 +20,21 @@ import os
 import shutil
 import tempfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from pagedrs.models.gguf_loader import _INDEX, _hf_name, _tensor_index, gguf_config, gguf_tensors, open_gguf, tensor_index
+from pagedrs.models.gguf_loader import (
+    _INDEX,
+    _tensor_index,
+    gguf_checkpoint_shapes,
+    gguf_config,
+    gguf_tensors,
+    open_gguf,
+    tensor_index,
+)
 
 logger = logging.getLogger("pagedrs.engine")
 
@@ -115,14 +125,13 @@ def convert_gguf(path: Path, out: Path) -> None:
     """Write config.json, the tokenizer and gguf_index.json (the tensors' places) of a GGUF file into ``out``."""
     reader = open_gguf(path)
     config = gguf_config(reader, path)
-    for t in reader.tensors:
-        if t.name != "rope_freqs.weight":  # a config value, not a weight
-            _hf_name(t.name, path)  # a tensor with no place in the architecture is refused now, not at a later load
+    index = _tensor_index(reader)
+    gguf_checkpoint_shapes(path, index)  # a tensor with no place in the architecture is refused now, not at a later load
     (out / "config.json").write_text(json.dumps(config, indent=1))
     from pagedrs.tokenizer import Tokenizer
 
     Tokenizer.from_gguf(path).hf.save_pretrained(str(out))
-    (out / _INDEX).write_text(json.dumps(_tensor_index(reader)))  # last: the folder is complete when it exists
+    (out / _INDEX).write_text(json.dumps(index))  # last: the folder is complete when it exists
 
 
 def _write_dense_weights(path: Path, folder: Path) -> None:
@@ -132,23 +141,24 @@ def _write_dense_weights(path: Path, folder: Path) -> None:
 
     config = json.loads((folder / "config.json").read_text())
     state = dict(gguf_tensors(path, tensor_index(path, folder), config))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".weights-", suffix=".safetensors")
-    os.close(fd)
-    try:
-        save_file(state, tmp)
-        os.replace(tmp, folder / _DENSE)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _replacing(folder / _DENSE) as tmp:
+        save_file(state, str(tmp))
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
-    """``text`` into ``path`` through a temporary file renamed into place (none left behind if writing fails)."""
+    with _replacing(path) as tmp:
+        tmp.write_text(text)
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary file beside ``path`` to write, renamed onto ``path`` when the block ends and removed if it
+    raises: a reader never sees half a file, and concurrent writers of the same content do not clash."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        yield Path(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -168,15 +178,15 @@ class ConvertedBlocks:
     goes on with the blocks it converted, and says so. The folder is keyed by the GGUF file's content
     hash and the conversion is a pure function of the blocks, so a kept result is the one the file gives."""
 
-    def __init__(self, folder: Path | None) -> None:
-        self.folder = None if folder is None else folder / "converted"
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder / "converted"
 
     def __call__(self, blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
         from pagedrs.models.gguf_convert import QK, to_kernel
 
-        if type_name == target or self.folder is None:
+        if type_name == target:
             return to_kernel(blocks, cols, type_name, target, name)
         kept_file = self.folder / f"{name}.{target}"
         shape = (blocks.shape[0], cols // QK * GGML_QUANT_SIZES[GGMLQuantizationType[target]][1])
@@ -185,17 +195,10 @@ class ConvertedBlocks:
             return kept
         out = to_kernel(blocks, cols, type_name, target, name)
         try:
-            self.folder.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-")
-            try:
+            with _replacing(kept_file) as tmp, tmp.open("wb") as f:
                 data = np.ascontiguousarray(out).data.cast("B")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.write(zlib.crc32(data).to_bytes(4, "little"))
-                os.replace(tmp, kept_file)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+                f.write(data)
+                f.write(zlib.crc32(data).to_bytes(4, "little"))
         except OSError as e:
             logger.warning("GGUF tensor %r: its %s blocks were not kept in %s (%s); the next load converts it again",
                            name, target, self.folder, e)

@@ -9,12 +9,12 @@ Q8_0), and so are fused siblings whose types differ (all to Q8_0).
 
 Loading (``loader._load_gguf_blocks``): before any weight is read, ``install_gguf_weights``
 gives each layer a ``GgufMatrix`` packed from the file's raw blocks (``gguf_loader.gguf_raw_linears``,
-views of the mapped file) and drops its staged float32 weight, which was never written (so never
-resident); only the tensors no matrix took are then dequantized and loaded through the usual
+views of the mapped file) and drops its staged float32 weight (a shape on the meta device, never given
+storage); only the tensors no matrix took are then dequantized and loaded through the usual
 weight loaders. Fused QKV and gate/up concatenate their siblings' block rows (rows are
-independent, so this is exact); the tied Q8_0 embedding becomes the head's matrix while the lookup
-keeps a float32 table. A layer with a tensor in no quantized type (F32 / F16 / BF16) keeps its
-float32 weight and the dense product.
+independent, so this is exact); the tied Q8_0 embedding becomes the head's matrix, and the lookup
+reads the same blocks (``embedding.BlockEmbedding``). A layer with a tensor in no quantized type
+(F32 / F16 / BF16) keeps its float32 weight and the dense product.
 
 Tensor parallelism: each rank builds (and repacks) a matrix of its own shard only, sliced from the
 file's blocks where the dense loader slices the float32 tensor (``LinearBase.row_shard`` and

@@ -139,10 +139,7 @@ def gguf_tensors(path: Path, index: dict[str, Any], config: dict[str, Any],
 
     permuted = _ARCHITECTURES[index["architecture"]][1]
     file = np.memmap(path, dtype=np.uint8, mode="r")
-    for t in index["tensors"]:
-        if t["name"] == "rope_freqs.weight":  # a config value (gguf_config), not a weight
-            continue
-        name = _hf_name(t["name"], path)
+    for name, t in _weights(index, path):
         if name in skip:
             continue
         raw = _tensor_bytes(file, t, path)
@@ -163,7 +160,15 @@ def gguf_tensors(path: Path, index: dict[str, Any], config: dict[str, Any],
 def gguf_checkpoint_shapes(path: Path, index: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The file's tensors' transformers names and (row-major) shapes, from ``index``: what a load checks
     against the config before it reads any weight."""
-    return {_hf_name(t["name"], path): tuple(t["shape"]) for t in index["tensors"] if t["name"] != "rope_freqs.weight"}
+    return {name: tuple(t["shape"]) for name, t in _weights(index, path)}
+
+
+def _weights(index: dict[str, Any], path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(transformers name, index entry) of every weight in ``index``: all its tensors but ``rope_freqs``, a
+    config value (``gguf_config``); a tensor with no place in the architecture is refused by name."""
+    for t in index["tensors"]:
+        if t["name"] != "rope_freqs.weight":
+            yield _hf_name(t["name"], path), t
 
 
 def _tensor_bytes(file: np.ndarray, t: dict[str, Any], path: Path) -> np.ndarray:
@@ -281,10 +286,9 @@ def gguf_raw_linears(path: Path, config: dict[str, Any],
     permuted = _ARCHITECTURES[index["architecture"]][1]
     file = np.memmap(path, dtype=np.uint8, mode="r")
     out: dict[str, tuple[np.ndarray, int, str]] = {}
-    for t in index["tensors"]:
-        if len(t["shape"]) != 2 or kernel_type(t["type"]) is None or t["name"] == "rope_freqs.weight":
+    for name, t in _weights(index, path):
+        if len(t["shape"]) != 2 or kernel_type(t["type"]) is None:
             continue
-        name = _hf_name(t["name"], path)
         blocks = _tensor_bytes(file, t, path)
         if permuted:
             blocks = np.ascontiguousarray(_unpermuted(blocks, name, config))
