@@ -386,3 +386,18 @@ def test_gguf_staged_weights_have_no_storage_and_cannot_be_filled_by_mistake():
         o_proj.weight_loader(o_proj.weight, torch.zeros(64, 64))
     with pytest.raises(RuntimeError, match=r"no storage \(staged on the meta device\)"):
         default_weight_loader(model.model.embed_tokens.weight, torch.zeros(64, 64))
+
+
+def test_a_tensor_name_that_would_make_a_path_is_refused_before_anything_is_written(tiny_gguf, cache_dir):
+    """A GGUF tensor's name becomes part of a kept conversion's file name; one whose layer part holds a slash
+    (``blk./x.attn_q.weight``) has no place in the architecture and is refused by the shape check, which runs
+    before any matrix is packed or any file kept."""
+    folder = gguf_cache.convert_gguf_cached(tiny_gguf)
+    index = json.loads((folder / "gguf_index.json").read_text())
+    extra = dict(next(t for t in index["tensors"] if t["name"] == "blk.0.attn_q.weight"), name="blk./x.attn_q.weight")
+    index["tensors"].append(extra)  # the same bytes again, under the name
+    (folder / "gguf_index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"hold tensors this architecture has no place for, e\.g\. "
+                                         r"\['model\.layers\./x\.self_attn\.q_proj\.weight'\]"):
+        load_model(tiny_gguf, weight_dtype="gguf")
+    assert not (folder / "converted").exists() and not (folder / "model.layers.").exists()
