@@ -517,3 +517,58 @@ def test_x_request_id_is_echoed_in_the_header_and_the_first_event(served: Served
     assert len(ids) == 2 and len(set(ids)) == 2
     without = httpx.post(served.url + path, json={**BASE[path], "stream": True}, timeout=60)
     assert "x-request-id" not in without.headers and '"request_id"' not in without.text
+
+
+# --- bodies and messages that would have lost something silently ----------------------------------
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool", "assistant"])
+@pytest.mark.parametrize("content", ["null", "absent"])
+def test_a_message_without_content_is_a_400(served: Served, role: str, content: str) -> None:
+    """Rendered as "", a missing turn would pass for an empty one; only an assistant's tool call may omit it."""
+    message: dict[str, Any] = {"role": role, **({"tool_call_id": "c1"} if role == "tool" else {})}
+    if content == "null":
+        message["content"] = None
+    error = assert_refused(send(served, CHAT, {"messages": [message]}), "messages.0")
+    assert f"a '{role}' message needs content" in error["message"]
+
+
+def test_an_assistant_tool_call_may_leave_content_null(served: Served) -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert send(served, CHAT, {"messages": messages}).status == 200
+
+
+def _raw(served: Served, body: bytes) -> httpx.Response:
+    return httpx.post(served.url + COMPLETIONS, content=body, headers={"content-type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize("body, words", [
+    (b'{"model": "%s", "prompt": "hi", "max_tokens": 3, "max_tokens": 4}', "the key 'max_tokens' twice in one object"),
+    (b'{"model": "%s", "prompt": "hi", "logit_bias": {"5": 1, "5": 2}}', "the key '5' twice in one object"),
+    (b'{"model": "%s", "prompt": "\xff\xfe"}', "not UTF-8 text: byte 0xff at offset"),
+    (b'{"model": "%s", "prompt": "hi",}', "not valid JSON: Expecting property name enclosed in double quotes at line 1"),
+    (b'\xef\xbb\xbf{"model": "%s", "prompt": "hi"}', "not valid JSON: Unexpected UTF-8 BOM"),
+])
+def test_a_body_that_would_lose_a_value_or_cannot_be_read_is_a_400_saying_why(served: Served, body: bytes,
+                                                                              words: str) -> None:
+    added = len(served.engine.added)
+    r = _raw(served, body.replace(b"%s", MODEL.encode()))
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert len(served.engine.added) == added
+    ok = _raw(served, b'{"model": "%s", "prompt": "hi", "max_tokens": 3}'.replace(b"%s", MODEL.encode()))
+    assert ok.status_code == 200, ok.text  # the server goes on
+    nested = {**BASE[CHAT], "metadata": {"max_tokens": "x"}}  # the same key in another object
+    assert httpx.post(served.url + CHAT, json=nested, timeout=60).status_code == 200
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_schema_that_matches_nothing_is_a_400_naming_its_field(served: Served, path: str) -> None:
+    schema = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    fragment = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}} \
+        if path == CHAT else {"structured_outputs": {"json": schema}}
+    reply = send(served, path, fragment)
+    field = "response_format.json_schema.schema" if path == CHAT else "structured_outputs.json"
+    error = assert_refused(reply, field, param=field)
+    assert "accepts no output" in error["message"] and "refers to itself" in error["message"]

@@ -14,6 +14,7 @@ from pagedrs.server import cache_admin, cache_pins, chat, completions, tokenize
 from pagedrs.server.engine_loop import EngineLoop
 from pagedrs.server.errors import APIError, install_error_handlers
 from pagedrs.server.guard import Gate
+from pagedrs.server.json_body import StrictJSONRoute
 from pagedrs.server.metrics import CONTENT_TYPE_LATEST
 from pagedrs.server.options import ServerOptions
 from pagedrs.server.prompts import PromptTokenizer
@@ -71,6 +72,7 @@ def build_app(
     )
     drain = DrainState()
     app = FastAPI(title="pagedrs", version=pagedrs.__version__)
+    app.router.route_class = StrictJSONRoute  # before any route: every JSON body is parsed strictly
     app.state.ctx, app.state.drain, app.state.options = ctx, drain, options
     install_error_handlers(app)
     app.add_middleware(Gate, options=options, drain=drain)

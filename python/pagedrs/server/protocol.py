@@ -347,6 +347,11 @@ class ChatMessage(_Strict):
             if getattr(self, name) is not None and self.role != role:
                 raise PydanticCustomError("wrong_role", "{name} belongs on {role} messages, not on {actual} ones",
                                           {"name": name, "role": repr(role), "actual": repr(self.role)})
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            # rendered as "", a missing turn would pass for an empty one (OpenAI refuses it too)
+            raise PydanticCustomError(
+                "missing_content", "a {role} message needs content (a string or a list of text parts); only an "
+                "assistant message that has tool_calls may leave it out or send null", {"role": repr(self.role)})
         return self
 
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import llguidance
 import llguidance.hf
 
-from pagedrs.core.structured.grammar import grammar_text
+from pagedrs.core.structured.grammar import empty_language_error, grammar_text
 from pagedrs.core.structured.state import GrammarState, LLGuidanceState
 from pagedrs.sampling_params import StructuredOutputsParams
 
@@ -74,7 +74,11 @@ class GrammarCompiler:
         self.compile_seconds += time.perf_counter() - start
         if matcher.is_error():
             raise ValueError(f"structured_outputs.{params.kind} does not compile: {matcher.get_error()}")
+        problem = empty_language_error(matcher)  # the front end's check too; a core may be driven directly
+        if problem:
+            raise ValueError(f"structured_outputs.{params.kind} {problem}")
         return matcher
 
     def __len__(self) -> int:
         return len(self._compiled)
+

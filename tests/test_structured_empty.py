@@ -1,0 +1,62 @@
+"""Grammars that match nothing, or stop matching mid-answer: refused, never a 200 with an answer
+that matches nothing (llguidance's failed matcher allows EOS alone, which looked like a clean stop)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedrs import Engine, EngineArgs, SamplingParams
+from pagedrs.sampling_params import StructuredOutputsParams
+
+SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+# a well-formed start ('{"x":') whose only property's schema matches nothing
+DEAD_END = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"],
+            "additionalProperties": False, "$defs": {"a": {"$ref": "#/$defs/a"}}}
+
+
+def make_engine(model_dir) -> Engine:
+    return Engine(EngineArgs(model=str(model_dir), block_size=4, num_gpu_blocks=128, swap_space_gb=0.001,
+                             max_model_len=256))
+
+
+def drain(engine: Engine) -> dict:
+    done = {}
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputsParams(json=SELF_REF),
+    StructuredOutputsParams(json={"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}),
+    StructuredOutputsParams(grammar="start: a\na: a"),
+])
+def test_a_grammar_that_matches_nothing_is_refused_when_added(tiny_llama_dir, constraint):
+    engine = make_engine(tiny_llama_dir)
+    free = engine.stats()["num_free_gpu_blocks"]
+    with pytest.raises(ValueError, match=rf"structured_outputs\.{constraint.kind} accepts no output"):
+        engine.add_request("bad", [5, 6, 7], SamplingParams(max_tokens=8, structured_outputs=constraint))
+    assert not engine.has_unfinished() and engine.stats()["num_free_gpu_blocks"] == free
+    assert engine.core.grammars.num_compiles == 0  # the front end's check refused it
+    with pytest.raises(ValueError, match=rf"structured_outputs\.{constraint.kind} accepts no output"):
+        engine.core.grammars.new_state(constraint)  # and so does a core driven directly
+    engine.add_request("good", [5, 6, 7], SamplingParams(max_tokens=4))
+    assert drain(engine)["good"].outputs[0].token_ids  # the engine goes on
+
+
+def test_an_answer_whose_grammar_fails_midway_ends_in_an_error_not_a_stop(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    free = engine.stats()["num_free_gpu_blocks"]
+    engine.add_request("dead", [5, 6, 7], SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(
+        json=DEAD_END)))
+    engine.add_request("plain", [8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
+    done = drain(engine)
+    dead = done["dead"]
+    assert dead.error is not None and "no token can continue" in dead.error, dead
+    assert dead.outputs[0].finish_reason == "error"
+    assert len(done["plain"].outputs[0].token_ids) == 6  # the other request is untouched
+    assert engine.stats()["num_free_gpu_blocks"] == free
