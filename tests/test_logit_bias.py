@@ -163,11 +163,11 @@ def test_bad_values_are_refused_naming_the_field(kw, field, message):
     assert len(str(info.value)) < 400, "a huge value is not echoed whole"
 
 
-@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids"])
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids", "stop_token_ids"])
 def test_ids_outside_the_vocabulary_are_refused_when_added_and_nothing_else_stops(tiny_llama_dir, field):
     engine = make_engine(tiny_llama_dir)
     vocab = engine.loaded.config.vocab_size
-    bad = {field: {vocab: 1.0} if field == "logit_bias" else [1, vocab]}
+    bad = {field: {vocab: 1.0} if field == "logit_bias" else [1, vocab]}  # a stop id never drawn stops nothing
     engine.add_request("ok", [5, 6, 7], _greedy())
     with pytest.raises(FieldError, match=rf"{field} has token id {vocab}, outside the vocabulary \[0, {vocab}\)") as info:
         engine.add_request("bad", [5, 6, 7], _greedy(**bad))

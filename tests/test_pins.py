@@ -5,6 +5,7 @@ prompt under memory pressure (the pin is what keeps the hit), on both clients, t
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -285,8 +286,10 @@ def test_the_cache_endpoints_pin_list_unpin_behind_the_admin_key(tiny_llama_dir:
         for bad, field in [({"prompt": prompt, "ttl_s": -1}, "ttl_s"), ({"prompt": prompt, "ttl_s": 1e9}, "ttl_s"),
                            ({"prompt": prompt, "ttl_s": "5"}, "ttl_s"), ({"prompt": prompt, "messages": []}, "prompt"),
                            ({}, "prompt"), ({"prompt": prompt, "colour": 1}, "colour"), ({"prompt": [1, 2]}, "block_size"),
-                           ({"prompt": list(range(3, 83))}, "max_model_len")]:
-            refused = call("POST", "/v1/cache/pin", json=bad)
+                           ({"prompt": list(range(3, 83))}, "max_model_len"),
+                           ({"prompt": "a\ud800" * 20}, "lone surrogate"), ({"prompt": prompt, "cache_salt": "\udc80"}, "cache_salt")]:
+            refused = httpx.post(live.url + "/v1/cache/pin", content=json.dumps(bad).encode(), timeout=120,
+                                 headers={**bearer(ADMIN), "Content-Type": "application/json"})  # \u escapes
             assert refused.status_code in (400, 422) and field in refused.text, (bad, refused.text)
         nan = httpx.post(live.url + "/v1/cache/pin", content=b'{"prompt": [5,6,7,8,9,10,11,12,13], "ttl_s": NaN}',
                          headers={**bearer(ADMIN), "Content-Type": "application/json"}, timeout=60)

@@ -3,6 +3,7 @@ bad input as 400s naming the field; the fake engine's tokenizer is one token per
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -19,7 +20,9 @@ def make_served() -> Iterator[Callable[..., Served]]:
 
 
 def _post(served: Served, path: str, body: dict) -> httpx.Response:
-    return httpx.post(served.url + path, json=body, timeout=30)
+    """As a client sends it: JSON with ASCII escapes (a lone surrogate travels as its \\u escape)."""
+    return httpx.post(served.url + path, content=json.dumps(body).encode(), timeout=30,
+                      headers={"content-type": "application/json"})
 
 
 def test_tokenize_a_prompt_and_a_conversation_and_back(make_served: Callable[..., Served]) -> None:
@@ -40,6 +43,7 @@ def test_tokenize_a_prompt_and_a_conversation_and_back(make_served: Callable[...
     ("/detokenize", {"tokens": [0x110000]}, "tokens", "tokens[0] is 1114112"),
     ("/detokenize", {"tokens": ["a"]}, "tokens", ""),
     ("/tokenize", {"prompt": "x" * 10**6}, "prompt", "characters"),
+    ("/tokenize", {"prompt": "a\ud800"}, "prompt", "lone surrogate"),  # was a 500 from the tokenizer
     ("/tokenize", {"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens", ""),
     ("/tokenize", {"prompt": "hi", "temperature": 1.0}, "temperature", ""),
 ])

@@ -116,8 +116,10 @@ class InputProcessor:
         return ProcessedRequest(request_id, text, token_ids, params, int(priority), arrival_time, cache_salt)
 
     def _check_vocabulary(self, request_id: str, params: SamplingParams) -> None:
-        """Token ids that bias or restrict sampling must be the model's: a FieldError naming the field."""
-        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+        """Token ids that bias, restrict or stop sampling must be the model's: a FieldError naming the field
+        (a stop token the model cannot draw would never stop anything: a field silently without effect)."""
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids),
+                          ("stop_token_ids", params.stop_token_ids)):
             if ids:
                 top = max(ids)
                 if top >= self.vocab_size:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationEr
 
 from pagedrs.errors import PinCapError, UnknownPinError
 from pagedrs.server.errors import APIError
+from pagedrs.server.protocol import Text
 from pagedrs.server.serving import ServerContext
 from pagedrs.server.tenants import engine_salt
 
@@ -34,11 +35,11 @@ __all__ = ["CacheInfo", "PinRequest", "PinResponse", "cache_info", "load_pin_fil
 class PinRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: Optional[Union[str, list[StrictInt]]] = None
+    prompt: Optional[Union[Text, list[StrictInt]]] = None
     messages: Optional[list[dict[str, Any]]] = None
     ttl_s: Optional[Union[StrictInt, StrictFloat]] = None  # seconds, in (0, 7 days]; null: until unpinned
-    cache_salt: Optional[str] = None
-    tenant: Optional[str] = None  # --prefix-cache-isolation per-tenant: the tenant whose requests hit it
+    cache_salt: Optional[Text] = None
+    tenant: Optional[Text] = None  # --prefix-cache-isolation per-tenant: the tenant whose requests hit it
 
     def prompt_or_messages(self) -> Any:
         """The prompt as ``Engine.pin`` takes it; APIError 400 naming the field when not exactly one is set."""

@@ -14,7 +14,7 @@ from typing import Annotated, Union
 from pydantic import BaseModel, Field, StrictBool, StrictInt
 
 from pagedrs.server.errors import bad_request
-from pagedrs.server.protocol import ChatMessage, _Strict
+from pagedrs.server.protocol import ChatMessage, Text, _Strict
 from pagedrs.server.serving import ServerContext
 
 __all__ = ["DetokenizeRequest", "TokenizeChatRequest", "TokenizeCompletionRequest", "detokenize", "tokenize"]
@@ -24,7 +24,7 @@ MAX_DETOKENIZE_TOKENS = 1 << 20  # ids in one /detokenize request (a bound on th
 
 class TokenizeCompletionRequest(_Strict):
     model: str
-    prompt: str
+    prompt: Text
     add_special_tokens: StrictBool = True
 
 
