@@ -54,6 +54,28 @@ def test_q8_0_matches_gguf_py_on_special_scales():
     assert np.array_equal(np.nan_to_num(got).view(np.uint32), np.nan_to_num(want).view(np.uint32))
 
 
+def test_q6_k_matches_gguf_py_on_every_code_scale_and_special_d():
+    """Q6_K's own path (a tied K-quant head's table) against gguf-py's on random bytes: every 6-bit code, every
+    int8 scale (-128..127), and d subnormal, negative, huge, zero, -0 and NaN."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(2)
+    blocks = rng.integers(0, 256, size=(16, 2 * 210), dtype=np.uint8)
+    ds = np.array([6e-8, -1.5, 65504.0, 0.0, np.nan, -0.0, 1e-5, 3.0, 0.01, -0.02, 2.0**-14, 7.0, 1.0, -1.0, 0.5, 9e-3],
+                  dtype=np.float16)
+    for r, d in enumerate(ds):
+        blocks[r, 208:210] = np.frombuffer(d.tobytes(), np.uint8)  # each row's first super-block
+    with np.errstate(invalid="ignore"):  # (gguf-py's NaN d)
+        want = np.asarray(dequantize(blocks, GGMLQuantizationType.Q6_K), dtype=np.float32)
+    table = BlockEmbedding(blocks, "Q6_K", 512, torch.float32)
+    assert table._dequantize.__name__ == "_q6_k_rows"  # its own path, not gguf-py's
+    ids = np.array([15, 0, 4, 4, 9, 3, 1])
+    got = table.rows(ids)
+    assert np.array_equal(np.isnan(got), np.isnan(want[ids]))
+    assert np.array_equal(np.nan_to_num(got).view(np.uint32), np.nan_to_num(want[ids]).view(np.uint32))
+
+
 @pytest.mark.parametrize("bad", [-1, 97, 2**40, -(2**40)])
 def test_a_token_outside_the_vocabulary_is_refused_by_name(bad):
     """NumPy's ``take`` would wrap a negative id to a row from the end: refused instead, naming the range."""

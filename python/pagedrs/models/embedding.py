@@ -4,12 +4,13 @@ Why: a block-format load made every product a matrix of the file's blocks, but t
 was still dequantized to float32 whole: 4 bytes a weight for the largest tensor of a small model
 (SmolLM2: 113 MB of a 94 MB file) and 2.1 GB for Llama 3's 128k x 4096 table, against 0.56 GB in
 Q8_0. A step looks up one row per token: a batch-1 step's lookup costs 11 us in Q8_0 (against 1 us
-from a float32 table; 0.2% of SmolLM2's step) and 80 us in Q6_K (gguf-py's fixed cost per call: 1% of
-a step of the 137 tokens/s K-quant bench model, nothing at an 8B's step).
+from a float32 table; 0.2% of SmolLM2's step) and ~37 us in Q6_K (a tied K-quant head's table; gguf-py's
+generic call took 80-93 us, most of it fixed cost per call).
 
 Exactness: a row is dequantized by the function a dense load dequantizes the whole table with
-(gguf-py's ``dequantize``; Q8_0, the common embedding type, by the same product in NumPy, checked
-equal to it bit for bit), so the lookup returns the floats the float32 table held.
+(gguf-py's ``dequantize``); Q8_0 and Q6_K, the common embedding types, by the same float32 products
+in fewer NumPy calls, checked equal to it bit for bit, so the lookup returns the floats the float32
+table held.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class BlockEmbedding(nn.Module):
         self.qtype = qtype
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.dtype = dtype
-        self._dequantize = _q8_0_rows if qtype == "Q8_0" else _gguf_rows(GGMLQuantizationType[qtype])
+        self._dequantize = _LEAN_ROWS.get(qtype) or _gguf_rows(GGMLQuantizationType[qtype])
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """float32 ``[len(ids), embedding_dim]``; a token outside the vocabulary is refused by name."""
@@ -70,6 +71,27 @@ def _q8_0_rows(rows: np.ndarray) -> np.ndarray:
     blocks = rows.reshape(rows.shape[0], -1, _Q8_0_BYTES)
     scale = np.ascontiguousarray(blocks[:, :, :2]).view(np.float16).astype(np.float32)
     return np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).astype(np.float32) * scale
+
+
+_Q6_K_BYTES = 210  # 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, an f16 d; 256 weights
+_NIBBLE_SHIFTS = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+_PAIR_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+
+
+def _q6_k_rows(rows: np.ndarray) -> np.ndarray:
+    """gguf-py's Q6_K dequantization (``(d * scale) * (q - 32)`` in float32, per 16 weights) in fewer calls:
+    in each half of a super-block, weight ``l`` takes its low 4 bits from nibble ``l`` (the low nibbles of
+    64 bytes, then their high nibbles) and its top 2 bits from bit pair ``l // 32`` of byte ``l % 32``."""
+    b = rows.reshape(-1, _Q6_K_BYTES)
+    n = b.shape[0]
+    scale = np.ascontiguousarray(b[:, 208:210]).view(np.float16).astype(np.float32) * b[:, 192:208].view(np.int8)
+    low = (b[:, :128].reshape(n, 2, 1, 64) >> _NIBBLE_SHIFTS) & np.uint8(15)  # [super-block, half, low/high, 64]
+    top = (b[:, 128:192].reshape(n, 2, 1, 32) >> _PAIR_SHIFTS) & np.uint8(3)  # [super-block, half, pair, 32]
+    q = (low.reshape(n, 16, 16) | (top.reshape(n, 16, 16) << np.uint8(4))).view(np.int8) - np.int8(32)
+    return (scale[:, :, None] * q).reshape(rows.shape[0], -1)
+
+
+_LEAN_ROWS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"Q8_0": _q8_0_rows, "Q6_K": _q6_k_rows}
 
 
 def _gguf_rows(qtype: object) -> Callable[[np.ndarray], np.ndarray]:
