@@ -1,5 +1,8 @@
 //! Property tests of the GEMV kernels: every kernel this CPU runs (scalar always) returns the
-//! same bits, and each is within its error bound of a float64 reference.
+//! same bits, and each is within its error bound of a float64 reference. Q6_K's own tests (its
+//! hand-built super-blocks, extremes and refusals) are in `gemv_q6_k`.
+
+mod gemv_q6_k;
 
 use pagedrs::gemv::format::f16_to_f32;
 use pagedrs::gemv::quantize::quantize;
@@ -24,8 +27,11 @@ impl Rng {
     }
 }
 
-/// Random GGUF bytes of a [rows, cols] tensor.
+/// Random GGUF bytes of a [rows, cols] tensor (Q6_K: `gemv_q6_k::random_q6_k`).
 fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    if format == Format::Q6K {
+        return gemv_q6_k::random_q6_k(rows, cols, rng);
+    }
     let mut raw = Vec::new();
     for _ in 0..rows * cols / QK {
         raw.extend_from_slice(&f16_bits(rng.next()).to_le_bytes());
@@ -41,6 +47,9 @@ fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
 
 /// The weights, decoded from the GGUF bytes with the format's definition (independent of the packer).
 fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> {
+    if format == Format::Q6K {
+        return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q6_k::dequantize_q6_k).collect();
+    }
     let bb = format.block_bytes();
     let mut w = vec![0f64; rows * cols];
     for (i, blk) in raw.chunks_exact(bb).enumerate() {
@@ -53,6 +62,7 @@ fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> 
                 (0..QK).for_each(|e| out[e] = nibble(&blk[4..], e) as f64 * d + m);
             }
             Format::Q8_0 => (0..QK).for_each(|e| out[e] = blk[2 + e] as i8 as f64 * d),
+            Format::Q6K => unreachable!("dequantized above"),
         }
     }
     w
@@ -68,12 +78,22 @@ fn run(w: &PackedMatrix, x: &[f32], m: usize, threads: usize, kernel: Kernel) ->
     out
 }
 
+/// Random weights of `rows` x `blocks` blocks (Q6_K: rounded up to whole super-blocks) times `m`
+/// random activation rows: see `check_raw`.
 fn check(format: Format, rows: usize, blocks: usize, m: usize, seed: u64) {
-    let cols = blocks * QK;
+    let cols = (blocks * QK).next_multiple_of(format.gguf_block_weights());
     let mut rng = Rng(seed | 1);
     let raw = random_gguf(format, rows, cols, &mut rng);
+    check_raw(format, &raw, rows, cols, m, &mut rng);
+}
+
+/// The GGUF tensor `raw` times `m` random activation rows: every kernel (1 and 2 threads) gives
+/// scalar's bits, and scalar is within its bound of the float64 product of the weights (decoded
+/// by `dequantize`) and the quantized activations, and of the unquantized ones.
+fn check_raw(format: Format, raw: &[u8], rows: usize, cols: usize, m: usize, rng: &mut Rng) {
+    let blocks = cols / QK;
     let x: Vec<f32> = (0..m * cols).map(|_| (rng.next() as f32 / u32::MAX as f32 - 0.5) * 4.0).collect();
-    let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
+    let w = PackedMatrix::from_gguf("t", raw, rows, cols, format).unwrap();
     let reference = run(&w, &x, m, 1, Kernel::Scalar);
     for kernel in Kernel::available() {
         for threads in [1, 2] {
@@ -83,7 +103,7 @@ fn check(format: Format, rows: usize, blocks: usize, m: usize, seed: u64) {
         }
     }
     // Float64 reference: dequantized weights times the quantized activations.
-    let wf = dequantize(format, &raw, rows, cols);
+    let wf = dequantize(format, raw, rows, cols);
     let acts = quantize(&x, m, cols).unwrap();
     for mi in 0..m {
         let xq: Vec<f64> =
@@ -108,7 +128,7 @@ fn check(format: Format, rows: usize, blocks: usize, m: usize, seed: u64) {
 }
 
 fn format_strategy() -> impl Strategy<Value = Format> {
-    prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0)]
+    prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0), Just(Format::Q6K)]
 }
 
 proptest! {
@@ -131,7 +151,7 @@ proptest! {
 /// and 33 rows run as 8 + 1, 8 + 8 + 1 (AMX 16 + 1) and 32 + 1, every group the scalar bits.
 #[test]
 fn more_rows_than_one_group_agree() {
-    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
+    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K] {
         for m in [9, 12, 16, 17, 32, 33] {
             check(format, 37, 5, m, 11 + m as u64);
         }
@@ -165,6 +185,7 @@ fn extreme_activations_do_not_overflow() {
             Format::Q4_0 => -7.0 * cols as f32,
             Format::Q4_1 => -15.0 * cols as f32,
             Format::Q8_0 => 128.0 * cols as f32,
+            Format::Q6K => unreachable!("gemv_q6_k::extreme_quants_do_not_overflow"),
         };
         for m in [1, 17, 33] {
             let x = vec![-1.0f32; m * cols];

@@ -18,6 +18,12 @@
 //! The integer sums are exact (|sum| <= 32 * 128 * 127 < 2^31), so any kernel's bits are these.
 //! Rows past the last group of 16 run on the AVX-512 kernel (every CPU with AMX has AVX-512).
 //!
+//! Q6_K runs wholly on the AVX-512 kernel: a block's C tile sums all 32 weights of a row, and
+//! Q6_K needs the sums of its two groups of 16 apart (each has its own int8 scale, applied to
+//! the exact group sum before the float step). Two half-depth `tdpbssd` per block (B tiles of 4
+//! rows) with twice the stores and float-step reads would be needed; prefill of Q6_K tensors
+//! (the head, some `ffn_down` / `attn_v`) keeps the VNNI rate.
+//!
 //! Files: this one (the schedule of passes: [`tile`] and `group`), `detect` ([`supported`]),
 //! `tiles` (register assignment, configuration, the `Tiles` guard), `passes` (a pass's tile
 //! instructions), `unpack` (Q4 quants into B tiles), `float_steps` (a block's float steps).
@@ -73,6 +79,10 @@ struct Scratch {
 /// The CPU and OS must run the kernel (`supported()`); slice lengths as in `avx2::tile`'s `# Safety`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    if format == Format::Q6K {
+        // SAFETY: AVX-512 F/BW/VNNI is part of `supported()`; the slices are this function's.
+        return unsafe { avx512::tile_from(format, tile, blocks, acts, 0, out) };
+    }
     let full = acts.m / TILE * TILE;
     if full > 0 {
         // SAFETY: `supported()` is this function's contract.
@@ -85,6 +95,7 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                     Format::Q4_0 => group::<0>(tile, blocks, acts, m0, out),
                     Format::Q4_1 => group::<1>(tile, blocks, acts, m0, out),
                     Format::Q8_0 => group::<2>(tile, blocks, acts, m0, out),
+                    Format::Q6K => unreachable!("Q6_K runs on the AVX-512 kernel (above)"),
                 }
             }
         }
@@ -106,7 +117,7 @@ const FORMATS: [Format; 3] = [Format::Q4_0, Format::Q4_1, Format::Q8_0];
 unsafe fn group<const F: usize>(tile: &[u8], blocks: usize, acts: &QuantizedActs, m0: usize, out: &mut [f32]) {
     let format = FORMATS[F];
     let tbb = TILE * format.block_bytes();
-    let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
+    let qoff = TILE * format.header_bytes();
     let k = blocks * QK;
     // Not zeroed (6 KB a group): every C tile is stored, and every B tile unpacked, before it is read.
     let mut scratch = std::mem::MaybeUninit::<Scratch>::uninit();

@@ -4,7 +4,18 @@
 //! Q4: nibbles (0..15, unsigned) times activations (int8) with `maddubs`; a lane's 16-bit
 //! sums stay below 4 * 2 * 2 * 15 * 127 = 30480 over a block, so no saturation, then one
 //! `madd` by ones into 32 bits. Q8_0: `maddubs(|w|, sign(a, w))` (at most 2 * 128 * 127 =
-//! 32512 per pair), widened after each vector. Float steps as in `scalar.rs`.
+//! 32512 per pair), widened after each vector. Q6_K: the unsigned q (0..63) times activations,
+//! two vectors summed in 16 bits (at most 4 * 63 * 127 = 32004), then `madd` by the lane's group
+//! scale (in both 16-bit halves) into 32 bits; `32 * (sc_0 * sum_0 + sc_1 * sum_1)` (one `madd` of
+//! the scale pair by the activations' two group sums) subtracted per block makes it `T` of
+//! `scalar.rs` exactly: every partial sum is an exact int32. (The sign trick of Q8_0 on `q - 32`
+//! costs an `abs`, a `sub` per vector and a `sign` per vector and row more.) Float steps as in
+//! `scalar.rs`. Q6_K does the most work a byte (its unpacking, `pack.rs`): at M = 1 from the cache
+//! 14.1 ns a tile block (1536 x 768) against Q8_0's 12.1 and Q4_1's 8.9 (1536 x 576); streaming a
+//! 4096 x 14336 matrix 2.5-2.9 ms a product (17.6-20.9 GB/s) against Q8_0's 3.0-3.5 ms, the format
+//! Q6_K tensors were converted to before (AMD EPYC Zen 3, 2 cores, noisy; `cargo bench --bench
+//! gemv_rows -- avx2 1 1 4096x14336 q6_k,q8_0,q4_1`). Its prefetch distance is the others' (2048
+//! bytes at one row): 1024 streamed 15.5-16.3 GB/s, 3072 and 4096 were within the noise of 2048.
 //!
 //! Why this shape (AMD EPYC Zen 3, 2026-12-06, `cargo bench --bench gemv_rows -- avx2`): the
 //! first version multiplied one activation row at a time and asked for nothing ahead: at M = 1
@@ -63,6 +74,7 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                 Format::Q4_0 => by_rows!(0),
                 Format::Q4_1 => by_rows!(1),
                 Format::Q8_0 => by_rows!(2),
+                Format::Q6K => by_rows!(3),
             }
         }
         m0 += rows;
@@ -70,7 +82,7 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
 }
 
 /// The format of `tile_rows`'s constant `F`.
-const FORMATS: [Format; 3] = [Format::Q4_0, Format::Q4_1, Format::Q8_0];
+const FORMATS: [Format; 4] = [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K];
 
 /// Rows `m0 .. m0 + R` of `tile`'s contract, for the format `FORMATS[F]`, `NH` halves of the tile
 /// per pass over it (2: one pass; 1: two, so that more rows' sums fit the registers). Per row and
@@ -84,9 +96,12 @@ unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(tile: &[u8]
                                                                      m0: usize, out: &mut [f32]) {
     let format = FORMATS[F];
     let tbb = TILE * format.block_bytes();
-    let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
+    let qoff = TILE * format.header_bytes();
     let ones = _mm256_set1_epi16(1);
     let low = _mm256_set1_epi8(0x0f);
+    // Q6_K: a lane's (sc_0, sc_1) int16 pair -> sc_0 (sc_1) in both halves, per 128-bit lane
+    let dup = [_mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13),
+               _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)];
     for pass in 0..2 / NH {
         let mut acc = [[_mm256_setzero_ps(); NH]; R];
         for b in 0..blocks {
@@ -145,6 +160,32 @@ unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(tile: &[u8]
                             }
                         }
                     }
+                    Format::Q6K => {
+                        for j in 0..NH {
+                            let h = pass * NH + j;
+                            let pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(2 * TILE + h * 2 * HALF) as *const __m128i));
+                            let sc = [_mm256_shuffle_epi8(pair, dup[0]), _mm256_shuffle_epi8(pair, dup[1])];
+                            for (g, &sc) in sc.iter().enumerate() {
+                                let w = unpack_q6_k(blk.add(qoff + 3 * g * 64 + h * 32));
+                                for (r, s) in isum.iter_mut().enumerate() {
+                                    let p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], bc!(r, 16 * g)),
+                                                               _mm256_maddubs_epi16(w[1], bc!(r, 16 * g + 4)));
+                                    let p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], bc!(r, 16 * g + 8)),
+                                                               _mm256_maddubs_epi16(w[3], bc!(r, 16 * g + 12)));
+                                    let t = _mm256_add_epi32(_mm256_madd_epi16(p01, sc), _mm256_madd_epi16(p23, sc));
+                                    s[j] = _mm256_add_epi32(s[j], t);
+                                }
+                            }
+                            for (r, s) in isum.iter_mut().enumerate() {
+                                // the activations' group sums (|sum| <= 16 * 127) as an int16 pair
+                                let ab = (m0 + r) * blocks + b;
+                                let lo = *acts.sum_lo.get_unchecked(ab);
+                                let hi = *acts.sum.get_unchecked(ab) - lo;
+                                let sums = _mm256_set1_epi32((hi << 16) | (lo & 0xffff));
+                                s[j] = _mm256_sub_epi32(s[j], _mm256_slli_epi32(_mm256_madd_epi16(pair, sums), 5));
+                            }
+                        }
+                    }
                 }
                 for j in 0..NH {
                     let h = pass * NH + j;
@@ -174,4 +215,27 @@ unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(tile: &[u8]
             }
         }
     }
+}
+
+/// One Q6_K group's three packed vectors at `p` (8 lanes, one every 64 bytes; `pack.rs`) as its four
+/// vectors of q (0..63): elements `4u + i` of the group in vector `u`, Q8_0's order.
+///
+/// # Safety
+/// AVX2; `p`, `p + 64` and `p + 128` readable for 32 bytes each.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn unpack_q6_k(p: *const u8) -> [__m256i; 4] {
+    // SAFETY: the caller's contract; all loads unaligned.
+    let raw = unsafe {
+        [_mm256_loadu_si256(p as *const __m256i), _mm256_loadu_si256(p.add(64) as *const __m256i),
+         _mm256_loadu_si256(p.add(128) as *const __m256i)]
+    };
+    let low6 = _mm256_set1_epi8(0x3f);
+    // the fourth vector's bits 0-1, 2-3, 4-5 are the top bit pairs of the three (16-bit shifts:
+    // what moves in from the next byte is masked off)
+    let top = _mm256_or_si256(
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw[0], 6), _mm256_set1_epi8(0x03)),
+                        _mm256_and_si256(_mm256_srli_epi16(raw[1], 4), _mm256_set1_epi8(0x0c))),
+        _mm256_and_si256(_mm256_srli_epi16(raw[2], 2), _mm256_set1_epi8(0x30)));
+    [_mm256_and_si256(raw[0], low6), _mm256_and_si256(raw[1], low6), _mm256_and_si256(raw[2], low6), top]
 }

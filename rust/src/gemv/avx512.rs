@@ -2,7 +2,10 @@
 //!
 //! `dpbusd` multiplies unsigned by signed bytes and adds groups of four into 32 bits without
 //! saturation. Q4: nibbles are the unsigned operand. Q8_0: weights `w ^ 0x80` (= w + 128) are
-//! the unsigned operand and `128 * sum(a)` is subtracted after. Float steps as in `scalar.rs`.
+//! the unsigned operand and `128 * sum(a)` is subtracted after. Q6_K: q (0..63) is the unsigned
+//! operand, one chain per group of 16 started at `-32 * sum_g(a)` (so it ends at `isum_g`), then
+//! `T = sc_0 * isum_0 + sc_1 * isum_1` with `vpmulld` (exact: |T| < 2^24). Float steps as in
+//! `scalar.rs`.
 //!
 //! The AVX-512 intrinsics are stable since Rust 1.89: this file needs that compiler although the
 //! crate still declares 1.82 (raising `rust-version` turns on lints across other modules).
@@ -68,6 +71,7 @@ pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts:
                 Format::Q4_0 => by_rows!(0),
                 Format::Q4_1 => by_rows!(1),
                 Format::Q8_0 => by_rows!(2),
+                Format::Q6K => by_rows!(3),
             }
         }
         m0 += rows;
@@ -75,7 +79,7 @@ pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts:
 }
 
 /// The format of `tile_rows`'s constant `F`.
-const FORMATS: [Format; 3] = [Format::Q4_0, Format::Q4_1, Format::Q8_0];
+const FORMATS: [Format; 4] = [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K];
 
 /// Rows `m0 .. m0 + R` of `tile`'s contract, for the format `FORMATS[F]`. Per row the f32 operations are those of
 /// `scalar::tile`, in the same order: only the weights' loads and unpacking are shared.
@@ -87,7 +91,7 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                                                     out: &mut [f32]) {
     let format = FORMATS[F];
     let tbb = TILE * format.block_bytes();
-    let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
+    let qoff = TILE * format.header_bytes();
     let low = _mm512_set1_epi8(0x0f);
     let flip = _mm512_set1_epi8(-128);
     let mut acc = [_mm512_setzero_ps(); R];
@@ -107,8 +111,10 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
             } else {
                 _mm512_setzero_ps()
             };
-            // the block's weights, unpacked once: Q4 as low and high nibbles, Q8_0 offset by 128
+            // the block's weights, unpacked once: Q4 as low and high nibbles, Q8_0 offset by 128,
+            // Q6_K as q (0..63) with each lane's group scales as int32
             let mut w = [_mm512_setzero_si512(); 8];
+            let mut sc = [_mm512_setzero_si512(); 2];
             match format {
                 Format::Q4_0 | Format::Q4_1 => {
                     for v in 0..4 {
@@ -121,6 +127,15 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                     for (v, w) in w.iter_mut().enumerate() {
                         *w = _mm512_xor_si512(_mm512_loadu_si512(q.add(v * 64) as *const __m512i), flip);
                     }
+                }
+                Format::Q6K => {
+                    for g in 0..2 {
+                        let u = unpack_q6_k(q.add(3 * g * 64));
+                        w[4 * g..4 * g + 4].copy_from_slice(&u);
+                    }
+                    // lane j: (sc_0, sc_1) as int16, then each sign-extended to 32 bits
+                    let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(blk.add(2 * TILE) as *const __m256i));
+                    sc = [_mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), _mm512_srai_epi32(pair, 16)];
                 }
             }
             for (r, acc) in acc.iter_mut().enumerate() {
@@ -161,6 +176,16 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                         }
                         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * *acts.sum.get_unchecked(ab)));
                     }
+                    Format::Q6K => {
+                        let lo = *acts.sum_lo.get_unchecked(ab);
+                        let hi = *acts.sum.get_unchecked(ab) - lo;
+                        let (mut i0, mut i1) = (_mm512_set1_epi32(-32 * lo), _mm512_set1_epi32(-32 * hi));
+                        for u in 0..4 {
+                            i0 = _mm512_dpbusd_epi32(i0, w[u], bc!(4 * u));
+                            i1 = _mm512_dpbusd_epi32(i1, w[4 + u], bc!(16 + 4 * u));
+                        }
+                        isum = _mm512_add_epi32(_mm512_mullo_epi32(i0, sc[0]), _mm512_mullo_epi32(i1, sc[1]));
+                    }
                 }
                 let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
                 *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), *acc);
@@ -175,4 +200,27 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
         // SAFETY: `o` has exactly 16 f32, room for one unaligned 16-lane store.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *acc) };
     }
+}
+
+/// One Q6_K group's three packed vectors at `p` (`pack.rs`) as its four vectors of q (0..63):
+/// elements `4u + i` of the group in vector `u`, Q8_0's order (as `avx2::unpack_q6_k`).
+///
+/// # Safety
+/// AVX-512 F/BW; `p` readable for 192 bytes.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn unpack_q6_k(p: *const u8) -> [__m512i; 4] {
+    // SAFETY: the caller's contract; all loads unaligned.
+    let raw = unsafe {
+        [_mm512_loadu_si512(p as *const __m512i), _mm512_loadu_si512(p.add(64) as *const __m512i),
+         _mm512_loadu_si512(p.add(128) as *const __m512i)]
+    };
+    let low6 = _mm512_set1_epi8(0x3f);
+    // the fourth vector's bits 0-1, 2-3, 4-5 are the top bit pairs of the three (16-bit shifts:
+    // what moves in from the next byte is masked off)
+    let top = _mm512_or_si512(
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw[0], 6), _mm512_set1_epi8(0x03)),
+                        _mm512_and_si512(_mm512_srli_epi16(raw[1], 4), _mm512_set1_epi8(0x0c))),
+        _mm512_and_si512(_mm512_srli_epi16(raw[2], 2), _mm512_set1_epi8(0x30)));
+    [_mm512_and_si512(raw[0], low6), _mm512_and_si512(raw[1], low6), _mm512_and_si512(raw[2], low6), top]
 }

@@ -1,14 +1,26 @@
 //! The GGUF block formats this module reads, and the exact f16 -> f32 conversion of their scales.
 //!
-//! Every format stores 32 weights per block (GGUF / ggml layout, little endian):
+//! GGUF / ggml layouts, little endian. Q4_0, Q4_1 and Q8_0 store 32 weights per block:
 //! - Q4_0: f16 `d`, 16 bytes of nibbles; weight = (q - 8) * d.
 //! - Q4_1: f16 `d`, f16 `m`, 16 bytes of nibbles; weight = q * d + m.
 //! - Q8_0: f16 `d`, 32 int8; weight = q * d.
 //!
 //! In Q4 blocks byte `t` holds element `t` in its low nibble and element `t + 16` in its high one.
+//!
+//! Q6_K stores super-blocks of 256 weights in 210 bytes: `ql[128]` (low 4 bits), `qh[64]` (high
+//! 2 bits), `scales[16]` (int8, one per 16 weights), f16 `d`; weight `e` = d * scales[e / 16] *
+//! (q_e - 32), q_e in 0..63 (see [`q6_k_quant`] for where its bits lie). The kernels still work
+//! in blocks of 32 weights: block `b` of a row is the 16-weight groups `2 (b mod 8)` and `2 (b mod
+//! 8) + 1` of its super-block `b / 8`, with that super-block's `d`.
 
 /// Weights (and activations) per block.
 pub const QK: usize = 32;
+
+/// Weights per Q6_K super-block (ggml's `QK_K`).
+pub const QK_K: usize = 256;
+
+/// Bytes of a GGUF Q6_K super-block: `ql[128]`, `qh[64]`, `scales[16]`, f16 `d`.
+pub const Q6_K_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
 
 /// A GGUF block format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -16,6 +28,8 @@ pub enum Format {
     Q4_0,
     Q4_1,
     Q8_0,
+    /// A k-quant: super-blocks of 256 weights, 6 bits each, an int8 scale per 16 (see the module docs).
+    Q6K,
 }
 
 impl Format {
@@ -25,6 +39,7 @@ impl Format {
             "q4_0" => Some(Format::Q4_0),
             "q4_1" => Some(Format::Q4_1),
             "q8_0" => Some(Format::Q8_0),
+            "q6_k" => Some(Format::Q6K),
             _ => None,
         }
     }
@@ -35,23 +50,48 @@ impl Format {
             Format::Q4_0 => "q4_0",
             Format::Q4_1 => "q4_1",
             Format::Q8_0 => "q8_0",
+            Format::Q6K => "q6_k",
         }
     }
 
-    /// Bytes of one GGUF block of 32 weights.
+    /// Bytes of one row's block of 32 weights as the kernels read it ([`super::pack`]): the GGUF
+    /// block's for Q4_0, Q4_1 and Q8_0; for Q6_K 28 (`d`, two group scales, 24 bytes of 6-bit
+    /// quants), more than its GGUF super-block's 210 / 8 = 26.25 (the repeated `d`).
     pub fn block_bytes(self) -> usize {
+        self.header_bytes() + self.quant_bytes()
+    }
+
+    /// Bytes of one row's block before its quants: f16 `d`, then Q4_1's f16 `m` or Q6_K's two
+    /// int8 group scales.
+    pub fn header_bytes(self) -> usize {
         match self {
-            Format::Q4_0 => 2 + QK / 2,
-            Format::Q4_1 => 4 + QK / 2,
-            Format::Q8_0 => 2 + QK,
+            Format::Q4_0 | Format::Q8_0 => 2,
+            Format::Q4_1 | Format::Q6K => 4,
         }
     }
 
-    /// Bytes of quantized values in one block (without scales).
+    /// Bytes of quantized values in one block of 32 (without scales; Q6_K's 6 bits as packed).
     pub fn quant_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 => QK / 2,
             Format::Q8_0 => QK,
+            Format::Q6K => QK * 6 / 8,
+        }
+    }
+
+    /// Weights per GGUF block: 32, or Q6_K's super-block of 256. A row's columns are a multiple of it.
+    pub fn gguf_block_weights(self) -> usize {
+        match self {
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => QK,
+            Format::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes of one GGUF block of [`Format::gguf_block_weights`] weights (the file's bytes).
+    pub fn gguf_block_bytes(self) -> usize {
+        match self {
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => self.block_bytes(),
+            Format::Q6K => Q6_K_BYTES,
         }
     }
 
@@ -59,6 +99,17 @@ impl Format {
     pub fn has_min(self) -> bool {
         self == Format::Q4_1
     }
+}
+
+/// Weight `e` (0..255)'s 6-bit quant `q_e` (0..63) in a GGUF Q6_K super-block `sb` (210 bytes), as
+/// ggml's `dequantize_row_q6_K` reads it: in half `e / 128`, position `l = e % 32` of quarter
+/// `(e % 128) / 32`, the low 4 bits are a nibble of `ql[64 half + l + 32 (quarter & 1)]` (the high
+/// nibble for quarters 2 and 3), the high 2 bits are bits `2 quarter ..` of `qh[32 half + l]`.
+pub fn q6_k_quant(sb: &[u8], e: usize) -> u8 {
+    let (half, quarter, l) = (e / 128, (e % 128) / 32, e % 32);
+    let ql = (sb[64 * half + l + 32 * (quarter & 1)] >> (4 * (quarter >> 1))) & 0x0f;
+    let qh = (sb[QK_K / 2 + 32 * half + l] >> (2 * quarter)) & 3;
+    ql | (qh << 4)
 }
 
 /// IEEE binary16 -> binary32, exact (every f16 is an f32), the same value `vcvtph2ps` gives.
@@ -112,5 +163,9 @@ mod tests {
         assert_eq!(Format::parse("Q4_1"), Some(Format::Q4_1));
         assert_eq!(Format::parse("q8_0").map(Format::block_bytes), Some(34));
         assert_eq!(Format::parse("q5_0"), None);
+        assert_eq!(Format::parse("Q6_K"), Some(Format::Q6K));
+        assert_eq!(Format::Q6K.name(), "q6_k");
+        assert_eq!((Format::Q6K.block_bytes(), Format::Q6K.gguf_block_bytes(), Q6_K_BYTES), (28, 210, 210));
+        assert_eq!(Format::Q4_1.gguf_block_bytes(), 20);
     }
 }

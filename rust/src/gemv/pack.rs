@@ -5,16 +5,27 @@
 //! sum over blocks runs in block order for every row on every path (bit-identical results).
 //!
 //! Layout of tile `t` (rows `16t .. 16t + 16`; rows past N are zero, scale 0): for each block
-//! `b` in order, `d[16]` (f16 LE), then for Q4_1 `m[16]`, then the quants as 64-byte vectors
-//! of 16 lanes x 4 bytes, lane `j` = row `16t + j`:
+//! `b` of 32 weights in order, `d[16]` (f16 LE), then for Q4_1 `m[16]` (f16) and for Q6_K the
+//! group scales `sc[16][2]` (int8: lane `j`'s two bytes are `scales[2 (b mod 8)]` and `scales[2 (b
+//! mod 8) + 1]` of its super-block, whose `d` is repeated in each of its 8 blocks), then the quants
+//! as 64-byte vectors of 16 lanes x 4 bytes, lane `j` = row `16t + j`:
 //! - Q4: vector `v` (0..4), byte `i` (0..4) of lane `j`: low nibble = element `8v + i`,
 //!   high nibble = element `8v + 4 + i` of that row's block.
 //! - Q8: vector `v` (0..8), byte `i` of lane `j`: element `4v + i`.
+//! - Q6_K: per group `g` (0, 1: elements `16g .. 16g + 16`) three vectors `3g + k` (k = 0..3),
+//!   byte `i` of lane `j`: bits 0..6 = q of element `16g + 4k + i`, bits 6..8 = bits `2k .. 2k + 2`
+//!   of q of element `16g + 12 + i`. So the kernels unpack four vectors of q (0..63; elements
+//!   `4u + i`, Q8_0's order) from three: one `and` each for the first three, and the fourth from the
+//!   three top bit pairs (three shifts, masks and two `or`s). The Q4 nibble layout plus 2-bit
+//!   planes, the same 28 bytes, costs 17 vector ops to unpack four vectors against these 11.
 //!
-//! The byte count equals the GGUF tensor's (plus the padding rows): no dequantization.
+//! The byte count equals the GGUF tensor's (plus the padding rows) for Q4_0, Q4_1 and Q8_0: no
+//! dequantization. Q6_K's 28 bytes a row per 32 weights (7 bits a weight) are more than the file's
+//! 210 per 256 (6.5625 bits): its `d` is repeated per block of 32, and each block carries its own
+//! two scales, so the kernels stay the 32-weight loop of the other formats.
 
 use super::error::GemvError;
-use super::format::{f16_is_finite, Format, QK};
+use super::format::{f16_is_finite, q6_k_quant, Format, QK, QK_K};
 use crate::huge_pages::HugeBuf;
 
 /// Rows per tile (one per 32-bit lane of a 512-bit vector).
@@ -32,21 +43,26 @@ pub struct PackedMatrix {
 }
 
 impl PackedMatrix {
-    /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row).
+    /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row; Q6_K:
+    /// `cols / 256` super-blocks).
     ///
-    /// Checks, naming `name`: `cols` a positive multiple of 32, `rows > 0`, the exact byte
-    /// count, and every scale (and minimum) finite. Nothing after this point is checked again.
+    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K: 256), `rows > 0`, the exact
+    /// byte count, and every scale (and minimum) finite. Nothing after this point is checked again.
     pub fn from_gguf(name: &str, raw: &[u8], rows: usize, cols: usize, format: Format) -> Result<Self, GemvError> {
         let bad = |reason| GemvError::BadShape { tensor: name.to_string(), rows, cols, reason };
         if rows == 0 {
             return Err(bad("rows must be > 0"));
         }
-        if cols == 0 || cols % QK != 0 {
-            return Err(bad("cols (K) must be a positive multiple of the block size 32"));
+        let gw = format.gguf_block_weights();
+        if cols == 0 || cols % gw != 0 {
+            return Err(bad(if gw == QK_K {
+                "cols (K) must be a positive multiple of 256 (the q6_k super-block)"
+            } else {
+                "cols (K) must be a positive multiple of the block size 32"
+            }));
         }
-        let nb = cols / QK;
-        let bb = format.block_bytes();
-        let expected = rows.checked_mul(nb).and_then(|n| n.checked_mul(bb)).ok_or(bad("too large"))?;
+        let row_bytes = (cols / gw).checked_mul(format.gguf_block_bytes()).ok_or(bad("too large"))?;
+        let expected = rows.checked_mul(row_bytes).ok_or(bad("too large"))?;
         if raw.len() != expected {
             return Err(GemvError::ByteCount {
                 tensor: name.to_string(),
@@ -57,42 +73,15 @@ impl PackedMatrix {
                 got: raw.len(),
             });
         }
-        let tiles = rows.div_ceil(TILE);
-        let tbb = TILE * bb;
-        let mut data = HugeBuf::zeroed(tiles * nb * tbb);
+        let nb = cols / QK;
+        let tile_bytes = nb * TILE * format.block_bytes();
+        let mut data = HugeBuf::zeroed(rows.div_ceil(TILE) * tile_bytes);
         for row in 0..rows {
-            let (t, j) = (row / TILE, row % TILE);
-            for b in 0..nb {
-                let src = &raw[(row * nb + b) * bb..][..bb];
-                let dst = &mut data[(t * nb + b) * tbb..][..tbb];
-                let d = [src[0], src[1]];
-                check_scale(name, "d", row, b, d)?;
-                dst[2 * j..2 * j + 2].copy_from_slice(&d);
-                let mut q = &src[2..];
-                let mut qdst_off = 2 * TILE;
-                if format.has_min() {
-                    let m = [src[2], src[3]];
-                    check_scale(name, "m", row, b, m)?;
-                    dst[2 * TILE + 2 * j..2 * TILE + 2 * j + 2].copy_from_slice(&m);
-                    q = &src[4..];
-                    qdst_off += 2 * TILE;
-                }
-                let qdst = &mut dst[qdst_off..];
-                match format {
-                    Format::Q4_0 | Format::Q4_1 => {
-                        let elem = |e: usize| if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 };
-                        for v in 0..4 {
-                            for i in 0..4 {
-                                qdst[v * 64 + j * 4 + i] = elem(8 * v + i) | (elem(8 * v + 4 + i) << 4);
-                            }
-                        }
-                    }
-                    Format::Q8_0 => {
-                        for v in 0..8 {
-                            qdst[v * 64 + j * 4..][..4].copy_from_slice(&q[4 * v..4 * v + 4]);
-                        }
-                    }
-                }
+            let src = &raw[row * row_bytes..][..row_bytes];
+            let dst = &mut data[row / TILE * tile_bytes..][..tile_bytes];
+            match format {
+                Format::Q6K => pack_q6_k_row(name, row, src, dst)?,
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => pack_row(name, format, row, src, dst)?,
             }
         }
         Ok(PackedMatrix { name: name.to_string(), format, rows, cols, data })
@@ -122,7 +111,9 @@ impl PackedMatrix {
     pub fn tile_block_bytes(&self) -> usize {
         TILE * self.format.block_bytes()
     }
-    /// Bytes a product streams: the GGUF tensor's size (padding rows excluded).
+    /// Bytes a product streams: its tiles' bytes without the padding rows. That is the GGUF
+    /// tensor's size for Q4_0, Q4_1 and Q8_0; for Q6_K it is 28 bytes a row per 32 weights, more
+    /// than the file's 210 per 256 (see the module docs).
     pub fn weight_bytes(&self) -> usize {
         self.rows * self.blocks() * self.format.block_bytes()
     }
@@ -130,6 +121,75 @@ impl PackedMatrix {
     pub(crate) fn tile(&self, t: usize) -> &[u8] {
         let n = self.blocks() * self.tile_block_bytes();
         &self.data[t * n..(t + 1) * n]
+    }
+}
+
+/// One row's Q4_0 / Q4_1 / Q8_0 blocks (`src`, GGUF) into its lane `row % 16` of its tile (`dst`).
+fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
+    let (bb, j) = (format.block_bytes(), row % TILE);
+    for (b, src) in src.chunks_exact(bb).enumerate() {
+        let dst = &mut dst[b * TILE * bb..][..TILE * bb];
+        let d = [src[0], src[1]];
+        check_scale(name, "d", row, b, d)?;
+        dst[2 * j..2 * j + 2].copy_from_slice(&d);
+        let mut q = &src[2..];
+        let mut qdst_off = 2 * TILE;
+        if format.has_min() {
+            let m = [src[2], src[3]];
+            check_scale(name, "m", row, b, m)?;
+            dst[2 * TILE + 2 * j..2 * TILE + 2 * j + 2].copy_from_slice(&m);
+            q = &src[4..];
+            qdst_off += 2 * TILE;
+        }
+        let qdst = &mut dst[qdst_off..];
+        match format {
+            Format::Q4_0 | Format::Q4_1 => {
+                let elem = |e: usize| if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 };
+                for v in 0..4 {
+                    for i in 0..4 {
+                        qdst[v * 64 + j * 4 + i] = elem(8 * v + i) | (elem(8 * v + 4 + i) << 4);
+                    }
+                }
+            }
+            Format::Q8_0 => {
+                for v in 0..8 {
+                    qdst[v * 64 + j * 4..][..4].copy_from_slice(&q[4 * v..4 * v + 4]);
+                }
+            }
+            Format::Q6K => unreachable!("pack_q6_k_row packs Q6_K"),
+        }
+    }
+    Ok(())
+}
+
+/// One row's Q6_K super-blocks (`src`, GGUF, 210 bytes each) into its lane `row % 16` of its tile
+/// (`dst`), 8 blocks of 32 weights per super-block. A non-finite `d` is named by its super-block.
+fn pack_q6_k_row(name: &str, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
+    let (tbb, j) = (TILE * Format::Q6K.block_bytes(), row % TILE);
+    for (s, sb) in src.chunks_exact(Format::Q6K.gguf_block_bytes()).enumerate() {
+        let d = [sb[QK_K / 2 + QK_K / 4 + QK_K / 16], sb[QK_K / 2 + QK_K / 4 + QK_K / 16 + 1]];
+        check_scale(name, "d", row, s, d)?;
+        let scales = &sb[QK_K / 2 + QK_K / 4..][..QK_K / 16];
+        for b8 in 0..QK_K / QK {
+            let dst = &mut dst[(s * (QK_K / QK) + b8) * tbb..][..tbb];
+            dst[2 * j..2 * j + 2].copy_from_slice(&d);
+            dst[2 * TILE + 2 * j..2 * TILE + 2 * j + 2].copy_from_slice(&scales[2 * b8..2 * b8 + 2]);
+            let q: [u8; QK] = std::array::from_fn(|c| q6_k_quant(sb, QK * b8 + c));
+            pack_q6_k_quants(&q, j, &mut dst[4 * TILE..]);
+        }
+    }
+    Ok(())
+}
+
+/// A block's 32 quants (0..63) into lane `j` of its six vectors (the layout of the module docs).
+fn pack_q6_k_quants(q: &[u8; QK], j: usize, qdst: &mut [u8]) {
+    for g in 0..2 {
+        for k in 0..3 {
+            for i in 0..4 {
+                let top = (q[16 * g + 12 + i] >> (2 * k)) & 3;
+                qdst[(3 * g + k) * 64 + 4 * j + i] = q[16 * g + 4 * k + i] | (top << 6);
+            }
+        }
     }
 }
 

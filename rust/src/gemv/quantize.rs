@@ -2,8 +2,10 @@
 //!
 //! `d = max|x| / 127`, `q = round(x / d)` (half away from zero, as `roundf`), kept with the
 //! block's integer sum (Q4_0 subtracts `8 * sum`, Q4_1 adds `m * d * sum`, Q8_0 on the
-//! AVX-512 path offsets its weights by 128). Scales stay f32 (llama.cpp rounds them to f16):
-//! finer, and the same on every path because this code runs once, before any kernel.
+//! AVX-512 path offsets its weights by 128) and the sum of its first 16 values (the SIMD
+//! kernels multiply Q6_K's unsigned q, then subtract `32 * sum` per group of 16: computed here
+//! once per row, not once per tile). Scales stay f32 (llama.cpp rounds them to f16): finer, and
+//! the same on every path because this code runs once, before any kernel.
 
 use super::format::QK;
 
@@ -18,6 +20,8 @@ pub struct QuantizedActs {
     pub d: Vec<f32>,
     /// Integer sum of the block's values per (row, block).
     pub sum: Vec<i32>,
+    /// Integer sum of the block's first 16 values per (row, block) (the second 16's: `sum - sum_lo`).
+    pub sum_lo: Vec<i32>,
     /// `d * sum` per (row, block): the Q4_1 minimum's factor.
     pub dsum: Vec<f32>,
 }
@@ -44,14 +48,14 @@ impl QuantizedActs {
     pub fn zeroed(m: usize, k: usize) -> QuantizedActs {
         let blocks = k / QK;
         QuantizedActs { m, blocks, qs: vec![0; m * k], d: vec![0.0; m * blocks], sum: vec![0; m * blocks],
-                        dsum: vec![0.0; m * blocks] }
+                        sum_lo: vec![0; m * blocks], dsum: vec![0.0; m * blocks] }
     }
 
     /// Its storage as raw rows, for threads that each quantize rows of their own ([`ActsRows`]).
     pub fn rows_mut(&mut self) -> ActsRows {
         ActsRows {
-            qs: self.qs.as_mut_ptr(), d: self.d.as_mut_ptr(), sum: self.sum.as_mut_ptr(), dsum: self.dsum.as_mut_ptr(),
-            m: self.m, blocks: self.blocks,
+            qs: self.qs.as_mut_ptr(), d: self.d.as_mut_ptr(), sum: self.sum.as_mut_ptr(),
+            sum_lo: self.sum_lo.as_mut_ptr(), dsum: self.dsum.as_mut_ptr(), m: self.m, blocks: self.blocks,
         }
     }
 }
@@ -63,6 +67,7 @@ pub struct ActsRows {
     qs: *mut i8,
     d: *mut f32,
     sum: *mut i32,
+    sum_lo: *mut i32,
     dsum: *mut f32,
     m: usize,
     blocks: usize,
@@ -90,10 +95,11 @@ impl ActsRows {
         let at = first * self.blocks;
         // SAFETY: rows `first .. first + rows` lie inside the storage (just checked) and no other
         // thread touches them (the contract).
-        let (qs, d, sum, dsum) = unsafe {
+        let (qs, d, sum, sum_lo, dsum) = unsafe {
             (std::slice::from_raw_parts_mut(self.qs.add(first * k), rows * k),
              std::slice::from_raw_parts_mut(self.d.add(at), rows * self.blocks),
              std::slice::from_raw_parts_mut(self.sum.add(at), rows * self.blocks),
+             std::slice::from_raw_parts_mut(self.sum_lo.add(at), rows * self.blocks),
              std::slice::from_raw_parts_mut(self.dsum.add(at), rows * self.blocks))
         };
         #[cfg(target_arch = "x86_64")]
@@ -112,6 +118,7 @@ impl ActsRows {
             let (scale, s) = block.map_err(|c| (first + i / blocks, (i % blocks) * QK + c))?;
             d[i] = scale;
             sum[i] = s;
+            sum_lo[i] = dst[..QK / 2].iter().map(|&q| q as i32).sum();
             dsum[i] = scale * s as f32;
         }
         Ok(())

@@ -1,10 +1,12 @@
 //! The portable kernel: one 16-row tile, any CPU. The reference the SIMD kernels must equal bit for bit.
 //!
-//! Per row and block: the exact integer dot product `isum` (Q4_0: of `q - 8`), then, in this
-//! order, `acc = fma(d_w * d_a, isum, acc)` and for Q4_1 `acc = fma(m_w, d_a * sum_a, acc)`
-//! (fused multiply-adds: one rounding each, and one instruction each on the SIMD paths, where a
-//! pass over several activation rows is bound by its per-row float work), blocks in order. The
-//! SIMD kernels do the same f32 operations lane by lane.
+//! Per row and block: the exact integer dot product `isum` (Q4_0: of `q - 8`; Q6_K: `T = sc_0 *
+//! isum_0 + sc_1 * isum_1` over its two groups of 16, `isum_g` of `q - 32`, |T| <= 2 * 16 * 32 *
+//! 127 * 128 < 2^24 so exact as an f32), then, in this order, `acc = fma(d_w * d_a, isum, acc)`
+//! and for Q4_1 `acc = fma(m_w, d_a * sum_a, acc)` (fused multiply-adds: one rounding each, and
+//! one instruction each on the SIMD paths, where a pass over several activation rows is bound by
+//! its per-row float work), blocks in order. The SIMD kernels do the same f32 operations lane by
+//! lane.
 
 use super::format::{f16_to_f32, Format, QK};
 use super::pack::TILE;
@@ -13,7 +15,7 @@ use super::quantize::QuantizedActs;
 /// `out[mi * 16 + j]` = row `j` of the tile times activation row `mi`.
 pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
     let tbb = TILE * format.block_bytes();
-    let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
+    let qoff = TILE * format.header_bytes();
     for mi in 0..acts.m {
         let mut acc = [0f32; TILE];
         for b in 0..blocks {
@@ -47,6 +49,14 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                         }
                         s
                     }
+                    Format::Q6K => {
+                        let sc = |g: usize| blk[2 * TILE + 2 * j + g] as i8 as i32;
+                        let mut isum = [0i32; 2];
+                        for (e, &a) in a.iter().enumerate() {
+                            isum[e / 16] += (q6_k_quant(q, j, e) as i32 - 32) * a as i32;
+                        }
+                        sc(0) * isum[0] + sc(1) * isum[1]
+                    }
                 };
                 let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
                 *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
@@ -57,5 +67,16 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
             }
         }
         out[mi * TILE..(mi + 1) * TILE].copy_from_slice(&acc);
+    }
+}
+
+/// Element `e` (0..32)'s quant (0..63) of lane `j` in a Q6_K block's packed quants `q` (`pack.rs`).
+fn q6_k_quant(q: &[u8], j: usize, e: usize) -> u8 {
+    let (g, k, i) = (e / 16, e % 16 / 4, e % 4);
+    let byte = |k: usize| q[(3 * g + k) * 64 + 4 * j + i];
+    if k < 3 {
+        byte(k) & 0x3f
+    } else {
+        (0..3).map(|k| (byte(k) >> 6) << (2 * k)).fold(0, |acc, bits| acc | bits)
     }
 }

@@ -50,7 +50,8 @@ impl PyGgufMatrix {
     fn name(&self) -> &str {
         self.inner.name()
     }
-    /// Bytes one product streams (the GGUF tensor's size).
+    /// Bytes one product streams: the GGUF tensor's size; for Q6_K 28 bytes a row per 32 weights,
+    /// more than the file's 210 per 256 (`PackedMatrix::weight_bytes`).
     #[getter]
     fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes()
