@@ -150,3 +150,30 @@ def test_a_split_inside_a_block_is_refused_by_name_and_auto_keeps_to_aten(kernel
     assert loaded.weight_format.name == "int8"  # the file's most common type is Q8_0
     assert not any(isinstance(m.method, GgufLinearMethod) for m in linears(loaded).values())
     assert load_rank(kernel_gguf, 1, 2, "auto").weight_format.name == "gguf"
+
+
+@pytest.mark.parametrize("intermediate, per_rank_format", [(512, "q6_k"), (768, "q8_0")])
+def test_a_q6_k_row_shard_that_would_cut_a_super_block_runs_in_q8_0(tmp_path, intermediate, per_rank_format):
+    """Q6_K's scales span 256 columns: down_proj's 256 columns a rank stay Q6_K; 384 a rank (whole blocks of
+    32, not of 256) run that layer in Q8_0, requantized, rather than being refused; the partial sums still
+    add up to one rank's product within the requantization's error."""
+    import gguf
+
+    from conftest import make_tiny_model
+    from gguf_writer import KERNEL_QTYPES, write_gguf
+
+    model = make_tiny_model("llama", tmp_path / "hf", hidden_size=256, intermediate_size=intermediate,
+                            num_attention_heads=4, head_dim=64)
+    path = tmp_path / "q6k.gguf"
+    write_gguf(model, tmp_path / "hf", path, qtypes={**KERNEL_QTYPES, "ffn_down": gguf.GGMLQuantizationType.Q6_K})
+    name = "model.layers.0.mlp.down_proj"
+    one = linears(load_rank(path, 0, 1, "gguf"))[name]
+    ranks = [linears(load_rank(path, r, 2, "gguf"))[name] for r in range(2)]
+    assert one.gguf_matrix.format == "q6_k"
+    assert [r.gguf_matrix.format for r in ranks] == [per_rank_format] * 2
+    x = np.random.default_rng(1).standard_normal((2, intermediate)).astype(np.float32)
+    half = intermediate // 2
+    total = matmul(ranks[0], x[:, :half]) + matmul(ranks[1], x[:, half:])
+    expected = matmul(one, x)
+    tolerance = 1e-5 if per_rank_format == "q6_k" else 2e-2
+    np.testing.assert_allclose(total, expected, rtol=0, atol=tolerance * np.abs(expected).max())

@@ -2,21 +2,22 @@
 
 Why: most GGUF files people download are llama.cpp's K-quants ("Q4_K_M": Q4_K for most
 tensors, Q6_K for the output head and some value / down projections; "Q5_K_M", "Q6_K") or the
-5-bit and i-quant types, and the kernel reads Q4_0, Q4_1 and Q8_0 only. Without a conversion such
-a file ran dequantized (float32 on a CPU without fast bfloat16: 32 bits a weight streamed per
-token, against 4.5).
+5-bit and i-quant types. The kernel reads Q4_0, Q4_1, Q8_0 and Q6_K as they are; without a
+conversion any other type ran dequantized (float32 on a CPU without fast bfloat16: 32 bits a
+weight streamed per token, against 4.5).
 
+- **Q6_K runs as it is** (the kernel's own format since 2026-12-07: 7 bits a weight streamed, the
+  file's weights exactly); before, it was requantized to Q8_0 (8.5 bits and a second rounding).
 - **Q4_K -> Q4_1**, one Q4_1 block per sub-block of 32: the same 4-bit codes, scale ``d * sc`` and
   minimum ``-dmin * m`` (each exact in float32: an f16 times a 6-bit integer) stored as f16, so each
   is rounded once, by at most 2^-11 of itself (half an f16 step; below 2^-14 the products stay on
   the subnormal grid and are exact). A weight moves by at most ``15 * |d sc| * 2^-11 + |dmin m| *
   2^-11`` (a 4-bit step is ``|d sc|``: under 1% of one step). 5 bits a weight instead of 4.5.
-- **Every other quantized type gguf-py dequantizes** (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the
-  IQ and TQ types, MXFP4) -> **Q8_0**: dequantized exactly (float32), then quantized again per
-  block of 32 by the Q8_0 rule (``gguf.quants.quantize``: ``d = max|w| / 127`` stored as f16, codes
-  rounded): a weight moves by at most half a Q8_0 step, ``max|w| / 254`` of its block, plus the f16
-  rounding of the step times its code (at most 127 x 2^-11 of a step); a Q6_K step is about 4x a
-  Q8_0 one. 8.5 bits a weight.
+- **Every other quantized type gguf-py dequantizes** (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, the IQ and TQ
+  types, MXFP4) -> **Q8_0**: dequantized exactly (float32), then quantized again per block of 32 by
+  the Q8_0 rule (``gguf.quants.quantize``: ``d = max|w| / 127`` stored as f16, codes rounded): a
+  weight moves by at most half a Q8_0 step, ``max|w| / 254`` of its block, plus the f16 rounding of
+  the step times its code (at most 127 x 2^-11 of a step). 8.5 bits a weight.
 - Fused siblings (q/k/v, gate/up) must share one block format: where their targets differ
   (Q4_K_M's Q4_K queries beside Q6_K values), every sibling goes to Q8_0.
 
@@ -29,13 +30,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # what the Rust kernel reads as they are
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q6_K")  # what the Rust kernel reads as they are
 # quantized types gguf-py dequantizes (gguf 0.19), requantized to Q8_0 (Q4_K has its own path)
 REQUANTIZED_TYPES = (
-    "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+    "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
     "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
 )
-QK = 32  # weights a block of every KERNEL_TYPES covers
+QK = 32  # weights a block of Q4_0, Q4_1 and Q8_0 covers (the kernel's step; its activations' blocks)
+SUPER_BLOCK = {"Q6_K": 256}  # a format whose scales span more columns: its rows are whole runs of these
+
+
+def block_columns(kernel_format: str) -> int:
+    """Columns one block of ``kernel_format`` (a KERNEL_TYPES name) spans: a slice of columns must start and
+    end on a multiple of this (a tensor-parallel shard), and a row holds a whole number of them."""
+    return SUPER_BLOCK.get(kernel_format, QK)
 
 
 def kernel_type(type_name: str) -> str | None:
@@ -60,8 +68,9 @@ def common_type(type_names: Sequence[str]) -> str | None:
 
 def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
     """A GGUF tensor's raw blocks (uint8 ``[rows, bytes per row]``) in the kernel format ``target``
-    (``kernel_type(type_name)``, or Q8_0 for any tensor on the kernel): uint8 ``[rows, cols / 32 *
-    block bytes]``. Non-finite scales or weights are refused naming ``name``."""
+    (``kernel_type(type_name)``, or Q8_0 for any tensor on the kernel): uint8 ``[rows, cols /
+    block_columns(target) * block bytes]``. Non-finite scales or weights are refused naming ``name``
+    (Q6_K's by the kernel's packing)."""
     if type_name == target:
         return blocks
     if type_name == "Q4_K" and target == "Q4_1":

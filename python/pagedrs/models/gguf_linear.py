@@ -2,7 +2,7 @@
 
 Why: batch-1 decode on a CPU streams every weight once per token; aten's int4/int8 kernels
 reach under 40% of the memory bandwidth at M = 1, the Rust kernel (``rust/src/gemv``) reads
-the GGUF blocks as they are (Q4_0, Q4_1, Q8_0: no re-quantization, so no second rounding)
+the GGUF blocks as they are (Q4_0, Q4_1, Q8_0, Q6_K: no re-quantization, so no second rounding)
 with int8 activations per block of 32, as llama.cpp does. Other quantized types are converted once
 at load (``gguf_convert``: Q4_K to Q4_1 blocks with f16-rounded scales, the rest requantized to
 Q8_0), and so are fused siblings whose types differ (all to Q8_0).
@@ -21,7 +21,8 @@ file's blocks where the dense loader slices the float32 tensor (``LinearBase.row
 ``col_shard``, one definition for both). Rows are whole block runs, so a column-parallel shard is
 exact; a row-parallel shard (``o_proj``, ``down_proj``) must start and end on a block boundary (one
 scale covers 32 columns), so its columns per rank must be a multiple of 32, else the load is refused
-by name (and ``auto`` does not pick this format). Each rank quantizes the same 32-column blocks of its
+by name (and ``auto`` does not pick this format). A Q6_K tensor's blocks span 256 columns: where a
+rank's shard would cut one, that layer runs in Q8_0 (requantized) instead. Each rank quantizes the same 32-column blocks of its
 input slice that one rank would, so a shard's partial sum differs from one rank's only in the order
 the blocks' sums are added.
 """
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrs.models.gguf_convert import QK, common_type, to_kernel
+from pagedrs.models.gguf_convert import QK, block_columns, common_type, to_kernel
 from pagedrs.models.layers import LinearBase, LinearMethod, ShardId
 
 # fused module name -> its checkpoint siblings with their shard ids, in the fused row order
@@ -130,6 +131,9 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
         target = common_type([p[2] for p in parts])
         if len(parts) != len(found) or target is None:
             continue  # keeps its float32 weight
+        first, count = layer.col_shard()
+        if (first % block_columns(target) or count % block_columns(target)) and not (first % QK or count % QK):
+            target = "Q8_0"  # a rank's columns cut a Q6_K super-block, not a block of 32
         parts = [(convert(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
         blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], names)
         GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, "+".join(names)))
@@ -143,7 +147,7 @@ def rank_blocks(layer: LinearBase, parts: Sequence[tuple[np.ndarray, int, str]],
     each sibling's rows where ``layer.row_shard`` puts them, then the columns of ``layer.col_shard``.
 
     ``parts``: each sibling's (blocks ``[rows, bytes per row]``, columns, GGUF type), in the fused row
-    order. A column shard must be whole blocks of ``QK``: refused by name otherwise."""
+    order. A column shard must be whole blocks of the format (``block_columns``): refused by name otherwise."""
     rows: list[np.ndarray] = []
     cols = parts[0][1]
     for (blocks, _, _), sid, sibling in zip(parts, shard_ids, names, strict=True):
@@ -156,14 +160,15 @@ def rank_blocks(layer: LinearBase, parts: Sequence[tuple[np.ndarray, int, str]],
     out = np.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
     first, count = layer.col_shard()
     if (first, count) != (0, cols):
-        if first % QK or count % QK:
+        span = block_columns(parts[0][2])
+        if first % span or count % span:
             raise ValueError(
                 f"weight_dtype 'gguf' with tensor_parallel_size={layer.tp_size}: GGUF tensor {'+'.join(names)!r} "
                 f"({parts[0][2]}, {cols} columns) would be split at column {first} into {count} columns a rank, inside a block of "
-                f"{QK} columns (one scale each); a rank's columns must be a multiple of {QK}: "
+                f"{span} columns (one scale each); a rank's columns must be a multiple of {span}: "
                 "use a tensor_parallel_size that allows it, or weight_dtype 'int8', 'int4' or 'float32'")
-        per_block = out.shape[1] // (cols // QK)
-        out = out[:, first // QK * per_block:(first + count) // QK * per_block]
+        per_block = out.shape[1] // (cols // span)
+        out = out[:, first // span * per_block:(first + count) // span * per_block]
         cols = count
     return np.ascontiguousarray(out), cols
 

@@ -18,11 +18,11 @@
 //! The integer sums are exact (|sum| <= 32 * 128 * 127 < 2^31), so any kernel's bits are these.
 //! Rows past the last group of 16 run on the AVX-512 kernel (every CPU with AMX has AVX-512).
 //!
-//! Q6_K runs wholly on the AVX-512 kernel: a block's C tile sums all 32 weights of a row, and
-//! Q6_K needs the sums of its two groups of 16 apart (each has its own int8 scale, applied to
-//! the exact group sum before the float step). Two half-depth `tdpbssd` per block (B tiles of 4
-//! rows) with twice the stores and float-step reads would be needed; prefill of Q6_K tensors
-//! (the head, some `ffn_down` / `attn_v`) keeps the VNNI rate.
+//! Q6_K runs wholly on the AVX-512 kernel's entry (`avx512::tile`, which hands it to AVX2): a
+//! block's C tile sums all 32 weights of a row, and Q6_K needs the sums of its two groups of 16
+//! apart (each has its own int8 scale, applied to the exact group sum before the float step). Two
+//! half-depth `tdpbssd` per block (B tiles of 4 rows) with twice the stores and float-step reads
+//! would be needed.
 //!
 //! Files: this one (the schedule of passes: [`tile`] and `group`), `detect` ([`supported`]),
 //! `tiles` (register assignment, configuration, the `Tiles` guard), `passes` (a pass's tile
@@ -81,7 +81,7 @@ struct Scratch {
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
     if format == Format::Q6K {
         // SAFETY: AVX-512 F/BW/VNNI is part of `supported()`; the slices are this function's.
-        return unsafe { avx512::tile_from(format, tile, blocks, acts, 0, out) };
+        return unsafe { avx512::tile(format, tile, blocks, acts, out) };
     }
     let full = acts.m / TILE * TILE;
     if full > 0 {

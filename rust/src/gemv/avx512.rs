@@ -2,10 +2,7 @@
 //!
 //! `dpbusd` multiplies unsigned by signed bytes and adds groups of four into 32 bits without
 //! saturation. Q4: nibbles are the unsigned operand. Q8_0: weights `w ^ 0x80` (= w + 128) are
-//! the unsigned operand and `128 * sum(a)` is subtracted after. Q6_K: q (0..63) is the unsigned
-//! operand, one chain per group of 16 started at `-32 * sum_g(a)` (so it ends at `isum_g`), then
-//! `T = sc_0 * isum_0 + sc_1 * isum_1` with `vpmulld` (exact: |T| < 2^24). Float steps as in
-//! `scalar.rs`.
+//! the unsigned operand and `128 * sum(a)` is subtracted after. Float steps as in `scalar.rs`.
 //!
 //! The AVX-512 intrinsics are stable since Rust 1.89: this file needs that compiler although the
 //! crate still declares 1.82 (raising `rust-version` turns on lints across other modules).
@@ -30,19 +27,32 @@ const ROWS: usize = 8;
 
 /// Same contract as `scalar::tile`.
 ///
+/// Q6_K runs on the AVX2 kernel (the same bits; scalar where a CPU lacks AVX2): an AVX-512 Q6_K
+/// kernel was written (commit 5f1f2b3) but no machine with AVX-512 has run its tests yet, and a
+/// kernel nobody ran is not shipped. At M = 1 Q6_K streams from memory on AVX2 near the read
+/// bandwidth already (`cargo bench --bench gemv_rows`).
+///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and VNNI (`supported()`); slice lengths as in
 /// `avx2::tile`'s `# Safety`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    if format == Format::Q6K {
+        if super::avx2::supported() {
+            // SAFETY: AVX2, F16C and FMA were detected just above; the slices are this function's.
+            return unsafe { super::avx2::tile(format, tile, blocks, acts, out) };
+        }
+        return super::scalar::tile(format, tile, blocks, acts, out);
+    }
     // SAFETY: this function's own contract.
     unsafe { tile_from(format, tile, blocks, acts, 0, out) }
 }
 
-/// `tile` for the activation rows `m0..acts.m` alone (the AMX kernel's rows past its groups of 16).
+/// `tile` for the activation rows `m0..acts.m` alone (the AMX kernel's rows past its groups of 16),
+/// in Q4_0, Q4_1 or Q8_0 (Q6_K goes through `tile`).
 ///
 /// # Safety
-/// As `tile`, and `m0 <= acts.m`.
+/// As `tile`, `m0 <= acts.m`, and `format` is not Q6_K.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, m0: usize,
                                out: &mut [f32]) {
@@ -71,7 +81,7 @@ pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts:
                 Format::Q4_0 => by_rows!(0),
                 Format::Q4_1 => by_rows!(1),
                 Format::Q8_0 => by_rows!(2),
-                Format::Q6K => by_rows!(3),
+                Format::Q6K => unreachable!("Q6_K runs on the AVX2 kernel (see `tile`)"),
             }
         }
         m0 += rows;
@@ -79,7 +89,7 @@ pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts:
 }
 
 /// The format of `tile_rows`'s constant `F`.
-const FORMATS: [Format; 4] = [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K];
+const FORMATS: [Format; 3] = [Format::Q4_0, Format::Q4_1, Format::Q8_0];
 
 /// Rows `m0 .. m0 + R` of `tile`'s contract, for the format `FORMATS[F]`. Per row the f32 operations are those of
 /// `scalar::tile`, in the same order: only the weights' loads and unpacking are shared.
@@ -91,7 +101,7 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                                                     out: &mut [f32]) {
     let format = FORMATS[F];
     let tbb = TILE * format.block_bytes();
-    let qoff = TILE * format.header_bytes();
+    let qoff = if format.has_min() { 4 * TILE } else { 2 * TILE };
     let low = _mm512_set1_epi8(0x0f);
     let flip = _mm512_set1_epi8(-128);
     let mut acc = [_mm512_setzero_ps(); R];
@@ -111,10 +121,8 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
             } else {
                 _mm512_setzero_ps()
             };
-            // the block's weights, unpacked once: Q4 as low and high nibbles, Q8_0 offset by 128,
-            // Q6_K as q (0..63) with each lane's group scales as int32
+            // the block's weights, unpacked once: Q4 as low and high nibbles, Q8_0 offset by 128
             let mut w = [_mm512_setzero_si512(); 8];
-            let mut sc = [_mm512_setzero_si512(); 2];
             match format {
                 Format::Q4_0 | Format::Q4_1 => {
                     for v in 0..4 {
@@ -128,15 +136,7 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                         *w = _mm512_xor_si512(_mm512_loadu_si512(q.add(v * 64) as *const __m512i), flip);
                     }
                 }
-                Format::Q6K => {
-                    for g in 0..2 {
-                        let u = unpack_q6_k(q.add(3 * g * 64));
-                        w[4 * g..4 * g + 4].copy_from_slice(&u);
-                    }
-                    // lane j: (sc_0, sc_1) as int16, then each sign-extended to 32 bits
-                    let pair = _mm512_cvtepi8_epi16(_mm256_loadu_si256(blk.add(2 * TILE) as *const __m256i));
-                    sc = [_mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16), _mm512_srai_epi32(pair, 16)];
-                }
+                Format::Q6K => unreachable!("FORMATS holds no Q6_K"),
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 let ab = (m0 + r) * blocks + b;
@@ -176,16 +176,7 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                         }
                         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * *acts.sum.get_unchecked(ab)));
                     }
-                    Format::Q6K => {
-                        let lo = *acts.sum_lo.get_unchecked(ab);
-                        let hi = *acts.sum.get_unchecked(ab) - lo;
-                        let (mut i0, mut i1) = (_mm512_set1_epi32(-32 * lo), _mm512_set1_epi32(-32 * hi));
-                        for u in 0..4 {
-                            i0 = _mm512_dpbusd_epi32(i0, w[u], bc!(4 * u));
-                            i1 = _mm512_dpbusd_epi32(i1, w[4 + u], bc!(16 + 4 * u));
-                        }
-                        isum = _mm512_add_epi32(_mm512_mullo_epi32(i0, sc[0]), _mm512_mullo_epi32(i1, sc[1]));
-                    }
+                    Format::Q6K => unreachable!("FORMATS holds no Q6_K"),
                 }
                 let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
                 *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), *acc);
@@ -200,27 +191,4 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
         // SAFETY: `o` has exactly 16 f32, room for one unaligned 16-lane store.
         unsafe { _mm512_storeu_ps(o.as_mut_ptr(), *acc) };
     }
-}
-
-/// One Q6_K group's three packed vectors at `p` (`pack.rs`) as its four vectors of q (0..63):
-/// elements `4u + i` of the group in vector `u`, Q8_0's order (as `avx2::unpack_q6_k`).
-///
-/// # Safety
-/// AVX-512 F/BW; `p` readable for 192 bytes.
-#[target_feature(enable = "avx512f,avx512bw")]
-#[inline]
-unsafe fn unpack_q6_k(p: *const u8) -> [__m512i; 4] {
-    // SAFETY: the caller's contract; all loads unaligned.
-    let raw = unsafe {
-        [_mm512_loadu_si512(p as *const __m512i), _mm512_loadu_si512(p.add(64) as *const __m512i),
-         _mm512_loadu_si512(p.add(128) as *const __m512i)]
-    };
-    let low6 = _mm512_set1_epi8(0x3f);
-    // the fourth vector's bits 0-1, 2-3, 4-5 are the top bit pairs of the three (16-bit shifts:
-    // what moves in from the next byte is masked off)
-    let top = _mm512_or_si512(
-        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw[0], 6), _mm512_set1_epi8(0x03)),
-                        _mm512_and_si512(_mm512_srli_epi16(raw[1], 4), _mm512_set1_epi8(0x0c))),
-        _mm512_and_si512(_mm512_srli_epi16(raw[2], 2), _mm512_set1_epi8(0x30)));
-    [_mm512_and_si512(raw[0], low6), _mm512_and_si512(raw[1], low6), _mm512_and_si512(raw[2], low6), top]
 }
