@@ -431,3 +431,24 @@ def test_more_cpu_threads_than_cores_is_said_at_startup(tiny_llama_dir, caplog):
         engine.shutdown()
         messages = [r.getMessage() for r in caplog.records if "more than the" in r.getMessage()]
         assert messages == ([oversubscription_warning(threads)] if warned else []), messages
+
+
+@pytest.mark.parametrize("field, value", [
+    ("block_size", 16.5), ("block_size", True), ("max_num_seqs", 3.7), ("max_num_batched_tokens", 2.5),
+    ("tensor_parallel_size", 1.0), ("num_gpu_blocks", 10.5), ("max_model_len", 512.0), ("kv_cache_memory", 1e9),
+    ("max_n", 0), ("aging_steps", 0.5), ("num_gpu_blocks", 0),
+])
+def test_a_count_that_is_not_a_whole_number_is_refused_by_name(field, value):
+    """num_gpu_blocks=10.5 built an engine of 10 pages (the core truncated it); 16.5 reached the core as a
+    TypeError; each is now refused by EngineArgs, naming the field and the value."""
+    with pytest.raises(ValueError, match=rf"{field} is {value!r}; it must be an integer >= \d"):
+        EngineArgs(model="x", **{field: value})
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 1.5, True, "7"])
+def test_a_seed_outside_torchs_range_is_refused_by_name(seed):
+    """2**70 failed deep in torch with 'Overflow when unpacking long long'."""
+    with pytest.raises(ValueError, match=r"seed is .*; it must be an integer from -2\*\*63 to 2\*\*64 - 1"):
+        EngineArgs(model="x", seed=seed)
+    EngineArgs(model="x", seed=2**64 - 1)
+    EngineArgs(model="x", seed=-(2**63))

@@ -164,10 +164,20 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}, which needs kv_layout='paged'; "
                              f"kv_layout={self.kv_layout!r} is the traditional baseline and stores the model dtype "
                              "(use kv_cache_dtype='auto' with it)")
+        def whole_at_least(name: str, low: int, optional: bool = False) -> None:
+            """A count: an integer (not a bool, not 16.5, which the core would refuse or truncate), >= low."""
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ValueError(f"{name} is {value!r}; it must be an integer >= {low}")
+
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
-            at_least(name, 1)
+            whole_at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory"):
-            at_least(name, 1, optional=True)
+            whole_at_least(name, 1, optional=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed is {self.seed!r}; it must be an integer from -2**63 to 2**64 - 1 (torch's seed range)")
         if self.cpu_threads is not None:
             _check_cpu_threads("cpu_threads", self.cpu_threads)
         at_least("swap_space_gb", 0, optional=True)
@@ -176,7 +186,7 @@ class EngineArgs:
             raise ValueError(f"kv_disk_gb is {self.kv_disk_gb!r}; it must be a finite number > 0")
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
-        at_least("aging_steps", 0)
+        whole_at_least("aging_steps", 0)
         _check_kv_events(self)
         for name in ("prefill_first", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
