@@ -452,3 +452,14 @@ def test_a_seed_outside_torchs_range_is_refused_by_name(seed):
         EngineArgs(model="x", seed=seed)
     EngineArgs(model="x", seed=2**64 - 1)
     EngineArgs(model="x", seed=-(2**63))
+
+
+def test_a_max_model_len_past_the_models_positions_is_said_once(tiny_llama_dir, caplog):
+    """Allowed (transformers computes those positions the same way, so outputs stay exact against it), but the
+    model never trained on them: the log says so, and says nothing for a length within them."""
+    base = dict(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=64, skip_tokenizer_init=True)
+    with caplog.at_level("WARNING", logger="pagedrs.engine"):
+        Engine(EngineArgs(**base, max_model_len=256))
+        assert "max_position_embeddings" not in caplog.text
+        Engine(EngineArgs(**base, max_model_len=512))
+    assert "max_model_len=512 is past the model's max_position_embeddings=256" in caplog.text

@@ -4,6 +4,7 @@ disk store), the SchedulerConfig and the Scheduler; and how it is released."""
 from __future__ import annotations
 
 import functools
+import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from pagedrs.executor.base import DiskTierHandle
 from pagedrs.memory import KvPlan
 from pagedrs.models.config import ModelConfig
 from pagedrs.step_input import transfers_from
+
+logger = logging.getLogger("pagedrs.engine")
 
 
 @dataclass
@@ -45,6 +48,12 @@ def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBack
     closer = weakref.finalize(owner, executor.shutdown)
     config = executor.loaded.config
     max_model_len = args.max_model_len or config.max_position_embeddings
+    if max_model_len > config.max_position_embeddings:
+        # vLLM refuses this unless told otherwise; transformers computes such positions the same way, so
+        # outputs stay exact against it, but the model never saw them: say so once.
+        logger.warning("max_model_len=%d is past the model's max_position_embeddings=%d: positions past %d "
+                       "were not trained, and outputs there may degrade", max_model_len,
+                       config.max_position_embeddings, config.max_position_embeddings)
     plan = executor.plan_kv_memory()
     tiers = plan_tiers(executor, args, plan)
     scheduler_config = SchedulerConfig(
