@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine_runs import drain
 from pagedrs import Engine, EngineArgs, SamplingParams
 from pagedrs.errors import EngineDeadError
 
@@ -46,15 +47,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def run(engine: Engine) -> dict:
-    done = {}
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_invariants()
-    return done
+    return drain(engine, max_steps=1000)
 
 
 def fail_call(engine: Engine, monkeypatch, which: int) -> dict:

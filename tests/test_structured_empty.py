@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine_runs import drain
 from pagedrs import Engine, EngineArgs, SamplingParams
 from pagedrs.sampling_params import StructuredOutputsParams
 
@@ -17,17 +18,6 @@ DEAD_END = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "requi
 def make_engine(model_dir) -> Engine:
     return Engine(EngineArgs(model=str(model_dir), block_size=4, num_gpu_blocks=128, swap_space_gb=0.001,
                              max_model_len=256))
-
-
-def drain(engine: Engine) -> dict:
-    done = {}
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return done
 
 
 @pytest.mark.parametrize("constraint", [
