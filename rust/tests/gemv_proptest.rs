@@ -1,7 +1,8 @@
 //! Property tests of the GEMV kernels: every kernel this CPU runs (scalar always) returns the
-//! same bits, and each is within its error bound of a float64 reference. Q6_K's own tests (its
-//! hand-built super-blocks, extremes and refusals) are in `gemv_q6_k`.
+//! same bits, and each is within its error bound of a float64 reference. Q6_K's and Q4_K's own
+//! tests (their hand-built super-blocks, extremes and refusals) are in `gemv_q6_k` and `gemv_q4_k`.
 
+mod gemv_q4_k;
 mod gemv_q6_k;
 
 use pagedrs::gemv::format::f16_to_f32;
@@ -27,10 +28,13 @@ impl Rng {
     }
 }
 
-/// Random GGUF bytes of a [rows, cols] tensor (Q6_K: `gemv_q6_k::random_q6_k`).
+/// Random GGUF bytes of a [rows, cols] tensor (Q6_K: `gemv_q6_k::random_q6_k`; Q4_K:
+/// `gemv_q4_k::random_q4_k`).
 fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    if format == Format::Q6K {
-        return gemv_q6_k::random_q6_k(rows, cols, rng);
+    match format {
+        Format::Q6K => return gemv_q6_k::random_q6_k(rows, cols, rng),
+        Format::Q4K => return gemv_q4_k::random_q4_k(rows, cols, rng),
+        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => {}
     }
     let mut raw = Vec::new();
     for _ in 0..rows * cols / QK {
@@ -47,8 +51,10 @@ fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
 
 /// The weights, decoded from the GGUF bytes with the format's definition (independent of the packer).
 fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> {
-    if format == Format::Q6K {
-        return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q6_k::dequantize_q6_k).collect();
+    match format {
+        Format::Q6K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q6_k::dequantize_q6_k).collect(),
+        Format::Q4K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q4_k::dequantize_q4_k).collect(),
+        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => {}
     }
     let bb = format.block_bytes();
     let mut w = vec![0f64; rows * cols];
@@ -62,7 +68,7 @@ fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> 
                 (0..QK).for_each(|e| out[e] = nibble(&blk[4..], e) as f64 * d + m);
             }
             Format::Q8_0 => (0..QK).for_each(|e| out[e] = blk[2 + e] as i8 as f64 * d),
-            Format::Q6K => unreachable!("dequantized above"),
+            Format::Q6K | Format::Q4K => unreachable!("dequantized above"),
         }
     }
     w
@@ -78,7 +84,7 @@ fn run(w: &PackedMatrix, x: &[f32], m: usize, threads: usize, kernel: Kernel) ->
     out
 }
 
-/// Random weights of `rows` x `blocks` blocks (Q6_K: rounded up to whole super-blocks) times `m`
+/// Random weights of `rows` x `blocks` blocks (Q6_K, Q4_K: rounded up to whole super-blocks) times `m`
 /// random activation rows: see `check_raw`.
 fn check(format: Format, rows: usize, blocks: usize, m: usize, seed: u64) {
     let cols = (blocks * QK).next_multiple_of(format.gguf_block_weights());
@@ -128,7 +134,7 @@ fn check_raw(format: Format, raw: &[u8], rows: usize, cols: usize, m: usize, rng
 }
 
 fn format_strategy() -> impl Strategy<Value = Format> {
-    prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0), Just(Format::Q6K)]
+    prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0), Just(Format::Q6K), Just(Format::Q4K)]
 }
 
 proptest! {
@@ -151,7 +157,7 @@ proptest! {
 /// and 33 rows run as 8 + 1, 8 + 8 + 1 (AMX 16 + 1) and 32 + 1, every group the scalar bits.
 #[test]
 fn more_rows_than_one_group_agree() {
-    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K] {
+    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K, Format::Q4K] {
         for m in [9, 12, 16, 17, 32, 33] {
             check(format, 37, 5, m, 11 + m as u64);
         }
@@ -186,6 +192,7 @@ fn extreme_activations_do_not_overflow() {
             Format::Q4_1 => -15.0 * cols as f32,
             Format::Q8_0 => 128.0 * cols as f32,
             Format::Q6K => unreachable!("gemv_q6_k::extreme_quants_do_not_overflow"),
+            Format::Q4K => unreachable!("gemv_q4_k::extreme_codes_do_not_overflow"),
         };
         for m in [1, 17, 33] {
             let x = vec![-1.0f32; m * cols];

@@ -17,6 +17,16 @@
 //! gemv_rows -- avx2 1 1 4096x14336 q6_k,q8_0,q4_1`). Its prefetch distance is the others' (2048
 //! bytes at one row): 1024 streamed 15.5-16.3 GB/s, 3072 and 4096 were within the noise of 2048.
 //!
+//! Q4_K (`tile_rows_q4_k`): a super-block at a time, its `d` and `dmin` converted once, then each
+//! of its 8 sub-blocks is Q4_1's block (the same nibble sums, `q4_sums`) with the scale `d * sc`
+//! and minimum `dmin * m` from two widened bytes a lane; the prefetch asks for a sub-block's share
+//! of the stream (2368 / 8 bytes) per sub-block. Streaming a 4096 x 14336 matrix at M = 1 it took
+//! 1.77-2.19 ms a product (15.5-19.2 GB/s of its 148 bytes a row per 256 weights) against Q4_1's
+//! 1.90-2.55 ms (160 bytes), the format Q4_K tensors were converted to before; from the cache
+//! (1536 x 768) 9.8-11.6 ns a (row, 16 x 32 tile block) at M = 1 against Q4_1's 8.9-9.2, and
+//! 7.3-8.7 against 7.0-7.4 at M = 8 (AMD EPYC Zen 3, 2 cores, noisy; `cargo bench --bench
+//! gemv_rows -- avx2 1 1 4096x14336 q4_k,q4_1,q6_k,q8_0` and `-- avx2 1 1,2,4,8 1536x768 q4_k,q4_1`).
+//!
 //! Why this shape (AMD EPYC Zen 3, 2026-12-06, `cargo bench --bench gemv_rows -- avx2`): the
 //! first version multiplied one activation row at a time and asked for nothing ahead: at M = 1
 //! it streamed 13.7 GB/s of Q4_1 from memory against 24 GB/s of read bandwidth, because the
@@ -28,8 +38,8 @@
 
 use std::arch::x86_64::*;
 
-use super::format::{Format, QK};
-use super::pack::TILE;
+use super::format::{Format, Q4_K_SUBS, QK};
+use super::pack::{Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, TILE};
 use super::prefetch::{avx2_distance, prefetch_ahead};
 use super::quantize::QuantizedActs;
 
@@ -48,8 +58,9 @@ const HALF: usize = TILE / 2;
 /// Same contract as `scalar::tile`.
 ///
 /// # Safety
-/// The CPU must support AVX2, F16C and FMA (`supported()`), `tile.len() >= blocks * 16 *
-/// format.block_bytes()`, `acts.qs.len() >= acts.m * blocks * 32`, `acts.{d,sum,dsum}.len()
+/// The CPU must support AVX2, F16C and FMA (`supported()`), `blocks` (of 32 weights) a multiple
+/// of `format.kernel_block_weights() / 32`, `tile.len() >= blocks * 32 / format.kernel_block_weights()
+/// * 16 * format.block_bytes()`, `acts.qs.len() >= acts.m * blocks * 32`, `acts.{d,sum,dsum}.len()
 /// >= acts.m * blocks` and `out.len() >= acts.m * 16`.
 #[target_feature(enable = "avx2,f16c,fma")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
@@ -75,6 +86,12 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                 Format::Q4_1 => by_rows!(1),
                 Format::Q8_0 => by_rows!(2),
                 Format::Q6K => by_rows!(3),
+                Format::Q4K => match rows {
+                    1 => tile_rows_q4_k::<1, 2>(tile, blocks, acts, m0, out),
+                    2 => tile_rows_q4_k::<2, 2>(tile, blocks, acts, m0, out),
+                    3 => tile_rows_q4_k::<3, 1>(tile, blocks, acts, m0, out),
+                    _ => tile_rows_q4_k::<ROWS, 1>(tile, blocks, acts, m0, out),
+                },
             }
         }
         m0 += rows;
@@ -98,7 +115,6 @@ unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(tile: &[u8]
     let tbb = TILE * format.block_bytes();
     let qoff = TILE * format.header_bytes();
     let ones = _mm256_set1_epi16(1);
-    let low = _mm256_set1_epi8(0x0f);
     // Q6_K: a lane's (sc_0, sc_1) int16 pair -> sc_0 (sc_1) in both halves, per 128-bit lane
     let dup = [_mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13),
                _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)];
@@ -123,26 +139,12 @@ unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(tile: &[u8]
                 let mut isum = [[_mm256_setzero_si256(); NH]; R];
                 match format {
                     Format::Q4_0 | Format::Q4_1 => {
-                        let mut s16 = [[_mm256_setzero_si256(); NH]; R];
-                        for v in 0..4 {
-                            for j in 0..NH {
-                                let h = pass * NH + j;
-                                let raw = _mm256_loadu_si256(blk.add(qoff + v * 64 + h * 32) as *const __m256i);
-                                let lo = _mm256_and_si256(raw, low);
-                                let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                                for (r, s16) in s16.iter_mut().enumerate() {
-                                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bc!(r, 8 * v)),
-                                                             _mm256_maddubs_epi16(hi, bc!(r, 8 * v + 4)));
-                                    s16[j] = _mm256_add_epi16(s16[j], p);
-                                }
-                            }
-                        }
-                        for r in 0..R {
-                            for j in 0..NH {
-                                isum[r][j] = _mm256_madd_epi16(s16[r][j], ones);
-                                if format == Format::Q4_0 {
-                                    let ab = (m0 + r) * blocks + b;
-                                    isum[r][j] = _mm256_sub_epi32(isum[r][j], _mm256_set1_epi32(8 * *acts.sum.get_unchecked(ab)));
+                        isum = q4_sums::<R, NH>(blk.add(qoff), pass, acts, m0, blocks, b);
+                        if format == Format::Q4_0 {
+                            for (r, isum) in isum.iter_mut().enumerate() {
+                                let ab = (m0 + r) * blocks + b;
+                                for s in isum.iter_mut() {
+                                    *s = _mm256_sub_epi32(*s, _mm256_set1_epi32(8 * *acts.sum.get_unchecked(ab)));
                                 }
                             }
                         }
@@ -186,6 +188,7 @@ unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(tile: &[u8]
                             }
                         }
                     }
+                    Format::Q4K => unreachable!("tile_rows_q4_k computes Q4_K"),
                 }
                 for j in 0..NH {
                     let h = pass * NH + j;
@@ -206,14 +209,132 @@ unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(tile: &[u8]
                 }
             }
         }
-        for (r, acc) in acc.iter().enumerate() {
-            for (j, acc) in acc.iter().enumerate() {
+        // SAFETY: `out` holds `acts.m * 16 >= (m0 + R) * 16` floats (the caller's contract).
+        unsafe { store_rows(&acc, pass, m0, out) };
+    }
+}
+
+/// Rows `m0 .. m0 + R`'s accumulators of the halves `pass * NH ..` into `out`.
+///
+/// # Safety
+/// The CPU supports AVX2 (`out`'s bounds are checked by its slicing).
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn store_rows<const R: usize, const NH: usize>(acc: &[[__m256; NH]; R], pass: usize, m0: usize, out: &mut [f32]) {
+    for (r, acc) in acc.iter().enumerate() {
+        for (j, acc) in acc.iter().enumerate() {
+            let h = pass * NH + j;
+            let o = &mut out[(m0 + r) * TILE + h * HALF..(m0 + r) * TILE + (h + 1) * HALF];
+            // SAFETY: `o` has exactly 8 f32, room for one unaligned 8-lane store.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), *acc) };
+        }
+    }
+}
+
+/// The halves `pass * NH ..`'s lanes' exact sums of a Q4 block's codes (0..15, the nibble layout at
+/// `q`, `pack.rs`) times activation rows `m0 .. m0 + R`'s block `b`: nibbles `maddubs` the
+/// activations into 16 bits (at most 16 * 15 * 127 = 30480 a lane, no saturation), then one `madd`
+/// by ones into 32.
+///
+/// # Safety
+/// AVX2; `q .. q + 256` readable; `pass * NH + NH <= 2`; `(m0 + R) * blocks * 32 <= acts.qs.len()`, `b < blocks`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn q4_sums<const R: usize, const NH: usize>(q: *const u8, pass: usize, acts: &QuantizedActs, m0: usize, blocks: usize,
+                                                   b: usize) -> [[__m256i; NH]; R] {
+    let (ones, low) = (_mm256_set1_epi16(1), _mm256_set1_epi8(0x0f));
+    let mut s16 = [[_mm256_setzero_si256(); NH]; R];
+    // SAFETY: the caller's contract: every load lies in `q`'s 256 bytes or row `m0 + r`'s block `b`
+    // of `acts.qs`; all loads unaligned.
+    unsafe {
+        // Four activation bytes of row r broadcast to every lane (a macro: closures lose the target features).
+        macro_rules! bc {
+            ($r:expr, $i:expr) => {
+                _mm256_set1_epi32((acts.qs.as_ptr().add(((m0 + $r) * blocks + b) * QK + $i) as *const i32).read_unaligned())
+            };
+        }
+        for v in 0..4 {
+            for j in 0..NH {
                 let h = pass * NH + j;
-                let o = &mut out[(m0 + r) * TILE + h * HALF..(m0 + r) * TILE + (h + 1) * HALF];
-                // SAFETY: `o` has exactly 8 f32, room for one unaligned 8-lane store.
-                unsafe { _mm256_storeu_ps(o.as_mut_ptr(), *acc) };
+                let raw = _mm256_loadu_si256(q.add(v * 64 + h * 32) as *const __m256i);
+                let lo = _mm256_and_si256(raw, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                for (r, s16) in s16.iter_mut().enumerate() {
+                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bc!(r, 8 * v)),
+                                             _mm256_maddubs_epi16(hi, bc!(r, 8 * v + 4)));
+                    s16[j] = _mm256_add_epi16(s16[j], p);
+                }
             }
         }
+    }
+    let mut isum = [[_mm256_setzero_si256(); NH]; R];
+    for (isum, s16) in isum.iter_mut().zip(&s16) {
+        for (isum, &s16) in isum.iter_mut().zip(s16) {
+            *isum = _mm256_madd_epi16(s16, ones);
+        }
+    }
+    isum
+}
+
+/// Rows `m0 .. m0 + R` of `tile`'s contract for Q4_K (`NH` as `tile_rows`): super-blocks in order,
+/// `d` and `dmin` converted once each, then their 8 sub-blocks (activation blocks `8t + u`), each
+/// Q4_1's integer sums and float steps with `d * sc_u` and `-(dmin * m_u)` (exact, as `scalar.rs`;
+/// the negation folded into `fnmadd`, which rounds `-(a b) + c` once as `fma(-a, b, c)` does).
+///
+/// # Safety
+/// As `tile`, `m0 + R <= acts.m`, `NH` is 1 or 2, and `blocks` a multiple of 8.
+#[target_feature(enable = "avx2,f16c,fma")]
+unsafe fn tile_rows_q4_k<const R: usize, const NH: usize>(tile: &[u8], blocks: usize, acts: &QuantizedActs, m0: usize,
+                                                          out: &mut [f32]) {
+    let tbb = TILE * Format::Q4K.block_bytes();
+    let sub = tbb / Q4_K_SUBS; // the stream's share of a sub-block, for the prefetch
+    for pass in 0..2 / NH {
+        let mut acc = [[_mm256_setzero_ps(); NH]; R];
+        for t in 0..blocks / Q4_K_SUBS {
+            // SAFETY: t < blocks / 8, so the super-block's `tbb` bytes lie in `tile`; every half h =
+            // pass * NH + j < 2 and every ab = (m0 + r) * blocks + 8t + u < m * blocks, so every read
+            // stays inside the slices whose lengths the caller guarantees; all loads are unaligned.
+            unsafe {
+                let sb = tile.as_ptr().add(t * tbb);
+                // a half's 8 f16 at `off` as f32 (macros: closures lose the target features)
+                macro_rules! halves {
+                    ($off:expr) => {{
+                        let mut v = [_mm256_setzero_ps(); NH];
+                        for (j, v) in v.iter_mut().enumerate() {
+                            *v = _mm256_cvtph_ps(_mm_loadu_si128(sb.add($off + (pass * NH + j) * 2 * HALF) as *const __m128i));
+                        }
+                        v
+                    }};
+                }
+                let (d, dmin) = (halves!(0), halves!(Q4_K_DMIN));
+                for u in 0..Q4_K_SUBS {
+                    if m0 == 0 && pass == 0 {
+                        prefetch_ahead(sb.add(u * sub), sub, avx2_distance(R)); // the first pass streams the weights
+                    }
+                    let b = t * Q4_K_SUBS + u;
+                    let isum = q4_sums::<R, NH>(sb.add(Q4_K_CODES + Q4_K_SUB_CODES * u), pass, acts, m0, blocks, b);
+                    // half h's 8 bytes (scales or minima of sub-block u) as f32
+                    macro_rules! bytes {
+                        ($off:expr, $h:expr) => {
+                            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(sb.add($off + TILE * u + $h * HALF) as *const __m128i)))
+                        };
+                    }
+                    for j in 0..NH {
+                        let h = pass * NH + j;
+                        let dw = _mm256_mul_ps(d[j], bytes!(Q4_K_SC, h));
+                        let mw = _mm256_mul_ps(dmin[j], bytes!(Q4_K_M, h));
+                        for (r, acc) in acc.iter_mut().enumerate() {
+                            let ab = (m0 + r) * blocks + b;
+                            let s = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(ab)));
+                            acc[j] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(isum[r][j]), acc[j]);
+                            acc[j] = _mm256_fnmadd_ps(mw, _mm256_set1_ps(*acts.dsum.get_unchecked(ab)), acc[j]);
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: `out` holds `acts.m * 16 >= (m0 + R) * 16` floats (the caller's contract).
+        unsafe { store_rows(&acc, pass, m0, out) };
     }
 }
 

@@ -12,6 +12,14 @@
 //! (q_e - 32), q_e in 0..63 (see [`q6_k_quant`] for where its bits lie). The kernels still work
 //! in blocks of 32 weights: block `b` of a row is the 16-weight groups `2 (b mod 8)` and `2 (b mod
 //! 8) + 1` of its super-block `b / 8`, with that super-block's `d`.
+//!
+//! Q4_K stores super-blocks of 256 weights in 144 bytes: f16 `d`, f16 `dmin`, `scales[12]` (the
+//! 6-bit scale `sc_s` and minimum `m_s` of its 8 sub-blocks of 32, packed: [`q4_k_scale_min`]),
+//! `qs[128]` (4-bit codes); weight `32 s + l` = d * sc_s * q - dmin * m_s, q in 0..15, where byte
+//! `32 c + l` of `qs` holds sub-block `2c`'s element `l` in its low nibble and sub-block `2c + 1`'s
+//! in its high one. Sub-block `s` of super-block `t` is the activations' block `8 t + s`. Unlike the
+//! other formats, the kernels read Q4_K a super-block at a time ([`Format::kernel_block_weights`]):
+//! `d` and `dmin` once per 256 weights, not repeated per 32.
 
 /// Weights (and activations) per block.
 pub const QK: usize = 32;
@@ -22,6 +30,12 @@ pub const QK_K: usize = 256;
 /// Bytes of a GGUF Q6_K super-block: `ql[128]`, `qh[64]`, `scales[16]`, f16 `d`.
 pub const Q6_K_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
 
+/// Bytes of a GGUF Q4_K super-block: f16 `d`, f16 `dmin`, `scales[12]`, `qs[128]`.
+pub const Q4_K_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
+
+/// Q4_K's sub-blocks of 32 weights per super-block (each with its own scale and minimum).
+pub const Q4_K_SUBS: usize = QK_K / QK;
+
 /// A GGUF block format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Format {
@@ -30,6 +44,9 @@ pub enum Format {
     Q8_0,
     /// A k-quant: super-blocks of 256 weights, 6 bits each, an int8 scale per 16 (see the module docs).
     Q6K,
+    /// A k-quant: super-blocks of 256 weights, 4 bits each, a 6-bit scale and minimum per 32, one
+    /// f16 `d` and `dmin` per super-block (see the module docs).
+    Q4K,
 }
 
 impl Format {
@@ -40,6 +57,7 @@ impl Format {
             "q4_1" => Some(Format::Q4_1),
             "q8_0" => Some(Format::Q8_0),
             "q6_k" => Some(Format::Q6K),
+            "q4_k" => Some(Format::Q4K),
             _ => None,
         }
     }
@@ -51,39 +69,54 @@ impl Format {
             Format::Q4_1 => "q4_1",
             Format::Q8_0 => "q8_0",
             Format::Q6K => "q6_k",
+            Format::Q4K => "q4_k",
         }
     }
 
-    /// Bytes of one row's block of 32 weights as the kernels read it ([`super::pack`]): the GGUF
-    /// block's for Q4_0, Q4_1 and Q8_0; for Q6_K 28 (`d`, two group scales, 24 bytes of 6-bit
-    /// quants), more than its GGUF super-block's 210 / 8 = 26.25 (the repeated `d`).
+    /// Weights of one row's block as the kernels read it ([`super::pack`]): 32, or Q4_K's
+    /// super-block of 256 (its `d` and `dmin` stored once, its 8 sub-blocks' scales beside them).
+    pub fn kernel_block_weights(self) -> usize {
+        match self {
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K => QK,
+            Format::Q4K => QK_K,
+        }
+    }
+
+    /// Bytes of one row's block of [`Format::kernel_block_weights`] weights as the kernels read it
+    /// ([`super::pack`]): the GGUF block's for Q4_0, Q4_1 and Q8_0; for Q6_K 28 (`d`, two group
+    /// scales, 24 bytes of 6-bit quants), more than its GGUF super-block's 210 / 8 = 26.25 (the
+    /// repeated `d`); for Q4_K 148 a super-block (`d`, `dmin`, 8 scales and 8 minima a byte each,
+    /// 128 bytes of codes), more than its GGUF 144 (the unpacked 6-bit scales).
     pub fn block_bytes(self) -> usize {
         self.header_bytes() + self.quant_bytes()
     }
 
-    /// Bytes of one row's block before its quants: f16 `d`, then Q4_1's f16 `m` or Q6_K's two
-    /// int8 group scales.
+    /// Bytes of one row's block before its quants: f16 `d`, then Q4_1's f16 `m`, Q6_K's two
+    /// int8 group scales, or Q4_K's f16 `dmin` and its sub-blocks' 8 scales and 8 minima.
     pub fn header_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q8_0 => 2,
             Format::Q4_1 | Format::Q6K => 4,
+            Format::Q4K => 4 + 2 * Q4_K_SUBS,
         }
     }
 
-    /// Bytes of quantized values in one block of 32 (without scales; Q6_K's 6 bits as packed).
+    /// Bytes of quantized values in one row's block (without scales; Q6_K's 6 bits as packed;
+    /// Q4_K's 256 codes).
     pub fn quant_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 => QK / 2,
             Format::Q8_0 => QK,
             Format::Q6K => QK * 6 / 8,
+            Format::Q4K => QK_K / 2,
         }
     }
 
-    /// Weights per GGUF block: 32, or Q6_K's super-block of 256. A row's columns are a multiple of it.
+    /// Weights per GGUF block: 32, or a k-quant's super-block of 256. A row's columns are a multiple of it.
     pub fn gguf_block_weights(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => QK,
-            Format::Q6K => QK_K,
+            Format::Q6K | Format::Q4K => QK_K,
         }
     }
 
@@ -92,10 +125,12 @@ impl Format {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => self.block_bytes(),
             Format::Q6K => Q6_K_BYTES,
+            Format::Q4K => Q4_K_BYTES,
         }
     }
 
-    /// Whether a block carries the minimum `m` beside the scale `d`.
+    /// Whether a 32-weight block carries the f16 minimum `m` beside the scale `d` (Q4_1; Q4_K's
+    /// minima are 6-bit, per sub-block of its super-block, with one `dmin`: see the module docs).
     pub fn has_min(self) -> bool {
         self == Format::Q4_1
     }
@@ -110,6 +145,23 @@ pub fn q6_k_quant(sb: &[u8], e: usize) -> u8 {
     let ql = (sb[64 * half + l + 32 * (quarter & 1)] >> (4 * (quarter >> 1))) & 0x0f;
     let qh = (sb[QK_K / 2 + 32 * half + l] >> (2 * quarter)) & 3;
     ql | (qh << 4)
+}
+
+/// Sub-block `j` (0..8)'s 6-bit scale and minimum `(sc, m)` in a Q4_K super-block's `scales[12]`
+/// `q`, as ggml's `get_scale_min_k4` reads them: for `j < 4` the low 6 bits of `q[j]` and `q[j +
+/// 4]`; above, the nibbles of `q[j + 4]` with the top 2 bits of `q[j - 4]` (scale) and `q[j]` (minimum).
+pub fn q4_k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// Element `l` (0..32) of sub-block `s` (0..8)'s 4-bit code in a Q4_K super-block's `qs[128]`:
+/// the low nibble of `qs[32 (s / 2) + l]` for even `s`, the high one for odd.
+pub fn q4_k_code(qs: &[u8], s: usize, l: usize) -> u8 {
+    (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f
 }
 
 /// IEEE binary16 -> binary32, exact (every f16 is an f32), the same value `vcvtph2ps` gives.
@@ -167,5 +219,25 @@ mod tests {
         assert_eq!(Format::Q6K.name(), "q6_k");
         assert_eq!((Format::Q6K.block_bytes(), Format::Q6K.gguf_block_bytes(), Q6_K_BYTES), (28, 210, 210));
         assert_eq!(Format::Q4_1.gguf_block_bytes(), 20);
+        assert_eq!(Format::parse("Q4_K"), Some(Format::Q4K));
+        assert_eq!(Format::Q4K.name(), "q4_k");
+        assert_eq!((Format::Q4K.block_bytes(), Format::Q4K.gguf_block_bytes(), Q4_K_BYTES), (148, 144, 144));
+        assert_eq!((Format::Q4K.kernel_block_weights(), Format::Q6K.kernel_block_weights()), (256, 32));
+    }
+
+    #[test]
+    fn q4_k_scales_unpack_as_ggml() {
+        // scales[0..4] = sc_0..3 | top bits of sc_4..7, [4..8] = m_0..3 | top bits of m_4..7,
+        // [8..12] = low nibbles sc_4..7, high nibbles m_4..7
+        let (sc, m): ([u8; 8], [u8; 8]) = ([0, 63, 1, 62, 63, 0, 17, 42], [63, 0, 5, 33, 1, 63, 48, 15]);
+        let mut q = [0u8; 12];
+        for j in 0..4 {
+            q[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+            q[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+            q[j + 8] = (sc[j + 4] & 0x0f) | ((m[j + 4] & 0x0f) << 4);
+        }
+        for j in 0..8 {
+            assert_eq!(q4_k_scale_min(j, &q), (sc[j], m[j]), "sub-block {j}");
+        }
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! Why: batch-1 decode on a CPU streams every weight once per token, so it is bound by
 //! memory bandwidth, and aten's int4/int8 kernels reach under 40% of it at M = 1. This
-//! module reads the GGUF blocks as they are (Q4_0, Q4_1, Q8_0, and Q6_K's 6-bit quants and
-//! scales), repacked once into 16-row tiles ([`pack`]), quantizes the activations per block of 32 ([`quantize`]) and computes
+//! module reads the GGUF blocks as they are (Q4_0, Q4_1, Q8_0, Q6_K's 6-bit quants and scales,
+//! and Q4_K's codes, 6-bit scales and minima, a super-block of 256 at a time), repacked once into
+//! 16-row tiles ([`pack`]), quantizes the activations per block of 32 ([`quantize`]) and computes
 //! integer dot products on the best kernel the CPU has, detected at run time ([`Kernel`]).
 //!
 //! Every kernel returns the same bits: integer sums inside a block, then the same f32 ops
@@ -107,7 +108,8 @@ impl Kernel {
         match self {
             Kernel::Scalar => scalar::tile(w.format, tile, w.blocks(), acts, out),
             // SAFETY: `matmul` checked `supported()` for this kernel; `tile` is one whole tile
-            // of `blocks` blocks, `acts` holds `m * blocks` blocks and `out` is `m * 16` long.
+            // of `tile_blocks()` blocks (`blocks` of 32 weights), `acts` holds `m * blocks` blocks
+            // and `out` is `m * 16` long.
             #[cfg(target_arch = "x86_64")]
             Kernel::Avx2 => unsafe { avx2::tile(w.format, tile, w.blocks(), acts, out) },
             // SAFETY: as above.
@@ -122,7 +124,8 @@ impl Kernel {
     }
 }
 
-/// The least work in one claimed chunk, in tile blocks (16 rows x 32 columns; ~5 ns each at M = 1):
+/// The least work in one claimed chunk, in tile blocks (16 rows x 32 columns; ~5 ns each at M = 1;
+/// counted so for every format, also Q4_K, whose kernel reads 8 of them at once: [`PackedMatrix::blocks`]):
 /// claiming a chunk moves a cache line between cores, and chunks of 4 tiles of a 576-wide product
 /// (0.4 us of work) left a hot 1536 x 576 Q4_1 product on 2 threads at 0.95x of 1 thread; with at
 /// least 512 blocks a chunk it ran 1.25x (`cargo bench --bench gemv_rows -- avx512_vnni 2`, Intel

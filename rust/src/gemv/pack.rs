@@ -23,13 +23,35 @@
 //! dequantization. Q6_K's 28 bytes a row per 32 weights (7 bits a weight) are more than the file's
 //! 210 per 256 (6.5625 bits): its `d` is repeated per block of 32, and each block carries its own
 //! two scales, so the kernels stay the 32-weight loop of the other formats.
+//!
+//! Q4_K's tile block is a whole super-block (16 rows x 256 weights, 16 x 148 = 2368 bytes, a
+//! multiple of 64): `d[16]` (f16), `dmin[16]` (f16), then `sc[8][16]` and `m[8][16]` (the 6-bit
+//! scale and minimum of sub-block `u` of lane `j` at byte `16u + j` of each, unpacked from
+//! `scales[12]` to one byte each), then the 8 sub-blocks' codes in order, each as the Q4 nibble
+//! layout above (4 vectors of 64 bytes; element `l` of sub-block `u` is weight `32u + l` of the
+//! super-block). So a row streams 148 bytes a super-block (4.625 bits a weight) against Q4_1's
+//! 160: `d` and `dmin` are stored once per super-block, and the scales take 4 bytes more than the
+//! file's 12 so that the kernels read them with one widening load per sub-block and half-tile. The
+//! kernels step over super-blocks and, inside, over their 8 sub-blocks (activation blocks `8t ..
+//! 8t + 8`), and compute each sub-block as Q4_1's block with `d * sc` and `-(dmin * m)` (both exact
+//! in f32) for its scale and minimum.
 
 use super::error::GemvError;
-use super::format::{f16_is_finite, q6_k_quant, Format, QK, QK_K};
+use super::format::{f16_is_finite, q4_k_code, q4_k_scale_min, q6_k_quant, Format, Q4_K_SUBS, QK, QK_K};
 use crate::huge_pages::HugeBuf;
 
 /// Rows per tile (one per 32-bit lane of a 512-bit vector).
 pub const TILE: usize = 16;
+
+/// Offsets in a Q4_K tile block (a super-block of 16 rows): `dmin[16]` (f16), the scales
+/// `sc[8][16]`, the minima `m[8][16]` (bytes), the codes (see the module docs). `d[16]` is at 0.
+pub(crate) const Q4_K_DMIN: usize = 2 * TILE;
+pub(crate) const Q4_K_SC: usize = 4 * TILE;
+pub(crate) const Q4_K_M: usize = Q4_K_SC + Q4_K_SUBS * TILE;
+pub(crate) const Q4_K_CODES: usize = Q4_K_M + Q4_K_SUBS * TILE;
+
+/// Bytes of one Q4_K sub-block's codes in a tile (16 rows x 32 nibbles).
+pub(crate) const Q4_K_SUB_CODES: usize = TILE * QK / 2;
 
 /// A weight `[rows, cols]` (N x K, y = x W^T) repacked into tiles.
 #[derive(Debug, Clone)]
@@ -43,11 +65,11 @@ pub struct PackedMatrix {
 }
 
 impl PackedMatrix {
-    /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row; Q6_K:
-    /// `cols / 256` super-blocks).
+    /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row; Q6_K and
+    /// Q4_K: `cols / 256` super-blocks).
     ///
-    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K: 256), `rows > 0`, the exact
-    /// byte count, and every scale (and minimum) finite. Nothing after this point is checked again.
+    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K, Q4_K: 256), `rows > 0`, the
+    /// exact byte count, and every scale (and minimum) finite. Nothing after this point is checked again.
     pub fn from_gguf(name: &str, raw: &[u8], rows: usize, cols: usize, format: Format) -> Result<Self, GemvError> {
         let bad = |reason| GemvError::BadShape { tensor: name.to_string(), rows, cols, reason };
         if rows == 0 {
@@ -55,10 +77,10 @@ impl PackedMatrix {
         }
         let gw = format.gguf_block_weights();
         if cols == 0 || cols % gw != 0 {
-            return Err(bad(if gw == QK_K {
-                "cols (K) must be a positive multiple of 256 (the q6_k super-block)"
-            } else {
-                "cols (K) must be a positive multiple of the block size 32"
+            return Err(bad(match format {
+                Format::Q6K => "cols (K) must be a positive multiple of 256 (the q6_k super-block)",
+                Format::Q4K => "cols (K) must be a positive multiple of 256 (the q4_k super-block)",
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => "cols (K) must be a positive multiple of the block size 32",
             }));
         }
         let row_bytes = (cols / gw).checked_mul(format.gguf_block_bytes()).ok_or(bad("too large"))?;
@@ -73,14 +95,14 @@ impl PackedMatrix {
                 got: raw.len(),
             });
         }
-        let nb = cols / QK;
-        let tile_bytes = nb * TILE * format.block_bytes();
+        let tile_bytes = cols / format.kernel_block_weights() * TILE * format.block_bytes();
         let mut data = HugeBuf::zeroed(rows.div_ceil(TILE) * tile_bytes);
         for row in 0..rows {
             let src = &raw[row * row_bytes..][..row_bytes];
             let dst = &mut data[row / TILE * tile_bytes..][..tile_bytes];
             match format {
                 Format::Q6K => pack_q6_k_row(name, row, src, dst)?,
+                Format::Q4K => pack_q4_k_row(name, row, src, dst)?,
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => pack_row(name, format, row, src, dst)?,
             }
         }
@@ -99,27 +121,34 @@ impl PackedMatrix {
     pub fn name(&self) -> &str {
         &self.name
     }
-    /// Blocks per row.
+    /// Blocks of 32 weights per row: the activations' blocks. The work a tile's block does, which
+    /// the pool's chunks count (`chunk_count`), is counted in them for every format, also for
+    /// Q4_K, whose kernel block is a super-block of 8 of them ([`PackedMatrix::tile_blocks`]).
     pub fn blocks(&self) -> usize {
         self.cols / QK
+    }
+    /// Blocks per row as the kernels read them: [`PackedMatrix::blocks`], or Q4_K's super-blocks.
+    pub fn tile_blocks(&self) -> usize {
+        self.cols / self.format.kernel_block_weights()
     }
     /// Number of 16-row tiles.
     pub fn tiles(&self) -> usize {
         self.rows.div_ceil(TILE)
     }
-    /// Bytes of one tile's block (16 rows).
+    /// Bytes of one tile's block (16 rows of [`Format::kernel_block_weights`] weights).
     pub fn tile_block_bytes(&self) -> usize {
         TILE * self.format.block_bytes()
     }
     /// Bytes a product streams: its tiles' bytes without the padding rows. That is the GGUF
     /// tensor's size for Q4_0, Q4_1 and Q8_0; for Q6_K it is 28 bytes a row per 32 weights, more
-    /// than the file's 210 per 256 (see the module docs).
+    /// than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144 (see the
+    /// module docs).
     pub fn weight_bytes(&self) -> usize {
-        self.rows * self.blocks() * self.format.block_bytes()
+        self.rows * self.tile_blocks() * self.format.block_bytes()
     }
     /// The bytes of tile `t`.
     pub(crate) fn tile(&self, t: usize) -> &[u8] {
-        let n = self.blocks() * self.tile_block_bytes();
+        let n = self.tile_blocks() * self.tile_block_bytes();
         &self.data[t * n..(t + 1) * n]
     }
 }
@@ -144,12 +173,7 @@ fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) 
         let qdst = &mut dst[qdst_off..];
         match format {
             Format::Q4_0 | Format::Q4_1 => {
-                let elem = |e: usize| if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 };
-                for v in 0..4 {
-                    for i in 0..4 {
-                        qdst[v * 64 + j * 4 + i] = elem(8 * v + i) | (elem(8 * v + 4 + i) << 4);
-                    }
-                }
+                pack_q4_codes(|e| if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 }, j, qdst);
             }
             Format::Q8_0 => {
                 for v in 0..8 {
@@ -157,6 +181,39 @@ fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) 
                 }
             }
             Format::Q6K => unreachable!("pack_q6_k_row packs Q6_K"),
+            Format::Q4K => unreachable!("pack_q4_k_row packs Q4_K"),
+        }
+    }
+    Ok(())
+}
+
+/// A Q4 block's 32 codes (`elem(e)`, 0..15) into lane `j` of its four vectors `qdst` (the nibble
+/// layout of the module docs).
+fn pack_q4_codes(elem: impl Fn(usize) -> u8, j: usize, qdst: &mut [u8]) {
+    for v in 0..4 {
+        for i in 0..4 {
+            qdst[v * 64 + j * 4 + i] = elem(8 * v + i) | (elem(8 * v + 4 + i) << 4);
+        }
+    }
+}
+
+/// One row's Q4_K super-blocks (`src`, GGUF, 144 bytes each) into its lane `row % 16` of its tile
+/// (`dst`), one tile block per super-block. A non-finite `d` or `dmin` is named by its super-block.
+fn pack_q4_k_row(name: &str, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
+    let (tbb, j) = (TILE * Format::Q4K.block_bytes(), row % TILE);
+    for (s, sb) in src.chunks_exact(Format::Q4K.gguf_block_bytes()).enumerate() {
+        let dst = &mut dst[s * tbb..][..tbb];
+        let (d, dmin) = ([sb[0], sb[1]], [sb[2], sb[3]]);
+        check_scale(name, "d", row, s, d)?;
+        check_scale(name, "dmin", row, s, dmin)?;
+        dst[2 * j..2 * j + 2].copy_from_slice(&d);
+        dst[Q4_K_DMIN + 2 * j..Q4_K_DMIN + 2 * j + 2].copy_from_slice(&dmin);
+        let (scales, qs) = (&sb[4..16], &sb[16..]);
+        for u in 0..Q4_K_SUBS {
+            let (sc, m) = q4_k_scale_min(u, scales);
+            dst[Q4_K_SC + TILE * u + j] = sc;
+            dst[Q4_K_M + TILE * u + j] = m;
+            pack_q4_codes(|l| q4_k_code(qs, u, l), j, &mut dst[Q4_K_CODES + Q4_K_SUB_CODES * u..]);
         }
     }
     Ok(())

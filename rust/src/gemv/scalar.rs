@@ -7,13 +7,20 @@
 //! one instruction each on the SIMD paths, where a pass over several activation rows is bound by
 //! its per-row float work), blocks in order. The SIMD kernels do the same f32 operations lane by
 //! lane.
+//!
+//! Q4_K (a tile block a super-block, `pack.rs`): each sub-block `u` is a Q4_1 block, its `isum` of
+//! the codes (0..15), with `d_w = d * sc_u` and `m_w = -(dmin * m_u)`, both exact in f32 (an f16
+//! times a 6-bit integer: at most 17 significant bits), so no rounding is added to Q4_1's steps.
 
-use super::format::{f16_to_f32, Format, QK};
-use super::pack::TILE;
+use super::format::{f16_to_f32, Format, Q4_K_SUBS, QK};
+use super::pack::{Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, TILE};
 use super::quantize::QuantizedActs;
 
 /// `out[mi * 16 + j]` = row `j` of the tile times activation row `mi`.
 pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    if format == Format::Q4K {
+        return tile_q4_k(tile, blocks, acts, out);
+    }
     let tbb = TILE * format.block_bytes();
     let qoff = TILE * format.header_bytes();
     for mi in 0..acts.m {
@@ -26,14 +33,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
             for (j, acc) in acc.iter_mut().enumerate() {
                 let isum = match format {
                     Format::Q4_0 | Format::Q4_1 => {
-                        let mut s = 0i32;
-                        for v in 0..4 {
-                            for i in 0..4 {
-                                let byte = q[v * 64 + j * 4 + i];
-                                s += (byte & 0x0f) as i32 * a[8 * v + i] as i32;
-                                s += (byte >> 4) as i32 * a[8 * v + 4 + i] as i32;
-                            }
-                        }
+                        let s = q4_isum(q, j, a);
                         if format == Format::Q4_0 {
                             s - 8 * acts.sum[ab]
                         } else {
@@ -57,6 +57,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                         }
                         sc(0) * isum[0] + sc(1) * isum[1]
                     }
+                    Format::Q4K => unreachable!("tile_q4_k computes Q4_K"),
                 };
                 let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
                 *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
@@ -68,6 +69,43 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
         }
         out[mi * TILE..(mi + 1) * TILE].copy_from_slice(&acc);
     }
+}
+
+/// `tile` for Q4_K: super-blocks in order and, inside, their 8 sub-blocks (activation blocks
+/// `8t + u`), each Q4_1's steps with the sub-block's exact scale and minimum (see the module docs).
+fn tile_q4_k(tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    let tbb = TILE * Format::Q4K.block_bytes();
+    for mi in 0..acts.m {
+        let mut acc = [0f32; TILE];
+        for (t, sb) in tile.chunks_exact(tbb).take(blocks / Q4_K_SUBS).enumerate() {
+            let f16 = |off: usize| f16_to_f32(u16::from_le_bytes([sb[off], sb[off + 1]]));
+            for u in 0..Q4_K_SUBS {
+                let ab = mi * blocks + t * Q4_K_SUBS + u;
+                let a = &acts.qs[ab * QK..(ab + 1) * QK];
+                let q = &sb[Q4_K_CODES + Q4_K_SUB_CODES * u..];
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let dw = f16(2 * j) * sb[Q4_K_SC + TILE * u + j] as f32;
+                    let mw = -(f16(Q4_K_DMIN + 2 * j) * sb[Q4_K_M + TILE * u + j] as f32);
+                    *acc = (dw * acts.d[ab]).mul_add(q4_isum(q, j, a) as f32, *acc);
+                    *acc = mw.mul_add(acts.dsum[ab], *acc);
+                }
+            }
+        }
+        out[mi * TILE..(mi + 1) * TILE].copy_from_slice(&acc);
+    }
+}
+
+/// Lane `j`'s sum of its 32 codes (0..15, the Q4 nibble layout of `pack.rs` at `q`) times `a`, exact.
+fn q4_isum(q: &[u8], j: usize, a: &[i8]) -> i32 {
+    let mut s = 0i32;
+    for v in 0..4 {
+        for i in 0..4 {
+            let byte = q[v * 64 + j * 4 + i];
+            s += (byte & 0x0f) as i32 * a[8 * v + i] as i32;
+            s += (byte >> 4) as i32 * a[8 * v + 4 + i] as i32;
+        }
+    }
+    s
 }
 
 /// Element `e` (0..32)'s quant (0..63) of lane `j` in a Q6_K block's packed quants `q` (`pack.rs`).

@@ -1,0 +1,263 @@
+//! Q4_K's tests (a module of `gemv_proptest`, whose `check` and `check_raw` they share): hand-built
+//! super-blocks at the edges of the format (every 6-bit scale and minimum 0..63 in every one of the
+//! 8 packed positions, codes 0 and 15, subnormal, negative, zero and largest `d` and `dmin`) against
+//! ggml's own dequantization loop, ported below as the float64 reference; random shapes; every
+//! kernel the scalar bits; the largest integer sums; the packer's refusals.
+//!
+//! Why ggml's loop and not the packer's reading of the bits (`format::q4_k_scale_min`): the
+//! reference must not share the code it checks, and the loop is the definition llama.cpp's files
+//! are written to.
+
+use super::*;
+
+/// Bytes of a GGUF Q4_K super-block (256 weights).
+const SB: usize = 144;
+
+/// ggml's `get_scale_min_k4`, as it is written.
+fn get_scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+/// ggml's `dequantize_row_q4_K` for one super-block (f16 `d`, f16 `dmin`, `scales[12]`, `qs[128]`),
+/// as it is written, in float64 (exact: `d * sc * q` and `dmin * m` are multiples of 2^-24 below
+/// 2^23, so their difference has at most 47 significant bits).
+pub(super) fn dequantize_q4_k(sb: &[u8]) -> Vec<f64> {
+    let d = f16_to_f32(u16::from_le_bytes([sb[0], sb[1]])) as f64;
+    let min = f16_to_f32(u16::from_le_bytes([sb[2], sb[3]])) as f64;
+    let (scales, q) = (&sb[4..16], &sb[16..]);
+    let mut y = vec![0f64; 256];
+    for c in 0..4 {
+        let (sc1, m1) = get_scale_min_k4(2 * c, scales);
+        let (sc2, m2) = get_scale_min_k4(2 * c + 1, scales);
+        let (d1, m1) = (d * sc1 as f64, min * m1 as f64);
+        let (d2, m2) = (d * sc2 as f64, min * m2 as f64);
+        for l in 0..32 {
+            y[64 * c + l] = d1 * (q[32 * c + l] & 0xF) as f64 - m1;
+        }
+        for l in 0..32 {
+            y[64 * c + 32 + l] = d2 * (q[32 * c + l] >> 4) as f64 - m2;
+        }
+    }
+    y
+}
+
+/// A super-block whose weight `32 s + l` is `d * sc[s] * q[32 s + l] - dmin * m[s]` (scales, minima
+/// 0..63; codes 0..15): the bits put where the loop above reads them.
+fn encode_q4_k(q: &[u8; 256], sc: &[u8; 8], m: &[u8; 8], d: u16, dmin: u16) -> Vec<u8> {
+    let mut sb = vec![0u8; SB];
+    sb[0..2].copy_from_slice(&d.to_le_bytes());
+    sb[2..4].copy_from_slice(&dmin.to_le_bytes());
+    let scales = &mut sb[4..16];
+    for j in 0..4 {
+        scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        scales[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+        scales[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
+    }
+    for (e, &q) in q.iter().enumerate() {
+        let (c, half, l) = (e / 64, e % 64 / 32, e % 32);
+        sb[16 + 32 * c + l] |= q << (4 * half);
+    }
+    sb
+}
+
+/// Random Q4_K bytes of a [rows, cols] tensor: every scale byte and code random (all 64 scales and
+/// minima, all 16 codes), `d` and `dmin` as the other formats' scales (magnitude 2^-10 to 1, either
+/// sign), one in 8 subnormal.
+pub(super) fn random_q4_k(rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut raw = Vec::with_capacity(rows * cols / 256 * SB);
+    for _ in 0..rows * cols / 256 {
+        for _ in 0..2 {
+            let r = rng.next();
+            let d = if r % 8 == 0 { (r >> 16) as u16 & 0x83ff } else { f16_bits(r) };
+            raw.extend_from_slice(&d.to_le_bytes());
+        }
+        raw.extend((0..SB - 4).map(|_| rng.next() as u8));
+    }
+    raw
+}
+
+/// Hand-built super-blocks (19 rows of 4, all of them): for every sub-block position `j` (the
+/// packing differs below and from 4) scale and minimum run through all of 0..63 over the
+/// super-blocks; codes in runs of 0 and of 15, ramps and a mix; `d` and `dmin` the smallest and
+/// largest subnormal, 65504, 1, negative and zero. The port and the encoder agree with the
+/// definition; then M = 1..9 and 17 (AVX2: passes of 4 rows) against the float64 reference, every
+/// kernel the bits.
+#[test]
+fn hand_built_super_blocks_meet_the_bound() {
+    let ds = [0x0001u16, 0x03ff, 0x7bff, 0x3c00, 0xb800, 0x0000, 0x2e66, 0x8001];
+    let dmins = [0x7bffu16, 0x0001, 0x3c00, 0x0000, 0x03ff, 0xbc00, 0x2a00, 0x5bff, 0x8000];
+    let codes = |s: usize| -> [u8; 256] {
+        std::array::from_fn(|e| match (e / 32 + s) % 4 {
+            0 => 0,
+            1 => 15,
+            2 => (e % 16) as u8,
+            _ => ((e * 7 + s) % 16) as u8,
+        })
+    };
+    let (rows, cols) = (19, 1024);
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    let mut raw = Vec::with_capacity(rows * cols / 256 * SB);
+    for s in 0..rows * cols / 256 {
+        let sc: [u8; 8] = std::array::from_fn(|j| ((s + 5 * j) % 64) as u8);
+        let m: [u8; 8] = std::array::from_fn(|j| ((63 + 3 * j + 64 - s % 64) % 64) as u8);
+        let (q, d, dmin) = (codes(s), ds[s % ds.len()], dmins[s % dmins.len()]);
+        let sb = encode_q4_k(&q, &sc, &m, d, dmin);
+        let y = dequantize_q4_k(&sb);
+        let (dv, mv) = (f16_to_f32(d) as f64, f16_to_f32(dmin) as f64);
+        for e in 0..256 {
+            let (u, want) = (e / 32, dv * sc[e / 32] as f64 * q[e] as f64 - mv * m[e / 32] as f64);
+            assert_eq!(y[e], want, "super-block {s}, weight {e} (sub-block {u})");
+        }
+        raw.extend_from_slice(&sb);
+    }
+    for m in (1..=9).chain([17]) {
+        check_raw(Format::Q4K, &raw, rows, cols, m, &mut rng);
+    }
+}
+
+/// The other formats' random products for Q4_K (`check`): rows not a multiple of 16, 1 to 3
+/// super-blocks a row, M = 1..9 and 17.
+fn q4_k_rows() -> impl Strategy<Value = usize> {
+    (1usize..70).prop_filter("the last tile padded", |r| r % 16 != 0)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+    #[test]
+    fn q4_k_kernels_agree_and_meet_the_bound(rows in q4_k_rows(), supers in 1usize..=3,
+                                             m in prop::sample::select(vec![1usize, 2, 3, 4, 5, 6, 7, 8, 9, 17]),
+                                             seed in any::<u64>()) {
+        check(Format::Q4K, rows, supers * 8, m, seed);
+    }
+}
+
+/// Prefill rows (AMX and AVX-512 run Q4_K on the AVX2 kernel), a layer-sized matrix over threads.
+#[test]
+fn q4_k_many_rows_and_threads_agree() {
+    for m in [16, 33] {
+        check(Format::Q4K, 37, 16, m, 5 + m as u64);
+    }
+    check(Format::Q4K, 1003, 1536 / QK, 3, 9);
+}
+
+/// The largest integer sums: every code 15 (and every code 0) with scale and minimum 63, against
+/// activations of +-127 (so `d_a` = 1 and every step is exact): |isum| = 15 * 127 * 32 = 60960 a
+/// sub-block, 16-bit partial sums up to 30480. Each kernel gives the exact product.
+#[test]
+fn extreme_codes_do_not_overflow() {
+    let (rows, cols) = (17, 512);
+    for (q, x) in [(15u8, -127.0f32), (15, 127.0), (0, 127.0)] {
+        let sb = encode_q4_k(&[q; 256], &[63; 8], &[63; 8], 0x3c00, 0x3c00);
+        let raw = sb.repeat(rows * cols / 256);
+        let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q4K).unwrap();
+        let expected = (63.0 * q as f32 - 63.0) * x * cols as f32;
+        for m in [1, 5, 17] {
+            let xs = vec![x; m * cols];
+            for kernel in Kernel::available() {
+                let got = run(&w, &xs, m, 1, kernel);
+                assert!(got.iter().all(|&v| v == expected), "{kernel:?} q={q} m={m}: {:?} != {expected}", &got[..2]);
+            }
+        }
+    }
+}
+
+/// Every kernel against scalar, bit for bit, at the edges of the value ranges: `d` and `dmin` from
+/// f16 subnormals to 65504 of either sign (and zero), scales and minima 0 and 63, codes 0 and 15 in
+/// half the super-blocks; activations that quantize to +-127, one value and zeros, tiny blocks; N not
+/// a tile multiple and M around the AVX2 passes of 4 rows and the AMX groups of 16.
+#[test]
+fn q4_k_extreme_values_agree_with_scalar() {
+    let scales = [0x7bffu16, 0xfbff, 0x0001, 0x8001, 0x03ff, 0x3c00, 0x5bff, 0x1400, 0x0000];
+    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
+    let (rows, cols) = (37, 512);
+    let mut raw = Vec::new();
+    for i in 0..rows * cols / 256 {
+        let d = scales[(i + rng.next() as usize) % scales.len()];
+        let dmin = scales[(i * 7 + 3) % scales.len()];
+        if i % 2 == 0 {
+            let pick = |r: u32, a: u8, b: u8| if r % 2 == 0 { a } else { b };
+            let q: [u8; 256] = std::array::from_fn(|_| pick(rng.next(), 0, 15));
+            let sc: [u8; 8] = std::array::from_fn(|_| pick(rng.next(), 0, 63));
+            let m: [u8; 8] = std::array::from_fn(|_| pick(rng.next(), 0, 63));
+            raw.extend(encode_q4_k(&q, &sc, &m, d, dmin));
+        } else {
+            raw.extend_from_slice(&d.to_le_bytes());
+            raw.extend_from_slice(&dmin.to_le_bytes());
+            raw.extend((0..SB - 4).map(|_| rng.next() as u8));
+        }
+    }
+    let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q4K).unwrap();
+    for m in [1, 3, 4, 5, 16, 17, 33] {
+        // per block: +-big everywhere, one big value and zeros, tiny values, or random; magnitudes
+        // from 1e-30 to 1e20 (products stay finite in f32)
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| {
+                let (blk, e) = (i / QK, i % QK);
+                let mag = [1e20f32, 1e-30, 1.0, 3e4, 1e-8][blk % 5];
+                let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
+                match (blk / 5) % 4 {
+                    0 => sign * mag,
+                    1 => if e == blk % QK { sign * mag } else { 0.0 },
+                    2 => -mag,
+                    _ => sign * mag * (rng.next() % 1000) as f32 / 999.0,
+                }
+            })
+            .collect();
+        let reference = run(&w, &x, m, 1, Kernel::Scalar);
+        assert!(reference.iter().all(|v| v.is_finite()), "m={m}");
+        for kernel in Kernel::available() {
+            for threads in [1, 2] {
+                let got = run(&w, &x, m, threads, kernel);
+                let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{kernel:?} x{threads} differs from scalar (Q4_K m={m})");
+            }
+        }
+    }
+}
+
+/// What one product streams: 148 bytes a row per super-block (the tiles without padding rows), at
+/// most the 4.625 bits a weight promised, under Q4_1's 160.
+#[test]
+fn q4_k_weight_bytes_are_the_tiles() {
+    let w = PackedMatrix::from_gguf("w", &vec![0u8; 37 * 2 * SB], 37, 512, Format::Q4K).unwrap();
+    assert_eq!((w.weight_bytes(), w.tile_block_bytes(), w.blocks(), w.tile_blocks()), (37 * 2 * 148, 16 * 148, 16, 2));
+    assert!(w.weight_bytes() * 8 * 8 <= 37 * 512 * 37, "at most 4.625 bits a weight");
+}
+
+#[test]
+fn q4_k_bad_input_names_the_tensor() {
+    let name = "blk.3.ffn_gate.weight";
+    for cols in [32, 128, 288, 0] {
+        let err = PackedMatrix::from_gguf(name, &[0u8; SB], 1, cols, Format::Q4K).unwrap_err();
+        assert!(matches!(err, GemvError::BadShape { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains(name) && text.contains("multiple of 256") && text.contains("q4_k"), "{text}");
+    }
+    let raw = vec![0u8; 2 * 2 * SB];
+    let err = PackedMatrix::from_gguf(name, &raw[1..], 2, 512, Format::Q4K).unwrap_err();
+    assert!(matches!(err, GemvError::ByteCount { expected: 576, got: 575, format: "q4_k", .. }), "{err:?}");
+    assert!(err.to_string().contains(name));
+    for wrong in [2 * 16 * 20, 2 * 2 * 210, 2 * 2 * 148] {
+        // a Q4_1-sized tensor, a Q6_K-sized one, the packed size
+        let err = PackedMatrix::from_gguf(name, &vec![0u8; wrong], 2, 512, Format::Q4K).unwrap_err();
+        assert!(matches!(err, GemvError::ByteCount { expected: 576, .. }), "{wrong} bytes: {err:?}");
+    }
+    for (field, off) in [("d", 0), ("dmin", 2)] {
+        for bits in [0x7c00u16, 0xfc00, 0x7e00, 0xfe01] {
+            let mut bad = raw.clone();
+            bad[3 * SB + off..3 * SB + off + 2].copy_from_slice(&bits.to_le_bytes()); // row 1, super-block 1
+            let err = PackedMatrix::from_gguf(name, &bad, 2, 512, Format::Q4K).unwrap_err();
+            assert!(matches!(err, GemvError::NonFiniteScale { field: f, row: 1, block: 1, .. } if f == field), "{err:?}");
+            assert!(err.to_string().contains(name));
+        }
+    }
+    // zero `d` and `dmin` are finite: the matrix is zero
+    let w = PackedMatrix::from_gguf(name, &raw, 2, 512, Format::Q4K).unwrap();
+    assert!(run(&w, &[1.0; 512], 1, 1, Kernel::Scalar).iter().all(|&v| v == 0.0));
+    let err = GemvError::UnknownFormat { tensor: name.into(), format: "q5_k".into() };
+    assert!(err.to_string().contains("\"q4_k\""), "{err}");
+}
