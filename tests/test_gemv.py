@@ -50,6 +50,13 @@ def test_kernels_agree_and_match_gguf(fmt: str, rows: int, cols: int, m: int) ->
     raw, w = _gguf(fmt, rows, cols, seed=rows * cols + m)
     mat = _core.GgufMatrix(raw, rows, cols, fmt, "blk.0.test")
     assert (mat.rows, mat.cols, mat.format, mat.weight_bytes) == (rows, cols, fmt, raw.size)
+    _assert_kernels_agree_within_bound(mat, w, m)
+
+
+def _assert_kernels_agree_within_bound(mat: _core.GgufMatrix, w: np.ndarray, m: int) -> None:
+    """Every kernel this CPU runs, on 1 and 2 threads, gives the scalar kernel's bits, within the float64
+    bound of the dequantized weights ``w`` times the quantized activations of a random ``[m, cols]`` input."""
+    rows, cols = w.shape
     x = np.random.default_rng(m).standard_normal((m, cols)).astype(np.float32)
     outs = {k: mat.matmul(x, threads=t, kernel=k) for k in KERNELS for t in (1, 2)}
     first = outs[KERNELS[0]]
@@ -246,53 +253,57 @@ def test_every_input_layout_gives_the_fast_paths_bits(gguf_model) -> None:
         assert torch.equal(layer(xb), layer(xb.float()))
 
 
-# ---- Q6_K: the kernel reads llama.cpp's 6-bit K-quant as the file stores it -----------------------
+# ---- K-quants: the kernel reads llama.cpp's Q6_K and Q4_K as the file stores them ------------------
 
 
-def _q6_k(rows: int, cols: int, seed: int, random_bytes: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(raw Q6_K blocks, float64 weights gguf-py dequantizes them to): a quantized random tensor, or blocks
-    whose every code and scale byte is random (all 64 codes, scales -128..127) with a random f16 d."""
-    from kquants import quantize_q6_k
+def _k_quant(qtype: str, rows: int, cols: int, seed: int, random_bytes: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(raw blocks, float64 weights gguf-py dequantizes them to) of a K-quant: a quantized random tensor, or
+    blocks whose every code, scale (and minimum) byte is random, with random f16 super-block scales, some
+    subnormal and some negative. Q6_K: d at bytes 208-209 of 210; Q4_K: d and dmin at bytes 0-3 of 144."""
+    from kquants import quantize_q4_k, quantize_q6_k
 
+    size, first, count = {"Q6_K": (210, 208, 1), "Q4_K": (144, 0, 2)}[qtype]
     g = np.random.default_rng(seed)
     if random_bytes:
-        raw = g.integers(0, 256, (rows * cols // 256, 210), dtype=np.uint8)
-        raw[:, 208:210] = (g.standard_normal(raw.shape[0]) * 1e-3).astype(np.float16).view(np.uint8).reshape(-1, 2)
-        raw[::7, 208:210] = np.array([3], dtype=np.uint16).view(np.uint8)  # a subnormal d (3 x 2^-24)
+        raw = g.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+        d = (g.standard_normal((raw.shape[0], count)) * 1e-3).astype(np.float16)
+        d[::7] = np.array([3, 5][:count], dtype=np.uint16).view(np.float16)  # subnormal
+        raw[:, first:first + 2 * count] = d.view(np.uint8).reshape(-1, 2 * count)
     else:
-        raw = quantize_q6_k((g.standard_normal((rows, cols)) * 0.05).astype(np.float32))
+        quantizer = quantize_q6_k if qtype == "Q6_K" else quantize_q4_k
+        raw = quantizer((g.standard_normal((rows, cols)) * 0.05).astype(np.float32))
     raw = raw.reshape(rows, -1)
-    return raw.reshape(-1), dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float64).reshape(rows, cols)
+    return raw.reshape(-1), dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64).reshape(rows, cols)
 
 
+# Bytes a row of 256 weights streams: Q6_K 7 bits a weight (the file: 6.5625, d repeated per block of 32),
+# Q4_K at most 4.625 (as the file, d and dmin once per super-block; Q4_1 took 5).
+STREAMED_PER_256 = {"Q6_K": 224, "Q4_K": 148}
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K"])
 @pytest.mark.parametrize("random_bytes", [False, True])
 @pytest.mark.parametrize(("rows", "cols", "m"), [(1, 256, 1), (37, 512, 3), (130, 768, 8), (16, 1536, 2),
                                                 (37, 256, 17), (50, 512, 33)])
-def test_q6_k_kernels_agree_and_match_gguf(rows: int, cols: int, m: int, random_bytes: bool) -> None:
-    raw, w = _q6_k(rows, cols, seed=rows * cols + m, random_bytes=random_bytes)
-    mat = _core.GgufMatrix(raw, rows, cols, "Q6_K", "blk.0.ffn_down.weight")
-    assert (mat.rows, mat.cols, mat.format) == (rows, cols, "q6_k")
-    assert mat.weight_bytes == rows * cols // 32 * 28  # 7 bits a weight streamed (the file: 6.5625)
-    x = np.random.default_rng(m).standard_normal((m, cols)).astype(np.float32)
-    outs = {k: mat.matmul(x, threads=t, kernel=k) for k in KERNELS for t in (1, 2)}
-    first = outs[KERNELS[0]]
-    for k, y in outs.items():
-        assert np.array_equal(y.view(np.uint32), first.view(np.uint32)), f"kernel {k} differs from scalar"
-    xq, d = _quantized_activations(x)
-    exact = xq @ w.T
-    bound = 3 * (cols / 32 + 2) * np.finfo(np.float32).eps * (np.abs(xq) @ np.abs(w).T) + 1e-6
-    assert np.all(np.abs(first - exact) <= bound)
-    assert np.all(np.abs(first - x.astype(np.float64) @ w.T) <= (d / 2) @ np.abs(w).T + bound)
+def test_k_quant_kernels_agree_and_match_gguf(qtype: str, rows: int, cols: int, m: int, random_bytes: bool) -> None:
+    raw, w = _k_quant(qtype, rows, cols, seed=rows * cols + m, random_bytes=random_bytes)
+    mat = _core.GgufMatrix(raw, rows, cols, qtype, "blk.0.ffn_down.weight")
+    assert (mat.rows, mat.cols, mat.format) == (rows, cols, qtype.lower())
+    assert mat.weight_bytes <= rows * cols // 256 * STREAMED_PER_256[qtype]
+    _assert_kernels_agree_within_bound(mat, w, m)
 
 
-def test_q6_k_bad_input_names_the_tensor() -> None:
-    raw, _ = _q6_k(4, 512, seed=3, random_bytes=False)
-    with pytest.raises(ValueError, match=r'"blk.3.ffn_down.weight".*needs 1680 bytes, got 1679'):
-        _core.GgufMatrix(raw[:-1], 4, 512, "q6_k", "blk.3.ffn_down.weight")
+@pytest.mark.parametrize("qtype, scales", [("Q6_K", (("d", 208),)), ("Q4_K", (("d", 0), ("dmin", 2)))])
+def test_k_quant_bad_input_names_the_tensor(qtype: str, scales: tuple[tuple[str, int], ...]) -> None:
+    raw, _ = _k_quant(qtype, 4, 512, seed=3, random_bytes=False)
+    row = raw.size // 4
+    with pytest.raises(ValueError, match=rf'"blk.3.ffn_down.weight".*needs {raw.size} bytes, got {raw.size - 1}'):
+        _core.GgufMatrix(raw[:-1], 4, 512, qtype, "blk.3.ffn_down.weight")
     with pytest.raises(ValueError, match="multiple of 256"):
-        _core.GgufMatrix(raw[: 4 * 210], 7, 288, "q6_k", "w")
-    for bad in (np.inf, np.nan):
-        spoiled = raw.copy()
-        spoiled[420 + 208:420 + 210] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)  # row 1's first super-block
-        with pytest.raises(ValueError, match=r'"w": scale field "d" of row 1, block 0 is not finite'):
-            _core.GgufMatrix(spoiled, 4, 512, "q6_k", "w")
+        _core.GgufMatrix(raw[:row], 7, 288, qtype, "w")
+    for field, offset in scales:
+        for bad in (np.inf, np.nan):
+            spoiled = raw.copy()
+            spoiled[row + offset:row + offset + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)  # row 1
+            with pytest.raises(ValueError, match=rf'"w": scale field "{field}" of row 1, block 0 is not finite'):
+                _core.GgufMatrix(spoiled, 4, 512, qtype, "w")

@@ -78,8 +78,8 @@ def test_other_types_are_requantized_to_q8_0_within_half_a_step(qtype):
 
 def test_types_and_the_format_fused_siblings_share():
     assert [kernel_type(t) for t in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "IQ4_XS", "F16", "BF16", "F32")] == [
-        "Q4_0", "Q4_1", "Q8_0", "Q4_1", "Q6_K", "Q8_0", "Q8_0", None, None, None]
-    assert common_type(["Q4_K", "Q4_K"]) == "Q4_1"
+        "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q8_0", "Q8_0", None, None, None]
+    assert common_type(["Q4_K", "Q4_K"]) == "Q4_K"
     assert common_type(["Q4_K", "Q4_K", "Q6_K"]) == "Q8_0"  # Q4_K_M's q/k/v
     assert common_type(["Q4_0", "Q4_1"]) == "Q8_0"
     assert common_type(["Q8_0", "F16"]) is None and common_type([]) is None
@@ -148,12 +148,12 @@ def test_a_q4_k_m_model_runs_wholly_on_the_kernel_as_its_converted_blocks(q4_k_m
     assert loaded.weight_format is not None and loaded.weight_format.name == "gguf"
     formats = {n.rsplit(".", 1)[-1]: m.gguf_matrix.format for n, m in loaded.model.named_modules()
                if isinstance(m, LinearBase) and n != "lm_head"}
-    # q/k (Q4_K) beside v (Q6_K): all Q8_0; o, gate/up: Q4_K as Q4_1; down: Q6_K as it is
-    assert formats == {"qkv_proj": "q8_0", "o_proj": "q4_1", "gate_up_proj": "q4_1", "down_proj": "q6_k"}
+    # q/k (Q4_K) beside v (Q6_K): all Q8_0; o, gate/up: Q4_K as it is; down: Q6_K as it is
+    assert formats == {"qkv_proj": "q8_0", "o_proj": "q4_k", "gate_up_proj": "q4_k", "down_proj": "q6_k"}
     assert loaded.model.fused_cpu_decode is not None  # the one-call decode runs it
     from pagedrs.models.gguf_loader import linear_tensor_types
 
-    assert set(linear_tensor_types(converted)) == {"Q4_1", "Q8_0", "Q6_K"}
+    assert set(linear_tensor_types(converted)) == {"Q4_K", "Q8_0", "Q6_K"}
     assert decode(k_quants, "gguf") == decode(converted, "gguf")
 
 
@@ -182,7 +182,7 @@ def test_converted_blocks_are_kept_for_the_next_load(q4_k_m_files, tmp_path, mon
 
     converted_types = {n for n, t in types.items() if target(n) not in (None, t)}
     kept = {p.name.rsplit(".", 1)[0] for p in kept_dir.iterdir()}
-    assert kept == converted_types and len(kept) >= 8  # every converted tensor, no temporary file
+    assert kept == converted_types and len(kept) >= 6  # every converted tensor (q/k/v), no temporary file
     real = gguf_convert.to_kernel
     conversions: list[str] = []
 

@@ -152,11 +152,14 @@ def test_a_split_inside_a_block_is_refused_by_name_and_auto_keeps_to_aten(kernel
     assert load_rank(kernel_gguf, 1, 2, "auto").weight_format.name == "gguf"
 
 
-@pytest.mark.parametrize("intermediate, per_rank_format", [(512, "q6_k"), (768, "q8_0")])
-def test_a_q6_k_row_shard_that_would_cut_a_super_block_runs_in_q8_0(tmp_path, intermediate, per_rank_format):
-    """Q6_K's scales span 256 columns: down_proj's 256 columns a rank stay Q6_K; 384 a rank (whole blocks of
-    32, not of 256) run that layer in Q8_0, requantized, rather than being refused; the partial sums still
-    add up to one rank's product within the requantization's error."""
+@pytest.mark.parametrize("qtype, intermediate, per_rank_format", [
+    ("Q6_K", 512, "q6_k"), ("Q6_K", 768, "q8_0"), ("Q4_K", 512, "q4_k"), ("Q4_K", 768, "q4_1")])
+def test_a_k_quant_row_shard_that_would_cut_a_super_block_runs_per_block_of_32(tmp_path, qtype, intermediate,
+                                                                               per_rank_format):
+    """K-quant scales span 256 columns: down_proj's 256 columns a rank stay in the file's type; 384 a rank
+    (whole blocks of 32, not of 256) run that layer in Q8_0 (Q6_K, requantized) or Q4_1 (Q4_K, its scales
+    rounded to f16) rather than being refused; the partial sums still add up to one rank's product within
+    that conversion's error."""
     import gguf
 
     from conftest import make_tiny_model
@@ -165,15 +168,15 @@ def test_a_q6_k_row_shard_that_would_cut_a_super_block_runs_in_q8_0(tmp_path, in
     model = make_tiny_model("llama", tmp_path / "hf", hidden_size=256, intermediate_size=intermediate,
                             num_attention_heads=4, head_dim=64)
     path = tmp_path / "q6k.gguf"
-    write_gguf(model, tmp_path / "hf", path, qtypes={**KERNEL_QTYPES, "ffn_down": gguf.GGMLQuantizationType.Q6_K})
+    write_gguf(model, tmp_path / "hf", path, qtypes={**KERNEL_QTYPES, "ffn_down": gguf.GGMLQuantizationType[qtype]})
     name = "model.layers.0.mlp.down_proj"
     one = linears(load_rank(path, 0, 1, "gguf"))[name]
     ranks = [linears(load_rank(path, r, 2, "gguf"))[name] for r in range(2)]
-    assert one.gguf_matrix.format == "q6_k"
+    assert one.gguf_matrix.format == qtype.lower()
     assert [r.gguf_matrix.format for r in ranks] == [per_rank_format] * 2
     x = np.random.default_rng(1).standard_normal((2, intermediate)).astype(np.float32)
     half = intermediate // 2
     total = matmul(ranks[0], x[:, :half]) + matmul(ranks[1], x[:, half:])
     expected = matmul(one, x)
-    tolerance = 1e-5 if per_rank_format == "q6_k" else 2e-2
+    tolerance = 1e-5 if per_rank_format == qtype.lower() else 2e-2
     np.testing.assert_allclose(total, expected, rtol=0, atol=tolerance * np.abs(expected).max())

@@ -2,13 +2,15 @@
 
 Why: most GGUF files people download are llama.cpp's K-quants ("Q4_K_M": Q4_K for most
 tensors, Q6_K for the output head and some value / down projections; "Q5_K_M", "Q6_K") or the
-5-bit and i-quant types. The kernel reads Q4_0, Q4_1, Q8_0 and Q6_K as they are; without a
+5-bit and i-quant types. The kernel reads Q4_0, Q4_1, Q8_0, Q4_K and Q6_K as they are; without a
 conversion any other type ran dequantized (float32 on a CPU without fast bfloat16: 32 bits a
 weight streamed per token, against 4.5).
 
-- **Q6_K runs as it is** (the kernel's own format since 2026-12-07: 7 bits a weight streamed, the
-  file's weights exactly); before, it was requantized to Q8_0 (8.5 bits and a second rounding).
-- **Q4_K -> Q4_1**, one Q4_1 block per sub-block of 32: the same 4-bit codes, scale ``d * sc`` and
+- **Q4_K and Q6_K run as they are** (the kernel's own formats since 2026-12-07: 4.625 and 7 bits a
+  weight streamed, the file's weights exactly); before, Q4_K was converted to Q4_1 as below and Q6_K
+  requantized to Q8_0 (8.5 bits and a second rounding).
+- **Q4_K -> Q4_1** where a Q4_K tensor cannot run as it is (a tensor-parallel shard that cuts its
+  256-column super-blocks), one Q4_1 block per sub-block of 32: the same 4-bit codes, scale ``d * sc`` and
   minimum ``-dmin * m`` (each exact in float32: an f16 times a 6-bit integer) stored as f16, so each
   is rounded once, by at most 2^-11 of itself (half an f16 step; below 2^-14 the products stay on
   the subnormal grid and are exact). A weight moves by at most ``15 * |d sc| * 2^-11 + |dmin m| *
@@ -30,14 +32,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q6_K")  # what the Rust kernel reads as they are
-# quantized types gguf-py dequantizes (gguf 0.19), requantized to Q8_0 (Q4_K has its own path)
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # what the Rust kernel reads as they are
+# quantized types gguf-py dequantizes (gguf 0.19), requantized to Q8_0
 REQUANTIZED_TYPES = (
     "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
     "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
 )
 QK = 32  # weights a block of Q4_0, Q4_1 and Q8_0 covers (the kernel's step; its activations' blocks)
-SUPER_BLOCK = {"Q6_K": 256}  # a format whose scales span more columns: its rows are whole runs of these
+SUPER_BLOCK = {"Q4_K": 256, "Q6_K": 256}  # a format whose scales span more columns: its rows are whole runs of these
 
 
 def block_columns(kernel_format: str) -> int:
@@ -50,8 +52,6 @@ def kernel_type(type_name: str) -> str | None:
     """The block format a GGUF tensor of ``type_name`` runs in on the kernel; None: not on the kernel (dense)."""
     if type_name in KERNEL_TYPES:
         return type_name
-    if type_name == "Q4_K":
-        return "Q4_1"
     if type_name in REQUANTIZED_TYPES:
         return "Q8_0"
     return None
@@ -66,11 +66,18 @@ def common_type(type_names: Sequence[str]) -> str | None:
     return targets.pop() if len(targets) == 1 else "Q8_0"
 
 
+def narrower(kernel_format: str) -> str:
+    """The format a tensor of ``kernel_format`` runs in where its columns are cut inside a super-block (a
+    tensor-parallel shard of 32-column multiples): Q4_K as Q4_1 (its sub-blocks' scales rounded to f16),
+    Q6_K as Q8_0 (requantized); any other format is already per block of 32."""
+    return {"Q4_K": "Q4_1", "Q6_K": "Q8_0"}.get(kernel_format, kernel_format)
+
+
 def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
     """A GGUF tensor's raw blocks (uint8 ``[rows, bytes per row]``) in the kernel format ``target``
-    (``kernel_type(type_name)``, or Q8_0 for any tensor on the kernel): uint8 ``[rows, cols /
-    block_columns(target) * block bytes]``. Non-finite scales or weights are refused naming ``name``
-    (Q6_K's by the kernel's packing)."""
+    (``kernel_type(type_name)``, ``narrower(...)`` of it, or Q8_0 for any tensor on the kernel): uint8
+    ``[rows, cols / block_columns(target) * block bytes]``. Non-finite scales or weights are refused naming
+    ``name`` (Q4_K's and Q6_K's as they are by the kernel's packing)."""
     if type_name == target:
         return blocks
     if type_name == "Q4_K" and target == "Q4_1":

@@ -2,10 +2,10 @@
 
 Why: batch-1 decode on a CPU streams every weight once per token; aten's int4/int8 kernels
 reach under 40% of the memory bandwidth at M = 1, the Rust kernel (``rust/src/gemv``) reads
-the GGUF blocks as they are (Q4_0, Q4_1, Q8_0, Q6_K: no re-quantization, so no second rounding)
+the GGUF blocks as they are (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: no re-quantization, so no second rounding)
 with int8 activations per block of 32, as llama.cpp does. Other quantized types are converted once
-at load (``gguf_convert``: Q4_K to Q4_1 blocks with f16-rounded scales, the rest requantized to
-Q8_0), and so are fused siblings whose types differ (all to Q8_0).
+at load (``gguf_convert``: requantized to Q8_0), and so are fused siblings whose types differ (all to
+Q8_0).
 
 Loading (``loader._load_gguf_blocks``): before any weight is read, ``install_gguf_weights``
 gives each layer a ``GgufMatrix`` packed from the file's raw blocks (``gguf_loader.gguf_raw_linears``,
@@ -21,8 +21,9 @@ file's blocks where the dense loader slices the float32 tensor (``LinearBase.row
 ``col_shard``, one definition for both). Rows are whole block runs, so a column-parallel shard is
 exact; a row-parallel shard (``o_proj``, ``down_proj``) must start and end on a block boundary (one
 scale covers 32 columns), so its columns per rank must be a multiple of 32, else the load is refused
-by name (and ``auto`` does not pick this format). A Q6_K tensor's blocks span 256 columns: where a
-rank's shard would cut one, that layer runs in Q8_0 (requantized) instead. Each rank quantizes the same 32-column blocks of its
+by name (and ``auto`` does not pick this format). A K-quant tensor's blocks span 256 columns: where a
+rank's shard would cut one, that layer runs Q4_K as Q4_1 and Q6_K as Q8_0 (``gguf_convert.narrower``).
+Each rank quantizes the same 32-column blocks of its
 input slice that one rank would, so a shard's partial sum differs from one rank's only in the order
 the blocks' sums are added.
 """
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrs.models.gguf_convert import QK, block_columns, common_type, to_kernel
+from pagedrs.models.gguf_convert import QK, block_columns, common_type, narrower, to_kernel
 from pagedrs.models.layers import LinearBase, LinearMethod, ShardId
 
 # fused module name -> its checkpoint siblings with their shard ids, in the fused row order
@@ -133,7 +134,7 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
             continue  # keeps its float32 weight
         first, count = layer.col_shard()
         if (first % block_columns(target) or count % block_columns(target)) and not (first % QK or count % QK):
-            target = "Q8_0"  # a rank's columns cut a Q6_K super-block, not a block of 32
+            target = narrower(target)  # a rank's columns cut a K-quant super-block, not a block of 32
         parts = [(convert(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
         blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], names)
         GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, "+".join(names)))
