@@ -10,8 +10,8 @@ what loading and decoding matrices of a real 8B's size cost, on a machine withou
 SmolLM2's widths (576) are not multiples of 256, so no K-quant SmolLM2 exists; this model has 30
 layers of hidden 512, intermediate 1536, 8 heads of 64 (4 KV heads) and SmolLM2's tokenizer and
 vocabulary (the tied embedding and head in Q6_K, as Q4_K_M stores its head), random weights (std 0.02): what
-decode streams is what a Q4_K_M file of that shape streams (Q4_K as Q4_1 blocks, Q6_K and the mixed
-q/k/v as Q8_0, ``models/gguf_convert.py``), so its tokens/s say what the conversion delivers.
+decode streams is what a Q4_K_M file of that shape streams (Q4_K and Q6_K as they are, the mixed q/k/v as
+Q8_0, ``models/gguf_convert.py``), so its tokens/s say what the kernel delivers on such a file.
 """
 
 from __future__ import annotations
