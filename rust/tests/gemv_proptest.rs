@@ -194,13 +194,7 @@ fn extreme_activations_do_not_overflow() {
             Format::Q6K => unreachable!("gemv_q6_k::extreme_quants_do_not_overflow"),
             Format::Q4K => unreachable!("gemv_q4_k::extreme_codes_do_not_overflow"),
         };
-        for m in [1, 17, 33] {
-            let x = vec![-1.0f32; m * cols];
-            for kernel in Kernel::available() {
-                let got = run(&w, &x, m, 1, kernel);
-                assert!(got.iter().all(|&v| v == expected), "{kernel:?} {format:?} m={m}: {:?} != {expected}", &got[..2]);
-            }
-        }
+        assert_exact(&w, -1.0, &[1, 17, 33], expected, &format!("{format:?}"));
     }
 }
 
@@ -228,29 +222,41 @@ fn extreme_values_agree_with_scalar() {
         }
         let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
         for m in [16, 17, 33, 48] {
-            // per block: +-big everywhere (all +-127 once quantized), one big value and zeros, tiny
-            // values, or random; magnitudes from 1e-30 to 1e25 (products stay finite in f32)
-            let x: Vec<f32> = (0..m * cols)
-                .map(|i| {
-                    let (blk, e) = (i / QK, i % QK);
-                    let mag = [1e25f32, 1e-30, 1.0, 3e4, 1e-8][blk % 5];
-                    let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
-                    match (blk / 5) % 4 {
-                        0 => sign * mag,
-                        1 => if e == blk % QK { sign * mag } else { 0.0 },
-                        2 => -mag,
-                        _ => sign * mag * (rng.next() % 1000) as f32 / 999.0,
-                    }
-                })
-                .collect();
-            let reference = run(&w, &x, m, 1, Kernel::Scalar);
-            for kernel in Kernel::available() {
-                for threads in [1, 2] {
-                    let got = run(&w, &x, m, threads, kernel);
-                    let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(same, "{kernel:?} x{threads} differs from scalar ({format:?} m={m})");
-                }
+            let x = extreme_activations(m, cols, 1e25, &mut rng);
+            assert_same_as_scalar(&w, &x, m, &format!("{format:?}"));
+        }
+    }
+}
+
+/// `m` rows of activations at the edges, per block of 32: +-big everywhere (all +-127 once quantized),
+/// one big value and zeros, tiny values, or random; magnitudes from 1e-30 to `largest` (chosen so the
+/// products stay finite in f32).
+fn extreme_activations(m: usize, cols: usize, largest: f32, rng: &mut Rng) -> Vec<f32> {
+    (0..m * cols)
+        .map(|i| {
+            let (blk, e) = (i / QK, i % QK);
+            let mag = [largest, 1e-30, 1.0, 3e4, 1e-8][blk % 5];
+            let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
+            match (blk / 5) % 4 {
+                0 => sign * mag,
+                1 => if e == blk % QK { sign * mag } else { 0.0 },
+                2 => -mag,
+                _ => sign * mag * (rng.next() % 1000) as f32 / 999.0,
             }
+        })
+        .collect()
+}
+
+/// Every kernel, on 1 and 2 threads, gives the scalar kernel's bits for `w` times `x` (`m` rows),
+/// and those are finite.
+fn assert_same_as_scalar(w: &PackedMatrix, x: &[f32], m: usize, what: &str) {
+    let reference = run(w, x, m, 1, Kernel::Scalar);
+    assert!(reference.iter().all(|v| v.is_finite()), "{what} m={m}");
+    for kernel in Kernel::available() {
+        for threads in [1, 2] {
+            let got = run(w, x, m, threads, kernel);
+            let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{kernel:?} x{threads} differs from scalar ({what} m={m})");
         }
     }
 }
@@ -309,19 +315,35 @@ fn this_machine_reports_its_kernels() {
 /// chunk takes the heap buffer of more than 8 rows; 33: two AMX groups and one row past them.
 #[test]
 fn large_products_split_over_threads_give_the_same_bits() {
-    let (rows, cols) = (2051, 512); // Q8_0: 2051 x 512 x 34 / 32 bytes = 1.1 MB, rows not a tile multiple
+    // Q8_0: 2051 x 512 x 34 / 32 bytes = 1.1 MB, rows not a tile multiple; the K-quants' super-block tiles too
+    let (rows, cols) = (2051, 512);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let raw = random_gguf(Format::Q8_0, rows, cols, &mut rng);
-    let w = PackedMatrix::from_gguf("big", &raw, rows, cols, Format::Q8_0).unwrap();
-    for m in [1, 3, 11, 33] {
-        let x: Vec<f32> = (0..m * cols).map(|_| (rng.next() as f32 / u32::MAX as f32 - 0.5) * 4.0).collect();
-        let reference = run(&w, &x, m, 1, Kernel::Scalar);
-        assert!(reference.iter().all(|v| v.is_finite()), "m={m}");
-        for kernel in Kernel::available() {
-            for threads in [1, 2, 3] {
-                let got = run(&w, &x, m, threads, kernel);
-                assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()), "{kernel:?} x{threads} m={m}");
+    for format in [Format::Q8_0, Format::Q6K, Format::Q4K] {
+        let raw = random_gguf(format, rows, cols, &mut rng);
+        let w = PackedMatrix::from_gguf("big", &raw, rows, cols, format).unwrap();
+        for m in [1, 3, 11, 33] {
+            let x: Vec<f32> = (0..m * cols).map(|_| (rng.next() as f32 / u32::MAX as f32 - 0.5) * 4.0).collect();
+            let reference = run(&w, &x, m, 1, Kernel::Scalar);
+            assert!(reference.iter().all(|v| v.is_finite()), "{format:?} m={m}");
+            for kernel in Kernel::available() {
+                for threads in [1, 2, 3] {
+                    let got = run(&w, &x, m, threads, kernel);
+                    assert!(got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{format:?} {kernel:?} x{threads} m={m}");
+                }
             }
+        }
+    }
+}
+
+/// Every kernel gives exactly `expected` in every output of `w` times `m` rows of `x` (the largest
+/// integer sums, where every step is exact).
+fn assert_exact(w: &PackedMatrix, x: f32, ms: &[usize], expected: f32, what: &str) {
+    for &m in ms {
+        let xs = vec![x; m * w.cols()];
+        for kernel in Kernel::available() {
+            let got = run(w, &xs, m, 1, kernel);
+            assert!(got.iter().all(|&v| v == expected), "{kernel:?} {what} m={m}: {:?} != {expected}", &got[..2]);
         }
     }
 }

@@ -119,31 +119,6 @@ fn hand_built_super_blocks_meet_the_bound() {
     }
 }
 
-/// The other formats' random products for Q4_K (`check`): rows not a multiple of 16, 1 to 3
-/// super-blocks a row, M = 1..9 and 17.
-fn q4_k_rows() -> impl Strategy<Value = usize> {
-    (1usize..70).prop_filter("the last tile padded", |r| r % 16 != 0)
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
-    #[test]
-    fn q4_k_kernels_agree_and_meet_the_bound(rows in q4_k_rows(), supers in 1usize..=3,
-                                             m in prop::sample::select(vec![1usize, 2, 3, 4, 5, 6, 7, 8, 9, 17]),
-                                             seed in any::<u64>()) {
-        check(Format::Q4K, rows, supers * 8, m, seed);
-    }
-}
-
-/// Prefill rows (AMX and AVX-512 run Q4_K on the AVX2 kernel), a layer-sized matrix over threads.
-#[test]
-fn q4_k_many_rows_and_threads_agree() {
-    for m in [16, 33] {
-        check(Format::Q4K, 37, 16, m, 5 + m as u64);
-    }
-    check(Format::Q4K, 1003, 1536 / QK, 3, 9);
-}
-
 /// The largest integer sums: every code 15 (and every code 0) with scale and minimum 63, against
 /// activations of +-127 (so `d_a` = 1 and every step is exact): |isum| = 15 * 127 * 32 = 60960 a
 /// sub-block, 16-bit partial sums up to 30480. Each kernel gives the exact product.
@@ -154,14 +129,7 @@ fn extreme_codes_do_not_overflow() {
         let sb = encode_q4_k(&[q; 256], &[63; 8], &[63; 8], 0x3c00, 0x3c00);
         let raw = sb.repeat(rows * cols / 256);
         let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q4K).unwrap();
-        let expected = (63.0 * q as f32 - 63.0) * x * cols as f32;
-        for m in [1, 5, 17] {
-            let xs = vec![x; m * cols];
-            for kernel in Kernel::available() {
-                let got = run(&w, &xs, m, 1, kernel);
-                assert!(got.iter().all(|&v| v == expected), "{kernel:?} q={q} m={m}: {:?} != {expected}", &got[..2]);
-            }
-        }
+        assert_exact(&w, x, &[1, 5, 17], (63.0 * q as f32 - 63.0) * x * cols as f32, &format!("q={q}"));
     }
 }
 
@@ -192,30 +160,8 @@ fn q4_k_extreme_values_agree_with_scalar() {
     }
     let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q4K).unwrap();
     for m in [1, 3, 4, 5, 16, 17, 33] {
-        // per block: +-big everywhere, one big value and zeros, tiny values, or random; magnitudes
-        // from 1e-30 to 1e20 (products stay finite in f32)
-        let x: Vec<f32> = (0..m * cols)
-            .map(|i| {
-                let (blk, e) = (i / QK, i % QK);
-                let mag = [1e20f32, 1e-30, 1.0, 3e4, 1e-8][blk % 5];
-                let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
-                match (blk / 5) % 4 {
-                    0 => sign * mag,
-                    1 => if e == blk % QK { sign * mag } else { 0.0 },
-                    2 => -mag,
-                    _ => sign * mag * (rng.next() % 1000) as f32 / 999.0,
-                }
-            })
-            .collect();
-        let reference = run(&w, &x, m, 1, Kernel::Scalar);
-        assert!(reference.iter().all(|v| v.is_finite()), "m={m}");
-        for kernel in Kernel::available() {
-            for threads in [1, 2] {
-                let got = run(&w, &x, m, threads, kernel);
-                let same = got.iter().zip(&reference).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{kernel:?} x{threads} differs from scalar (Q4_K m={m})");
-            }
-        }
+        let x = extreme_activations(m, cols, 1e20, &mut rng);
+        assert_same_as_scalar(&w, &x, m, "Q4_K");
     }
 }
 

@@ -101,31 +101,6 @@ fn hand_built_super_blocks_meet_the_bound() {
     }
 }
 
-/// The other formats' random products for Q6_K (`check`): rows not a multiple of 16, 1 to 3
-/// super-blocks a row, M = 1..9 and 17.
-fn q6_k_rows() -> impl Strategy<Value = usize> {
-    (1usize..70).prop_filter("the last tile padded", |r| r % 16 != 0)
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(32))]
-    #[test]
-    fn q6_k_kernels_agree_and_meet_the_bound(rows in q6_k_rows(), supers in 1usize..=3,
-                                             m in prop::sample::select(vec![1usize, 2, 3, 4, 5, 6, 7, 8, 9, 17]),
-                                             seed in any::<u64>()) {
-        check(Format::Q6K, rows, supers * 8, m, seed);
-    }
-}
-
-/// Prefill rows (AMX runs Q6_K on its AVX-512 kernel), a layer-sized matrix over threads.
-#[test]
-fn q6_k_many_rows_and_threads_agree() {
-    for m in [16, 33] {
-        check(Format::Q6K, 37, 16, m, 5 + m as u64);
-    }
-    check(Format::Q6K, 1003, 1536 / QK, 3, 9);
-}
-
 /// The largest integer sums: every q 0 (q - 32 = -32) with scale -128, and every q 63 with scale
 /// 127, against activations of one sign (|T| = 2 * 16 * 32 * 127 * 128 = 16646144 < 2^24, and
 /// 15999968): each kernel gives the exact product.
@@ -136,14 +111,7 @@ fn extreme_quants_do_not_overflow() {
         let sb = encode_q6_k(&[q; 256], &[scale; 16], 0x3c00);
         let raw = sb.repeat(rows * cols / 256);
         let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q6K).unwrap();
-        let expected = weight * x * cols as f32;
-        for m in [1, 5, 17] {
-            let xs = vec![x; m * cols];
-            for kernel in Kernel::available() {
-                let got = run(&w, &xs, m, 1, kernel);
-                assert!(got.iter().all(|&v| v == expected), "{kernel:?} q={q} m={m}: {:?} != {expected}", &got[..2]);
-            }
-        }
+        assert_exact(&w, x, &[1, 5, 17], weight * x * cols as f32, &format!("q={q}"));
     }
 }
 
