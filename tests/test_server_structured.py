@@ -342,3 +342,28 @@ def test_a_streamed_forced_call_equals_the_non_streamed_one(client: openai.OpenA
     assert sum(len(c.choices[0].delta.tool_calls or []) for c in chunks) > len(joined)  # arguments in pieces
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
     assert not any(c.choices[0].delta.content for c in chunks)
+
+
+DEAD_END = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"],
+            "additionalProperties": False, "$defs": {"a": {"$ref": "#/$defs/a"}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_dead_ends_midway_is_the_requests_400_not_a_stop(served: LiveServer, stream: bool) -> None:
+    """'{"x":' and then nothing can follow: the request ends with its error as a 400 (its own schema is at
+    fault: a 500 would tell a client to retry), streamed as an error event, never finish_reason "stop"."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stream": stream,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": DEAD_END}}}
+    r = httpx.post(served.url + "/v1/chat/completions", json=body, timeout=120)
+    if stream:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        error = events[-1]["error"]
+        assert all(c["finish_reason"] != "stop" for e in events[:-1] for c in e.get("choices", []))
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "no token can continue" in error["message"], error
+    ok = httpx.post(served.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert ok.status_code == 200  # the server goes on

@@ -59,3 +59,19 @@ class FieldError(ValueError):
     def __reduce__(self) -> tuple[type[FieldError], tuple[str, str]]:
         # both arguments: Exception's own reduce would rebuild it from the message alone, and fail
         return (FieldError, (self.param, str(self)))
+
+
+class GrammarDeadEnd(ValueError):
+    """A structured-output request whose grammar admits no continuation partway through an answer (a
+    required property whose schema matches nothing): the request's own constraint is at fault, so the
+    request ends with this error, never as a complete answer."""
+
+
+# Errors a request's own input causes while it runs: the core ends the request with ``"<Type>: message"``
+# (``EngineCore.fail``), and the server answers those with 400, not 500 (``caused_by_request``).
+REQUEST_CAUSED: tuple[type[Exception], ...] = (FieldError, GrammarDeadEnd)
+
+
+def caused_by_request(error: str) -> bool:
+    """Whether a request's error text (``CoreOutput.error``) names one of ``REQUEST_CAUSED``."""
+    return error.startswith(tuple(f"{t.__name__}: " for t in REQUEST_CAUSED))

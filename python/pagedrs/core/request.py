@@ -21,6 +21,7 @@ import torch
 
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.protocol import CoreOutput, CoreSampleOutput, RequestMetrics
+from pagedrs.errors import GrammarDeadEnd
 from pagedrs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # continuation.py imports this module
@@ -219,8 +220,8 @@ def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optio
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: {sample.grammar.error}")
         if sample.grammar.error:  # a failed matcher allows EOS alone: an answer ended there matches nothing
             reason = sample.grammar.error.strip().splitlines()[0]
-            raise RuntimeError(f"structured_outputs: after {len(sample.token_ids) - 1} tokens no token can continue "
-                               f"an answer the grammar matches (llguidance: {reason}); the output is refused, "
-                               "not returned as complete")
+            raise GrammarDeadEnd(f"structured_outputs: after {len(sample.token_ids) - 1} tokens no token can continue "
+                                 f"an answer the grammar matches (llguidance: {reason}); the output is refused, "
+                                 "not returned as complete")
         stop_ids = rule.stop_token_ids | rule.eos_token_ids  # the grammar allows EOS only where the answer may end
     rule.finish(sample, token, len(sample.token_ids), stop_ids)

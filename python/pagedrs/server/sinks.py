@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedrs.errors import caused_by_request
 from pagedrs.server.deltas import DeltaStream, RequestDelta, SampleDelta
 from pagedrs.server.metrics import ServerMetrics
 from pagedrs.server.request_trace import RequestTrace
@@ -43,13 +44,15 @@ class Sink:
         by_tier = getattr(output, "cached_tokens_by_tier", None)
         if by_tier is not None:
             self.cached_tokens_by_tier = dict(by_tier)
+        error = getattr(output, "error", None)
         return RequestDelta(
             tag=self.tag,
             request_id=output.request_id,
             prompt_token_ids=list(output.prompt_token_ids),
             samples=self._news(output.outputs),
             finished=bool(output.finished),
-            error=getattr(output, "error", None),
+            error=error,
+            error_status=400 if error is not None and caused_by_request(error) else 500,
             num_cached_tokens=self.num_cached_tokens,
             cached_tokens_by_tier=self.cached_tokens_by_tier,
             prompt_logprobs=getattr(output, "prompt_logprobs", None),
