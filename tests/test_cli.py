@@ -179,3 +179,12 @@ def test_offline_commands_refuse_a_bad_engine_value_before_loading(capsys, comma
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"pagedrs {command}: error: " in err and fragment in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, fragment", [(["--max-tokens", "-3"], "SamplingParams.max_tokens=-3"),
+                                            (["--temperature", "nan"], "SamplingParams.temperature=nan")])
+def test_generate_refuses_a_bad_sampling_value_before_loading(capsys, argv, fragment):
+    """A traceback before; now exit 2 naming the value, with no model loaded (the path does not exist)."""
+    assert main(["generate", "p", "--model", "/nonexistent/model", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "pagedrs generate: error: " in err and fragment in err and "Traceback" not in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -92,6 +93,31 @@ def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDRS_API_KEY", "from-env")
     assert server_options(build_parser().parse_args([])).api_key == "from-env"
     assert server_options(build_parser().parse_args(["--api-key", "flag"])).api_key == "flag"
+
+
+@pytest.mark.parametrize("flag, env, named", [("", None, "--api-key"), ("  ", "from-env", "--api-key"),
+                                              (None, "", "$PAGEDRS_API_KEY")])
+def test_an_empty_api_key_is_refused_not_read_as_none(monkeypatch: pytest.MonkeyPatch, flag, env, named) -> None:
+    """`--api-key "$KEY"` with KEY unset started a server anyone could use: an empty key given is an error."""
+    from pagedrs.server.cli import build_parser, main, server_options
+
+    monkeypatch.delenv("PAGEDRS_API_KEY", raising=False)
+    if env is not None:
+        monkeypatch.setenv("PAGEDRS_API_KEY", env)
+    argv = [] if flag is None else ["--api-key", flag]
+    with pytest.raises(ValueError, match=rf"{re.escape(named)} is empty: pass a non-empty key"):
+        server_options(build_parser().parse_args(argv))
+    assert main(argv) == 2  # before any model loads
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "http"])
+def test_a_port_outside_0_to_65535_is_refused_with_the_flags(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """It failed in bind() with a traceback, after the model had loaded."""
+    from pagedrs.server.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--port", port])
+    assert exc.value.code == 2 and "allowed: 0 to 65535" in capsys.readouterr().err
 
 
 # --- body size and read timeouts ---------------------------------------------------------------

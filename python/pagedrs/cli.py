@@ -38,8 +38,13 @@ def _checked_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from pagedrs import LLM, SamplingParams
 
+    try:  # before the model loads: a bad value exits 2 naming it, as the engine flags do
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+    except ValueError as exc:
+        print(f"pagedrs {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     llm = LLM(**_checked_engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompt = {"prompt_token_ids": llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])} if args.chat else args.prompt
     if args.stream:
         for delta in llm.stream(prompt, params):

@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--served-model-name", default=None, help="name clients must send as `model` (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, local only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000, help="TCP port, 0 to 65535 (0: any free one)")
     p.add_argument(
         "--max-waiting", type=int, default=DEFAULT_MAX_WAITING,
         help="answer 503 to requests that would make the waiting queue longer than this (default: %(default)s)",
@@ -69,6 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
         "and streaming never hold up a forward pass)",
     )
     return p
+
+
+def _port(text: str) -> int:
+    """A TCP port, checked with the other flags (a bad one failed in bind(), after the model had loaded)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; allowed: 0 to 65535") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is out of range; allowed: 0 to 65535")
+    return port
 
 
 def _add_safety_arguments(g: argparse._ArgumentGroup) -> None:
@@ -128,8 +139,15 @@ def _add_safety_arguments(g: argparse._ArgumentGroup) -> None:
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
     """ServerOptions from parsed arguments (ValueError names the bad one)."""
+    # An empty key given is refused, not read as "no key": `--api-key "$KEY"` with KEY unset would
+    # otherwise start a server anyone can use.
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():
+        given = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise ValueError(f"{given} is empty: pass a non-empty key, or leave out both --api-key and ${API_KEY_ENV} "
+                         "to serve without authentication")
     return ServerOptions(
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key,
         api_keys=load_api_key_file(args.api_key_file) if args.api_key_file else {},
         admin_api_key=args.admin_api_key,
         prefix_cache_isolation=args.prefix_cache_isolation,
