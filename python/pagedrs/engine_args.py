@@ -141,6 +141,14 @@ class EngineArgs:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value < math.inf:
                 raise ValueError(f"{name} is {value!r}; it must be a finite number >= {low}")
 
+        def whole_at_least(name: str, low: int, optional: bool = False) -> None:
+            """A count: an integer (not a bool, not 16.5, which the core would refuse or truncate), >= low."""
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+                raise ValueError(f"{name} is {value!r}; it must be an integer >= {low}")
+
         choice("kv_layout", _LAYOUTS)
         choice("preemption_mode", _PREEMPTION)
         choice("contiguous_reserve", _RESERVE)
@@ -164,14 +172,6 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype is {self.kv_cache_dtype!r}, which needs kv_layout='paged'; "
                              f"kv_layout={self.kv_layout!r} is the traditional baseline and stores the model dtype "
                              "(use kv_cache_dtype='auto' with it)")
-        def whole_at_least(name: str, low: int, optional: bool = False) -> None:
-            """A count: an integer (not a bool, not 16.5, which the core would refuse or truncate), >= low."""
-            value = getattr(self, name)
-            if optional and value is None:
-                return
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-                raise ValueError(f"{name} is {value!r}; it must be an integer >= {low}")
-
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_n", "tensor_parallel_size"):
             whole_at_least(name, 1)
         for name in ("num_gpu_blocks", "max_model_len", "kv_cache_memory"):

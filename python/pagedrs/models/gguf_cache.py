@@ -170,8 +170,8 @@ class ConvertedBlocks:
     the raw block bytes, then their CRC-32), so only the first load of a file converts.
 
     Why: converting runs at 80-110 M weights a second here (requantizing to Q8_0; until the kernel read
-    Q4_K and Q6_K as they are, those too: about 100 s for an 8B Q4_K_M file on every load), where reading the converted blocks back and checking them
-    takes seconds (CRC-32 at ~2.4 GB/s). Never wrong: a kept file is used only when it has exactly the
+    Q4_K and Q6_K as they are, those too: about 100 s for an 8B Q4_K_M file on every load), where
+    reading the converted blocks back and checking them takes seconds (CRC-32 at ~2.4 GB/s). Never wrong: a kept file is used only when it has exactly the
     bytes its shape takes and its checksum holds (a file cut short, or spoiled on disk, is converted
     again and rewritten); it is written to a temporary name and renamed into place (never seen
     half-written). A failed write (a full disk, a read-only cache) loses only the saving: the load
@@ -184,12 +184,13 @@ class ConvertedBlocks:
     def __call__(self, blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        from pagedrs.models.gguf_convert import QK, to_kernel
+        from pagedrs.models.gguf_convert import to_kernel
 
         if type_name == target:
             return to_kernel(blocks, cols, type_name, target, name)
         kept_file = self.folder / f"{name}.{target}"
-        shape = (blocks.shape[0], cols // QK * GGML_QUANT_SIZES[GGMLQuantizationType[target]][1])
+        weights_per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[target]]
+        shape = (blocks.shape[0], cols // weights_per_block * block_bytes)
         kept = _read_checked(kept_file, shape)
         if kept is not None:
             return kept

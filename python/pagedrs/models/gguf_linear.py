@@ -133,8 +133,8 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
         if len(parts) != len(found) or target is None:
             continue  # keeps its float32 weight
         first, count = layer.col_shard()
-        if (first % block_columns(target) or count % block_columns(target)) and not (first % QK or count % QK):
-            target = narrower(target)  # a rank's columns cut a K-quant super-block, not a block of 32
+        if first % block_columns(target) or count % block_columns(target):
+            target = narrower(target)  # a rank's columns cut a K-quant super-block (rank_blocks checks the 32s)
         parts = [(convert(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
         blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], names)
         GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, "+".join(names)))

@@ -53,7 +53,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                         let sc = |g: usize| blk[2 * TILE + 2 * j + g] as i8 as i32;
                         let mut isum = [0i32; 2];
                         for (e, &a) in a.iter().enumerate() {
-                            isum[e / 16] += (q6_k_quant(q, j, e) as i32 - 32) * a as i32;
+                            isum[e / 16] += (tile_q6_k_quant(q, j, e) as i32 - 32) * a as i32;
                         }
                         sc(0) * isum[0] + sc(1) * isum[1]
                     }
@@ -109,7 +109,7 @@ fn q4_isum(q: &[u8], j: usize, a: &[i8]) -> i32 {
 }
 
 /// Element `e` (0..32)'s quant (0..63) of lane `j` in a Q6_K block's packed quants `q` (`pack.rs`).
-fn q6_k_quant(q: &[u8], j: usize, e: usize) -> u8 {
+fn tile_q6_k_quant(q: &[u8], j: usize, e: usize) -> u8 {
     let (g, k, i) = (e / 16, e % 16 / 4, e % 4);
     let byte = |k: usize| q[(3 * g + k) * 64 + 4 * j + i];
     if k < 3 {

@@ -81,4 +81,3 @@ class GrammarCompiler:
 
     def __len__(self) -> int:
         return len(self._compiled)
-
