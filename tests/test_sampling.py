@@ -199,6 +199,8 @@ def test_greedy_batch_equals_the_reference_path_with_logprobs_penalties_and_seed
         ({"stop_token_ids": [True]}, "stop_token_ids", "each in [0, 2147483647]"),
         ({"stop_token_ids": [2**40]}, "stop_token_ids", "each in [0, 2147483647]"),
         ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
+        # a lone surrogate is in no decoded text: the stop could never match (the server's JSON refuses it too)
+        ({"stop": ["ok", "a\ud800"]}, "stop", "lone surrogate '\\ud800' at character 1"),
     ],
 )
 def test_sampling_params_validation_names_field_value_and_range(kwargs, field, allowed):

@@ -425,6 +425,12 @@ class SamplingParams:
         ):
             _fail("stop", stop, f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
                   f"{MAX_STOP_STRING_CHARS} characters each, or None")
+        for s in stops:  # a lone surrogate is in no decoded text: such a stop could never match
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                _fail("stop", stop, f"valid Unicode strings (a lone surrogate {s[exc.start]!r} at character "
+                      f"{exc.start} of {s!r} can never appear in decoded text)")
         return stops
 
     @property
