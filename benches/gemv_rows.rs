@@ -2,13 +2,13 @@
 //! `cargo bench --bench gemv_rows [-- KERNEL [THREADS [M,M,.. [ROWSxCOLS [FORMAT,FORMAT,..]]]]]`.
 //!
 //! Times `PackedMatrix::matmul` at M = 1..8, 16, 32, 64, 86 (a prefill's rows; or the list given) on
-//! THREADS threads (default 1), on a matrix of ROWSxCOLS (default 1536x576; Q6_K's columns rounded
-//! and Q4_K's columns rounded up to the super-block of 256) that stays in the cache when small (the kernel's compute alone),
+//! THREADS threads (default 1), on a matrix of ROWSxCOLS (default 1536x576; Q6_K's, Q4_K's and Q5_K's
+//! columns rounded up to the super-block of 256) that stays in the cache when small (the kernel's compute alone),
 //! and on a set of copies of it larger than the cache (streaming, as in a decode step), and prints
 //! ns per (row, tile block of 16 x 32 weights, for every format), the cost relative to the first M,
 //! and streaming: GB/s of the bytes a product reads (`weight_bytes`, Q6_K's 28 per 32 weights, not
-//! the file's 26.25; Q4_K's 148 per 256, not the file's 144) and ns a product.
-//! Formats: q4_1, q8_0, q4_0, q6_k, q4_k, or the list given.
+//! the file's 26.25; Q4_K's 148 per 256, not the file's 144; Q5_K's 180, not 176) and ns a product.
+//! Formats: q4_1, q8_0, q4_0, q6_k, q4_k, q5_k, or the list given.
 use pagedrs::gemv::{Format, Kernel, PackedMatrix, QK};
 use std::time::Instant;
 
@@ -29,7 +29,7 @@ fn random_gguf(format: Format, rows: usize, cols: usize, seed: &mut u64) -> Vec<
         }
         return raw;
     }
-    if format == Format::Q4K {
+    if matches!(format, Format::Q4K | Format::Q5K) {
         // d and dmin, then random scales, minima and codes
         for _ in 0..rows * cols / format.gguf_block_weights() {
             raw.extend_from_slice(&f16(next()).to_le_bytes());
@@ -66,7 +66,7 @@ fn main() {
     }).unwrap_or((1536, 576));
     let formats: Vec<Format> = std::env::args().nth(5)
         .map(|l| l.split(',').map(|f| Format::parse(f).expect("a format name")).collect())
-        .unwrap_or_else(|| vec![Format::Q4_1, Format::Q8_0, Format::Q4_0, Format::Q6K, Format::Q4K]);
+        .unwrap_or_else(|| vec![Format::Q4_1, Format::Q8_0, Format::Q4_0, Format::Q6K, Format::Q4K, Format::Q5K]);
     let mut seed = 0x9e3779b97f4a7c15u64;
     for format in formats {
         let cols = cols.next_multiple_of(format.gguf_block_weights());

@@ -1,8 +1,10 @@
 //! Property tests of the GEMV kernels: every kernel this CPU runs (scalar always) returns the
-//! same bits, and each is within its error bound of a float64 reference. Q6_K's and Q4_K's own
-//! tests (their hand-built super-blocks, extremes and refusals) are in `gemv_q6_k` and `gemv_q4_k`.
+//! same bits, and each is within its error bound of a float64 reference. Q6_K's, Q4_K's and Q5_K's
+//! own tests (their hand-built super-blocks, extremes and refusals) are in `gemv_q6_k`, `gemv_q4_k`
+//! and `gemv_q5_k`.
 
 mod gemv_q4_k;
+mod gemv_q5_k;
 mod gemv_q6_k;
 
 use pagedrs::gemv::format::f16_to_f32;
@@ -29,11 +31,12 @@ impl Rng {
 }
 
 /// Random GGUF bytes of a [rows, cols] tensor (Q6_K: `gemv_q6_k::random_q6_k`; Q4_K:
-/// `gemv_q4_k::random_q4_k`).
+/// `gemv_q4_k::random_q4_k`; Q5_K: `gemv_q5_k::random_q5_k`).
 fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     match format {
         Format::Q6K => return gemv_q6_k::random_q6_k(rows, cols, rng),
         Format::Q4K => return gemv_q4_k::random_q4_k(rows, cols, rng),
+        Format::Q5K => return gemv_q5_k::random_q5_k(rows, cols, rng),
         Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => {}
     }
     let mut raw = Vec::new();
@@ -54,6 +57,7 @@ fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> 
     match format {
         Format::Q6K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q6_k::dequantize_q6_k).collect(),
         Format::Q4K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q4_k::dequantize_q4_k).collect(),
+        Format::Q5K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q5_k::dequantize_q5_k).collect(),
         Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => {}
     }
     let bb = format.block_bytes();
@@ -68,7 +72,7 @@ fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> 
                 (0..QK).for_each(|e| out[e] = nibble(&blk[4..], e) as f64 * d + m);
             }
             Format::Q8_0 => (0..QK).for_each(|e| out[e] = blk[2 + e] as i8 as f64 * d),
-            Format::Q6K | Format::Q4K => unreachable!("dequantized above"),
+            Format::Q6K | Format::Q4K | Format::Q5K => unreachable!("dequantized above"),
         }
     }
     w
@@ -84,7 +88,7 @@ fn run(w: &PackedMatrix, x: &[f32], m: usize, threads: usize, kernel: Kernel) ->
     out
 }
 
-/// Random weights of `rows` x `blocks` blocks (Q6_K, Q4_K: rounded up to whole super-blocks) times `m`
+/// Random weights of `rows` x `blocks` blocks (Q6_K, Q4_K, Q5_K: rounded up to whole super-blocks) times `m`
 /// random activation rows: see `check_raw`.
 fn check(format: Format, rows: usize, blocks: usize, m: usize, seed: u64) {
     let cols = (blocks * QK).next_multiple_of(format.gguf_block_weights());
@@ -134,7 +138,8 @@ fn check_raw(format: Format, raw: &[u8], rows: usize, cols: usize, m: usize, rng
 }
 
 fn format_strategy() -> impl Strategy<Value = Format> {
-    prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0), Just(Format::Q6K), Just(Format::Q4K)]
+    prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0), Just(Format::Q6K), Just(Format::Q4K),
+                Just(Format::Q5K)]
 }
 
 proptest! {
@@ -157,7 +162,7 @@ proptest! {
 /// and 33 rows run as 8 + 1, 8 + 8 + 1 (AMX 16 + 1) and 32 + 1, every group the scalar bits.
 #[test]
 fn more_rows_than_one_group_agree() {
-    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K, Format::Q4K] {
+    for format in [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K, Format::Q4K, Format::Q5K] {
         for m in [9, 12, 16, 17, 32, 33] {
             check(format, 37, 5, m, 11 + m as u64);
         }
@@ -193,6 +198,7 @@ fn extreme_activations_do_not_overflow() {
             Format::Q8_0 => 128.0 * cols as f32,
             Format::Q6K => unreachable!("gemv_q6_k::extreme_quants_do_not_overflow"),
             Format::Q4K => unreachable!("gemv_q4_k::extreme_codes_do_not_overflow"),
+            Format::Q5K => unreachable!("gemv_q5_k::extreme_codes_do_not_overflow"),
         };
         assert_exact(&w, -1.0, &[1, 17, 33], expected, &format!("{format:?}"));
     }
@@ -318,7 +324,7 @@ fn large_products_split_over_threads_give_the_same_bits() {
     // Q8_0: 2051 x 512 x 34 / 32 bytes = 1.1 MB, rows not a tile multiple; the K-quants' super-block tiles too
     let (rows, cols) = (2051, 512);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for format in [Format::Q8_0, Format::Q6K, Format::Q4K] {
+    for format in [Format::Q8_0, Format::Q6K, Format::Q4K, Format::Q5K] {
         let raw = random_gguf(format, rows, cols, &mut rng);
         let w = PackedMatrix::from_gguf("big", &raw, rows, cols, format).unwrap();
         for m in [1, 3, 11, 33] {

@@ -14,7 +14,7 @@ use super::*;
 const SB: usize = 144;
 
 /// ggml's `get_scale_min_k4`, as it is written.
-fn get_scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(super) fn get_scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
@@ -51,17 +51,24 @@ fn encode_q4_k(q: &[u8; 256], sc: &[u8; 8], m: &[u8; 8], d: u16, dmin: u16) -> V
     let mut sb = vec![0u8; SB];
     sb[0..2].copy_from_slice(&d.to_le_bytes());
     sb[2..4].copy_from_slice(&dmin.to_le_bytes());
-    let scales = &mut sb[4..16];
-    for j in 0..4 {
-        scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
-        scales[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
-        scales[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
-    }
+    sb[4..16].copy_from_slice(&encode_scales(sc, m));
     for (e, &q) in q.iter().enumerate() {
         let (c, half, l) = (e / 64, e % 64 / 32, e % 32);
         sb[16 + 32 * c + l] |= q << (4 * half);
     }
     sb
+}
+
+/// The 8 sub-blocks' 6-bit scales and minima as Q4_K's (and Q5_K's) `scales[12]`, where
+/// `get_scale_min_k4` reads them.
+pub(super) fn encode_scales(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
+    let mut scales = [0u8; 12];
+    for j in 0..4 {
+        scales[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        scales[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+        scales[j + 8] = (sc[j + 4] & 0xF) | ((m[j + 4] & 0xF) << 4);
+    }
+    scales
 }
 
 /// Random Q4_K bytes of a [rows, cols] tensor: every scale byte and code random (all 64 scales and

@@ -24,9 +24,9 @@
 //! half-depth `tdpbssd` per block (B tiles of 4 rows) with twice the stores and float-step reads
 //! would be needed.
 //!
-//! Q4_K, too, runs wholly on `avx512::tile` (AVX2): its tile blocks are super-blocks (`pack.rs`),
-//! whose sub-blocks this schedule could unpack as Q4_1 blocks, but no machine with AMX has run
-//! tests here, and a kernel nobody ran is not shipped.
+//! Q4_K and Q5_K, too, run wholly on `avx512::tile` (AVX2): their tile blocks are super-blocks
+//! (`pack.rs`), whose sub-blocks this schedule could unpack as Q4_1 blocks, but no machine with AMX
+//! has run tests here, and a kernel nobody ran is not shipped.
 //!
 //! Files: this one (the schedule of passes: [`tile`] and `group`), `detect` ([`supported`]),
 //! `tiles` (register assignment, configuration, the `Tiles` guard), `passes` (a pass's tile
@@ -83,7 +83,7 @@ struct Scratch {
 /// The CPU and OS must run the kernel (`supported()`); slice lengths as in `avx2::tile`'s `# Safety`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
-    if matches!(format, Format::Q6K | Format::Q4K) {
+    if matches!(format, Format::Q6K | Format::Q4K | Format::Q5K) {
         // SAFETY: AVX-512 F/BW/VNNI is part of `supported()`; the slices are this function's.
         return unsafe { avx512::tile(format, tile, blocks, acts, out) };
     }
@@ -99,7 +99,7 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                     Format::Q4_0 => group::<0>(tile, blocks, acts, m0, out),
                     Format::Q4_1 => group::<1>(tile, blocks, acts, m0, out),
                     Format::Q8_0 => group::<2>(tile, blocks, acts, m0, out),
-                    Format::Q6K | Format::Q4K => unreachable!("Q6_K and Q4_K run on the AVX-512 kernel (above)"),
+                    Format::Q6K | Format::Q4K | Format::Q5K => unreachable!("k-quants run on avx512::tile (above)"),
                 }
             }
         }

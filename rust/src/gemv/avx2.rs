@@ -17,7 +17,7 @@
 //! gemv_rows -- avx2 1 1 4096x14336 q6_k,q8_0,q4_1`). Its prefetch distance is the others' (2048
 //! bytes at one row): 1024 streamed 15.5-16.3 GB/s, 3072 and 4096 were within the noise of 2048.
 //!
-//! Q4_K (`tile_rows_q4_k`): a super-block at a time, its `d` and `dmin` converted once, then each
+//! Q4_K (`tile_rows_k`): a super-block at a time, its `d` and `dmin` converted once, then each
 //! of its 8 sub-blocks is Q4_1's block (the same nibble sums, `q4_sums`) with the scale `d * sc`
 //! and minimum `dmin * m` from two widened bytes a lane; the prefetch asks for a sub-block's share
 //! of the stream (2368 / 8 bytes) per sub-block. Streaming a 4096 x 14336 matrix at M = 1 it took
@@ -26,6 +26,15 @@
 //! (1536 x 768) 9.8-11.6 ns a (row, 16 x 32 tile block) at M = 1 against Q4_1's 8.9-9.2, and
 //! 7.3-8.7 against 7.0-7.4 at M = 8 (AMD EPYC Zen 3, 2 cores, noisy; `cargo bench --bench
 //! gemv_rows -- avx2 1 1 4096x14336 q4_k,q4_1,q6_k,q8_0` and `-- avx2 1 1,2,4,8 1536x768 q4_k,q4_1`).
+//!
+//! Q5_K (`tile_rows_k` too): Q4_K's steps over 5-bit codes (`q5_sums`: eight vectors of codes
+//! unpacked from five, `pack.rs`, each half of a block summed apart in 16 bits). Streaming a 4096 x
+//! 14336 matrix at M = 1 it took 2.14 ms a product (19.3 GB/s of its 180 bytes a row per 256
+//! weights) against Q8_0's 3.13 ms (272 bytes; the format Q5_K tensors were converted to before)
+//! and Q4_K's 1.69 ms in the same run; from the cache (1536 x 768) 13.7 ns a (row, 16 x 32 tile
+//! block) at M = 1 against Q4_K's 9.7 and Q8_0's 12.6, 8.1 against 7.3 and 13.8 at M = 8 (AMD EPYC
+//! Zen 3, 2 cores, noisy; `cargo bench --bench gemv_rows -- avx2 1 1 4096x14336 q5_k,q4_k,q8_0`
+//! and `-- avx2 1 1,4,8 1536x768 q5_k,q4_k,q8_0`).
 //!
 //! Why this shape (AMD EPYC Zen 3, 2026-12-06, `cargo bench --bench gemv_rows -- avx2`): the
 //! first version multiplied one activation row at a time and asked for nothing ahead: at M = 1
@@ -39,7 +48,7 @@
 use std::arch::x86_64::*;
 
 use super::format::{Format, Q4_K_SUBS, QK};
-use super::pack::{Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, TILE};
+use super::pack::{Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, Q5_SUB_CODES, TILE};
 use super::prefetch::{avx2_distance, prefetch_ahead};
 use super::quantize::QuantizedActs;
 
@@ -70,28 +79,24 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
         // One instance per (format, rows): the format is a constant inside, so its branches and
         // the row loop fold away and each row's sums stay in registers.
         macro_rules! by_rows {
-            ($f:literal) => {
+            ($kernel:ident, $f:literal) => {
                 match rows {
-                    1 => tile_rows::<1, $f, 2>(tile, blocks, acts, m0, out),
-                    2 => tile_rows::<2, $f, 2>(tile, blocks, acts, m0, out),
-                    3 => tile_rows::<3, $f, 1>(tile, blocks, acts, m0, out),
-                    _ => tile_rows::<ROWS, $f, 1>(tile, blocks, acts, m0, out),
+                    1 => $kernel::<1, $f, 2>(tile, blocks, acts, m0, out),
+                    2 => $kernel::<2, $f, 2>(tile, blocks, acts, m0, out),
+                    3 => $kernel::<3, $f, 1>(tile, blocks, acts, m0, out),
+                    _ => $kernel::<ROWS, $f, 1>(tile, blocks, acts, m0, out),
                 }
             };
         }
         // SAFETY: this function's own contract, and m0 + rows <= acts.m.
         unsafe {
             match format {
-                Format::Q4_0 => by_rows!(0),
-                Format::Q4_1 => by_rows!(1),
-                Format::Q8_0 => by_rows!(2),
-                Format::Q6K => by_rows!(3),
-                Format::Q4K => match rows {
-                    1 => tile_rows_q4_k::<1, 2>(tile, blocks, acts, m0, out),
-                    2 => tile_rows_q4_k::<2, 2>(tile, blocks, acts, m0, out),
-                    3 => tile_rows_q4_k::<3, 1>(tile, blocks, acts, m0, out),
-                    _ => tile_rows_q4_k::<ROWS, 1>(tile, blocks, acts, m0, out),
-                },
+                Format::Q4_0 => by_rows!(tile_rows, 0),
+                Format::Q4_1 => by_rows!(tile_rows, 1),
+                Format::Q8_0 => by_rows!(tile_rows, 2),
+                Format::Q6K => by_rows!(tile_rows, 3),
+                Format::Q4K => by_rows!(tile_rows_k, 0),
+                Format::Q5K => by_rows!(tile_rows_k, 1),
             }
         }
         m0 += rows;
@@ -188,7 +193,7 @@ unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(tile: &[u8]
                             }
                         }
                     }
-                    Format::Q4K => unreachable!("tile_rows_q4_k computes Q4_K"),
+                    Format::Q4K | Format::Q5K => unreachable!("tile_rows_k computes Q4_K and Q5_K"),
                 }
                 for j in 0..NH {
                     let h = pass * NH + j;
@@ -276,17 +281,73 @@ unsafe fn q4_sums<const R: usize, const NH: usize>(q: *const u8, pass: usize, ac
     isum
 }
 
-/// Rows `m0 .. m0 + R` of `tile`'s contract for Q4_K (`NH` as `tile_rows`): super-blocks in order,
-/// `d` and `dmin` converted once each, then their 8 sub-blocks (activation blocks `8t + u`), each
-/// Q4_1's integer sums and float steps with `d * sc_u` and `-(dmin * m_u)` (exact, as `scalar.rs`;
-/// the negation folded into `fnmadd`, which rounds `-(a b) + c` once as `fma(-a, b, c)` does).
+/// The halves `pass * NH ..`'s lanes' exact sums of a block's 5-bit codes (0..31, the layout at `q`,
+/// `pack.rs`) times activation rows `m0 .. m0 + R`'s block `b`: eight vectors of codes unpacked from
+/// five, each `maddubs` the activations (at most 2 * 31 * 127 a 16-bit lane), the first and the
+/// second 16 elements summed apart in 16 bits (at most 4 * 2 * 31 * 127 = 31496 each, no
+/// saturation; all eight would reach 62992), then one `madd` by ones each into 32.
+///
+/// # Safety
+/// AVX2; `q .. q + 320` readable; `pass * NH + NH <= 2`; `(m0 + R) * blocks * 32 <= acts.qs.len()`, `b < blocks`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn q5_sums<const R: usize, const NH: usize>(q: *const u8, pass: usize, acts: &QuantizedActs, m0: usize,
+                                                   blocks: usize, b: usize) -> [[__m256i; NH]; R] {
+    let (ones, low5, top3, low2) =
+        (_mm256_set1_epi16(1), _mm256_set1_epi8(0x1f), _mm256_set1_epi8(0x1c), _mm256_set1_epi8(0x03));
+    let mut isum = [[_mm256_setzero_si256(); NH]; R];
+    // SAFETY: the caller's contract: every load lies in `q`'s 320 bytes or row `m0 + r`'s block `b`
+    // of `acts.qs`; all loads unaligned.
+    unsafe {
+        // Four activation bytes of row r broadcast to every lane (a macro: closures lose the target features).
+        macro_rules! bc {
+            ($r:expr, $i:expr) => {
+                _mm256_set1_epi32((acts.qs.as_ptr().add(((m0 + $r) * blocks + b) * QK + $i) as *const i32).read_unaligned())
+            };
+        }
+        for j in 0..NH {
+            let h = pass * NH + j;
+            let raw: [__m256i; 5] =
+                std::array::from_fn(|k| _mm256_loadu_si256(q.add(k * 64 + h * 32) as *const __m256i));
+            // vector 4's bit pairs 2k .. 2k + 2 at bits 0..2 (16-bit shifts: what moves in from the
+            // next byte is masked off, as are the top 3 bits' neighbours below)
+            let pairs =
+                [raw[4], _mm256_srli_epi16(raw[4], 2), _mm256_srli_epi16(raw[4], 4), _mm256_srli_epi16(raw[4], 6)];
+            let mut s16 = [[_mm256_setzero_si256(); 2]; R];
+            for k in 0..4 {
+                let c = _mm256_and_si256(raw[k], low5);
+                let c16 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw[k], 3), top3),
+                                          _mm256_and_si256(pairs[k], low2));
+                for (r, s16) in s16.iter_mut().enumerate() {
+                    s16[0] = _mm256_add_epi16(s16[0], _mm256_maddubs_epi16(c, bc!(r, 4 * k)));
+                    s16[1] = _mm256_add_epi16(s16[1], _mm256_maddubs_epi16(c16, bc!(r, 16 + 4 * k)));
+                }
+            }
+            for (isum, s16) in isum.iter_mut().zip(&s16) {
+                isum[j] = _mm256_add_epi32(_mm256_madd_epi16(s16[0], ones), _mm256_madd_epi16(s16[1], ones));
+            }
+        }
+    }
+    isum
+}
+
+/// The format of `tile_rows_k`'s constant `F`.
+const K_FORMATS: [Format; 2] = [Format::Q4K, Format::Q5K];
+
+/// Rows `m0 .. m0 + R` of `tile`'s contract for Q4_K or Q5_K (`K_FORMATS[F]`; `NH` as `tile_rows`):
+/// super-blocks in order, `d` and `dmin` converted once each, then their 8 sub-blocks (activation
+/// blocks `8t + u`), each Q4_1's integer sums (`q4_sums`, or `q5_sums` of the 5-bit codes) and float
+/// steps with `d * sc_u` and `-(dmin * m_u)` (exact, as `scalar.rs`; the negation folded into
+/// `fnmadd`, which rounds `-(a b) + c` once as `fma(-a, b, c)` does).
 ///
 /// # Safety
 /// As `tile`, `m0 + R <= acts.m`, `NH` is 1 or 2, and `blocks` a multiple of 8.
 #[target_feature(enable = "avx2,f16c,fma")]
-unsafe fn tile_rows_q4_k<const R: usize, const NH: usize>(tile: &[u8], blocks: usize, acts: &QuantizedActs, m0: usize,
-                                                          out: &mut [f32]) {
-    let tbb = TILE * Format::Q4K.block_bytes();
+unsafe fn tile_rows_k<const R: usize, const F: usize, const NH: usize>(tile: &[u8], blocks: usize, acts: &QuantizedActs,
+                                                                       m0: usize, out: &mut [f32]) {
+    let format = K_FORMATS[F];
+    let tbb = TILE * format.block_bytes();
+    let sub_codes = if format == Format::Q5K { Q5_SUB_CODES } else { Q4_K_SUB_CODES };
     let sub = tbb / Q4_K_SUBS; // the stream's share of a sub-block, for the prefetch
     for pass in 0..2 / NH {
         let mut acc = [[_mm256_setzero_ps(); NH]; R];
@@ -312,7 +373,12 @@ unsafe fn tile_rows_q4_k<const R: usize, const NH: usize>(tile: &[u8], blocks: u
                         prefetch_ahead(sb.add(u * sub), sub, avx2_distance(R)); // the first pass streams the weights
                     }
                     let b = t * Q4_K_SUBS + u;
-                    let isum = q4_sums::<R, NH>(sb.add(Q4_K_CODES + Q4_K_SUB_CODES * u), pass, acts, m0, blocks, b);
+                    let codes = sb.add(Q4_K_CODES + sub_codes * u);
+                    let isum = if format == Format::Q5K {
+                        q5_sums::<R, NH>(codes, pass, acts, m0, blocks, b)
+                    } else {
+                        q4_sums::<R, NH>(codes, pass, acts, m0, blocks, b)
+                    };
                     // half h's 8 bytes (scales or minima of sub-block u) as f32
                     macro_rules! bytes {
                         ($off:expr, $h:expr) => {

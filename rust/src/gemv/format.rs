@@ -20,6 +20,11 @@
 //! in its high one. Sub-block `s` of super-block `t` is the activations' block `8 t + s`. Unlike the
 //! other formats, the kernels read Q4_K a super-block at a time ([`Format::kernel_block_weights`]):
 //! `d` and `dmin` once per 256 weights, not repeated per 32.
+//!
+//! Q5_K stores super-blocks of 256 weights in 176 bytes: f16 `d`, f16 `dmin`, `scales[12]` (packed
+//! as Q4_K's), `qh[32]`, `qs[128]`; weight `32 s + l` = d * sc_s * q - dmin * m_s with the 5-bit
+//! code q in 0..31: its low 4 bits are Q4_K's nibble of `qs`, its fifth is bit `s` of `qh[l]`
+//! ([`q5_k_code`]). The kernels read it a super-block at a time, as Q4_K.
 
 /// Weights (and activations) per block.
 pub const QK: usize = 32;
@@ -33,7 +38,10 @@ pub const Q6_K_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
 /// Bytes of a GGUF Q4_K super-block: f16 `d`, f16 `dmin`, `scales[12]`, `qs[128]`.
 pub const Q4_K_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
 
-/// Q4_K's sub-blocks of 32 weights per super-block (each with its own scale and minimum).
+/// Bytes of a GGUF Q5_K super-block: f16 `d`, f16 `dmin`, `scales[12]`, `qh[32]`, `qs[128]`.
+pub const Q5_K_BYTES: usize = 2 + 2 + 12 + QK_K / 8 + QK_K / 2;
+
+/// Q4_K's (and Q5_K's) sub-blocks of 32 weights per super-block (each with its own scale and minimum).
 pub const Q4_K_SUBS: usize = QK_K / QK;
 
 /// A GGUF block format.
@@ -47,6 +55,8 @@ pub enum Format {
     /// A k-quant: super-blocks of 256 weights, 4 bits each, a 6-bit scale and minimum per 32, one
     /// f16 `d` and `dmin` per super-block (see the module docs).
     Q4K,
+    /// A k-quant: Q4_K with a fifth bit a weight (codes 0..31; see the module docs).
+    Q5K,
 }
 
 impl Format {
@@ -58,6 +68,7 @@ impl Format {
             "q8_0" => Some(Format::Q8_0),
             "q6_k" => Some(Format::Q6K),
             "q4_k" => Some(Format::Q4K),
+            "q5_k" => Some(Format::Q5K),
             _ => None,
         }
     }
@@ -70,15 +81,16 @@ impl Format {
             Format::Q8_0 => "q8_0",
             Format::Q6K => "q6_k",
             Format::Q4K => "q4_k",
+            Format::Q5K => "q5_k",
         }
     }
 
-    /// Weights of one row's block as the kernels read it ([`super::pack`]): 32, or Q4_K's
-    /// super-block of 256 (its `d` and `dmin` stored once, its 8 sub-blocks' scales beside them).
+    /// Weights of one row's block as the kernels read it ([`super::pack`]): 32, or Q4_K's and
+    /// Q5_K's super-block of 256 (its `d` and `dmin` stored once, its 8 sub-blocks' scales beside them).
     pub fn kernel_block_weights(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K => QK,
-            Format::Q4K => QK_K,
+            Format::Q4K | Format::Q5K => QK_K,
         }
     }
 
@@ -86,29 +98,31 @@ impl Format {
     /// ([`super::pack`]): the GGUF block's for Q4_0, Q4_1 and Q8_0; for Q6_K 28 (`d`, two group
     /// scales, 24 bytes of 6-bit quants), more than its GGUF super-block's 210 / 8 = 26.25 (the
     /// repeated `d`); for Q4_K 148 a super-block (`d`, `dmin`, 8 scales and 8 minima a byte each,
-    /// 128 bytes of codes), more than its GGUF 144 (the unpacked 6-bit scales).
+    /// 128 bytes of codes), more than its GGUF 144 (the unpacked 6-bit scales); for Q5_K 180 (Q4_K's
+    /// header, 160 bytes of 5-bit codes), more than its GGUF 176 (the same 4 bytes).
     pub fn block_bytes(self) -> usize {
         self.header_bytes() + self.quant_bytes()
     }
 
     /// Bytes of one row's block before its quants: f16 `d`, then Q4_1's f16 `m`, Q6_K's two
-    /// int8 group scales, or Q4_K's f16 `dmin` and its sub-blocks' 8 scales and 8 minima.
+    /// int8 group scales, or Q4_K's (Q5_K's) f16 `dmin` and its sub-blocks' 8 scales and 8 minima.
     pub fn header_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q8_0 => 2,
             Format::Q4_1 | Format::Q6K => 4,
-            Format::Q4K => 4 + 2 * Q4_K_SUBS,
+            Format::Q4K | Format::Q5K => 4 + 2 * Q4_K_SUBS,
         }
     }
 
     /// Bytes of quantized values in one row's block (without scales; Q6_K's 6 bits as packed;
-    /// Q4_K's 256 codes).
+    /// Q4_K's 256 codes; Q5_K's 256 codes of 5 bits).
     pub fn quant_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 => QK / 2,
             Format::Q8_0 => QK,
             Format::Q6K => QK * 6 / 8,
             Format::Q4K => QK_K / 2,
+            Format::Q5K => QK_K * 5 / 8,
         }
     }
 
@@ -116,7 +130,7 @@ impl Format {
     pub fn gguf_block_weights(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => QK,
-            Format::Q6K | Format::Q4K => QK_K,
+            Format::Q6K | Format::Q4K | Format::Q5K => QK_K,
         }
     }
 
@@ -126,11 +140,12 @@ impl Format {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => self.block_bytes(),
             Format::Q6K => Q6_K_BYTES,
             Format::Q4K => Q4_K_BYTES,
+            Format::Q5K => Q5_K_BYTES,
         }
     }
 
-    /// Whether a 32-weight block carries the f16 minimum `m` beside the scale `d` (Q4_1; Q4_K's
-    /// minima are 6-bit, per sub-block of its super-block, with one `dmin`: see the module docs).
+    /// Whether a 32-weight block carries the f16 minimum `m` beside the scale `d` (Q4_1; Q4_K's and
+    /// Q5_K's minima are 6-bit, per sub-block of their super-block, with one `dmin`: see the module docs).
     pub fn has_min(self) -> bool {
         self == Format::Q4_1
     }
@@ -162,6 +177,13 @@ pub fn q4_k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
 /// the low nibble of `qs[32 (s / 2) + l]` for even `s`, the high one for odd.
 pub fn q4_k_code(qs: &[u8], s: usize, l: usize) -> u8 {
     (qs[32 * (s / 2) + l] >> (4 * (s % 2))) & 0x0f
+}
+
+/// Element `l` (0..32) of sub-block `s` (0..8)'s 5-bit code (0..31) in a Q5_K super-block, as ggml's
+/// `dequantize_row_q5_K` reads it: the low 4 bits are Q4_K's ([`q4_k_code`] of `qs[128]`), the fifth
+/// is bit `s` of `qh[l]` (`qh[32]`).
+pub fn q5_k_code(qh: &[u8], qs: &[u8], s: usize, l: usize) -> u8 {
+    q4_k_code(qs, s, l) | (((qh[l] >> s) & 1) << 4)
 }
 
 /// IEEE binary16 -> binary32, exact (every f16 is an f32), the same value `vcvtph2ps` gives.
@@ -223,6 +245,11 @@ mod tests {
         assert_eq!(Format::Q4K.name(), "q4_k");
         assert_eq!((Format::Q4K.block_bytes(), Format::Q4K.gguf_block_bytes(), Q4_K_BYTES), (148, 144, 144));
         assert_eq!((Format::Q4K.kernel_block_weights(), Format::Q6K.kernel_block_weights()), (256, 32));
+        assert_eq!(Format::parse("Q5_K"), Some(Format::Q5K));
+        assert_eq!(Format::Q5K.name(), "q5_k");
+        assert_eq!((Format::Q5K.block_bytes(), Format::Q5K.gguf_block_bytes(), Q5_K_BYTES), (180, 176, 176));
+        assert_eq!((Format::Q5K.kernel_block_weights(), Format::Q5K.gguf_block_weights(), Format::Q5K.has_min()),
+                   (256, 256, false));
     }
 
     #[test]

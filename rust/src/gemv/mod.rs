@@ -3,7 +3,7 @@
 //! Why: batch-1 decode on a CPU streams every weight once per token, so it is bound by
 //! memory bandwidth, and aten's int4/int8 kernels reach under 40% of it at M = 1. This
 //! module reads the GGUF blocks as they are (Q4_0, Q4_1, Q8_0, Q6_K's 6-bit quants and scales,
-//! and Q4_K's codes, 6-bit scales and minima, a super-block of 256 at a time), repacked once into
+//! and Q4_K's and Q5_K's codes, 6-bit scales and minima, a super-block of 256 at a time), repacked once into
 //! 16-row tiles ([`pack`]), quantizes the activations per block of 32 ([`quantize`]) and computes
 //! integer dot products on the best kernel the CPU has, detected at run time ([`Kernel`]).
 //!
@@ -125,7 +125,7 @@ impl Kernel {
 }
 
 /// The least work in one claimed chunk, in tile blocks (16 rows x 32 columns; ~5 ns each at M = 1;
-/// counted so for every format, also Q4_K, whose kernel reads 8 of them at once: [`PackedMatrix::blocks`]):
+/// counted so for every format, also Q4_K and Q5_K, whose kernel reads 8 of them at once: [`PackedMatrix::blocks`]):
 /// claiming a chunk moves a cache line between cores, and chunks of 4 tiles of a 576-wide product
 /// (0.4 us of work) left a hot 1536 x 576 Q4_1 product on 2 threads at 0.95x of 1 thread; with at
 /// least 512 blocks a chunk it ran 1.25x (`cargo bench --bench gemv_rows -- avx512_vnni 2`, Intel

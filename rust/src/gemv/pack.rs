@@ -35,15 +35,32 @@
 //! kernels step over super-blocks and, inside, over their 8 sub-blocks (activation blocks `8t ..
 //! 8t + 8`), and compute each sub-block as Q4_1's block with `d * sc` and `-(dmin * m)` (both exact
 //! in f32) for its scale and minimum.
+//!
+//! 5-bit codes (Q5_K's sub-blocks) take five vectors of 64 bytes a block of 32 (16 lanes x 4
+//! bytes, 20 bytes a row, exactly 5 bits a weight); byte `i` of lane `j` of vector `k`:
+//! - `k` in 0..4: bits 0..5 = code of element `4k + i`, bits 5..8 = the top 3 bits of the code of
+//!   element `16 + 4k + i`;
+//! - `k` = 4: bits `2k' .. 2k' + 2` = the low 2 bits of the code of element `16 + 4k' + i`, `k'` in 0..4.
+//!
+//! So the kernels unpack eight vectors of codes (elements `4k + i` in vector `k`, Q8_0's order)
+//! from five: one `and` each for the first four, and for the others two shifts (one for `k'` = 0),
+//! two masks and an `or` (23 vector ops a half-tile). The Q4 nibble layout with the fifth bits as a
+//! plane of 8 bits a lane byte (one per nibble vector and half) needs a shift, mask and `or` per
+//! code vector on top of the nibbles' 12 ops: 35.
+//!
+//! Q5_K's tile block is Q4_K's with 5-bit codes: `d[16]`, `dmin[16]`, `sc[8][16]`, `m[8][16]` at
+//! Q4_K's offsets, then the 8 sub-blocks' codes in order, each in the 5-bit layout above (320 bytes
+//! a sub-block). A row streams 180 bytes a super-block (5.625 bits a weight), against the 272 of
+//! Q8_0 (8.5 bits), the format Q5_K tensors were converted to before.
 
 use super::error::GemvError;
-use super::format::{f16_is_finite, q4_k_code, q4_k_scale_min, q6_k_quant, Format, Q4_K_SUBS, QK, QK_K};
+use super::format::{f16_is_finite, q4_k_code, q4_k_scale_min, q5_k_code, q6_k_quant, Format, Q4_K_SUBS, QK, QK_K};
 use crate::huge_pages::HugeBuf;
 
 /// Rows per tile (one per 32-bit lane of a 512-bit vector).
 pub const TILE: usize = 16;
 
-/// Offsets in a Q4_K tile block (a super-block of 16 rows): `dmin[16]` (f16), the scales
+/// Offsets in a Q4_K (and Q5_K) tile block (a super-block of 16 rows): `dmin[16]` (f16), the scales
 /// `sc[8][16]`, the minima `m[8][16]` (bytes), the codes (see the module docs). `d[16]` is at 0.
 pub(crate) const Q4_K_DMIN: usize = 2 * TILE;
 pub(crate) const Q4_K_SC: usize = 4 * TILE;
@@ -52,6 +69,10 @@ pub(crate) const Q4_K_CODES: usize = Q4_K_M + Q4_K_SUBS * TILE;
 
 /// Bytes of one Q4_K sub-block's codes in a tile (16 rows x 32 nibbles).
 pub(crate) const Q4_K_SUB_CODES: usize = TILE * QK / 2;
+
+/// Bytes of one block of 32 5-bit codes in a tile (16 rows x 20 bytes, the layout of the module
+/// docs): a Q5_K sub-block's.
+pub(crate) const Q5_SUB_CODES: usize = TILE * QK * 5 / 8;
 
 /// A weight `[rows, cols]` (N x K, y = x W^T) repacked into tiles.
 #[derive(Debug, Clone)]
@@ -65,10 +86,10 @@ pub struct PackedMatrix {
 }
 
 impl PackedMatrix {
-    /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row; Q6_K and
-    /// Q4_K: `cols / 256` super-blocks).
+    /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row; Q6_K, Q4_K
+    /// and Q5_K: `cols / 256` super-blocks).
     ///
-    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K, Q4_K: 256), `rows > 0`, the
+    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K, Q4_K, Q5_K: 256), `rows > 0`, the
     /// exact byte count, and every scale (and minimum) finite. Nothing after this point is checked again.
     pub fn from_gguf(name: &str, raw: &[u8], rows: usize, cols: usize, format: Format) -> Result<Self, GemvError> {
         let bad = |reason| GemvError::BadShape { tensor: name.to_string(), rows, cols, reason };
@@ -80,6 +101,7 @@ impl PackedMatrix {
             return Err(bad(match format {
                 Format::Q6K => "cols (K) must be a positive multiple of 256 (the q6_k super-block)",
                 Format::Q4K => "cols (K) must be a positive multiple of 256 (the q4_k super-block)",
+                Format::Q5K => "cols (K) must be a positive multiple of 256 (the q5_k super-block)",
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => "cols (K) must be a positive multiple of the block size 32",
             }));
         }
@@ -102,7 +124,7 @@ impl PackedMatrix {
             let dst = &mut data[row / TILE * tile_bytes..][..tile_bytes];
             match format {
                 Format::Q6K => pack_q6_k_row(name, row, src, dst)?,
-                Format::Q4K => pack_q4_k_row(name, row, src, dst)?,
+                Format::Q4K | Format::Q5K => pack_k_row(name, format, row, src, dst)?,
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => pack_row(name, format, row, src, dst)?,
             }
         }
@@ -123,11 +145,11 @@ impl PackedMatrix {
     }
     /// Blocks of 32 weights per row: the activations' blocks. The work a tile's block does, which
     /// the pool's chunks count (`chunk_count`), is counted in them for every format, also for
-    /// Q4_K, whose kernel block is a super-block of 8 of them ([`PackedMatrix::tile_blocks`]).
+    /// Q4_K and Q5_K, whose kernel block is a super-block of 8 of them ([`PackedMatrix::tile_blocks`]).
     pub fn blocks(&self) -> usize {
         self.cols / QK
     }
-    /// Blocks per row as the kernels read them: [`PackedMatrix::blocks`], or Q4_K's super-blocks.
+    /// Blocks per row as the kernels read them: [`PackedMatrix::blocks`], or Q4_K's (Q5_K's) super-blocks.
     pub fn tile_blocks(&self) -> usize {
         self.cols / self.format.kernel_block_weights()
     }
@@ -141,8 +163,8 @@ impl PackedMatrix {
     }
     /// Bytes a product streams: its tiles' bytes without the padding rows. That is the GGUF
     /// tensor's size for Q4_0, Q4_1 and Q8_0; for Q6_K it is 28 bytes a row per 32 weights, more
-    /// than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144 (see the
-    /// module docs).
+    /// than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144; for Q5_K
+    /// 180, more than the file's 176 (see the module docs).
     pub fn weight_bytes(&self) -> usize {
         self.rows * self.tile_blocks() * self.format.block_bytes()
     }
@@ -181,7 +203,7 @@ fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) 
                 }
             }
             Format::Q6K => unreachable!("pack_q6_k_row packs Q6_K"),
-            Format::Q4K => unreachable!("pack_q4_k_row packs Q4_K"),
+            Format::Q4K | Format::Q5K => unreachable!("pack_k_row packs Q4_K and Q5_K"),
         }
     }
     Ok(())
@@ -197,23 +219,47 @@ fn pack_q4_codes(elem: impl Fn(usize) -> u8, j: usize, qdst: &mut [u8]) {
     }
 }
 
-/// One row's Q4_K super-blocks (`src`, GGUF, 144 bytes each) into its lane `row % 16` of its tile
-/// (`dst`), one tile block per super-block. A non-finite `d` or `dmin` is named by its super-block.
-fn pack_q4_k_row(name: &str, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
-    let (tbb, j) = (TILE * Format::Q4K.block_bytes(), row % TILE);
-    for (s, sb) in src.chunks_exact(Format::Q4K.gguf_block_bytes()).enumerate() {
+/// A block's 32 codes (`elem(e)`, 0..31) into lane `j` of its five vectors `qdst` (the 5-bit layout
+/// of the module docs).
+fn pack_q5_codes(elem: impl Fn(usize) -> u8, j: usize, qdst: &mut [u8]) {
+    for i in 0..4 {
+        let mut low2 = 0;
+        for k in 0..4 {
+            let (c, c16) = (elem(4 * k + i), elem(16 + 4 * k + i));
+            qdst[k * 64 + j * 4 + i] = c | ((c16 >> 2) << 5);
+            low2 |= (c16 & 3) << (2 * k);
+        }
+        qdst[4 * 64 + j * 4 + i] = low2;
+    }
+}
+
+/// One row's Q4_K or Q5_K super-blocks (`src`, GGUF, 144 or 176 bytes each) into its lane `row % 16`
+/// of its tile (`dst`), one tile block per super-block. A non-finite `d` or `dmin` is named by its
+/// super-block.
+fn pack_k_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
+    let (tbb, j) = (TILE * format.block_bytes(), row % TILE);
+    for (s, sb) in src.chunks_exact(format.gguf_block_bytes()).enumerate() {
         let dst = &mut dst[s * tbb..][..tbb];
         let (d, dmin) = ([sb[0], sb[1]], [sb[2], sb[3]]);
         check_scale(name, "d", row, s, d)?;
         check_scale(name, "dmin", row, s, dmin)?;
         dst[2 * j..2 * j + 2].copy_from_slice(&d);
         dst[Q4_K_DMIN + 2 * j..Q4_K_DMIN + 2 * j + 2].copy_from_slice(&dmin);
-        let (scales, qs) = (&sb[4..16], &sb[16..]);
+        let scales = &sb[4..16];
         for u in 0..Q4_K_SUBS {
             let (sc, m) = q4_k_scale_min(u, scales);
             dst[Q4_K_SC + TILE * u + j] = sc;
             dst[Q4_K_M + TILE * u + j] = m;
-            pack_q4_codes(|l| q4_k_code(qs, u, l), j, &mut dst[Q4_K_CODES + Q4_K_SUB_CODES * u..]);
+            match format {
+                Format::Q4K => {
+                    pack_q4_codes(|l| q4_k_code(&sb[16..], u, l), j, &mut dst[Q4_K_CODES + Q4_K_SUB_CODES * u..]);
+                }
+                Format::Q5K => {
+                    let (qh, qs) = (&sb[16..16 + QK_K / 8], &sb[16 + QK_K / 8..]);
+                    pack_q5_codes(|l| q5_k_code(qh, qs, u, l), j, &mut dst[Q4_K_CODES + Q5_SUB_CODES * u..]);
+                }
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K => unreachable!("not Q4_K's super-block"),
+            }
         }
     }
     Ok(())

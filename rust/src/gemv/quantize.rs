@@ -1,7 +1,7 @@
 //! Activations quantized per block of 32 to int8, llama.cpp's Q8_0 / Q8_1 scheme.
 //!
 //! `d = max|x| / 127`, `q = round(x / d)` (half away from zero, as `roundf`), kept with the
-//! block's integer sum (Q4_0 subtracts `8 * sum`, Q4_1 and Q4_K add `m * d * sum`, Q8_0 on the
+//! block's integer sum (Q4_0 subtracts `8 * sum`, Q4_1, Q4_K and Q5_K add `m * d * sum`, Q8_0 on the
 //! AVX-512 path offsets its weights by 128) and the sum of its first 16 values (the SIMD
 //! kernels multiply Q6_K's unsigned q, then subtract `32 * sum` per group of 16: computed here
 //! once per row, not once per tile). Scales stay f32 (llama.cpp rounds them to f16): finer, and
@@ -22,7 +22,7 @@ pub struct QuantizedActs {
     pub sum: Vec<i32>,
     /// Integer sum of the block's first 16 values per (row, block) (the second 16's: `sum - sum_lo`).
     pub sum_lo: Vec<i32>,
-    /// `d * sum` per (row, block): the Q4_1 (and Q4_K) minimum's factor.
+    /// `d * sum` per (row, block): the Q4_1 (and Q4_K, Q5_K) minimum's factor.
     pub dsum: Vec<f32>,
 }
 

@@ -11,15 +11,16 @@
 //! Q4_K (a tile block a super-block, `pack.rs`): each sub-block `u` is a Q4_1 block, its `isum` of
 //! the codes (0..15), with `d_w = d * sc_u` and `m_w = -(dmin * m_u)`, both exact in f32 (an f16
 //! times a 6-bit integer: at most 17 significant bits), so no rounding is added to Q4_1's steps.
+//! Q5_K is the same with 5-bit codes (0..31; `isum` at most 32 * 31 * 127 < 2^24, exact as an f32).
 
 use super::format::{f16_to_f32, Format, Q4_K_SUBS, QK};
-use super::pack::{Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, TILE};
+use super::pack::{Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, Q5_SUB_CODES, TILE};
 use super::quantize::QuantizedActs;
 
 /// `out[mi * 16 + j]` = row `j` of the tile times activation row `mi`.
 pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
-    if format == Format::Q4K {
-        return tile_q4_k(tile, blocks, acts, out);
+    if matches!(format, Format::Q4K | Format::Q5K) {
+        return tile_k(format, tile, blocks, acts, out);
     }
     let tbb = TILE * format.block_bytes();
     let qoff = TILE * format.header_bytes();
@@ -57,7 +58,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                         }
                         sc(0) * isum[0] + sc(1) * isum[1]
                     }
-                    Format::Q4K => unreachable!("tile_q4_k computes Q4_K"),
+                    Format::Q4K | Format::Q5K => unreachable!("tile_k computes Q4_K and Q5_K"),
                 };
                 let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
                 *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
@@ -71,10 +72,11 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
     }
 }
 
-/// `tile` for Q4_K: super-blocks in order and, inside, their 8 sub-blocks (activation blocks
-/// `8t + u`), each Q4_1's steps with the sub-block's exact scale and minimum (see the module docs).
-fn tile_q4_k(tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
-    let tbb = TILE * Format::Q4K.block_bytes();
+/// `tile` for Q4_K and Q5_K: super-blocks in order and, inside, their 8 sub-blocks (activation
+/// blocks `8t + u`), each Q4_1's steps with the sub-block's exact scale and minimum (see the module docs).
+fn tile_k(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    let tbb = TILE * format.block_bytes();
+    let sub_codes = if format == Format::Q5K { Q5_SUB_CODES } else { Q4_K_SUB_CODES };
     for mi in 0..acts.m {
         let mut acc = [0f32; TILE];
         for (t, sb) in tile.chunks_exact(tbb).take(blocks / Q4_K_SUBS).enumerate() {
@@ -82,11 +84,12 @@ fn tile_q4_k(tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) 
             for u in 0..Q4_K_SUBS {
                 let ab = mi * blocks + t * Q4_K_SUBS + u;
                 let a = &acts.qs[ab * QK..(ab + 1) * QK];
-                let q = &sb[Q4_K_CODES + Q4_K_SUB_CODES * u..];
+                let q = &sb[Q4_K_CODES + sub_codes * u..];
                 for (j, acc) in acc.iter_mut().enumerate() {
                     let dw = f16(2 * j) * sb[Q4_K_SC + TILE * u + j] as f32;
                     let mw = -(f16(Q4_K_DMIN + 2 * j) * sb[Q4_K_M + TILE * u + j] as f32);
-                    *acc = (dw * acts.d[ab]).mul_add(q4_isum(q, j, a) as f32, *acc);
+                    let isum = if format == Format::Q5K { q5_isum(q, j, a) } else { q4_isum(q, j, a) };
+                    *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
                     *acc = mw.mul_add(acts.dsum[ab], *acc);
                 }
             }
@@ -106,6 +109,24 @@ fn q4_isum(q: &[u8], j: usize, a: &[i8]) -> i32 {
         }
     }
     s
+}
+
+/// Lane `j`'s sum of its 32 codes (0..31, the 5-bit layout of `pack.rs` at `q`) times `a`, exact.
+fn q5_isum(q: &[u8], j: usize, a: &[i8]) -> i32 {
+    a.iter().enumerate().map(|(e, &a)| tile_q5_code(q, j, e) as i32 * a as i32).sum()
+}
+
+/// Element `e` (0..32)'s 5-bit code (0..31) of lane `j` in a block's packed codes `q` (`pack.rs`):
+/// for `e < 16` the low 5 bits of byte `e % 4` of vector `e / 4`; above, that byte's top 3 bits for
+/// vector `(e - 16) / 4` over the 2 bits of vector 4's byte at `2 ((e - 16) / 4)`.
+fn tile_q5_code(q: &[u8], j: usize, e: usize) -> u8 {
+    let (k, i) = (e % 16 / 4, e % 4);
+    let byte = q[k * 64 + 4 * j + i];
+    if e < 16 {
+        byte & 0x1f
+    } else {
+        ((byte >> 5) << 2) | ((q[4 * 64 + 4 * j + i] >> (2 * k)) & 3)
+    }
 }
 
 /// Element `e` (0..32)'s quant (0..63) of lane `j` in a Q6_K block's packed quants `q` (`pack.rs`).

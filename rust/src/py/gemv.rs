@@ -51,8 +51,8 @@ impl PyGgufMatrix {
         self.inner.name()
     }
     /// Bytes one product streams: the GGUF tensor's size; for Q6_K 28 bytes a row per 32 weights,
-    /// more than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144
-    /// (`PackedMatrix::weight_bytes`).
+    /// more than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144; for
+    /// Q5_K 180, more than the file's 176 (`PackedMatrix::weight_bytes`).
     #[getter]
     fn weight_bytes(&self) -> usize {
         self.inner.weight_bytes()
