@@ -13,7 +13,7 @@
 //! puts them one after another (a fresh engine's). Weights and pages are in 2 MiB pages, as in
 //! the engine (`pagedrs::huge_pages`).
 use pagedrs::cpu_decode::{DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
-use pagedrs::gemv::{Format, Kernel, PackedMatrix, QK};
+use pagedrs::gemv::{Format, FusedMatrix, Kernel, PackedMatrix, QK};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -58,7 +58,7 @@ fn main() {
     let geo = StackGeometry { hidden: 576, heads: 9, kv_heads: 3, head_dim: 64, intermediate: 1536, eps: 1e-5, scale: 0.125 };
     let mut seed = 0x9e3779b97f4a7c15u64;
     let mut matrix = |name: &str, rows: usize, cols: usize| {
-        Arc::new(PackedMatrix::from_gguf(name, &random_q4_1(rows, cols, &mut seed), rows, cols, Format::Q4_1).unwrap())
+        Arc::new(FusedMatrix::from(PackedMatrix::from_gguf(name, &random_q4_1(rows, cols, &mut seed), rows, cols, Format::Q4_1).unwrap()))
     };
     let layers: Vec<LayerWeights> = (0..30).map(|l| LayerWeights {
         input_norm: vec![1.0; 576],

@@ -6,9 +6,10 @@ use std::sync::Arc;
 
 use pagedrs::cpu_decode::kv_cache::KvCacheMut;
 use pagedrs::cpu_decode::{DecodeError, DecodeStack, KvGeometry, LayerWeights, StackGeometry, StepMeta};
-use pagedrs::gemv::{Format, Kernel, PackedMatrix};
+use pagedrs::gemv::{Format, FusedMatrix, Kernel, PackedMatrix};
 
-fn matrix(name: &str, format: Format, rows: usize, cols: usize, seed: &mut u64) -> Arc<PackedMatrix> {
+/// Random blocks of `format` (Q4_0, Q4_1, Q8_0), row-major `[rows, cols / 32]` blocks.
+fn raw_blocks(format: Format, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
     let mut next = || {
         *seed ^= *seed << 13;
         *seed ^= *seed >> 7;
@@ -25,11 +26,28 @@ fn matrix(name: &str, format: Format, rows: usize, cols: usize, seed: &mut u64) 
         }
         raw.extend((0..format.quant_bytes()).map(|_| next() as u8));
     }
-    Arc::new(PackedMatrix::from_gguf(name, &raw, rows, cols, format).unwrap())
+    raw
+}
+
+fn packed(name: &str, format: Format, rows: usize, cols: usize, seed: &mut u64) -> PackedMatrix {
+    PackedMatrix::from_gguf(name, &raw_blocks(format, rows, cols, seed), rows, cols, format).unwrap()
+}
+
+fn matrix(name: &str, format: Format, rows: usize, cols: usize, seed: &mut u64) -> Arc<FusedMatrix> {
+    Arc::new(FusedMatrix::from(packed(name, format, rows, cols, seed)))
+}
+
+/// A fused product of parts in three formats (rows 40 + 56 + 32: parts that end inside a tile), as a
+/// K-quant mix's q/k/v: the team's chunks of each part write their own columns.
+fn mixed(name: &str, rows: [usize; 3], cols: usize, seed: &mut u64) -> Arc<FusedMatrix> {
+    let parts = [Format::Q4_0, Format::Q8_0, Format::Q4_1].iter().zip(rows)
+        .map(|(&f, r)| Arc::new(packed(&format!("{name}.{}", f.name()), f, r, cols, seed))).collect();
+    Arc::new(FusedMatrix::new(name, parts).unwrap())
 }
 
 /// A 3-layer stack (hidden 64, 4 heads over 2 KV heads of 16, intermediate 96; Q4_1, Q8_0 and
-/// Q4_0 products, a QKV bias, a sliding window on the middle layer, the final norm) and a step of
+/// Q4_0 products, the last layer's qkv and gate_up fused from parts of all three, a QKV bias, a
+/// sliding window on the middle layer, the final norm) and a step of
 /// `t` rows (2 to 36): two sequences on blocks of their own, the first with `t - 1` new tokens after
 /// 21 cached, the second decoding its 6th token.
 struct Case {
@@ -45,6 +63,12 @@ struct Case {
 }
 
 fn case(t: usize) -> Case {
+    case_with(t, false)
+}
+
+/// [`case`], with layer 0's qkv (Q4_1, 128 x 64) as a fused product of its own rows in three parts
+/// (40, 56, 32: parts that end inside a tile) when `split_qkv0`: the same weights.
+fn case_with(t: usize, split_qkv0: bool) -> Case {
     let geo = StackGeometry { hidden: 64, heads: 4, kv_heads: 2, head_dim: 16, intermediate: 96, eps: 1e-5, scale: 0.25 };
     let mut seed = 0x2545f4914f6cdd1du64;
     let formats = [Format::Q4_1, Format::Q8_0, Format::Q4_0];
@@ -53,10 +77,22 @@ fn case(t: usize) -> Case {
         LayerWeights {
             input_norm: (0..64).map(|i| 0.5 + (i % 7) as f32 * 0.1).collect(),
             post_norm: (0..64).map(|i| 1.2 - (i % 5) as f32 * 0.1).collect(),
-            qkv: matrix("qkv", f, 128, 64, &mut seed),
+            qkv: match l {
+                2 => mixed("qkv", [40, 56, 32], 64, &mut seed),
+                0 if split_qkv0 => {
+                    let raw = raw_blocks(f, 128, 64, &mut seed);
+                    let row_bytes = raw.len() / 128;
+                    let parts = [(0, 40), (40, 96), (96, 128)].map(|(a, b)| {
+                        let part = PackedMatrix::from_gguf("qkv", &raw[a * row_bytes..b * row_bytes], b - a, 64, f);
+                        Arc::new(part.unwrap())
+                    });
+                    Arc::new(FusedMatrix::new("qkv", parts.to_vec()).unwrap())
+                }
+                _ => matrix("qkv", f, 128, 64, &mut seed),
+            },
             qkv_bias: (l == 1).then(|| (0..128).map(|i| (i as f32 * 0.37).sin() * 0.1).collect()),
             o: matrix("o", f, 64, 64, &mut seed),
-            gate_up: matrix("gate_up", f, 192, 64, &mut seed),
+            gate_up: if l == 2 { mixed("gate_up", [96, 64, 32], 64, &mut seed) } else { matrix("gate_up", f, 192, 64, &mut seed) },
             down: matrix("down", f, 64, 96, &mut seed),
             sliding_window: (l == 1).then_some(5),
         }
@@ -122,6 +158,18 @@ fn a_team_gives_the_one_thread_bits() {
                 assert_eq!(got, want, "t {t} threads {threads} round {round}");
                 assert_eq!(c.kv, one.kv, "t {t} threads {threads}: the pages written");
             }
+        }
+    }
+}
+
+/// A fused product's parts write their own columns of its output: layer 0's qkv as three parts of
+/// its own rows gives the whole matrix's bits, on one thread and on teams (decode and 20 rows).
+#[test]
+fn parts_of_one_matrix_give_its_bits() {
+    for t in [2, 20] {
+        let want = run(&mut case_with(t, false), 1).unwrap();
+        for threads in [1, 2, 3] {
+            assert_eq!(run(&mut case_with(t, true), threads).unwrap(), want, "t {t} threads {threads}");
         }
     }
 }

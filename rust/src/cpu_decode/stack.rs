@@ -28,18 +28,19 @@ use super::kv_cache::{KvCacheMut, PlanesMut};
 use super::lanes;
 use super::ops::{add, rms_norm, rotary};
 use super::step::{KvGeometry, StepLayout, StepMeta};
-use crate::gemv::{pool, Kernel, PackedMatrix};
+use crate::gemv::{pool, FusedMatrix, Kernel};
 
-/// One decoder layer's weights: norms in float32, products as packed GGUF matrices.
+/// One decoder layer's weights: norms in float32, products as packed GGUF matrices (a fused product's
+/// parts each in its own format: [`FusedMatrix`]).
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
     pub input_norm: Vec<f32>,
     pub post_norm: Vec<f32>,
-    pub qkv: Arc<PackedMatrix>,
+    pub qkv: Arc<FusedMatrix>,
     pub qkv_bias: Option<Vec<f32>>,
-    pub o: Arc<PackedMatrix>,
-    pub gate_up: Arc<PackedMatrix>,
-    pub down: Arc<PackedMatrix>,
+    pub o: Arc<FusedMatrix>,
+    pub gate_up: Arc<FusedMatrix>,
+    pub down: Arc<FusedMatrix>,
     pub sliding_window: Option<usize>,
 }
 
@@ -138,7 +139,7 @@ fn weights(field: String, reason: String) -> DecodeError {
     DecodeError::Weights { field, reason }
 }
 
-fn check_matrix(l: usize, name: &str, m: &PackedMatrix, rows: usize, cols: usize) -> Result<(), DecodeError> {
+fn check_matrix(l: usize, name: &str, m: &FusedMatrix, rows: usize, cols: usize) -> Result<(), DecodeError> {
     if (m.rows(), m.cols()) != (rows, cols) {
         return Err(weights(
             format!("layers[{l}].{name}"),

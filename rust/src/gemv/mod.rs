@@ -16,6 +16,7 @@
 
 pub mod error;
 pub mod format;
+pub mod fused;
 pub mod pack;
 pub mod phases;
 pub mod pool;
@@ -36,6 +37,7 @@ pub mod amx;
 
 pub use error::GemvError;
 pub use format::{Format, QK};
+pub use fused::FusedMatrix;
 pub use pack::{PackedMatrix, TILE};
 
 /// An implementation of the tile kernel.
@@ -254,9 +256,23 @@ impl PackedMatrix {
     /// [`PackedMatrix::quantize_input`] of this matrix, and `tiles.end <= self.tiles()`.
     pub unsafe fn tiles_into(&self, kernel: Kernel, acts: &quantize::QuantizedActs, tiles: std::ops::Range<usize>,
                              out: *mut f32) {
+        // SAFETY: the caller's contract, with this matrix's own rows as the stride.
+        unsafe { self.tiles_into_rows(kernel, acts, tiles, out, self.rows) }
+    }
+
+    /// [`PackedMatrix::tiles_into`] into rows of `stride` floats: output row `mi`'s column `n` of this
+    /// matrix goes to `out[mi * stride + n]` (this matrix as the columns `offset..offset + rows` of a
+    /// wider output, `out` pointing at `offset`: one part of a [`fused::FusedMatrix`]).
+    ///
+    /// # Safety
+    /// As [`PackedMatrix::tiles_into`], with `out` pointing at `(m - 1) * stride + rows` writable
+    /// floats and `stride >= rows`.
+    pub unsafe fn tiles_into_rows(&self, kernel: Kernel, acts: &quantize::QuantizedActs, tiles: std::ops::Range<usize>,
+                                  out: *mut f32, stride: usize) {
         // a misuse is a panic here, never a kernel reading past the activations
         assert_eq!(acts.blocks, self.blocks(), "tensor {:?}: activations quantized for another width", self.name);
         assert!(tiles.end <= self.tiles(), "tensor {:?}: tiles {tiles:?} of {}", self.name, self.tiles());
+        assert!(stride >= self.rows, "tensor {:?}: output rows of {stride} floats hold no {} columns", self.name, self.rows);
         let (m, rows) = (acts.m, self.rows);
         let chunk = m * TILE;
         let mut small = [0f32; 8 * TILE];
@@ -273,9 +289,9 @@ impl PackedMatrix {
                 let (n0, width) = (t * TILE, TILE.min(rows - t * TILE));
                 for mi in 0..m {
                     // SAFETY: tile `t` lies inside the product (the contract), its columns
-                    // `n0 .. n0 + width` of row `mi` lie inside `out`'s `m * rows` floats and no
-                    // other thread touches them; `buf` holds `m * 16 >= (mi + 1) * 16` floats.
-                    unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(mi * TILE), out.add(mi * rows + n0), width) };
+                    // `n0 .. n0 + width` of row `mi` lie inside `out`'s `(m - 1) * stride + rows`
+                    // floats and no other thread touches them; `buf` holds `m * 16 >= (mi + 1) * 16` floats.
+                    unsafe { std::ptr::copy_nonoverlapping(buf.as_ptr().add(mi * TILE), out.add(mi * stride + n0), width) };
                 }
             }
         });

@@ -1,5 +1,6 @@
-//! `pagedrs._core.GgufMatrix`: a GGUF-quantized weight repacked for the GEMV kernels, and
-//! `gemv_kernels()`, the kernels this CPU runs. The GIL is released while a product runs.
+//! `pagedrs._core.GgufMatrix`: a GGUF-quantized weight repacked for the GEMV kernels (or a fused
+//! product of such weights in different formats, `GgufMatrix.fused`), and `gemv_kernels()`, the
+//! kernels this CPU runs. The GIL is released while a product runs.
 
 use std::sync::Arc;
 
@@ -7,17 +8,18 @@ use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::gemv::{Format, GemvError, Kernel, PackedMatrix};
+use crate::gemv::{Format, FusedMatrix, GemvError, Kernel, PackedMatrix};
 
 fn value_err(e: GemvError) -> PyErr {
     PyValueError::new_err(e.to_string())
 }
 
-/// A weight `[rows, cols]` from raw GGUF block bytes; `matmul(x)` computes `x @ W.T`.
+/// A weight `[rows, cols]` from raw GGUF block bytes; `matmul(x)` computes `x @ W.T`. One format,
+/// or (`GgufMatrix.fused`) the rows of several weights, each in its own format.
 #[pyclass(name = "GgufMatrix", module = "pagedrs._core", frozen)]
 pub struct PyGgufMatrix {
-    /// Shared with every `DecodeStack` built over this weight (no copy).
-    pub(crate) inner: Arc<PackedMatrix>,
+    /// Shared with every `DecodeStack` built over this weight, and with the fused products it is a part of (no copy).
+    pub(crate) inner: Arc<FusedMatrix>,
 }
 
 #[pymethods]
@@ -31,7 +33,20 @@ impl PyGgufMatrix {
             PyValueError::new_err(format!("tensor {name:?}: data must be a contiguous 1-D uint8 array"))
         })?;
         let inner = py.detach(|| PackedMatrix::from_gguf(name, raw, rows, cols, fmt)).map_err(value_err)?;
-        Ok(PyGgufMatrix { inner: Arc::new(inner) })
+        Ok(PyGgufMatrix { inner: Arc::new(FusedMatrix::from(inner)) })
+    }
+
+    /// One product whose rows are `parts`' rows in order, each part in its own format (fused siblings a
+    /// GGUF file stores in different types: a K-quant mix's q / k beside v). The parts' blocks are shared,
+    /// not copied; every part must take the same number of columns.
+    #[staticmethod]
+    #[pyo3(signature = (parts, name = "weight"))]
+    fn fused(parts: Vec<PyRef<'_, PyGgufMatrix>>, name: &str) -> PyResult<Self> {
+        let mut packed = Vec::new();
+        for p in &parts {
+            packed.extend(p.inner.parts().iter().cloned());
+        }
+        Ok(PyGgufMatrix { inner: Arc::new(FusedMatrix::new(name, packed).map_err(value_err)?) })
     }
 
     #[getter]
@@ -42,9 +57,10 @@ impl PyGgufMatrix {
     fn cols(&self) -> usize {
         self.inner.cols()
     }
+    /// The block format (`"q4_k"`); a fused product's parts' formats joined by `+` (`"q4_k+q4_k+q6_k"`).
     #[getter]
-    fn format(&self) -> &'static str {
-        self.inner.format().name()
+    fn format(&self) -> String {
+        self.inner.parts().iter().map(|p| p.format().name()).collect::<Vec<_>>().join("+")
     }
     #[getter]
     fn name(&self) -> &str {
@@ -113,7 +129,7 @@ impl PyGgufMatrix {
 
     fn __repr__(&self) -> String {
         format!("GgufMatrix(name={:?}, rows={}, cols={}, format={:?})", self.inner.name(), self.inner.rows(),
-                self.inner.cols(), self.inner.format().name())
+                self.inner.cols(), self.format())
     }
 }
 

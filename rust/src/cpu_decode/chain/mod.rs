@@ -37,7 +37,7 @@ use super::stack::{Buffers, DecodeStack, Spent};
 use super::step::{KvGeometry, StepLayout};
 use crate::gemv::phases::{run_phases, PhasePlan};
 use crate::gemv::quantize::{ActsRows, QuantizedActs};
-use crate::gemv::{pool, GemvError, Kernel, PackedMatrix};
+use crate::gemv::{pool, FusedMatrix, GemvError, Kernel};
 
 mod kv_buf;
 use kv_buf::KvBuf;
@@ -227,12 +227,11 @@ impl PhasePlan for Chain<'_> {
             Kind::Rows(after) => self.rows_item(l, after, i),
             Kind::Product(p) => {
                 let (m, dst) = self.product(l, p);
-                let chunks = m.chunks(self.rows(), self.threads);
                 // SAFETY: `dst` is this product's `[rows, m.rows()]` output (`Buffers`), chunk `i`'s
                 // tiles are written by this item alone and read by no item of the phase; the kernel
                 // was checked (`layers_on_team`), and `acts` holds this product's input, quantized by
                 // the `after` before this phase (not failed, checked above), read-only until it ends.
-                unsafe { m.tiles_into(self.kernel, &*self.acts.get(), m.chunk_tiles(i, chunks), dst.ptr) };
+                unsafe { m.chunk_into(self.kernel, &*self.acts.get(), self.threads, i, dst.ptr) };
             }
         }
     }
@@ -315,7 +314,7 @@ impl Chain<'_> {
 
     /// Product `p`'s matrix in layer `l`, and the buffer it writes (not attention's: its items
     /// are `attention_item`).
-    fn product(&self, l: usize, p: Product) -> (&PackedMatrix, Buf) {
+    fn product(&self, l: usize, p: Product) -> (&FusedMatrix, Buf) {
         let lw = &self.stack.layers[l];
         match p {
             Product::Qkv => (&lw.qkv, self.qkv),

@@ -16,7 +16,7 @@ use crate::cpu_decode::error::DecodeError;
 use crate::cpu_decode::lanes;
 use crate::cpu_decode::ops::{add, rms_norm};
 use crate::gemv::quantize::QuantizedActs;
-use crate::gemv::{GemvError, PackedMatrix};
+use crate::gemv::{FusedMatrix, GemvError};
 
 /// From this many rows a step's serial steps are shared out (below, one is a few microseconds
 /// and a phase costs ~0.5 us more).
@@ -105,7 +105,7 @@ impl Chain<'_> {
         use super::Kind;
         let layers = &self.stack.layers;
         let lw = &layers[l];
-        let next_input = |kind| -> Option<&PackedMatrix> {
+        let next_input = |kind| -> Option<&FusedMatrix> {
             match kind {
                 Product::Qkv | Product::Scores => None,
                 Product::Attention => Some(&lw.o),
