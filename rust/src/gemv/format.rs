@@ -1,11 +1,14 @@
 //! The GGUF block formats this module reads, and the exact f16 -> f32 conversion of their scales.
 //!
-//! GGUF / ggml layouts, little endian. Q4_0, Q4_1 and Q8_0 store 32 weights per block:
+//! GGUF / ggml layouts, little endian. Q4_0, Q4_1, Q8_0 and Q5_0 store 32 weights per block:
 //! - Q4_0: f16 `d`, 16 bytes of nibbles; weight = (q - 8) * d.
 //! - Q4_1: f16 `d`, f16 `m`, 16 bytes of nibbles; weight = q * d + m.
 //! - Q8_0: f16 `d`, 32 int8; weight = q * d.
+//! - Q5_0: f16 `d`, `qh[4]` (a little-endian u32), 16 bytes of nibbles; weight = (q - 16) * d.
 //!
 //! In Q4 blocks byte `t` holds element `t` in its low nibble and element `t + 16` in its high one.
+//! Q5 blocks hold the same nibbles, and bit `e` of `qh` is the fifth bit of element `e`'s code q
+//! (0..31, [`q5_code`]).
 //!
 //! Q6_K stores super-blocks of 256 weights in 210 bytes: `ql[128]` (low 4 bits), `qh[64]` (high
 //! 2 bits), `scales[16]` (int8, one per 16 weights), f16 `d`; weight `e` = d * scales[e / 16] *
@@ -57,6 +60,8 @@ pub enum Format {
     Q4K,
     /// A k-quant: Q4_K with a fifth bit a weight (codes 0..31; see the module docs).
     Q5K,
+    /// Q4_0 with a fifth bit a weight (codes 0..31 minus 16; see the module docs).
+    Q5_0,
 }
 
 impl Format {
@@ -69,6 +74,7 @@ impl Format {
             "q6_k" => Some(Format::Q6K),
             "q4_k" => Some(Format::Q4K),
             "q5_k" => Some(Format::Q5K),
+            "q5_0" => Some(Format::Q5_0),
             _ => None,
         }
     }
@@ -82,6 +88,7 @@ impl Format {
             Format::Q6K => "q6_k",
             Format::Q4K => "q4_k",
             Format::Q5K => "q5_k",
+            Format::Q5_0 => "q5_0",
         }
     }
 
@@ -89,13 +96,13 @@ impl Format {
     /// Q5_K's super-block of 256 (its `d` and `dmin` stored once, its 8 sub-blocks' scales beside them).
     pub fn kernel_block_weights(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K => QK,
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 => QK,
             Format::Q4K | Format::Q5K => QK_K,
         }
     }
 
     /// Bytes of one row's block of [`Format::kernel_block_weights`] weights as the kernels read it
-    /// ([`super::pack`]): the GGUF block's for Q4_0, Q4_1 and Q8_0; for Q6_K 28 (`d`, two group
+    /// ([`super::pack`]): the GGUF block's for Q4_0, Q4_1, Q8_0 and Q5_0; for Q6_K 28 (`d`, two group
     /// scales, 24 bytes of 6-bit quants), more than its GGUF super-block's 210 / 8 = 26.25 (the
     /// repeated `d`); for Q4_K 148 a super-block (`d`, `dmin`, 8 scales and 8 minima a byte each,
     /// 128 bytes of codes), more than its GGUF 144 (the unpacked 6-bit scales); for Q5_K 180 (Q4_K's
@@ -108,14 +115,14 @@ impl Format {
     /// int8 group scales, or Q4_K's (Q5_K's) f16 `dmin` and its sub-blocks' 8 scales and 8 minima.
     pub fn header_bytes(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q8_0 => 2,
+            Format::Q4_0 | Format::Q8_0 | Format::Q5_0 => 2,
             Format::Q4_1 | Format::Q6K => 4,
             Format::Q4K | Format::Q5K => 4 + 2 * Q4_K_SUBS,
         }
     }
 
     /// Bytes of quantized values in one row's block (without scales; Q6_K's 6 bits as packed;
-    /// Q4_K's 256 codes; Q5_K's 256 codes of 5 bits).
+    /// Q4_K's 256 codes; Q5_K's 256 codes of 5 bits; Q5_0's `qh` and nibbles, 5 bits a weight).
     pub fn quant_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 => QK / 2,
@@ -123,13 +130,14 @@ impl Format {
             Format::Q6K => QK * 6 / 8,
             Format::Q4K => QK_K / 2,
             Format::Q5K => QK_K * 5 / 8,
+            Format::Q5_0 => QK * 5 / 8,
         }
     }
 
     /// Weights per GGUF block: 32, or a k-quant's super-block of 256. A row's columns are a multiple of it.
     pub fn gguf_block_weights(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => QK,
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 => QK,
             Format::Q6K | Format::Q4K | Format::Q5K => QK_K,
         }
     }
@@ -137,7 +145,7 @@ impl Format {
     /// Bytes of one GGUF block of [`Format::gguf_block_weights`] weights (the file's bytes).
     pub fn gguf_block_bytes(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => self.block_bytes(),
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 => self.block_bytes(),
             Format::Q6K => Q6_K_BYTES,
             Format::Q4K => Q4_K_BYTES,
             Format::Q5K => Q5_K_BYTES,
@@ -184,6 +192,14 @@ pub fn q4_k_code(qs: &[u8], s: usize, l: usize) -> u8 {
 /// is bit `s` of `qh[l]` (`qh[32]`).
 pub fn q5_k_code(qh: &[u8], qs: &[u8], s: usize, l: usize) -> u8 {
     q4_k_code(qs, s, l) | (((qh[l] >> s) & 1) << 4)
+}
+
+/// Element `e` (0..32)'s 5-bit code (0..31) in a Q5_0 / Q5_1 block's `qh` (as a little-endian u32)
+/// and `qs[16]`, as ggml's `dequantize_row_q5_0` reads it: the Q4 nibble (`qs[e]`'s low one for `e <
+/// 16`, `qs[e - 16]`'s high one above) and bit `e` of `qh` as its fifth.
+pub fn q5_code(qh: u32, qs: &[u8], e: usize) -> u8 {
+    let nibble = if e < 16 { qs[e] & 0x0f } else { qs[e - 16] >> 4 };
+    nibble | ((((qh >> e) & 1) as u8) << 4)
 }
 
 /// IEEE binary16 -> binary32, exact (every f16 is an f32), the same value `vcvtph2ps` gives.
@@ -236,7 +252,11 @@ mod tests {
     fn parse_names() {
         assert_eq!(Format::parse("Q4_1"), Some(Format::Q4_1));
         assert_eq!(Format::parse("q8_0").map(Format::block_bytes), Some(34));
-        assert_eq!(Format::parse("q5_0"), None);
+        assert_eq!(Format::parse("q2_k"), None);
+        assert_eq!(Format::parse("Q5_0"), Some(Format::Q5_0));
+        let q5_0 = Format::Q5_0;
+        assert_eq!((q5_0.name(), q5_0.block_bytes(), q5_0.gguf_block_bytes(), q5_0.header_bytes()), ("q5_0", 22, 22, 2));
+        assert_eq!((q5_0.kernel_block_weights(), q5_0.gguf_block_weights(), q5_0.has_min()), (32, 32, false));
         assert_eq!(Format::parse("Q6_K"), Some(Format::Q6K));
         assert_eq!(Format::Q6K.name(), "q6_k");
         assert_eq!((Format::Q6K.block_bytes(), Format::Q6K.gguf_block_bytes(), Q6_K_BYTES), (28, 210, 210));

@@ -1,6 +1,6 @@
 //! The portable kernel: one 16-row tile, any CPU. The reference the SIMD kernels must equal bit for bit.
 //!
-//! Per row and block: the exact integer dot product `isum` (Q4_0: of `q - 8`; Q6_K: `T = sc_0 *
+//! Per row and block: the exact integer dot product `isum` (Q4_0: of `q - 8`; Q5_0: of `q - 16`; Q6_K: `T = sc_0 *
 //! isum_0 + sc_1 * isum_1` over its two groups of 16, `isum_g` of `q - 32`, |T| <= 2 * 16 * 32 *
 //! 127 * 128 < 2^24 so exact as an f32), then, in this order, `acc = fma(d_w * d_a, isum, acc)`
 //! and for Q4_1 `acc = fma(m_w, d_a * sum_a, acc)` (fused multiply-adds: one rounding each, and
@@ -41,6 +41,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                             s
                         }
                     }
+                    Format::Q5_0 => q5_isum(q, j, a) - 16 * acts.sum[ab],
                     Format::Q8_0 => {
                         let mut s = 0i32;
                         for v in 0..8 {
