@@ -11,7 +11,7 @@
 use super::*;
 
 /// The formats of this module.
-const FORMATS: [Format; 1] = [Format::Q5_0];
+const FORMATS: [Format; 2] = [Format::Q5_0, Format::Q5_1];
 
 /// ggml's `dequantize_row_q5_0` for one block (f16 `d`, `qh[4]`, `qs[16]`), as it is written, in
 /// float64 (exact: `(x - 16) * d` has at most 11 + 5 significant bits).
@@ -31,10 +31,33 @@ pub(super) fn dequantize_q5_0(blk: &[u8]) -> Vec<f64> {
     y
 }
 
-/// A block of `format` whose weight `e` is `(q[e] - 16) * d` (Q5_0; codes 0..31): the bits put where
-/// the loop above reads them.
-fn encode_q5(format: Format, q: &[u8; 32], d: u16, _m: u16) -> Vec<u8> {
+/// ggml's `dequantize_row_q5_1` for one block (f16 `d`, f16 `m`, `qh[4]`, `qs[16]`), as it is
+/// written, in float64 (exact: `x * d` has at most 16 significant bits, and it and `m` are multiples
+/// of 2^-24 below 2^21).
+pub(super) fn dequantize_q5_1(blk: &[u8]) -> Vec<f64> {
+    let d = f16_to_f32(u16::from_le_bytes([blk[0], blk[1]])) as f64;
+    let m = f16_to_f32(u16::from_le_bytes([blk[2], blk[3]])) as f64;
+    let qh = u32::from_le_bytes([blk[4], blk[5], blk[6], blk[7]]);
+    let qs = &blk[8..24];
+    let mut y = vec![0f64; 32];
+    for j in 0..16 {
+        let xh_0 = (((qh >> j) << 4) & 0x10) as u8;
+        let xh_1 = ((qh >> (j + 12)) & 0x10) as u8;
+        let x0 = (qs[j] & 0x0F) | xh_0;
+        let x1 = (qs[j] >> 4) | xh_1;
+        y[j] = x0 as f64 * d + m;
+        y[j + 16] = x1 as f64 * d + m;
+    }
+    y
+}
+
+/// A block of `format` whose weight `e` is `(q[e] - 16) * d` (Q5_0) or `q[e] * d + m` (Q5_1; codes
+/// 0..31): the bits put where the loops above read them.
+fn encode_q5(format: Format, q: &[u8; 32], d: u16, m: u16) -> Vec<u8> {
     let mut blk = d.to_le_bytes().to_vec();
+    if format == Format::Q5_1 {
+        blk.extend_from_slice(&m.to_le_bytes());
+    }
     let qh = q.iter().enumerate().fold(0u32, |qh, (e, &q)| qh | (((q >> 4) as u32 & 1) << e));
     blk.extend_from_slice(&qh.to_le_bytes());
     blk.extend((0..16).map(|j| (q[j] & 0xF) | ((q[j + 16] & 0xF) << 4)));
@@ -43,10 +66,11 @@ fn encode_q5(format: Format, q: &[u8; 32], d: u16, _m: u16) -> Vec<u8> {
 }
 
 /// What a block of `format` with codes `q`, `d` and `m` (f16 bits) is by definition.
-fn definition(format: Format, q: &[u8; 32], d: u16, _m: u16) -> Vec<f64> {
-    let d = f16_to_f32(d) as f64;
+fn definition(format: Format, q: &[u8; 32], d: u16, m: u16) -> Vec<f64> {
+    let (d, m) = (f16_to_f32(d) as f64, f16_to_f32(m) as f64);
     match format {
         Format::Q5_0 => q.iter().map(|&q| (q as f64 - 16.0) * d).collect(),
+        Format::Q5_1 => q.iter().map(|&q| q as f64 * d + m).collect(),
         _ => unreachable!("{format:?}"),
     }
 }
@@ -125,6 +149,7 @@ fn extreme_codes_do_not_overflow() {
             let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
             let weight = match format {
                 Format::Q5_0 => q as f32 - 16.0,
+                Format::Q5_1 => q as f32 + 1.0,
                 _ => unreachable!("{format:?}"),
             };
             assert_exact(&w, x, &[1, 5, 17], weight * x * cols as f32, &format!("{format:?} q={q}"));
@@ -170,7 +195,7 @@ fn q5_weight_bytes_are_the_file_bytes() {
         assert_eq!((w.weight_bytes(), w.tile_block_bytes(), w.blocks(), w.tile_blocks()),
                    (37 * 16 * bb, 16 * bb, 16, 16));
     }
-    assert_eq!(Format::Q5_0.gguf_block_bytes(), 22);
+    assert_eq!((Format::Q5_0.gguf_block_bytes(), Format::Q5_1.gguf_block_bytes()), (22, 24));
 }
 
 #[test]
@@ -192,7 +217,7 @@ fn q5_bad_input_names_the_tensor() {
                              if expected == 4 * bb && got == wrong && f == format.name()), "{wrong} bytes: {err:?}");
             assert!(err.to_string().contains(name));
         }
-        let fields: &[(&str, usize)] = if format.has_min() { &[("d", 0), ("m", 2)] } else { &[("d", 0)] };
+        let fields: &[(&str, usize)] = if format == Format::Q5_1 { &[("d", 0), ("m", 2)] } else { &[("d", 0)] };
         for &(field, off) in fields {
             for bits in [0x7c00u16, 0xfc00, 0x7e00, 0xfe01] {
                 let mut bad = raw.clone();

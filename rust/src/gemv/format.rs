@@ -1,10 +1,11 @@
 //! The GGUF block formats this module reads, and the exact f16 -> f32 conversion of their scales.
 //!
-//! GGUF / ggml layouts, little endian. Q4_0, Q4_1, Q8_0 and Q5_0 store 32 weights per block:
+//! GGUF / ggml layouts, little endian. Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1 store 32 weights per block:
 //! - Q4_0: f16 `d`, 16 bytes of nibbles; weight = (q - 8) * d.
 //! - Q4_1: f16 `d`, f16 `m`, 16 bytes of nibbles; weight = q * d + m.
 //! - Q8_0: f16 `d`, 32 int8; weight = q * d.
 //! - Q5_0: f16 `d`, `qh[4]` (a little-endian u32), 16 bytes of nibbles; weight = (q - 16) * d.
+//! - Q5_1: f16 `d`, f16 `m`, `qh[4]`, 16 bytes of nibbles; weight = q * d + m.
 //!
 //! In Q4 blocks byte `t` holds element `t` in its low nibble and element `t + 16` in its high one.
 //! Q5 blocks hold the same nibbles, and bit `e` of `qh` is the fifth bit of element `e`'s code q
@@ -62,6 +63,8 @@ pub enum Format {
     Q5K,
     /// Q4_0 with a fifth bit a weight (codes 0..31 minus 16; see the module docs).
     Q5_0,
+    /// Q4_1 with a fifth bit a weight (codes 0..31; see the module docs).
+    Q5_1,
 }
 
 impl Format {
@@ -75,6 +78,7 @@ impl Format {
             "q4_k" => Some(Format::Q4K),
             "q5_k" => Some(Format::Q5K),
             "q5_0" => Some(Format::Q5_0),
+            "q5_1" => Some(Format::Q5_1),
             _ => None,
         }
     }
@@ -89,6 +93,7 @@ impl Format {
             Format::Q4K => "q4_k",
             Format::Q5K => "q5_k",
             Format::Q5_0 => "q5_0",
+            Format::Q5_1 => "q5_1",
         }
     }
 
@@ -96,13 +101,13 @@ impl Format {
     /// Q5_K's super-block of 256 (its `d` and `dmin` stored once, its 8 sub-blocks' scales beside them).
     pub fn kernel_block_weights(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 => QK,
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1 => QK,
             Format::Q4K | Format::Q5K => QK_K,
         }
     }
 
     /// Bytes of one row's block of [`Format::kernel_block_weights`] weights as the kernels read it
-    /// ([`super::pack`]): the GGUF block's for Q4_0, Q4_1, Q8_0 and Q5_0; for Q6_K 28 (`d`, two group
+    /// ([`super::pack`]): the GGUF block's for Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1; for Q6_K 28 (`d`, two group
     /// scales, 24 bytes of 6-bit quants), more than its GGUF super-block's 210 / 8 = 26.25 (the
     /// repeated `d`); for Q4_K 148 a super-block (`d`, `dmin`, 8 scales and 8 minima a byte each,
     /// 128 bytes of codes), more than its GGUF 144 (the unpacked 6-bit scales); for Q5_K 180 (Q4_K's
@@ -111,18 +116,18 @@ impl Format {
         self.header_bytes() + self.quant_bytes()
     }
 
-    /// Bytes of one row's block before its quants: f16 `d`, then Q4_1's f16 `m`, Q6_K's two
+    /// Bytes of one row's block before its quants: f16 `d`, then Q4_1's (Q5_1's) f16 `m`, Q6_K's two
     /// int8 group scales, or Q4_K's (Q5_K's) f16 `dmin` and its sub-blocks' 8 scales and 8 minima.
     pub fn header_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q8_0 | Format::Q5_0 => 2,
-            Format::Q4_1 | Format::Q6K => 4,
+            Format::Q4_1 | Format::Q6K | Format::Q5_1 => 4,
             Format::Q4K | Format::Q5K => 4 + 2 * Q4_K_SUBS,
         }
     }
 
     /// Bytes of quantized values in one row's block (without scales; Q6_K's 6 bits as packed;
-    /// Q4_K's 256 codes; Q5_K's 256 codes of 5 bits; Q5_0's `qh` and nibbles, 5 bits a weight).
+    /// Q4_K's 256 codes; Q5_K's 256 codes of 5 bits; Q5_0's and Q5_1's `qh` and nibbles, 5 bits a weight).
     pub fn quant_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 => QK / 2,
@@ -130,14 +135,14 @@ impl Format {
             Format::Q6K => QK * 6 / 8,
             Format::Q4K => QK_K / 2,
             Format::Q5K => QK_K * 5 / 8,
-            Format::Q5_0 => QK * 5 / 8,
+            Format::Q5_0 | Format::Q5_1 => QK * 5 / 8,
         }
     }
 
     /// Weights per GGUF block: 32, or a k-quant's super-block of 256. A row's columns are a multiple of it.
     pub fn gguf_block_weights(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 => QK,
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => QK,
             Format::Q6K | Format::Q4K | Format::Q5K => QK_K,
         }
     }
@@ -145,17 +150,17 @@ impl Format {
     /// Bytes of one GGUF block of [`Format::gguf_block_weights`] weights (the file's bytes).
     pub fn gguf_block_bytes(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 => self.block_bytes(),
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => self.block_bytes(),
             Format::Q6K => Q6_K_BYTES,
             Format::Q4K => Q4_K_BYTES,
             Format::Q5K => Q5_K_BYTES,
         }
     }
 
-    /// Whether a 32-weight block carries the f16 minimum `m` beside the scale `d` (Q4_1; Q4_K's and
-    /// Q5_K's minima are 6-bit, per sub-block of their super-block, with one `dmin`: see the module docs).
+    /// Whether a 32-weight block carries the f16 minimum `m` beside the scale `d` (Q4_1, Q5_1; Q4_K's
+    /// and Q5_K's minima are 6-bit, per sub-block of their super-block, with one `dmin`: see the module docs).
     pub fn has_min(self) -> bool {
-        self == Format::Q4_1
+        matches!(self, Format::Q4_1 | Format::Q5_1)
     }
 }
 
@@ -257,6 +262,10 @@ mod tests {
         let q5_0 = Format::Q5_0;
         assert_eq!((q5_0.name(), q5_0.block_bytes(), q5_0.gguf_block_bytes(), q5_0.header_bytes()), ("q5_0", 22, 22, 2));
         assert_eq!((q5_0.kernel_block_weights(), q5_0.gguf_block_weights(), q5_0.has_min()), (32, 32, false));
+        let q5_1 = Format::parse("Q5_1").unwrap();
+        assert_eq!((q5_1.name(), q5_1.block_bytes(), q5_1.gguf_block_bytes()), ("q5_1", 24, 24));
+        assert_eq!(q5_1.header_bytes(), 4);
+        assert_eq!((q5_1.kernel_block_weights(), q5_1.gguf_block_weights(), q5_1.has_min()), (32, 32, true));
         assert_eq!(Format::parse("Q6_K"), Some(Format::Q6K));
         assert_eq!(Format::Q6K.name(), "q6_k");
         assert_eq!((Format::Q6K.block_bytes(), Format::Q6K.gguf_block_bytes(), Q6_K_BYTES), (28, 210, 210));

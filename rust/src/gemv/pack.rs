@@ -36,7 +36,7 @@
 //! 8t + 8`), and compute each sub-block as Q4_1's block with `d * sc` and `-(dmin * m)` (both exact
 //! in f32) for its scale and minimum.
 //!
-//! 5-bit codes (Q5_0's blocks, Q5_K's sub-blocks) take five vectors of 64 bytes a block of 32 (16 lanes x 4
+//! 5-bit codes (Q5_0's and Q5_1's blocks, Q5_K's sub-blocks) take five vectors of 64 bytes a block of 32 (16 lanes x 4
 //! bytes, 20 bytes a row, exactly 5 bits a weight); byte `i` of lane `j` of vector `k`:
 //! - `k` in 0..4: bits 0..5 = code of element `4k + i`, bits 5..8 = the top 3 bits of the code of
 //!   element `16 + 4k + i`;
@@ -50,7 +50,8 @@
 //!
 //! Q5_0's tile block is Q4_0's with 5-bit codes: `d[16]`, then the codes in the layout above; 22
 //! bytes a row per 32 weights, the GGUF block's (5.5 bits a weight, against Q8_0's 8.5, the format
-//! Q5_0 tensors were converted to before).
+//! Q5_0 tensors were converted to before). Q5_1's is Q4_1's, `d[16]`, `m[16]`, then the codes: 24
+//! bytes a row, the GGUF block's (6 bits a weight).
 //!
 //! Q5_K's tile block is Q4_K's with 5-bit codes: `d[16]`, `dmin[16]`, `sc[8][16]`, `m[8][16]` at
 //! Q4_K's offsets, then the 8 sub-blocks' codes in order, each in the 5-bit layout above (320 bytes
@@ -77,7 +78,7 @@ pub(crate) const Q4_K_CODES: usize = Q4_K_M + Q4_K_SUBS * TILE;
 pub(crate) const Q4_K_SUB_CODES: usize = TILE * QK / 2;
 
 /// Bytes of one block of 32 5-bit codes in a tile (16 rows x 20 bytes, the layout of the module
-/// docs): a Q5_0 block's, a Q5_K sub-block's.
+/// docs): a Q5_0 or Q5_1 block's, a Q5_K sub-block's.
 pub(crate) const Q5_SUB_CODES: usize = TILE * QK * 5 / 8;
 
 /// A weight `[rows, cols]` (N x K, y = x W^T) repacked into tiles.
@@ -108,7 +109,7 @@ impl PackedMatrix {
                 Format::Q6K => "cols (K) must be a positive multiple of 256 (the q6_k super-block)",
                 Format::Q4K => "cols (K) must be a positive multiple of 256 (the q4_k super-block)",
                 Format::Q5K => "cols (K) must be a positive multiple of 256 (the q5_k super-block)",
-                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 => {
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => {
                     "cols (K) must be a positive multiple of the block size 32"
                 }
             }));
@@ -133,7 +134,9 @@ impl PackedMatrix {
             match format {
                 Format::Q6K => pack_q6_k_row(name, row, src, dst)?,
                 Format::Q4K | Format::Q5K => pack_k_row(name, format, row, src, dst)?,
-                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 => pack_row(name, format, row, src, dst)?,
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => {
+                    pack_row(name, format, row, src, dst)?
+                }
             }
         }
         Ok(PackedMatrix { name: name.to_string(), format, rows, cols, data })
@@ -170,7 +173,7 @@ impl PackedMatrix {
         TILE * self.format.block_bytes()
     }
     /// Bytes a product streams: its tiles' bytes without the padding rows. That is the GGUF
-    /// tensor's size for Q4_0, Q4_1, Q8_0 and Q5_0; for Q6_K it is 28 bytes a row per 32 weights, more
+    /// tensor's size for Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1; for Q6_K it is 28 bytes a row per 32 weights, more
     /// than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144; for Q5_K
     /// 180, more than the file's 176 (see the module docs).
     pub fn weight_bytes(&self) -> usize {
@@ -183,7 +186,7 @@ impl PackedMatrix {
     }
 }
 
-/// One row's Q4_0 / Q4_1 / Q8_0 / Q5_0 blocks (`src`, GGUF) into its lane `row % 16` of its tile (`dst`).
+/// One row's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 blocks (`src`, GGUF) into its lane `row % 16` of its tile (`dst`).
 fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
     let (bb, j) = (format.block_bytes(), row % TILE);
     for (b, src) in src.chunks_exact(bb).enumerate() {
@@ -210,7 +213,7 @@ fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) 
                     qdst[v * 64 + j * 4..][..4].copy_from_slice(&q[4 * v..4 * v + 4]);
                 }
             }
-            Format::Q5_0 => {
+            Format::Q5_0 | Format::Q5_1 => {
                 let qh = u32::from_le_bytes([q[0], q[1], q[2], q[3]]);
                 pack_q5_codes(|e| q5_code(qh, &q[4..], e), j, qdst);
             }
@@ -270,7 +273,7 @@ fn pack_k_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]
                     let (qh, qs) = (&sb[16..16 + QK_K / 8], &sb[16 + QK_K / 8..]);
                     pack_q5_codes(|l| q5_k_code(qh, qs, u, l), j, &mut dst[Q4_K_CODES + Q5_SUB_CODES * u..]);
                 }
-                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 => {
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1 => {
                     unreachable!("not Q4_K's super-block")
                 }
             }

@@ -3,7 +3,7 @@
 //! Per row and block: the exact integer dot product `isum` (Q4_0: of `q - 8`; Q5_0: of `q - 16`; Q6_K: `T = sc_0 *
 //! isum_0 + sc_1 * isum_1` over its two groups of 16, `isum_g` of `q - 32`, |T| <= 2 * 16 * 32 *
 //! 127 * 128 < 2^24 so exact as an f32), then, in this order, `acc = fma(d_w * d_a, isum, acc)`
-//! and for Q4_1 `acc = fma(m_w, d_a * sum_a, acc)` (fused multiply-adds: one rounding each, and
+//! and for Q4_1 and Q5_1 `acc = fma(m_w, d_a * sum_a, acc)` (fused multiply-adds: one rounding each, and
 //! one instruction each on the SIMD paths, where a pass over several activation rows is bound by
 //! its per-row float work), blocks in order. The SIMD kernels do the same f32 operations lane by
 //! lane.
@@ -42,6 +42,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                         }
                     }
                     Format::Q5_0 => q5_isum(q, j, a) - 16 * acts.sum[ab],
+                    Format::Q5_1 => q5_isum(q, j, a),
                     Format::Q8_0 => {
                         let mut s = 0i32;
                         for v in 0..8 {
@@ -63,7 +64,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                 };
                 let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
                 *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
-                if format == Format::Q4_1 {
+                if format.has_min() {
                     let mw = f16_to_f32(u16::from_le_bytes([blk[2 * TILE + 2 * j], blk[2 * TILE + 2 * j + 1]]));
                     *acc = mw.mul_add(acts.dsum[ab], *acc);
                 }
