@@ -11,10 +11,11 @@ import numpy as np
 import torch
 from gguf.quants import quantize
 
-from kquants import quantize_q4_k, quantize_q6_k
+from kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 from pagedrs.models.gguf_loader import permute_qk
 
-K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+                gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
 
 # which quantization each tensor kind gets: every supported type appears at least once
 QTYPES = {
@@ -44,6 +45,20 @@ Q4_K_M_QTYPES = {
     "attn_output": gguf.GGMLQuantizationType.Q4_K,
     "ffn_gate": gguf.GGMLQuantizationType.Q4_K,
     "ffn_up": gguf.GGMLQuantizationType.Q4_K,
+    "ffn_down": gguf.GGMLQuantizationType.Q6_K,
+}
+# llama.cpp's "Q5_K_M" mix: Q5_K, with Q6_K values and down projections
+Q5_K_M_QTYPES = {**Q4_K_M_QTYPES, **{k: gguf.GGMLQuantizationType.Q5_K for k in ("attn_q", "attn_k", "attn_output",
+                                                                               "ffn_gate", "ffn_up")}}
+# a "Q4_K_M" file of a model whose rows are not whole super-blocks (SmolLM2's 576): llama.cpp's fallbacks,
+# Q5_0 for Q4_K and Q8_0 for Q6_K, where a row is 576 wide; ffn_down's 1536 takes Q6_K itself
+Q4_K_M_FALLBACK_QTYPES = {
+    "attn_q": gguf.GGMLQuantizationType.Q5_0,
+    "attn_k": gguf.GGMLQuantizationType.Q5_0,
+    "attn_v": gguf.GGMLQuantizationType.Q8_0,
+    "attn_output": gguf.GGMLQuantizationType.Q5_0,
+    "ffn_gate": gguf.GGMLQuantizationType.Q5_0,
+    "ffn_up": gguf.GGMLQuantizationType.Q5_0,
     "ffn_down": gguf.GGMLQuantizationType.Q6_K,
 }
 _HF_TO_GGUF = {

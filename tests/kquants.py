@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K quantizers for tests (gguf-py dequantizes K-quants but cannot write them).
+"""Q4_K, Q5_K and Q6_K quantizers for tests (gguf-py dequantizes K-quants but cannot write them).
 
 Plain round-to-nearest choices, not llama.cpp's search for the best scales: what matters here is
 that the bytes are valid blocks of each layout, which ``tests/test_gguf_convert.py`` checks
@@ -36,6 +36,34 @@ def quantize_q4_k(w: np.ndarray) -> np.ndarray:
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-block 2c low, 2c + 1 high
     out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=-1)
     return out.reshape(rows, cols // QK_K * 144)
+
+
+def quantize_q5_k(w: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, cols]`` (cols a multiple of 256) -> uint8 ``[rows, cols / 256 * 176]``: f16 d, f16
+    dmin, Q4_K's 12 bytes of 6-bit scales and minima, ``qh[32]`` (bit ``2c`` of byte ``l``: the fifth bit of
+    element ``64c + l``, bit ``2c + 1``: of element ``64c + 32 + l``), ``qs[128]`` (Q4_K's low nibbles)."""
+    rows, cols = w.shape
+    sub = w.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(axis=-1), 0.0)
+    scale = (sub.max(axis=-1) - lo) / 31
+    d = _f16(np.maximum(scale.max(axis=-1), 1e-8) / 63)
+    dmin = _f16(np.maximum((-lo).max(axis=-1), 1e-8) / 63)
+    sc = np.clip(np.round(scale / d.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.round(-lo / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    step = np.maximum(d.astype(np.float32)[:, None] * sc, 1e-12)[..., None]
+    q = np.clip(np.round((sub + (dmin.astype(np.float32)[:, None] * m)[..., None]) / step), 0, 31).astype(np.uint8)
+    scales = np.concatenate([
+        (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
+        (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4),
+    ], axis=-1)
+    low, high = q & 0x0F, (q >> 4).astype(np.uint8)  # [n, 8 sub-blocks, 32]
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
+    qh = np.zeros((q.shape[0], 32), dtype=np.uint8)
+    for s in range(8):
+        qh |= high[:, s] << s
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qh, qs], axis=-1)
+    return out.reshape(rows, cols // QK_K * 176)
 
 
 def quantize_q6_k(w: np.ndarray) -> np.ndarray:

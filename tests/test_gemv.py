@@ -17,7 +17,7 @@ from gguf.quants import dequantize, quantize
 
 from pagedrs import _core
 
-FORMATS = ["q4_0", "q4_1", "q8_0"]
+FORMATS = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"]
 KERNELS = _core.gemv_kernels()
 
 
@@ -85,8 +85,8 @@ def test_bad_input_names_the_tensor() -> None:
         _core.GgufMatrix(raw[:-1], 4, 64, "q4_0", "blk.3.ffn_up.weight")
     with pytest.raises(ValueError, match="multiple of the block size 32"):
         _core.GgufMatrix(raw, 8, 36, "q4_0", "w")
-    with pytest.raises(ValueError, match=r'format "q5_k" is not supported; allowed: "q4_0", "q4_1", "q8_0"'):
-        _core.GgufMatrix(raw, 4, 64, "q5_k", "w")
+    with pytest.raises(ValueError, match=r'format "q3_k" is not supported; allowed: "q4_0", "q4_1", "q8_0"'):
+        _core.GgufMatrix(raw, 4, 64, "q3_k", "w")
     nan = raw.copy()
     nan[18:20] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # row 0, block 1's d
     with pytest.raises(ValueError, match=r'"w": scale field "d" of row 0, block 1 is not finite'):
@@ -259,10 +259,10 @@ def test_every_input_layout_gives_the_fast_paths_bits(gguf_model) -> None:
 def _k_quant(qtype: str, rows: int, cols: int, seed: int, random_bytes: bool) -> tuple[np.ndarray, np.ndarray]:
     """(raw blocks, float64 weights gguf-py dequantizes them to) of a K-quant: a quantized random tensor, or
     blocks whose every code, scale (and minimum) byte is random, with random f16 super-block scales, some
-    subnormal and some negative. Q6_K: d at bytes 208-209 of 210; Q4_K: d and dmin at bytes 0-3 of 144."""
-    from kquants import quantize_q4_k, quantize_q6_k
+    subnormal and some negative. Q6_K: d at bytes 208-209 of 210; Q4_K (Q5_K): d and dmin at bytes 0-3 of 144 (176)."""
+    from kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
-    size, first, count = {"Q6_K": (210, 208, 1), "Q4_K": (144, 0, 2)}[qtype]
+    size, first, count = {"Q6_K": (210, 208, 1), "Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2)}[qtype]
     g = np.random.default_rng(seed)
     if random_bytes:
         raw = g.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
@@ -270,18 +270,18 @@ def _k_quant(qtype: str, rows: int, cols: int, seed: int, random_bytes: bool) ->
         d[::7] = np.array([3, 5][:count], dtype=np.uint16).view(np.float16)  # subnormal
         raw[:, first:first + 2 * count] = d.view(np.uint8).reshape(-1, 2 * count)
     else:
-        quantizer = quantize_q6_k if qtype == "Q6_K" else quantize_q4_k
+        quantizer = {"Q6_K": quantize_q6_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k}[qtype]
         raw = quantizer((g.standard_normal((rows, cols)) * 0.05).astype(np.float32))
     raw = raw.reshape(rows, -1)
     return raw.reshape(-1), dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64).reshape(rows, cols)
 
 
 # Bytes a row of 256 weights streams: Q6_K 7 bits a weight (the file: 6.5625, d repeated per block of 32),
-# Q4_K at most 4.625 (as the file, d and dmin once per super-block; Q4_1 took 5).
-STREAMED_PER_256 = {"Q6_K": 224, "Q4_K": 148}
+# Q4_K at most 4.625 (as the file, d and dmin once per super-block; Q4_1 took 5), Q5_K 5.625 (the file: 5.5).
+STREAMED_PER_256 = {"Q6_K": 224, "Q4_K": 148, "Q5_K": 180}
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("random_bytes", [False, True])
 @pytest.mark.parametrize(("rows", "cols", "m"), [(1, 256, 1), (37, 512, 3), (130, 768, 8), (16, 1536, 2),
                                                 (37, 256, 17), (50, 512, 33)])
@@ -293,7 +293,8 @@ def test_k_quant_kernels_agree_and_match_gguf(qtype: str, rows: int, cols: int, 
     _assert_kernels_agree_within_bound(mat, w, m)
 
 
-@pytest.mark.parametrize("qtype, scales", [("Q6_K", (("d", 208),)), ("Q4_K", (("d", 0), ("dmin", 2)))])
+@pytest.mark.parametrize("qtype, scales", [("Q6_K", (("d", 208),)), ("Q4_K", (("d", 0), ("dmin", 2))),
+                                           ("Q5_K", (("d", 0), ("dmin", 2)))])
 def test_k_quant_bad_input_names_the_tensor(qtype: str, scales: tuple[tuple[str, int], ...]) -> None:
     raw, _ = _k_quant(qtype, 4, 512, seed=3, random_bytes=False)
     row = raw.size // 4
@@ -307,3 +308,44 @@ def test_k_quant_bad_input_names_the_tensor(qtype: str, scales: tuple[tuple[str,
             spoiled[row + offset:row + offset + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)  # row 1
             with pytest.raises(ValueError, match=rf'"w": scale field "{field}" of row 1, block 0 is not finite'):
                 _core.GgufMatrix(spoiled, 4, 512, qtype, "w")
+
+
+# ---- a fused product of parts in different formats (a K-quant mix's q / k beside v) ------------------
+
+
+@pytest.mark.parametrize(("parts", "cols"), [((("q4_0", 40), ("q8_0", 56), ("q4_1", 33)), 96),
+                                             ((("Q4_K", 48), ("Q4_K", 16), ("Q6_K", 21)), 512),
+                                             ((("q8_0", 7),), 64)])
+@pytest.mark.parametrize("m", [1, 3, 17])
+def test_a_fused_product_is_each_parts_product_bit_for_bit(parts: tuple[tuple[str, int], ...], cols: int, m: int) -> None:
+    """Each part writes its own columns (parts that end inside a 16-row tile included), the activations
+    quantized once for all: the same bits as each part alone, on every kernel and thread count."""
+    mats = []
+    for i, (fmt, rows) in enumerate(parts):
+        raw = _k_quant(fmt, rows, cols, seed=i, random_bytes=True)[0] if fmt.endswith("_K") else _gguf(fmt, rows, cols, seed=i)[0]
+        mats.append(_core.GgufMatrix(raw, rows, cols, fmt, f"part{i}"))
+    fused = _core.GgufMatrix.fused(mats, "q+k+v")
+    assert (fused.rows, fused.cols, fused.name) == (sum(r for _, r in parts), cols, "q+k+v")
+    assert fused.format == "+".join(f.lower() for f, _ in parts)
+    assert fused.weight_bytes == sum(p.weight_bytes for p in mats)
+    x = np.random.default_rng(m).standard_normal((m, cols)).astype(np.float32)
+    for kernel in KERNELS:
+        want = np.concatenate([p.matmul(x, threads=1, kernel=kernel) for p in mats], axis=1)
+        for threads in (1, 2, 3):
+            got = fused.matmul(x, threads=threads, kernel=kernel)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (kernel, threads)
+
+
+def test_a_fused_product_refuses_parts_that_do_not_fit_naming_them() -> None:
+    a = _core.GgufMatrix(_gguf("q8_0", 4, 64, seed=1)[0], 4, 64, "q8_0", "blk.0.attn_q.weight")
+    b = _core.GgufMatrix(_gguf("q8_0", 4, 96, seed=2)[0], 4, 96, "q8_0", "blk.0.attn_v.weight")
+    with pytest.raises(ValueError, match=r'"q\+v": part "blk.0.attn_v.weight" has 96 columns \(K\); part '
+                                         r'"blk.0.attn_q.weight" has 64: fused parts share their input'):
+        _core.GgufMatrix.fused([a, b], "q+v")
+    with pytest.raises(ValueError, match='"empty": a fused product needs at least one part'):
+        _core.GgufMatrix.fused([], "empty")
+    fused = _core.GgufMatrix.fused([a, a], "q+q")
+    bad = np.ones((2, 64), np.float32)
+    bad[1, 3] = np.nan
+    with pytest.raises(ValueError, match=r'"q\+q".*x\[1, 3\] is NaN or infinite'):
+        fused.matmul(bad)

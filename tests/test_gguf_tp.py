@@ -28,15 +28,23 @@ psutil = pytest.importorskip("psutil")  # the engine tests spawn ranks (test_ten
 BASE = dict(block_size=4, num_gpu_blocks=64, max_model_len=128, swap_space_gb=0.001, cpu_threads=1)
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "llama-mixed"])
 def kernel_gguf(request, tmp_path_factory) -> Path:
     """A 2-layer random model as a GGUF whose every product is in a kernel format: llama (2 KV heads,
-    split over 2 ranks) and mistral's shape (1 KV head, replicated on both)."""
+    split over 2 ranks), mistral's shape (1 KV head, replicated on both), and llama with q, k and v in
+    three types (one fused product of three parts, each rank holding its rows of each)."""
+    import gguf
+
     from conftest import make_tiny_model
     from gguf_writer import KERNEL_QTYPES, write_gguf
 
+    arch, _, mixed = request.param.partition("-")
+    qtypes = dict(KERNEL_QTYPES)
+    if mixed:
+        T = gguf.GGMLQuantizationType
+        qtypes.update(attn_q=T.Q4_0, attn_k=T.Q8_0, attn_v=T.Q4_1, ffn_gate=T.Q8_0, ffn_up=T.Q4_0)
     d = tmp_path_factory.mktemp(f"tp-gguf-{request.param}")
-    write_gguf(make_tiny_model(request.param, d / "hf"), d / "hf", d / "tiny.gguf", qtypes=KERNEL_QTYPES)
+    write_gguf(make_tiny_model(arch, d / "hf"), d / "hf", d / "tiny.gguf", qtypes=qtypes)
     return d / "tiny.gguf"
 
 
@@ -146,19 +154,29 @@ def test_a_split_inside_a_block_is_refused_by_name_and_auto_keeps_to_aten(kernel
     from pagedrs.models import quant
 
     monkeypatch.setattr(quant, "cpu_has_fast_bf16", lambda: True)
+    from pagedrs.models.gguf_loader import linear_tensor_types
+
     loaded = load_rank(kernel_gguf, 1, 4, "auto")
-    assert loaded.weight_format.name == "int8"  # the file's most common type is Q8_0
+    # the file's most common type: Q8_0 -> int8; Q4_0 (the mixed file) -> int4, whose o_proj shard of 16
+    # columns (half a group of 32) runs int8 (it failed in the quantizer)
+    assert loaded.weight_format.name == quant.nearest_format(linear_tensor_types(kernel_gguf))
+    methods = {n.rsplit(".", 1)[-1]: m.method.name for n, m in linears(loaded).items()}
+    assert methods["o_proj"] == "int8" and methods["down_proj"] == loaded.weight_format.name
     assert not any(isinstance(m.method, GgufLinearMethod) for m in linears(loaded).values())
+    x = torch.randn(2, 64)
+    layer = linears(loaded)["model.layers.0.self_attn.o_proj"]
+    assert torch.isfinite(layer(x[:, :layer.in_per_rank])).all()
     assert load_rank(kernel_gguf, 1, 2, "auto").weight_format.name == "gguf"
 
 
 @pytest.mark.parametrize("qtype, intermediate, per_rank_format", [
-    ("Q6_K", 512, "q6_k"), ("Q6_K", 768, "q8_0"), ("Q4_K", 512, "q4_k"), ("Q4_K", 768, "q4_1")])
+    ("Q6_K", 512, "q6_k"), ("Q6_K", 768, "q8_0"), ("Q4_K", 512, "q4_k"), ("Q4_K", 768, "q4_1"),
+    ("Q5_K", 512, "q5_k"), ("Q5_K", 768, "q5_1")])
 def test_a_k_quant_row_shard_that_would_cut_a_super_block_runs_per_block_of_32(tmp_path, qtype, intermediate,
                                                                                per_rank_format):
     """K-quant scales span 256 columns: down_proj's 256 columns a rank stay in the file's type; 384 a rank
-    (whole blocks of 32, not of 256) run that layer in Q8_0 (Q6_K, requantized) or Q4_1 (Q4_K, its scales
-    rounded to f16) rather than being refused; the partial sums still add up to one rank's product within
+    (whole blocks of 32, not of 256) run that layer in Q8_0 (Q6_K, requantized), Q4_1 (Q4_K) or Q5_1 (Q5_K:
+    their scales rounded to f16) rather than being refused; the partial sums still add up to one rank's product within
     that conversion's error."""
     import gguf
 

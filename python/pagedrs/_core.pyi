@@ -361,8 +361,9 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: b
     """The hashes of the full blocks of `token_ids`, as a scheduler names them (cached_hashes, KV events)."""
 
 class GgufMatrix:
-    """A GGUF-quantized weight ``[rows, cols]`` (Q4_0 / Q4_1 / Q8_0 raw block bytes) repacked once for the
-    Rust GEMV kernels; ``matmul`` quantizes ``x`` per block of 32 to int8 and releases the GIL.
+    """A GGUF-quantized weight ``[rows, cols]`` (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K raw block
+    bytes) repacked once for the Rust GEMV kernels, or (``fused``) the rows of several such weights, each in
+    its own format; ``matmul`` quantizes ``x`` per block of 32 to int8 and releases the GIL.
     Bad bytes, shapes or non-finite scales raise ValueError naming the tensor."""
 
     def __init__(self, data: npt.NDArray[np.uint8], rows: int, cols: int, format: str, name: str = "weight") -> None: ...
@@ -371,7 +372,8 @@ class GgufMatrix:
     @property
     def cols(self) -> int: ...
     @property
-    def format(self) -> Literal["q4_0", "q4_1", "q8_0"]: ...
+    def format(self) -> str:
+        """``"q4_k"``; a fused product's parts' formats joined by ``+`` (``"q4_k+q4_k+q6_k"``)."""
     @property
     def name(self) -> str: ...
     @property
@@ -379,6 +381,10 @@ class GgufMatrix:
         """Bytes one product streams (the GGUF tensor's size)."""
     def matmul(self, x: object, threads: int = 1, kernel: str | None = None) -> npt.NDArray[np.float32]:
         """``x @ W.T`` [M, rows] for a float32 [M, cols] array or CPU tensor; ``kernel`` None = the fastest."""
+    @staticmethod
+    def fused(parts: list[GgufMatrix], name: str = "weight") -> GgufMatrix:
+        """One product whose rows are ``parts``' rows in order, each part in its own format (the parts'
+        blocks shared); ValueError naming ``name`` when the parts' columns differ or there are none."""
 
 def logits_row_stats(
     logits: npt.NDArray[np.float32], threads: int = 1

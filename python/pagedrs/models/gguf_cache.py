@@ -170,7 +170,7 @@ class ConvertedBlocks:
     the raw block bytes, then their CRC-32), so only the first load of a file converts.
 
     Why: converting runs at 80-110 M weights a second here (requantizing to Q8_0; until the kernel read
-    Q4_K and Q6_K as they are, those too: about 100 s for an 8B Q4_K_M file on every load), where
+    Q4_K, Q5_K and Q6_K as they are, those too: about 100 s for an 8B Q4_K_M file on every load), where
     reading the converted blocks back and checking them takes seconds (CRC-32 at ~2.4 GB/s). Never wrong: a kept file is used only when it has exactly the
     bytes its shape takes and its checksum holds (a file cut short, or spoiled on disk, is converted
     again and rewritten); it is written to a temporary name and renamed into place (never seen

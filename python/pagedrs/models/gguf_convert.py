@@ -2,24 +2,27 @@
 
 Why: most GGUF files people download are llama.cpp's K-quants ("Q4_K_M": Q4_K for most
 tensors, Q6_K for the output head and some value / down projections; "Q5_K_M", "Q6_K") or the
-5-bit and i-quant types. The kernel reads Q4_0, Q4_1, Q8_0, Q4_K and Q6_K as they are; without a
-conversion any other type ran dequantized (float32 on a CPU without fast bfloat16: 32 bits a
-weight streamed per token, against 4.5).
+i-quant types. The kernel reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K as they are;
+without a conversion any other type ran dequantized (float32 on a CPU without fast bfloat16: 32
+bits a weight streamed per token, against 4.5).
 
-- **Q4_K and Q6_K run as they are** (the kernel's own formats since 2026-12-07: 4.625 and 7 bits a
-  weight streamed, the file's weights exactly); before, Q4_K was converted to Q4_1 as below and Q6_K
-  requantized to Q8_0 (8.5 bits and a second rounding).
-- **Q4_K -> Q4_1** where a Q4_K tensor cannot run as it is (a tensor-parallel shard that cuts its
-  256-column super-blocks), one Q4_1 block per sub-block of 32: the same 4-bit codes, scale ``d * sc`` and
-  minimum ``-dmin * m`` (each exact in float32: an f16 times a 6-bit integer) stored as f16, so each
+- **Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 run as they are** (the kernel's own formats: 4.625, 5.625, 7, 5.5
+  and 6 bits a weight streamed, the file's weights exactly). Before, Q4_K was converted to Q4_1 as
+  below and the others requantized to Q8_0 (8.5 bits and a second rounding). Q5_0 and Q5_1 matter
+  beyond 5-bit files: llama.cpp writes them for a K-quant tensor whose rows are not whole super-blocks
+  of 256 (a small model's 576- or 896-wide layers in a "Q4_K_M" file).
+- **Q4_K -> Q4_1 and Q5_K -> Q5_1** where such a tensor cannot run as it is (a tensor-parallel shard
+  that cuts its 256-column super-blocks), one block per sub-block of 32: the same codes, scale ``d * sc``
+  and minimum ``-dmin * m`` (each exact in float32: an f16 times a 6-bit integer) stored as f16, so each
   is rounded once, by at most 2^-11 of itself (half an f16 step; below 2^-14 the products stay on
-  the subnormal grid and are exact). A weight moves by at most ``15 * |d sc| * 2^-11 + |dmin m| *
-  2^-11`` (a 4-bit step is ``|d sc|``: under 1% of one step). 5 bits a weight instead of 4.5.
-- **Every other quantized type gguf-py dequantizes** (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, the IQ and TQ
-  types, MXFP4) -> **Q8_0**: dequantized exactly (float32), then quantized again per block of 32 by
-  the Q8_0 rule (``gguf.quants.quantize``: ``d = max|w| / 127`` stored as f16, codes rounded): a
-  weight moves by at most half a Q8_0 step, ``max|w| / 254`` of its block, plus the f16 rounding of
-  the step times its code (at most 127 x 2^-11 of a step). 8.5 bits a weight.
+  the subnormal grid and are exact). A Q4_K weight moves by at most ``15 * |d sc| * 2^-11 + |dmin m| *
+  2^-11`` (a 4-bit step is ``|d sc|``: under 1% of one step; Q5_K's 31 codes: under 2%). 5 (6) bits a
+  weight instead of 4.625 (5.625). Q6_K in such a shard is requantized to Q8_0.
+- **Every other quantized type gguf-py dequantizes** (Q2_K, Q3_K, the IQ and TQ types, MXFP4) ->
+  **Q8_0**: dequantized exactly (float32), then quantized again per block of 32 by the Q8_0 rule
+  (``gguf.quants.quantize``: ``d = max|w| / 127`` stored as f16, codes rounded): a weight moves by at
+  most half a Q8_0 step, ``max|w| / 254`` of its block, plus the f16 rounding of the step times its
+  code (at most 127 x 2^-11 of a step). 8.5 bits a weight.
 - Fused siblings (q/k/v, gate/up) must share one block format: where their targets differ
   (Q4_K_M's Q4_K queries beside Q6_K values), every sibling goes to Q8_0.
 
@@ -32,14 +35,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")  # what the Rust kernel reads as they are
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # what the Rust kernel reads as they are
 # quantized types gguf-py dequantizes (gguf 0.19), requantized to Q8_0
 REQUANTIZED_TYPES = (
-    "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+    "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
     "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
 )
-QK = 32  # weights a block of Q4_0, Q4_1 and Q8_0 covers (the kernel's step; its activations' blocks)
-SUPER_BLOCK = {"Q4_K": 256, "Q6_K": 256}  # a format whose scales span more columns: its rows are whole runs of these
+QK = 32  # weights a block of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 covers (the kernel's step; its activations' blocks)
+SUPER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # a format whose scales span more columns: its rows are whole runs of these
 
 
 def block_columns(kernel_format: str) -> int:
@@ -68,9 +71,9 @@ def common_type(type_names: Sequence[str]) -> str | None:
 
 def narrower(kernel_format: str) -> str:
     """The format a tensor of ``kernel_format`` runs in where its columns are cut inside a super-block (a
-    tensor-parallel shard of 32-column multiples): Q4_K as Q4_1 (its sub-blocks' scales rounded to f16),
-    Q6_K as Q8_0 (requantized); any other format is already per block of 32."""
-    return {"Q4_K": "Q4_1", "Q6_K": "Q8_0"}.get(kernel_format, kernel_format)
+    tensor-parallel shard of 32-column multiples): Q4_K as Q4_1 and Q5_K as Q5_1 (their sub-blocks' scales
+    rounded to f16), Q6_K as Q8_0 (requantized); any other format is already per block of 32."""
+    return {"Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}.get(kernel_format, kernel_format)
 
 
 def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
@@ -80,44 +83,50 @@ def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: 
     ``name`` (Q4_K's and Q6_K's as they are by the kernel's packing)."""
     if type_name == target:
         return blocks
-    if type_name == "Q4_K" and target == "Q4_1":
-        return q4_k_to_q4_1(blocks, cols, name)
+    if (type_name, target) in (("Q4_K", "Q4_1"), ("Q5_K", "Q5_1")):
+        return k_quant_to_block_of_32(blocks, cols, type_name, name)
     if target != "Q8_0" or kernel_type(type_name) is None:
         raise ValueError(f"GGUF tensor {name!r}: no conversion from {type_name} to {target}")
     return requantize_q8_0(blocks, cols, type_name, name)
 
 
-def q4_k_to_q4_1(blocks: np.ndarray, cols: int, name: str) -> np.ndarray:
-    """Q4_K super-blocks (256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
-    codes) -> 8 Q4_1 blocks each (see the module docs)."""
+def k_quant_to_block_of_32(blocks: np.ndarray, cols: int, type_name: str, name: str) -> np.ndarray:
+    """Q4_K (Q5_K) super-blocks (256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, Q5_K's 32
+    bytes of fifth bits, 128 bytes of low nibbles) -> 8 Q4_1 (Q5_1) blocks each (see the module docs)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import Q4_K
 
-    (weights_per, size), q4_1_size = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_K], GGML_QUANT_SIZES[GGMLQuantizationType.Q4_1][1]
+    target = {"Q4_K": "Q4_1", "Q5_K": "Q5_1"}[type_name]
+    (weights_per, size), out_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]], GGML_QUANT_SIZES[GGMLQuantizationType[target]][1]
     rows = blocks.shape[0]
     if cols % weights_per or blocks.shape[1] != cols // weights_per * size:
-        raise ValueError(f"GGUF tensor {name!r} (Q4_K): {blocks.shape[1]} bytes a row for {cols} columns; Q4_K needs "
-                         f"{size} bytes per {weights_per} columns")
+        raise ValueError(f"GGUF tensor {name!r} ({type_name}): {blocks.shape[1]} bytes a row for {cols} columns; "
+                         f"{type_name} needs {size} bytes per {weights_per} columns")
     per_row = cols // weights_per
     sb = np.ascontiguousarray(blocks).reshape(-1, size)
     d = sb[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     dmin = sb[:, 2:4].copy().view(np.float16).astype(np.float32)
-    sc, mn = Q4_K.get_scale_min(sb[:, 4:16].copy())  # [n, 8] each, 0..63
+    sc, mn = Q4_K.get_scale_min(sb[:, 4:16].copy())  # [n, 8] each, 0..63 (Q5_K packs them as Q4_K does)
     with np.errstate(over="ignore", invalid="ignore"):
         scale = (d * sc.astype(np.float32)).astype(np.float16)  # exact in float32, rounded once to f16
         minimum = (-(dmin * mn.astype(np.float32))).astype(np.float16)
     bad = ~(np.isfinite(scale) & np.isfinite(minimum)).all(axis=1) | ~np.isfinite(d[:, 0]) | ~np.isfinite(dmin[:, 0])
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"GGUF tensor {name!r} (Q4_K): row {i // per_row}, super-block {i % per_row} "
+        raise ValueError(f"GGUF tensor {name!r} ({type_name}): row {i // per_row}, super-block {i % per_row} "
                          f"has a scale that is not finite as float16 (d {float(d[i, 0])}, dmin {float(dmin[i, 0])})")
-    # codes: 4 chunks of 32 bytes, the low nibbles sub-block 2c, the high ones 2c + 1
-    qs = sb[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    # low nibbles: 4 chunks of 32 bytes, the low nibbles sub-block 2c, the high ones 2c + 1
+    qs = sb[:, size - 128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     codes = (qs & 0x0F).reshape(-1, 8, 32)
-    packed = codes[..., :16] | (codes[..., 16:] << 4)  # Q4_1: byte t = element t (low), element t + 16 (high)
-    out = np.concatenate([scale.view(np.uint8).reshape(-1, 8, 2), minimum.view(np.uint8).reshape(-1, 8, 2), packed],
-                         axis=-1)
-    return np.ascontiguousarray(out.reshape(rows, cols // QK * q4_1_size))
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # byte t = element t (low), element t + 16 (high)
+    parts = [scale.view(np.uint8).reshape(-1, 8, 2), minimum.view(np.uint8).reshape(-1, 8, 2)]
+    if type_name == "Q5_K":  # bit s of qh[l]: sub-block s's element l's fifth bit -> Q5_1's u32, bit l
+        qh = sb[:, 16:48]  # [n, 32]
+        bits = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [n, 8, 32]
+        word = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+        parts.append(word.astype("<u4").view(np.uint8).reshape(-1, 8, 4))
+    out = np.concatenate([*parts, packed], axis=-1)
+    return np.ascontiguousarray(out.reshape(rows, cols // QK * out_size))
 
 
 def requantize_q8_0(blocks: np.ndarray, cols: int, type_name: str, name: str) -> np.ndarray:
@@ -146,10 +155,10 @@ def requantize_q8_0(blocks: np.ndarray, cols: int, type_name: str, name: str) ->
 def first_unscalable_row(blocks: np.ndarray, block_type: str) -> int | None:
     """The first row of ``blocks`` (uint8 ``[rows, bytes per row]`` of a KERNEL_TYPES format) holding a
     scale or minimum that is not a finite f16 (a weight too large for the format's f16 scale); None if none.
-    Each block starts with its f16 scale ``d``, and Q4_1's with its minimum ``m`` after it."""
+    Each block starts with its f16 scale ``d``, and Q4_1's and Q5_1's with its minimum ``m`` after it."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     size = GGML_QUANT_SIZES[GGMLQuantizationType[block_type]][1]
-    scales = np.ascontiguousarray(blocks.reshape(-1, size)[:, :4 if block_type == "Q4_1" else 2]).view(np.float16)
+    scales = np.ascontiguousarray(blocks.reshape(-1, size)[:, :4 if block_type in ("Q4_1", "Q5_1") else 2]).view(np.float16)
     fits = np.isfinite(scales).all(axis=1).reshape(blocks.shape[0], -1).all(axis=1)
     return None if fits.all() else int(np.argmin(fits))

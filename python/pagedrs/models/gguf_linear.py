@@ -2,7 +2,8 @@
 
 Why: batch-1 decode on a CPU streams every weight once per token; aten's int4/int8 kernels
 reach under 40% of the memory bandwidth at M = 1, the Rust kernel (``rust/src/gemv``) reads
-the GGUF blocks as they are (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: no re-quantization, so no second rounding)
+the GGUF blocks as they are (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: no re-quantization, so no second
+rounding)
 with int8 activations per block of 32, as llama.cpp does. Other quantized types are converted once
 at load (``gguf_convert``: requantized to Q8_0), and so are fused siblings whose types differ (all to
 Q8_0).
@@ -12,7 +13,10 @@ gives each layer a ``GgufMatrix`` packed from the file's raw blocks (``gguf_load
 views of the mapped file) and drops its staged float32 weight (a shape on the meta device, never given
 storage); only the tensors no matrix took are then dequantized and loaded through the usual
 weight loaders. Fused QKV and gate/up concatenate their siblings' block rows (rows are
-independent, so this is exact); the tied Q8_0 embedding becomes the head's matrix, and the lookup
+independent, so this is exact); siblings the file stores in different types (a K-quant mix's Q4_K
+q / k beside a Q6_K v) stay one part each in its own format (``GgufMatrix.fused``: the activations
+quantized once, each part writing its own columns), where they were all converted to Q8_0 before
+(8.5 bits a weight and a second rounding); the tied Q8_0 embedding becomes the head's matrix, and the lookup
 reads the same blocks (``embedding.BlockEmbedding``). A layer with a tensor in no quantized type
 (F32 / F16 / BF16) keeps its float32 weight and the dense product.
 
@@ -22,7 +26,8 @@ file's blocks where the dense loader slices the float32 tensor (``LinearBase.row
 exact; a row-parallel shard (``o_proj``, ``down_proj``) must start and end on a block boundary (one
 scale covers 32 columns), so its columns per rank must be a multiple of 32, else the load is refused
 by name (and ``auto`` does not pick this format). A K-quant tensor's blocks span 256 columns: where a
-rank's shard would cut one, that layer runs Q4_K as Q4_1 and Q6_K as Q8_0 (``gguf_convert.narrower``).
+rank's shard would cut one, that layer runs Q4_K as Q4_1, Q5_K as Q5_1 and Q6_K as Q8_0
+(``gguf_convert.narrower``).
 Each rank quantizes the same 32-column blocks of its
 input slice that one rank would, so a shard's partial sum differs from one rank's only in the order
 the blocks' sums are added.
@@ -31,14 +36,14 @@ the blocks' sums are added.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedrs.models.gguf_convert import QK, block_columns, common_type, narrower, to_kernel
+from pagedrs.models.gguf_convert import QK, block_columns, common_type, kernel_type, narrower, to_kernel
 from pagedrs.models.layers import LinearBase, LinearMethod, ShardId
 
 # fused module name -> its checkpoint siblings with their shard ids, in the fused row order
@@ -129,15 +134,23 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
         names = [n for n, _ in siblings]
         found = [raw.get(n) for n in names]
         parts = [p for p in found if p is not None]
-        target = common_type([p[2] for p in parts])
-        if len(parts) != len(found) or target is None:
+        if len(parts) != len(found) or common_type([p[2] for p in parts]) is None:
             continue  # keeps its float32 weight
         first, count = layer.col_shard()
-        if first % block_columns(target) or count % block_columns(target):
-            target = narrower(target)  # a rank's columns cut a K-quant super-block (rank_blocks checks the 32s)
-        parts = [(convert(blocks, cols, kind, target, n), cols, target) for (blocks, cols, kind), n in zip(parts, names)]
-        blocks, cols = rank_blocks(layer, parts, [sid for _, sid in siblings], names)
-        GgufLinearMethod.install(layer, GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, target, "+".join(names)))
+        # each sibling in its own kernel format; where a rank's columns cut a K-quant super-block, the
+        # narrower one (rank_blocks checks the 32s)
+        targets = [cast(str, kernel_type(kind)) for _, _, kind in parts]  # (all on the kernel: common_type above)
+        targets = [t if not (first % block_columns(t) or count % block_columns(t)) else narrower(t) for t in targets]
+        parts = [(convert(blocks, cols, kind, t, n), cols, t) for (blocks, cols, kind), t, n in zip(parts, targets, names)]
+        shard_ids = [sid for _, sid in siblings]
+        if len(set(targets)) == 1:
+            blocks, cols = rank_blocks(layer, parts, shard_ids, names)
+            matrix = GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, targets[0], "+".join(names))
+        else:
+            matrix = GgufMatrix.fused([GgufMatrix(b.reshape(-1), b.shape[0], c, t, n) for (b, c), t, n in zip(
+                (rank_part(layer, part, sid, name) for part, sid, name in zip(parts, shard_ids, names)), targets, names)],
+                "+".join(names))
+        GgufLinearMethod.install(layer, matrix)
         installed[f"{module_name}.weight"] = tuple(names)
     return installed
 
@@ -147,25 +160,43 @@ def rank_blocks(layer: LinearBase, parts: Sequence[tuple[np.ndarray, int, str]],
     """This rank's raw blocks of ``layer`` (C-contiguous uint8 ``[rows, bytes per row]``) and their columns:
     each sibling's rows where ``layer.row_shard`` puts them, then the columns of ``layer.col_shard``.
 
-    ``parts``: each sibling's (blocks ``[rows, bytes per row]``, columns, GGUF type), in the fused row
-    order. A column shard must be whole blocks of the format (``block_columns``): refused by name otherwise."""
+    ``parts``: each sibling's (blocks ``[rows, bytes per row]``, columns, kernel format), in the fused row
+    order, all of one format. A column shard must be whole blocks of the format (``block_columns``): refused
+    by name otherwise."""
     rows: list[np.ndarray] = []
     cols = parts[0][1]
     for (blocks, _, _), sid, sibling in zip(parts, shard_ids, names, strict=True):
-        offset, start, n = layer.row_shard(sid)
+        offset, _, _ = layer.row_shard(sid)
         assert offset == sum(r.shape[0] for r in rows), "fused siblings' rows are in shard order"
-        if (blocks.shape[0], cols) != (layer.full_rows(sid), layer.in_features):
-            raise ValueError(f"GGUF tensor {sibling!r} is [{blocks.shape[0]}, {cols}]; the layer needs "
-                             f"[{layer.full_rows(sid)}, {layer.in_features}] (the whole tensor, before ranks split it)")
-        rows.append(blocks[start:start + n])
+        rows.append(_rank_rows(layer, blocks, cols, sid, sibling))
     out = np.concatenate(rows, axis=0) if len(rows) > 1 else rows[0]
+    return _rank_cols(layer, out, cols, parts[0][2], names)
+
+
+def rank_part(layer: LinearBase, part: tuple[np.ndarray, int, str], shard_id: ShardId, name: str) -> tuple[np.ndarray, int]:
+    """``rank_blocks`` of one sibling of a fused product whose siblings differ in format (one part each)."""
+    blocks, cols, fmt = part
+    return _rank_cols(layer, _rank_rows(layer, blocks, cols, shard_id, name), cols, fmt, [name])
+
+
+def _rank_rows(layer: LinearBase, blocks: np.ndarray, cols: int, sid: ShardId, sibling: str) -> np.ndarray:
+    """This rank's rows of one sibling's blocks (``layer.row_shard``), its shape checked against the layer's."""
+    _, start, n = layer.row_shard(sid)
+    if (blocks.shape[0], cols) != (layer.full_rows(sid), layer.in_features):
+        raise ValueError(f"GGUF tensor {sibling!r} is [{blocks.shape[0]}, {cols}]; the layer needs "
+                         f"[{layer.full_rows(sid)}, {layer.in_features}] (the whole tensor, before ranks split it)")
+    return blocks[start:start + n]
+
+
+def _rank_cols(layer: LinearBase, out: np.ndarray, cols: int, fmt: str, names: Sequence[str]) -> tuple[np.ndarray, int]:
+    """This rank's columns (``layer.col_shard``) of blocks ``out`` in kernel format ``fmt``, C-contiguous."""
     first, count = layer.col_shard()
     if (first, count) != (0, cols):
-        span = block_columns(parts[0][2])
+        span = block_columns(fmt)
         if first % span or count % span:
             raise ValueError(
                 f"weight_dtype 'gguf' with tensor_parallel_size={layer.tp_size}: GGUF tensor {'+'.join(names)!r} "
-                f"({parts[0][2]}, {cols} columns) would be split at column {first} into {count} columns a rank, inside a block of "
+                f"({fmt}, {cols} columns) would be split at column {first} into {count} columns a rank, inside a block of "
                 f"{span} columns (one scale each); a rank's columns must be a multiple of {span}: "
                 "use a tensor_parallel_size that allows it, or weight_dtype 'int8', 'int4' or 'float32'")
         per_block = out.shape[1] // (cols // span)

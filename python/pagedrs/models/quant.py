@@ -99,6 +99,17 @@ class Int4WeightOnlyMethod(_StagedDenseWeight):
         """The CPU kernel packs N in tiles of 16 and needs whole groups along K."""
         return out_features % 16 == 0 and in_features % group_size == 0
 
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Packs this rank's weight; a shard that does not pack (tensor parallelism cut K below a group: 4
+        ranks of a 64-wide input) runs int8, as ``WeightFormat.method`` picks for a whole weight that does
+        not pack. It failed in the quantizer's reshape ("shape '[64, 0, 32]' is invalid")."""
+        out_features, in_features = layer.weight.shape
+        if not self.can_pack(in_features, out_features, self.group_size):
+            layer.method = Int8WeightOnlyMethod(self.params_dtype)
+            layer.method.process_weights_after_loading(layer)
+            return
+        super().process_weights_after_loading(layer)
+
     def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
         q, scale, minimum = quantize_int4(weight, self.group_size)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -184,8 +195,8 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
                           device: torch.device, whole_block_shards: bool = True) -> WeightFormat:
     """``auto`` -> the exact dense path for Hugging Face folders. For a quantized GGUF on a CPU:
     ``gguf`` (the file's own blocks through the Rust GEMV and the fused CPU decode) when every
-    tensor is quantized in a type the kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) or that ``gguf_convert``
-    turns into one (the other K, 5-bit and i-quant types -> Q8_0) and the CPU has a SIMD kernel; else, on a
+    tensor is quantized in a type the kernel reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) or that
+    ``gguf_convert`` turns into one (Q2_K, Q3_K and the i-quant types -> Q8_0) and the CPU has a SIMD kernel; else, on a
     CPU with fast bf16, the nearest aten format (Q4_* -> int4, other quantized types -> int8).
     Why gguf first: on the embedded SmolLM2 (tests/test_quant.py, 24 prompts x 32 positions) it
     agrees with float32 on 97.3% of greedy choices against int4's 97.4%, with perplexity -0.07%
