@@ -1,10 +1,11 @@
-"""What the load-time conversion of GGUF types the kernel does not read costs in quality (models/gguf_convert.py).
+"""What a GGUF type costs in quality on the kernel, read as it is or converted at load (models/gguf_convert.py).
 
     python benches/gguf_convert_quality.py [--types Q5_1,Q5_0]
 
 For each type: the embedded SmolLM2's weights (its Q4_1 file, dequantized) written again as a GGUF of
 that type (every layer product; the embedding stays F32, so the head runs dense in these copies),
-then ``weight_dtype="gguf"`` (the blocks requantized to Q8_0, int8 activations) against the same
+then ``weight_dtype="gguf"`` (the blocks as the kernel runs them: Q5_0 and Q5_1 as they are since 2026-12-07,
+requantized to Q8_0 before; a type the kernel does not read, requantized; int8 activations) against the same
 file's dequantized float32 weights: greedy agreement over tests/test_quant.py's 24 prompts x 32
 positions and perplexity over its 5 texts. Beside it, in the same run, the embedded Q4_1 file as it is
 (its blocks read natively): the cost of the kernel's int8 activations alone. SmolLM2's widths (576) are
@@ -52,6 +53,7 @@ def main() -> None:
     from gguf_writer import write_gguf
     from pagedrs.bench.machine import describe_machine
     from pagedrs.models.gguf_cache import convert_gguf_cached
+    from pagedrs.models.gguf_convert import kernel_type
     from pagedrs.models.loader import embedded_model_path
 
     embedded = embedded_model_path()
@@ -66,7 +68,8 @@ def main() -> None:
             kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
             out = Path(tmp) / f"smollm2-{name}.gguf"
             write_gguf(model, folder, out, qtypes=dict.fromkeys(kinds, qtype))
-            rows.append(measure(out, f"SmolLM2 as {name} (requantized)"))
+            how = "native" if kernel_type(name) == name else f"as {kernel_type(name)}"
+            rows.append(measure(out, f"SmolLM2 as {name} ({how})"))
             print(rows[-1], flush=True)
     print("\n".join(rows))
     print(f"Machine: {describe_machine()}")

@@ -131,11 +131,20 @@ fn hand_built_super_blocks_meet_the_bound() {
 /// sub-block, 16-bit partial sums up to 30480. Each kernel gives the exact product.
 #[test]
 fn extreme_codes_do_not_overflow() {
+    assert_extreme_codes_exact(Format::Q4K, 15, encode_q4_k);
+}
+
+/// A K-quant super-block's encoder (Q4_K, Q5_K): codes, scales, minima, f16 `d` and `dmin`.
+pub(super) type EncodeK = fn(&[u8; 256], &[u8; 8], &[u8; 8], u16, u16) -> Vec<u8>;
+
+/// Every code `top` (and every code 0) of a K-quant with minima, scale and minimum 63, against activations
+/// of +-127: each kernel gives the exact product (`extreme_codes_do_not_overflow`).
+pub(super) fn assert_extreme_codes_exact(format: Format, top: u8, encode: EncodeK) {
     let (rows, cols) = (17, 512);
-    for (q, x) in [(15u8, -127.0f32), (15, 127.0), (0, 127.0)] {
-        let sb = encode_q4_k(&[q; 256], &[63; 8], &[63; 8], 0x3c00, 0x3c00);
+    for (q, x) in [(top, -127.0f32), (top, 127.0), (0, 127.0)] {
+        let sb = encode(&[q; 256], &[63; 8], &[63; 8], 0x3c00, 0x3c00);
         let raw = sb.repeat(rows * cols / 256);
-        let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q4K).unwrap();
+        let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
         assert_exact(&w, x, &[1, 5, 17], (63.0 * q as f32 - 63.0) * x * cols as f32, &format!("q={q}"));
     }
 }
@@ -146,6 +155,12 @@ fn extreme_codes_do_not_overflow() {
 /// a tile multiple and M around the AVX2 passes of 4 rows and the AMX groups of 16.
 #[test]
 fn q4_k_extreme_values_agree_with_scalar() {
+    assert_extremes_agree_with_scalar(Format::Q4K, 15, encode_q4_k, SB);
+}
+
+/// `q4_k_extreme_values_agree_with_scalar` for a K-quant with minima whose codes reach `top` and whose
+/// GGUF super-block is `sb_bytes` long (`d` and `dmin` first).
+pub(super) fn assert_extremes_agree_with_scalar(format: Format, top: u8, encode: EncodeK, sb_bytes: usize) {
     let scales = [0x7bffu16, 0xfbff, 0x0001, 0x8001, 0x03ff, 0x3c00, 0x5bff, 0x1400, 0x0000];
     let mut rng = Rng(0x5851_f42d_4c95_7f2d);
     let (rows, cols) = (37, 512);
@@ -155,20 +170,20 @@ fn q4_k_extreme_values_agree_with_scalar() {
         let dmin = scales[(i * 7 + 3) % scales.len()];
         if i % 2 == 0 {
             let pick = |r: u32, a: u8, b: u8| if r % 2 == 0 { a } else { b };
-            let q: [u8; 256] = std::array::from_fn(|_| pick(rng.next(), 0, 15));
+            let q: [u8; 256] = std::array::from_fn(|_| pick(rng.next(), 0, top));
             let sc: [u8; 8] = std::array::from_fn(|_| pick(rng.next(), 0, 63));
             let m: [u8; 8] = std::array::from_fn(|_| pick(rng.next(), 0, 63));
-            raw.extend(encode_q4_k(&q, &sc, &m, d, dmin));
+            raw.extend(encode(&q, &sc, &m, d, dmin));
         } else {
             raw.extend_from_slice(&d.to_le_bytes());
             raw.extend_from_slice(&dmin.to_le_bytes());
-            raw.extend((0..SB - 4).map(|_| rng.next() as u8));
+            raw.extend((0..sb_bytes - 4).map(|_| rng.next() as u8));
         }
     }
-    let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q4K).unwrap();
+    let w = PackedMatrix::from_gguf("t", &raw, rows, cols, format).unwrap();
     for m in [1, 3, 4, 5, 16, 17, 33] {
         let x = extreme_activations(m, cols, 1e20, &mut rng);
-        assert_same_as_scalar(&w, &x, m, "Q4_K");
+        assert_same_as_scalar(&w, &x, m, format.name());
     }
 }
 

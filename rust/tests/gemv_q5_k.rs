@@ -7,7 +7,7 @@
 //! Why ggml's loop and not the packer's reading of the bits (`format::q5_k_code`): the reference
 //! must not share the code it checks, and the loop is the definition llama.cpp's files are written to.
 
-use super::gemv_q4_k::{encode_scales, get_scale_min_k4};
+use super::gemv_q4_k::{assert_extreme_codes_exact, assert_extremes_agree_with_scalar, encode_scales, get_scale_min_k4};
 use super::*;
 
 /// Bytes of a GGUF Q5_K super-block (256 weights).
@@ -135,13 +135,7 @@ fn hand_built_super_blocks_meet_the_bound() {
 /// block's 62992 would wrap). Each kernel gives the exact product.
 #[test]
 fn extreme_codes_do_not_overflow() {
-    let (rows, cols) = (17, 512);
-    for (q, x) in [(31u8, -127.0f32), (31, 127.0), (0, 127.0)] {
-        let sb = encode_q5_k(&[q; 256], &[63; 8], &[63; 8], 0x3c00, 0x3c00);
-        let raw = sb.repeat(rows * cols / 256);
-        let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q5K).unwrap();
-        assert_exact(&w, x, &[1, 5, 17], (63.0 * q as f32 - 63.0) * x * cols as f32, &format!("q={q}"));
-    }
+    assert_extreme_codes_exact(Format::Q5K, 31, encode_q5_k);
 }
 
 /// Every kernel against scalar, bit for bit, at the edges of the value ranges: `d` and `dmin` from
@@ -150,30 +144,7 @@ fn extreme_codes_do_not_overflow() {
 /// a tile multiple and M around the AVX2 passes of 4 rows and the AMX groups of 16.
 #[test]
 fn q5_k_extreme_values_agree_with_scalar() {
-    let scales = [0x7bffu16, 0xfbff, 0x0001, 0x8001, 0x03ff, 0x3c00, 0x5bff, 0x1400, 0x0000];
-    let mut rng = Rng(0x5851_f42d_4c95_7f2d);
-    let (rows, cols) = (37, 512);
-    let mut raw = Vec::new();
-    for i in 0..rows * cols / 256 {
-        let d = scales[(i + rng.next() as usize) % scales.len()];
-        let dmin = scales[(i * 7 + 3) % scales.len()];
-        if i % 2 == 0 {
-            let pick = |r: u32, a: u8, b: u8| if r % 2 == 0 { a } else { b };
-            let q: [u8; 256] = std::array::from_fn(|_| pick(rng.next(), 0, 31));
-            let sc: [u8; 8] = std::array::from_fn(|_| pick(rng.next(), 0, 63));
-            let m: [u8; 8] = std::array::from_fn(|_| pick(rng.next(), 0, 63));
-            raw.extend(encode_q5_k(&q, &sc, &m, d, dmin));
-        } else {
-            raw.extend_from_slice(&d.to_le_bytes());
-            raw.extend_from_slice(&dmin.to_le_bytes());
-            raw.extend((0..SB - 4).map(|_| rng.next() as u8));
-        }
-    }
-    let w = PackedMatrix::from_gguf("t", &raw, rows, cols, Format::Q5K).unwrap();
-    for m in [1, 3, 4, 5, 16, 17, 33] {
-        let x = extreme_activations(m, cols, 1e20, &mut rng);
-        assert_same_as_scalar(&w, &x, m, "Q5_K");
-    }
+    assert_extremes_agree_with_scalar(Format::Q5K, 31, encode_q5_k, SB);
 }
 
 /// What one product streams: 180 bytes a row per super-block (the tiles without padding rows), at
