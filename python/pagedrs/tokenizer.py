@@ -52,11 +52,15 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path, eos_token_ids: set[int] | None = None) -> Tokenizer:
-        """Built by transformers from the GGUF metadata (slow: the GGUF loader caches the result as a folder)."""
+        """Built by transformers from the GGUF metadata (slow: the GGUF loader caches the result as a folder;
+        its reader parses the header from memory, ``gguf_reader``)."""
         from transformers import AutoTokenizer
 
+        from pagedrs.models.gguf_reader import header_in_memory_everywhere
+
         path = Path(path)
-        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        with header_in_memory_everywhere():
+            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
         return cls(tok, eos_token_ids)
 
     @property
