@@ -8,7 +8,7 @@
 //! ns per (row, tile block of 16 x 32 weights, for every format), the cost relative to the first M,
 //! and streaming: GB/s of the bytes a product reads (`weight_bytes`, Q6_K's 28 per 32 weights, not
 //! the file's 26.25; Q4_K's 148 per 256, not the file's 144; Q5_K's 180, not 176) and ns a product.
-//! Formats: q4_1, q8_0, q4_0, q6_k, q4_k, q5_k, q5_0, q5_1, or the list given.
+//! Formats: q4_1, q8_0, q4_0, q6_k, q4_k, q5_k, q5_0, q5_1, iq4_nl, or the list given.
 use pagedrs::gemv::{Format, Kernel, PackedMatrix, QK};
 use std::time::Instant;
 
@@ -67,7 +67,7 @@ fn main() {
     let formats: Vec<Format> = std::env::args().nth(5)
         .map(|l| l.split(',').map(|f| Format::parse(f).expect("a format name")).collect())
         .unwrap_or_else(|| vec![Format::Q4_1, Format::Q8_0, Format::Q4_0, Format::Q6K, Format::Q4K, Format::Q5K,
-                                Format::Q5_0, Format::Q5_1]);
+                                Format::Q5_0, Format::Q5_1, Format::IQ4NL]);
     let mut seed = 0x9e3779b97f4a7c15u64;
     for format in formats {
         let cols = cols.next_multiple_of(format.gguf_block_weights());

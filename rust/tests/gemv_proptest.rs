@@ -1,8 +1,9 @@
 //! Property tests of the GEMV kernels: every kernel this CPU runs (scalar always) returns the
 //! same bits, and each is within its error bound of a float64 reference. Q6_K's, Q4_K's and Q5_K's
 //! own tests (their hand-built super-blocks, extremes and refusals) are in `gemv_q6_k`, `gemv_q4_k`
-//! and `gemv_q5_k`; Q5_0's and Q5_1's in `gemv_q5`.
+//! and `gemv_q5_k`; Q5_0's and Q5_1's in `gemv_q5`; IQ4_NL's in `gemv_iq4`.
 
+mod gemv_iq4;
 mod gemv_q4_k;
 mod gemv_q5;
 mod gemv_q5_k;
@@ -38,9 +39,10 @@ fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u
         Format::Q6K => return gemv_q6_k::random_q6_k(rows, cols, rng),
         Format::Q4K => return gemv_q4_k::random_q4_k(rows, cols, rng),
         Format::Q5K => return gemv_q5_k::random_q5_k(rows, cols, rng),
-        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => {}
+        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {}
     }
-    // d (and m), then random quant bytes (Q5_0: `qh` and the nibbles, every code 0..31)
+    // d (and m), then random quant bytes (Q5_0: `qh` and the nibbles, every code 0..31; IQ4_NL: every
+    // code 0..15)
     let mut raw = Vec::new();
     for _ in 0..rows * cols / QK {
         raw.extend_from_slice(&f16_bits(rng.next()).to_le_bytes());
@@ -60,7 +62,7 @@ fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> 
         Format::Q6K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q6_k::dequantize_q6_k).collect(),
         Format::Q4K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q4_k::dequantize_q4_k).collect(),
         Format::Q5K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q5_k::dequantize_q5_k).collect(),
-        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => {}
+        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {}
     }
     let bb = format.block_bytes();
     let mut w = vec![0f64; rows * cols];
@@ -76,6 +78,7 @@ fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> 
             Format::Q8_0 => (0..QK).for_each(|e| out[e] = blk[2 + e] as i8 as f64 * d),
             Format::Q5_0 => out.copy_from_slice(&gemv_q5::dequantize_q5_0(blk)),
             Format::Q5_1 => out.copy_from_slice(&gemv_q5::dequantize_q5_1(blk)),
+            Format::IQ4NL => out.copy_from_slice(&gemv_iq4::dequantize_iq4_nl(blk)),
             Format::Q6K | Format::Q4K | Format::Q5K => unreachable!("dequantized above"),
         }
     }
@@ -143,7 +146,7 @@ fn check_raw(format: Format, raw: &[u8], rows: usize, cols: usize, m: usize, rng
 
 fn format_strategy() -> impl Strategy<Value = Format> {
     prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0), Just(Format::Q6K), Just(Format::Q4K),
-                Just(Format::Q5K), Just(Format::Q5_0), Just(Format::Q5_1)]
+                Just(Format::Q5K), Just(Format::Q5_0), Just(Format::Q5_1), Just(Format::IQ4NL)]
 }
 
 proptest! {
@@ -166,8 +169,8 @@ proptest! {
 /// and 33 rows run as 8 + 1, 8 + 8 + 1 (AMX 16 + 1) and 32 + 1, every group the scalar bits.
 #[test]
 fn more_rows_than_one_group_agree() {
-    let formats =
-        [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K, Format::Q4K, Format::Q5K, Format::Q5_0, Format::Q5_1];
+    let formats = [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K, Format::Q4K, Format::Q5K, Format::Q5_0,
+                   Format::Q5_1, Format::IQ4NL];
     for format in formats {
         for m in [9, 12, 16, 17, 32, 33] {
             check(format, 37, 5, m, 11 + m as u64);
@@ -208,6 +211,7 @@ fn extreme_activations_do_not_overflow() {
             Format::Q6K => unreachable!("gemv_q6_k::extreme_quants_do_not_overflow"),
             Format::Q4K => unreachable!("gemv_q4_k::extreme_codes_do_not_overflow"),
             Format::Q5K => unreachable!("gemv_q5_k::extreme_codes_do_not_overflow"),
+            Format::IQ4NL => unreachable!("gemv_iq4::iq4_nl_extreme_codes_do_not_overflow"),
         };
         assert_exact(&w, -1.0, &[1, 17, 33], expected, &format!("{format:?}"));
     }
@@ -334,7 +338,7 @@ fn large_products_split_over_threads_give_the_same_bits() {
     // Q8_0: 2051 x 512 x 34 / 32 bytes = 1.1 MB, rows not a tile multiple; the K-quants' super-block tiles too
     let (rows, cols) = (2051, 512);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    for format in [Format::Q8_0, Format::Q6K, Format::Q4K, Format::Q5K, Format::Q5_0, Format::Q5_1] {
+    for format in [Format::Q8_0, Format::Q6K, Format::Q4K, Format::Q5K, Format::Q5_0, Format::Q5_1, Format::IQ4NL] {
         let raw = random_gguf(format, rows, cols, &mut rng);
         let w = PackedMatrix::from_gguf("big", &raw, rows, cols, format).unwrap();
         for m in [1, 3, 11, 33] {

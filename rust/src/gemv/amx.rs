@@ -27,7 +27,9 @@
 //! Q4_K and Q5_K, too, run wholly on `avx512::tile` (AVX2): their tile blocks are super-blocks
 //! (`pack.rs`), whose sub-blocks this schedule could unpack as Q4_1 blocks, but no machine with AMX
 //! has run tests here, and a kernel nobody ran is not shipped. So do Q5_0 and Q5_1 (their codes, or
-//! Q5_0's minus 16, fit a signed B tile as Q4's do, unpacked from the 5-bit layout: not written).
+//! Q5_0's minus 16, fit a signed B tile as Q4's do, unpacked from the 5-bit layout: not written), and
+//! IQ4_NL (its table values, -127..113, fit a signed B tile as Q8_0's do, looked up from the
+//! nibbles with a `pshufb` where Q4 subtracts 8: not written).
 //!
 //! Files: this one (the schedule of passes: [`tile`] and `group`), `detect` ([`supported`]),
 //! `tiles` (register assignment, configuration, the `Tiles` guard), `passes` (a pass's tile
@@ -84,7 +86,7 @@ struct Scratch {
 /// The CPU and OS must run the kernel (`supported()`); slice lengths as in `avx2::tile`'s `# Safety`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
-    if matches!(format, Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1) {
+    if matches!(format, Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL) {
         // SAFETY: AVX-512 F/BW/VNNI is part of `supported()`; the slices are this function's.
         return unsafe { avx512::tile(format, tile, blocks, acts, out) };
     }
@@ -100,7 +102,7 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                     Format::Q4_0 => group::<0>(tile, blocks, acts, m0, out),
                     Format::Q4_1 => group::<1>(tile, blocks, acts, m0, out),
                     Format::Q8_0 => group::<2>(tile, blocks, acts, m0, out),
-                    Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 => {
+                    Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
                         unreachable!("runs on avx512::tile (above)")
                     }
                 }

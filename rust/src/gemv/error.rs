@@ -29,7 +29,7 @@ impl fmt::Display for GemvError {
         match self {
             GemvError::UnknownFormat { tensor, format } => {
                 write!(f, "tensor {tensor:?}: format {format:?} is not supported; allowed: \"q4_0\", \"q4_1\", \"q8_0\", \
-                           \"q6_k\", \"q4_k\", \"q5_k\", \"q5_0\", \"q5_1\"")
+                           \"q6_k\", \"q4_k\", \"q5_k\", \"q5_0\", \"q5_1\", \"iq4_nl\"")
             }
             GemvError::BadShape { tensor, rows, cols, reason } => {
                 write!(f, "tensor {tensor:?}: shape (rows={rows}, cols={cols}) is invalid: {reason}")

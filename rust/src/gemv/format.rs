@@ -29,6 +29,11 @@
 //! as Q4_K's), `qh[32]`, `qs[128]`; weight `32 s + l` = d * sc_s * q - dmin * m_s with the 5-bit
 //! code q in 0..31: its low 4 bits are Q4_K's nibble of `qs`, its fifth is bit `s` of `qh[l]`
 //! ([`q5_k_code`]). The kernels read it a super-block at a time, as Q4_K.
+//!
+//! IQ4_NL (llama.cpp's non-linear 4-bit type) maps each 4-bit code `c` to the int8 value
+//! [`IQ4NL_VALUES`]`[c]` (-127..113, spaced closer near 0). It stores blocks of 32 weights in 18
+//! bytes: f16 `d`, `qs[16]` (Q4's nibbles: byte `t` holds element `t` low, `t + 16` high); weight =
+//! d * values[c].
 
 /// Weights (and activations) per block.
 pub const QK: usize = 32;
@@ -44,6 +49,9 @@ pub const Q4_K_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
 
 /// Bytes of a GGUF Q5_K super-block: f16 `d`, f16 `dmin`, `scales[12]`, `qh[32]`, `qs[128]`.
 pub const Q5_K_BYTES: usize = 2 + 2 + 12 + QK_K / 8 + QK_K / 2;
+
+/// ggml's `kvalues_iq4nl`: the int8 value of each 4-bit IQ4_NL code.
+pub const IQ4NL_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// Q4_K's (and Q5_K's) sub-blocks of 32 weights per super-block (each with its own scale and minimum).
 pub const Q4_K_SUBS: usize = QK_K / QK;
@@ -65,6 +73,9 @@ pub enum Format {
     Q5_0,
     /// Q4_1 with a fifth bit a weight (codes 0..31; see the module docs).
     Q5_1,
+    /// Blocks of 32 4-bit codes, each an index into the non-linear int8 table [`IQ4NL_VALUES`], and
+    /// an f16 `d` (see the module docs).
+    IQ4NL,
 }
 
 impl Format {
@@ -79,6 +90,7 @@ impl Format {
             "q5_k" => Some(Format::Q5K),
             "q5_0" => Some(Format::Q5_0),
             "q5_1" => Some(Format::Q5_1),
+            "iq4_nl" => Some(Format::IQ4NL),
             _ => None,
         }
     }
@@ -94,6 +106,7 @@ impl Format {
             Format::Q5K => "q5_k",
             Format::Q5_0 => "q5_0",
             Format::Q5_1 => "q5_1",
+            Format::IQ4NL => "iq4_nl",
         }
     }
 
@@ -102,6 +115,7 @@ impl Format {
     pub fn kernel_block_weights(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1 => QK,
+            Format::IQ4NL => QK,
             Format::Q4K | Format::Q5K => QK_K,
         }
     }
@@ -111,7 +125,8 @@ impl Format {
     /// scales, 24 bytes of 6-bit quants), more than its GGUF super-block's 210 / 8 = 26.25 (the
     /// repeated `d`); for Q4_K 148 a super-block (`d`, `dmin`, 8 scales and 8 minima a byte each,
     /// 128 bytes of codes), more than its GGUF 144 (the unpacked 6-bit scales); for Q5_K 180 (Q4_K's
-    /// header, 160 bytes of 5-bit codes), more than its GGUF 176 (the same 4 bytes).
+    /// header, 160 bytes of 5-bit codes), more than its GGUF 176 (the same 4 bytes). IQ4_NL's is its
+    /// GGUF block's 18.
     pub fn block_bytes(self) -> usize {
         self.header_bytes() + self.quant_bytes()
     }
@@ -120,17 +135,18 @@ impl Format {
     /// int8 group scales, or Q4_K's (Q5_K's) f16 `dmin` and its sub-blocks' 8 scales and 8 minima.
     pub fn header_bytes(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q8_0 | Format::Q5_0 => 2,
+            Format::Q4_0 | Format::Q8_0 | Format::Q5_0 | Format::IQ4NL => 2,
             Format::Q4_1 | Format::Q6K | Format::Q5_1 => 4,
             Format::Q4K | Format::Q5K => 4 + 2 * Q4_K_SUBS,
         }
     }
 
     /// Bytes of quantized values in one row's block (without scales; Q6_K's 6 bits as packed;
-    /// Q4_K's 256 codes; Q5_K's 256 codes of 5 bits; Q5_0's and Q5_1's `qh` and nibbles, 5 bits a weight).
+    /// Q4_K's 256 codes; Q5_K's 256 codes of 5 bits; Q5_0's and Q5_1's `qh` and nibbles,
+    /// 5 bits a weight).
     pub fn quant_bytes(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 => QK / 2,
+            Format::Q4_0 | Format::Q4_1 | Format::IQ4NL => QK / 2,
             Format::Q8_0 => QK,
             Format::Q6K => QK * 6 / 8,
             Format::Q4K => QK_K / 2,
@@ -142,7 +158,7 @@ impl Format {
     /// Weights per GGUF block: 32, or a k-quant's super-block of 256. A row's columns are a multiple of it.
     pub fn gguf_block_weights(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => QK,
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => QK,
             Format::Q6K | Format::Q4K | Format::Q5K => QK_K,
         }
     }
@@ -150,7 +166,9 @@ impl Format {
     /// Bytes of one GGUF block of [`Format::gguf_block_weights`] weights (the file's bytes).
     pub fn gguf_block_bytes(self) -> usize {
         match self {
-            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => self.block_bytes(),
+            Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
+                self.block_bytes()
+            }
             Format::Q6K => Q6_K_BYTES,
             Format::Q4K => Q4_K_BYTES,
             Format::Q5K => Q5_K_BYTES,
@@ -279,6 +297,11 @@ mod tests {
         assert_eq!((Format::Q5K.block_bytes(), Format::Q5K.gguf_block_bytes(), Q5_K_BYTES), (180, 176, 176));
         assert_eq!((Format::Q5K.kernel_block_weights(), Format::Q5K.gguf_block_weights(), Format::Q5K.has_min()),
                    (256, 256, false));
+        let nl = Format::parse("IQ4_NL").unwrap();
+        assert_eq!((nl, nl.name(), nl.block_bytes(), nl.gguf_block_bytes(), nl.header_bytes(), nl.quant_bytes()),
+                   (Format::IQ4NL, "iq4_nl", 18, 18, 2, 16));
+        assert_eq!((nl.kernel_block_weights(), nl.gguf_block_weights(), nl.has_min()), (32, 32, false));
+        assert_eq!(Format::parse("iq4_x"), None);
     }
 
     #[test]

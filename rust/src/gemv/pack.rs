@@ -53,6 +53,13 @@
 //! Q5_0 tensors were converted to before). Q5_1's is Q4_1's, `d[16]`, `m[16]`, then the codes: 24
 //! bytes a row, the GGUF block's (6 bits a weight).
 //!
+//! IQ4_NL's tile block is Q4_0's: `d[16]`, then the 32 codes (0..15) in the Q4 nibble layout above;
+//! 18 bytes a row per 32 weights, the GGUF block's (4.5 bits a weight, against Q8_0's 8.5, the
+//! format IQ4_NL tensors were converted to before). The kernels look the codes up in the int8 table
+//! ([`super::format::IQ4NL_VALUES`]). Why this nibble layout: any other order of the nibbles costs
+//! the AVX2 kernel the same (an `and`, a shift and an `and` a vector for two vectors of codes, then
+//! one `pshufb` each), and this one is Q4_0's, whose packer and readers it shares.
+//!
 //! Q5_K's tile block is Q4_K's with 5-bit codes: `d[16]`, `dmin[16]`, `sc[8][16]`, `m[8][16]` at
 //! Q4_K's offsets, then the 8 sub-blocks' codes in order, each in the 5-bit layout above (320 bytes
 //! a sub-block). A row streams 180 bytes a super-block (5.625 bits a weight), against the 272 of
@@ -109,7 +116,7 @@ impl PackedMatrix {
                 Format::Q6K => "cols (K) must be a positive multiple of 256 (the q6_k super-block)",
                 Format::Q4K => "cols (K) must be a positive multiple of 256 (the q4_k super-block)",
                 Format::Q5K => "cols (K) must be a positive multiple of 256 (the q5_k super-block)",
-                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => {
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
                     "cols (K) must be a positive multiple of the block size 32"
                 }
             }));
@@ -134,7 +141,7 @@ impl PackedMatrix {
             match format {
                 Format::Q6K => pack_q6_k_row(name, row, src, dst)?,
                 Format::Q4K | Format::Q5K => pack_k_row(name, format, row, src, dst)?,
-                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 => {
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
                     pack_row(name, format, row, src, dst)?
                 }
             }
@@ -173,7 +180,7 @@ impl PackedMatrix {
         TILE * self.format.block_bytes()
     }
     /// Bytes a product streams: its tiles' bytes without the padding rows. That is the GGUF
-    /// tensor's size for Q4_0, Q4_1, Q8_0, Q5_0 and Q5_1; for Q6_K it is 28 bytes a row per 32 weights, more
+    /// tensor's size for Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL; for Q6_K it is 28 bytes a row per 32 weights, more
     /// than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144; for Q5_K
     /// 180, more than the file's 176 (see the module docs).
     pub fn weight_bytes(&self) -> usize {
@@ -186,7 +193,8 @@ impl PackedMatrix {
     }
 }
 
-/// One row's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 blocks (`src`, GGUF) into its lane `row % 16` of its tile (`dst`).
+/// One row's Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / IQ4_NL blocks (`src`, GGUF) into its lane `row % 16` of its
+/// tile (`dst`).
 fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
     let (bb, j) = (format.block_bytes(), row % TILE);
     for (b, src) in src.chunks_exact(bb).enumerate() {
@@ -205,7 +213,7 @@ fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) 
         }
         let qdst = &mut dst[qdst_off..];
         match format {
-            Format::Q4_0 | Format::Q4_1 => {
+            Format::Q4_0 | Format::Q4_1 | Format::IQ4NL => {
                 pack_q4_codes(|e| if e < 16 { q[e] & 0x0f } else { q[e - 16] >> 4 }, j, qdst);
             }
             Format::Q8_0 => {
@@ -276,6 +284,7 @@ fn pack_k_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1 => {
                     unreachable!("not Q4_K's super-block")
                 }
+                Format::IQ4NL => unreachable!("not Q4_K's super-block"),
             }
         }
     }

@@ -12,8 +12,11 @@
 //! the codes (0..15), with `d_w = d * sc_u` and `m_w = -(dmin * m_u)`, both exact in f32 (an f16
 //! times a 6-bit integer: at most 17 significant bits), so no rounding is added to Q4_1's steps.
 //! Q5_K is the same with 5-bit codes (0..31; `isum` at most 32 * 31 * 127 < 2^24, exact as an f32).
+//!
+//! IQ4_NL: `isum` = `T` = the sum of the codes' table values ([`IQ4NL_VALUES`], -127..113) times the
+//! activations (|T| <= 32 * 127 * 127 < 2^24, exact as an f32), then Q8_0's float step with `d`.
 
-use super::format::{f16_to_f32, Format, Q4_K_SUBS, QK};
+use super::format::{f16_to_f32, Format, IQ4NL_VALUES, Q4_K_SUBS, QK};
 use super::pack::{Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, Q5_SUB_CODES, TILE};
 use super::quantize::QuantizedActs;
 
@@ -43,6 +46,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                     }
                     Format::Q5_0 => q5_isum(q, j, a) - 16 * acts.sum[ab],
                     Format::Q5_1 => q5_isum(q, j, a),
+                    Format::IQ4NL => iq4_isum(q, j, a),
                     Format::Q8_0 => {
                         let mut s = 0i32;
                         for v in 0..8 {
@@ -108,6 +112,21 @@ fn q4_isum(q: &[u8], j: usize, a: &[i8]) -> i32 {
             let byte = q[v * 64 + j * 4 + i];
             s += (byte & 0x0f) as i32 * a[8 * v + i] as i32;
             s += (byte >> 4) as i32 * a[8 * v + 4 + i] as i32;
+        }
+    }
+    s
+}
+
+/// Lane `j`'s sum of its 32 codes' IQ4_NL values (the codes 0..15 in the Q4 nibble layout of
+/// `pack.rs` at `q`, each looked up in [`IQ4NL_VALUES`]) times `a`, exact.
+fn iq4_isum(q: &[u8], j: usize, a: &[i8]) -> i32 {
+    let value = |c: u8| IQ4NL_VALUES[c as usize] as i32;
+    let mut s = 0i32;
+    for v in 0..4 {
+        for i in 0..4 {
+            let byte = q[v * 64 + j * 4 + i];
+            s += value(byte & 0x0f) * a[8 * v + i] as i32;
+            s += value(byte >> 4) * a[8 * v + 4 + i] as i32;
         }
     }
     s
