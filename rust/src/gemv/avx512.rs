@@ -27,10 +27,10 @@ const ROWS: usize = 8;
 
 /// Same contract as `scalar::tile`.
 ///
-/// Q6_K, Q4_K, Q5_K, Q5_0, Q5_1 and IQ4_NL run on the AVX2 kernel (the same bits; scalar where a CPU
-/// lacks AVX2): an AVX-512 Q6_K kernel was written (commit 5f1f2b3) but no machine with AVX-512 has run its
-/// tests yet, and a kernel nobody ran is not shipped; Q4_K, Q5_K, Q5_0, Q5_1 and IQ4_NL have none for the
-/// same reason.
+/// Q6_K, Q4_K, Q5_K, Q5_0, Q5_1, IQ4_NL and IQ4_XS run on the AVX2 kernel (the same bits; scalar where a
+/// CPU lacks AVX2): an AVX-512 Q6_K kernel was written (commit 5f1f2b3) but no machine with AVX-512 has run
+/// its tests yet, and a kernel nobody ran is not shipped; Q4_K, Q5_K, Q5_0, Q5_1, IQ4_NL and IQ4_XS have
+/// none for the same reason.
 /// At M = 1 they stream from memory on AVX2 near the read bandwidth already (`cargo bench --bench gemv_rows`).
 ///
 /// # Safety
@@ -38,7 +38,8 @@ const ROWS: usize = 8;
 /// `avx2::tile`'s `# Safety`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
-    if matches!(format, Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL) {
+    if matches!(format,
+                Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL | Format::IQ4XS) {
         if super::avx2::supported() {
             // SAFETY: AVX2, F16C and FMA were detected just above; the slices are this function's.
             return unsafe { super::avx2::tile(format, tile, blocks, acts, out) };
@@ -82,9 +83,8 @@ pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts:
                 Format::Q4_0 => by_rows!(0),
                 Format::Q4_1 => by_rows!(1),
                 Format::Q8_0 => by_rows!(2),
-                Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
-                    unreachable!("runs on the AVX2 kernel (`tile`)")
-                }
+                Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
+                | Format::IQ4NL | Format::IQ4XS => unreachable!("runs on the AVX2 kernel (`tile`)"),
             }
         }
         m0 += rows;
@@ -139,9 +139,8 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                         *w = _mm512_xor_si512(_mm512_loadu_si512(q.add(v * 64) as *const __m512i), flip);
                     }
                 }
-                Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
-                    unreachable!("not in FORMATS")
-                }
+                Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
+                | Format::IQ4NL | Format::IQ4XS => unreachable!("not in FORMATS"),
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 let ab = (m0 + r) * blocks + b;
@@ -181,9 +180,8 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                         }
                         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * *acts.sum.get_unchecked(ab)));
                     }
-                    Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
-                        unreachable!("not in FORMATS")
-                    }
+                    Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
+                    | Format::IQ4NL | Format::IQ4XS => unreachable!("not in FORMATS"),
                 }
                 let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
                 *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), *acc);

@@ -30,10 +30,15 @@
 //! code q in 0..31: its low 4 bits are Q4_K's nibble of `qs`, its fifth is bit `s` of `qh[l]`
 //! ([`q5_k_code`]). The kernels read it a super-block at a time, as Q4_K.
 //!
-//! IQ4_NL (llama.cpp's non-linear 4-bit type) maps each 4-bit code `c` to the int8 value
-//! [`IQ4NL_VALUES`]`[c]` (-127..113, spaced closer near 0). It stores blocks of 32 weights in 18
-//! bytes: f16 `d`, `qs[16]` (Q4's nibbles: byte `t` holds element `t` low, `t + 16` high); weight =
-//! d * values[c].
+//! IQ4_NL and IQ4_XS (llama.cpp's non-linear 4-bit types) map each 4-bit code `c` to the int8
+//! value [`IQ4NL_VALUES`]`[c]` (-127..113, spaced closer near 0):
+//! - IQ4_NL stores blocks of 32 weights in 18 bytes: f16 `d`, `qs[16]` (Q4's nibbles: byte `t`
+//!   holds element `t` low, `t + 16` high); weight = d * values[c].
+//! - IQ4_XS stores super-blocks of 256 weights in 136 bytes: f16 `d`, u16 `scales_h`, `scales_l[4]`,
+//!   `qs[128]`; sub-block `s` (0..8, weights `32 s ..`) has the 6-bit scale `ls` = nibble `s % 2` of
+//!   `scales_l[s / 2]` over bits `2s, 2s + 1` of `scales_h` ([`iq4_xs_scale`] gives `ls - 32`,
+//!   -32..31), and its 32 codes in `qs[16 s .. 16 s + 16]` as IQ4_NL's block holds them; weight =
+//!   d * (ls - 32) * values[c]. The kernels read it a super-block at a time, as Q4_K.
 
 /// Weights (and activations) per block.
 pub const QK: usize = 32;
@@ -50,10 +55,14 @@ pub const Q4_K_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
 /// Bytes of a GGUF Q5_K super-block: f16 `d`, f16 `dmin`, `scales[12]`, `qh[32]`, `qs[128]`.
 pub const Q5_K_BYTES: usize = 2 + 2 + 12 + QK_K / 8 + QK_K / 2;
 
-/// ggml's `kvalues_iq4nl`: the int8 value of each 4-bit IQ4_NL code.
+/// Bytes of a GGUF IQ4_XS super-block: f16 `d`, u16 `scales_h`, `scales_l[4]`, `qs[128]`.
+pub const IQ4_XS_BYTES: usize = 2 + 2 + QK_K / 64 + QK_K / 2;
+
+/// ggml's `kvalues_iq4nl`: the int8 value of each 4-bit IQ4_NL / IQ4_XS code.
 pub const IQ4NL_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
-/// Q4_K's (and Q5_K's) sub-blocks of 32 weights per super-block (each with its own scale and minimum).
+/// Q4_K's (and Q5_K's, IQ4_XS's) sub-blocks of 32 weights per super-block (each with its own scale and
+/// minimum; IQ4_XS's without a minimum).
 pub const Q4_K_SUBS: usize = QK_K / QK;
 
 /// A GGUF block format.
@@ -76,6 +85,9 @@ pub enum Format {
     /// Blocks of 32 4-bit codes, each an index into the non-linear int8 table [`IQ4NL_VALUES`], and
     /// an f16 `d` (see the module docs).
     IQ4NL,
+    /// IQ4_NL's codes in super-blocks of 256: one f16 `d`, a 6-bit scale per sub-block of 32 (see
+    /// the module docs).
+    IQ4XS,
 }
 
 impl Format {
@@ -91,6 +103,7 @@ impl Format {
             "q5_0" => Some(Format::Q5_0),
             "q5_1" => Some(Format::Q5_1),
             "iq4_nl" => Some(Format::IQ4NL),
+            "iq4_xs" => Some(Format::IQ4XS),
             _ => None,
         }
     }
@@ -107,16 +120,17 @@ impl Format {
             Format::Q5_0 => "q5_0",
             Format::Q5_1 => "q5_1",
             Format::IQ4NL => "iq4_nl",
+            Format::IQ4XS => "iq4_xs",
         }
     }
 
-    /// Weights of one row's block as the kernels read it ([`super::pack`]): 32, or Q4_K's and
-    /// Q5_K's super-block of 256 (its `d` and `dmin` stored once, its 8 sub-blocks' scales beside them).
+    /// Weights of one row's block as the kernels read it ([`super::pack`]): 32, or Q4_K's, Q5_K's and
+    /// IQ4_XS's super-block of 256 (its `d` (and `dmin`) stored once, its 8 sub-blocks' scales beside them).
     pub fn kernel_block_weights(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1 => QK,
             Format::IQ4NL => QK,
-            Format::Q4K | Format::Q5K => QK_K,
+            Format::Q4K | Format::Q5K | Format::IQ4XS => QK_K,
         }
     }
 
@@ -125,31 +139,34 @@ impl Format {
     /// scales, 24 bytes of 6-bit quants), more than its GGUF super-block's 210 / 8 = 26.25 (the
     /// repeated `d`); for Q4_K 148 a super-block (`d`, `dmin`, 8 scales and 8 minima a byte each,
     /// 128 bytes of codes), more than its GGUF 144 (the unpacked 6-bit scales); for Q5_K 180 (Q4_K's
-    /// header, 160 bytes of 5-bit codes), more than its GGUF 176 (the same 4 bytes). IQ4_NL's is its
-    /// GGUF block's 18.
+    /// header, 160 bytes of 5-bit codes), more than its GGUF 176 (the same 4 bytes); for IQ4_XS 138
+    /// (`d`, 8 signed scale bytes `ls - 32`, 128 bytes of codes), more than its GGUF 136 (the 6-bit
+    /// scales a byte each). IQ4_NL's is its GGUF block's 18.
     pub fn block_bytes(self) -> usize {
         self.header_bytes() + self.quant_bytes()
     }
 
     /// Bytes of one row's block before its quants: f16 `d`, then Q4_1's (Q5_1's) f16 `m`, Q6_K's two
-    /// int8 group scales, or Q4_K's (Q5_K's) f16 `dmin` and its sub-blocks' 8 scales and 8 minima.
+    /// int8 group scales, Q4_K's (Q5_K's) f16 `dmin` and its sub-blocks' 8 scales and 8 minima, or
+    /// IQ4_XS's 8 signed sub-block scales.
     pub fn header_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q8_0 | Format::Q5_0 | Format::IQ4NL => 2,
             Format::Q4_1 | Format::Q6K | Format::Q5_1 => 4,
             Format::Q4K | Format::Q5K => 4 + 2 * Q4_K_SUBS,
+            Format::IQ4XS => 2 + Q4_K_SUBS,
         }
     }
 
     /// Bytes of quantized values in one row's block (without scales; Q6_K's 6 bits as packed;
-    /// Q4_K's 256 codes; Q5_K's 256 codes of 5 bits; Q5_0's and Q5_1's `qh` and nibbles,
+    /// Q4_K's and IQ4_XS's 256 codes; Q5_K's 256 codes of 5 bits; Q5_0's and Q5_1's `qh` and nibbles,
     /// 5 bits a weight).
     pub fn quant_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::IQ4NL => QK / 2,
             Format::Q8_0 => QK,
             Format::Q6K => QK * 6 / 8,
-            Format::Q4K => QK_K / 2,
+            Format::Q4K | Format::IQ4XS => QK_K / 2,
             Format::Q5K => QK_K * 5 / 8,
             Format::Q5_0 | Format::Q5_1 => QK * 5 / 8,
         }
@@ -159,7 +176,7 @@ impl Format {
     pub fn gguf_block_weights(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => QK,
-            Format::Q6K | Format::Q4K | Format::Q5K => QK_K,
+            Format::Q6K | Format::Q4K | Format::Q5K | Format::IQ4XS => QK_K,
         }
     }
 
@@ -172,6 +189,7 @@ impl Format {
             Format::Q6K => Q6_K_BYTES,
             Format::Q4K => Q4_K_BYTES,
             Format::Q5K => Q5_K_BYTES,
+            Format::IQ4XS => IQ4_XS_BYTES,
         }
     }
 
@@ -223,6 +241,14 @@ pub fn q5_k_code(qh: &[u8], qs: &[u8], s: usize, l: usize) -> u8 {
 pub fn q5_code(qh: u32, qs: &[u8], e: usize) -> u8 {
     let nibble = if e < 16 { qs[e] & 0x0f } else { qs[e - 16] >> 4 };
     nibble | ((((qh >> e) & 1) as u8) << 4)
+}
+
+/// Sub-block `s` (0..8)'s scale `ls - 32` (-32..31) in an IQ4_XS super-block's `scales_h` and
+/// `scales_l[4]`, as ggml's `dequantize_row_iq4_xs` reads it: `ls` = nibble `s % 2` of
+/// `scales_l[s / 2]` (low 4 bits) over bits `2s, 2s + 1` of `scales_h` (high 2 bits).
+pub fn iq4_xs_scale(scales_h: u16, scales_l: &[u8], s: usize) -> i8 {
+    let ls = ((scales_l[s / 2] >> (4 * (s % 2))) & 0x0f) | ((((scales_h >> (2 * s)) & 3) as u8) << 4);
+    ls as i8 - 32
 }
 
 /// IEEE binary16 -> binary32, exact (every f16 is an f32), the same value `vcvtph2ps` gives.
@@ -301,7 +327,27 @@ mod tests {
         assert_eq!((nl, nl.name(), nl.block_bytes(), nl.gguf_block_bytes(), nl.header_bytes(), nl.quant_bytes()),
                    (Format::IQ4NL, "iq4_nl", 18, 18, 2, 16));
         assert_eq!((nl.kernel_block_weights(), nl.gguf_block_weights(), nl.has_min()), (32, 32, false));
+        let xs = Format::parse("iq4_xs").unwrap();
+        assert_eq!((xs, xs.name(), xs.block_bytes(), xs.gguf_block_bytes(), xs.header_bytes(), xs.quant_bytes()),
+                   (Format::IQ4XS, "iq4_xs", 138, 136, 10, 128));
+        assert_eq!((xs.kernel_block_weights(), xs.gguf_block_weights(), xs.has_min(), IQ4_XS_BYTES),
+                   (256, 256, false, 136));
         assert_eq!(Format::parse("iq4_x"), None);
+    }
+
+    #[test]
+    fn iq4_xs_scales_unpack_as_ggml() {
+        // every 6-bit ls in every position: low nibble in scales_l[s / 2], high pair in scales_h
+        for ls in 0..64u16 {
+            for s in 0..8 {
+                let mut l = [0u8; 4];
+                l[s / 2] = ((ls & 0x0f) as u8) << (4 * (s % 2));
+                let h = (ls >> 4) << (2 * s);
+                assert_eq!(iq4_xs_scale(h, &l, s), ls as i8 - 32, "ls {ls} sub-block {s}");
+                // the neighbours read 0 (ls 0: -32)
+                assert_eq!(iq4_xs_scale(h, &l, s ^ 1), -32);
+            }
+        }
     }
 
     #[test]

@@ -60,6 +60,19 @@
 //! the AVX2 kernel the same (an `and`, a shift and an `and` a vector for two vectors of codes, then
 //! one `pshufb` each), and this one is Q4_0's, whose packer and readers it shares.
 //!
+//! IQ4_XS's tile block is a super-block, as Q4_K's: `d[16]` (f16), then `sc[8][16]` (sub-block `u`'s
+//! scale `ls - 32` of lane `j` at byte `16u + j`, a signed byte, unpacked from `scales_h` and
+//! `scales_l`), then the 8 sub-blocks' codes in order, each in IQ4_NL's (Q4's) nibble layout (16 x
+//! 138 = 2208 bytes). A row streams 138 bytes a super-block (4.3125 bits a weight) against the file's
+//! 136 (4.25) and the 272 of Q8_0 (8.5 bits), the format IQ4_XS tensors were converted to before.
+//! The kernels compute each sub-block as IQ4_NL's block with the scale `d * (ls - 32)` (exact in f32).
+//! Why a super-block and not blocks of 32 with the scale folded in: `d * (ls - 32)` needs up to 17
+//! significant bits, so an exact folded scale is an f32, 20 bytes a row per 32 weights (5 bits a
+//! weight); and the AVX2 kernel's integer work is IQ4_NL's either way, while the scale costs it 4
+//! ops a half-tile and sub-block for all rows (a load, a widening, a conversion, a multiply by the
+//! super-block's `d`, converted once) against 2 (a load and a conversion): a few ops against 28 for
+//! the codes and 32 a row.
+//!
 //! Q5_K's tile block is Q4_K's with 5-bit codes: `d[16]`, `dmin[16]`, `sc[8][16]`, `m[8][16]` at
 //! Q4_K's offsets, then the 8 sub-blocks' codes in order, each in the 5-bit layout above (320 bytes
 //! a sub-block). A row streams 180 bytes a super-block (5.625 bits a weight), against the 272 of
@@ -67,7 +80,8 @@
 
 use super::error::GemvError;
 use super::format::{
-    f16_is_finite, q4_k_code, q4_k_scale_min, q5_code, q5_k_code, q6_k_quant, Format, Q4_K_SUBS, QK, QK_K,
+    f16_is_finite, iq4_xs_scale, q4_k_code, q4_k_scale_min, q5_code, q5_k_code, q6_k_quant, Format, Q4_K_SUBS, QK,
+    QK_K,
 };
 use crate::huge_pages::HugeBuf;
 
@@ -80,6 +94,11 @@ pub(crate) const Q4_K_DMIN: usize = 2 * TILE;
 pub(crate) const Q4_K_SC: usize = 4 * TILE;
 pub(crate) const Q4_K_M: usize = Q4_K_SC + Q4_K_SUBS * TILE;
 pub(crate) const Q4_K_CODES: usize = Q4_K_M + Q4_K_SUBS * TILE;
+
+/// Offsets in an IQ4_XS tile block (a super-block of 16 rows): the signed sub-block scales
+/// `sc[8][16]`, the codes (8 sub-blocks of [`Q4_K_SUB_CODES`] bytes; see the module docs). `d[16]` is at 0.
+pub(crate) const IQ4_XS_SC: usize = 2 * TILE;
+pub(crate) const IQ4_XS_CODES: usize = IQ4_XS_SC + Q4_K_SUBS * TILE;
 
 /// Bytes of one Q4_K sub-block's codes in a tile (16 rows x 32 nibbles).
 pub(crate) const Q4_K_SUB_CODES: usize = TILE * QK / 2;
@@ -100,10 +119,10 @@ pub struct PackedMatrix {
 }
 
 impl PackedMatrix {
-    /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row; Q6_K, Q4_K
-    /// and Q5_K: `cols / 256` super-blocks).
+    /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row; Q6_K, Q4_K,
+    /// Q5_K and IQ4_XS: `cols / 256` super-blocks).
     ///
-    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K, Q4_K, Q5_K: 256), `rows > 0`, the
+    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K, Q4_K, Q5_K, IQ4_XS: 256), `rows > 0`, the
     /// exact byte count, and every scale (and minimum) finite. Nothing after this point is checked again.
     pub fn from_gguf(name: &str, raw: &[u8], rows: usize, cols: usize, format: Format) -> Result<Self, GemvError> {
         let bad = |reason| GemvError::BadShape { tensor: name.to_string(), rows, cols, reason };
@@ -116,6 +135,7 @@ impl PackedMatrix {
                 Format::Q6K => "cols (K) must be a positive multiple of 256 (the q6_k super-block)",
                 Format::Q4K => "cols (K) must be a positive multiple of 256 (the q4_k super-block)",
                 Format::Q5K => "cols (K) must be a positive multiple of 256 (the q5_k super-block)",
+                Format::IQ4XS => "cols (K) must be a positive multiple of 256 (the iq4_xs super-block)",
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
                     "cols (K) must be a positive multiple of the block size 32"
                 }
@@ -141,6 +161,7 @@ impl PackedMatrix {
             match format {
                 Format::Q6K => pack_q6_k_row(name, row, src, dst)?,
                 Format::Q4K | Format::Q5K => pack_k_row(name, format, row, src, dst)?,
+                Format::IQ4XS => pack_iq4_xs_row(name, row, src, dst)?,
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
                     pack_row(name, format, row, src, dst)?
                 }
@@ -182,7 +203,7 @@ impl PackedMatrix {
     /// Bytes a product streams: its tiles' bytes without the padding rows. That is the GGUF
     /// tensor's size for Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL; for Q6_K it is 28 bytes a row per 32 weights, more
     /// than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144; for Q5_K
-    /// 180, more than the file's 176 (see the module docs).
+    /// 180, more than the file's 176; for IQ4_XS 138, more than the file's 136 (see the module docs).
     pub fn weight_bytes(&self) -> usize {
         self.rows * self.tile_blocks() * self.format.block_bytes()
     }
@@ -227,6 +248,7 @@ fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) 
             }
             Format::Q6K => unreachable!("pack_q6_k_row packs Q6_K"),
             Format::Q4K | Format::Q5K => unreachable!("pack_k_row packs Q4_K and Q5_K"),
+            Format::IQ4XS => unreachable!("pack_iq4_xs_row packs IQ4_XS"),
         }
     }
     Ok(())
@@ -284,8 +306,30 @@ fn pack_k_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1 => {
                     unreachable!("not Q4_K's super-block")
                 }
-                Format::IQ4NL => unreachable!("not Q4_K's super-block"),
+                Format::IQ4NL | Format::IQ4XS => unreachable!("not Q4_K's super-block"),
             }
+        }
+    }
+    Ok(())
+}
+
+/// One row's IQ4_XS super-blocks (`src`, GGUF, 136 bytes each: f16 `d`, `scales_h`, `scales_l[4]`,
+/// `qs[128]`) into its lane `row % 16` of its tile (`dst`), one tile block per super-block. A
+/// non-finite `d` is named by its super-block.
+fn pack_iq4_xs_row(name: &str, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
+    let (tbb, j) = (TILE * Format::IQ4XS.block_bytes(), row % TILE);
+    for (s, sb) in src.chunks_exact(Format::IQ4XS.gguf_block_bytes()).enumerate() {
+        let dst = &mut dst[s * tbb..][..tbb];
+        let d = [sb[0], sb[1]];
+        check_scale(name, "d", row, s, d)?;
+        dst[2 * j..2 * j + 2].copy_from_slice(&d);
+        let (scales_h, scales_l) = (u16::from_le_bytes([sb[2], sb[3]]), &sb[4..8]);
+        for u in 0..Q4_K_SUBS {
+            dst[IQ4_XS_SC + TILE * u + j] = iq4_xs_scale(scales_h, scales_l, u) as u8;
+            // sub-block u's 32 codes: qs[16u + t] holds element t low, t + 16 high (IQ4_NL's block)
+            let qs = &sb[8 + 16 * u..][..16];
+            pack_q4_codes(|l| if l < 16 { qs[l] & 0x0f } else { qs[l - 16] >> 4 }, j,
+                          &mut dst[IQ4_XS_CODES + Q4_K_SUB_CODES * u..]);
         }
     }
     Ok(())

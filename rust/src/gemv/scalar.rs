@@ -15,14 +15,17 @@
 //!
 //! IQ4_NL: `isum` = `T` = the sum of the codes' table values ([`IQ4NL_VALUES`], -127..113) times the
 //! activations (|T| <= 32 * 127 * 127 < 2^24, exact as an f32), then Q8_0's float step with `d`.
+//! IQ4_XS (a tile block a super-block, as Q4_K): each sub-block `u` is an IQ4_NL block with `d_w = d *
+//! (ls_u - 32)`, exact in f32 (an f16 times an integer in -32..31: at most 11 + 5 significant bits,
+//! and a subnormal f16 times it is a normal or subnormal f32 multiple of 2^-24), and no minimum.
 
 use super::format::{f16_to_f32, Format, IQ4NL_VALUES, Q4_K_SUBS, QK};
-use super::pack::{Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, Q5_SUB_CODES, TILE};
+use super::pack::{IQ4_XS_CODES, IQ4_XS_SC, Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, Q5_SUB_CODES, TILE};
 use super::quantize::QuantizedActs;
 
 /// `out[mi * 16 + j]` = row `j` of the tile times activation row `mi`.
 pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
-    if matches!(format, Format::Q4K | Format::Q5K) {
+    if matches!(format, Format::Q4K | Format::Q5K | Format::IQ4XS) {
         return tile_k(format, tile, blocks, acts, out);
     }
     let tbb = TILE * format.block_bytes();
@@ -64,7 +67,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                         }
                         sc(0) * isum[0] + sc(1) * isum[1]
                     }
-                    Format::Q4K | Format::Q5K => unreachable!("tile_k computes Q4_K and Q5_K"),
+                    Format::Q4K | Format::Q5K | Format::IQ4XS => unreachable!("tile_k computes the super-blocks"),
                 };
                 let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
                 *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
@@ -78,11 +81,16 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
     }
 }
 
-/// `tile` for Q4_K and Q5_K: super-blocks in order and, inside, their 8 sub-blocks (activation
-/// blocks `8t + u`), each Q4_1's steps with the sub-block's exact scale and minimum (see the module docs).
+/// `tile` for Q4_K, Q5_K and IQ4_XS: super-blocks in order and, inside, their 8 sub-blocks (activation
+/// blocks `8t + u`), each Q4_1's steps with the sub-block's exact scale and minimum (IQ4_XS: IQ4_NL's
+/// step with its exact scale; see the module docs).
 fn tile_k(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
     let tbb = TILE * format.block_bytes();
-    let sub_codes = if format == Format::Q5K { Q5_SUB_CODES } else { Q4_K_SUB_CODES };
+    let (sc_off, codes, sub_codes) = match format {
+        Format::Q5K => (Q4_K_SC, Q4_K_CODES, Q5_SUB_CODES),
+        Format::IQ4XS => (IQ4_XS_SC, IQ4_XS_CODES, Q4_K_SUB_CODES),
+        _ => (Q4_K_SC, Q4_K_CODES, Q4_K_SUB_CODES),
+    };
     for mi in 0..acts.m {
         let mut acc = [0f32; TILE];
         for (t, sb) in tile.chunks_exact(tbb).take(blocks / Q4_K_SUBS).enumerate() {
@@ -90,9 +98,15 @@ fn tile_k(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out:
             for u in 0..Q4_K_SUBS {
                 let ab = mi * blocks + t * Q4_K_SUBS + u;
                 let a = &acts.qs[ab * QK..(ab + 1) * QK];
-                let q = &sb[Q4_K_CODES + sub_codes * u..];
+                let q = &sb[codes + sub_codes * u..];
                 for (j, acc) in acc.iter_mut().enumerate() {
-                    let dw = f16(2 * j) * sb[Q4_K_SC + TILE * u + j] as f32;
+                    let sc = sb[sc_off + TILE * u + j];
+                    if format == Format::IQ4XS {
+                        let dw = f16(2 * j) * sc as i8 as f32;
+                        *acc = (dw * acts.d[ab]).mul_add(iq4_isum(q, j, a) as f32, *acc);
+                        continue;
+                    }
+                    let dw = f16(2 * j) * sc as f32;
                     let mw = -(f16(Q4_K_DMIN + 2 * j) * sb[Q4_K_M + TILE * u + j] as f32);
                     let isum = if format == Format::Q5K { q5_isum(q, j, a) } else { q4_isum(q, j, a) };
                     *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
