@@ -11,11 +11,11 @@ import numpy as np
 import torch
 from gguf.quants import quantize
 
-from kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
+from kquants import quantize_iq4_xs, quantize_q4_k, quantize_q5_k, quantize_q6_k
 from pagedrs.models.gguf_loader import permute_qk
 
 K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
-                gguf.GGMLQuantizationType.Q6_K: quantize_q6_k}
+                gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}
 
 # which quantization each tensor kind gets: every supported type appears at least once
 QTYPES = {

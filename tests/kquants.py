@@ -1,4 +1,4 @@
-"""Q4_K, Q5_K and Q6_K quantizers for tests (gguf-py dequantizes K-quants but cannot write them).
+"""Q4_K, Q5_K, Q6_K and IQ4_XS quantizers for tests (gguf-py dequantizes K-quants but cannot write them).
 
 Plain round-to-nearest choices, not llama.cpp's search for the best scales: what matters here is
 that the bytes are valid blocks of each layout, which ``tests/test_gguf_convert.py`` checks
@@ -83,3 +83,26 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     qh = (qh[:, :, 0] | (qh[:, :, 1] << 2) | (qh[:, :, 2] << 4) | (qh[:, :, 3] << 6)).reshape(-1, 64)
     out = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=-1)
     return out.reshape(rows, cols // QK_K * 210)
+
+
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, cols]`` (cols a multiple of 256) -> uint8 ``[rows, cols / 256 * 136]``: f16 d, u16
+    scales_h (bits 2i..2i+1: sub-block i's scale's high bits), scales_l[4] (nibble i % 2 of byte i / 2: its low
+    bits), qs[128] (sub-block i's 16 bytes: element j low, j + 16 high); weight = d (ls - 32) kvalues[code]."""
+    rows, cols = w.shape
+    sub = w.astype(np.float32).reshape(-1, 8, 32)
+    want = np.abs(sub).max(axis=-1) / 127  # each sub-block's ideal scale (>= 0)
+    d = _f16(np.maximum(want.max(axis=-1), 1e-8) / 31)
+    ls = np.clip(np.round(want / d.astype(np.float32)[:, None]) + 32, 0, 63).astype(np.int32)  # [n, 8]
+    scale = (d.astype(np.float32)[:, None] * (ls - 32))[..., None]
+    scale = np.where(scale == 0, 1.0, scale)
+    codes = np.abs(sub[..., None] / scale[..., None] - KVALUES_IQ4NL).argmin(axis=-1).astype(np.uint8)  # [n, 8, 32]
+    qs = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(-1, 128)
+    high = ((ls >> 4) << (2 * np.arange(8))).sum(axis=-1).astype("<u2")
+    low = (ls & 0xF).astype(np.uint8)
+    scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
+    out = np.concatenate([d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), scales_l, qs], axis=-1)
+    return out.reshape(rows, cols // QK_K * 136)

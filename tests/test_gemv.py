@@ -262,10 +262,11 @@ def _k_quant(qtype: str, rows: int, cols: int, seed: int, random_bytes: bool) ->
     subnormal and some negative. Q6_K: d at bytes 208-209 of 210; Q4_K (Q5_K): d and dmin at bytes 0-3 of 144 (176)."""
     from kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
 
-    size, first, count = {"Q6_K": (210, 208, 1), "Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2)}[qtype]
+    size, first, count = {"Q6_K": (210, 208, 1), "Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "IQ4_XS": (136, 0, 1),
+                          "IQ4_NL": (18, 0, 1)}[qtype]
     g = np.random.default_rng(seed)
-    if random_bytes:
-        raw = g.integers(0, 256, (rows * cols // 256, size), dtype=np.uint8)
+    if random_bytes or qtype.startswith("IQ4"):  # (gguf-py cannot write the IQ4 types: any bytes are valid blocks)
+        raw = g.integers(0, 256, (rows * cols // (32 if qtype == "IQ4_NL" else 256), size), dtype=np.uint8)
         d = (g.standard_normal((raw.shape[0], count)) * 1e-3).astype(np.float16)
         d[::7] = np.array([3, 5][:count], dtype=np.uint16).view(np.float16)  # subnormal
         raw[:, first:first + 2 * count] = d.view(np.uint8).reshape(-1, 2 * count)
@@ -278,10 +279,11 @@ def _k_quant(qtype: str, rows: int, cols: int, seed: int, random_bytes: bool) ->
 
 # Bytes a row of 256 weights streams: Q6_K 7 bits a weight (the file: 6.5625, d repeated per block of 32),
 # Q4_K at most 4.625 (as the file, d and dmin once per super-block; Q4_1 took 5), Q5_K 5.625 (the file: 5.5).
-STREAMED_PER_256 = {"Q6_K": 224, "Q4_K": 148, "Q5_K": 180}
+# IQ4_NL 4.5 (the file's blocks), IQ4_XS 4.3125 (the file: 4.25; d and the 8 scales as bytes per super-block).
+STREAMED_PER_256 = {"Q6_K": 224, "Q4_K": 148, "Q5_K": 180, "IQ4_NL": 144, "IQ4_XS": 138}
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K", "IQ4_XS", "IQ4_NL"])
 @pytest.mark.parametrize("random_bytes", [False, True])
 @pytest.mark.parametrize(("rows", "cols", "m"), [(1, 256, 1), (37, 512, 3), (130, 768, 8), (16, 1536, 2),
                                                 (37, 256, 17), (50, 512, 33)])
@@ -293,8 +295,20 @@ def test_k_quant_kernels_agree_and_match_gguf(qtype: str, rows: int, cols: int, 
     _assert_kernels_agree_within_bound(mat, w, m)
 
 
+def test_iq4_nl_bad_input_names_the_tensor() -> None:
+    raw, _ = _k_quant("IQ4_NL", 4, 512, seed=3, random_bytes=True)
+    with pytest.raises(ValueError, match=r'"blk.3.attn_q.weight".*needs 1152 bytes, got 1151'):
+        _core.GgufMatrix(raw[:-1], 4, 512, "IQ4_NL", "blk.3.attn_q.weight")
+    with pytest.raises(ValueError, match="multiple of the block size 32"):
+        _core.GgufMatrix(raw[:18 * 3], 2, 48, "IQ4_NL", "w")
+    spoiled = raw.copy()
+    spoiled[18 * 17:18 * 17 + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # row 1, block 1
+    with pytest.raises(ValueError, match=r'"w": scale field "d" of row 1, block 1 is not finite'):
+        _core.GgufMatrix(spoiled, 4, 512, "IQ4_NL", "w")
+
+
 @pytest.mark.parametrize("qtype, scales", [("Q6_K", (("d", 208),)), ("Q4_K", (("d", 0), ("dmin", 2))),
-                                           ("Q5_K", (("d", 0), ("dmin", 2)))])
+                                           ("Q5_K", (("d", 0), ("dmin", 2))), ("IQ4_XS", (("d", 0),))])
 def test_k_quant_bad_input_names_the_tensor(qtype: str, scales: tuple[tuple[str, int], ...]) -> None:
     raw, _ = _k_quant(qtype, 4, 512, seed=3, random_bytes=False)
     row = raw.size // 4

@@ -89,8 +89,32 @@ def test_q5_k_becomes_q5_1_within_the_f16_rounding_of_its_scales(d, dmin, exact)
     assert (got == ref).all() == exact  # exact cases: every fifth bit moved (a lost one is off by 16 d sc)
 
 
+@pytest.mark.parametrize("d,exact", [(0.0123, False), (3.1e-6, True), (-2.0**-8, True)])
+def test_iq4_xs_becomes_iq4_nl_within_the_f16_rounding_of_its_scales(d, exact):
+    """What a tensor-parallel shard that cuts an IQ4_XS super-block runs: the same codes, each sub-block's scale
+    ``d * (ls - 32)`` rounded once to f16 (exact where d has few significant bits: subnormal, a power of two).
+    Random bytes cover every 6-bit scale (4 low bits in ``scales_l``, 2 high in ``scales_h``) and every code."""
+    blocks = np.random.default_rng(4).integers(0, 256, (6 * 2, 136), dtype=np.uint8)
+    blocks[:, 0:2] = np.array([d], dtype=np.float16).view(np.uint8)
+    blocks = blocks.reshape(6, 2 * 136)
+    ref = dequantize(blocks, T.IQ4_XS)
+    nl = to_kernel(blocks, 512, "IQ4_XS", "IQ4_NL", "w")
+    assert nl.shape == (6, 512 // 32 * 18) and nl.dtype == np.uint8
+    got = dequantize(nl, T.IQ4_NL)
+    step = np.abs(np.float32(np.float16(d))) * 32 * 127  # the largest |d (ls - 32) code|
+    assert (np.abs(got - ref) <= step * 2.0**-11 + 2.0**-24 * 127).all()
+    assert (got == ref).all() == exact
+    with pytest.raises(ValueError, match=r"'w' \(IQ4_XS\): 100 bytes a row for 256 columns; IQ4_XS needs 136"):
+        to_kernel(np.zeros((2, 100), dtype=np.uint8), 256, "IQ4_XS", "IQ4_NL", "w")
+    spoiled = blocks.copy()
+    spoiled[1, 136:138] = np.array([np.inf], dtype=np.float16).view(np.uint8)  # row 1, super-block 1
+    with pytest.raises(ValueError, match=r"'w' \(IQ4_XS\): row 1, super-block 1 has a scale that is not finite"):
+        to_kernel(spoiled, 512, "IQ4_XS", "IQ4_NL", "w")
+
+
 def test_the_narrower_formats_of_a_cut_super_block():
-    assert [narrower(t) for t in ("Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0")] == ["Q4_1", "Q5_1", "Q8_0", "Q5_0", "Q8_0"]
+    assert [narrower(t) for t in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q8_0", "IQ4_NL")] == [
+        "Q4_1", "Q5_1", "Q8_0", "IQ4_NL", "Q5_0", "Q8_0", "IQ4_NL"]
     blocks = random_q4_k(2, 256, 0.01, 0.01, size=176)
     np.testing.assert_array_equal(to_kernel(blocks, 256, "Q5_K", "Q5_1", "w"),
                                   k_quant_to_block_of_32(blocks, 256, "Q5_K", "w"))
@@ -118,9 +142,11 @@ def test_other_types_are_requantized_to_q8_0_within_half_a_step(qtype):
 
 
 def test_types_and_the_format_fused_siblings_share():
-    types = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "IQ4_XS", "F16", "BF16", "F32")
+    types = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "IQ4_XS", "IQ4_NL", "IQ3_S",
+             "F16", "BF16", "F32")
     assert [kernel_type(t) for t in types] == [
-        "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q8_0", None, None, None]
+        "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "IQ4_XS", "IQ4_NL", "Q8_0",
+        None, None, None]
     assert common_type(["Q4_K", "Q4_K"]) == "Q4_K"
     assert common_type(["Q4_K", "Q4_K", "Q6_K"]) == "Q8_0"  # Q4_K_M's q/k/v
     assert common_type(["Q4_0", "Q4_1"]) == "Q8_0"
@@ -283,3 +309,32 @@ def test_converted_blocks_are_kept_for_the_next_load(q4_k_m_files, tmp_path, mon
         assert decode(k_quants, "gguf") == fresh
     assert "were not kept" in caplog.text and "No space left on device" in caplog.text
     assert not any((gguf_cache.convert_gguf_cached(k_quants) / "converted").glob("*"))
+
+
+def test_matrices_are_packed_on_threads_and_the_first_failure_in_order_is_raised(q4_k_m_files, tmp_path, monkeypatch):
+    """``install_gguf_weights`` converts and packs on several threads; when two layers fail, the error is the
+    first one's in model order (what one thread reported), though the later one fails first in time."""
+    import threading
+    import time
+
+    from pagedrs.models import gguf_convert, gguf_linear, quant
+
+    _, converting, _ = q4_k_m_files
+    monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: True)
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_linear, "LOAD_THREADS", 4)
+    real, threads = gguf_convert.to_kernel, set()
+
+    def failing(blocks, cols, type_name, target, name):
+        threads.add(threading.get_ident())
+        if name == "model.layers.0.self_attn.o_proj.weight":
+            time.sleep(0.5)
+            raise ValueError(f"first: {name}")
+        if name == "model.layers.1.self_attn.o_proj.weight":
+            raise ValueError(f"second: {name}")
+        return real(blocks, cols, type_name, target, name)
+
+    monkeypatch.setattr(gguf_convert, "to_kernel", failing)
+    with pytest.raises(ValueError, match=r"^first: model\.layers\.0\.self_attn\.o_proj\.weight$"):
+        load_model(converting)
+    assert len(threads) > 1

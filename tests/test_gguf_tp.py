@@ -171,12 +171,12 @@ def test_a_split_inside_a_block_is_refused_by_name_and_auto_keeps_to_aten(kernel
 
 @pytest.mark.parametrize("qtype, intermediate, per_rank_format", [
     ("Q6_K", 512, "q6_k"), ("Q6_K", 768, "q8_0"), ("Q4_K", 512, "q4_k"), ("Q4_K", 768, "q4_1"),
-    ("Q5_K", 512, "q5_k"), ("Q5_K", 768, "q5_1")])
+    ("Q5_K", 512, "q5_k"), ("Q5_K", 768, "q5_1"), ("IQ4_XS", 512, "iq4_xs"), ("IQ4_XS", 768, "iq4_nl")])
 def test_a_k_quant_row_shard_that_would_cut_a_super_block_runs_per_block_of_32(tmp_path, qtype, intermediate,
                                                                                per_rank_format):
     """K-quant scales span 256 columns: down_proj's 256 columns a rank stay in the file's type; 384 a rank
-    (whole blocks of 32, not of 256) run that layer in Q8_0 (Q6_K, requantized), Q4_1 (Q4_K) or Q5_1 (Q5_K:
-    their scales rounded to f16) rather than being refused; the partial sums still add up to one rank's product within
+    (whole blocks of 32, not of 256) run that layer in Q8_0 (Q6_K, requantized), Q4_1 (Q4_K), Q5_1 (Q5_K) or
+    IQ4_NL (IQ4_XS: their scales rounded to f16) rather than being refused; the partial sums still add up to one rank's product within
     that conversion's error."""
     import gguf
 

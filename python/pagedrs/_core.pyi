@@ -361,8 +361,8 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: b
     """The hashes of the full blocks of `token_ids`, as a scheduler names them (cached_hashes, KV events)."""
 
 class GgufMatrix:
-    """A GGUF-quantized weight ``[rows, cols]`` (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K raw block
-    bytes) repacked once for the Rust GEMV kernels, or (``fused``) the rows of several such weights, each in
+    """A GGUF-quantized weight ``[rows, cols]`` (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_NL /
+    IQ4_XS raw block bytes) repacked once for the Rust GEMV kernels, or (``fused``) the rows of several such weights, each in
     its own format; ``matmul`` quantizes ``x`` per block of 32 to int8 and releases the GIL.
     Bad bytes, shapes or non-finite scales raise ValueError naming the tensor."""
 

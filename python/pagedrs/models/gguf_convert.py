@@ -2,29 +2,31 @@
 
 Why: most GGUF files people download are llama.cpp's K-quants ("Q4_K_M": Q4_K for most
 tensors, Q6_K for the output head and some value / down projections; "Q5_K_M", "Q6_K") or the
-i-quant types. The kernel reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K as they are;
-without a conversion any other type ran dequantized (float32 on a CPU without fast bfloat16: 32
-bits a weight streamed per token, against 4.5).
+i-quant types. The kernel reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS
+as they are; without a conversion any other type ran dequantized (float32 on a CPU without fast
+bfloat16: 32 bits a weight streamed per token, against 4.5).
 
-- **Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 run as they are** (the kernel's own formats: 4.625, 5.625, 7, 5.5
-  and 6 bits a weight streamed, the file's weights exactly). Before, Q4_K was converted to Q4_1 as
-  below and the others requantized to Q8_0 (8.5 bits and a second rounding). Q5_0 and Q5_1 matter
+- **Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL and IQ4_XS run as they are** (the kernel's own formats: 4.625,
+  5.625, 7, 5.5, 6, 4.5 and ~4.5 bits a weight streamed, the file's weights exactly). Before, Q4_K was
+  converted to Q4_1 as below and the others requantized to Q8_0 (8.5 bits and a second rounding). Q5_0 and Q5_1 matter
   beyond 5-bit files: llama.cpp writes them for a K-quant tensor whose rows are not whole super-blocks
   of 256 (a small model's 576- or 896-wide layers in a "Q4_K_M" file).
-- **Q4_K -> Q4_1 and Q5_K -> Q5_1** where such a tensor cannot run as it is (a tensor-parallel shard
-  that cuts its 256-column super-blocks), one block per sub-block of 32: the same codes, scale ``d * sc``
-  and minimum ``-dmin * m`` (each exact in float32: an f16 times a 6-bit integer) stored as f16, so each
+- **Q4_K -> Q4_1, Q5_K -> Q5_1 and IQ4_XS -> IQ4_NL** where such a tensor cannot run as it is (a
+  tensor-parallel shard that cuts its 256-column super-blocks), one block per sub-block of 32: the same
+  codes, scale ``d * sc`` (IQ4_XS: ``d * (ls - 32)``) and minimum ``-dmin * m`` (each exact in float32: an
+  f16 times a 6-bit integer) stored as f16, so each
   is rounded once, by at most 2^-11 of itself (half an f16 step; below 2^-14 the products stay on
   the subnormal grid and are exact). A Q4_K weight moves by at most ``15 * |d sc| * 2^-11 + |dmin m| *
   2^-11`` (a 4-bit step is ``|d sc|``: under 1% of one step; Q5_K's 31 codes: under 2%). 5 (6) bits a
   weight instead of 4.625 (5.625). Q6_K in such a shard is requantized to Q8_0.
-- **Every other quantized type gguf-py dequantizes** (Q2_K, Q3_K, the IQ and TQ types, MXFP4) ->
+- **Every other quantized type gguf-py dequantizes** (Q2_K, Q3_K, the other IQ types, TQ, MXFP4) ->
   **Q8_0**: dequantized exactly (float32), then quantized again per block of 32 by the Q8_0 rule
   (``gguf.quants.quantize``: ``d = max|w| / 127`` stored as f16, codes rounded): a weight moves by at
   most half a Q8_0 step, ``max|w| / 254`` of its block, plus the f16 rounding of the step times its
   code (at most 127 x 2^-11 of a step). 8.5 bits a weight.
-- Fused siblings (q/k/v, gate/up) must share one block format: where their targets differ
-  (Q4_K_M's Q4_K queries beside Q6_K values), every sibling goes to Q8_0.
+- Fused siblings (q/k/v, gate/up) of different types (Q4_K_M's Q4_K queries beside Q6_K values) run as
+  one product of parts, each in its own format (``GgufMatrix.fused``, ``gguf_linear``); until 2026-12-07
+  every such sibling went to Q8_0.
 
 F32, F16 and BF16 tensors are not converted: their layers keep the dense product.
 """
@@ -35,14 +37,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # what the Rust kernel reads as they are
+# what the Rust kernel reads as they are
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 # quantized types gguf-py dequantizes (gguf 0.19), requantized to Q8_0
 REQUANTIZED_TYPES = (
-    "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
-    "IQ1_M", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4",
+    "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4",
 )
 QK = 32  # weights a block of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 covers (the kernel's step; its activations' blocks)
-SUPER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # a format whose scales span more columns: its rows are whole runs of these
+SUPER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_XS": 256}  # a format whose scales span more columns: its rows are whole runs of these
 
 
 def block_columns(kernel_format: str) -> int:
@@ -71,9 +73,9 @@ def common_type(type_names: Sequence[str]) -> str | None:
 
 def narrower(kernel_format: str) -> str:
     """The format a tensor of ``kernel_format`` runs in where its columns are cut inside a super-block (a
-    tensor-parallel shard of 32-column multiples): Q4_K as Q4_1 and Q5_K as Q5_1 (their sub-blocks' scales
-    rounded to f16), Q6_K as Q8_0 (requantized); any other format is already per block of 32."""
-    return {"Q4_K": "Q4_1", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}.get(kernel_format, kernel_format)
+    tensor-parallel shard of 32-column multiples): Q4_K as Q4_1, Q5_K as Q5_1 and IQ4_XS as IQ4_NL (their
+    sub-blocks' scales rounded to f16), Q6_K as Q8_0 (requantized); any other format is already per block of 32."""
+    return {"Q4_K": "Q4_1", "Q5_K": "Q5_1", "IQ4_XS": "IQ4_NL", "Q6_K": "Q8_0"}.get(kernel_format, kernel_format)
 
 
 def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:
@@ -85,6 +87,8 @@ def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: 
         return blocks
     if (type_name, target) in (("Q4_K", "Q4_1"), ("Q5_K", "Q5_1")):
         return k_quant_to_block_of_32(blocks, cols, type_name, name)
+    if (type_name, target) == ("IQ4_XS", "IQ4_NL"):
+        return iq4_xs_to_iq4_nl(blocks, cols, name)
     if target != "Q8_0" or kernel_type(type_name) is None:
         raise ValueError(f"GGUF tensor {name!r}: no conversion from {type_name} to {target}")
     return requantize_q8_0(blocks, cols, type_name, name)
@@ -127,6 +131,33 @@ def k_quant_to_block_of_32(blocks: np.ndarray, cols: int, type_name: str, name: 
         parts.append(word.astype("<u4").view(np.uint8).reshape(-1, 8, 4))
     out = np.concatenate([*parts, packed], axis=-1)
     return np.ascontiguousarray(out.reshape(rows, cols // QK * out_size))
+
+
+def iq4_xs_to_iq4_nl(blocks: np.ndarray, cols: int, name: str) -> np.ndarray:
+    """IQ4_XS super-blocks (256 weights: f16 d, u16 scales_h, scales_l[4], qs[128]) -> 8 IQ4_NL blocks each
+    (f16 d, qs[16]): the same codes, the sub-block's scale ``d * (ls - 32)`` (exact in float32: an f16 times an
+    integer in -32..31) stored as f16, rounded once (at most 2^-11 of itself)."""
+    rows = blocks.shape[0]
+    if cols % 256 or blocks.shape[1] != cols // 256 * 136:
+        raise ValueError(f"GGUF tensor {name!r} (IQ4_XS): {blocks.shape[1]} bytes a row for {cols} columns; IQ4_XS "
+                         "needs 136 bytes per 256 columns")
+    per_row = cols // 256
+    sb = np.ascontiguousarray(blocks).reshape(-1, 136)
+    d = sb[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    high = sb[:, 2:4].copy().view("<u2").astype(np.int32)  # [n, 1]
+    ib = np.arange(8)
+    low = (sb[:, 4 + ib // 2].astype(np.int32) >> (4 * (ib % 2))) & 0xF  # [n, 8]
+    ls = low | (((high >> (2 * ib)) & 3) << 4)
+    with np.errstate(over="ignore", invalid="ignore"):
+        scale = (d * (ls - 32).astype(np.float32)).astype(np.float16)  # [n, 8]
+    bad = ~np.isfinite(scale).all(axis=1) | ~np.isfinite(d[:, 0])
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"GGUF tensor {name!r} (IQ4_XS): row {i // per_row}, super-block {i % per_row} has a scale "
+                         f"that is not finite as float16 (d {float(d[i, 0])})")
+    qs = sb[:, 8:].reshape(-1, 8, 16)  # sub-block ib's 16 bytes, IQ4_NL's own layout
+    out = np.concatenate([scale.view(np.uint8).reshape(-1, 8, 2), qs], axis=-1)
+    return np.ascontiguousarray(out.reshape(rows, cols // QK * 18))
 
 
 def requantize_q8_0(blocks: np.ndarray, cols: int, type_name: str, name: str) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Why: batch-1 decode on a CPU streams every weight once per token; aten's int4/int8 kernels
 reach under 40% of the memory bandwidth at M = 1, the Rust kernel (``rust/src/gemv``) reads
-the GGUF blocks as they are (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: no re-quantization, so no second
-rounding)
+the GGUF blocks as they are (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS: no
+re-quantization, so no second rounding)
 with int8 activations per block of 32, as llama.cpp does. Other quantized types are converted once
 at load (``gguf_convert``: requantized to Q8_0), and so are fused siblings whose types differ (all to
 Q8_0).
@@ -26,7 +26,7 @@ file's blocks where the dense loader slices the float32 tensor (``LinearBase.row
 exact; a row-parallel shard (``o_proj``, ``down_proj``) must start and end on a block boundary (one
 scale covers 32 columns), so its columns per rank must be a multiple of 32, else the load is refused
 by name (and ``auto`` does not pick this format). A K-quant tensor's blocks span 256 columns: where a
-rank's shard would cut one, that layer runs Q4_K as Q4_1, Q5_K as Q5_1 and Q6_K as Q8_0
+rank's shard would cut one, that layer runs Q4_K as Q4_1, Q5_K as Q5_1, IQ4_XS as IQ4_NL and Q6_K as Q8_0
 (``gguf_convert.narrower``).
 Each rank quantizes the same 32-column blocks of its
 input slice that one rank would, so a shard's partial sum differs from one rank's only in the order
@@ -35,7 +35,10 @@ the blocks' sums are added.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import numpy as np
@@ -118,10 +121,14 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
     """Give every ``GgufLinearMethod`` layer its raw-block matrix. Returns, per parameter that got one
     (``"model.layers.0.self_attn.qkv_proj.weight"``), the checkpoint tensors it was made of: a load
     need not read them again. ``convert``: ``to_kernel``, or one that keeps its results
-    (``gguf_cache.ConvertedBlocks``). Bind the model again afterwards (``load_weights`` does)."""
+    (``gguf_cache.ConvertedBlocks``). Bind the model again afterwards (``load_weights`` does).
+
+    The matrices are converted and packed on up to ``LOAD_THREADS`` threads (packing releases the GIL:
+    one thread repacked ~0.5 GB/s here, most of a warm load); they are installed in order, and an error
+    is the first layer's in that order, as on one thread."""
     from pagedrs._core import GgufMatrix
 
-    installed: dict[str, tuple[str, ...]] = {}
+    jobs: list[tuple[str, LinearBase, tuple[str, ...], Callable[[], Any]]] = []
     for module_name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or not isinstance(layer.method, GgufLinearMethod):
             continue
@@ -136,23 +143,38 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
         parts = [p for p in found if p is not None]
         if len(parts) != len(found) or common_type([p[2] for p in parts]) is None:
             continue  # keeps its float32 weight
-        first, count = layer.col_shard()
-        # each sibling in its own kernel format; where a rank's columns cut a K-quant super-block, the
-        # narrower one (rank_blocks checks the 32s)
-        targets = [cast(str, kernel_type(kind)) for _, _, kind in parts]  # (all on the kernel: common_type above)
-        targets = [t if not (first % block_columns(t) or count % block_columns(t)) else narrower(t) for t in targets]
-        parts = [(convert(blocks, cols, kind, t, n), cols, t) for (blocks, cols, kind), t, n in zip(parts, targets, names)]
         shard_ids = [sid for _, sid in siblings]
-        if len(set(targets)) == 1:
-            blocks, cols = rank_blocks(layer, parts, shard_ids, names)
-            matrix = GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, targets[0], "+".join(names))
-        else:
-            matrix = GgufMatrix.fused([GgufMatrix(b.reshape(-1), b.shape[0], c, t, n) for (b, c), t, n in zip(
-                (rank_part(layer, part, sid, name) for part, sid, name in zip(parts, shard_ids, names)), targets, names)],
-                "+".join(names))
+        jobs.append((module_name, layer, tuple(names),
+                     functools.partial(_layer_matrix, GgufMatrix, layer, parts, shard_ids, names, convert)))
+    workers = max(1, min(LOAD_THREADS, len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                         else os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedrs-pack") as pool:
+        matrices = list(pool.map(lambda job: job[3](), jobs))  # in order: the first failure in order is raised
+    installed: dict[str, tuple[str, ...]] = {}
+    for (module_name, layer, names_of, _), matrix in zip(jobs, matrices, strict=True):
         GgufLinearMethod.install(layer, matrix)
-        installed[f"{module_name}.weight"] = tuple(names)
+        installed[f"{module_name}.weight"] = names_of
     return installed
+
+
+LOAD_THREADS = 4  # threads that convert and pack a model's matrices at load (at most the CPUs this process may use)
+
+
+def _layer_matrix(matrix_type: Any, layer: LinearBase, parts: list[tuple[np.ndarray, int, str]], shard_ids: list[ShardId],
+                  names: list[str], convert: Callable[[np.ndarray, int, str, str, str], np.ndarray]) -> Any:
+    """``layer``'s matrix (a ``GgufMatrix``: one format, or a fused product of its siblings' parts) from its
+    siblings' raw blocks ``parts`` (blocks, columns, GGUF type): each sibling in its own kernel format, or, where
+    a rank's columns cut a K-quant super-block, the narrower one (``rank_blocks`` checks the 32s)."""
+    first, count = layer.col_shard()
+    targets = [cast(str, kernel_type(kind)) for _, _, kind in parts]  # (all on the kernel: checked by the caller)
+    targets = [t if not (first % block_columns(t) or count % block_columns(t)) else narrower(t) for t in targets]
+    kept = [(convert(blocks, cols, kind, t, n), cols, t) for (blocks, cols, kind), t, n in zip(parts, targets, names)]
+    if len(set(targets)) == 1:
+        blocks, cols = rank_blocks(layer, kept, shard_ids, names)
+        return matrix_type(blocks.reshape(-1), blocks.shape[0], cols, targets[0], "+".join(names))
+    ranked = [rank_part(layer, part, sid, name) for part, sid, name in zip(kept, shard_ids, names)]
+    return matrix_type.fused([matrix_type(b.reshape(-1), b.shape[0], c, t, n) for (b, c), t, n in zip(ranked, targets, names)],
+                             "+".join(names))
 
 
 def rank_blocks(layer: LinearBase, parts: Sequence[tuple[np.ndarray, int, str]], shard_ids: Sequence[ShardId],
