@@ -32,13 +32,13 @@ impl Rng {
     }
 }
 
-/// Random GGUF bytes of a [rows, cols] tensor (Q6_K: `gemv_q6_k::random_q6_k`; Q4_K:
-/// `gemv_q4_k::random_q4_k`; Q5_K: `gemv_q5_k::random_q5_k`; IQ4_XS: `gemv_iq4::random_iq4_xs`).
+/// Random GGUF bytes of a [rows, cols] tensor (Q6_K: `gemv_q6_k::random_q6_k`; Q4_K and Q5_K:
+/// `gemv_q4_k::random_k_with_min`; IQ4_XS: `gemv_iq4::random_iq4_xs`).
 fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     match format {
         Format::Q6K => return gemv_q6_k::random_q6_k(rows, cols, rng),
-        Format::Q4K => return gemv_q4_k::random_q4_k(rows, cols, rng),
-        Format::Q5K => return gemv_q5_k::random_q5_k(rows, cols, rng),
+        Format::Q4K => return gemv_q4_k::random_k_with_min(rows, cols, 144, rng),
+        Format::Q5K => return gemv_q4_k::random_k_with_min(rows, cols, 176, rng),
         Format::IQ4XS => return gemv_iq4::random_iq4_xs(rows, cols, rng),
         Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {}
     }

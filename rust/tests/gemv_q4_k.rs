@@ -71,18 +71,19 @@ pub(super) fn encode_scales(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
     scales
 }
 
-/// Random Q4_K bytes of a [rows, cols] tensor: every scale byte and code random (all 64 scales and
-/// minima, all 16 codes), `d` and `dmin` as the other formats' scales (magnitude 2^-10 to 1, either
-/// sign), one in 8 subnormal.
-pub(super) fn random_q4_k(rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    let mut raw = Vec::with_capacity(rows * cols / 256 * SB);
+/// Random bytes of a [rows, cols] tensor of a K-quant with minima whose GGUF super-block is `sb` bytes,
+/// `d` and `dmin` first (Q4_K: 144, Q5_K: 176): every scale byte, fifth bit and code random (all 64
+/// scales and minima, all codes), `d` and `dmin` as the other formats' scales (magnitude 2^-10 to 1,
+/// either sign), one in 8 subnormal.
+pub(super) fn random_k_with_min(rows: usize, cols: usize, sb: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut raw = Vec::with_capacity(rows * cols / 256 * sb);
     for _ in 0..rows * cols / 256 {
         for _ in 0..2 {
             let r = rng.next();
             let d = if r % 8 == 0 { (r >> 16) as u16 & 0x83ff } else { f16_bits(r) };
             raw.extend_from_slice(&d.to_le_bytes());
         }
-        raw.extend((0..SB - 4).map(|_| rng.next() as u8));
+        raw.extend((0..sb - 4).map(|_| rng.next() as u8));
     }
     raw
 }

@@ -56,22 +56,6 @@ fn encode_q5_k(q: &[u8; 256], sc: &[u8; 8], m: &[u8; 8], d: u16, dmin: u16) -> V
     sb
 }
 
-/// Random Q5_K bytes of a [rows, cols] tensor: every scale byte, fifth bit and code random (all 64
-/// scales and minima, all 32 codes), `d` and `dmin` as the other formats' scales (magnitude 2^-10 to
-/// 1, either sign), one in 8 subnormal.
-pub(super) fn random_q5_k(rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    let mut raw = Vec::with_capacity(rows * cols / 256 * SB);
-    for _ in 0..rows * cols / 256 {
-        for _ in 0..2 {
-            let r = rng.next();
-            let d = if r % 8 == 0 { (r >> 16) as u16 & 0x83ff } else { f16_bits(r) };
-            raw.extend_from_slice(&d.to_le_bytes());
-        }
-        raw.extend((0..SB - 4).map(|_| rng.next() as u8));
-    }
-    raw
-}
-
 /// Hand-built super-blocks (19 rows of 4, all of them): for every sub-block position `j` scale and
 /// minimum run through all of 0..63 over the super-blocks; in the first 64 the fifth bits of
 /// element `l` are the byte `(32 s + l) % 256` of super-block `s` (every `qh[l]` value 0..255, 8
