@@ -51,6 +51,22 @@ def test_a_file_cut_inside_its_header_fails_as_with_gguf_py(tmp_path):
                 open_gguf(short)
 
 
+def test_it_is_used_only_where_gguf_py_s_private_methods_fit(monkeypatch):
+    from pagedrs.models import gguf_reader
+
+    assert gguf_reader.fits_this_gguf()  # gguf 0.19, requirements-dev.txt's pin
+    assert type(open_gguf(embedded_model_path())) is HeaderInMemoryReader
+    gguf_reader.fits_this_gguf.cache_clear()
+    monkeypatch.setattr(gguf.GGUFReader, "_build_tensors", lambda self, start_offs, fields, extra=None: None)
+    try:
+        assert not gguf_reader.fits_this_gguf()
+        assert type(gguf_reader.reader(embedded_model_path())) is gguf.GGUFReader
+        with header_in_memory_everywhere():
+            assert gguf.GGUFReader is not HeaderInMemoryReader
+    finally:
+        gguf_reader.fits_this_gguf.cache_clear()
+
+
 def test_transformers_reads_through_it_only_inside_the_block():
     original = gguf.GGUFReader
     with pytest.raises(RuntimeError, match="inside"):

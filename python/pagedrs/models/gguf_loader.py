@@ -48,14 +48,14 @@ _DEQUANTIZE_FLOATS = 1 << 22  # floats dequantized per call (16 MiB): bounds the
 
 
 def open_gguf(path: Path) -> Any:
-    from pagedrs.models.gguf_reader import HeaderInMemoryReader
+    from pagedrs.models import gguf_reader
 
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{str(path)!r} is not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
     try:
-        return HeaderInMemoryReader(path)
+        return gguf_reader.reader(path)
     except Exception as e:  # the reader raises assorted errors on a short or garbled file
         raise ValueError(f"GGUF file {str(path)!r} is truncated or corrupt: {type(e).__name__}: {e}") from e
 

@@ -12,6 +12,8 @@ field by field and tensor by tensor against ``gguf.GGUFReader``).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import threading
 from collections.abc import Iterator
@@ -57,6 +59,24 @@ class HeaderInMemoryReader(GGUFReader):
         super()._build_tensors(start_offs, fields)
 
 
+@functools.cache
+def fits_this_gguf() -> bool:
+    """Whether gguf-py's private methods that ``HeaderInMemoryReader`` overrides have the parameters it was
+    written against (gguf 0.10-0.19: ``pyproject.toml`` allows any later one); where not, gguf-py's own
+    reader is used, slower and never wrong."""
+    try:
+        get = list(inspect.signature(GGUFReader._get).parameters)
+        build = list(inspect.signature(GGUFReader._build_tensors).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return get == ["self", "offset", "dtype", "count", "override_order"] and build == ["self", "start_offs", "fields"]
+
+
+def reader(path: os.PathLike[str] | str) -> GGUFReader:
+    """The fast reader where it fits this gguf-py, else gguf-py's own."""
+    return HeaderInMemoryReader(path) if fits_this_gguf() else GGUFReader(path)
+
+
 _SWAP = threading.Lock()
 
 
@@ -68,6 +88,9 @@ def header_in_memory_everywhere() -> Iterator[None]:
     same result, sooner."""
     import gguf
 
+    if not fits_this_gguf():
+        yield
+        return
     with _SWAP:
         original = gguf.GGUFReader
         gguf.GGUFReader = HeaderInMemoryReader  # type: ignore[misc]
