@@ -1,4 +1,4 @@
-"""``models/gguf_reader.py``: gguf-py's reader with the header parsed from memory gives gguf-py's own fields
+"""``pagedrs/gguf_reader.py``: gguf-py's reader with the header parsed from memory gives gguf-py's own fields
 and tensors (the referee is ``gguf.GGUFReader`` on the same file), faster, and fails as it does."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
+from pagedrs.gguf_reader import HeaderInMemoryReader, header_in_memory_everywhere  # noqa: E402
 from pagedrs.models.gguf_loader import open_gguf  # noqa: E402
-from pagedrs.models.gguf_reader import HeaderInMemoryReader, header_in_memory_everywhere  # noqa: E402
 from pagedrs.models.loader import embedded_model_path  # noqa: E402
 
 
@@ -52,7 +52,7 @@ def test_a_file_cut_inside_its_header_fails_as_with_gguf_py(tmp_path):
 
 
 def test_it_is_used_only_where_gguf_py_s_private_methods_fit(monkeypatch):
-    from pagedrs.models import gguf_reader
+    from pagedrs import gguf_reader
 
     assert gguf_reader.fits_this_gguf()  # gguf 0.19, requirements-dev.txt's pin
     assert type(open_gguf(embedded_model_path())) is HeaderInMemoryReader

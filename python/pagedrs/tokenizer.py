@@ -53,10 +53,10 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path, eos_token_ids: set[int] | None = None) -> Tokenizer:
         """Built by transformers from the GGUF metadata (slow: the GGUF loader caches the result as a folder;
-        its reader parses the header from memory, ``gguf_reader``)."""
+        its reader parses the header from memory, ``pagedrs.gguf_reader``)."""
         from transformers import AutoTokenizer
 
-        from pagedrs.models.gguf_reader import header_in_memory_everywhere
+        from pagedrs.gguf_reader import header_in_memory_everywhere
 
         path = Path(path)
         with header_in_memory_everywhere():

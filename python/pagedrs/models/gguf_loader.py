@@ -48,7 +48,7 @@ _DEQUANTIZE_FLOATS = 1 << 22  # floats dequantized per call (16 MiB): bounds the
 
 
 def open_gguf(path: Path) -> Any:
-    from pagedrs.models import gguf_reader
+    from pagedrs import gguf_reader
 
     with path.open("rb") as f:
         magic = f.read(4)
