@@ -16,23 +16,30 @@ def _f16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
 
-def quantize_q4_k(w: np.ndarray) -> np.ndarray:
-    """float32 ``[rows, cols]`` (cols a multiple of 256) -> uint8 ``[rows, cols / 256 * 144]``."""
-    rows, cols = w.shape
+def _k_with_min(w: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K's (``top`` 15) or Q5_K's (31) choices for float32 ``w``: (f16 d, f16 dmin, the 12 bytes of packed
+    6-bit scales and minima per super-block, the codes ``[n, 8 sub-blocks, 32]`` in 0..top)."""
     sub = w.astype(np.float32).reshape(-1, 8, 32)
     lo = np.minimum(sub.min(axis=-1), 0.0)  # the code 0 means -dmin * m <= 0
-    scale = (sub.max(axis=-1) - lo) / 15
+    scale = (sub.max(axis=-1) - lo) / top
     d = _f16(np.maximum(scale.max(axis=-1), 1e-8) / 63)
     dmin = _f16(np.maximum((-lo).max(axis=-1), 1e-8) / 63)
     sc = np.clip(np.round(scale / d.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
     m = np.clip(np.round(-lo / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
     step = np.maximum(d.astype(np.float32)[:, None] * sc, 1e-12)[..., None]
-    q = np.clip(np.round((sub + (dmin.astype(np.float32)[:, None] * m)[..., None]) / step), 0, 15).astype(np.uint8)
+    q = np.clip(np.round((sub + (dmin.astype(np.float32)[:, None] * m)[..., None]) / step), 0, top).astype(np.uint8)
     scales = np.concatenate([
         (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
         (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
         (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4),
     ], axis=-1)
+    return d, dmin, scales, q
+
+
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, cols]`` (cols a multiple of 256) -> uint8 ``[rows, cols / 256 * 144]``."""
+    rows, cols = w.shape
+    d, dmin, scales, q = _k_with_min(w, 15)
     qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(-1, 128)  # chunk c: sub-block 2c low, 2c + 1 high
     out = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), scales, qs], axis=-1)
     return out.reshape(rows, cols // QK_K * 144)
@@ -43,20 +50,7 @@ def quantize_q5_k(w: np.ndarray) -> np.ndarray:
     dmin, Q4_K's 12 bytes of 6-bit scales and minima, ``qh[32]`` (bit ``2c`` of byte ``l``: the fifth bit of
     element ``64c + l``, bit ``2c + 1``: of element ``64c + 32 + l``), ``qs[128]`` (Q4_K's low nibbles)."""
     rows, cols = w.shape
-    sub = w.astype(np.float32).reshape(-1, 8, 32)
-    lo = np.minimum(sub.min(axis=-1), 0.0)
-    scale = (sub.max(axis=-1) - lo) / 31
-    d = _f16(np.maximum(scale.max(axis=-1), 1e-8) / 63)
-    dmin = _f16(np.maximum((-lo).max(axis=-1), 1e-8) / 63)
-    sc = np.clip(np.round(scale / d.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
-    m = np.clip(np.round(-lo / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
-    step = np.maximum(d.astype(np.float32)[:, None] * sc, 1e-12)[..., None]
-    q = np.clip(np.round((sub + (dmin.astype(np.float32)[:, None] * m)[..., None]) / step), 0, 31).astype(np.uint8)
-    scales = np.concatenate([
-        (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6),
-        (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
-        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4),
-    ], axis=-1)
+    d, dmin, scales, q = _k_with_min(w, 31)
     low, high = q & 0x0F, (q >> 4).astype(np.uint8)  # [n, 8 sub-blocks, 32]
     qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(-1, 128)
     qh = np.zeros((q.shape[0], 32), dtype=np.uint8)

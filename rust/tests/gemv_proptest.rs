@@ -366,6 +366,18 @@ fn large_products_split_over_threads_give_the_same_bits() {
 
 /// Every kernel gives exactly `expected` in every output of `w` times `m` rows of `x` (the largest
 /// integer sums, where every step is exact).
+/// A super-block format (256 weights) refuses a row that is not whole super-blocks (32, 128, 288 and 0
+/// columns), naming the tensor, the rule and the format.
+fn assert_super_block_columns_refused(format: Format) {
+    let name = "blk.3.ffn_gate.weight";
+    for cols in [32, 128, 288, 0] {
+        let err = PackedMatrix::from_gguf(name, &vec![0u8; format.gguf_block_bytes()], 1, cols, format).unwrap_err();
+        assert!(matches!(err, GemvError::BadShape { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(text.contains(name) && text.contains("multiple of 256") && text.contains(format.name()), "{text}");
+    }
+}
+
 fn assert_exact(w: &PackedMatrix, x: f32, ms: &[usize], expected: f32, what: &str) {
     for &m in ms {
         let xs = vec![x; m * w.cols()];

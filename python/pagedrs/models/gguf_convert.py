@@ -33,7 +33,7 @@ F32, F16 and BF16 tensors are not converted: their layers keep the dense product
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -94,6 +94,27 @@ def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: 
     return requantize_q8_0(blocks, cols, type_name, name)
 
 
+def _super_blocks(blocks: np.ndarray, cols: int, type_name: str, name: str) -> np.ndarray:
+    """A tensor's raw blocks (uint8 ``[rows, bytes per row]``) as ``[super-blocks, bytes]`` of ``type_name``,
+    refused naming ``name`` when the row's bytes are not its ``cols`` in that type."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    weights_per, size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    if cols % weights_per or blocks.shape[1] != cols // weights_per * size:
+        raise ValueError(f"GGUF tensor {name!r} ({type_name}): {blocks.shape[1]} bytes a row for {cols} columns; "
+                         f"{type_name} needs {size} bytes per {weights_per} columns")
+    return np.ascontiguousarray(blocks).reshape(-1, size)
+
+
+def _refuse_unscalable(bad: np.ndarray, cols: int, type_name: str, name: str, scales: Callable[[int], str]) -> None:
+    """A ValueError naming the first super-block in ``bad`` (one flag each, rows of ``cols / 256``), its row
+    and ``scales(i)`` (its f16 scales), when a sub-block's scale is not finite as float16."""
+    if bad.any():
+        i, per_row = int(np.argmax(bad)), cols // 256
+        raise ValueError(f"GGUF tensor {name!r} ({type_name}): row {i // per_row}, super-block {i % per_row} "
+                         f"has a scale that is not finite as float16 ({scales(i)})")
+
+
 def k_quant_to_block_of_32(blocks: np.ndarray, cols: int, type_name: str, name: str) -> np.ndarray:
     """Q4_K (Q5_K) super-blocks (256 weights: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, Q5_K's 32
     bytes of fifth bits, 128 bytes of low nibbles) -> 8 Q4_1 (Q5_1) blocks each (see the module docs)."""
@@ -101,13 +122,9 @@ def k_quant_to_block_of_32(blocks: np.ndarray, cols: int, type_name: str, name: 
     from gguf.quants import Q4_K
 
     target = {"Q4_K": "Q4_1", "Q5_K": "Q5_1"}[type_name]
-    (weights_per, size), out_size = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]], GGML_QUANT_SIZES[GGMLQuantizationType[target]][1]
-    rows = blocks.shape[0]
-    if cols % weights_per or blocks.shape[1] != cols // weights_per * size:
-        raise ValueError(f"GGUF tensor {name!r} ({type_name}): {blocks.shape[1]} bytes a row for {cols} columns; "
-                         f"{type_name} needs {size} bytes per {weights_per} columns")
-    per_row = cols // weights_per
-    sb = np.ascontiguousarray(blocks).reshape(-1, size)
+    out_size = GGML_QUANT_SIZES[GGMLQuantizationType[target]][1]
+    rows, sb = blocks.shape[0], _super_blocks(blocks, cols, type_name, name)
+    size = sb.shape[1]
     d = sb[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     dmin = sb[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, mn = Q4_K.get_scale_min(sb[:, 4:16].copy())  # [n, 8] each, 0..63 (Q5_K packs them as Q4_K does)
@@ -115,10 +132,7 @@ def k_quant_to_block_of_32(blocks: np.ndarray, cols: int, type_name: str, name: 
         scale = (d * sc.astype(np.float32)).astype(np.float16)  # exact in float32, rounded once to f16
         minimum = (-(dmin * mn.astype(np.float32))).astype(np.float16)
     bad = ~(np.isfinite(scale) & np.isfinite(minimum)).all(axis=1) | ~np.isfinite(d[:, 0]) | ~np.isfinite(dmin[:, 0])
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"GGUF tensor {name!r} ({type_name}): row {i // per_row}, super-block {i % per_row} "
-                         f"has a scale that is not finite as float16 (d {float(d[i, 0])}, dmin {float(dmin[i, 0])})")
+    _refuse_unscalable(bad, cols, type_name, name, lambda i: f"d {float(d[i, 0])}, dmin {float(dmin[i, 0])}")
     # low nibbles: 4 chunks of 32 bytes, the low nibbles sub-block 2c, the high ones 2c + 1
     qs = sb[:, size - 128:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     codes = (qs & 0x0F).reshape(-1, 8, 32)
@@ -137,12 +151,7 @@ def iq4_xs_to_iq4_nl(blocks: np.ndarray, cols: int, name: str) -> np.ndarray:
     """IQ4_XS super-blocks (256 weights: f16 d, u16 scales_h, scales_l[4], qs[128]) -> 8 IQ4_NL blocks each
     (f16 d, qs[16]): the same codes, the sub-block's scale ``d * (ls - 32)`` (exact in float32: an f16 times an
     integer in -32..31) stored as f16, rounded once (at most 2^-11 of itself)."""
-    rows = blocks.shape[0]
-    if cols % 256 or blocks.shape[1] != cols // 256 * 136:
-        raise ValueError(f"GGUF tensor {name!r} (IQ4_XS): {blocks.shape[1]} bytes a row for {cols} columns; IQ4_XS "
-                         "needs 136 bytes per 256 columns")
-    per_row = cols // 256
-    sb = np.ascontiguousarray(blocks).reshape(-1, 136)
+    rows, sb = blocks.shape[0], _super_blocks(blocks, cols, "IQ4_XS", name)
     d = sb[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
     high = sb[:, 2:4].copy().view("<u2").astype(np.int32)  # [n, 1]
     ib = np.arange(8)
@@ -151,10 +160,7 @@ def iq4_xs_to_iq4_nl(blocks: np.ndarray, cols: int, name: str) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         scale = (d * (ls - 32).astype(np.float32)).astype(np.float16)  # [n, 8]
     bad = ~np.isfinite(scale).all(axis=1) | ~np.isfinite(d[:, 0])
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"GGUF tensor {name!r} (IQ4_XS): row {i // per_row}, super-block {i % per_row} has a scale "
-                         f"that is not finite as float16 (d {float(d[i, 0])})")
+    _refuse_unscalable(bad, cols, "IQ4_XS", name, lambda i: f"d {float(d[i, 0])}")
     qs = sb[:, 8:].reshape(-1, 8, 16)  # sub-block ib's 16 bytes, IQ4_NL's own layout
     out = np.concatenate([scale.view(np.uint8).reshape(-1, 8, 2), qs], axis=-1)
     return np.ascontiguousarray(out.reshape(rows, cols // QK * 18))

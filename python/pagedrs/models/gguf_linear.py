@@ -126,8 +126,6 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
     The matrices are converted and packed on up to ``LOAD_THREADS`` threads (packing releases the GIL:
     one thread repacked ~0.5 GB/s here, most of a warm load); they are installed in order, and an error
     is the first layer's in that order, as on one thread."""
-    from pagedrs._core import GgufMatrix
-
     jobs: list[tuple[str, LinearBase, tuple[str, ...], Callable[[], Any]]] = []
     for module_name, layer in model.named_modules():
         if not isinstance(layer, LinearBase) or not isinstance(layer.method, GgufLinearMethod):
@@ -145,7 +143,7 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
             continue  # keeps its float32 weight
         shard_ids = [sid for _, sid in siblings]
         jobs.append((module_name, layer, tuple(names),
-                     functools.partial(_layer_matrix, GgufMatrix, layer, parts, shard_ids, names, convert)))
+                     functools.partial(_layer_matrix, layer, parts, shard_ids, names, convert)))
     workers = max(1, min(LOAD_THREADS, len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                          else os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pagedrs-pack") as pool:
@@ -160,21 +158,23 @@ def install_gguf_weights(model: nn.Module, raw: dict[str, tuple[np.ndarray, int,
 LOAD_THREADS = 4  # threads that convert and pack a model's matrices at load (at most the CPUs this process may use)
 
 
-def _layer_matrix(matrix_type: Any, layer: LinearBase, parts: list[tuple[np.ndarray, int, str]], shard_ids: list[ShardId],
+def _layer_matrix(layer: LinearBase, parts: list[tuple[np.ndarray, int, str]], shard_ids: list[ShardId],
                   names: list[str], convert: Callable[[np.ndarray, int, str, str, str], np.ndarray]) -> Any:
     """``layer``'s matrix (a ``GgufMatrix``: one format, or a fused product of its siblings' parts) from its
     siblings' raw blocks ``parts`` (blocks, columns, GGUF type): each sibling in its own kernel format, or, where
     a rank's columns cut a K-quant super-block, the narrower one (``rank_blocks`` checks the 32s)."""
+    from pagedrs._core import GgufMatrix
+
     first, count = layer.col_shard()
     targets = [cast(str, kernel_type(kind)) for _, _, kind in parts]  # (all on the kernel: checked by the caller)
     targets = [t if not (first % block_columns(t) or count % block_columns(t)) else narrower(t) for t in targets]
     kept = [(convert(blocks, cols, kind, t, n), cols, t) for (blocks, cols, kind), t, n in zip(parts, targets, names)]
     if len(set(targets)) == 1:
         blocks, cols = rank_blocks(layer, kept, shard_ids, names)
-        return matrix_type(blocks.reshape(-1), blocks.shape[0], cols, targets[0], "+".join(names))
+        return GgufMatrix(blocks.reshape(-1), blocks.shape[0], cols, targets[0], "+".join(names))
     ranked = [rank_part(layer, part, sid, name) for part, sid, name in zip(kept, shard_ids, names)]
-    return matrix_type.fused([matrix_type(b.reshape(-1), b.shape[0], c, t, n) for (b, c), t, n in zip(ranked, targets, names)],
-                             "+".join(names))
+    return GgufMatrix.fused([GgufMatrix(b.reshape(-1), b.shape[0], c, t, n) for (b, c), t, n in zip(ranked, targets, names)],
+                            "+".join(names))
 
 
 def rank_blocks(layer: LinearBase, parts: Sequence[tuple[np.ndarray, int, str]], shard_ids: Sequence[ShardId],
