@@ -7,6 +7,9 @@
 //! The AVX-512 intrinsics are stable since Rust 1.89: this file needs that compiler although the
 //! crate still declares 1.82 (raising `rust-version` turns on lints across other modules).
 
+mod blocks32;
+mod superblock;
+
 use std::arch::x86_64::*;
 
 use super::format::{Format, QK};
@@ -27,24 +30,22 @@ const ROWS: usize = 8;
 
 /// Same contract as `scalar::tile`.
 ///
-/// Q6_K, Q4_K, Q5_K, Q5_0, Q5_1, IQ4_NL and IQ4_XS run on the AVX2 kernel (the same bits; scalar where a
-/// CPU lacks AVX2): an AVX-512 Q6_K kernel was written (commit 5f1f2b3) but no machine with AVX-512 has run
-/// its tests yet, and a kernel nobody ran is not shipped; Q4_K, Q5_K, Q5_0, Q5_1, IQ4_NL and IQ4_XS have
-/// none for the same reason.
-/// At M = 1 they stream from memory on AVX2 near the read bandwidth already (`cargo bench --bench gemv_rows`).
+/// Q4_0, Q4_1 and Q8_0 run here (`tile_from`); the super-block formats Q4_K, Q5_K and IQ4_XS in
+/// `superblock.rs`; Q6_K, Q5_0, Q5_1 and IQ4_NL (blocks of 32) in `blocks32.rs`.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and VNNI (`supported()`); slice lengths as in
 /// `avx2::tile`'s `# Safety`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
-    if matches!(format,
-                Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL | Format::IQ4XS) {
-        if super::avx2::supported() {
-            // SAFETY: AVX2, F16C and FMA were detected just above; the slices are this function's.
-            return unsafe { super::avx2::tile(format, tile, blocks, acts, out) };
+    match format {
+        // SAFETY: this function's own contract (the same as theirs).
+        Format::Q4K | Format::Q5K | Format::IQ4XS => return unsafe { superblock::tile(format, tile, blocks, acts, out) },
+        // SAFETY: as above.
+        Format::Q6K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
+            return unsafe { blocks32::tile(format, tile, blocks, acts, out) }
         }
-        return super::scalar::tile(format, tile, blocks, acts, out);
+        Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => {}
     }
     // SAFETY: this function's own contract.
     unsafe { tile_from(format, tile, blocks, acts, 0, out) }
