@@ -45,7 +45,8 @@ mod truncate;
 pub mod window;
 
 use block_table::Sequence;
-use prefix_cache::{root_seed, IdMap};
+pub(crate) use prefix_cache::IdMap;
+use prefix_cache::root_seed;
 use tier::TierPool;
 
 use crate::error::invalid;

@@ -43,7 +43,7 @@ mod speculation;
 mod stats;
 mod steps;
 
-use std::collections::HashMap;
+use crate::block_manager::IdMap;
 
 use crate::block_manager::{BlockManager, BlockManagerConfig, CopyPairs, SeqId, TransferId};
 use crate::error::CoreError;
@@ -61,7 +61,9 @@ pub struct Scheduler {
     /// What the layout implies, derived once at construction (see [`KvRules`]).
     rules: KvRules,
     kv: Box<dyn KvSpace>,
-    seqs: HashMap<SeqId, Sequence>,
+    /// By id; `IdMap` (one multiply a lookup, not SipHash: ids are the core's own, not an
+    /// attacker's keys, and a step looks each running sequence up several times).
+    seqs: IdMap<SeqId, Sequence>,
     waiting: Vec<SeqId>,
     running: Vec<SeqId>,
     swapped: Vec<SeqId>,
@@ -85,7 +87,7 @@ pub struct Scheduler {
     /// Steps that may be in flight at once; `schedule` reports older ones as done.
     max_steps_in_flight: usize,
     /// Draft tokens proposed for the next step's decodes (see `speculation`).
-    proposals: HashMap<SeqId, Vec<crate::block_manager::TokenId>>,
+    proposals: IdMap<SeqId, Vec<crate::block_manager::TokenId>>,
     /// Why a `schedule` failed part-way, leaving the core in no known state: every later
     /// call that plans or records refuses with it (see `steps`).
     broken: Option<String>,
@@ -98,7 +100,7 @@ impl Scheduler {
         config.validate()?;
         Ok(Self {
             kv,
-            seqs: HashMap::new(),
+            seqs: IdMap::default(),
             waiting: Vec::new(),
             running: Vec::new(),
             swapped: Vec::new(),
@@ -114,7 +116,7 @@ impl Scheduler {
             max_steps_in_flight: 1,
             broken: None,
             pins: Default::default(),
-            proposals: HashMap::new(),
+            proposals: IdMap::default(),
             rules,
             config,
         })
