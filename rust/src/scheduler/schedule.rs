@@ -251,6 +251,13 @@ impl Scheduler {
     fn schedule_admissions(&mut self, budget: &mut Budget, scheduled: &mut Vec<(SeqId, usize)>, others_wait: bool) -> Result<(), CoreError> {
         let (now, aging) = (self.stats.num_steps, self.config.aging_steps);
         self.refresh_admission_ratio();
+        if budget.tokens == 0 || budget.seqs == 0 || self.running.len() >= self.config.max_num_seqs {
+            // Nothing can come in (the loop below would stop before its first admission): no
+            // sort. The rank ends in the id, a total order, so sorting later gives the order
+            // sorting every step would have. (An offline batch of thousands of prompts waits
+            // behind a full running set: the sort was most of such a step's schedule.)
+            return Ok(());
+        }
         let seqs = &self.seqs;
         self.waiting.sort_by_key(|id| seqs[id].waiting_rank(now, aging));
         // Parked sequences (see `Sequence::parked`) stay out until they get a token.
