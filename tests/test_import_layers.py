@@ -30,6 +30,7 @@ LAYERS: dict[str, int] = {
     "_core": 0, "errors": 0, "sampling_params": 0, "beam_search": 0, "outputs": 0, "step_input": 0,
     "tokenizer": 0, "rollback": 0, "net": 0, "engine_args": 0,
     "huge_pages": 0,  # CPU tensors in 2 MiB pages: a hint over _core, no engine knowledge
+    "gc_heap": 0,  # the imports' objects out of full collections, once per process: no engine knowledge
     "gguf_reader": 0,  # gguf-py's reader with the header parsed from memory: a file format, no engine knowledge
     "distributed.parallel_state": 0,  # this process's tensor-parallel rank: the model layers size their shards by it
     "distributed.step_codec": 0,  # StepInput <-> bytes, beside step_input

@@ -23,6 +23,7 @@ from pagedrs.core.engine_core import EngineCore
 from pagedrs.core.prefix_cache import reset_prefix_cache
 from pagedrs.core.protocol import Abort, CacheReset, CoreOutputs, CoreRequest, FinishSample, Pinned, PinPrefix, PinState
 from pagedrs.engine_args import EngineArgs
+from pagedrs.gc_heap import freeze_imports_once
 from pagedrs.stats import EngineStats
 from pagedrs.tokenizer import TokenIdsOnly, Tokenizer
 
@@ -103,6 +104,7 @@ class InprocClient:
     """
 
     def __init__(self, args: EngineArgs, *, attention_backend: AttentionBackend | None = None) -> None:
+        freeze_imports_once()  # before the core's objects exist: see gc_heap
         self.core = EngineCore(args, attention_backend=attention_backend)
         self._lock = threading.Lock()  # guards the inbox: submit() is called from any thread
         self._inbox: list[Union[tuple[CoreRequest, AckCallback], Abort]] = []
