@@ -317,6 +317,12 @@ fn iq4_xs_extreme_values_agree_with_scalar() {
     }
 }
 
+/// Every row count of a second pass over the tiles (`gemv_q4_k::q4_k_second_row_groups_agree`).
+#[test]
+fn iq4_xs_second_row_groups_agree() {
+    super::gemv_q4_k::assert_second_row_groups_agree(Format::IQ4XS);
+}
+
 /// What one product streams: 138 bytes a row per super-block (the tiles without padding rows),
 /// 4.3125 bits a weight, at most the 4.5 promised, under Q8_0's 272 (the format IQ4_XS was converted to).
 #[test]

@@ -188,6 +188,21 @@ pub(super) fn assert_extremes_agree_with_scalar(format: Format, top: u8, encode:
     }
 }
 
+/// Every row count of a second pass over the tiles: AVX-512 multiplies 8 activation rows a pass, so M =
+/// 9 ..= 16 runs as 8 + 1 .. 8 + 8, the rows past the first 8 without the prefetch and, up to 8 + 3,
+/// on its two integer chains a row; 2 tiles of 16 super-blocks a row. Every kernel the scalar bits.
+#[test]
+fn q4_k_second_row_groups_agree() {
+    assert_second_row_groups_agree(Format::Q4K);
+}
+
+/// `q4_k_second_row_groups_agree` for a super-block format (Q4_K, Q5_K, IQ4_XS).
+pub(super) fn assert_second_row_groups_agree(format: Format) {
+    for m in 9..=16 {
+        check(format, 19, 128, m, 0x9e37 + m as u64);
+    }
+}
+
 /// What one product streams: 148 bytes a row per super-block (the tiles without padding rows), at
 /// most the 4.625 bits a weight promised, under Q4_1's 160.
 #[test]

@@ -7,7 +7,10 @@
 //! Why ggml's loop and not the packer's reading of the bits (`format::q5_k_code`): the reference
 //! must not share the code it checks, and the loop is the definition llama.cpp's files are written to.
 
-use super::gemv_q4_k::{assert_extreme_codes_exact, assert_extremes_agree_with_scalar, encode_scales, get_scale_min_k4};
+use super::gemv_q4_k::{
+    assert_extreme_codes_exact, assert_extremes_agree_with_scalar, assert_second_row_groups_agree, encode_scales,
+    get_scale_min_k4,
+};
 use super::*;
 
 /// Bytes of a GGUF Q5_K super-block (256 weights).
@@ -129,6 +132,12 @@ fn extreme_codes_do_not_overflow() {
 #[test]
 fn q5_k_extreme_values_agree_with_scalar() {
     assert_extremes_agree_with_scalar(Format::Q5K, 31, encode_q5_k, SB);
+}
+
+/// Every row count of a second pass over the tiles (`gemv_q4_k::q4_k_second_row_groups_agree`).
+#[test]
+fn q5_k_second_row_groups_agree() {
+    assert_second_row_groups_agree(Format::Q5K);
 }
 
 /// What one product streams: 180 bytes a row per super-block (the tiles without padding rows), at
