@@ -2,15 +2,15 @@
 //! `cargo bench --bench gemv_rows [-- KERNEL [THREADS [M,M,.. [ROWSxCOLS [FORMAT,FORMAT,..]]]]]`.
 //!
 //! Times `PackedMatrix::matmul` at M = 1..8, 16, 32, 64, 86 (a prefill's rows; or the list given) on
-//! THREADS threads (default 1), on a matrix of ROWSxCOLS (default 1536x576; Q6_K's, Q4_K's, Q5_K's and
-//! IQ4_XS's columns rounded up to the super-block of 256) that stays in the cache when small (the
+//! THREADS threads (default 1), on a matrix of ROWSxCOLS (default 1536x576; Q6_K's, Q4_K's, Q5_K's,
+//! IQ4_XS's and Q3_K's columns rounded up to the super-block of 256) that stays in the cache when small (the
 //! kernel's compute alone),
 //! and on a set of copies of it larger than the cache (streaming, as in a decode step), and prints
 //! ns per (row, tile block of 16 x 32 weights, for every format), the cost relative to the first M,
 //! and streaming: GB/s of the bytes a product reads (`weight_bytes`, Q6_K's 28 per 32 weights, not
 //! the file's 26.25; Q4_K's 148 per 256, not the file's 144; Q5_K's 180, not 176; IQ4_XS's 138, not
-//! 136) and ns a product. Formats: q4_1, q8_0, q4_0, q6_k, q4_k, q5_k, q5_0, q5_1, iq4_nl, iq4_xs, or
-//! the list given.
+//! 136; Q3_K's 114, not 110) and ns a product. Formats: q4_1, q8_0, q4_0, q6_k, q4_k, q5_k, q5_0, q5_1,
+//! iq4_nl, iq4_xs, q3_k, or the list given.
 use pagedrs::gemv::{Format, Kernel, PackedMatrix, QK};
 use std::time::Instant;
 
@@ -23,7 +23,7 @@ fn random_gguf(format: Format, rows: usize, cols: usize, seed: &mut u64) -> Vec<
     };
     let f16 = |r: u32| (((r >> 31) as u16) << 15) | (((5 + (r >> 10) % 10) as u16) << 10) | (r & 0x3ff) as u16;
     let mut raw = Vec::new();
-    if format == Format::Q6K {
+    if matches!(format, Format::Q6K | Format::Q3K) {
         // random codes and scales, then d (the super-block's last 2 bytes)
         for _ in 0..rows * cols / format.gguf_block_weights() {
             raw.extend((0..format.gguf_block_bytes() - 2).map(|_| next() as u8));
@@ -77,7 +77,7 @@ fn main() {
     let formats: Vec<Format> = std::env::args().nth(5)
         .map(|l| l.split(',').map(|f| Format::parse(f).expect("a format name")).collect())
         .unwrap_or_else(|| vec![Format::Q4_1, Format::Q8_0, Format::Q4_0, Format::Q6K, Format::Q4K, Format::Q5K,
-                                Format::Q5_0, Format::Q5_1, Format::IQ4NL, Format::IQ4XS]);
+                                Format::Q5_0, Format::Q5_1, Format::IQ4NL, Format::IQ4XS, Format::Q3K]);
     let mut seed = 0x9e3779b97f4a7c15u64;
     for format in formats {
         let cols = cols.next_multiple_of(format.gguf_block_weights());

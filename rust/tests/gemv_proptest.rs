@@ -1,9 +1,11 @@
 //! Property tests of the GEMV kernels: every kernel this CPU runs (scalar always) returns the
 //! same bits, and each is within its error bound of a float64 reference. Q6_K's, Q4_K's and Q5_K's
 //! own tests (their hand-built super-blocks, extremes and refusals) are in `gemv_q6_k`, `gemv_q4_k`
-//! and `gemv_q5_k`; Q5_0's and Q5_1's in `gemv_q5`; IQ4_NL's and IQ4_XS's in `gemv_iq4`.
+//! and `gemv_q5_k`; Q5_0's and Q5_1's in `gemv_q5`; IQ4_NL's and IQ4_XS's in `gemv_iq4`; Q3_K's in
+//! `gemv_q3_k`.
 
 mod gemv_iq4;
+mod gemv_q3_k;
 mod gemv_q4_k;
 mod gemv_q5;
 mod gemv_q5_k;
@@ -33,13 +35,14 @@ impl Rng {
 }
 
 /// Random GGUF bytes of a [rows, cols] tensor (Q6_K: `gemv_q6_k::random_q6_k`; Q4_K and Q5_K:
-/// `gemv_q4_k::random_k_with_min`; IQ4_XS: `gemv_iq4::random_iq4_xs`).
+/// `gemv_q4_k::random_k_with_min`; IQ4_XS: `gemv_iq4::random_iq4_xs`; Q3_K: `gemv_q3_k::random_q3_k`).
 fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
     match format {
         Format::Q6K => return gemv_q6_k::random_q6_k(rows, cols, rng),
         Format::Q4K => return gemv_q4_k::random_k_with_min(rows, cols, 144, rng),
         Format::Q5K => return gemv_q4_k::random_k_with_min(rows, cols, 176, rng),
         Format::IQ4XS => return gemv_iq4::random_iq4_xs(rows, cols, rng),
+        Format::Q3K => return gemv_q3_k::random_q3_k(rows, cols, rng),
         Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {}
     }
     // d (and m), then random quant bytes (Q5_0: `qh` and the nibbles, every code 0..31; IQ4_NL: every
@@ -66,6 +69,7 @@ fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> 
         Format::IQ4XS => {
             return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_iq4::dequantize_iq4_xs).collect()
         }
+        Format::Q3K => return raw.chunks_exact(format.gguf_block_bytes()).flat_map(gemv_q3_k::dequantize_q3_k).collect(),
         Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {}
     }
     let bb = format.block_bytes();
@@ -83,7 +87,7 @@ fn dequantize(format: Format, raw: &[u8], rows: usize, cols: usize) -> Vec<f64> 
             Format::Q5_0 => out.copy_from_slice(&gemv_q5::dequantize_q5_0(blk)),
             Format::Q5_1 => out.copy_from_slice(&gemv_q5::dequantize_q5_1(blk)),
             Format::IQ4NL => out.copy_from_slice(&gemv_iq4::dequantize_iq4_nl(blk)),
-            Format::Q6K | Format::Q4K | Format::Q5K | Format::IQ4XS => unreachable!("dequantized above"),
+            Format::Q6K | Format::Q4K | Format::Q5K | Format::IQ4XS | Format::Q3K => unreachable!("dequantized above"),
         }
     }
     w
@@ -99,7 +103,7 @@ fn run(w: &PackedMatrix, x: &[f32], m: usize, threads: usize, kernel: Kernel) ->
     out
 }
 
-/// Random weights of `rows` x `blocks` blocks (Q6_K, Q4_K, Q5_K, IQ4_XS: rounded up to whole super-blocks) times `m`
+/// Random weights of `rows` x `blocks` blocks (Q6_K, Q4_K, Q5_K, IQ4_XS, Q3_K: rounded up to whole super-blocks) times `m`
 /// random activation rows: see `check_raw`.
 fn check(format: Format, rows: usize, blocks: usize, m: usize, seed: u64) {
     let cols = (blocks * QK).next_multiple_of(format.gguf_block_weights());
@@ -151,7 +155,7 @@ fn check_raw(format: Format, raw: &[u8], rows: usize, cols: usize, m: usize, rng
 fn format_strategy() -> impl Strategy<Value = Format> {
     prop_oneof![Just(Format::Q4_0), Just(Format::Q4_1), Just(Format::Q8_0), Just(Format::Q6K), Just(Format::Q4K),
                 Just(Format::Q5K), Just(Format::Q5_0), Just(Format::Q5_1), Just(Format::IQ4NL),
-                Just(Format::IQ4XS)]
+                Just(Format::IQ4XS), Just(Format::Q3K)]
 }
 
 proptest! {
@@ -175,7 +179,7 @@ proptest! {
 #[test]
 fn more_rows_than_one_group_agree() {
     let formats = [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q6K, Format::Q4K, Format::Q5K, Format::Q5_0,
-                   Format::Q5_1, Format::IQ4NL, Format::IQ4XS];
+                   Format::Q5_1, Format::IQ4NL, Format::IQ4XS, Format::Q3K];
     for format in formats {
         for m in [9, 12, 16, 17, 32, 33] {
             check(format, 37, 5, m, 11 + m as u64);
@@ -218,6 +222,7 @@ fn extreme_activations_do_not_overflow() {
             Format::Q5K => unreachable!("gemv_q5_k::extreme_codes_do_not_overflow"),
             Format::IQ4NL => unreachable!("gemv_iq4::iq4_nl_extreme_codes_do_not_overflow"),
             Format::IQ4XS => unreachable!("gemv_iq4::iq4_xs_extreme_codes_do_not_overflow"),
+            Format::Q3K => unreachable!("gemv_q3_k::extreme_codes_do_not_overflow"),
         };
         assert_exact(&w, -1.0, &[1, 17, 33], expected, &format!("{format:?}"));
     }
@@ -345,7 +350,7 @@ fn large_products_split_over_threads_give_the_same_bits() {
     let (rows, cols) = (2051, 512);
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let formats = [Format::Q8_0, Format::Q6K, Format::Q4K, Format::Q5K, Format::Q5_0, Format::Q5_1, Format::IQ4NL,
-                   Format::IQ4XS];
+                   Format::IQ4XS, Format::Q3K];
     for format in formats {
         let raw = random_gguf(format, rows, cols, &mut rng);
         let w = PackedMatrix::from_gguf("big", &raw, rows, cols, format).unwrap();

@@ -30,6 +30,8 @@
 //! Q5_0's minus 16, fit a signed B tile as Q4's do, unpacked from the 5-bit layout: not written), and
 //! IQ4_NL (its table values, -127..113, fit a signed B tile as Q8_0's do, looked up from the
 //! nibbles with a `pshufb` where Q4 subtracts 8: not written), and IQ4_XS (a super-block, as Q4_K).
+//! Q3_K too (`avx512::tile`'s own VNNI kernel, `avx512/q3k.rs`): its blocks need Q6_K's two group
+//! sums apart, as above.
 //!
 //! Files: this one (the schedule of passes: [`tile`] and `group`), `detect` ([`supported`]),
 //! `tiles` (register assignment, configuration, the `Tiles` guard), `passes` (a pass's tile
@@ -87,7 +89,8 @@ struct Scratch {
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
     if matches!(format,
-                Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL | Format::IQ4XS) {
+                Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL | Format::IQ4XS
+                | Format::Q3K) {
         // SAFETY: AVX-512 F/BW/VNNI is part of `supported()`; the slices are this function's.
         return unsafe { avx512::tile(format, tile, blocks, acts, out) };
     }
@@ -104,7 +107,7 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
                     Format::Q4_1 => group::<1>(tile, blocks, acts, m0, out),
                     Format::Q8_0 => group::<2>(tile, blocks, acts, m0, out),
                     Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
-                    | Format::IQ4NL | Format::IQ4XS => unreachable!("runs on avx512::tile (above)"),
+                    | Format::IQ4NL | Format::IQ4XS | Format::Q3K => unreachable!("runs on avx512::tile (above)"),
                 }
             }
         }

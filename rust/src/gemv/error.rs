@@ -7,14 +7,14 @@ use std::fmt;
 pub enum GemvError {
     /// The format name is not one of the supported block formats.
     UnknownFormat { tensor: String, format: String },
-    /// `cols` (K) is not a positive multiple of the block size 32 (Q6_K, Q4_K, Q5_K, IQ4_XS: of the
-    /// super-block, 256), or `rows` (N) is 0.
+    /// `cols` (K) is not a positive multiple of the block size 32 (Q6_K, Q4_K, Q5_K, IQ4_XS, Q3_K: of
+    /// the super-block, 256), or `rows` (N) is 0.
     BadShape { tensor: String, rows: usize, cols: usize, reason: &'static str },
     /// The raw block bytes do not match `rows * cols / 32` blocks of the format (Q6_K, Q4_K, Q5_K,
-    /// IQ4_XS: `rows * cols / 256` super-blocks of 210, 144, 176 or 136 bytes).
+    /// IQ4_XS, Q3_K: `rows * cols / 256` super-blocks of 210, 144, 176, 136 or 110 bytes).
     ByteCount { tensor: String, format: &'static str, rows: usize, cols: usize, expected: usize, got: usize },
     /// A block's f16 scale (`d`) or minimum (`m`; Q4_K, Q5_K: `dmin`) is NaN or infinite; `block`
-    /// counts the row's GGUF blocks (Q6_K, Q4_K, Q5_K, IQ4_XS: its super-blocks).
+    /// counts the row's GGUF blocks (Q6_K, Q4_K, Q5_K, IQ4_XS, Q3_K: its super-blocks).
     NonFiniteScale { tensor: String, field: &'static str, row: usize, block: usize, bits: u16 },
     /// The activations' shape does not fit the weight, or the output buffer is the wrong size.
     Input { tensor: String, reason: String },
@@ -29,7 +29,7 @@ impl fmt::Display for GemvError {
         match self {
             GemvError::UnknownFormat { tensor, format } => {
                 write!(f, "tensor {tensor:?}: format {format:?} is not supported; allowed: \"q4_0\", \"q4_1\", \"q8_0\", \
-                           \"q6_k\", \"q4_k\", \"q5_k\", \"q5_0\", \"q5_1\", \"iq4_nl\", \"iq4_xs\"")
+                           \"q6_k\", \"q4_k\", \"q5_k\", \"q5_0\", \"q5_1\", \"iq4_nl\", \"iq4_xs\", \"q3_k\"")
             }
             GemvError::BadShape { tensor, rows, cols, reason } => {
                 write!(f, "tensor {tensor:?}: shape (rows={rows}, cols={cols}) is invalid: {reason}")

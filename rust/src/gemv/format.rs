@@ -30,6 +30,12 @@
 //! code q in 0..31: its low 4 bits are Q4_K's nibble of `qs`, its fifth is bit `s` of `qh[l]`
 //! ([`q5_k_code`]). The kernels read it a super-block at a time, as Q4_K.
 //!
+//! Q3_K stores super-blocks of 256 weights in 110 bytes: `hmask[32]`, `qs[64]`, `scales[12]` (16
+//! six-bit scales, one per 16 weights, packed: [`q3_k_scale`]), f16 `d`; weight `e` = d * (`sc_{e /
+//! 16}` - 32) * q_e with q_e = low2 - (high bit set ? 0 : 4), in -4..3 ([`q3_k_code`] gives `q_e + 4`,
+//! 0..7, and says where its bits lie). The kernels read it a super-block at a time, as Q4_K, and compute
+//! each block of 32 weights (two groups of 16, Q6_K's way) with the super-block's `d`.
+//!
 //! IQ4_NL and IQ4_XS (llama.cpp's non-linear 4-bit types) map each 4-bit code `c` to the int8
 //! value [`IQ4NL_VALUES`]`[c]` (-127..113, spaced closer near 0):
 //! - IQ4_NL stores blocks of 32 weights in 18 bytes: f16 `d`, `qs[16]` (Q4's nibbles: byte `t`
@@ -48,6 +54,9 @@ pub const QK_K: usize = 256;
 
 /// Bytes of a GGUF Q6_K super-block: `ql[128]`, `qh[64]`, `scales[16]`, f16 `d`.
 pub const Q6_K_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
+
+/// Bytes of a GGUF Q3_K super-block: `hmask[32]`, `qs[64]`, `scales[12]`, f16 `d`.
+pub const Q3_K_BYTES: usize = QK_K / 8 + QK_K / 4 + 12 + 2;
 
 /// Bytes of a GGUF Q4_K super-block: f16 `d`, f16 `dmin`, `scales[12]`, `qs[128]`.
 pub const Q4_K_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
@@ -88,6 +97,9 @@ pub enum Format {
     /// IQ4_NL's codes in super-blocks of 256: one f16 `d`, a 6-bit scale per sub-block of 32 (see
     /// the module docs).
     IQ4XS,
+    /// A k-quant: super-blocks of 256 weights, 3 bits each (-4..3), a 6-bit scale per 16, one f16
+    /// `d` (see the module docs).
+    Q3K,
 }
 
 impl Format {
@@ -104,6 +116,7 @@ impl Format {
             "q5_1" => Some(Format::Q5_1),
             "iq4_nl" => Some(Format::IQ4NL),
             "iq4_xs" => Some(Format::IQ4XS),
+            "q3_k" => Some(Format::Q3K),
             _ => None,
         }
     }
@@ -121,16 +134,18 @@ impl Format {
             Format::Q5_1 => "q5_1",
             Format::IQ4NL => "iq4_nl",
             Format::IQ4XS => "iq4_xs",
+            Format::Q3K => "q3_k",
         }
     }
 
-    /// Weights of one row's block as the kernels read it ([`super::pack`]): 32, or Q4_K's, Q5_K's and
-    /// IQ4_XS's super-block of 256 (its `d` (and `dmin`) stored once, its 8 sub-blocks' scales beside them).
+    /// Weights of one row's block as the kernels read it ([`super::pack`]): 32, or Q4_K's, Q5_K's,
+    /// IQ4_XS's and Q3_K's super-block of 256 (its `d` (and `dmin`) stored once, its sub-blocks' scales
+    /// beside them).
     pub fn kernel_block_weights(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1 => QK,
             Format::IQ4NL => QK,
-            Format::Q4K | Format::Q5K | Format::IQ4XS => QK_K,
+            Format::Q4K | Format::Q5K | Format::IQ4XS | Format::Q3K => QK_K,
         }
     }
 
@@ -141,26 +156,28 @@ impl Format {
     /// 128 bytes of codes), more than its GGUF 144 (the unpacked 6-bit scales); for Q5_K 180 (Q4_K's
     /// header, 160 bytes of 5-bit codes), more than its GGUF 176 (the same 4 bytes); for IQ4_XS 138
     /// (`d`, 8 signed scale bytes `ls - 32`, 128 bytes of codes), more than its GGUF 136 (the 6-bit
-    /// scales a byte each). IQ4_NL's is its GGUF block's 18.
+    /// scales a byte each). IQ4_NL's is its GGUF block's 18. Q3_K's is 114 (`d`, 16 signed scale bytes
+    /// `sc - 32`, 96 bytes of 3-bit codes), more than its GGUF 110 (the 6-bit scales a byte each).
     pub fn block_bytes(self) -> usize {
         self.header_bytes() + self.quant_bytes()
     }
 
     /// Bytes of one row's block before its quants: f16 `d`, then Q4_1's (Q5_1's) f16 `m`, Q6_K's two
-    /// int8 group scales, Q4_K's (Q5_K's) f16 `dmin` and its sub-blocks' 8 scales and 8 minima, or
-    /// IQ4_XS's 8 signed sub-block scales.
+    /// int8 group scales, Q4_K's (Q5_K's) f16 `dmin` and its sub-blocks' 8 scales and 8 minima,
+    /// IQ4_XS's 8 signed sub-block scales, or Q3_K's 16 signed group scales.
     pub fn header_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q8_0 | Format::Q5_0 | Format::IQ4NL => 2,
             Format::Q4_1 | Format::Q6K | Format::Q5_1 => 4,
             Format::Q4K | Format::Q5K => 4 + 2 * Q4_K_SUBS,
             Format::IQ4XS => 2 + Q4_K_SUBS,
+            Format::Q3K => 2 + QK_K / 16,
         }
     }
 
     /// Bytes of quantized values in one row's block (without scales; Q6_K's 6 bits as packed;
     /// Q4_K's and IQ4_XS's 256 codes; Q5_K's 256 codes of 5 bits; Q5_0's and Q5_1's `qh` and nibbles,
-    /// 5 bits a weight).
+    /// 5 bits a weight; Q3_K's 256 codes of 3 bits).
     pub fn quant_bytes(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::IQ4NL => QK / 2,
@@ -169,6 +186,7 @@ impl Format {
             Format::Q4K | Format::IQ4XS => QK_K / 2,
             Format::Q5K => QK_K * 5 / 8,
             Format::Q5_0 | Format::Q5_1 => QK * 5 / 8,
+            Format::Q3K => QK_K * 3 / 8,
         }
     }
 
@@ -176,7 +194,7 @@ impl Format {
     pub fn gguf_block_weights(self) -> usize {
         match self {
             Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => QK,
-            Format::Q6K | Format::Q4K | Format::Q5K | Format::IQ4XS => QK_K,
+            Format::Q6K | Format::Q4K | Format::Q5K | Format::IQ4XS | Format::Q3K => QK_K,
         }
     }
 
@@ -190,6 +208,7 @@ impl Format {
             Format::Q4K => Q4_K_BYTES,
             Format::Q5K => Q5_K_BYTES,
             Format::IQ4XS => IQ4_XS_BYTES,
+            Format::Q3K => Q3_K_BYTES,
         }
     }
 
@@ -249,6 +268,26 @@ pub fn q5_code(qh: u32, qs: &[u8], e: usize) -> u8 {
 pub fn iq4_xs_scale(scales_h: u16, scales_l: &[u8], s: usize) -> i8 {
     let ls = ((scales_l[s / 2] >> (4 * (s % 2))) & 0x0f) | ((((scales_h >> (2 * s)) & 3) as u8) << 4);
     ls as i8 - 32
+}
+
+/// Group `g` (0..16, weights `16 g ..`)'s scale `sc_g - 32` (-32..31) in a Q3_K super-block's
+/// `scales[12]` `q`, as ggml's `dequantize_row_q3_K` unpacks them (its `kmask1` / `kmask2` steps):
+/// the low 4 bits are nibble `g / 8` of `q[g % 8]`, the high 2 bits are bits `2 (g / 4) ..` of
+/// `q[8 + g % 4]`.
+pub fn q3_k_scale(q: &[u8], g: usize) -> i8 {
+    let sc = ((q[g % 8] >> (4 * (g / 8))) & 0x0f) | (((q[8 + g % 4] >> (2 * (g / 4))) & 3) << 4);
+    sc as i8 - 32
+}
+
+/// Weight `e` (0..255)'s 3-bit code `q_e + 4` (0..7) in a GGUF Q3_K super-block `sb` (110 bytes), as
+/// ggml's `dequantize_row_q3_K` reads it: in half `e / 128`, position `l = e % 32` of quarter `k =
+/// (e % 128) / 32`, the low 2 bits are bits `2k ..` of `qs[32 half + l]` and the high bit is bit `4
+/// half + k` of `hmask[l]`; q = low2 - 4 where that bit is clear, so the code is low2 + 4 * bit.
+pub fn q3_k_code(sb: &[u8], e: usize) -> u8 {
+    let (half, k, l) = (e / 128, (e % 128) / 32, e % 32);
+    let low2 = (sb[QK_K / 8 + 32 * half + l] >> (2 * k)) & 3;
+    let high = (sb[l] >> (4 * half + k)) & 1;
+    low2 | (high << 2)
 }
 
 /// IEEE binary16 -> binary32, exact (every f16 is an f32), the same value `vcvtph2ps` gives.
@@ -333,6 +372,41 @@ mod tests {
         assert_eq!((xs.kernel_block_weights(), xs.gguf_block_weights(), xs.has_min(), IQ4_XS_BYTES),
                    (256, 256, false, 136));
         assert_eq!(Format::parse("iq4_x"), None);
+        let q3 = Format::parse("Q3_K").unwrap();
+        assert_eq!((q3, q3.name(), q3.block_bytes(), q3.gguf_block_bytes(), q3.header_bytes(), q3.quant_bytes()),
+                   (Format::Q3K, "q3_k", 114, 110, 18, 96));
+        assert_eq!((q3.kernel_block_weights(), q3.gguf_block_weights(), q3.has_min(), Q3_K_BYTES), (256, 256, false, 110));
+    }
+
+    #[test]
+    fn q3_k_scales_unpack_as_ggml() {
+        // ggml's steps on the 12 bytes as three little-endian u32 (aux[0..3]), read back as 16 bytes
+        let ggml = |q: &[u8; 12]| -> [i8; 16] {
+            let (kmask1, kmask2) = (0x0303_0303u32, 0x0f0f_0f0fu32);
+            let mut aux = [0u32; 4];
+            for (k, a) in aux.iter_mut().take(3).enumerate() {
+                *a = u32::from_le_bytes([q[4 * k], q[4 * k + 1], q[4 * k + 2], q[4 * k + 3]]);
+            }
+            let tmp = aux[2];
+            aux[2] = ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4);
+            aux[3] = ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4);
+            aux[0] = (aux[0] & kmask2) | ((tmp & kmask1) << 4);
+            aux[1] = (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4);
+            std::array::from_fn(|g| (aux[g / 4] >> (8 * (g % 4))) as u8 as i8 - 32)
+        };
+        let mut x = 0x2545_f491u32;
+        for round in 0..2000 {
+            let q: [u8; 12] = std::array::from_fn(|i| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                if round == 0 { 0xff } else if round == 1 { 0 } else { (x >> (i % 8)) as u8 }
+            });
+            let want = ggml(&q);
+            for (g, &want) in want.iter().enumerate() {
+                assert_eq!(q3_k_scale(&q, g), want, "round {round} group {g}");
+            }
+        }
     }
 
     #[test]

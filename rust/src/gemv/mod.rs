@@ -3,8 +3,9 @@
 //! Why: batch-1 decode on a CPU streams every weight once per token, so it is bound by
 //! memory bandwidth, and aten's int4/int8 kernels reach under 40% of it at M = 1. This
 //! module reads the GGUF blocks as they are (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL (4-bit codes into an int8
-//! table), Q6_K's 6-bit quants and scales, and Q4_K's and Q5_K's codes, 6-bit scales and minima, and
-//! IQ4_XS's codes and 6-bit scales, a super-block of 256 at a time), repacked once into
+//! table), Q6_K's 6-bit quants and scales, and Q4_K's and Q5_K's codes, 6-bit scales and minima,
+//! IQ4_XS's codes and 6-bit scales, and Q3_K's 3-bit codes and 6-bit scales, a super-block of 256 at
+//! a time), repacked once into
 //! 16-row tiles ([`pack`]), quantizes the activations per block of 32 ([`quantize`]) and computes
 //! integer dot products on the best kernel the CPU has, detected at run time ([`Kernel`]).
 //!

@@ -77,11 +77,34 @@
 //! Q4_K's offsets, then the 8 sub-blocks' codes in order, each in the 5-bit layout above (320 bytes
 //! a sub-block). A row streams 180 bytes a super-block (5.625 bits a weight), against the 272 of
 //! Q8_0 (8.5 bits), the format Q5_K tensors were converted to before.
+//!
+//! Q3_K's tile block is a super-block, as Q4_K's (16 x 114 = 1824 bytes): `d[16]` (f16), then per
+//! block `u` of 32 weights (0..8) the group scales `sc[16][2]` (int8 `sc - 32`: lane `j`'s two bytes
+//! are the scales of groups `2u` and `2u + 1`, Q6_K's pair, unpacked from `scales[12]`), then the 8
+//! blocks' codes in order, three vectors of 64 bytes each ([`Q3_K_SUB_CODES`], 12 bytes a row, exactly
+//! 3 bits a weight). The codes are stored unsigned, `c = q + 4` (0..7); byte `i` of lane `j` of
+//! vector `k` (0..3):
+//! - bits 0..3 = c of element `4k + i`, bits 3..6 = c of element `12 + 4k + i`;
+//! - bits 6..8: vector 0, the low 2 bits of c of element `24 + i`; vector 1, those of element
+//!   `28 + i`; vector 2, bit 6 the third bit of element `24 + i`'s and bit 7 of element `28 + i`'s.
+//!
+//! So the kernels unpack eight vectors of codes (elements `4v + i` in vector `v`, Q8_0's order) from
+//! three: an `and` each for the first three, a shift and an `and` each for the next three, and for
+//! the last two two shifts, two masks and an `or` each (19 vector ops a block and half-tile, against
+//! the Q4 nibbles' 12 for 8 vectors). A 2-bit plane and a 1-bit plane (the GGUF's own split) would
+//! cost 37 by count (not built): each of the 8 vectors needs its own shift and mask from both planes
+//! and an `or`.
+//!
+//! Why a super-block and not Q6_K's per-32 block with `d` repeated (16 bytes a row per 32 weights, 128
+//! per 256, 4 bits a weight): a row streams 114 bytes a super-block (3.5625 bits a weight), 11% less,
+//! and at M = 1 a product is bound by that stream (the file's is 110, 3.4375 bits; the 272 of Q8_0,
+//! 8.5 bits, is what Q3_K tensors were converted to before). The kernels still step over blocks of
+//! 32 (the activations'), each with its own scale pair and the super-block's `d`.
 
 use super::error::GemvError;
 use super::format::{
-    f16_is_finite, iq4_xs_scale, q4_k_code, q4_k_scale_min, q5_code, q5_k_code, q6_k_quant, Format, Q4_K_SUBS, QK,
-    QK_K,
+    f16_is_finite, iq4_xs_scale, q3_k_code, q3_k_scale, q4_k_code, q4_k_scale_min, q5_code, q5_k_code, q6_k_quant,
+    Format, Q4_K_SUBS, QK, QK_K,
 };
 use crate::huge_pages::HugeBuf;
 
@@ -107,6 +130,14 @@ pub(crate) const Q4_K_SUB_CODES: usize = TILE * QK / 2;
 /// docs): a Q5_0 or Q5_1 block's, a Q5_K sub-block's.
 pub(crate) const Q5_SUB_CODES: usize = TILE * QK * 5 / 8;
 
+/// Offsets in a Q3_K tile block (a super-block of 16 rows): the group scale pairs `sc[8][16][2]`,
+/// the codes (8 blocks of [`Q3_K_SUB_CODES`] bytes; see the module docs). `d[16]` is at 0.
+pub(crate) const Q3_K_SC: usize = 2 * TILE;
+pub(crate) const Q3_K_CODES: usize = Q3_K_SC + Q4_K_SUBS * 2 * TILE;
+
+/// Bytes of one Q3_K block of 32 weights' codes in a tile (16 rows x 12 bytes, 3 vectors of 64).
+pub(crate) const Q3_K_SUB_CODES: usize = TILE * QK * 3 / 8;
+
 /// A weight `[rows, cols]` (N x K, y = x W^T) repacked into tiles.
 #[derive(Debug, Clone)]
 pub struct PackedMatrix {
@@ -120,9 +151,9 @@ pub struct PackedMatrix {
 
 impl PackedMatrix {
     /// Repacks a GGUF tensor's raw block bytes (row-major, `cols / 32` blocks per row; Q6_K, Q4_K,
-    /// Q5_K and IQ4_XS: `cols / 256` super-blocks).
+    /// Q5_K, IQ4_XS and Q3_K: `cols / 256` super-blocks).
     ///
-    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K, Q4_K, Q5_K, IQ4_XS: 256), `rows > 0`, the
+    /// Checks, naming `name`: `cols` a positive multiple of 32 (Q6_K, Q4_K, Q5_K, IQ4_XS, Q3_K: 256), `rows > 0`, the
     /// exact byte count, and every scale (and minimum) finite. Nothing after this point is checked again.
     pub fn from_gguf(name: &str, raw: &[u8], rows: usize, cols: usize, format: Format) -> Result<Self, GemvError> {
         let bad = |reason| GemvError::BadShape { tensor: name.to_string(), rows, cols, reason };
@@ -136,6 +167,7 @@ impl PackedMatrix {
                 Format::Q4K => "cols (K) must be a positive multiple of 256 (the q4_k super-block)",
                 Format::Q5K => "cols (K) must be a positive multiple of 256 (the q5_k super-block)",
                 Format::IQ4XS => "cols (K) must be a positive multiple of 256 (the iq4_xs super-block)",
+                Format::Q3K => "cols (K) must be a positive multiple of 256 (the q3_k super-block)",
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
                     "cols (K) must be a positive multiple of the block size 32"
                 }
@@ -162,6 +194,7 @@ impl PackedMatrix {
                 Format::Q6K => pack_q6_k_row(name, row, src, dst)?,
                 Format::Q4K | Format::Q5K => pack_k_row(name, format, row, src, dst)?,
                 Format::IQ4XS => pack_iq4_xs_row(name, row, src, dst)?,
+                Format::Q3K => pack_q3_k_row(name, row, src, dst)?,
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
                     pack_row(name, format, row, src, dst)?
                 }
@@ -203,7 +236,8 @@ impl PackedMatrix {
     /// Bytes a product streams: its tiles' bytes without the padding rows. That is the GGUF
     /// tensor's size for Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL; for Q6_K it is 28 bytes a row per 32 weights, more
     /// than the file's 210 per 256; for Q4_K 148 a row per 256, more than the file's 144; for Q5_K
-    /// 180, more than the file's 176; for IQ4_XS 138, more than the file's 136 (see the module docs).
+    /// 180, more than the file's 176; for IQ4_XS 138, more than the file's 136; for Q3_K 114, more
+    /// than the file's 110 (see the module docs).
     pub fn weight_bytes(&self) -> usize {
         self.rows * self.tile_blocks() * self.format.block_bytes()
     }
@@ -249,6 +283,7 @@ fn pack_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]) 
             Format::Q6K => unreachable!("pack_q6_k_row packs Q6_K"),
             Format::Q4K | Format::Q5K => unreachable!("pack_k_row packs Q4_K and Q5_K"),
             Format::IQ4XS => unreachable!("pack_iq4_xs_row packs IQ4_XS"),
+            Format::Q3K => unreachable!("pack_q3_k_row packs Q3_K"),
         }
     }
     Ok(())
@@ -306,7 +341,7 @@ fn pack_k_row(name: &str, format: Format, row: usize, src: &[u8], dst: &mut [u8]
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1 => {
                     unreachable!("not Q4_K's super-block")
                 }
-                Format::IQ4NL | Format::IQ4XS => unreachable!("not Q4_K's super-block"),
+                Format::IQ4NL | Format::IQ4XS | Format::Q3K => unreachable!("not Q4_K's super-block"),
             }
         }
     }
@@ -362,6 +397,38 @@ fn pack_q6_k_quants(q: &[u8; QK], j: usize, qdst: &mut [u8]) {
                 let top = (q[16 * g + 12 + i] >> (2 * k)) & 3;
                 qdst[(3 * g + k) * 64 + 4 * j + i] = q[16 * g + 4 * k + i] | (top << 6);
             }
+        }
+    }
+}
+
+/// One row's Q3_K super-blocks (`src`, GGUF, 110 bytes each: `hmask[32]`, `qs[64]`, `scales[12]`,
+/// f16 `d`) into its lane `row % 16` of its tile (`dst`), one tile block per super-block. A
+/// non-finite `d` is named by its super-block.
+fn pack_q3_k_row(name: &str, row: usize, src: &[u8], dst: &mut [u8]) -> Result<(), GemvError> {
+    let (tbb, j) = (TILE * Format::Q3K.block_bytes(), row % TILE);
+    for (s, sb) in src.chunks_exact(Format::Q3K.gguf_block_bytes()).enumerate() {
+        let dst = &mut dst[s * tbb..][..tbb];
+        let d = [sb[QK_K / 8 + QK_K / 4 + 12], sb[QK_K / 8 + QK_K / 4 + 13]];
+        check_scale(name, "d", row, s, d)?;
+        dst[2 * j..2 * j + 2].copy_from_slice(&d);
+        let scales = &sb[QK_K / 8 + QK_K / 4..][..12];
+        for u in 0..Q4_K_SUBS {
+            for g in 0..2 {
+                dst[Q3_K_SC + 2 * TILE * u + 2 * j + g] = q3_k_scale(scales, 2 * u + g) as u8;
+            }
+            let c: [u8; QK] = std::array::from_fn(|l| q3_k_code(sb, QK * u + l));
+            pack_q3_k_codes(&c, j, &mut dst[Q3_K_CODES + Q3_K_SUB_CODES * u..]);
+        }
+    }
+    Ok(())
+}
+
+/// A block's 32 codes (0..7) into lane `j` of its three vectors (the layout of the module docs).
+fn pack_q3_k_codes(c: &[u8; QK], j: usize, qdst: &mut [u8]) {
+    for i in 0..4 {
+        let top = [c[24 + i] & 3, c[28 + i] & 3, (c[24 + i] >> 2) | ((c[28 + i] >> 2) << 1)];
+        for (k, top) in top.into_iter().enumerate() {
+            qdst[k * 64 + 4 * j + i] = c[4 * k + i] | (c[12 + 4 * k + i] << 3) | (top << 6);
         }
     }
 }

@@ -36,6 +36,16 @@ pub(super) const fn avx2_distance(rows: usize) -> usize {
     }
 }
 
+/// Bytes ahead that the Q3_K kernels (AVX2 and AVX-512, any rows) ask for. A Q3_K block streams 228
+/// bytes (a super-block's 1824 / 8), under half Q8_0's 544, so the tables above ask for too few blocks
+/// ahead: streaming a 4096 x 14336 matrix on 1 thread (Intel Xeon, 2 cores shared with other builds,
+/// `cargo bench --bench gemv_rows -- KERNEL 1 1,4 4096x14336 q3_k`, runs alternated), AVX-512 at M = 1
+/// streamed 9.1-9.9 GB/s at 512 bytes (the table's), 10.0-10.7 at 1024, 10.3-12.3 at 2048, 10.6-13.0
+/// at 4096 and 12.5-12.8 at 8192; at M = 4 7.7 at 512, 8.7-10.0 at 2048 (the table's), 9.8-10.3 at
+/// 4096, 10.1-10.4 at 8192; AVX2 at M = 1 11.1-11.3 GB/s at 2048 (its table's), 11.9-12.5 at 4096,
+/// 12.5 at 8192 (at M = 4 it is bound by its multiply: 5.3-5.8 at every distance).
+pub(super) const Q3_K_DISTANCE: usize = 4096;
+
 /// Asks for the cache lines of the block `distance` bytes ahead, so the weight stream is in
 /// flight while this block is multiplied. A prefetch of an address past the matrix is harmless
 /// (it never faults; `wrapping_add` keeps the pointer arithmetic defined).

@@ -3,7 +3,8 @@
 //! `d = max|x| / 127`, `q = round(x / d)` (half away from zero, as `roundf`), kept with the
 //! block's integer sum (Q4_0 subtracts `8 * sum`, Q4_1, Q4_K and Q5_K add `m * d * sum`, Q8_0 on the
 //! AVX-512 path offsets its weights by 128) and the sum of its first 16 values (the SIMD
-//! kernels multiply Q6_K's unsigned q, then subtract `32 * sum` per group of 16: computed here
+//! kernels multiply Q6_K's unsigned q, then subtract `32 * sum` per group of 16, and Q3_K's unsigned
+//! codes, minus `4 * sum` per group: computed here
 //! once per row, not once per tile). Scales stay f32 (llama.cpp rounds them to f16): finer, and
 //! the same on every path because this code runs once, before any kernel.
 

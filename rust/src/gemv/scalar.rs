@@ -18,15 +18,26 @@
 //! IQ4_XS (a tile block a super-block, as Q4_K): each sub-block `u` is an IQ4_NL block with `d_w = d *
 //! (ls_u - 32)`, exact in f32 (an f16 times an integer in -32..31: at most 11 + 5 significant bits,
 //! and a subnormal f16 times it is a normal or subnormal f32 multiple of 2^-24), and no minimum.
+//!
+//! Q3_K (a tile block a super-block, read a block of 32 at a time): Q6_K's steps, `T = sc_0 *
+//! isum_0 + sc_1 * isum_1` over the block's two groups of 16, `isum_g` of the codes minus 4 (q in
+//! -4..3), `sc_g` the group's scale minus 32 (-32..31); |T| <= 2 * 16 * 4 * 128 * 32 < 2^24, exact as
+//! an f32; then Q8_0's float step with the super-block's `d`.
 
 use super::format::{f16_to_f32, Format, IQ4NL_VALUES, Q4_K_SUBS, QK};
-use super::pack::{IQ4_XS_CODES, IQ4_XS_SC, Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC, Q4_K_SUB_CODES, Q5_SUB_CODES, TILE};
+use super::pack::{
+    IQ4_XS_CODES, IQ4_XS_SC, Q3_K_CODES, Q3_K_SC, Q3_K_SUB_CODES, Q4_K_CODES, Q4_K_DMIN, Q4_K_M, Q4_K_SC,
+    Q4_K_SUB_CODES, Q5_SUB_CODES, TILE,
+};
 use super::quantize::QuantizedActs;
 
 /// `out[mi * 16 + j]` = row `j` of the tile times activation row `mi`.
 pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
     if matches!(format, Format::Q4K | Format::Q5K | Format::IQ4XS) {
         return tile_k(format, tile, blocks, acts, out);
+    }
+    if format == Format::Q3K {
+        return tile_q3_k(tile, blocks, acts, out);
     }
     let tbb = TILE * format.block_bytes();
     let qoff = TILE * format.header_bytes();
@@ -68,6 +79,7 @@ pub fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, ou
                         sc(0) * isum[0] + sc(1) * isum[1]
                     }
                     Format::Q4K | Format::Q5K | Format::IQ4XS => unreachable!("tile_k computes the super-blocks"),
+                    Format::Q3K => unreachable!("tile_q3_k computes Q3_K"),
                 };
                 let dw = f16_to_f32(u16::from_le_bytes([blk[2 * j], blk[2 * j + 1]]));
                 *acc = (dw * acts.d[ab]).mul_add(isum as f32, *acc);
@@ -115,6 +127,45 @@ fn tile_k(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedActs, out:
             }
         }
         out[mi * TILE..(mi + 1) * TILE].copy_from_slice(&acc);
+    }
+}
+
+/// `tile` for Q3_K: blocks of 32 in order (block `b` is sub-block `b % 8` of super-block `b / 8`),
+/// each Q6_K's integer step over its two groups and Q8_0's float step with the super-block's `d`.
+fn tile_q3_k(tile: &[u8], blocks: usize, acts: &QuantizedActs, out: &mut [f32]) {
+    let tbb = TILE * Format::Q3K.block_bytes();
+    for mi in 0..acts.m {
+        let mut acc = [0f32; TILE];
+        for b in 0..blocks {
+            let (sb, u) = (&tile[b / Q4_K_SUBS * tbb..][..tbb], b % Q4_K_SUBS);
+            let ab = mi * blocks + b;
+            let a = &acts.qs[ab * QK..(ab + 1) * QK];
+            let q = &sb[Q3_K_CODES + Q3_K_SUB_CODES * u..][..Q3_K_SUB_CODES];
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let sc = |g: usize| sb[Q3_K_SC + 2 * TILE * u + 2 * j + g] as i8 as i32;
+                let mut isum = [0i32; 2];
+                for (e, &a) in a.iter().enumerate() {
+                    isum[e / 16] += (tile_q3_k_code(q, j, e) as i32 - 4) * a as i32;
+                }
+                let t = sc(0) * isum[0] + sc(1) * isum[1];
+                let dw = f16_to_f32(u16::from_le_bytes([sb[2 * j], sb[2 * j + 1]]));
+                *acc = (dw * acts.d[ab]).mul_add(t as f32, *acc);
+            }
+        }
+        out[mi * TILE..(mi + 1) * TILE].copy_from_slice(&acc);
+    }
+}
+
+/// Element `e` (0..32)'s code (0..7) of lane `j` in a Q3_K block's packed codes `q` (`pack.rs`):
+/// vector `v = e / 4`, byte `i = e % 4` of the lane in vectors `k` = 0..3.
+fn tile_q3_k_code(q: &[u8], j: usize, e: usize) -> u8 {
+    let (v, i) = (e / 4, e % 4);
+    let byte = |k: usize| q[k * 64 + 4 * j + i];
+    match v {
+        0..=2 => byte(v) & 7,
+        3..=5 => (byte(v - 3) >> 3) & 7,
+        6 => (byte(0) >> 6) | (((byte(2) >> 6) & 1) << 2),
+        _ => (byte(1) >> 6) | ((byte(2) >> 7) << 2),
     }
 }
 

@@ -8,6 +8,7 @@
 //! crate still declares 1.82 (raising `rust-version` turns on lints across other modules).
 
 mod blocks32;
+mod q3k;
 mod superblock;
 
 use std::arch::x86_64::*;
@@ -31,7 +32,7 @@ const ROWS: usize = 8;
 /// Same contract as `scalar::tile`.
 ///
 /// Q4_0, Q4_1 and Q8_0 run here (`tile_from`); the super-block formats Q4_K, Q5_K and IQ4_XS in
-/// `superblock.rs`; Q6_K, Q5_0, Q5_1 and IQ4_NL (blocks of 32) in `blocks32.rs`.
+/// `superblock.rs`; Q6_K, Q5_0, Q5_1 and IQ4_NL (blocks of 32) in `blocks32.rs`; Q3_K in `q3k.rs`.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F, BW and VNNI (`supported()`); slice lengths as in
@@ -45,6 +46,8 @@ pub unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &QuantizedA
         Format::Q6K | Format::Q5_0 | Format::Q5_1 | Format::IQ4NL => {
             return unsafe { blocks32::tile(format, tile, blocks, acts, out) }
         }
+        // SAFETY: as above.
+        Format::Q3K => return unsafe { q3k::tile(format, tile, blocks, acts, out) },
         Format::Q4_0 | Format::Q4_1 | Format::Q8_0 => {}
     }
     // SAFETY: this function's own contract.
@@ -85,7 +88,7 @@ pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts:
                 Format::Q4_1 => by_rows!(1),
                 Format::Q8_0 => by_rows!(2),
                 Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
-                | Format::IQ4NL | Format::IQ4XS => unreachable!("runs on the AVX2 kernel (`tile`)"),
+                | Format::IQ4NL | Format::IQ4XS | Format::Q3K => unreachable!("runs on the AVX2 kernel (`tile`)"),
             }
         }
         m0 += rows;
@@ -141,7 +144,7 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                     }
                 }
                 Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
-                | Format::IQ4NL | Format::IQ4XS => unreachable!("not in FORMATS"),
+                | Format::IQ4NL | Format::IQ4XS | Format::Q3K => unreachable!("not in FORMATS"),
             }
             for (r, acc) in acc.iter_mut().enumerate() {
                 let ab = (m0 + r) * blocks + b;
@@ -182,7 +185,7 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * *acts.sum.get_unchecked(ab)));
                     }
                     Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
-                    | Format::IQ4NL | Format::IQ4XS => unreachable!("not in FORMATS"),
+                    | Format::IQ4NL | Format::IQ4XS | Format::Q3K => unreachable!("not in FORMATS"),
                 }
                 let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
                 *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), *acc);
