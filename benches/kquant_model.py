@@ -8,7 +8,8 @@ heads; default 2 layers, SmolLM2's vocabulary and tokenizer so the tied Q6_K hea
 what loading and decoding matrices of a real 8B's size cost, on a machine without an 8B file.
 
 ``--mix q5_k_m``: llama.cpp's Q5_K_M (Q5_K where Q4_K_M has Q4_K); ``--mix iq4_xs``: every layer product
-IQ4_XS (the head Q6_K, as llama.cpp's IQ4_XS files store it). ``--geometry smollm2-576``: SmolLM2's
+IQ4_XS (the head Q6_K, as llama.cpp's IQ4_XS files store it); ``--mix q3_k_m``: llama.cpp's Q3_K_M (Q3_K
+q / k / gate / up, Q5_K values, Q4_K output and down projections). ``--geometry smollm2-576``: SmolLM2's
 own widths (hidden 576, MLP 1536), which are not whole super-blocks, so llama.cpp's "Q4_K_M" of it
 writes its fallbacks: Q5_0 for the 576-wide products, Q8_0 values, Q6_K down projections (and the mix
 flag is ignored).
@@ -52,12 +53,12 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="smollm2")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the geometry's)")
-    parser.add_argument("--mix", choices=("q4_k_m", "q5_k_m", "iq4_xs"), default="q4_k_m", help="llama.cpp's type mix")
+    parser.add_argument("--mix", choices=("q4_k_m", "q5_k_m", "iq4_xs", "q3_k_m"), default="q4_k_m", help="llama.cpp's type mix")
     args = parser.parse_args()
     import torch
     import transformers
 
-    from gguf_writer import Q4_K_M_FALLBACK_QTYPES, Q4_K_M_QTYPES, Q5_K_M_QTYPES, write_gguf
+    from gguf_writer import Q3_K_M_QTYPES, Q4_K_M_FALLBACK_QTYPES, Q4_K_M_QTYPES, Q5_K_M_QTYPES, write_gguf
 
     iq4_xs = dict.fromkeys(Q4_K_M_QTYPES, gguf_types().IQ4_XS)  # llama.cpp's IQ4_XS: every layer product
     from pagedrs.models.gguf_cache import convert_gguf_cached
@@ -75,7 +76,7 @@ def main() -> None:
     out = args.out
     import gguf
 
-    mix = {"q4_k_m": Q4_K_M_QTYPES, "q5_k_m": Q5_K_M_QTYPES, "iq4_xs": iq4_xs}[args.mix]
+    mix = {"q4_k_m": Q4_K_M_QTYPES, "q5_k_m": Q5_K_M_QTYPES, "iq4_xs": iq4_xs, "q3_k_m": Q3_K_M_QTYPES}[args.mix]
     if geometry["hidden_size"] % 256:
         mix = Q4_K_M_FALLBACK_QTYPES
     # the tied embedding and head in Q6_K, as llama.cpp's K-quant mixes store an output head (Q8_0 where the

@@ -11,10 +11,10 @@ import numpy as np
 import torch
 from gguf.quants import quantize
 
-from kquants import quantize_iq4_xs, quantize_q4_k, quantize_q5_k, quantize_q6_k
+from kquants import quantize_iq4_xs, quantize_q3_k, quantize_q4_k, quantize_q5_k, quantize_q6_k
 from pagedrs.models.gguf_loader import permute_qk
 
-K_QUANTIZERS = {gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
+K_QUANTIZERS = {gguf.GGMLQuantizationType.Q3_K: quantize_q3_k, gguf.GGMLQuantizationType.Q4_K: quantize_q4_k, gguf.GGMLQuantizationType.Q5_K: quantize_q5_k,
                 gguf.GGMLQuantizationType.Q6_K: quantize_q6_k, gguf.GGMLQuantizationType.IQ4_XS: quantize_iq4_xs}
 
 # which quantization each tensor kind gets: every supported type appears at least once
@@ -50,6 +50,10 @@ Q4_K_M_QTYPES = {
 # llama.cpp's "Q5_K_M" mix: Q5_K, with Q6_K values and down projections
 Q5_K_M_QTYPES = {**Q4_K_M_QTYPES, **{k: gguf.GGMLQuantizationType.Q5_K for k in ("attn_q", "attn_k", "attn_output",
                                                                                "ffn_gate", "ffn_up")}}
+# llama.cpp's "Q3_K_M" mix (its common case: Q3_K, with Q5_K values and Q4_K output and down projections)
+Q3_K_M_QTYPES = {**Q4_K_M_QTYPES, **{k: gguf.GGMLQuantizationType.Q3_K for k in ("attn_q", "attn_k", "ffn_gate", "ffn_up")},
+                 "attn_v": gguf.GGMLQuantizationType.Q5_K, "attn_output": gguf.GGMLQuantizationType.Q4_K,
+                 "ffn_down": gguf.GGMLQuantizationType.Q4_K}
 # a "Q4_K_M" file of a model whose rows are not whole super-blocks (SmolLM2's 576): llama.cpp's fallbacks,
 # Q5_0 for Q4_K and Q8_0 for Q6_K, where a row is 576 wide; ffn_down's 1536 takes Q6_K itself
 Q4_K_M_FALLBACK_QTYPES = {

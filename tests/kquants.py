@@ -1,4 +1,4 @@
-"""Q4_K, Q5_K, Q6_K and IQ4_XS quantizers for tests (gguf-py dequantizes K-quants but cannot write them).
+"""Q3_K, Q4_K, Q5_K, Q6_K and IQ4_XS quantizers for tests (gguf-py dequantizes K-quants but cannot write them).
 
 Plain round-to-nearest choices, not llama.cpp's search for the best scales: what matters here is
 that the bytes are valid blocks of each layout, which ``tests/test_gguf_convert.py`` checks
@@ -100,3 +100,29 @@ def quantize_iq4_xs(w: np.ndarray) -> np.ndarray:
     scales_l = low[:, 0::2] | (low[:, 1::2] << 4)
     out = np.concatenate([d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), scales_l, qs], axis=-1)
     return out.reshape(rows, cols // QK_K * 136)
+
+
+def quantize_q3_k(w: np.ndarray) -> np.ndarray:
+    """float32 ``[rows, cols]`` (cols a multiple of 256) -> uint8 ``[rows, cols / 256 * 110]``: per sub-block of
+    16 a step ``max|w| / 4`` (codes -4..3), as ``d * (sc - 32)`` with ``sc - 32`` in 0..31 and ``d`` an f16 per
+    super-block. Bytes: hmask[32] (the codes' third bit), qs[64] (their low 2 bits), scales[12] (16 six-bit
+    values: low nibbles in bytes 0..7, high bit pairs in 8..11), d."""
+    rows = w.shape[0]
+    sub = w.astype(np.float32).reshape(-1, 16, 16)
+    step = np.abs(sub).max(axis=-1) / 4
+    d = _f16(np.maximum(step.max(axis=-1), 1e-8) / 31)
+    sc = np.clip(np.round(step / d.astype(np.float32)[:, None]), 0, 31).astype(np.int64) + 32  # sc - 32 in 0..31
+    scale = np.maximum(d.astype(np.float32)[:, None] * (sc - 32), 1e-12)[..., None]
+    q = (np.clip(np.round(sub / scale), -4, 3).astype(np.int64) + 4).reshape(-1, QK_K)  # q + 4 in 0..7
+    i = np.arange(QK_K)
+    low, high = q & 3, q >> 2
+    qs = np.zeros((q.shape[0], 64), dtype=np.int64)
+    hmask = np.zeros((q.shape[0], 32), dtype=np.int64)
+    np.add.at(qs, (slice(None), (i // 128) * 32 + i % 32), low << (2 * ((i % 128) // 32)))
+    np.add.at(hmask, (slice(None), i % 32), high << (i // 32))
+    j = np.arange(16)
+    scales = np.zeros((q.shape[0], 12), dtype=np.int64)
+    np.add.at(scales, (slice(None), j % 8), (sc & 0x0F) << (4 * (j // 8)))
+    np.add.at(scales, (slice(None), 8 + j % 4), (sc >> 4) << (2 * (j // 4)))
+    out = np.concatenate([hmask, qs, scales], axis=-1).astype(np.uint8)
+    return np.concatenate([out, d.reshape(-1, 1).view(np.uint8)], axis=-1).reshape(rows, -1)

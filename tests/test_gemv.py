@@ -85,8 +85,8 @@ def test_bad_input_names_the_tensor() -> None:
         _core.GgufMatrix(raw[:-1], 4, 64, "q4_0", "blk.3.ffn_up.weight")
     with pytest.raises(ValueError, match="multiple of the block size 32"):
         _core.GgufMatrix(raw, 8, 36, "q4_0", "w")
-    with pytest.raises(ValueError, match=r'format "q3_k" is not supported; allowed: "q4_0", "q4_1", "q8_0"'):
-        _core.GgufMatrix(raw, 4, 64, "q3_k", "w")
+    with pytest.raises(ValueError, match=r'format "q2_k" is not supported; allowed: "q4_0", "q4_1", "q8_0"'):
+        _core.GgufMatrix(raw, 4, 64, "q2_k", "w")
     nan = raw.copy()
     nan[18:20] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)  # row 0, block 1's d
     with pytest.raises(ValueError, match=r'"w": scale field "d" of row 0, block 1 is not finite'):
@@ -259,11 +259,12 @@ def test_every_input_layout_gives_the_fast_paths_bits(gguf_model) -> None:
 def _k_quant(qtype: str, rows: int, cols: int, seed: int, random_bytes: bool) -> tuple[np.ndarray, np.ndarray]:
     """(raw blocks, float64 weights gguf-py dequantizes them to) of a K-quant: a quantized random tensor, or
     blocks whose every code, scale (and minimum) byte is random, with random f16 super-block scales, some
-    subnormal and some negative. Q6_K: d at bytes 208-209 of 210; Q4_K (Q5_K): d and dmin at bytes 0-3 of 144 (176)."""
-    from kquants import quantize_q4_k, quantize_q5_k, quantize_q6_k
+    subnormal and some negative. Q6_K: d at bytes 208-209 of 210; Q3_K: 108-109 of 110; Q4_K (Q5_K): d and dmin at
+    bytes 0-3 of 144 (176)."""
+    from kquants import quantize_q3_k, quantize_q4_k, quantize_q5_k, quantize_q6_k
 
     size, first, count = {"Q6_K": (210, 208, 1), "Q4_K": (144, 0, 2), "Q5_K": (176, 0, 2), "IQ4_XS": (136, 0, 1),
-                          "IQ4_NL": (18, 0, 1)}[qtype]
+                          "IQ4_NL": (18, 0, 1), "Q3_K": (110, 108, 1)}[qtype]
     g = np.random.default_rng(seed)
     if random_bytes or qtype.startswith("IQ4"):  # (gguf-py cannot write the IQ4 types: any bytes are valid blocks)
         raw = g.integers(0, 256, (rows * cols // (32 if qtype == "IQ4_NL" else 256), size), dtype=np.uint8)
@@ -271,7 +272,7 @@ def _k_quant(qtype: str, rows: int, cols: int, seed: int, random_bytes: bool) ->
         d[::7] = np.array([3, 5][:count], dtype=np.uint16).view(np.float16)  # subnormal
         raw[:, first:first + 2 * count] = d.view(np.uint8).reshape(-1, 2 * count)
     else:
-        quantizer = {"Q6_K": quantize_q6_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k}[qtype]
+        quantizer = {"Q6_K": quantize_q6_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q3_K": quantize_q3_k}[qtype]
         raw = quantizer((g.standard_normal((rows, cols)) * 0.05).astype(np.float32))
     raw = raw.reshape(rows, -1)
     return raw.reshape(-1), dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64).reshape(rows, cols)
@@ -280,10 +281,11 @@ def _k_quant(qtype: str, rows: int, cols: int, seed: int, random_bytes: bool) ->
 # Bytes a row of 256 weights streams: Q6_K 7 bits a weight (the file: 6.5625, d repeated per block of 32),
 # Q4_K at most 4.625 (as the file, d and dmin once per super-block; Q4_1 took 5), Q5_K 5.625 (the file: 5.5).
 # IQ4_NL 4.5 (the file's blocks), IQ4_XS 4.3125 (the file: 4.25; d and the 8 scales as bytes per super-block).
-STREAMED_PER_256 = {"Q6_K": 224, "Q4_K": 148, "Q5_K": 180, "IQ4_NL": 144, "IQ4_XS": 138}
+# Q3_K 3.5625 (the file: 3.4375; d once a super-block, the 16 group scales as bytes).
+STREAMED_PER_256 = {"Q6_K": 224, "Q4_K": 148, "Q5_K": 180, "IQ4_NL": 144, "IQ4_XS": 138, "Q3_K": 114}
 
 
-@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q5_K", "IQ4_XS", "IQ4_NL", "Q3_K"])
 @pytest.mark.parametrize("random_bytes", [False, True])
 @pytest.mark.parametrize(("rows", "cols", "m"), [(1, 256, 1), (37, 512, 3), (130, 768, 8), (16, 1536, 2),
                                                 (37, 256, 17), (50, 512, 33)])
@@ -307,7 +309,7 @@ def test_iq4_nl_bad_input_names_the_tensor() -> None:
         _core.GgufMatrix(spoiled, 4, 512, "IQ4_NL", "w")
 
 
-@pytest.mark.parametrize("qtype, scales", [("Q6_K", (("d", 208),)), ("Q4_K", (("d", 0), ("dmin", 2))),
+@pytest.mark.parametrize("qtype, scales", [("Q6_K", (("d", 208),)), ("Q3_K", (("d", 108),)), ("Q4_K", (("d", 0), ("dmin", 2))),
                                            ("Q5_K", (("d", 0), ("dmin", 2))), ("IQ4_XS", (("d", 0),))])
 def test_k_quant_bad_input_names_the_tensor(qtype: str, scales: tuple[tuple[str, int], ...]) -> None:
     raw, _ = _k_quant(qtype, 4, 512, seed=3, random_bytes=False)

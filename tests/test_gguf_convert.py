@@ -113,8 +113,8 @@ def test_iq4_xs_becomes_iq4_nl_within_the_f16_rounding_of_its_scales(d, exact):
 
 
 def test_the_narrower_formats_of_a_cut_super_block():
-    assert [narrower(t) for t in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q8_0", "IQ4_NL")] == [
-        "Q4_1", "Q5_1", "Q8_0", "IQ4_NL", "Q5_0", "Q8_0", "IQ4_NL"]
+    assert [narrower(t) for t in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q8_0", "IQ4_NL", "Q3_K")] == [
+        "Q4_1", "Q5_1", "Q8_0", "IQ4_NL", "Q5_0", "Q8_0", "IQ4_NL", "Q8_0"]
     blocks = random_q4_k(2, 256, 0.01, 0.01, size=176)
     np.testing.assert_array_equal(to_kernel(blocks, 256, "Q5_K", "Q5_1", "w"),
                                   k_quant_to_block_of_32(blocks, 256, "Q5_K", "w"))
@@ -145,7 +145,7 @@ def test_types_and_the_format_fused_siblings_share():
     types = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "IQ4_XS", "IQ4_NL", "IQ3_S",
              "F16", "BF16", "F32")
     assert [kernel_type(t) for t in types] == [
-        "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "IQ4_XS", "IQ4_NL", "Q8_0",
+        "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "IQ4_XS", "IQ4_NL", "Q8_0",
         None, None, None]
     assert common_type(["Q4_K", "Q4_K"]) == "Q4_K"
     assert common_type(["Q4_K", "Q4_K", "Q6_K"]) == "Q8_0"  # Q4_K_M's q/k/v
@@ -237,6 +237,36 @@ def test_a_q4_k_m_model_runs_wholly_on_the_kernel_in_the_files_own_types(q4_k_m_
                                     "down_proj": "q6_k"}
     got, want = decode(k_quants, "gguf"), decode(k_quants, "float32")
     # the positions whose context both runs share (up to the first greedy token on which they part)
+    same = [(a, b) for (tg, la), (tw, lb) in zip(got, want) for p, (a, b) in enumerate(zip(la, lb)) if tg[:p] == tw[:p]]
+    assert len(same) >= 12 and all(a.keys() & b.keys() for a, b in same)
+    diffs = [abs(a[t] - b[t]) for a, b in same for t in a.keys() & b.keys()]
+    assert float(np.mean(diffs)) < 0.12, diffs
+
+
+@pytest.fixture(scope="module")
+def q3_k_m_file(tmp_path_factory):
+    """The q4_k_m_files fixture's model shape written in llama.cpp's Q3_K_M mix (tests/kquants.quantize_q3_k)."""
+    from conftest import make_tiny_model
+    from gguf_writer import Q3_K_M_QTYPES, write_gguf
+
+    d = tmp_path_factory.mktemp("q3_k_m")
+    model = make_tiny_model("llama", d / "hf", hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                            head_dim=64)
+    write_gguf(model, d / "hf", d / "q3_k_m.gguf", qtypes=Q3_K_M_QTYPES)
+    return d / "q3_k_m.gguf"
+
+
+def test_a_q3_k_m_model_runs_wholly_on_the_kernel_in_the_files_own_types(q3_k_m_file, monkeypatch):
+    """Q3_K runs as the file stores it (it was requantized to Q8_0): q/k (Q3_K) beside v (Q5_K) as one product of
+    parts, gate/up Q3_K, o and down Q4_K. Its log-probabilities are those of the file's weights dequantized
+    to float32 within the int8 rounding of the activations (the bound of the Q4_K_M test above)."""
+    from pagedrs.models import gguf_convert, quant
+
+    monkeypatch.setattr(quant, "cpu_runs_gguf_kernel", lambda: True)
+    monkeypatch.setattr(gguf_convert, "requantize_q8_0", None)  # nothing may convert
+    assert formats_of(q3_k_m_file) == {"qkv_proj": "q3_k+q3_k+q5_k", "o_proj": "q4_k", "gate_up_proj": "q3_k",
+                                       "down_proj": "q4_k"}
+    got, want = decode(q3_k_m_file, "gguf"), decode(q3_k_m_file, "float32")
     same = [(a, b) for (tg, la), (tw, lb) in zip(got, want) for p, (a, b) in enumerate(zip(la, lb)) if tg[:p] == tw[:p]]
     assert len(same) >= 12 and all(a.keys() & b.keys() for a, b in same)
     diffs = [abs(a[t] - b[t]) for a, b in same for t in a.keys() & b.keys()]

@@ -2,7 +2,7 @@
 
 Why: most GGUF files people download are llama.cpp's K-quants ("Q4_K_M": Q4_K for most
 tensors, Q6_K for the output head and some value / down projections; "Q5_K_M", "Q6_K") or the
-i-quant types. The kernel reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS
+i-quant types. The kernel reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS
 as they are; without a conversion any other type ran dequantized (float32 on a CPU without fast
 bfloat16: 32 bits a weight streamed per token, against 4.5).
 
@@ -19,7 +19,9 @@ bfloat16: 32 bits a weight streamed per token, against 4.5).
   the subnormal grid and are exact). A Q4_K weight moves by at most ``15 * |d sc| * 2^-11 + |dmin m| *
   2^-11`` (a 4-bit step is ``|d sc|``: under 1% of one step; Q5_K's 31 codes: under 2%). 5 (6) bits a
   weight instead of 4.625 (5.625). Q6_K in such a shard is requantized to Q8_0.
-- **Every other quantized type gguf-py dequantizes** (Q2_K, Q3_K, the other IQ types, TQ, MXFP4) ->
+- **Q3_K runs as it is** too (llama.cpp's Q3_K_S / Q3_K_M / Q3_K_L files; since 2026-12-07, before
+  requantized to Q8_0); a tensor-parallel shard that cuts its super-blocks is requantized to Q8_0, as Q6_K's.
+- **Every other quantized type gguf-py dequantizes** (Q2_K, the other IQ types, TQ, MXFP4) ->
   **Q8_0**: dequantized exactly (float32), then quantized again per block of 32 by the Q8_0 rule
   (``gguf.quants.quantize``: ``d = max|w| / 127`` stored as f16, codes rounded): a weight moves by at
   most half a Q8_0 step, ``max|w| / 254`` of its block, plus the f16 rounding of the step times its
@@ -38,13 +40,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 # what the Rust kernel reads as they are
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 # quantized types gguf-py dequantizes (gguf 0.19), requantized to Q8_0
 REQUANTIZED_TYPES = (
-    "Q2_K", "Q3_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4",
+    "Q2_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4",
 )
 QK = 32  # weights a block of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 covers (the kernel's step; its activations' blocks)
-SUPER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_XS": 256}  # a format whose scales span more columns: its rows are whole runs of these
+SUPER_BLOCK = {"Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256, "IQ4_XS": 256}  # a format whose scales span more columns: its rows are whole runs of these
 
 
 def block_columns(kernel_format: str) -> int:
@@ -74,8 +76,8 @@ def common_type(type_names: Sequence[str]) -> str | None:
 def narrower(kernel_format: str) -> str:
     """The format a tensor of ``kernel_format`` runs in where its columns are cut inside a super-block (a
     tensor-parallel shard of 32-column multiples): Q4_K as Q4_1, Q5_K as Q5_1 and IQ4_XS as IQ4_NL (their
-    sub-blocks' scales rounded to f16), Q6_K as Q8_0 (requantized); any other format is already per block of 32."""
-    return {"Q4_K": "Q4_1", "Q5_K": "Q5_1", "IQ4_XS": "IQ4_NL", "Q6_K": "Q8_0"}.get(kernel_format, kernel_format)
+    sub-blocks' scales rounded to f16), Q3_K and Q6_K as Q8_0 (requantized); any other format is already per block of 32."""
+    return {"Q4_K": "Q4_1", "Q5_K": "Q5_1", "IQ4_XS": "IQ4_NL", "Q3_K": "Q8_0", "Q6_K": "Q8_0"}.get(kernel_format, kernel_format)
 
 
 def to_kernel(blocks: np.ndarray, cols: int, type_name: str, target: str, name: str) -> np.ndarray:

@@ -195,8 +195,8 @@ def resolve_weight_format(weight_dtype: str, params_dtype: torch.dtype, *, gguf_
                           device: torch.device, whole_block_shards: bool = True) -> WeightFormat:
     """``auto`` -> the exact dense path for Hugging Face folders. For a quantized GGUF on a CPU:
     ``gguf`` (the file's own blocks through the Rust GEMV and the fused CPU decode) when every
-    tensor is quantized in a type the kernel reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL,
-    IQ4_XS) or that ``gguf_convert`` turns into one (Q2_K, Q3_K and the other i-quant types -> Q8_0) and the CPU has a SIMD kernel; else, on a
+    tensor is quantized in a type the kernel reads (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+    IQ4_XS) or that ``gguf_convert`` turns into one (Q2_K and the other i-quant types -> Q8_0) and the CPU has a SIMD kernel; else, on a
     CPU with fast bf16, the nearest aten format (Q4_* -> int4, other quantized types -> int8).
     Why gguf first: on the embedded SmolLM2 (tests/test_quant.py, 24 prompts x 32 positions) it
     agrees with float32 on 97.3% of greedy choices against int4's 97.4%, with perplexity -0.07%
