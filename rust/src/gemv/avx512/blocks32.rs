@@ -100,7 +100,7 @@ pub(super) unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &Qua
                 Format::Q5_0 => by_rows!(1),
                 Format::Q5_1 => by_rows!(2),
                 Format::IQ4NL => by_rows!(3),
-                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q4K | Format::Q5K | Format::IQ4XS => {
+                Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q4K | Format::Q5K | Format::IQ4XS | Format::Q3K => {
                     unreachable!("not a format of this file (`super::tile`)")
                 }
             }

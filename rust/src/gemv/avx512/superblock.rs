@@ -101,7 +101,7 @@ pub(super) unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &Qua
                 Format::Q5K => by_rows!(1),
                 Format::IQ4XS => by_rows!(2),
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1
-                | Format::IQ4NL => unreachable!("not a super-block format (`super::tile`)"),
+                | Format::IQ4NL | Format::Q3K => unreachable!("not a super-block format of this file (`super::tile`)"),
             }
         }
         m0 += rows;
@@ -198,7 +198,7 @@ unsafe fn tile_rows_k<const R: usize, const F: usize>(tile: &[u8], blocks: usize
                         }
                     }
                     Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1
-                    | Format::IQ4NL => unreachable!("not in K_FORMATS"),
+                    | Format::IQ4NL | Format::Q3K => unreachable!("not in K_FORMATS"),
                 }
                 // the sub-block's scale (and minimum) of each lane as f32, exact: d * sc, dmin * m
                 let scb = _mm_loadu_si128(sb.add(sc_off + TILE * u) as *const __m128i);
