@@ -18,13 +18,13 @@
 //! The integer sums are exact (|sum| <= 32 * 128 * 127 < 2^31), so any kernel's bits are these.
 //! Rows past the last group of 16 run on the AVX-512 kernel (every CPU with AMX has AVX-512).
 //!
-//! Q6_K runs wholly on the AVX-512 kernel's entry (`avx512::tile`, which hands it to AVX2): a
+//! Q6_K runs wholly on the AVX-512 kernel's entry (`avx512::tile`, its VNNI kernel): a
 //! block's C tile sums all 32 weights of a row, and Q6_K needs the sums of its two groups of 16
 //! apart (each has its own int8 scale, applied to the exact group sum before the float step). Two
 //! half-depth `tdpbssd` per block (B tiles of 4 rows) with twice the stores and float-step reads
 //! would be needed.
 //!
-//! Q4_K and Q5_K, too, run wholly on `avx512::tile` (AVX2): their tile blocks are super-blocks
+//! Q4_K and Q5_K, too, run wholly on `avx512::tile` (VNNI): their tile blocks are super-blocks
 //! (`pack.rs`), whose sub-blocks this schedule could unpack as Q4_1 blocks, but no machine with AMX
 //! has run tests here, and a kernel nobody ran is not shipped. So do Q5_0 and Q5_1 (their codes, or
 //! Q5_0's minus 16, fit a signed B tile as Q4's do, unpacked from the 5-bit layout: not written), and

@@ -88,7 +88,7 @@ pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts:
                 Format::Q4_1 => by_rows!(1),
                 Format::Q8_0 => by_rows!(2),
                 Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
-                | Format::IQ4NL | Format::IQ4XS | Format::Q3K => unreachable!("runs on the AVX2 kernel (`tile`)"),
+                | Format::IQ4NL | Format::IQ4XS | Format::Q3K => unreachable!("runs in its family's file (`tile`)"),
             }
         }
         m0 += rows;
