@@ -28,7 +28,7 @@ pub mod scalar;
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod prefetch;
-// AVX-512 intrinsics are stable since Rust 1.89 (see avx512.rs).
+// AVX-512 intrinsics are stable since Rust 1.89 (see avx512/mod.rs).
 #[cfg(target_arch = "x86_64")]
 #[clippy::msrv = "1.89"]
 pub mod avx512;
