@@ -77,29 +77,13 @@ pub(super) unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &Qua
     let mut m0 = 0;
     while m0 < acts.m {
         let rows = (acts.m - m0).min(ROWS);
-        // One instance per (format, rows): the format is a constant inside, so its branches and
-        // the row loop fold away and each row's accumulator stays in a register.
-        macro_rules! by_rows {
-            ($f:literal) => {
-                match rows {
-                    1 => tile_rows::<1, $f>(tile, blocks, acts, m0, out),
-                    2 => tile_rows::<2, $f>(tile, blocks, acts, m0, out),
-                    3 => tile_rows::<3, $f>(tile, blocks, acts, m0, out),
-                    4 => tile_rows::<4, $f>(tile, blocks, acts, m0, out),
-                    5 => tile_rows::<5, $f>(tile, blocks, acts, m0, out),
-                    6 => tile_rows::<6, $f>(tile, blocks, acts, m0, out),
-                    7 => tile_rows::<7, $f>(tile, blocks, acts, m0, out),
-                    _ => tile_rows::<ROWS, $f>(tile, blocks, acts, m0, out),
-                }
-            };
-        }
         // SAFETY: this function's own contract, and m0 + rows <= acts.m.
         unsafe {
             match format {
-                Format::Q6K => by_rows!(0),
-                Format::Q5_0 => by_rows!(1),
-                Format::Q5_1 => by_rows!(2),
-                Format::IQ4NL => by_rows!(3),
+                Format::Q6K => by_rows!(tile_rows, rows, 0, (tile, blocks, acts, m0, out)),
+                Format::Q5_0 => by_rows!(tile_rows, rows, 1, (tile, blocks, acts, m0, out)),
+                Format::Q5_1 => by_rows!(tile_rows, rows, 2, (tile, blocks, acts, m0, out)),
+                Format::IQ4NL => by_rows!(tile_rows, rows, 3, (tile, blocks, acts, m0, out)),
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q4K | Format::Q5K | Format::IQ4XS | Format::Q3K => {
                     unreachable!("not a format of this file (`super::tile`)")
                 }

@@ -7,6 +7,24 @@
 //! The AVX-512 intrinsics are stable since Rust 1.89: this file needs that compiler although the
 //! crate still declares 1.82 (raising `rust-version` turns on lints across other modules).
 
+/// `$f::<R, $format>($args)` with `R` the row count `$rows` (1..=ROWS) as a constant: one instance per
+/// (format, rows), so a kernel's format branches and row loop fold away and each row's accumulator
+/// stays in a register. Used by every file of this kernel (the row-group loop of its `tile`).
+macro_rules! by_rows {
+    ($f:ident, $rows:expr, $format:literal, ($($arg:expr),*)) => {
+        match $rows {
+            1 => $f::<1, $format>($($arg),*),
+            2 => $f::<2, $format>($($arg),*),
+            3 => $f::<3, $format>($($arg),*),
+            4 => $f::<4, $format>($($arg),*),
+            5 => $f::<5, $format>($($arg),*),
+            6 => $f::<6, $format>($($arg),*),
+            7 => $f::<7, $format>($($arg),*),
+            _ => $f::<ROWS, $format>($($arg),*),
+        }
+    };
+}
+
 mod blocks32;
 mod q3k;
 mod superblock;
@@ -65,28 +83,12 @@ pub(super) unsafe fn tile_from(format: Format, tile: &[u8], blocks: usize, acts:
     let mut m0 = m0;
     while m0 < acts.m {
         let rows = (acts.m - m0).min(ROWS);
-        // One instance per (format, rows): the format is a constant inside, so its branches and
-        // the row loop fold away and each row's accumulator stays in a register.
-        macro_rules! by_rows {
-            ($f:literal) => {
-                match rows {
-                    1 => tile_rows::<1, $f>(tile, blocks, acts, m0, out),
-                    2 => tile_rows::<2, $f>(tile, blocks, acts, m0, out),
-                    3 => tile_rows::<3, $f>(tile, blocks, acts, m0, out),
-                    4 => tile_rows::<4, $f>(tile, blocks, acts, m0, out),
-                    5 => tile_rows::<5, $f>(tile, blocks, acts, m0, out),
-                    6 => tile_rows::<6, $f>(tile, blocks, acts, m0, out),
-                    7 => tile_rows::<7, $f>(tile, blocks, acts, m0, out),
-                    _ => tile_rows::<ROWS, $f>(tile, blocks, acts, m0, out),
-                }
-            };
-        }
         // SAFETY: this function's own contract, and m0 + rows <= acts.m.
         unsafe {
             match format {
-                Format::Q4_0 => by_rows!(0),
-                Format::Q4_1 => by_rows!(1),
-                Format::Q8_0 => by_rows!(2),
+                Format::Q4_0 => by_rows!(tile_rows, rows, 0, (tile, blocks, acts, m0, out)),
+                Format::Q4_1 => by_rows!(tile_rows, rows, 1, (tile, blocks, acts, m0, out)),
+                Format::Q8_0 => by_rows!(tile_rows, rows, 2, (tile, blocks, acts, m0, out)),
                 Format::Q6K | Format::Q4K | Format::Q5K | Format::Q5_0 | Format::Q5_1
                 | Format::IQ4NL | Format::IQ4XS | Format::Q3K => unreachable!("runs in its family's file (`tile`)"),
             }

@@ -78,28 +78,12 @@ pub(super) unsafe fn tile(format: Format, tile: &[u8], blocks: usize, acts: &Qua
     let mut m0 = 0;
     while m0 < acts.m {
         let rows = (acts.m - m0).min(ROWS);
-        // One instance per (format, rows): the format is a constant inside, so its branches and
-        // the row loop fold away and each row's accumulator stays in a register.
-        macro_rules! by_rows {
-            ($f:literal) => {
-                match rows {
-                    1 => tile_rows_k::<1, $f>(tile, blocks, acts, m0, out),
-                    2 => tile_rows_k::<2, $f>(tile, blocks, acts, m0, out),
-                    3 => tile_rows_k::<3, $f>(tile, blocks, acts, m0, out),
-                    4 => tile_rows_k::<4, $f>(tile, blocks, acts, m0, out),
-                    5 => tile_rows_k::<5, $f>(tile, blocks, acts, m0, out),
-                    6 => tile_rows_k::<6, $f>(tile, blocks, acts, m0, out),
-                    7 => tile_rows_k::<7, $f>(tile, blocks, acts, m0, out),
-                    _ => tile_rows_k::<ROWS, $f>(tile, blocks, acts, m0, out),
-                }
-            };
-        }
         // SAFETY: this function's own contract, and m0 + rows <= acts.m.
         unsafe {
             match format {
-                Format::Q4K => by_rows!(0),
-                Format::Q5K => by_rows!(1),
-                Format::IQ4XS => by_rows!(2),
+                Format::Q4K => by_rows!(tile_rows_k, rows, 0, (tile, blocks, acts, m0, out)),
+                Format::Q5K => by_rows!(tile_rows_k, rows, 1, (tile, blocks, acts, m0, out)),
+                Format::IQ4XS => by_rows!(tile_rows_k, rows, 2, (tile, blocks, acts, m0, out)),
                 Format::Q4_0 | Format::Q4_1 | Format::Q8_0 | Format::Q6K | Format::Q5_0 | Format::Q5_1
                 | Format::IQ4NL | Format::Q3K => unreachable!("not a super-block format of this file (`super::tile`)"),
             }
