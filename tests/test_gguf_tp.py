@@ -104,7 +104,13 @@ def tokens_and_logprobs(outs) -> tuple[list[list[int]], list[list[float]]]:
 
 def test_two_ranks_decode_what_one_rank_does(kernel_gguf):
     """Prefix caching and chunked prefill on: the same greedy tokens, each chosen token's logprob equal
-    to float rounding (the partial sums are added in another order)."""
+    to float rounding (the partial sums are added in another order) at almost every position.
+
+    Not at every one: the kernel quantizes each layer's input activations to int8 per block of 32, so
+    a rounding-order difference of ~1e-7 flips an activation's code where its value sits on a rounding
+    boundary, and that one code's step (1/127 of its block's largest value) moves the logprobs by up to
+    ~1e-2. On an Intel Xeon 2 of these 50 positions moved by 0.0067 (the 48 others by < 1e-6), and the
+    same comparison with float32 weights (no activation quantization) agreed within 4e-6 everywhere."""
     prefix = [7 + (3 * i) % 200 for i in range(9)]
     prompts = [prefix + [20 + (i * 13 + j * 7) % 250 for j in range(3 + (5 * i) % 17)] for i in range(5)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=1)
@@ -121,7 +127,9 @@ def test_two_ranks_decode_what_one_rank_does(kernel_gguf):
     finally:
         two.shutdown()
     assert toks == expected_toks
-    np.testing.assert_allclose(np.array(lps), np.array(expected_lps), rtol=1e-4, atol=1e-4)
+    diff = np.abs(np.array(lps) - np.array(expected_lps))
+    assert (diff > 1e-4).mean() <= 0.1, diff  # float rounding almost everywhere
+    assert diff.max() < 2e-2, diff  # and at most an activation code's step elsewhere
 
 
 def test_the_embedded_smollm2_on_three_ranks_picks_gguf_and_decodes_what_one_rank_does():
