@@ -152,20 +152,14 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
             for (r, acc) in acc.iter_mut().enumerate() {
                 let ab = (m0 + r) * blocks + b;
                 let a = acts.qs.as_ptr().add(ab * QK);
-                // Four activation bytes broadcast to every lane (a macro: closures lose the target features).
-                macro_rules! bc {
-                    ($v:expr) => {
-                        _mm512_set1_epi32((a.add(4 * $v) as *const i32).read_unaligned())
-                    };
-                }
                 let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
                 let sum = *acts.sum.get_unchecked(ab);
                 if format == Format::Q6K {
                     let lo = *acts.sum_lo.get_unchecked(ab);
                     let (mut i0, mut i1) = (_mm512_set1_epi32(-32 * lo), _mm512_set1_epi32(-32 * (sum - lo)));
                     for v in 0..4 {
-                        i0 = _mm512_dpbusd_epi32(i0, w[v], bc!(v));
-                        i1 = _mm512_dpbusd_epi32(i1, w[4 + v], bc!(4 + v));
+                        i0 = _mm512_dpbusd_epi32(i0, w[v], bc!(a, 4 * v));
+                        i1 = _mm512_dpbusd_epi32(i1, w[4 + v], bc!(a, 4 * (4 + v)));
                     }
                     // T, exact (see the module docs)
                     let t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), sc[0],
@@ -179,13 +173,13 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                 if R < 4 {
                     let mut isum_hi = _mm512_setzero_si512();
                     for v in 0..4 {
-                        isum = _mm512_dpbusd_epi32(isum, w[v], bc!(v));
-                        isum_hi = _mm512_dpbusd_epi32(isum_hi, w[4 + v], bc!(4 + v));
+                        isum = _mm512_dpbusd_epi32(isum, w[v], bc!(a, 4 * v));
+                        isum_hi = _mm512_dpbusd_epi32(isum_hi, w[4 + v], bc!(a, 4 * (4 + v)));
                     }
                     isum = _mm512_add_epi32(isum, isum_hi);
                 } else {
                     for (v, &w) in w.iter().enumerate() {
-                        isum = _mm512_dpbusd_epi32(isum, w, bc!(v));
+                        isum = _mm512_dpbusd_epi32(isum, w, bc!(a, 4 * v));
                     }
                 }
                 *acc = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(isum), *acc);

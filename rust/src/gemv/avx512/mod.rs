@@ -25,6 +25,14 @@ macro_rules! by_rows {
     };
 }
 
+/// Four activation bytes at `$a + $i` broadcast to every 32-bit lane, `dpbusd`'s signed operand (a
+/// macro: closures lose the target features). Used by every file of this kernel.
+macro_rules! bc {
+    ($a:expr, $i:expr) => {
+        _mm512_set1_epi32(($a.add($i) as *const i32).read_unaligned())
+    };
+}
+
 mod blocks32;
 mod q3k;
 mod superblock;
@@ -151,12 +159,6 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
             for (r, acc) in acc.iter_mut().enumerate() {
                 let ab = (m0 + r) * blocks + b;
                 let a = acts.qs.as_ptr().add(ab * QK);
-                // Four activation bytes broadcast to every lane (a macro: closures lose the target features).
-                macro_rules! bc {
-                    ($i:expr) => {
-                        _mm512_set1_epi32((a.add($i) as *const i32).read_unaligned())
-                    };
-                }
                 let mut isum = _mm512_setzero_si512();
                 match format {
                     Format::Q4_0 | Format::Q4_1 => {
@@ -166,14 +168,14 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                         if R < 4 {
                             let mut isum_hi = _mm512_setzero_si512();
                             for v in 0..4 {
-                                isum = _mm512_dpbusd_epi32(isum, w[2 * v], bc!(8 * v));
-                                isum_hi = _mm512_dpbusd_epi32(isum_hi, w[2 * v + 1], bc!(8 * v + 4));
+                                isum = _mm512_dpbusd_epi32(isum, w[2 * v], bc!(a, 8 * v));
+                                isum_hi = _mm512_dpbusd_epi32(isum_hi, w[2 * v + 1], bc!(a, 8 * v + 4));
                             }
                             isum = _mm512_add_epi32(isum, isum_hi);
                         } else {
                             for v in 0..4 {
-                                isum = _mm512_dpbusd_epi32(isum, w[2 * v], bc!(8 * v));
-                                isum = _mm512_dpbusd_epi32(isum, w[2 * v + 1], bc!(8 * v + 4));
+                                isum = _mm512_dpbusd_epi32(isum, w[2 * v], bc!(a, 8 * v));
+                                isum = _mm512_dpbusd_epi32(isum, w[2 * v + 1], bc!(a, 8 * v + 4));
                             }
                         }
                         if format == Format::Q4_0 {
@@ -182,7 +184,7 @@ unsafe fn tile_rows<const R: usize, const F: usize>(tile: &[u8], blocks: usize, 
                     }
                     Format::Q8_0 => {
                         for (v, &w) in w.iter().enumerate() {
-                            isum = _mm512_dpbusd_epi32(isum, w, bc!(4 * v));
+                            isum = _mm512_dpbusd_epi32(isum, w, bc!(a, 4 * v));
                         }
                         isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * *acts.sum.get_unchecked(ab)));
                     }

@@ -87,18 +87,12 @@ unsafe fn tile_rows<const R: usize>(tile: &[u8], blocks: usize, acts: &Quantized
             for (r, acc) in acc.iter_mut().enumerate() {
                 let ab = (m0 + r) * blocks + b;
                 let a = acts.qs.as_ptr().add(ab * QK);
-                // Four activation bytes broadcast to every lane (a macro: closures lose the target features).
-                macro_rules! bc {
-                    ($i:expr) => {
-                        _mm512_set1_epi32((a.add($i) as *const i32).read_unaligned())
-                    };
-                }
                 let lo = *acts.sum_lo.get_unchecked(ab);
                 let hi = *acts.sum.get_unchecked(ab) - lo;
                 let (mut i0, mut i1) = (_mm512_set1_epi32(-4 * lo), _mm512_set1_epi32(-4 * hi));
                 for v in 0..4 {
-                    i0 = _mm512_dpbusd_epi32(i0, w[v], bc!(4 * v));
-                    i1 = _mm512_dpbusd_epi32(i1, w[4 + v], bc!(16 + 4 * v));
+                    i0 = _mm512_dpbusd_epi32(i0, w[v], bc!(a, 4 * v));
+                    i1 = _mm512_dpbusd_epi32(i1, w[4 + v], bc!(a, 16 + 4 * v));
                 }
                 // (isum_0, isum_1) as the lane's int16 halves (both fit), times (sc_0, sc_1)
                 let halves = _mm512_mask_blend_epi16(0xaaaa_aaaa, i0, _mm512_slli_epi32(i1, 16));

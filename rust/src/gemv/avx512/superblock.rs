@@ -200,13 +200,6 @@ unsafe fn tile_rows_k<const R: usize, const F: usize>(tile: &[u8], blocks: usize
                         if $r < R {
                             let ab = (m0 + $r) * blocks + b;
                             let a = acts.qs.as_ptr().add(ab * QK);
-                            // Four activation bytes broadcast to every lane (a macro: closures lose
-                            // the target features).
-                            macro_rules! bc {
-                                ($i:expr) => {
-                                    _mm512_set1_epi32((a.add($i) as *const i32).read_unaligned())
-                                };
-                            }
                             // IQ4_XS: the chain starts at -128 * sum_a, so it ends at T (the module docs)
                             let mut isum = if xs {
                                 _mm512_set1_epi32(-128 * *acts.sum.get_unchecked(ab))
@@ -217,13 +210,13 @@ unsafe fn tile_rows_k<const R: usize, const F: usize>(tile: &[u8], blocks: usize
                             if R < 4 {
                                 let mut isum_hi = _mm512_setzero_si512();
                                 for i in 0..4 {
-                                    isum = _mm512_dpbusd_epi32(isum, w[i], bc!(4 * i));
-                                    isum_hi = _mm512_dpbusd_epi32(isum_hi, w[4 + i], bc!(16 + 4 * i));
+                                    isum = _mm512_dpbusd_epi32(isum, w[i], bc!(a, 4 * i));
+                                    isum_hi = _mm512_dpbusd_epi32(isum_hi, w[4 + i], bc!(a, 16 + 4 * i));
                                 }
                                 isum = _mm512_add_epi32(isum, isum_hi);
                             } else {
                                 for (i, &w) in w.iter().enumerate() {
-                                    isum = _mm512_dpbusd_epi32(isum, w, bc!(4 * i));
+                                    isum = _mm512_dpbusd_epi32(isum, w, bc!(a, 4 * i));
                                 }
                             }
                             let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(ab)));
