@@ -116,12 +116,8 @@ pub fn peak_extra_pages(seqs: &[Growth], block_size: usize) -> usize {
         residues.add(r, 1);
     }
     let (mut active, mut freed, mut next) = (seqs.len() as i128, 0i128, 0usize);
-    let mut peak: i128 = 0; // (the need at step 0 with no sequence; any sequence's step-0 need is checked below)
-    let mut first = true;
+    let mut peak = i128::MIN; // (step 0 is always checked: set on the first turn)
     for t in std::iter::once(0).chain(order.iter().map(|&i| seqs[i].remaining)) {
-        if !first && t == 0 {
-            continue; // step 0 again: checked
-        }
         // a sequence whose last token came before step t has finished and freed its pages
         while next < order.len() && seqs[order[next]].remaining < t {
             let g = &seqs[order[next]];
@@ -135,8 +131,7 @@ pub fn peak_extra_pages(seqs: &[Growth], block_size: usize) -> usize {
         let tm = t % bs;
         let carried = if tm == 0 { 0 } else { residues.at_least(bs - tm) };
         let need = base + active * (t / bs) as i128 + carried - freed;
-        peak = if first { need } else { peak.max(need) };
-        first = false;
+        peak = peak.max(need);
     }
     peak.clamp(0, usize::MAX as i128) as usize
 }
