@@ -102,9 +102,75 @@ def test_the_table_is_a_private_copy():
     assert np.array_equal(table.rows(np.arange(8)), dense)
 
 
+def _q6_k_blocks(rows: int, supers: int, seed: int) -> np.ndarray:
+    """Random Q6_K rows (every code and int8 scale) whose ``d`` are finite (a matrix refuses others)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, supers * 210), dtype=np.uint8)
+    d = (rng.standard_normal((rows, supers)) * 0.01).astype(np.float16)
+    for s in range(supers):
+        blocks[:, 210 * s + 208:210 * s + 210] = d[:, s:s + 1].view(np.uint8)
+    return blocks
+
+
+@pytest.mark.parametrize("qtype, cols", [("Q8_0", 96), ("Q6_K", 512)])
+def test_a_tied_heads_lookup_reads_the_heads_tiles_bit_for_bit(qtype, cols):
+    """``of_head``: a tied head's table read from the head's own matrix (``GgufMatrix.dequantize_rows``: no
+    second copy of the bytes) gives the floats of the table's blocks, gguf-py's dequantization, for any ids
+    (every row of 37: past two 16-row tiles, reversed, repeated); the same refusals as a table of its own."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from pagedrs._core import GgufMatrix
+
+    blocks = _table(qtype, 37, cols)[0] if qtype == "Q8_0" else _q6_k_blocks(37, cols // 256, 3)
+    dense = np.asarray(dequantize(blocks, GGMLQuantizationType[qtype]), dtype=np.float32)
+    head = GgufMatrix(blocks.reshape(-1), 37, cols, qtype.lower(), "output.weight")
+    assert head.reads_rows
+    table = BlockEmbedding.of_head(head, qtype, torch.float32)
+    ids = np.concatenate([np.arange(37), [5, 5, 36, 0]])[::-1].copy()
+    got = table.rows(ids)
+    assert got.dtype == np.float32 and got.shape == (len(ids), cols)
+    assert np.array_equal(got.view(np.uint32), dense[ids].view(np.uint32))
+    assert np.array_equal(got.view(np.uint32), BlockEmbedding(blocks, qtype, cols, torch.float32).rows(ids).view(np.uint32))
+    assert table.rows(np.zeros(0, np.int64)).shape == (0, cols)
+    out = table(torch.tensor([[1, 2], [3, 36]]))
+    assert out.shape == (2, 2, cols) and torch.equal(out.reshape(4, cols), torch.from_numpy(dense[[1, 2, 3, 36]]))
+    assert table.blocks is None and table.weight_bytes() == 0 and "the head's tiles (output.weight)" in repr(table)
+    for bad in [-1, 37, 2**40]:
+        with pytest.raises(ValueError, match=rf"input_ids: token {bad} is outside the vocabulary; allowed 0 to 36"):
+            table.rows(np.array([1, bad], np.int64))
+    with pytest.raises(TypeError, match=r"input_ids: token ids must be integers, got float64"):
+        table.rows(np.array([1.5]))
+    # the Rust call checks its ids itself, whoever calls it
+    with pytest.raises(ValueError, match=r"tensor \"output.weight\": row id -1 is out of range; allowed 0 to 36"):
+        head.dequantize_rows(np.array([-1], np.int64))
+
+
+def test_only_a_head_packed_from_the_table_in_a_format_whose_rows_are_read_serves_it():
+    """``of_head`` refuses a head of another format than the table's type, a format whose rows it does not
+    read, and a fused product (several parts): the loader then keeps the table's own blocks."""
+    from pagedrs._core import GgufMatrix
+
+    blocks, _ = _table("Q8_0", 16, 64)
+    q8 = GgufMatrix(blocks.reshape(-1), 16, 64, "q8_0", "output.weight")
+    with pytest.raises(ValueError, match=r"the head 'output.weight' \(q8_0\) cannot serve a Q6_K token table's rows"):
+        BlockEmbedding.of_head(q8, "Q6_K", torch.float32)
+    q4 = GgufMatrix(_table("Q4_0", 16, 64)[0].reshape(-1), 16, 64, "q4_0", "w")
+    assert not q4.reads_rows
+    with pytest.raises(ValueError, match=r"\(q4_0\) cannot serve a Q4_0 token table's rows"):
+        BlockEmbedding.of_head(q4, "Q4_0", torch.float32)
+    fused = GgufMatrix.fused([q8, q8], "qkv")
+    assert not fused.reads_rows
+    with pytest.raises(ValueError, match=r"tensor \"qkv\": rows of a fused product \(q8_0\+q8_0\) cannot be read"):
+        fused.dequantize_rows(np.array([0], np.int64))
+    with pytest.raises(ValueError, match=r"row id 2 is out of range; allowed 0 to 1|cannot be read"):
+        GgufMatrix(blocks[:2].reshape(-1), 2, 64, "q8_0", "t").dequantize_rows(np.array([2], np.int64))
+
+
 def test_the_embedded_models_lookup_equals_its_float32_table(smollm2):
     """SmolLM2's Q8_0 table under ``weight_dtype="gguf"``: every row the dense load's float32 table holds,
-    at a quarter of its bytes."""
+    read from the tied head's matrix (no bytes of its own; a copy of its blocks was a quarter of the float32
+    table's)."""
     from pagedrs.models import load_model
 
     loaded = load_model("smollm2-135m", weight_dtype="gguf")
@@ -113,4 +179,5 @@ def test_the_embedded_models_lookup_equals_its_float32_table(smollm2):
     dense = smollm2.model.model.embed_tokens.weight
     got = table(torch.arange(dense.shape[0]))
     assert torch.equal(got, dense)
-    assert table.weight_bytes() * 3 < dense.numel() * dense.element_size()
+    # the tied head's matrix holds the table's bytes once: the lookup reads its tiles (28 MB not kept twice)
+    assert table.head is loaded.model.lm_head.gguf_matrix and table.blocks is None and table.weight_bytes() == 0

@@ -321,7 +321,8 @@ def test_a_block_loads_tensors_are_checked_against_the_config_before_any_is_read
     model = make_tiny_model("mistral", tmp_path / "hf")
     path = tmp_path / "q8_table.gguf"
     write_gguf(model, tmp_path / "hf", path, qtypes={**KERNEL_QTYPES, "token_embd": gguf.GGMLQuantizationType.Q8_0})
-    assert type(load_model(path, weight_dtype="gguf").model.model.embed_tokens).__name__ == "BlockEmbedding"
+    table = load_model(path, weight_dtype="gguf").model.model.embed_tokens
+    assert type(table).__name__ == "BlockEmbedding" and table.head is None  # an untied head: the table keeps its blocks
     folder = gguf_cache.convert_gguf_cached(path)
     config = json.loads((folder / "config.json").read_text())
     config["vocab_size"] += 1
@@ -401,3 +402,29 @@ def test_a_tensor_name_that_would_make_a_path_is_refused_before_anything_is_writ
                                          r"\['model\.layers\./x\.self_attn\.q_proj\.weight'\]"):
         load_model(tiny_gguf, weight_dtype="gguf")
     assert not (folder / "converted").exists() and not (folder / "model.layers.").exists()
+
+
+def test_a_tied_q6_k_table_is_read_from_the_heads_matrix(tmp_path, cache_dir, monkeypatch):
+    """A tied head in Q6_K (llama.cpp's type for a K-quant mix's table that is also the head): the lookup reads
+    the head's tiles (the table's bytes held once), and the model computes bit for bit what it computed with
+    a copy of the table's blocks for the lookup, every row of the table included."""
+    import gguf
+
+    from gguf_writer import KERNEL_QTYPES
+    from pagedrs.models import loader
+
+    model = make_tiny_model("llama", tmp_path / "hf", hidden_size=256, intermediate_size=512, head_dim=64,
+                            tie_word_embeddings=True)
+    path = tmp_path / "tied_q6_k.gguf"
+    write_gguf(model, tmp_path / "hf", path, qtypes={**KERNEL_QTYPES, "token_embd": gguf.GGMLQuantizationType.Q6_K})
+    shared = load_model(path, weight_dtype="gguf")
+    table = shared.model.model.embed_tokens
+    assert table.qtype == "Q6_K" and table.head is shared.model.lm_head.gguf_matrix and table.weight_bytes() == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "_shared_head", lambda *args: None)
+        copied = load_model(path, weight_dtype="gguf")
+    assert copied.model.model.embed_tokens.head is None and copied.model.model.embed_tokens.weight_bytes() > 0
+    every_row = torch.arange(shared.config.vocab_size)
+    assert torch.equal(shared.model._embed(every_row), copied.model._embed(every_row))
+    prompt = [5, 9, 17, 33, 65, 129, 250]
+    assert torch.equal(_last_logits(shared, prompt), _last_logits(copied, prompt))

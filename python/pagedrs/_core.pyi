@@ -385,6 +385,13 @@ class GgufMatrix:
     def fused(parts: list[GgufMatrix], name: str = "weight") -> GgufMatrix:
         """One product whose rows are ``parts``' rows in order, each part in its own format (the parts'
         blocks shared); ValueError naming ``name`` when the parts' columns differ or there are none."""
+    @property
+    def reads_rows(self) -> bool:
+        """Whether ``dequantize_rows`` reads this matrix: one part, in Q8_0 or Q6_K."""
+    def dequantize_rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        """Rows ``ids`` as float32 ``[len(ids), cols]``, gguf-py's dequantized values (a tied head's token
+        lookup read from the head's tiles); ValueError naming the tensor for an id outside ``0..rows`` or
+        a matrix ``reads_rows`` is False for."""
 
 def logits_row_stats(
     logits: npt.NDArray[np.float32], threads: int = 1

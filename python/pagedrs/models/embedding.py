@@ -7,6 +7,11 @@ Q8_0. A step looks up one row per token: a batch-1 step's lookup costs 11 us in 
 from a float32 table; 0.2% of SmolLM2's step) and ~37 us in Q6_K (a tied K-quant head's table; gguf-py's
 generic call took 80-93 us, most of it fixed cost per call).
 
+A tied head's table (``BlockEmbedding.of_head``) is read from the head's own tiles instead of a copy of
+its blocks (``GgufMatrix.dequantize_rows``, ``rust/src/gemv/rows.rs``), in the formats llama.cpp writes
+such a table in (Q8_0, Q6_K): the bytes are held once (SmolLM2's 28 MB; ~0.56 GB of Llama 3's Q8_0
+table), and a lookup costs a Rust call (the same floats: the tiles hold the file's scales and codes).
+
 Exactness: a row is dequantized by the function a dense load dequantizes the whole table with
 (gguf-py's ``dequantize``); Q8_0 and Q6_K, the common embedding types, by the same float32 products
 in fewer NumPy calls, checked equal to it bit for bit, so the lookup returns the floats the float32
@@ -16,12 +21,16 @@ table held.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from pagedrs.models.gguf_convert import QK
+
+if TYPE_CHECKING:
+    from pagedrs._core import GgufMatrix
 
 _Q8_0_BYTES = 2 + QK  # an f16 scale, then 32 int8 codes
 
@@ -38,21 +47,40 @@ class BlockEmbedding(nn.Module):
                 blocks.shape[1] != embedding_dim // per_block * size:
             raise ValueError(f"embedding blocks of shape {blocks.shape} ({blocks.dtype}) are not {qtype} rows of "
                              f"{embedding_dim} weights ({embedding_dim // per_block * size} bytes a row)")
-        self.blocks = np.array(blocks, dtype=np.uint8, order="C", copy=True)  # not a view of the mapped file
+        self.blocks: np.ndarray | None = np.array(blocks, dtype=np.uint8, order="C", copy=True)  # not a view of the mapped file
+        self.head: GgufMatrix | None = None  # of_head: the rows are read from the head's tiles instead
         self.qtype = qtype
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.dtype = dtype
         self._dequantize = _LEAN_ROWS.get(qtype) or _gguf_rows(GGMLQuantizationType[qtype])
+
+    @classmethod
+    def of_head(cls, head: GgufMatrix, qtype: str, dtype: torch.dtype) -> BlockEmbedding:
+        """The lookup of a tied head's table read from the head's matrix (packed from the same blocks of
+        GGUF type ``qtype``, which must be the matrix's format, one ``head.reads_rows`` reads): no copy."""
+        if not head.reads_rows or head.format != qtype.lower():
+            raise ValueError(f"the head {head.name!r} ({head.format}) cannot serve a {qtype} token table's rows; "
+                             f"a q8_0 or q6_k head packed from that table can")
+        table = cls.__new__(cls)
+        nn.Module.__init__(table)
+        table.blocks, table.head, table.qtype = None, head, qtype
+        table.num_embeddings, table.embedding_dim, table.dtype = head.rows, head.cols, dtype
+        return table
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """float32 ``[len(ids), embedding_dim]``; a token outside the vocabulary is refused by name."""
         ids = np.asarray(ids).reshape(-1)
         if not ids.size:
             return np.empty((0, self.embedding_dim), dtype=np.float32)
+        if ids.dtype.kind not in "iu":  # (a float id would be truncated to a row)
+            raise TypeError(f"input_ids: token ids must be integers, got {ids.dtype}")
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.num_embeddings:
             raise ValueError(f"input_ids: token {lo if lo < 0 else hi} is outside the vocabulary; allowed 0 to "
                              f"{self.num_embeddings - 1}")
+        if self.head is not None:
+            return self.head.dequantize_rows(ids.astype(np.int64, copy=False))
+        assert self.blocks is not None
         return self._dequantize(self.blocks.take(ids, axis=0)).reshape(ids.size, self.embedding_dim)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -60,10 +88,12 @@ class BlockEmbedding(nn.Module):
         return out if self.dtype is torch.float32 else out.to(self.dtype)
 
     def weight_bytes(self) -> int:
-        return int(self.blocks.nbytes)
+        """Bytes this lookup holds of its own: 0 when it reads the head's (``of_head``)."""
+        return 0 if self.blocks is None else int(self.blocks.nbytes)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={self.qtype}"
+        where = f", the head's tiles ({self.head.name})" if self.head is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={self.qtype}{where}"
 
 
 def _q8_0_rows(rows: np.ndarray) -> np.ndarray:

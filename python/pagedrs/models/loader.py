@@ -29,6 +29,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from pagedrs.models.config import ModelConfig, _as_dtype
 from pagedrs.models.llama import LlamaForCausalLM
 from pagedrs.models.quant import WeightFormat, resolve_weight_format
 from pagedrs.tokenizer import TokenIdsOnly, Tokenizer
+
+if TYPE_CHECKING:
+    from pagedrs._core import GgufMatrix
 
 logger = logging.getLogger("pagedrs.engine")
 
@@ -180,7 +184,9 @@ def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], 
     table = raw.get("model.embed_tokens.weight")
     if table is not None:  # a quantized lookup table: rows dequantized from its blocks as they are looked up
         blocks, cols, qtype = table
-        model.model.embed_tokens = BlockEmbedding(blocks, qtype, cols, dtype)
+        head = _shared_head(model, config.tie_word_embeddings, blocks.shape[0], cols, qtype)
+        model.model.embed_tokens = (BlockEmbedding.of_head(head, qtype, dtype) if head is not None
+                                    else BlockEmbedding(blocks, qtype, cols, dtype))
         from_blocks.add("model.embed_tokens.weight")
     else:  # a float table (F32, F16, BF16): dequantized whole, like the dense path (a tied head made of it too)
         from_blocks.discard("model.embed_tokens.weight")
@@ -190,6 +196,17 @@ def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], 
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=_tokenizer(folder, config, skip_tokenizer_init),
                        name=name, weight_format=weight_format)
+
+
+def _shared_head(model: LlamaForCausalLM, tied: bool, rows: int, cols: int, qtype: str) -> GgufMatrix | None:
+    """The head's matrix when it is the token table's blocks as the file stores them (a tied head, every row
+    on this rank, packed in the table's own type, which ``GgufMatrix.dequantize_rows`` reads): the lookup
+    reads its rows there instead of keeping a second copy of the bytes. None otherwise (an untied head, a
+    rank's shard of the vocabulary, a table converted for the kernel, a format whose rows are not read)."""
+    head: GgufMatrix | None = getattr(model.lm_head, "gguf_matrix", None) if tied else None
+    if head is None or not head.reads_rows or (head.rows, head.cols, head.format) != (rows, cols, qtype.lower()):
+        return None
+    return head
 
 
 def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, name: str,

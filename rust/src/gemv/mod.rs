@@ -23,6 +23,7 @@ pub mod pack;
 pub mod phases;
 pub mod pool;
 pub mod quantize;
+pub mod rows;
 pub mod scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;

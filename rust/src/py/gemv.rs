@@ -127,6 +127,40 @@ impl PyGgufMatrix {
         Ok(out)
     }
 
+    /// Whether `dequantize_rows` reads this matrix: one part, in Q8_0 or Q6_K.
+    #[getter]
+    fn reads_rows(&self) -> bool {
+        matches!(self.inner.parts(), [p] if p.reads_rows())
+    }
+
+    /// Rows `ids` (a 1-D int64 array) as a new float32 array `[len(ids), cols]`, each weight the float32
+    /// gguf-py's dequantization gives (the lookup of a tied head's token table from the head's own tiles,
+    /// `gemv/rows.rs`). Refused by name: a matrix `reads_rows` is False for, an id outside `0..rows`.
+    fn dequantize_rows<'py>(&self, py: Python<'py>, ids: PyReadonlyArray1<'py, i64>) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let name = self.inner.name();
+        let [part] = self.inner.parts() else {
+            return Err(PyValueError::new_err(format!(
+                "tensor {name:?}: rows of a fused product ({}) cannot be read; one part in q8_0 or q6_k can",
+                self.format()
+            )));
+        };
+        let copy;
+        let ids = match ids.as_slice() {
+            Ok(s) => s,
+            Err(_) => {
+                copy = ids.as_array().iter().copied().collect::<Vec<i64>>();
+                &copy[..]
+            }
+        };
+        let out = PyArray2::<f32>::zeros(py, [ids.len(), part.cols()], false);
+        {
+            let mut rw = out.readwrite();
+            let os = rw.as_slice_mut().expect("a new array is contiguous");
+            py.detach(|| part.dequantize_rows(ids, os)).map_err(value_err)?;
+        }
+        Ok(out)
+    }
+
     fn __repr__(&self) -> String {
         format!("GgufMatrix(name={:?}, rows={}, cols={}, format={:?})", self.inner.name(), self.inner.rows(),
                 self.inner.cols(), self.format())
