@@ -203,7 +203,7 @@ const SELECT: i32 = (0xf0 & 0xaa) | (0xcc & !0xaa);
 const OR3: i32 = 0xf0 | 0xcc | 0xaa;
 
 /// One Q6_K group's three packed vectors at `p` (`pack.rs`) as its four vectors of q (0..63):
-/// elements `4u + i` of the group in vector `u`, Q8_0's order (as `avx2::unpack_q6_k`).
+/// elements `4u + i` of the group in vector `u`, Q8_0's order (as `avx2::blocks32::unpack_q6_k`).
 ///
 /// # Safety
 /// AVX-512 F/BW; `p` readable for 192 bytes.

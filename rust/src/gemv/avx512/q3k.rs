@@ -110,7 +110,7 @@ unsafe fn tile_rows<const R: usize>(tile: &[u8], blocks: usize, acts: &Quantized
 }
 
 /// One Q3_K block's three packed vectors at `p` (`pack.rs`) as its eight vectors of codes (0..7):
-/// elements `4v + i` of the block in vector `v`, Q8_0's order (as `avx2::unpack_q3_k`).
+/// elements `4v + i` of the block in vector `v`, Q8_0's order (as `avx2::q3k::unpack_q3_k`).
 ///
 /// # Safety
 /// AVX-512 F/BW; `p` readable for 192 bytes.
