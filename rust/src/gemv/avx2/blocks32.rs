@@ -66,9 +66,6 @@ pub(super) unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(
     let tbb = TILE * format.block_bytes();
     let qoff = TILE * format.header_bytes();
     let ones = _mm256_set1_epi16(1);
-    // Q6_K: a lane's (sc_0, sc_1) int16 pair -> sc_0 (sc_1) in both halves, per 128-bit lane
-    let dup = [_mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13),
-               _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)];
     for pass in 0..2 / NH {
         let mut acc = [[_mm256_setzero_ps(); NH]; R];
         for b in 0..blocks {
@@ -128,8 +125,7 @@ pub(super) unsafe fn tile_rows<const R: usize, const F: usize, const NH: usize>(
                     Format::Q6K => {
                         for j in 0..NH {
                             let h = pass * NH + j;
-                            let pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(2 * TILE + h * 2 * HALF) as *const __m128i));
-                            let sc = [_mm256_shuffle_epi8(pair, dup[0]), _mm256_shuffle_epi8(pair, dup[1])];
+                            let (pair, sc) = scale_pairs!(blk.add(2 * TILE + h * 2 * HALF));
                             for (g, &sc) in sc.iter().enumerate() {
                                 let w = unpack_q6_k(blk.add(qoff + 3 * g * 64 + h * 32));
                                 for (r, s) in isum.iter_mut().enumerate() {

@@ -2,11 +2,12 @@
 //! 32-bit lane), up to four activation rows per pass over the tile.
 //!
 //! Files, one per format family as the AVX-512 kernel's: this one (`tile`'s dispatch, `store_rows`,
-//! and the integer sums of a block of 32 that both families below share: `q4_sums` for Q4_0, Q4_1
-//! and Q4_K, `q5_sums` for Q5_0, Q5_1 and Q5_K, `iq4_sums` for IQ4_NL and IQ4_XS); `blocks32.rs`
-//! (`tile_rows`: Q4_0, Q4_1, Q8_0, Q6_K, Q5_0, Q5_1 and IQ4_NL, a block of 32 at a time);
-//! `superblock.rs` (`tile_rows_k`: Q4_K, Q5_K and IQ4_XS, a super-block of 256 at a time); `q3k.rs`
-//! (`tile_rows_q3_k`: Q3_K). Each file's docs hold its formats' steps and measurements.
+//! `scale_pairs!` for Q6_K and Q3_K, and the integer sums of a block of 32 that two families below
+//! share: `q4_sums` for Q4_0, Q4_1 and Q4_K, `q5_sums` for Q5_0, Q5_1 and Q5_K, `iq4_sums` for
+//! IQ4_NL and IQ4_XS); `blocks32.rs` (`tile_rows`: Q4_0, Q4_1, Q8_0, Q6_K, Q5_0, Q5_1 and IQ4_NL, a
+//! block of 32 at a time); `superblock.rs` (`tile_rows_k`: Q4_K, Q5_K and IQ4_XS, a super-block of
+//! 256 at a time); `q3k.rs` (`tile_rows_q3_k`: Q3_K). Each file's docs hold its formats' steps and
+//! measurements.
 //!
 //! Why this shape (AMD EPYC Zen 3, 2026-12-06, `cargo bench --bench gemv_rows -- avx2`): the
 //! first version multiplied one activation row at a time and asked for nothing ahead: at M = 1
@@ -16,6 +17,24 @@
 //! and a pass over the tile serves up to four rows, each weight vector unpacked once for all of
 //! them. From three rows on the tile's two halves run as two passes (the second from L1), so
 //! that each row's accumulator and 16-bit sums fit AVX2's 16 registers.
+
+/// A half's 8 lanes' signed scale pairs `(sc_0, sc_1)` at `$p` (16 bytes, `pack.rs`) widened to int16,
+/// and `[sc_0, sc_1]`, each in both 16-bit halves of every lane: the `madd` operand of the lanes'
+/// 16-bit sums of group 0 (1). Q6_K's and Q3_K's group sums differ past it (Q6_K's two vectors of
+/// products to a `madd`, as four would overflow 16 bits, and `32 * sum_g` subtracted after; Q3_K's
+/// four onto `-4 * sum_g`, one `madd` a group), so only this step is shared. A macro, not an
+/// `#[inline]` fn: it compiles `tile` to the machine code of the two copies it replaced, where the
+/// fn changed it (another register allocation, 45 fewer instructions of 13168). Expands to unsafe
+/// code: the caller's unsafe block must have `$p .. $p + 16` readable, and AVX2.
+macro_rules! scale_pairs {
+    ($p:expr) => {{
+        // a lane's (sc_0, sc_1) int16 pair -> sc_0 (sc_1) in both halves, per 128-bit lane
+        let dup = [_mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13),
+                   _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)];
+        let pair = _mm256_cvtepi8_epi16(_mm_loadu_si128($p as *const __m128i));
+        (pair, [_mm256_shuffle_epi8(pair, dup[0]), _mm256_shuffle_epi8(pair, dup[1])])
+    }};
+}
 
 mod blocks32;
 mod q3k;

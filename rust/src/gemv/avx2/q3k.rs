@@ -39,9 +39,6 @@ pub(super) unsafe fn tile_rows_q3_k<const R: usize, const NH: usize>(tile: &[u8]
                                                                      acts: &QuantizedActs, m0: usize, out: &mut [f32]) {
     let tbb = TILE * Format::Q3K.block_bytes();
     let sub = tbb / Q4_K_SUBS; // the stream's share of a block, for the prefetch
-    // a lane's (sc_0, sc_1) int16 pair -> sc_0 (sc_1) in both halves, per 128-bit lane
-    let dup = [_mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13),
-               _mm256_setr_epi8(2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15)];
     for pass in 0..2 / NH {
         let mut acc = [[_mm256_setzero_ps(); NH]; R];
         for b in 0..blocks {
@@ -62,8 +59,7 @@ pub(super) unsafe fn tile_rows_q3_k<const R: usize, const NH: usize>(tile: &[u8]
                 }
                 for j in 0..NH {
                     let h = pass * NH + j;
-                    let pair = _mm256_cvtepi8_epi16(_mm_loadu_si128(sb.add(Q3_K_SC + 2 * TILE * u + h * 2 * HALF) as *const __m128i));
-                    let sc = [_mm256_shuffle_epi8(pair, dup[0]), _mm256_shuffle_epi8(pair, dup[1])];
+                    let (_, sc) = scale_pairs!(sb.add(Q3_K_SC + 2 * TILE * u + h * 2 * HALF));
                     let w = unpack_q3_k(sb.add(Q3_K_CODES + Q3_K_SUB_CODES * u + h * 32));
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(h * 2 * HALF) as *const __m128i));
                     for (r, acc) in acc.iter_mut().enumerate() {
