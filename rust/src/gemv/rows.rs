@@ -23,10 +23,9 @@ impl PackedMatrix {
         matches!(self.format, Format::Q8_0 | Format::Q6K)
     }
 
-    /// Rows `ids` as float32, row after row into `out` (`ids.len() * cols` values). Refused, naming
-    /// the tensor: a format [`PackedMatrix::reads_rows`] does not read, an id outside `0..rows`, an
-    /// `out` of another length. Nothing is written before every id is checked.
-    pub fn dequantize_rows(&self, ids: &[i64], out: &mut [f32]) -> Result<(), GemvError> {
+    /// What [`PackedMatrix::dequantize_rows`] refuses before it writes anything (a caller checks this
+    /// before it allocates the output): a format it does not read, an id outside `0..rows`.
+    pub fn check_row_ids(&self, ids: &[i64]) -> Result<(), GemvError> {
         let input = |reason: String| GemvError::Input { tensor: self.name.clone(), reason };
         if !self.reads_rows() {
             return Err(input(format!("rows of format {} cannot be read (q8_0 and q6_k can)", self.format.name())));
@@ -34,6 +33,15 @@ impl PackedMatrix {
         if let Some(&bad) = ids.iter().find(|&&id| id < 0 || id as u64 >= self.rows as u64) {
             return Err(input(format!("row id {bad} is out of range; allowed 0 to {}", self.rows - 1)));
         }
+        Ok(())
+    }
+
+    /// Rows `ids` as float32, row after row into `out` (`ids.len() * cols` values). Refused, naming
+    /// the tensor: a format [`PackedMatrix::reads_rows`] does not read, an id outside `0..rows`, an
+    /// `out` of another length. Nothing is written before every id is checked.
+    pub fn dequantize_rows(&self, ids: &[i64], out: &mut [f32]) -> Result<(), GemvError> {
+        self.check_row_ids(ids)?;
+        let input = |reason: String| GemvError::Input { tensor: self.name.clone(), reason };
         let cols = self.cols;
         if Some(out.len()) != ids.len().checked_mul(cols) {
             return Err(input(format!("the output holds {} values; {} rows of {cols} need {}", out.len(), ids.len(),

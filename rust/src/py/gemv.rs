@@ -152,6 +152,7 @@ impl PyGgufMatrix {
                 &copy[..]
             }
         };
+        part.check_row_ids(ids).map_err(value_err)?; // before the output is allocated
         let out = PyArray2::<f32>::zeros(py, [ids.len(), part.cols()], false);
         {
             let mut rw = out.readwrite();
