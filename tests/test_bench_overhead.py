@@ -13,7 +13,7 @@ from pagedrs.bench.config import BenchConfig
 from pagedrs.bench.overhead import DETAIL, PARTS, OverheadSpec, markdown, measure, spec_from_config, split_step
 from pagedrs.bench.report import write_json
 
-TINY = OverheadSpec(batch_sizes=(1, 3), layers=3, prompt_len=5, warmup_steps=1, steps=3)
+TINY = OverheadSpec(batch_sizes=(1, 3), layers=3, prompt_len=5, warmup_steps=1, steps=3, rounds=2)
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +43,19 @@ def test_fixed_and_per_layer_parts_are_the_line_through_both_depths(report: dict
             shallow, deep = row["shallow"][key], row["measured"][key]
             assert row["fixed"][key] + 1 * row["per_layer"][key] == pytest.approx(shallow, abs=1e-12)
             assert row["fixed"][key] + 3 * row["per_layer"][key] == pytest.approx(deep, abs=1e-12)
+        # each round's own line: its fixed part from that round's medians at both depths
+        spread = row["fixed_rounds"]["cpu_step"]
+        assert len(spread) == TINY.rounds and len(row["fixed_rounds"]["step"]) == TINY.rounds
+        steps = report["steps"][row["output_kind"]]
+        shallow0 = sorted(s["cpu_step"] for s in steps["1"][str(row["batch"])][:2])  # round 0: the first steps
+        deep0 = sorted(s["cpu_step"] for s in steps["3"][str(row["batch"])][:2])
+        assert spread[0] == pytest.approx(sum(shallow0) / 2 - (sum(deep0) / 2 - sum(shallow0) / 2) / 2, abs=1e-12)
 
 
 def test_report_prints_its_machine_and_serializes(report: dict, tmp_path: Path) -> None:
     text = markdown(report, "the machine")
     assert "Machine: the machine" in text and "| 3 | FINAL_ONLY |" in text and "| 1 | CUMULATIVE |" in text
-    assert "| 3 | DELTA |" in text
+    assert "| 3 | DELTA |" in text and "fixed, by round ms" in text
     write_json(str(tmp_path / "o.json"), report)
     assert json.loads((tmp_path / "o.json").read_text())["spec"]["layers"] == 3
 

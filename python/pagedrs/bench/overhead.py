@@ -68,7 +68,7 @@ class OverheadSpec:
     prompt_len: int = 32
     warmup_steps: int = 3
     steps: int = 20  # timed decode steps per batch size (and output kind), over all rounds
-    rounds: int = 2  # rounds that alternate the two depths (see ``measure``)
+    rounds: int = 4  # rounds that alternate the two depths (see ``measure``)
     device: str = "cpu"
     block_size: int = 16
     # RequestOutputKind names, each run in turn
@@ -297,6 +297,8 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
     depths = (1, spec.layers) if spec.layers > 1 else (1, 2)
     steps: dict[str, dict[int, dict[int, list[dict[str, float]]]]] = {k: {d: {} for d in depths} for k in spec.output_kinds}
     rounds = max(1, min(spec.rounds, spec.steps))
+    # (kind, batch, round) -> depth -> that round's steps: each round's own line gives the spread of the fixed part
+    by_round: dict[tuple[str, int, int], dict[int, list[dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(folder_root or tmp)
         engines: dict[int, Any] = {}
@@ -315,6 +317,7 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
                             rows = time_decode_steps(engines[depth], round_spec, batch, seed=batch * rounds + r,
                                                      output_kind=kind)
                             steps[kind][depth].setdefault(batch, []).extend(rows)
+                            by_round.setdefault((kind, batch, r), {})[depth] = rows
         finally:
             for engine in engines.values():
                 engine.shutdown()
@@ -325,11 +328,19 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
             shallow, deep = _median_parts(steps[kind][lo][batch]), _median_parts(steps[kind][hi][batch])
             per_layer = {k: (deep[k] - shallow[k]) / (hi - lo) for k in deep}
             fixed = {k: shallow[k] - lo * per_layer[k] for k in deep}
+            fixed_rounds = {k: [_fixed(_median_parts(by_round[kind, batch, r][lo])[k],
+                                       _median_parts(by_round[kind, batch, r][hi])[k], lo, hi) for r in range(rounds)]
+                            for k in ("step", "cpu_step")}
             table.append({"batch": batch, "output_kind": kind, "layers": hi, "measured": deep, "shallow": shallow,
-                          "per_layer": per_layer, "fixed": fixed})
+                          "per_layer": per_layer, "fixed": fixed, "fixed_rounds": fixed_rounds})
     return {"spec": asdict(spec), "depths": list(depths), "rows": table,
             "steps": {kind: {str(d): {str(b): v for b, v in by_batch.items()} for d, by_batch in by_depth.items()}
                       for kind, by_depth in steps.items()}}
+
+
+def _fixed(shallow: float, deep: float, lo: int, hi: int) -> float:
+    """The line through (lo, shallow) and (hi, deep) at zero layers."""
+    return shallow - lo * (deep - shallow) / (hi - lo)
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -342,6 +353,8 @@ def _flat_rows(data: dict[str, Any], clock: str = "") -> list[dict[str, Any]]:
         for k in ("step", "core", *PARTS):
             row[k] = r["measured"][clock + k] * 1e3
         row["fixed"] = r["fixed"][clock + "step"] * 1e3
+        spread = r["fixed_rounds"][clock + "step"]
+        row["fixed_rounds"] = f"{min(spread) * 1e3:.2f}-{max(spread) * 1e3:.2f}"
         row["fixed_core"] = r["fixed"][clock + "core"] * 1e3
         row["per_layer"] = r["per_layer"][clock + "step"] * 1e3
         row["fixed_runner"] = r["fixed"][clock + "runner"] * 1e3
@@ -356,6 +369,7 @@ _COLUMNS = [
     Column("core ms", "core", "{:.2f}"),
     *(Column(f"{p} ms", p, "{:.2f}") for p in PARTS),
     Column("fixed ms", "fixed", "{:.2f}"),
+    Column("fixed, by round ms", "fixed_rounds"),
     Column("core fixed ms", "fixed_core", "{:.2f}"),
     Column("per layer ms", "per_layer", "{:.3f}"),
     Column("runner fixed ms", "fixed_runner", "{:.2f}"),
@@ -372,7 +386,9 @@ def markdown(data: dict[str, Any], machine: str) -> str:
         "Parts (ms, at the full depth): schedule = Rust Scheduler.schedule(); inputs = StepInput, metadata, tensors, "
         "attention plan; runner = forward + head; sampling = sampling rows + sample(); output = continuation, "
         "appends, CoreOutputs; frontend = OutputProcessor (RequestOutputs); core = step - frontend.",
-        f"fixed / per layer: a line through the step at {lo} and {hi} layers (fixed = extrapolated to 0 layers).",
+        f"fixed / per layer: a line through the step at {lo} and {hi} layers (fixed = extrapolated to 0 layers), "
+        f"from every round's steps pooled; \"by round\": the least and the most of the {spec['rounds']} rounds' own "
+        "lines (each round times both depths back to back): how far a shared machine's noise moves the fixed part.",
         "output kind: SamplingParams.output_kind of the workload: CUMULATIVE = a RequestOutput per request per "
         "step (Engine.step's default), DELTA = one per request per step with only the new tokens (what the server "
         "asks for), FINAL_ONLY = none until a request ends (what LLM.generate submits).",
@@ -384,7 +400,7 @@ def markdown(data: dict[str, Any], machine: str) -> str:
 
 
 def spec_from_config(cfg: BenchConfig) -> OverheadSpec:
-    quick = OverheadSpec(prompt_len=16, warmup_steps=2, steps=8)
+    quick = OverheadSpec(prompt_len=16, warmup_steps=2, steps=12, rounds=4)
     spec = quick if cfg.quick else OverheadSpec()
     return OverheadSpec(**{**asdict(spec), "layers": cfg.layers or spec.layers, "device": cfg.device,
                            "block_size": cfg.block_size})
