@@ -34,6 +34,20 @@ impl Rng {
     }
 }
 
+/// Random bytes of a [rows, cols] tensor of super-blocks of 256 weights and `sb` bytes whose f16 `d`
+/// is their last two bytes (Q6_K, Q3_K): every code and scale byte random, `d` as the other formats'
+/// (magnitude 2^-10 to 1), one in 8 subnormal.
+fn random_d_last(rows: usize, cols: usize, sb: usize, rng: &mut Rng) -> Vec<u8> {
+    let mut raw = Vec::with_capacity(rows * cols / 256 * sb);
+    for _ in 0..rows * cols / 256 {
+        raw.extend((0..sb - 2).map(|_| rng.next() as u8));
+        let r = rng.next();
+        let d = if r % 8 == 0 { (r >> 16) as u16 & 0x83ff } else { f16_bits(r) };
+        raw.extend_from_slice(&d.to_le_bytes());
+    }
+    raw
+}
+
 /// Random GGUF bytes of a [rows, cols] tensor (Q6_K: `gemv_q6_k::random_q6_k`; Q4_K and Q5_K:
 /// `gemv_q4_k::random_k_with_min`; IQ4_XS: `gemv_iq4::random_iq4_xs`; Q3_K: `gemv_q3_k::random_q3_k`).
 fn random_gguf(format: Format, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {

@@ -88,17 +88,9 @@ fn encode_q3_k(q: &[i8; 256], scales: &[u8; 16], d: u16) -> Vec<u8> {
     sb
 }
 
-/// Random Q3_K bytes of a [rows, cols] tensor: every code and scale byte random (all 8 codes, all 64
-/// scales), `d` as the other formats' (magnitude 2^-10 to 1), one in 8 subnormal.
+/// Random Q3_K bytes of a [rows, cols] tensor (`random_d_last`: every code and scale byte random, `d` last).
 pub(super) fn random_q3_k(rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    let mut raw = Vec::with_capacity(rows * cols / 256 * SB);
-    for _ in 0..rows * cols / 256 {
-        raw.extend((0..SB - 2).map(|_| rng.next() as u8));
-        let r = rng.next();
-        let d = if r % 8 == 0 { (r >> 16) as u16 & 0x83ff } else { f16_bits(r) };
-        raw.extend_from_slice(&d.to_le_bytes());
-    }
-    raw
+    random_d_last(rows, cols, SB, rng)
 }
 
 /// Hand-built super-blocks: 64 of them (rows 0..16 of 19, four super-blocks a row, the rest

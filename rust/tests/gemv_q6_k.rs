@@ -51,17 +51,9 @@ fn encode_q6_k(q: &[u8; 256], scales: &[i8; 16], d: u16) -> Vec<u8> {
     sb
 }
 
-/// Random Q6_K bytes of a [rows, cols] tensor: every code and scale byte random (all 64 codes,
-/// scales -128..127), `d` as the other formats' (magnitude 2^-10 to 1), one in 8 subnormal.
+/// Random Q6_K bytes of a [rows, cols] tensor (`random_d_last`: every code and scale byte random, `d` last).
 pub(super) fn random_q6_k(rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    let mut raw = Vec::with_capacity(rows * cols / 256 * SB);
-    for _ in 0..rows * cols / 256 {
-        raw.extend((0..SB - 2).map(|_| rng.next() as u8));
-        let r = rng.next();
-        let d = if r % 8 == 0 { (r >> 16) as u16 & 0x83ff } else { f16_bits(r) };
-        raw.extend_from_slice(&d.to_le_bytes());
-    }
-    raw
+    random_d_last(rows, cols, SB, rng)
 }
 
 /// Hand-built super-blocks (rows 0..4 of 19, two super-blocks a row, the rest random): every code
