@@ -50,3 +50,25 @@ def test_metrics_export_tiers_and_the_memory_breakdown(tiny_llama_dir):
     assert f'pagedrs_memory_bytes{{part="weights"}} {float(weights)}' in text
     assert stats["memory_kv_pool_bytes"] == 16 * stats["kv_bytes_per_block"]
     assert stats["memory_rss_bytes"] > weights
+
+
+def test_a_gguf_models_weights_count_its_matrices_and_tables():
+    """``memory_weights_bytes`` of a model on the Rust GEMV counts the matrices' tiles and a block embedding's
+    own blocks, which live outside torch (it reported the norms alone: 0.14 MB of SmolLM2's ~96 MB); a tied
+    head's table read from the head's matrix is counted once, with the head."""
+    from pagedrs.models.embedding import BlockEmbedding
+
+    engine = Engine(EngineArgs(model="smollm2-135m", weight_dtype="gguf", num_gpu_blocks=16, max_model_len=64))
+    try:
+        model = engine.loaded.model
+        tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+        in_torch = sum(t.numel() * t.element_size() for t in tensors.values())
+        matrices = {id(m.gguf_matrix): m.gguf_matrix for m in model.modules() if getattr(m, "gguf_matrix", None)}
+        assert len(matrices) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
+        table = model.model.embed_tokens
+        assert isinstance(table, BlockEmbedding) and table.head is model.lm_head.gguf_matrix and table.weight_bytes() == 0
+        weights = engine.stats()["memory_weights_bytes"]
+        assert weights == in_torch + sum(m.weight_bytes for m in matrices.values())
+        assert weights >= model.weight_bytes() > 90 * 2**20  # every product's bytes, at least
+    finally:
+        engine.shutdown()

@@ -102,7 +102,7 @@ class EngineStats:
     kv_bytes_to_disk: int
     kv_bytes_from_disk: int
     # memory of this process (rank 0 under tensor parallelism), bytes
-    memory_weights_bytes: int  # model parameters (this rank's shard)
+    memory_weights_bytes: int  # model weights (this rank's shard): parameters, buffers, GGUF matrices and tables
     memory_kv_pool_bytes: int  # the device KV pool
     memory_host_pool_bytes: int  # the host tier: swap space and evicted prefix pages
     memory_rss_bytes: int  # resident set of the process now (0 where /proc is missing)

@@ -235,11 +235,13 @@ class LocalExecutor:
 
     @functools.cached_property
     def _weights_bytes(self) -> int:
-        """Parameters and buffers (packed int4/int8 weights are buffers), each tensor once; fixed after load,
+        """Parameters and buffers (packed int4/int8 weights are buffers), each tensor once, and what a model
+        holds outside torch (GGUF matrices, a block embedding: ``outside_torch_bytes``); fixed after load,
         so counted once rather than on every stats() call (the serving loop asks every step)."""
         models = [self.loaded.model] + ([self.draft.loaded.model] if self.draft is not None else [])
         tensors = {id(t): t for model in models for t in [*model.parameters(), *model.buffers()]}
-        return int(sum(t.numel() * t.element_size() for t in tensors.values()))
+        outside = sum(m.outside_torch_bytes() for m in models if hasattr(m, "outside_torch_bytes"))
+        return int(sum(t.numel() * t.element_size() for t in tensors.values())) + int(outside)
 
     def memory_bytes(self) -> dict[str, int]:
         weights = self._weights_bytes

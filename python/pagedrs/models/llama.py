@@ -18,7 +18,7 @@ last ``sliding_window`` positions, as transformers does.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -380,6 +380,20 @@ class LlamaForCausalLM(nn.Module):
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every linear layer (the embedding is only indexed)."""
         return sum(m.method.weight_bytes(m) for m in self.modules() if isinstance(m, LinearBase))
+
+    def outside_torch_bytes(self) -> int:
+        """Bytes of weights this model holds outside torch's tensors: GGUF matrices (the Rust GEMV's tiles,
+        each matrix once) and a block embedding's own blocks. Parameters and buffers are counted apart
+        (``memory_weights_bytes`` adds the two); before this, a GGUF model reported its norms alone."""
+        from pagedrs.models.embedding import BlockEmbedding
+
+        matrices: dict[int, Any] = {}
+        for m in self.modules():
+            matrix = getattr(m, "gguf_matrix", None)
+            if matrix is not None:
+                matrices[id(matrix)] = matrix
+        tables = [m for m in self.modules() if isinstance(m, BlockEmbedding)]
+        return sum(int(m.weight_bytes) for m in matrices.values()) + sum(t.weight_bytes() for t in tables)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
