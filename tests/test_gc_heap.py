@@ -7,8 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 PRELUDE = textwrap.dedent("""
     import gc, tempfile, weakref
     from pathlib import Path
@@ -30,7 +28,6 @@ def run(body: str) -> str:
     return done.stdout
 
 
-@pytest.mark.timeout(600)
 def test_the_first_engine_freezes_the_imports_and_engines_stay_collectable() -> None:
     out = run("""
         assert gc.get_freeze_count() == 0
@@ -51,7 +48,6 @@ def test_the_first_engine_freezes_the_imports_and_engines_stay_collectable() -> 
     assert out.startswith("ok")
 
 
-@pytest.mark.timeout(600)
 def test_a_process_that_disabled_the_collector_is_left_alone() -> None:
     out = run("""
         gc.disable()
