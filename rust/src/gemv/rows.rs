@@ -179,7 +179,7 @@ mod tests {
         let e = m.dequantize_rows(&[0, 1], &mut out).unwrap_err().to_string();
         assert!(e.contains("2 rows of 32 need 64"), "{e}");
         m.dequantize_rows(&[], &mut []).unwrap();
-        let q4 = PackedMatrix::from_gguf("w", &vec![0u8; 4 * 18], 4, QK, Format::Q4_0).unwrap();
+        let q4 = PackedMatrix::from_gguf("w", &[0u8; 4 * 18], 4, QK, Format::Q4_0).unwrap();
         assert!(!q4.reads_rows());
         let e = q4.dequantize_rows(&[0], &mut out).unwrap_err().to_string();
         assert!(e.contains("q4_0") && e.contains("q8_0 and q6_k"), "{e}");
