@@ -110,6 +110,19 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache(args: argparse.Namespace) -> int:
+    from pagedrs.models.gguf_cache_admin import entries, prune, report
+
+    if args.prune or args.drop_dense or args.orphans:
+        pruned = prune(drop_dense=args.drop_dense, orphans=args.orphans)
+        for path in pruned.removed:
+            print(f"removed {path}")
+        print(f"freed {pruned.freed_bytes / 2**20:.1f} MiB; {pruned.memo_entries_dropped} hash-memo entries of files "
+              "gone or changed dropped")
+    print(report(entries()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedrs", description="LLM inference on a paged KV cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cpu_threads(d)
     d.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks of tensor parallelism")
     d.set_defaults(func=_cmd_demo)
+
+    ca = sub.add_parser("cache", help="what the GGUF cache holds ($PAGEDRS_CACHE_DIR); --prune removes what this "
+                                      "version never reads")
+    ca.add_argument("--prune", action="store_true",
+                    help="remove folders of other cache formats, stale staging folders and hash-memo entries of files "
+                         "gone or changed")
+    ca.add_argument("--drop-dense", action="store_true",
+                    help="also remove the float32 copies (model.safetensors) dense loads wrote; the next one writes "
+                         "its own again")
+    ca.add_argument("--orphans", action="store_true",
+                    help="also remove the folders of GGUF files no longer where they were (a load converts again)")
+    ca.set_defaults(func=_cmd_cache)
 
     # bench and serve parse their own flags.
     sub.add_parser("bench", help="benchmarks (see `pagedrs bench --help`)", add_help=False)

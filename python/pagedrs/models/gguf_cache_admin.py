@@ -1,0 +1,151 @@
+"""What the GGUF cache holds, and pruning what no load of this version can read (``pagedrs cache``).
+
+Why: the cache (``gguf_cache``: ``$PAGEDRS_CACHE_DIR/gguf/<sha256>-v<format>/``) only grows. A format
+bump leaves every older folder behind, unreadable by this version; a dense load (``weight_dtype=
+"float32"``, transformers as the benchmarks' referee) writes ``model.safetensors``, 4 bytes a weight
+(about 32 GB for an 8B model), kept for the next dense load; a conversion killed mid-way leaves its
+staging folder; the hash memo keeps entries for files long moved or rewritten. Nothing told a user
+where their disk went.
+
+Pruning removes only what this version never reads: folders of another format (an older pagedrs
+running beside this one would convert its file again), staging folders older than a day (a live
+conversion's is younger), hash-memo entries whose file is gone or changed.
+``drop_dense`` also removes the float32 copies (the next dense load writes its own again), ``orphans``
+the folders of files no longer where the memo saw them (a load converts again: work, never a wrong
+answer, since a folder is keyed by the file's content). The
+current format's folders, their tokenizer and index, and kept conversions stay: they are what a
+warm load reads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedrs.models.gguf_cache import _CONVERTED_FORMAT, _DENSE, _atomic_write_text, cache_root
+
+STALE_STAGING_S = 24 * 3600  # a staging folder this old belongs to no conversion still running
+
+
+@dataclass
+class CacheEntry:
+    """One converted folder of the cache."""
+
+    path: Path
+    sha256: str
+    version: int | None  # the folder's format; None: a name this version does not know
+    bytes: int  # everything under the folder
+    dense_bytes: int  # model.safetensors (float32 weights), 0 when absent
+    converted_bytes: int  # converted/ (kept conversions)
+    sources: list[str] = field(default_factory=list)  # GGUF files the hash memo maps to it, that still match
+
+    @property
+    def current(self) -> bool:
+        return self.version == _CONVERTED_FORMAT
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _memo() -> dict[str, str]:
+    try:
+        memo = json.loads((cache_root() / "hashes.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def _still_matches(key: str) -> bool:
+    """Whether a memo key ``path|size|mtime_ns`` still describes the file at its path."""
+    try:
+        name, size, mtime = key.rsplit("|", 2)
+        stat = Path(name).stat()
+    except (ValueError, OSError):
+        return False
+    return str(stat.st_size) == size and str(stat.st_mtime_ns) == mtime
+
+
+def entries() -> list[CacheEntry]:
+    """Every converted folder under the cache root, largest first (staging folders left out)."""
+    root = cache_root() / "gguf"
+    if not root.is_dir():
+        return []
+    by_sha: dict[str, list[str]] = {}
+    for key, sha in _memo().items():
+        if _still_matches(key):
+            by_sha.setdefault(str(sha), []).append(key.rsplit("|", 2)[0])
+    out = []
+    for folder in root.iterdir():
+        if not folder.is_dir() or folder.name.startswith("."):
+            continue
+        sha, _, tag = folder.name.rpartition("-v")
+        version = int(tag) if sha and tag.isdigit() else None
+        out.append(CacheEntry(folder, sha or folder.name, version, _size(folder),
+                              _size(folder / _DENSE) if (folder / _DENSE).is_file() else 0,
+                              _size(folder / "converted") if (folder / "converted").is_dir() else 0,
+                              sorted(by_sha.get(sha, []))))
+    return sorted(out, key=lambda e: e.bytes, reverse=True)
+
+
+@dataclass
+class Pruned:
+    removed: list[Path]
+    freed_bytes: int
+    memo_entries_dropped: int
+
+
+def prune(drop_dense: bool = False, orphans: bool = False, now: float | None = None) -> Pruned:
+    """Removes what this version never reads (see the module docs); with ``drop_dense`` the float32
+    copies too; with ``orphans`` the folders no GGUF file known to the hash memo maps to any more (a
+    file deleted, moved or rewritten: a load of it converts again). Returns what went and the bytes freed."""
+    root = cache_root() / "gguf"
+    removed: list[Path] = []
+    freed = 0
+    now = time.time() if now is None else now
+    known = {str(sha) for key, sha in _memo().items() if _still_matches(key)}
+    if root.is_dir():
+        for folder in sorted(root.iterdir()):
+            if not folder.is_dir():
+                continue
+            stale_staging = folder.name.startswith(".convert-") and now - folder.stat().st_mtime > STALE_STAGING_S
+            sha, _, tag = folder.name.rpartition("-v")
+            ours = not folder.name.startswith(".") and bool(sha) and tag.isdigit()  # "<sha>-v<format>"; else left alone
+            other_format = ours and int(tag) != _CONVERTED_FORMAT
+            orphan = orphans and ours and sha not in known
+            if stale_staging or other_format or orphan:
+                size = _size(folder)
+                shutil.rmtree(folder, ignore_errors=True)
+                if not folder.exists():
+                    removed.append(folder)
+                    freed += size
+            elif drop_dense and (folder / _DENSE).is_file():
+                size = _size(folder / _DENSE)
+                (folder / _DENSE).unlink(missing_ok=True)
+                removed.append(folder / _DENSE)
+                freed += size
+    memo = _memo()
+    kept = {key: sha for key, sha in memo.items() if _still_matches(key)}
+    if len(kept) != len(memo):
+        _atomic_write_text(cache_root() / "hashes.json", json.dumps(kept))
+    return Pruned(removed, freed, len(memo) - len(kept))
+
+
+def report(items: list[CacheEntry]) -> str:
+    """``pagedrs cache``'s table."""
+    mb = 2**20
+    lines = [f"GGUF cache: {cache_root() / 'gguf'} (this version reads format v{_CONVERTED_FORMAT})"]
+    if not items:
+        return lines[0] + "\n(empty)"
+    for e in items:
+        state = ("current" if e.current else "another format: removed by --prune" if e.version is not None
+                 else "not a cache folder: left alone")
+        lines.append(f"{e.bytes / mb:9.1f} MiB  {e.path.name}  [{state}]  float32 copy {e.dense_bytes / mb:.1f} MiB, "
+                     f"conversions {e.converted_bytes / mb:.1f} MiB  <- {', '.join(e.sources) or '(no file known)'}")
+    lines.append(f"{sum(e.bytes for e in items) / mb:9.1f} MiB in all")
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""``pagedrs cache`` (models/gguf_cache_admin.py): what the GGUF cache holds, and pruning only what this
+version never reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedrs.cli import main
+from pagedrs.models import gguf_cache
+from pagedrs.models.gguf_cache_admin import STALE_STAGING_S, entries, prune
+
+V = gguf_cache._CONVERTED_FORMAT
+
+
+def _folder(root: Path, name: str, files: dict[str, int]) -> Path:
+    folder = root / "gguf" / name
+    for rel, size in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(b"x" * size)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> dict[str, Path]:
+    """A cache with: the current folder of a file that exists (with a float32 copy and a kept conversion),
+    an older format's folder of it, a current folder whose file is gone, a stale and a young staging
+    folder; the memo maps the live file, a moved one and a rewritten one."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(root))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" * 10)
+    rewritten = tmp_path / "rewritten.gguf"
+    rewritten.write_bytes(b"old")
+    stat, old_stat = gguf.stat(), rewritten.stat()
+    memo = {f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}": "aa",
+            f"{tmp_path / 'moved.gguf'}|10|1": "bb",
+            f"{rewritten.resolve()}|{old_stat.st_size}|{old_stat.st_mtime_ns}": "cc"}
+    rewritten.write_bytes(b"new content")  # its memo entry no longer describes it
+    (root).mkdir(parents=True)
+    (root / "hashes.json").write_text(json.dumps(memo))
+    folders = {
+        "live": _folder(root, f"aa-v{V}", {"config.json": 100, "gguf_index.json": 50, gguf_cache._DENSE: 4000,
+                                            "converted/w.Q8_0": 300}),
+        "older": _folder(root, f"aa-v{V - 1}", {"config.json": 100, gguf_cache._DENSE: 2000}),
+        "orphan": _folder(root, f"bb-v{V}", {"config.json": 100, "gguf_index.json": 50}),
+        "stale": _folder(root, ".convert-old", {"config.json": 10}),
+        "young": _folder(root, ".convert-new", {"config.json": 10}),
+        "unknown": _folder(root, "notes", {"readme.txt": 5}),  # not a name the cache writes
+    }
+    day_ago = time.time() - STALE_STAGING_S - 60
+    os.utime(folders["stale"], (day_ago, day_ago))
+    return {**folders, "file": gguf}
+
+
+def test_entries_say_what_each_folder_holds_and_whose_it_is(cache):
+    got = {e.path.name: e for e in entries()}
+    assert set(got) == {f"aa-v{V}", f"aa-v{V - 1}", f"bb-v{V}", "notes"}  # staging folders are not entries
+    assert got["notes"].version is None and not got["notes"].current
+    live = got[f"aa-v{V}"]
+    assert (live.current, live.bytes, live.dense_bytes, live.converted_bytes) == (True, 4450, 4000, 300)
+    assert live.sources == [str(cache["file"].resolve())]
+    assert not got[f"aa-v{V - 1}"].current and got[f"aa-v{V - 1}"].sources == [str(cache["file"].resolve())]
+    assert got[f"bb-v{V}"].sources == []  # its file moved: the memo entry no longer matches
+    assert [e.path.name for e in entries()][0] == f"aa-v{V}"  # largest first
+
+
+def test_prune_removes_only_what_this_version_never_reads(cache):
+    pruned = prune()
+    assert sorted(p.name for p in pruned.removed) == sorted([f"aa-v{V - 1}", ".convert-old"])
+    assert pruned.freed_bytes == 2100 + 10
+    assert cache["live"].is_dir() and (cache["live"] / gguf_cache._DENSE).is_file()  # a warm load's folder stays
+    assert cache["orphan"].is_dir() and cache["young"].is_dir()  # (a conversion may be writing this one now)
+    assert cache["unknown"].is_dir()
+    assert pruned.memo_entries_dropped == 2  # the moved file's and the rewritten file's
+    memo = json.loads((gguf_cache.cache_root() / "hashes.json").read_text())
+    assert list(memo.values()) == ["aa"]
+    assert prune().removed == [] and prune().memo_entries_dropped == 0  # nothing more to do
+
+
+def test_drop_dense_and_orphans_go_further_when_asked(cache):
+    pruned = prune(drop_dense=True, orphans=True)
+    names = {str(p.relative_to(gguf_cache.cache_root() / "gguf")) for p in pruned.removed}
+    assert names == {f"aa-v{V - 1}", ".convert-old", f"aa-v{V}/{gguf_cache._DENSE}", f"bb-v{V}"}
+    assert (cache["live"] / "converted" / "w.Q8_0").is_file() and (cache["live"] / "gguf_index.json").is_file()
+
+
+def test_the_cli_prints_the_cache_and_prunes(cache, capsys):
+    assert main(["cache"]) == 0
+    out = capsys.readouterr().out
+    assert f"aa-v{V - 1}" in out and "another format: removed by --prune" in out and str(cache["file"].resolve()) in out
+    assert main(["cache", "--prune"]) == 0
+    out = capsys.readouterr().out
+    assert "freed 0.0 MiB" in out and f"removed {cache['older']}" in out and f"aa-v{V - 1}" not in out.split("freed")[1]
+
+
+def test_an_empty_or_missing_cache_is_reported_as_such(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "nothing"))
+    assert entries() == [] and prune().removed == []
+    assert main(["cache"]) == 0
+    assert "(empty)" in capsys.readouterr().out
