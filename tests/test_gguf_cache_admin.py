@@ -104,3 +104,15 @@ def test_an_empty_or_missing_cache_is_reported_as_such(tmp_path, monkeypatch, ca
     assert entries() == [] and prune().removed == []
     assert main(["cache"]) == 0
     assert "(empty)" in capsys.readouterr().out
+
+
+def test_a_memo_that_cannot_be_rewritten_is_an_error_naming_it(cache, monkeypatch, capsys):
+    from pagedrs.models import gguf_cache_admin
+
+    def refuse(path, text):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(gguf_cache_admin, "_atomic_write_text", refuse)
+    assert main(["cache", "--prune"]) == 1
+    err = capsys.readouterr().err
+    assert "hashes.json could not be rewritten (Permission denied); 2 paths were removed before" in err

@@ -114,7 +114,11 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     from pagedrs.models.gguf_cache_admin import entries, prune, report
 
     if args.prune or args.drop_dense or args.orphans:
-        pruned = prune(drop_dense=args.drop_dense, orphans=args.orphans)
+        try:
+            pruned = prune(drop_dense=args.drop_dense, orphans=args.orphans)
+        except OSError as e:
+            print(f"pagedrs cache: {e}", file=sys.stderr)
+            return 1
         for path in pruned.removed:
             print(f"removed {path}")
         print(f"freed {pruned.freed_bytes / 2**20:.1f} MiB; {pruned.memo_entries_dropped} hash-memo entries of files "

@@ -132,7 +132,11 @@ def prune(drop_dense: bool = False, orphans: bool = False, now: float | None = N
     memo = _memo()
     kept = {key: sha for key, sha in memo.items() if _still_matches(key)}
     if len(kept) != len(memo):
-        _atomic_write_text(cache_root() / "hashes.json", json.dumps(kept))
+        try:
+            _atomic_write_text(cache_root() / "hashes.json", json.dumps(kept))
+        except OSError as e:  # a read-only cache: the folders above went (or not), the memo stays as it was
+            raise OSError(e.errno, f"the hash memo {cache_root() / 'hashes.json'} could not be rewritten "
+                                   f"({e.strerror}); {len(removed)} paths were removed before") from e
     return Pruned(removed, freed, len(memo) - len(kept))
 
 
