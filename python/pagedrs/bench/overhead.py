@@ -68,7 +68,7 @@ class OverheadSpec:
     prompt_len: int = 32
     warmup_steps: int = 3
     steps: int = 20  # timed decode steps per batch size (and output kind), over all rounds
-    rounds: int = 4  # rounds that alternate the two depths (see ``measure``)
+    rounds: int = 2  # rounds that alternate the two depths (see ``measure``; --quick runs 4)
     device: str = "cpu"
     block_size: int = 16
     # RequestOutputKind names, each run in turn
