@@ -52,6 +52,7 @@ def cache(tmp_path, monkeypatch) -> dict[str, Path]:
         "stale": _folder(root, ".convert-old", {"config.json": 10}),
         "young": _folder(root, ".convert-new", {"config.json": 10}),
         "unknown": _folder(root, "notes", {"readme.txt": 5}),  # not a name the cache writes
+        "newer": _folder(root, f"aa-v{V + 1}", {"config.json": 7}),  # a newer pagedrs's: not ours to remove
     }
     day_ago = time.time() - STALE_STAGING_S - 60
     os.utime(folders["stale"], (day_ago, day_ago))
@@ -60,7 +61,7 @@ def cache(tmp_path, monkeypatch) -> dict[str, Path]:
 
 def test_entries_say_what_each_folder_holds_and_whose_it_is(cache):
     got = {e.path.name: e for e in entries()}
-    assert set(got) == {f"aa-v{V}", f"aa-v{V - 1}", f"bb-v{V}", "notes"}  # staging folders are not entries
+    assert set(got) == {f"aa-v{V}", f"aa-v{V - 1}", f"aa-v{V + 1}", f"bb-v{V}", "notes"}  # no staging folders
     assert got["notes"].version is None and not got["notes"].current
     live = got[f"aa-v{V}"]
     assert (live.current, live.bytes, live.dense_bytes, live.converted_bytes) == (True, 4450, 4000, 300)
@@ -76,7 +77,7 @@ def test_prune_removes_only_what_this_version_never_reads(cache):
     assert pruned.freed_bytes == 2100 + 10
     assert cache["live"].is_dir() and (cache["live"] / gguf_cache._DENSE).is_file()  # a warm load's folder stays
     assert cache["orphan"].is_dir() and cache["young"].is_dir()  # (a conversion may be writing this one now)
-    assert cache["unknown"].is_dir()
+    assert cache["unknown"].is_dir() and cache["newer"].is_dir()
     assert pruned.memo_entries_dropped == 2  # the moved file's and the rewritten file's
     memo = json.loads((gguf_cache.cache_root() / "hashes.json").read_text())
     assert list(memo.values()) == ["aa"]
@@ -93,7 +94,8 @@ def test_drop_dense_and_orphans_go_further_when_asked(cache):
 def test_the_cli_prints_the_cache_and_prunes(cache, capsys):
     assert main(["cache"]) == 0
     out = capsys.readouterr().out
-    assert f"aa-v{V - 1}" in out and "another format: removed by --prune" in out and str(cache["file"].resolve()) in out
+    assert f"aa-v{V - 1}" in out and "an older format: removed by --prune" in out and str(cache["file"].resolve()) in out
+    assert "a newer version's: left alone" in out and "not a cache folder: left alone" in out
     assert main(["cache", "--prune"]) == 0
     out = capsys.readouterr().out
     assert "freed 0.0 MiB" in out and f"removed {cache['older']}" in out and f"aa-v{V - 1}" not in out.split("freed")[1]

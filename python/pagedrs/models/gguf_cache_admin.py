@@ -7,8 +7,8 @@ bump leaves every older folder behind, unreadable by this version; a dense load 
 staging folder; the hash memo keeps entries for files long moved or rewritten. Nothing told a user
 where their disk went.
 
-Pruning removes only what this version never reads: folders of another format (an older pagedrs
-running beside this one would convert its file again), staging folders older than a day (a live
+Pruning removes only what this version never reads: folders of an older format (an older pagedrs
+running beside this one would convert its file again; a newer version's folders are left alone), staging folders older than a day (a live
 conversion's is younger), hash-memo entries whose file is gone or changed.
 ``drop_dense`` also removes the float32 copies (the next dense load writes its own again), ``orphans``
 the folders of files no longer where the memo saw them (a load converts again: work, never a wrong
@@ -116,7 +116,7 @@ def prune(drop_dense: bool = False, orphans: bool = False, now: float | None = N
             stale_staging = folder.name.startswith(".convert-") and now - folder.stat().st_mtime > STALE_STAGING_S
             sha, _, tag = folder.name.rpartition("-v")
             ours = not folder.name.startswith(".") and bool(sha) and tag.isdigit()  # "<sha>-v<format>"; else left alone
-            other_format = ours and int(tag) != _CONVERTED_FORMAT
+            other_format = ours and int(tag) < _CONVERTED_FORMAT  # (a newer version's folder is left to it)
             orphan = orphans and ours and sha not in known
             if stale_staging or other_format or orphan:
                 size = _size(folder)
@@ -147,8 +147,9 @@ def report(items: list[CacheEntry]) -> str:
     if not items:
         return lines[0] + "\n(empty)"
     for e in items:
-        state = ("current" if e.current else "another format: removed by --prune" if e.version is not None
-                 else "not a cache folder: left alone")
+        state = ("current" if e.current else "not a cache folder: left alone" if e.version is None
+                 else "an older format: removed by --prune" if e.version < _CONVERTED_FORMAT
+                 else "a newer version's: left alone")
         lines.append(f"{e.bytes / mb:9.1f} MiB  {e.path.name}  [{state}]  float32 copy {e.dense_bytes / mb:.1f} MiB, "
                      f"conversions {e.converted_bytes / mb:.1f} MiB  <- {', '.join(e.sources) or '(no file known)'}")
     lines.append(f"{sum(e.bytes for e in items) / mb:9.1f} MiB in all")
