@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("cache", help="what the GGUF cache holds ($PAGEDRS_CACHE_DIR); --prune removes what this "
                                       "version never reads")
     ca.add_argument("--prune", action="store_true",
-                    help="remove folders of other cache formats, stale staging folders and hash-memo entries of files "
+                    help="remove folders of older cache formats, stale staging folders and hash-memo entries of files "
                          "gone or changed")
     ca.add_argument("--drop-dense", action="store_true",
                     help="also remove the float32 copies (model.safetensors) dense loads wrote; the next one writes "
