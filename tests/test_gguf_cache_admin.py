@@ -118,3 +118,39 @@ def test_a_memo_that_cannot_be_rewritten_is_an_error_naming_it(cache, monkeypatc
     assert main(["cache", "--prune"]) == 1
     err = capsys.readouterr().err
     assert "hashes.json could not be rewritten (Permission denied); 2 paths were removed before" in err
+
+
+def test_a_prune_cut_short_is_finished_by_the_next_and_leaves_no_half_folder(cache, monkeypatch):
+    """A folder is renamed out of the loaders' sight before it is deleted: a prune stopped inside the delete
+    leaves a ``.prune-*`` folder (never a half-deleted ``<sha>-v<N>`` a load would trust), which the next
+    prune removes."""
+    from pagedrs.models import gguf_cache_admin
+
+    real_shutil_rmtree = gguf_cache_admin.shutil.rmtree
+
+    root = str(gguf_cache.cache_root())
+
+    def stopped(path, *args, **kwargs):
+        if str(path).startswith(root):
+            raise KeyboardInterrupt  # a signal in the middle of the delete
+        return real_shutil_rmtree(path, *args, **kwargs)  # (anyone else's: pytest's own clean-up)
+
+    monkeypatch.setattr(gguf_cache_admin.shutil, "rmtree", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        prune()
+    left = sorted(p.name for p in (gguf_cache.cache_root() / "gguf").iterdir())
+    assert ".convert-old" not in left and ".prune-convert-old" in left  # the first folder it took, moved whole
+    monkeypatch.setattr(gguf_cache_admin.shutil, "rmtree", real_shutil_rmtree)
+    prune()
+    left = sorted(p.name for p in (gguf_cache.cache_root() / "gguf").iterdir())
+    assert not [n for n in left if n.startswith(".prune-")] and f"aa-v{V - 1}" not in left and f"aa-v{V}" in left
+
+
+def test_a_hash_memo_that_is_not_utf8_json_is_rebuilt_not_fatal(cache, capsys):
+    """``hashes.json`` spoiled (bytes that are not UTF-8): hashing a file (every GGUF load) starts a new memo
+    instead of raising, and ``pagedrs cache`` lists the folders with no file known."""
+    memo = gguf_cache.cache_root() / "hashes.json"
+    memo.write_bytes(b"\xff\xfe{not json")
+    assert main(["cache"]) == 0 and "(no file known)" in capsys.readouterr().out
+    sha = gguf_cache.file_sha256(cache["file"])
+    assert json.loads(memo.read_text()) == {gguf_cache.memo_key(cache["file"], cache["file"].stat()): sha}

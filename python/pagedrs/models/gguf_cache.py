@@ -49,15 +49,26 @@ def cache_root() -> Path:
     return Path(os.environ.get("PAGEDRS_CACHE_DIR", Path.home() / ".cache" / "pagedrs"))
 
 
+def memo_key(path: Path, stat: os.stat_result) -> str:
+    """The hash memo's key of a file: ``resolved path|size|mtime_ns`` (a file rewritten gets a new key)."""
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def read_memo() -> dict[str, str]:
+    """The cache's hash memo (``hashes.json``: memo key -> content hash); empty when missing or unreadable
+    (cut short, not JSON, not UTF-8, not an object): it is only a saving, rebuilt as files are hashed."""
+    try:
+        memo = json.loads((cache_root() / "hashes.json").read_text())
+    except (OSError, ValueError):  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
 def file_sha256(path: Path) -> str:
     """Content hash, memoized by (resolved path, size, mtime_ns) in the cache's hashes.json."""
-    stat = path.stat()
     memo_file = cache_root() / "hashes.json"
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, json.JSONDecodeError):
-        memo = {}
+    key = memo_key(path, path.stat())
+    memo = read_memo()
     if key in memo:
         return str(memo[key])
     h = hashlib.sha256()

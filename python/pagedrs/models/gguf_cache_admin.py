@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedrs.models.gguf_cache import _CONVERTED_FORMAT, _DENSE, _atomic_write_text, cache_root
+from pagedrs.models.gguf_cache import _CONVERTED_FORMAT, _DENSE, _atomic_write_text, cache_root, memo_key, read_memo
 
 STALE_STAGING_S = 24 * 3600  # a staging folder this old belongs to no conversion still running
 
@@ -53,22 +53,27 @@ def _size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
-def _memo() -> dict[str, str]:
-    try:
-        memo = json.loads((cache_root() / "hashes.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return memo if isinstance(memo, dict) else {}
-
-
 def _still_matches(key: str) -> bool:
-    """Whether a memo key ``path|size|mtime_ns`` still describes the file at its path."""
+    """Whether a memo key still describes the file at its path (``gguf_cache.memo_key``)."""
+    name = key.rsplit("|", 2)[0]
     try:
-        name, size, mtime = key.rsplit("|", 2)
-        stat = Path(name).stat()
-    except (ValueError, OSError):
+        return memo_key(Path(name), Path(name).stat()) == key
+    except OSError:
         return False
-    return str(stat.st_size) == size and str(stat.st_mtime_ns) == mtime
+
+
+def _live_memo() -> tuple[dict[str, str], dict[str, str]]:
+    """The hash memo, and its entries that still describe their files."""
+    memo = read_memo()
+    return memo, {key: str(sha) for key, sha in memo.items() if _still_matches(key)}
+
+
+def _name(folder: Path) -> tuple[str, int | None]:
+    """A cache folder's (sha, format) from its ``<sha>-v<format>`` name; format None for any other name."""
+    sha, _, tag = folder.name.rpartition("-v")
+    if folder.name.startswith(".") or not sha or not tag.isdigit():
+        return folder.name, None
+    return sha, int(tag)
 
 
 def entries() -> list[CacheEntry]:
@@ -77,16 +82,14 @@ def entries() -> list[CacheEntry]:
     if not root.is_dir():
         return []
     by_sha: dict[str, list[str]] = {}
-    for key, sha in _memo().items():
-        if _still_matches(key):
-            by_sha.setdefault(str(sha), []).append(key.rsplit("|", 2)[0])
+    for key, sha in _live_memo()[1].items():
+        by_sha.setdefault(sha, []).append(key.rsplit("|", 2)[0])
     out = []
     for folder in root.iterdir():
         if not folder.is_dir() or folder.name.startswith("."):
             continue
-        sha, _, tag = folder.name.rpartition("-v")
-        version = int(tag) if sha and tag.isdigit() else None
-        out.append(CacheEntry(folder, sha or folder.name, version, _size(folder),
+        sha, version = _name(folder)
+        out.append(CacheEntry(folder, sha, version, _size(folder),
                               _size(folder / _DENSE) if (folder / _DENSE).is_file() else 0,
                               _size(folder / "converted") if (folder / "converted").is_dir() else 0,
                               sorted(by_sha.get(sha, []))))
@@ -108,20 +111,20 @@ def prune(drop_dense: bool = False, orphans: bool = False, now: float | None = N
     removed: list[Path] = []
     freed = 0
     now = time.time() if now is None else now
-    known = {str(sha) for key, sha in _memo().items() if _still_matches(key)}
+    memo, live = _live_memo()
+    known = set(live.values())
     if root.is_dir():
         for folder in sorted(root.iterdir()):
             if not folder.is_dir():
                 continue
-            stale_staging = folder.name.startswith(".convert-") and now - folder.stat().st_mtime > STALE_STAGING_S
-            sha, _, tag = folder.name.rpartition("-v")
-            ours = not folder.name.startswith(".") and bool(sha) and tag.isdigit()  # "<sha>-v<format>"; else left alone
-            other_format = ours and int(tag) < _CONVERTED_FORMAT  # (a newer version's folder is left to it)
-            orphan = orphans and ours and sha not in known
-            if stale_staging or other_format or orphan:
-                size = _size(folder)
+            sha, version = _name(folder)  # any other name is not ours to judge: left alone
+            if folder.name.startswith(".prune-"):  # a prune cut short (renamed, then stopped): finish it
                 shutil.rmtree(folder, ignore_errors=True)
-                if not folder.exists():
+            elif ((folder.name.startswith(".convert-") and now - folder.stat().st_mtime > STALE_STAGING_S)
+                  or (version is not None and version < _CONVERTED_FORMAT)  # (a newer version's is left to it)
+                  or (orphans and version is not None and sha not in known)):
+                size = _size(folder)
+                if _remove(folder):
                     removed.append(folder)
                     freed += size
             elif drop_dense and (folder / _DENSE).is_file():
@@ -129,15 +132,26 @@ def prune(drop_dense: bool = False, orphans: bool = False, now: float | None = N
                 (folder / _DENSE).unlink(missing_ok=True)
                 removed.append(folder / _DENSE)
                 freed += size
-    memo = _memo()
-    kept = {key: sha for key, sha in memo.items() if _still_matches(key)}
-    if len(kept) != len(memo):
+    if len(live) != len(memo):
         try:
-            _atomic_write_text(cache_root() / "hashes.json", json.dumps(kept))
+            _atomic_write_text(cache_root() / "hashes.json", json.dumps(live))
         except OSError as e:  # a read-only cache: the folders above went (or not), the memo stays as it was
             raise OSError(e.errno, f"the hash memo {cache_root() / 'hashes.json'} could not be rewritten "
                                    f"({e.strerror}); {len(removed)} paths were removed before") from e
-    return Pruned(removed, freed, len(memo) - len(kept))
+    return Pruned(removed, freed, len(memo) - len(live))
+
+
+def _remove(folder: Path) -> bool:
+    """Renames ``folder`` out of the loaders' sight (``.prune-<name>``, one atomic step), then deletes it: a
+    prune stopped midway (a signal, a full disk) never leaves a half-deleted folder under a name a load
+    trusts, and the next prune finishes it. False when the rename fails (a folder not ours to move)."""
+    trash = folder.with_name(f".prune-{folder.name.lstrip('.')}")
+    try:
+        folder.rename(trash)
+    except OSError:
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    return True
 
 
 def report(items: list[CacheEntry]) -> str:
