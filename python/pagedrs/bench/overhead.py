@@ -295,9 +295,8 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
     on a shared machine hits both ends of the line alike: timed one depth after the other, the
     extrapolated fixed part swung 3x between runs of the same code (AMD EPYC, 2026-12-06)."""
     depths = (1, spec.layers) if spec.layers > 1 else (1, 2)
-    steps: dict[str, dict[int, dict[int, list[dict[str, float]]]]] = {k: {d: {} for d in depths} for k in spec.output_kinds}
     rounds = max(1, min(spec.rounds, spec.steps))
-    # (kind, batch, round) -> depth -> that round's steps: each round's own line gives the spread of the fixed part
+    # (kind, batch, round) -> depth -> that round's steps: pooled for the line, each round's own for its spread
     by_round: dict[tuple[str, int, int], dict[int, list[dict[str, float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(folder_root or tmp)
@@ -316,18 +315,19 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
                             progress(f"overhead: {depth} layer(s), batch {batch}, {kind}, round {r + 1} of {rounds}")
                             rows = time_decode_steps(engines[depth], round_spec, batch, seed=batch * rounds + r,
                                                      output_kind=kind)
-                            steps[kind][depth].setdefault(batch, []).extend(rows)
                             by_round.setdefault((kind, batch, r), {})[depth] = rows
         finally:
             for engine in engines.values():
                 engine.shutdown()
+    steps = {kind: {d: {batch: [row for r in range(rounds) for row in by_round[kind, batch, r][d]]
+                        for batch in spec.batch_sizes} for d in depths} for kind in spec.output_kinds}
     lo, hi = depths
     table = []
     for kind in spec.output_kinds:
         for batch in spec.batch_sizes:
             shallow, deep = _median_parts(steps[kind][lo][batch]), _median_parts(steps[kind][hi][batch])
             per_layer = {k: (deep[k] - shallow[k]) / (hi - lo) for k in deep}
-            fixed = {k: shallow[k] - lo * per_layer[k] for k in deep}
+            fixed = {k: _fixed(shallow[k], deep[k], lo, hi) for k in deep}
             fixed_rounds = {k: [_fixed(_median_parts(by_round[kind, batch, r][lo])[k],
                                        _median_parts(by_round[kind, batch, r][hi])[k], lo, hi) for r in range(rounds)]
                             for k in ("step", "cpu_step")}
@@ -340,7 +340,7 @@ def measure(spec: OverheadSpec, folder_root: Path | None = None) -> dict[str, An
 
 def _fixed(shallow: float, deep: float, lo: int, hi: int) -> float:
     """The line through (lo, shallow) and (hi, deep) at zero layers."""
-    return shallow - lo * (deep - shallow) / (hi - lo)
+    return shallow - lo * ((deep - shallow) / (hi - lo))
 
 
 # ---- the report -------------------------------------------------------------------------------
