@@ -54,11 +54,17 @@ class BlockEmbedding(nn.Module):
         self.dtype = dtype
         self._dequantize = _LEAN_ROWS.get(qtype) or _gguf_rows(GGMLQuantizationType[qtype])
 
+    @staticmethod
+    def head_serves(head: GgufMatrix, qtype: str) -> bool:
+        """Whether ``head``, packed from a token table of GGUF type ``qtype``, gives that table's rows: one
+        part, in that type, one ``dequantize_rows`` reads (Q8_0, Q6_K)."""
+        return bool(head.reads_rows) and head.format == qtype.lower()
+
     @classmethod
     def of_head(cls, head: GgufMatrix, qtype: str, dtype: torch.dtype) -> BlockEmbedding:
         """The lookup of a tied head's table read from the head's matrix (packed from the same blocks of
-        GGUF type ``qtype``, which must be the matrix's format, one ``head.reads_rows`` reads): no copy."""
-        if not head.reads_rows or head.format != qtype.lower():
+        GGUF type ``qtype``: ``head_serves``): no copy."""
+        if not cls.head_serves(head, qtype):
             raise ValueError(f"the head {head.name!r} ({head.format}) cannot serve a {qtype} token table's rows; "
                              f"a q8_0 or q6_k head packed from that table can")
         table = cls.__new__(cls)

@@ -203,8 +203,10 @@ def _shared_head(model: LlamaForCausalLM, tied: bool, rows: int, cols: int, qtyp
     on this rank, packed in the table's own type, which ``GgufMatrix.dequantize_rows`` reads): the lookup
     reads its rows there instead of keeping a second copy of the bytes. None otherwise (an untied head, a
     rank's shard of the vocabulary, a table converted for the kernel, a format whose rows are not read)."""
+    from pagedrs.models.embedding import BlockEmbedding
+
     head: GgufMatrix | None = getattr(model.lm_head, "gguf_matrix", None) if tied else None
-    if head is None or not head.reads_rows or (head.rows, head.cols, head.format) != (rows, cols, qtype.lower()):
+    if head is None or (head.rows, head.cols) != (rows, cols) or not BlockEmbedding.head_serves(head, qtype):
         return None
     return head
 
