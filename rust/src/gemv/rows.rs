@@ -16,6 +16,7 @@
 use super::error::GemvError;
 use super::format::{f16_to_f32, Format, QK};
 use super::pack::{PackedMatrix, TILE};
+use super::scalar::tile_q6_k_quant;
 
 impl PackedMatrix {
     /// Whether [`PackedMatrix::dequantize_rows`] reads this matrix's format.
@@ -78,25 +79,14 @@ fn q8_0_block(tb: &[u8], j: usize, dst: &mut [f32]) {
     }
 }
 
-/// One Q6_K tile block's lane `j` (`d[16]`, `sc[16][2]`, then per group `g` of 16 weights three
-/// vectors: byte `i` of lane `j` of vector `3g + k` holds q of element `16g + 4k + i` in bits 0..6
-/// and bits `2k .. 2k + 2` of q of element `16g + 12 + i` in bits 6..8) as 32 weights
-/// `(d * sc_g) * (q - 32)`.
+/// One Q6_K tile block's lane `j` (`d[16]`, `sc[16][2]`, then the quants in the layout `pack.rs` gives
+/// them, read by `scalar::tile_q6_k_quant`) as 32 weights `(d * sc_g) * (q - 32)`.
 fn q6_k_block(tb: &[u8], j: usize, dst: &mut [f32]) {
     let d = lane_f16(tb, j);
     let q = &tb[4 * TILE..];
-    for g in 0..2 {
-        let scale = d * f32::from(tb[2 * TILE + 2 * j + g] as i8);
-        let byte = |k: usize, i: usize| q[(3 * g + k) * 64 + 4 * j + i];
-        for k in 0..3 {
-            for i in 0..4 {
-                dst[16 * g + 4 * k + i] = scale * f32::from((byte(k, i) & 63) as i8 - 32);
-            }
-        }
-        for i in 0..4 {
-            let top = (0..3).fold(0u8, |acc, k| acc | ((byte(k, i) >> 6) << (2 * k)));
-            dst[16 * g + 12 + i] = scale * f32::from(top as i8 - 32);
-        }
+    for (e, w) in dst.iter_mut().enumerate() {
+        let scale = d * f32::from(tb[2 * TILE + 2 * j + e / 16] as i8);
+        *w = scale * f32::from(tile_q6_k_quant(q, j, e) as i8 - 32);
     }
 }
 

@@ -216,7 +216,7 @@ fn tile_q5_code(q: &[u8], j: usize, e: usize) -> u8 {
 }
 
 /// Element `e` (0..32)'s quant (0..63) of lane `j` in a Q6_K block's packed quants `q` (`pack.rs`).
-fn tile_q6_k_quant(q: &[u8], j: usize, e: usize) -> u8 {
+pub(super) fn tile_q6_k_quant(q: &[u8], j: usize, e: usize) -> u8 {
     let (g, k, i) = (e / 16, e % 16 / 4, e % 4);
     let byte = |k: usize| q[(3 * g + k) * 64 + 4 * j + i];
     if k < 3 {
