@@ -154,3 +154,14 @@ def test_a_hash_memo_that_is_not_utf8_json_is_rebuilt_not_fatal(cache, capsys):
     assert main(["cache"]) == 0 and "(no file known)" in capsys.readouterr().out
     sha = gguf_cache.file_sha256(cache["file"])
     assert json.loads(memo.read_text()) == {gguf_cache.memo_key(cache["file"], cache["file"].stat()): sha}
+
+
+def test_a_linked_folder_is_never_followed_or_removed(cache, tmp_path):
+    """An older format's folder that is a link to another disk: prune leaves the link and what it points to."""
+    elsewhere = tmp_path / "other_disk" / "kept"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "config.json").write_text("{}")
+    link = gguf_cache.cache_root() / "gguf" / f"cc-v{V - 1}"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    assert link not in prune(orphans=True).removed
+    assert link.is_symlink() and (elsewhere / "config.json").is_file()

@@ -14,7 +14,7 @@ conversion's is younger), hash-memo entries whose file is gone or changed.
 the folders of files no longer where the memo saw them (a load converts again: work, never a wrong
 answer, since a folder is keyed by the file's content). The
 current format's folders, their tokenizer and index, and kept conversions stay: they are what a
-warm load reads.
+warm load reads; a folder that is a link (to another disk) is never followed or removed.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def prune(drop_dense: bool = False, orphans: bool = False, now: float | None = N
     known = set(live.values())
     if root.is_dir():
         for folder in sorted(root.iterdir()):
-            if not folder.is_dir():
+            if not folder.is_dir() or folder.is_symlink():  # a link someone made (to another disk): theirs
                 continue
             sha, version = _name(folder)  # any other name is not ours to judge: left alone
             if folder.name.startswith(".prune-"):  # a prune cut short (renamed, then stopped): finish it
