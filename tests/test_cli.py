@@ -112,7 +112,7 @@ _ENGINE_ARGV = [
     "--model", "m", "--device", "cpu", "--dtype", "bfloat16", "--weight-dtype", "int8", "--block-size", "8",
     "--num-gpu-blocks", "64", "--kv-cache-memory", "1000000", "--gpu-memory-utilization", "0.5",
     "--swap-space-gb", "2", "--max-num-seqs", "7", "--max-num-batched-tokens", "333", "--max-model-len", "99",
-    "--preemption-mode", "swap", "--admission-policy", "prompt_only", "--no-prefill-first", "--kv-layout", "contiguous",
+    "--allow-long-max-model-len", "--preemption-mode", "swap", "--admission-policy", "prompt_only", "--no-prefill-first", "--kv-layout", "contiguous",
     "--no-prefix-caching", "--cpu-threads", "3", "--tensor-parallel-size", "2", "--kv-host-cache-gb", "0.5",
     "--kv-disk-path", "/tmp/x", "--kv-disk-gb", "1.5",
 ]
@@ -138,6 +138,7 @@ def test_offline_commands_and_serve_map_every_engine_flag_alike(command):
     assert {k: v for k, v in served.items() if k not in ("seed", "skip_tokenizer_init")} == offline
     assert offline["admission_policy"] == "prompt_only" and offline["prefill_first"] is False
     assert offline["enable_prefix_caching"] is False and offline["max_num_batched_tokens"] == 333
+    assert offline["allow_long_max_model_len"] is True and _serve_kwargs([])["allow_long_max_model_len"] is False
 
 
 def test_every_engine_field_has_a_flag_or_is_an_api_only_knob():

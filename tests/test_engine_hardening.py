@@ -454,12 +454,57 @@ def test_a_seed_outside_torchs_range_is_refused_by_name(seed):
     EngineArgs(model="x", seed=-(2**63))
 
 
-def test_a_max_model_len_past_the_models_positions_is_said_once(tiny_llama_dir, caplog):
-    """Allowed (transformers computes those positions the same way, so outputs stay exact against it), but the
-    model never trained on them: the log says so, and says nothing for a length within them."""
+def test_a_max_model_len_past_the_models_positions_is_refused_by_name(tiny_llama_dir, monkeypatch):
+    """vLLM's rule: the model never trained on positions past its context length, so outputs there may
+    be wrong with nothing to show it; such a length is refused, naming the field, the value and the
+    allowed range, and the executor built so far is released."""
+    monkeypatch.delenv("PAGEDRS_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
     base = dict(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=64, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match=r"max_model_len is 257; the model's context length is 256 "
+                                         r"\(config max_position_embeddings=256\), so allowed: 1 to 256\..*"
+                                         r"allow_long_max_model_len=True"):
+        Engine(EngineArgs(**base, max_model_len=257))
+    assert Engine(EngineArgs(**base, max_model_len=256)).core.max_model_len == 256
+    assert Engine(EngineArgs(**base)).core.max_model_len == 256  # unset: the context length
+
+
+@pytest.mark.parametrize("how", ["field", "env"])
+def test_a_long_max_model_len_runs_when_asked_and_is_said_once(tiny_llama_dir, caplog, monkeypatch, how):
+    """Asked for (the field, or PAGEDRS_ALLOW_LONG_MAX_MODEL_LEN=1 as vLLM's env), the length is used and
+    the log says once that those positions were not trained; a length within them says nothing."""
+    monkeypatch.delenv("PAGEDRS_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    base = dict(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=256, skip_tokenizer_init=True)
+    extra = {"allow_long_max_model_len": True} if how == "field" else {}
+    if how == "env":
+        monkeypatch.setenv("PAGEDRS_ALLOW_LONG_MAX_MODEL_LEN", "1")
     with caplog.at_level("WARNING", logger="pagedrs.engine"):
-        Engine(EngineArgs(**base, max_model_len=256))
+        Engine(EngineArgs(**base, **extra, max_model_len=256))
         assert "max_position_embeddings" not in caplog.text
-        Engine(EngineArgs(**base, max_model_len=512))
-    assert "max_model_len=512 is past the model's max_position_embeddings=256" in caplog.text
+        engine = Engine(EngineArgs(**base, **extra, max_model_len=512))
+    assert engine.core.max_model_len == 512
+    assert caplog.text.count("max_model_len=512 is past the model's context length 256") == 1
+    # a prompt past the trained positions runs (transformers computes them the same way)
+    engine.add_request("long", {"prompt_token_ids": [5] * 300}, SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_allow_long_max_model_len_is_a_bool(value):
+    with pytest.raises(ValueError, match=r"allow_long_max_model_len is .*; it must be True or False"):
+        EngineArgs(model="x", allow_long_max_model_len=value)
+
+
+def test_a_linear_rope_scaling_multiplies_the_context_length():
+    """vLLM's rule for "linear" scaling: the config gives the unscaled length; Llama 3 scaling gives the
+    scaled one already."""
+    from pagedrs.models.config import ModelConfig
+
+    base = dict(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=1, num_key_value_heads=1, head_dim=8, max_position_embeddings=100)
+    assert ModelConfig(**base).context_length == 100
+    assert ModelConfig(**base, rope_scaling={"type": "linear", "factor": 4.0}).context_length == 400
+    assert ModelConfig(**base, rope_scaling={"rope_type": "linear", "factor": float("nan")}).context_length == 100
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 16}
+    assert ModelConfig(**base, rope_scaling=llama3).context_length == 100

@@ -28,6 +28,7 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 _SAME_NAME = (
     "model", "device", "dtype", "weight_dtype", "block_size", "num_gpu_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "swap_space_gb", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "allow_long_max_model_len",
     "preemption_mode", "admission_policy", "kv_layout", "cpu_threads", "tensor_parallel_size", "distributed_executor_backend",
     "kv_host_cache_gb", "kv_disk_path", "kv_disk_gb", "async_scheduling", "eviction_policy", "kv_cache_dtype",
     "enforce_eager", "max_pinned_fraction", "speculative_config",
@@ -52,7 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser | argparse._ArgumentGroup, *, cpu
                    help="host tier for swapped pages (default: 1 GiB on CUDA, 0 on the CPU, where host and device are one RAM)")
     p.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"])
     p.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"])
-    p.add_argument("--max-model-len", type=int, default=d["max_model_len"])
+    p.add_argument("--max-model-len", type=int, default=d["max_model_len"],
+                   help="tokens a sequence may reach (default: the model's context length)")
+    p.add_argument("--allow-long-max-model-len", action="store_true",
+                   help="allow --max-model-len past the model's context length (untrained positions; vLLM's "
+                        "VLLM_ALLOW_LONG_MAX_MODEL_LEN)")
     p.add_argument("--preemption-mode", default=d["preemption_mode"], choices=["auto", "swap", "recompute"])
     p.add_argument(
         "--admission-policy", default=d["admission_policy"], choices=["expected_growth", "prompt_only"],

@@ -54,6 +54,10 @@ class EngineArgs:
     contiguous_reserve: str = "max_model_len"  # or "request": prompt + max_tokens
     num_gpu_blocks: Optional[int] = None  # overrides kv_cache_memory
     max_model_len: Optional[int] = None  # default: the model's context length
+    # A max_model_len past the model's context length (positions it never trained on) is refused
+    # unless True, or the environment sets PAGEDRS_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's
+    # VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs there may be wrong, so it takes a decision.
+    allow_long_max_model_len: bool = False
     seed: int = 0
     watermark: float = 0.01  # fraction of device blocks kept free at admission
     aging_steps: int = 100  # waiting steps per priority level gained (anti-starvation)
@@ -188,7 +192,7 @@ class EngineArgs:
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
         whole_at_least("aging_steps", 0)
         _check_kv_events(self)
-        for name in ("prefill_first", "enforce_eager", "async_scheduling"):
+        for name in ("prefill_first", "enforce_eager", "async_scheduling", "allow_long_max_model_len"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} is {getattr(self, name)!r}; it must be True or False")
         if self.pad_decode is not None and not isinstance(self.pad_decode, bool):

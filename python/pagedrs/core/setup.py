@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,13 +48,11 @@ def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBack
     executor = make_executor(args, attention_backend=attention_backend)
     closer = weakref.finalize(owner, executor.shutdown)
     config = executor.loaded.config
-    max_model_len = args.max_model_len or config.max_position_embeddings
-    if max_model_len > config.max_position_embeddings:
-        # vLLM refuses this unless told otherwise; transformers computes such positions the same way, so
-        # outputs stay exact against it, but the model never saw them: say so once.
-        logger.warning("max_model_len=%d is past the model's max_position_embeddings=%d: positions past %d "
-                       "were not trained, and outputs there may degrade", max_model_len,
-                       config.max_position_embeddings, config.max_position_embeddings)
+    try:
+        max_model_len = resolve_max_model_len(args, config)
+    except ValueError:
+        closer()  # the executor goes now, not when the half-built owner is collected
+        raise
     plan = executor.plan_kv_memory()
     tiers = plan_tiers(executor, args, plan)
     scheduler_config = SchedulerConfig(
@@ -123,3 +122,29 @@ def _uniform_sliding_window(config: ModelConfig) -> int | None:
     every page, since its full layers read them all."""
     windows = {config.layer_sliding_window(layer) for layer in range(config.num_hidden_layers)}
     return windows.pop() if len(windows) == 1 else None
+
+
+LONG_MAX_MODEL_LEN_ENV = "PAGEDRS_ALLOW_LONG_MAX_MODEL_LEN"
+
+
+def resolve_max_model_len(args: EngineArgs, config: ModelConfig) -> int:
+    """``args.max_model_len``, or the model's context length when unset.
+
+    A length past the model's context length is refused unless the user says so
+    (``allow_long_max_model_len``, or ``PAGEDRS_ALLOW_LONG_MAX_MODEL_LEN=1``, vLLM's rule): the model
+    never trained on those positions, so its outputs there may be wrong with nothing to show it.
+    Allowed, it is said once in the log (transformers computes those positions the same way)."""
+    context = config.context_length
+    max_model_len = args.max_model_len or context
+    if max_model_len <= context:
+        return max_model_len
+    if not (args.allow_long_max_model_len or os.environ.get(LONG_MAX_MODEL_LEN_ENV, "") in ("1", "true", "True")):
+        raise ValueError(
+            f"max_model_len is {max_model_len}; the model's context length is {context} "
+            f"(config max_position_embeddings={config.max_position_embeddings}), so allowed: 1 to {context}. "
+            f"Positions past it were never trained and may give wrong outputs; to run there anyway, set "
+            f"allow_long_max_model_len=True (--allow-long-max-model-len) or {LONG_MAX_MODEL_LEN_ENV}=1")
+    logger.warning("max_model_len=%d is past the model's context length %d (max_position_embeddings=%d): "
+                   "positions past %d were not trained, and outputs there may degrade", max_model_len, context,
+                   config.max_position_embeddings, context)
+    return max_model_len

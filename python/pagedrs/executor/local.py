@@ -100,7 +100,7 @@ class LocalExecutor:
         args = self.args
         if not args.uses_decode_padding():
             return None
-        max_model_len = args.max_model_len or self.loaded.config.max_position_embeddings
+        max_model_len = args.max_model_len or self.loaded.config.context_length
         return DecodePadding(sizes=capture_sizes(args.max_num_seqs), table_width=-(-max_model_len // args.block_size))
 
     def plan_kv_memory(self) -> KvPlan:

@@ -7,6 +7,7 @@ validation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +94,16 @@ class ModelConfig:
         if self.sliding_window is None or (self.layer_types is not None and self.layer_types[layer] != "sliding_attention"):
             return None
         return self.sliding_window
+
+    @property
+    def context_length(self) -> int:
+        """The positions the model was made for: ``max_position_embeddings``, times the factor of a
+        linear RoPE scaling (vLLM's rule: such configs give the unscaled length). Llama 3 scaling and
+        llama.cpp's freq_factors give the scaled length already."""
+        factor = (self.rope_scaling or {}).get("factor") if self.rope_type == "linear" else None
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and 1 < factor < math.inf:
+            return int(self.max_position_embeddings * factor)
+        return self.max_position_embeddings
 
     @property
     def rope_type(self) -> str:
