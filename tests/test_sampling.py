@@ -256,3 +256,39 @@ def test_logits_row_stats_refuses_what_it_cannot_read_naming_logits():
         logits_greedy(np.zeros((3, 4), dtype=np.float32)[:, ::2])
     tokens, logprobs = logits_greedy(np.array([[0.0, 2.0, 2.0, -1.0]], dtype=np.float32))
     assert tokens == [1] and logprobs == pytest.approx([2.0 - np.log(1 + 2 * np.exp(2.0) + np.exp(-1.0))], rel=1e-6)
+
+
+def test_generator_seeds_keep_every_bit_of_a_64_bit_seed_on_the_cpu():
+    """torch's CPU generator keeps a seed's low 32 bits: manual_seed(2**32) draws what manual_seed(0) does,
+    so a request seeded 2**32 repeated seed 0's samples. Seeds of 2**32 or more are mixed down to 32
+    bits on the CPU; smaller ones, and every seed on CUDA (Philox keeps 64 bits), are used as they are."""
+    from pagedrs.core.engine_core import generator_seed
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert torch.rand(4, generator=torch.Generator().manual_seed(2**32)).equal(
+        torch.rand(4, generator=torch.Generator().manual_seed(0)))  # the trap itself
+    assert [generator_seed(s, cpu) for s in (0, 5, 2**32 - 1)] == [0, 5, 2**32 - 1]
+    assert generator_seed(2**40, cuda) == 2**40
+    big = [2**32, 2**32 + 1, 2**32 + 5, 2**40, 2**62, 2**63, 2**64 - 1]
+    mixed = [generator_seed(s, cpu) for s in big]
+    assert all(0 <= m < 2**32 for m in mixed) and len(set(mixed)) == len(big)
+    assert not {0, 1, 5} & set(mixed)  # none lands on the small seeds they used to alias
+    streams = {tuple(torch.rand(8, generator=torch.Generator().manual_seed(m)).tolist()) for m in [0, 1, 5, *mixed]}
+    assert len(streams) == len(big) + 3
+
+
+def test_requests_seeded_2_to_the_32_apart_sample_differently(tiny_llama_dir):
+    """End to end, through the engine: seed 0 and seed 2**32 (and n=2 samples of seed 2**32 - 1, whose second
+    uses 2**32) used to give the same tokens; each seed still repeats itself."""
+    from pagedrs import LLM
+
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=128, skip_tokenizer_init=True)
+
+    def tokens(seed: int, n: int = 1) -> list[list[int]]:
+        params = SamplingParams(temperature=1.5, max_tokens=12, seed=seed, n=n, ignore_eos=True)
+        return [list(c.token_ids) for c in llm.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0].outputs]
+
+    zero, one = tokens(0), tokens(1)
+    assert tokens(0) == zero and tokens(2**32) == tokens(2**32)
+    assert tokens(2**32) != zero and tokens(2**32 + 1) != one and tokens(2**40) != zero
+    assert tokens(2**32 - 1, n=2)[1] != zero

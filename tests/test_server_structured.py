@@ -193,6 +193,8 @@ BAD = {
     "unknown response_format type": ({"response_format": {"type": "xml"}}, "type", "json_schema"),
     "empty choice": ({"guided_choice": []}, "guided_choice", "choice"),
     "min_tokens with a grammar": ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens", "min_tokens"),
+    # the grammar ends the answer with EOS where it is complete: ignore_eos could not take effect
+    "ignore_eos with a grammar": ({"guided_choice": ["yes", "no"], "ignore_eos": True}, "ignore_eos", "ignore_eos"),
 }
 
 
@@ -367,3 +369,56 @@ def test_a_grammar_that_dead_ends_midway_is_the_requests_400_not_a_stop(served: 
     ok = httpx.post(served.url + "/v1/chat/completions", timeout=120, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert ok.status_code == 200  # the server goes on
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_logprobs_under_a_grammar_are_finite_numbers(served: LiveServer, stream: bool, endpoint: str) -> None:
+    """Under a grammar the logprobs are the constrained distribution's (vLLM's order): a token it forbids
+    has -inf, which JSON cannot carry (a 500 before, or null in a stream). They are shown at vLLM's floor,
+    -9999.0; the forced choice's own tokens keep their real values."""
+    base: dict[str, Any] = {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": stream,
+                            "guided_choice": ["yes", "no"]}
+    if endpoint == "completions":
+        body, path = {**base, "prompt": "Answer yes or no:", "logprobs": 5}, "/v1/completions"
+    else:
+        body, path = {**base, "messages": MESSAGES, "logprobs": True, "top_logprobs": 5}, "/v1/chat/completions"
+    r = httpx.post(served.url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    else:
+        chunks = [r.json()]
+    numbers: list[Any] = []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            lp = choice.get("logprobs")
+            if not lp:
+                continue
+            if endpoint == "completions":
+                numbers += lp["token_logprobs"] + [v for top in lp["top_logprobs"] for v in top.values()]
+            else:
+                for entry in lp["content"]:
+                    numbers += [entry["logprob"]] + [t["logprob"] for t in entry["top_logprobs"]]
+    assert numbers and all(isinstance(x, float) and -9999.0 <= x <= 0.0 for x in numbers), numbers
+    assert -9999.0 in numbers  # a choice of two words leaves some of the top 5 forbidden
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_allowed_token_ids_the_grammar_forbids_are_the_requests_400(served: LiveServer, offline: LLM,
+                                                                    stream: bool) -> None:
+    """The grammar and allowed_token_ids together leave nothing to draw: the request's own settings
+    conflict, so it ends with a 400 naming allowed_token_ids (a 500 before), and the server serves on."""
+    eos = min(offline.engine.tokenizer.eos_token_ids)  # the choice grammar forbids EOS before "yes" or "no"
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": stream, "guided_choice": ["yes", "no"],
+            "allowed_token_ids": [eos]}
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=120)
+    if stream:
+        assert r.status_code == 200
+        error = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")][-1]["error"]
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "allowed_token_ids" in error["message"], error
+    ok = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3}, timeout=60)
+    assert ok.status_code == 200

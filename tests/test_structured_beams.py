@@ -156,12 +156,22 @@ def test_use_beam_search_takes_structured_outputs_and_refuses_min_tokens(tiny_ll
         BeamSearchParams(beam_width=2, max_tokens=8, structured_outputs={"regex": "a"})  # type: ignore[arg-type]
 
 
-def test_a_grammar_complete_beam_ends_with_stop_even_with_ignore_eos(tiny_llama_dir):
+def test_a_grammar_complete_beam_ends_with_stop(tiny_llama_dir):
     """The grammar forces EOS where it is complete: that ends the hypothesis with "stop" before
-    max_tokens, as it ends a sampled answer, whatever ignore_eos says."""
+    max_tokens, as it ends a sampled answer."""
     llm = make_llm(tiny_llama_dir)
-    params = BeamSearchParams(beam_width=2, max_tokens=30, ignore_eos=True,
-                              structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    params = BeamSearchParams(beam_width=2, max_tokens=30, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     results = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
     for r in results:
         assert {s.text for s in r.sequences} <= {"yes", "no"} and all(s.finish_reason == "stop" for s in r.sequences)
+
+
+@pytest.mark.parametrize("make", [
+    lambda so: BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True, structured_outputs=so),
+    lambda so: SamplingParams(max_tokens=8, ignore_eos=True, structured_outputs=so),
+])
+def test_ignore_eos_beside_a_grammar_is_refused_by_name(make):
+    """It could not take effect (the grammar ends the answer with EOS where it is complete), and a field
+    accepted but ignored is a wrong answer with a 200: refused, as min_tokens is."""
+    with pytest.raises(ValueError, match=r"\.ignore_eos=True is out of range: allowed false with structured_outputs"):
+        make(StructuredOutputsParams(choice=["yes", "no"]))

@@ -357,3 +357,38 @@ def test_smollm2_greedy_json_equals_transformers(hf_smollm2):
             assert sample.token_ids == expected
             assert sample.finish_reason == "stop", sample.text
             jsonschema.validate(json.loads(sample.text), schema)
+
+
+@pytest.mark.parametrize("error, kind", [
+    ("Parser Error: Current row has 8007 items; max is 2000", "GrammarLimitError"),
+    ("too many states: 500001", "GrammarLimitError"),
+    ("lexer fuel exhausted", "GrammarLimitError"),
+    ("unexpected token", "RuntimeError"),
+])
+def test_a_grammar_that_outgrows_its_parser_limits_is_the_requests_error(error, kind):
+    """A schema of thousands of properties compiles, then llguidance refuses a token its own mask allowed
+    because a parser limit ran out ("Current row has 8007 items; max is 2000"): the request's grammar is
+    too large, a GrammarLimitError (a 400, REQUEST_CAUSED), not a RuntimeError (a 500, our bug). A refusal
+    that names no limit stays a RuntimeError: that would be a bug here."""
+    from types import SimpleNamespace
+
+    from pagedrs.core.request import Sample, TokenRule, record_token
+    from pagedrs.errors import REQUEST_CAUSED, GrammarLimitError
+
+    class Refusing:
+        def __init__(self) -> None:
+            self.error = ""
+
+        def consume(self, token: int) -> bool:
+            self.error = error
+            return False
+
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
+    request = SimpleNamespace(params=params, token_rule=lambda eos, limit: TokenRule.of(params, 3, eos, limit))
+    sample = Sample(seq_id=0, index=0, generator=None, grammar=Refusing())  # type: ignore[arg-type]
+    with pytest.raises(Exception) as caught:
+        record_token(sample, 7, -0.5, None, request, frozenset({1}), 256)  # type: ignore[arg-type]
+    assert type(caught.value).__name__ == kind
+    assert isinstance(caught.value, REQUEST_CAUSED) == (kind == "GrammarLimitError")
+    if kind == "GrammarLimitError":
+        assert isinstance(caught.value, GrammarLimitError) and "structured_outputs" in str(caught.value)

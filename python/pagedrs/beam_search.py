@@ -93,6 +93,9 @@ class BeamSearchParams:
             _fail("skip_special_tokens", self.skip_special_tokens, "true or false")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.ignore_eos:
+            _fail("ignore_eos", self.ignore_eos, "false with structured_outputs (the grammar decides where a "
+                  "hypothesis ends, and EOS ends it there: ignore_eos could not take effect)")
         if self.structured_outputs is not None and self.min_tokens:
             _fail("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides where a hypothesis "
                   "may end; EOS is allowed exactly there)")

@@ -67,9 +67,15 @@ class GrammarDeadEnd(ValueError):
     request ends with this error, never as a complete answer."""
 
 
+class GrammarLimitError(ValueError):
+    """A structured-output grammar that outgrew the grammar engine's parser limits partway through an
+    answer (llguidance's items per row, lexer states, fuel: a schema of thousands of properties):
+    the request's grammar is too large to follow, so the request ends with this error (a 400)."""
+
+
 # Errors a request's own input causes while it runs: the core ends the request with ``"<Type>: message"``
 # (``EngineCore.fail``), and the server answers those with 400, not 500 (``caused_by_request``).
-REQUEST_CAUSED: tuple[type[Exception], ...] = (FieldError, GrammarDeadEnd)
+REQUEST_CAUSED: tuple[type[Exception], ...] = (FieldError, GrammarDeadEnd, GrammarLimitError)
 
 
 def caused_by_request(error: str) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedrs.errors import FieldError
 from pagedrs.sampling_params import SamplingParams
 
 
@@ -123,7 +124,8 @@ def apply_token_biases(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.T
 
 def _check_something_allowed(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     """A row restricted by ``allowed_token_ids`` whose every token is masked (the grammar's mask or
-    ``min_tokens`` took the rest) has nothing to draw: a ValueError naming the field, so the caller
+    ``min_tokens`` took the rest) has nothing to draw: a FieldError naming the field (the request's own
+    settings conflict: a 400 from the server), so the caller
     ends that request alone, instead of an argmax over -inf returning token 0 (a token nobody allowed).
     Only those rows are checked, in one op (one wait for the device a step, and only when some row
     has ``allowed_token_ids``)."""
@@ -134,7 +136,7 @@ def _check_something_allowed(x: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, ok in zip(restricted, left):
         if not ok:
             allowed = rows[i].params.allowed_token_ids or []
-            raise ValueError(f"allowed_token_ids: every allowed token is masked at this step (by the grammar or "
+            raise FieldError("allowed_token_ids", f"allowed_token_ids: every allowed token is masked at this step (by the grammar or "
                              f"min_tokens={rows[i].params.min_tokens}), so nothing can be drawn; allowed ids "
                              f"{allowed[:8]}{' ...' if len(allowed) > 8 else ''}")
 

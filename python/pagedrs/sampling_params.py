@@ -302,6 +302,9 @@ class SamplingParams:
         self.allowed_token_ids = self._normalize_allowed_token_ids(self.allowed_token_ids)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             _fail("structured_outputs", self.structured_outputs, "None or a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.ignore_eos:
+            _fail("ignore_eos", self.ignore_eos, "false with structured_outputs (the grammar decides where the answer "
+                  "ends, and EOS ends it there: ignore_eos could not take effect)")
         if self.structured_outputs is not None and self.min_tokens:
             _fail("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides where the answer "
                   "may end; EOS is allowed exactly there)")

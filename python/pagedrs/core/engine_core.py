@@ -231,7 +231,8 @@ class EngineCore:
         seed = getattr(params, "seed", None)  # BeamSearchParams has none
         if seed is not None:
             # Sample k of a seeded request uses seed + k, wrapped into the generator's 64 bits.
-            generator = torch.Generator(device=self.device).manual_seed((seed + index) % 2**64)
+            generator = torch.Generator(device=self.device).manual_seed(generator_seed((seed + index) % 2**64,
+                                                                                      self.device))
         return Sample(seq_id=seq_id, index=index, generator=generator)
 
     @property
@@ -392,3 +393,22 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def generator_seed(seed: int, device: torch.device) -> int:
+    """The torch generator seed for a request's 64-bit ``seed`` on ``device``.
+
+    CUDA's Philox generator keeps all 64 bits. The CPU's Mersenne Twister keeps the low 32 only
+    (``manual_seed(2**32)`` draws what ``manual_seed(0)`` does), so seeds 2**32 apart would share
+    one stream: a request seeded 2**32 would repeat seed 0's samples. On the CPU a seed of 2**32
+    or more is mixed down to 32 bits (splitmix64's finalizer, then the halves folded), so every bit
+    counts; seeds below 2**32 are used as they are (their streams are unchanged). Two seeds may still
+    share a stream, as any two of a 32-bit space do: with probability 2**-32 a pair, not by structure.
+    """
+    if device.type != "cpu" or seed < 2**32:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF

@@ -8,12 +8,14 @@ A sample under a grammar (``SamplingParams.structured_outputs``) feeds each toke
 ``GrammarState``. Where the grammar accepts, its mask allows EOS; once it is complete it
 allows nothing else, so the next token is EOS and the sample ends with "stop" (one more
 step; the EOS is a stop token like any other: in ``token_ids``, not in the text). That
-EOS ends it even with ``ignore_eos``: the grammar forced it. The grammar does not make an
+EOS would end it even with ``ignore_eos``, which SamplingParams therefore refuses beside a
+grammar (it could not take effect). The grammar does not make an
 answer end by itself: ``max_tokens`` still ends it with "length", however incomplete.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -21,8 +23,12 @@ import torch
 
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.protocol import CoreOutput, CoreSampleOutput, RequestMetrics
-from pagedrs.errors import GrammarDeadEnd
+from pagedrs.errors import GrammarDeadEnd, GrammarLimitError
 from pagedrs.sampling_params import SamplingParams
+
+# llguidance's words when a grammar outgrows its parser limits (ParserLimits: items per row, lexer
+# states and fuel, grammar size): "Current row has 8007 items; max is 2000", "too many states", ...
+_PARSER_LIMIT = re.compile(r"max is \d|\blimit\b|too many|too big|fuel", re.IGNORECASE)
 
 if TYPE_CHECKING:  # continuation.py imports this module
     from pagedrs.core.continuation import BeamRequest, ContinuationPolicy
@@ -216,8 +222,13 @@ def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optio
         sample.top_logprobs.append(entry)
     stop_ids = rule.stops
     if sample.grammar is not None:
-        if not sample.grammar.consume(token):  # its mask allowed the token: a bug if so
-            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: {sample.grammar.error}")
+        if not sample.grammar.consume(token):  # its mask allowed the token: a limit of the parser, or a bug
+            error = sample.grammar.error or ""
+            if _PARSER_LIMIT.search(error):
+                raise GrammarLimitError(f"structured_outputs: after {len(sample.token_ids) - 1} tokens the grammar "
+                                        f"outgrew the grammar engine's limits (llguidance: "
+                                        f"{error.strip().splitlines()[0]}); use a smaller schema or grammar")
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: {error}")
         if sample.grammar.error:  # a failed matcher allows EOS alone: an answer ended there matches nothing
             reason = sample.grammar.error.strip().splitlines()[0]
             raise GrammarDeadEnd(f"structured_outputs: after {len(sample.token_ids) - 1} tokens no token can continue "

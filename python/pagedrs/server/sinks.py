@@ -105,11 +105,22 @@ class Sink:
                                             error_status=status, error_code=code))
 
 
+# The least log-probability a response shows (vLLM's floor): a token the grammar masks has -inf
+# under the constrained distribution, which JSON cannot carry (json.dumps refuses it: a 500, or null
+# in a stream, against OpenAI's schema).
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` as a response carries it: at least ``LOGPROB_FLOOR`` (-inf and NaN become the floor)."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
 def _snapshot(completion: Any) -> SampleDelta:
     new_ids = list(completion.delta_token_ids)
     logprobs = None
     if completion.logprobs is not None and new_ids:
-        logprobs = [dict(d) for d in completion.logprobs[-len(new_ids):]]
+        logprobs = [{t: json_logprob(lp) for t, lp in d.items()} for d in completion.logprobs[-len(new_ids):]]
     return SampleDelta(
         index=completion.index,
         text=completion.delta_text,
