@@ -66,7 +66,7 @@ BAD_INPUTS = [
     ("top_k 2**63", "/v1/completions", _completion(top_k=2**63, temperature=1.0), "top_k",
      "less than or equal to 2147483647"),
     ("priority 2**63", "/v1/chat/completions", _chat("hi", priority=2**63), "priority",
-     "less than or equal to 2147483648"),
+     "less than or equal to 2147483647"),
     ("surrogate prompt", "/v1/completions", _completion(prompt="\ud800"), "prompt", "lone surrogate"),
     ("surrogate content", "/v1/chat/completions", _chat("a\ud800b"), "messages", "lone surrogate"),
     ("surrogate stop", "/v1/completions", _completion(stop=["\udfff"]), "stop", "unicode string"),

@@ -21,19 +21,19 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
+from pydantic import BaseModel, StrictFloat, StrictInt, ValidationError
 
 from pagedrs.errors import PinCapError, UnknownPinError
 from pagedrs.server.errors import APIError
-from pagedrs.server.protocol import Text
+from pagedrs.server.protocol import Text, _Strict
 from pagedrs.server.serving import ServerContext
 from pagedrs.server.tenants import engine_salt
 
 __all__ = ["CacheInfo", "PinRequest", "PinResponse", "cache_info", "load_pin_file", "pin", "preload_pins", "unpin"]
 
 
-class PinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PinRequest(_Strict):
+    """Strict as every request body: an unknown field is a 400 naming it, a float is finite."""
 
     prompt: Optional[Union[Text, list[StrictInt]]] = None
     messages: Optional[list[dict[str, Any]]] = None
