@@ -80,7 +80,7 @@ BAD_INPUTS = [
      "expected an integer, got the boolean"),
     ("max_tokens past the context", "/v1/completions", _completion(max_tokens=MAX_MODEL_LEN), "max_tokens",
      f"max_model_len is {MAX_MODEL_LEN}"),
-    ("max_completion_tokens past the context", "/v1/chat/completions", _chat("hi", max_completion_tokens=10**6),
+    ("max_completion_tokens past the context", "/v1/chat/completions", _chat("hi", max_tokens=None, max_completion_tokens=10**6),
      "max_completion_tokens", f"max_model_len is {MAX_MODEL_LEN}"),
     ("too many stop strings", "/v1/completions", _completion(stop=["x"] * (MAX_STOP_STRINGS + 1)), "stop",
      f"at most {MAX_STOP_STRINGS} items"),
