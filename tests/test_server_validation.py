@@ -303,4 +303,4 @@ def test_priority_is_bounded_as_the_engine_bounds_it(served: Served) -> None:
 def test_an_unknown_pin_field_is_named(make_module_served: Callable[..., Served]) -> None:
     admin = make_module_served(FakeEngine(), options=ServerOptions(api_key=KEY))
     response = _post(admin, "/v1/cache/pin", {"prompt": "hi", "banana": 1}, {"Authorization": f"Bearer {KEY}"})
-    _refused(response, "banana", "banana is not a field this server knows")
+    _refused(response, "banana", "banana is not a field this server knows", "a pin takes prompt, messages, ttl_s")
