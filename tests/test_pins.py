@@ -317,7 +317,7 @@ def test_pin_prefix_file_good_and_bad(tiny_llama_dir: Path, tmp_path: Path, caps
     ids = preload_pins(eng, str(good), "shared")
     assert len(ids) == 2 and [p.pin_id for p in eng.list_pins()] == ids and eng.list_pins()[1].ttl_s == 60
     eng.shutdown()
-    for text, why in [('{"prompt": "a"}\n{"prompt": "b", "ttl": 5}\n', "line 2: ttl: Extra inputs"),
+    for text, why in [('{"prompt": "a"}\n{"prompt": "b", "ttl": 5}\n', "line 2: ttl: ttl is not a field this server knows"),
                       ('{"prompt": "a"}\nnot json\n', "line 2: Expecting value"),
                       ('{"ttl_s": 5}\n', "line 1: it needs exactly one of 'prompt' and 'messages'"),
                       ('{"prompt": "a", "ttl_s": "long"}\n', "line 1: ttl_s")]:

@@ -209,7 +209,8 @@ HONOURED: dict[str, dict[str, tuple[dict[str, Any], Callable[[Reply], None]]]] =
         **SHARED_HONOURED,
         "messages": ({"messages": [{"role": "system", "content": "be"}, {"role": "user", "content": "hi"}]},
                      _prompt_is("<system>be<user>hi<assistant>")),
-        "max_completion_tokens": ({"max_completion_tokens": 2}, _completion_tokens(2)),
+        # max_tokens null: BASE's 3 beside it would be refused as two different lengths
+        "max_completion_tokens": ({"max_tokens": None, "max_completion_tokens": 2}, _completion_tokens(2)),
         "logprobs": ({"logprobs": True}, _chat_logprobs(0)),
         "top_logprobs": ({"logprobs": True, "top_logprobs": 2}, _chat_logprobs(2)),
         "response_format": ({"response_format": {"type": "json_object"}},

@@ -115,7 +115,7 @@ VALID_RANGES: dict[str, tuple[float, float]] = {
     "n": (1, 2), "max_tokens": (1, 8), "max_completion_tokens": (1, 8), "min_tokens": (0, 1),
     "temperature": (0, 2), "top_p": (5e-324, 1), "top_k": (-1, 2**31 - 1), "min_p": (0, 1),
     "presence_penalty": (-2, 2), "frequency_penalty": (-2, 2), "repetition_penalty": (5e-324, 2),
-    "logprobs": (0, 20), "top_logprobs": (0, 20), "seed": (0, 2**63 - 1), "priority": (-(2**31), 2**31),
+    "logprobs": (0, 20), "top_logprobs": (0, 20), "seed": (0, 2**63 - 1), "priority": (-(2**31), 2**31 - 1),
 }
 VOCAB = 256  # byte tokens: inside the tiny tokenizer's vocabulary
 

@@ -36,6 +36,7 @@ MAX_TOKENS_LIMIT = 2**31 - 1  # the context length caps generation far below thi
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-40
 # overflows to inf and the softmax to NaN.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # top alternatives per generated token (OpenAI's top_logprobs bound)
 MAX_PROMPT_LOGPROBS = 20  # top alternatives per prompt token (vLLM's max_logprobs default)
 MAX_BEAM_WIDTH = 256  # the core forks up to k beams per step; this keeps one request's share bounded
 EARLY_STOPPING = (True, False, "never")  # transformers' meanings
@@ -117,7 +118,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             self.json = _parse_schema(self.json)
         if self.json is not None:  # before it is written as text, which recurses
-            depth = _json_depth(self.json)
+            depth = json_depth(self.json)
             if depth > MAX_SCHEMA_DEPTH:
                 _fail_structured("json", f"<a schema nested {depth} deep>", f"nesting depth at most {MAX_SCHEMA_DEPTH}")
         spec = self.spec
@@ -162,7 +163,7 @@ def _parse_schema(text: str) -> dict[str, Any]:
     return value
 
 
-def _json_depth(value: object) -> int:
+def json_depth(value: object) -> int:
     """How deeply objects and arrays nest in ``value`` (iterative: a hostile depth cannot overflow the stack)."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -283,8 +284,8 @@ class SamplingParams:
             _fail("max_tokens", self.max_tokens, f"an integer in [1, {MAX_TOKENS_LIMIT}]")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            _fail("logprobs", self.logprobs, "None or an integer in [0, 20]")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            _fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None and (
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS
         ):

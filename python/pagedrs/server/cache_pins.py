@@ -21,10 +21,19 @@ import time
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictFloat,
+    StrictInt,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
 
 from pagedrs.errors import PinCapError, UnknownPinError
 from pagedrs.server.errors import APIError
+from pagedrs.server.field_policy import name_unknown_fields
 from pagedrs.server.protocol import Text
 from pagedrs.server.serving import ServerContext
 from pagedrs.server.tenants import engine_salt
@@ -33,13 +42,20 @@ __all__ = ["CacheInfo", "PinRequest", "PinResponse", "cache_info", "load_pin_fil
 
 
 class PinRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict as the request bodies: a float is finite, an unknown field a 400 naming it and the fields a pin takes."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     prompt: Optional[Union[Text, list[StrictInt]]] = None
     messages: Optional[list[dict[str, Any]]] = None
     ttl_s: Optional[Union[StrictInt, StrictFloat]] = None  # seconds, in (0, 7 days]; null: until unpinned
     cache_salt: Optional[Text] = None
     tenant: Optional[Text] = None  # --prefix-cache-isolation per-tenant: the tenant whose requests hit it
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_unknown_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        return name_unknown_fields(data, handler, "a pin takes " + ", ".join(cls.model_fields))
 
     def prompt_or_messages(self) -> Any:
         """The prompt as ``Engine.pin`` takes it; APIError 400 naming the field when not exactly one is set."""

@@ -45,10 +45,10 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
     prompt_ids = await ctx.prompts.render_chat(body.messages, body.add_generation_prompt, tools)
     room = ctx.room(len(prompt_ids), "messages")
     kwargs = body.sampling_kwargs()
-    if body.max_completion_tokens is not None:
-        kwargs["max_tokens"] = body.max_completion_tokens
-    name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    ctx.check_max_tokens(kwargs.get("max_tokens"), room, len(prompt_ids), name)
+    name = _max_tokens_field(body)
+    if name is not None:
+        kwargs["max_tokens"] = getattr(body, name)
+    ctx.check_max_tokens(kwargs.get("max_tokens"), room, len(prompt_ids), name or "max_tokens")
     if "max_tokens" not in kwargs:
         # Unset: until the context is full, as OpenAI does for chat, but never more than the
         # KV pool can hold next to the prompt (the engine refuses a request that can never fit).
@@ -68,6 +68,19 @@ async def prepare(ctx: ServerContext, body: ChatCompletionRequest) -> Generation
     gen = Generation(ctx, [prompt_ids], params, priority=body.priority, cache_salt=body.cache_salt)
     gen.tool_reading = reading
     return gen
+
+
+def _max_tokens_field(body: ChatCompletionRequest) -> str | None:
+    """The field the completion's length comes from (None: neither was sent). OpenAI's newer name,
+    ``max_completion_tokens``, and the older ``max_tokens`` may come together only when equal: one of
+    two different lengths would be ignored (and was: not even range-checked)."""
+    if body.max_completion_tokens is None:
+        return None if body.max_tokens is None else "max_tokens"
+    if body.max_tokens is not None and body.max_tokens != body.max_completion_tokens:
+        raise bad_request(f"max_tokens={body.max_tokens} and max_completion_tokens={body.max_completion_tokens} "
+                          "differ: send one of them (max_completion_tokens is the newer name of max_tokens), or "
+                          "both with the same value", param="max_completion_tokens")
+    return "max_completion_tokens"
 
 
 def _logprobs(ctx: ServerContext, k: int, token_ids: list[int], entries: list[dict[int, float]]) -> ChatLogprobs:

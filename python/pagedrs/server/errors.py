@@ -97,8 +97,9 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def _is_union_branch(part: object) -> bool:
-    """pydantic names the union member in an error's location ("list[constrained-int]"): not a field."""
-    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS)
+    """pydantic names the union member in an error's location ("list[constrained-int]"): not a field.
+    A string of digits is no union member but a dict's key (logit_bias's token ids): kept."""
+    return isinstance(part, str) and not part.isdigit() and (not part.isidentifier() or part in _TYPE_TAGS)
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:
@@ -134,9 +135,31 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _param(err: Any) -> str | None:
-    """The request field an error is about (the first part of its location)."""
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    """The request field an error is about (the first part of its location that names a field);
+    None when the error is about the body as a whole."""
+    loc = [str(p) for p in err.get("loc", ()) if p != "body" and not _is_union_branch(p)]
     return loc[0] if loc else None
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+def _not_an_object(exc: RequestValidationError, content_type: str | None) -> str | None:
+    """What is wrong with a body that is no JSON object (None when it is one): FastAPI hands a body
+    sent without ``Content-Type: application/json`` to the model as bytes, and pydantic's "Input
+    should be a valid dictionary" says nothing of the header that caused it."""
+    for err in exc.errors():
+        loc = [p for p in err.get("loc", ()) if p != "body" and not _is_union_branch(p)]
+        body = err.get("input")
+        if loc or isinstance(body, dict):
+            continue
+        if content_type is None or "json" not in content_type.lower():
+            sent = f"Content-Type: {content_type}" if content_type else "no Content-Type header"
+            return (f"the request body must be a JSON object sent with Content-Type: application/json; this one "
+                    f"came with {sent}")
+        return f"the request body must be a JSON object; this one is {_JSON_TYPES.get(type(body), 'no object')}"
+    return None
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -155,8 +178,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return APIError(504, str(exc), code=REQUEST_TIMEOUT).response()
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        not_an_object = _not_an_object(exc, request.headers.get("content-type"))
+        message, param = (not_an_object, None) if not_an_object else _validation_message(exc)
         return JSONResponse(error_body(400, message, param, "invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

@@ -70,25 +70,28 @@ def check_role(role: str) -> str:
     )
 
 
-def name_unknown_fields(data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    """A wrap validator: pydantic's "extra inputs are not permitted" says what to do instead."""
+_IGNORED_HINT = "accepted and ignored on purpose: " + ", ".join(IGNORED_FIELDS)
+
+
+def name_unknown_fields(data: Any, handler: ValidatorFunctionWrapHandler, hint: str = _IGNORED_HINT) -> Any:
+    """A wrap validator: pydantic's "extra inputs are not permitted" says what to do instead.
+    ``hint`` ends the message (the request bodies': the fields accepted and ignored on purpose)."""
     try:
         return handler(data)
     except ValidationError as exc:
         errors = exc.errors()
         if not any(e["type"] == "extra_forbidden" for e in errors):
             raise
-        raise ValidationError.from_exception_data(exc.title, [_rebuilt(e) for e in errors]) from None
+        raise ValidationError.from_exception_data(exc.title, [_rebuilt(e, hint) for e in errors]) from None
 
 
-def _rebuilt(error: Any) -> InitErrorDetails:
+def _rebuilt(error: Any, hint: str) -> InitErrorDetails:
     """The same error (type name, message, location), or the explanation of an unknown field."""
     if error["type"] == "extra_forbidden":
         kind = PydanticCustomError(
             "unknown_field",
-            "{name} is not a field this server knows, so it is refused rather than ignored; remove it "
-            "(accepted and ignored on purpose: {ignored})",
-            {"name": str(error["loc"][-1]), "ignored": ", ".join(IGNORED_FIELDS)},
+            "{name} is not a field this server knows, so it is refused rather than ignored; remove it ({hint})",
+            {"name": str(error["loc"][-1]), "hint": hint},
         )
     else:  # the message as rendered: a custom error type cannot be rebuilt from its name
         kind = PydanticCustomError(error["type"], "{message}", {"message": error["msg"]})

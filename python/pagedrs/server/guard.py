@@ -3,9 +3,13 @@
 A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which buffers and
 re-wraps streaming responses). In order, for every HTTP request:
 
-1. ``/v1/*`` needs ``Authorization: Bearer <key>`` with one of the tenants' keys (401); the
-   request's tenant goes to ``scope["state"]["tenant"]`` (``request.state.tenant``). Admin
-   endpoints (``/metrics``, unless public) take the admin key when one is set, else any key.
+1. When keys are configured, every path but ``/health`` and the API's own description
+   (``/openapi.json``, ``/docs``, ``/redoc``) needs ``Authorization: Bearer <key>`` with one of
+   the tenants' keys (401), as vLLM does: ``/v1/*``, and ``/tokenize`` and ``/detokenize`` too,
+   which share the tokenizer threads with ``/v1`` (open, they would let anyone stall the tenants'
+   requests with huge texts). The request's tenant goes to ``scope["state"]["tenant"]``
+   (``request.state.tenant``). Admin endpoints (``/metrics``, unless public) take the admin key
+   when one is set, else any key.
 2. While the server drains, new requests get 503 (``/health`` answers for itself).
 3. A declared ``Content-Length`` above the limit gets 413 before any byte is read; the
    body as it streams in is counted too, so a chunked upload cannot get past the limit,
@@ -40,6 +44,8 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _OPEN_PATHS = ("/health",)  # answered even while draining, and without a key
+# Open without a key too (the docs say so): what the API is, never anything it does.
+_PUBLIC_PATHS = (*_OPEN_PATHS, "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
 ADMIN_PATHS = ("/metrics",)  # the operator's: the admin key when one is set (the counters span every tenant)
 # The cache's admin endpoints (server/cache_admin.py): the admin key when one is set, else any
 # tenant's key, and never open: a server started without any key refuses them (403).
@@ -132,7 +138,7 @@ class Gate:
             return {} if self.options.metrics_public else (self._admin or self._keys)
         if _is_cache_admin(path):
             return self._admin or self._keys
-        return self._keys if path.startswith("/v1/") or path == "/v1" else {}
+        return {} if path in _PUBLIC_PATHS else self._keys
 
     @staticmethod
     def _authenticate(authorization: str | None, keys: dict[str, str]) -> tuple[str | None, str | None]:

@@ -36,7 +36,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from pagedrs.sampling_params import MAX_ALLOWED_TOKEN_IDS, MAX_LOGIT_BIAS
+from pagedrs.frontend.input_processor import PRIORITY_RANGE
+from pagedrs.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_SCHEMA_DEPTH,
+    MAX_TOKENS_LIMIT,
+    json_depth,
+)
 from pagedrs.server.field_policy import check_role, name_unknown_fields, not_supported
 
 # Request fields that map one-to-one onto SamplingParams fields of the same name.
@@ -77,7 +85,7 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_STOP_TOKEN_IDS = 64  # entries in `stop_token_ids`
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1  # seeds: the engine seeds sample i with seed + i, inside torch's 64-bit range
-MAX_PRIORITY = 2**31  # |priority| <= 2**31: the scheduler keeps priorities in 64-bit integers
+MIN_PRIORITY, MAX_PRIORITY = PRIORITY_RANGE  # the engine's bounds (an int32), so none passes here to fail there
 MAX_CACHE_SALT_BYTES = 256  # vLLM's bound on cache_salt (UTF-8 bytes); the engine refuses longer ones too
 MAX_METADATA_ENTRIES = 16  # OpenAI's bound on `metadata`
 
@@ -95,14 +103,29 @@ def _valid_unicode(text: str) -> str:
 
 
 def _not_a_bool(value: Any) -> Any:
-    """JSON's true/false are not integers here (Python and pydantic's lax mode treat them as 1/0)."""
+    """JSON's true/false are not integers here (Python and pydantic's lax mode treat them as 1/0),
+    nor is a string of digits (pydantic's lax mode reads "3" as 3): a wrong type is the client's
+    mistake to hear about, not a value to guess."""
     if isinstance(value, bool):
         raise ValueError(f"expected an integer, got the boolean {str(value).lower()}")
+    if isinstance(value, str):
+        raise ValueError(f"expected an integer, got the string {value[:40]!r}; send the number without quotes")
+    return value
+
+
+def _a_number(value: Any) -> Any:
+    """A float field takes a JSON number (an integer too: ``temperature: 1`` is 1.0), never a boolean
+    (``false`` would be read as 0.0: greedy) nor a string ("0" would be read as 0.0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+    if isinstance(value, str):
+        raise ValueError(f"expected a number, got the string {value[:40]!r}; send the number without quotes")
     return value
 
 
 # Every string of a request body goes through Text, every integer through Int: an integral
-# number (5 or 5.0, as JSON Schema's "integer"), never a boolean.
+# number (5 or 5.0, as JSON Schema's "integer"), never a boolean or a string; every float
+# through Float: a finite JSON number, never a boolean or a string.
 def _salt_size(salt: str) -> str:
     size = len(salt.encode("utf-8"))
     if not 1 <= size <= MAX_CACHE_SALT_BYTES:
@@ -113,8 +136,21 @@ def _salt_size(salt: str) -> str:
     return salt
 
 
+def _between(low: int, high: int) -> AfterValidator:
+    """An integer in [low, high], the whole range named when it is not (pydantic's ge/le name one end)."""
+
+    def check(value: int) -> int:
+        if not low <= value <= high:
+            raise PydanticCustomError("out_of_range", "{value} is out of range: allowed an integer in [{low}, {high}]",
+                                      {"value": value, "low": low, "high": high})
+        return value
+
+    return AfterValidator(check)
+
+
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 Int = Annotated[int, BeforeValidator(_not_a_bool)]
+Float = Annotated[float, BeforeValidator(_a_number)]
 TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
 CacheSalt = Annotated[StrictStr, AfterValidator(_valid_unicode), AfterValidator(_salt_size)]
@@ -130,12 +166,18 @@ def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
                 "logit_bias_key", "logit_bias has the key {key}; keys are token ids written as decimal integers "
                 '(OpenAI\'s form, e.g. "50256")', {"key": repr(key[:40])},
             )
+        if key != str(int(key)):  # "01" and "1" would name one token: the body repeats no key, so neither may this
+            raise PydanticCustomError(
+                "logit_bias_key", "logit_bias has the key {key}; token ids are written without leading zeros "
+                "(write {canonical}), so that no two keys name the same token",
+                {"key": repr(key), "canonical": repr(str(int(key)))},
+            )
         out[int(key)] = value
     return out
 
 
 # at most MAX_LOGIT_BIAS entries (SamplingParams' bound, checked here before any work on them)
-LogitBias = Annotated[dict[StrictStr, Annotated[float, BeforeValidator(_not_a_bool)]],
+LogitBias = Annotated[dict[StrictStr, Float],
                       Field(max_length=MAX_LOGIT_BIAS), AfterValidator(_token_id_keys)]
 
 # Reasons for the fields OpenAI (or vLLM) defines that pagedrs does not implement yet.
@@ -212,10 +254,22 @@ class StructuredOutputs(_Strict):
 MAX_TOOLS = 128  # functions per request: each one's schema is part of the grammar
 
 
+def _schema_depth(schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's schema is rendered by the chat template (which recurses: a deep one overflows the
+    stack) and may become a grammar: bounded as structured outputs' schemas are, before either."""
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise PydanticCustomError(
+            "schema_too_deep", "the schema nests objects and arrays more than {limit} levels deep; allowed at most "
+            "{limit}", {"limit": MAX_SCHEMA_DEPTH},
+        )
+    return schema
+
+
 class ToolFunction(_Strict):
     name: Annotated[Text, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
     description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; None: any JSON object
+    parameters: Annotated[dict[str, Any], AfterValidator(_schema_depth)] | None = None  # a JSON schema; None: any object
     strict: StrictBool | None = None  # the call always follows the schema: true and false alike
 
 
@@ -239,12 +293,12 @@ class _SamplingRequest(_Strict):
     model: Text
     n: Annotated[Int, Field(le=MAX_N)] = 1
     max_tokens: Int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     seed: Annotated[Int, Field(ge=0, le=INT64_MAX)] | None = None
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logit_bias: LogitBias | None = None  # token id (as a string) -> bias in [-100, 100], added to its logit
@@ -264,18 +318,18 @@ class _SamplingRequest(_Strict):
     guided_whitespace_pattern: Annotated[Any, not_supported(_GUIDED + ": JSON is generated compact")] = None
     # extensions (vLLM's names)
     top_k: Annotated[Int, Field(ge=-1, le=INT32_MAX)] | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
     min_tokens: Int | None = None
     ignore_eos: StrictBool | None = None
     skip_special_tokens: StrictBool | None = None
     include_stop_str_in_output: StrictBool | None = None
-    priority: Annotated[Int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] = 0
+    priority: Annotated[Int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)] = 0
     best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None  # OpenAI's completions field (vLLM v0: chat too)
     use_beam_search: StrictBool | None = None
-    length_penalty: float | None = None
+    length_penalty: Float | None = None
     early_stopping: StrictBool | Literal["never"] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -352,14 +406,19 @@ class ChatMessage(_Strict):
             raise PydanticCustomError(
                 "missing_content", "a {role} message needs content (a string or a list of text parts); only an "
                 "assistant message that has tool_calls may leave it out or send null", {"role": repr(self.role)})
+        if self.content == []:  # rendered as "", as null would be: refused for the same reason
+            raise PydanticCustomError(
+                "empty_content", "a {role} message has content [], an empty list of parts; send at least one text "
+                "part, or a string", {"role": repr(self.role)})
         return self
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     logprobs: StrictBool = False
-    top_logprobs: Int | None = None
-    max_completion_tokens: Int | None = None  # the newer name of max_tokens; wins when both are set
+    top_logprobs: Annotated[Int, _between(0, MAX_LOGPROBS)] | None = None  # SamplingParams.logprobs, named as sent
+    # the newer name of max_tokens (both at once only when equal: chat.py), bounded here to be named as sent
+    max_completion_tokens: Annotated[Int, _between(1, MAX_TOKENS_LIMIT)] | None = None
     add_generation_prompt: StrictBool = True
     # ignored on purpose (field_policy.IGNORED_FIELDS)
     safety_identifier: Text | None = None

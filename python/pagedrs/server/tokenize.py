@@ -9,9 +9,9 @@ every id against the vocabulary: an id out of range is a 400 naming it, not a ga
 
 from __future__ import annotations
 
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, Field, StrictBool, StrictInt
+from pydantic import BaseModel, Discriminator, Field, StrictBool, StrictInt, Tag
 
 from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import ChatMessage, Text, _Strict
@@ -34,7 +34,22 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: StrictBool = True
 
 
-TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
+def _kind(body: Any) -> str | None:
+    """Which request a body is, by the one of ``prompt`` and ``messages`` it has (None: neither, or
+    both). Tried as a plain union, a prompt request with a bad field also failed as a conversation,
+    and its error began "messages: Field required"."""
+    if not isinstance(body, dict) or ("prompt" in body) == ("messages" in body):
+        return None
+    return "prompt-request" if "prompt" in body else "messages-request"  # tags no field name can be
+
+
+TokenizeRequest = Annotated[
+    Union[Annotated[TokenizeCompletionRequest, Tag("prompt-request")],
+          Annotated[TokenizeChatRequest, Tag("messages-request")]],
+    Discriminator(_kind, custom_error_type="prompt_or_messages",
+                  custom_error_message="the body needs exactly one of prompt (a text to tokenize) and messages "
+                  "(a conversation to render with the chat template)"),
+]
 
 
 class TokenizeResponse(BaseModel):

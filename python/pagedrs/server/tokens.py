@@ -7,6 +7,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
+from pagedrs.sampling_params import MAX_SCHEMA_DEPTH, json_depth
 from pagedrs.server.errors import bad_request
 from pagedrs.server.protocol import ChatMessage
 
@@ -39,6 +40,9 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra))
     except (ValueError, TemplateError) as exc:  # no chat template, or the template rejected the conversation
         raise bad_request(str(exc), param="messages") from exc
+    except RecursionError:  # the last guard: the request model bounds the nesting it knows of
+        raise bad_request("the chat template recursed too deeply on this conversation: its messages or tools "
+                          "nest too deeply to render", param="messages") from None
 
 
 def _for_template(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -50,14 +54,27 @@ def _for_template(index: int, message: ChatMessage) -> dict[str, Any]:
     if message.tool_calls is not None:
         calls = []
         for j, call in enumerate(message.tool_calls):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError as exc:
-                raise bad_request(f"messages.{index}.tool_calls.{j}.function.arguments is not JSON: {exc}",
-                                  param="messages") from None
+            arguments = _arguments(f"messages.{index}.tool_calls.{j}.function.arguments", call.function.arguments)
             calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
         plain["tool_calls"] = calls
     return plain
+
+
+def _arguments(field: str, text: str) -> Any:
+    """A call's arguments parsed, for the template; 400 naming ``field`` when they are not JSON or
+    nest deeper than a tool's schema may (the template recurses through them: a deep value would
+    overflow its stack)."""
+    too_deep = f"{field} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; allowed at most " \
+        f"{MAX_SCHEMA_DEPTH}"
+    try:
+        arguments = json.loads(text)
+    except RecursionError:
+        raise bad_request(too_deep, param="messages") from None
+    except ValueError as exc:
+        raise bad_request(f"{field} is not JSON: {exc}", param="messages") from None
+    if json_depth(arguments) > MAX_SCHEMA_DEPTH:
+        raise bad_request(too_deep, param="messages")
+    return arguments
 
 
 def _content_text(message: ChatMessage) -> str:
