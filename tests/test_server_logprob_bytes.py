@@ -12,6 +12,7 @@ text wherever they are whole characters, ``text_offset`` is each token's charact
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ pytest.importorskip("fastapi")
 
 from conftest import make_tiny_tokenizer  # noqa: E402
 from pagedrs.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pagedrs.server.completions import _CharCount  # noqa: E402
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 from server_fakes import MODEL, FakeEngine, Served, served_factory  # noqa: E402
 
@@ -36,11 +38,11 @@ class ScriptedEngine(FakeEngine):
     asked for logprobs, each position ranks its token first and the script's next tokens after it
     (pieces of characters among them); asked for prompt logprobs, the prompt's the same way."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, answer: str = ANSWER) -> None:
         super().__init__(max_model_len=256)
         self.tokenizer = tokenizer  # type: ignore[assignment]
         self.vocab_size = tokenizer.vocab_size
-        self.script = tokenizer.encode(ANSWER, add_special_tokens=False)
+        self.script = tokenizer.encode(answer, add_special_tokens=False)
 
     def entry(self, token: int, alternatives: list[int], k: int) -> dict[int, float]:
         others = [t for t in dict.fromkeys(alternatives) if t != token][:k]
@@ -212,3 +214,36 @@ def test_legacy_stream_gives_the_same_logprobs(served: Served, tokenizer: Tokeni
         assert [v for part in parts for v in part[name]] == whole["logprobs"][name], name
     assert not any("\ufffd" in token for part in parts for token in part["tokens"])
     assert "".join(choice["text"] for event in events for choice in event["choices"]) == whole["text"]
+
+
+def test_a_special_token_the_text_leaves_out_takes_no_room(make_module_served: Callable[..., Served],
+                                                          tokenizer: Tokenizer) -> None:
+    served = make_module_served(ScriptedEngine(tokenizer, answer="我喜<|im_end|>欢 😀"))
+    n = len(served.engine.script)
+    for skip, text in ((True, "我喜欢 😀"), (False, "我喜<|im_end|>欢 😀")):
+        body = {"prompt": PROMPT, "logprobs": 1, "max_tokens": n, "skip_special_tokens": skip}
+        choice = _post(served, "/v1/completions", body)["choices"][0]
+        assert choice["text"] == text
+        lp = choice["logprobs"]
+        special = lp["tokens"].index("<|im_end|>")
+        assert lp["text_offset"][special] == 2
+        assert lp["text_offset"][special + 1] == text.index("欢")
+        assert lp["text_offset"][-1] == len(text) - 1  # the last of the emoji's bytes
+
+
+def test_character_count_is_a_lossy_decode_of_the_bytes() -> None:
+    """_CharCount against Python's decoder (U+FFFD for each maximal invalid part, as the tokenizer's
+    Rust decode): the character a token's first byte is in, however the bytes are cut into tokens,
+    valid UTF-8 or not."""
+    rng = random.Random(7)
+    alphabet = [b"a", b" ", "é".encode(), "我".encode(), "😀".encode(), b"\xe6", b"\x88", b"\xf0\x9f", b"\x80",
+                b"\xed\xa0", b"\xe0\x80", b"\xf4\x90", b"\xff", b"\xc0"]
+    for _ in range(300):
+        data = b"".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12)))
+        cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randrange(0, 6)))) if len(data) > 1 else []
+        count, start = _CharCount(0), 0
+        for end in [*cuts, len(data)]:
+            offset = count.feed(data[start:end])
+            assert offset == len(data[:start + 1].decode("utf-8", "replace")) - 1, (data, start)
+            start = end
+        assert count.chars == len(data.decode("utf-8", "replace")), data

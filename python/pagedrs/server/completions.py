@@ -108,6 +108,7 @@ class _CharCount:
                 return
             self._need = 0  # the open character ends here, one U+FFFD (counted at its first byte)
         self.chars += 1
+        self._lo, self._hi = 0x80, 0xBF
         if 0xC2 <= byte <= 0xDF:
             self._need = 1
         elif 0xE0 <= byte <= 0xEF:
