@@ -93,10 +93,12 @@ class Tokenizer:
 
     @functools.cached_property
     def special_token_ids(self) -> frozenset[int]:
-        """The ids that ``decode(..., skip_special_tokens=True)`` leaves out."""
-        return frozenset(int(i) for i in self.hf.all_special_ids) | frozenset(
-            int(i) for i, token in getattr(self.hf, "added_tokens_decoder", {}).items() if getattr(token, "special", False)
-        )
+        """The ids that ``decode(..., skip_special_tokens=True)`` leaves out: the fast tokenizer's
+        added tokens marked special (it is the one that skips them), else transformers' list."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return frozenset(int(i) for i in self.hf.all_special_ids)
+        return frozenset(int(i) for i, token in backend.get_added_tokens_decoder().items() if token.special)
 
     @functools.cached_property
     def _token_bytes_table(self) -> list[bytes | None]:
