@@ -22,9 +22,8 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from conftest import make_tiny_tokenizer  # noqa: E402
+from conftest import make_sentencepiece_tokenizer, make_tiny_tokenizer  # noqa: E402
 from pagedrs.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pagedrs.server.completions import _CharCount  # noqa: E402
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 from server_fakes import MODEL, FakeEngine, Served, served_factory  # noqa: E402
 
@@ -235,6 +234,8 @@ def test_character_count_is_a_lossy_decode_of_the_bytes() -> None:
     """_CharCount against Python's decoder (U+FFFD for each maximal invalid part, as the tokenizer's
     Rust decode): the character a token's first byte is in, however the bytes are cut into tokens,
     valid UTF-8 or not."""
+    from pagedrs.server.completions import _CharCount
+
     rng = random.Random(7)
     alphabet = [b"a", b" ", "é".encode(), "我".encode(), "😀".encode(), b"\xe6", b"\x88", b"\xf0\x9f", b"\x80",
                 b"\xed\xa0", b"\xe0\x80", b"\xf4\x90", b"\xff", b"\xc0"]
@@ -247,3 +248,31 @@ def test_character_count_is_a_lossy_decode_of_the_bytes() -> None:
             assert offset == len(data[:start + 1].decode("utf-8", "replace")) - 1, (data, start)
             start = end
         assert count.chars == len(data.decode("utf-8", "replace")), data
+
+
+def test_legacy_echo_offsets_with_a_sentencepiece_tokenizer(make_module_served: Callable[..., Served],
+                                                            tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Llama 2 style: byte-fallback tokens (<0xE6>) are their byte; the echoed prompt leaves out the
+    BOS the encode added and the space its first word's U+2581 stands for (a decode strips it)."""
+    folder = tmp_path_factory.mktemp("sentencepiece")
+    make_sentencepiece_tokenizer(folder)
+    tokenizer = Tokenizer.from_folder(folder)
+    served = make_module_served(ScriptedEngine(tokenizer, answer="fox 😀"))
+    prompt, script = "The quick 我", served.engine.script
+    prompt_ids = tokenizer.encode(prompt)
+    assert tokenizer.hf.convert_ids_to_tokens(prompt_ids)[:2] == ["<s>", "\u2581T"]
+    for echo in (False, True):
+        body = {"prompt": prompt, "echo": echo, "logprobs": 1, "max_tokens": len(script)}
+        choice = _post(served, "/v1/completions", body)["choices"][0]
+        assert choice["text"] == (prompt if echo else "") + " fox 😀"
+        ids = (prompt_ids if echo else []) + script
+        pieces = [tokenizer.token_bytes(i) or b"" for i in ids]
+        assert pieces[-4:] == [bytes([b]) for b in "😀".encode()]
+        if echo:  # what the echoed text has of the BOS and the first word
+            pieces[0], pieces[1] = b"", pieces[1][1:]
+        lp, data = choice["logprobs"], b""
+        assert len(lp["tokens"]) == len(ids)
+        for raw, offset in zip(pieces, lp["text_offset"], strict=True):
+            assert offset == (len((data + raw[:1]).decode("utf-8", "replace")) - 1 if raw else len(data.decode()))
+            data += raw
+        assert data.decode("utf-8") == choice["text"]

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import TINY_CORPUS, make_tiny_tokenizer
+from conftest import TINY_CORPUS, make_sentencepiece_tokenizer, make_tiny_tokenizer
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -204,29 +204,9 @@ def test_token_bytes_of_added_tokens_are_what_a_decode_gives(tmp_path):
         assert tok.token_bytes(token_id) == tok.decode([token_id], skip_special_tokens=False).encode()
 
 
-def _sentencepiece_tokenizer(folder) -> Tokenizer:
-    """A Llama 2 style tokenizer: U+2581 for spaces, <0xNN> byte fallback for what the vocabulary lacks."""
-    from tokenizers import Tokenizer as HfTokenizer
-    from tokenizers import decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for piece in ["\u2581", *"Thequickbrownfx", "\u2581T", "\u2581q"]:
-        vocab.setdefault(piece, len(vocab))
-    model = models.BPE(vocab=vocab, merges=[("\u2581", "T"), ("\u2581", "q")], byte_fallback=True,
-                       unk_token="<unk>", fuse_unk=True)
-    backend = HfTokenizer(model)
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
-    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
-    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.save_pretrained(str(folder))
-    return Tokenizer.from_folder(folder)
-
-
 def test_token_bytes_of_a_sentencepiece_byte_fallback_tokenizer(tmp_path):
-    tok = _sentencepiece_tokenizer(tmp_path)
+    make_sentencepiece_tokenizer(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
     text = "The quick 我 😀"
     ids = tok.encode(text, add_special_tokens=False)
     assert "<0xE6>" in tok.hf.convert_ids_to_tokens(ids)

@@ -159,18 +159,18 @@ class _LogprobBuilder:
         part, data, pos, count = CompletionLogprobs(), text.encode(), 0, _CharCount(0)
         for token_id, entry in zip(token_ids, logprobs, strict=True):
             shown, raw = token_piece(self.ctx.tokenizer, token_id)
-            if raw is None:
+            found = raw is not None and data.startswith(raw, pos)
+            if raw is None:  # bytes unknown: its decoded text's characters (best effort)
                 offset = count.text(shown)
                 pos += len(shown.encode())
-            elif data.startswith(raw, pos) or token_id not in self.special and not (
-                    pos == 0 and raw.startswith(b" ") and data.startswith(raw[1:])):
+            elif not found and token_id in self.special:  # not in the text
+                offset = count.feed(b"")
+            elif not found and pos == 0 and raw[:1] == b" " and data.startswith(raw[1:]):
+                offset = count.feed(raw[1:])  # the first space, which a SentencePiece decode strips
+                pos += len(raw) - 1
+            else:
                 offset = count.feed(raw)
                 pos += len(raw)
-            elif token_id in self.special:
-                offset = count.feed(b"")
-            else:
-                offset = count.feed(raw[1:])
-                pos += len(raw) - 1
             self._append(part, token_id, shown, entry, offset)
         return self._extend(part)
 
