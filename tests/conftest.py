@@ -70,6 +70,28 @@ def make_tiny_tokenizer(folder: Path):
     return fast
 
 
+def make_sentencepiece_tokenizer(folder: Path):
+    """A Llama 2 style tokenizer: U+2581 for spaces, <0xNN> byte fallback for what the vocabulary lacks,
+    a BOS before a prompt."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["\u2581", *"Thequickbrownfx", "\u2581T", "\u2581q"]:
+        vocab.setdefault(piece, len(vocab))
+    model = models.BPE(vocab=vocab, merges=[("\u2581", "T"), ("\u2581", "q")], byte_fallback=True,
+                       unk_token="<unk>", fuse_unk=True)
+    backend = Tokenizer(model)
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(folder))
+    return fast
+
+
 def make_tiny_model(model_type: str, folder: Path, seed: int = 0, **sizes):
     """A random transformers model of ``model_type`` (hidden 64, 2 layers) saved to ``folder``;
     ``sizes`` override config fields (e.g. head_dim=64 for the CUDA kernels' dispatch table)."""

@@ -219,11 +219,22 @@ def test_echo_and_logprobs(client: openai.OpenAI) -> None:
     with_logprobs = client.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=3, **GREEDY).choices[0]
     lp = with_logprobs.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == GREEDY["max_tokens"]
-    assert "".join(lp.tokens) == plain.text  # single-token strings of this byte-level BPE concatenate
+    # the tokens are the text where they are whole characters; a piece of one is "bytes:\\x.."
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        if not token.startswith("bytes:"):
+            assert plain.text[offset:offset + len(token)] == token
+    assert b"".join(_bytes_shown(t) for t in lp.tokens).decode("utf-8", "replace") == plain.text
     for token_logprob, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and token_logprob <= 0
         assert token_logprob == pytest.approx(max(top.values()))  # greedy picks the most likely token
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[-1] < len(plain.text)
+
+
+def _bytes_shown(token: str) -> bytes:
+    """The bytes of a token as logprobs show it (``_shown``)."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[len("bytes:"):].split("\\x")[1:])
+    return token.encode()
 
 
 def test_logit_bias_and_allowed_token_ids_equal_offline_generate(client: openai.OpenAI, offline: LLM) -> None:
@@ -277,6 +288,76 @@ def test_chat_logprobs(client: openai.OpenAI) -> None:
     for entry in content:
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+
+
+def _split_character_tokens(tiny_llama_dir: Path) -> tuple[Any, list[int]]:
+    """The tiny tokenizer and the ids of the tokens of CJK and emoji that it splits into bytes
+    (none of them whole UTF-8 on its own): an output of only these is characters split across tokens."""
+    from pagedrs.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(tiny_llama_dir)
+    ids = sorted(set(tokenizer.encode("我喜欢吃😀🎉", add_special_tokens=False)))
+    assert all(tokenizer.decode([i]) == "\ufffd" for i in ids)
+    return tokenizer, ids
+
+
+def _gpt2_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """A byte-level BPE token's bytes, read by the referee: transformers' own GPT-2 byte table."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    return bytes(byte_of[char] for char in tokenizer.hf.convert_ids_to_tokens(token_id))
+
+
+def _shown(raw: bytes) -> str:
+    """A token as logprobs show it: its text, or "bytes:\\xe6\\x88" when it is not whole UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def test_chat_logprob_bytes_are_the_tokens_own(client: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    """Each token's ``bytes`` is its raw bytes (not U+FFFD's for a piece of a character): the
+    content is them end to end, decoded; the same streamed."""
+    tokenizer, pieces = _split_character_tokens(tiny_llama_dir)
+    kw: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "emoji: 😀"}], logprobs=True,
+                              top_logprobs=2, extra_body={"allowed_token_ids": pieces, "return_token_ids": True},
+                              **GREEDY)
+    choice = client.chat.completions.create(**kw).choices[0]
+    content = choice.logprobs.content
+    assert [bytes(entry.bytes) for entry in content] == [_gpt2_bytes(tokenizer, t) for t in choice.token_ids]
+    assert b"".join(bytes(entry.bytes) for entry in content).decode("utf-8", "replace") == choice.message.content
+    for entry in content:
+        assert entry.token == _shown(bytes(entry.bytes)) and entry.token.startswith("bytes:\\x")
+        # the likeliest tokens need not be allowed ones: each alternative's token and bytes agree
+        assert all(top.token == _shown(bytes(top.bytes)) for top in entry.top_logprobs)
+    streamed = [entry for chunk in client.chat.completions.create(**kw, stream=True) for c in chunk.choices
+                if c.logprobs for entry in c.logprobs.content]
+    # the same entries (the values to float noise: the second run reuses the first's cached prompt)
+    assert [(e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in streamed] == [
+        (e.token, e.bytes, [(t.token, t.bytes) for t in e.top_logprobs]) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+
+def test_legacy_logprob_tokens_and_offsets_follow_the_text(client: openai.OpenAI, tiny_llama_dir: Path) -> None:
+    """Echo and logprobs over a prompt and an output of characters split across tokens: each token
+    as "bytes:\\x.." (its own bytes), each offset the character its first byte is in."""
+    tokenizer, pieces = _split_character_tokens(tiny_llama_dir)
+    prompt = "吃 😀 The"
+    choice = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, **GREEDY,
+                                       extra_body={"allowed_token_ids": pieces, "return_token_ids": True}).choices[0]
+    ids = tokenizer.encode(prompt) + choice.token_ids
+    lp, data = choice.logprobs, b""
+    assert len(lp.tokens) == len(ids)
+    for token_id, token, offset in zip(ids, lp.tokens, lp.text_offset, strict=True):
+        raw = _gpt2_bytes(tokenizer, token_id)
+        assert token == _shown(raw)
+        if not token.startswith("bytes:"):
+            assert choice.text[offset:offset + len(token)] == token
+        assert offset == len((data + raw[:1]).decode("utf-8", "replace")) - 1
+        data += raw
+    assert data.decode("utf-8", "replace") == choice.text
 
 
 TOO_LONG = list(range(3, 3 + MAX_MODEL_LEN + 1))

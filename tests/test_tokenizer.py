@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import TINY_CORPUS, make_tiny_tokenizer
+from conftest import TINY_CORPUS, make_sentencepiece_tokenizer, make_tiny_tokenizer
 from pagedrs.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -149,3 +149,83 @@ def test_one_decode_a_step_gives_the_two_decode_deltas_on_a_byte_level_tokenizer
         assert runs["shortcut"] == runs["reference"], (prompt, output, skip)
     # the reference decodes twice a step; the shortcut about once (twice on a step after a held fragment)
     assert counts["decodes"] < 1.5 * counts["steps"], counts
+
+
+# ---- token_bytes: each token's raw bytes (logprobs' ``bytes``) ----------------------------
+
+SPLIT_TEXTS = [*TINY_CORPUS, "我喜欢吃 😀🎉", "Reply with only emoji: 😀🎉", " café 🙂 東京"]
+
+
+def _gpt2_bytes(tok: Tokenizer, token_id: int) -> bytes:
+    """The referee for a byte-level BPE: transformers' own copy of GPT-2's byte table."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+    return bytes(byte_of[char] for char in tok.hf.convert_ids_to_tokens(token_id))
+
+
+def _check_token_bytes(tok: Tokenizer, texts: list[str]) -> int:
+    """The bytes of each text's tokens end to end are its UTF-8; returns how many of the tokens are
+    not whole UTF-8 on their own (the case a per-token decode gets wrong)."""
+    split = 0
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        pieces = [tok.token_bytes(i) for i in ids]
+        assert all(p is not None for p in pieces), text
+        assert b"".join(p for p in pieces if p is not None) == text.encode("utf-8"), text
+        split += sum(tok.decode([i]) == "\ufffd" for i in ids)
+    return split
+
+
+def test_token_bytes_of_a_byte_level_bpe_rebuild_the_text(tiny_tokenizer):
+    assert _check_token_bytes(tiny_tokenizer, SPLIT_TEXTS) >= 10
+    for token_id in range(tiny_tokenizer.vocab_size):
+        if token_id not in tiny_tokenizer.special_token_ids:
+            assert tiny_tokenizer.token_bytes(token_id) == _gpt2_bytes(tiny_tokenizer, token_id), token_id
+    assert tiny_tokenizer.token_bytes(tiny_tokenizer.hf.eos_token_id) == b"<|im_end|>"
+    assert tiny_tokenizer.token_bytes(tiny_tokenizer.vocab_size + 5) is None  # no such token
+
+
+def test_token_bytes_of_the_embedded_tokenizer(smollm2):
+    tok = smollm2.tokenizer
+    assert _check_token_bytes(tok, SPLIT_TEXTS) >= 10
+    ids = tok.encode("😀", add_special_tokens=False)
+    assert len(ids) > 1 and [_gpt2_bytes(tok, i) for i in ids] == [tok.token_bytes(i) for i in ids]
+    assert tok.token_bytes(tok.hf.convert_tokens_to_ids("<|im_start|>")) == b"<|im_start|>"
+
+
+def test_token_bytes_of_added_tokens_are_what_a_decode_gives(tmp_path):
+    """An added token's string goes through the byte-level decoder as the vocabulary's do."""
+    make_tiny_tokenizer(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
+    tok.hf.add_tokens(["a b", "\u0120x", "<tool>"])
+    for piece in ("a b", "\u0120x", "<tool>"):
+        token_id = tok.hf.convert_tokens_to_ids(piece)
+        assert tok.token_bytes(token_id) == tok.decode([token_id], skip_special_tokens=False).encode()
+
+
+def test_token_bytes_of_a_sentencepiece_byte_fallback_tokenizer(tmp_path):
+    make_sentencepiece_tokenizer(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
+    text = "The quick 我 😀"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert "<0xE6>" in tok.hf.convert_ids_to_tokens(ids)
+    # the leading U+2581 the normalizer prepends is a space in the bytes; a decode strips it
+    assert b"".join(tok.token_bytes(i) or b"?" for i in ids) == b" " + text.encode()
+    assert tok.token_bytes(tok.hf.convert_tokens_to_ids("<0xE6>")) == b"\xe6"
+    assert tok.token_bytes(tok.hf.convert_tokens_to_ids("\u2581q")) == b" q"
+    assert tok.token_bytes(tok.hf.convert_tokens_to_ids("</s>")) == b"</s>"
+
+
+def test_token_bytes_of_an_unknown_decoder_never_hide_bytes(tmp_path):
+    """A decoder this does not read: a token's bytes are its decode's UTF-8, or None (unknown) where
+    that decode has U+FFFD, never the replacement character's bytes."""
+    from tokenizers import decoders
+
+    make_tiny_tokenizer(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
+    tok.hf.backend_tokenizer.decoder = decoders.Sequence([decoders.ByteLevel(), decoders.Fuse()])
+    ids = tok.encode("我 The", add_special_tokens=False)
+    assert tok.decode([ids[0]]) == "\ufffd"
+    assert tok.token_bytes(ids[0]) is None
+    assert tok.token_bytes(ids[-1]) == tok.decode([ids[-1]]).encode() == b"The"

@@ -82,6 +82,56 @@ class Tokenizer:
         return (isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
                 and not getattr(self.hf, "clean_up_tokenization_spaces", True))
 
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The raw bytes token ``token_id`` stands for (a piece of a multi-byte character included:
+        the bytes of all of an output's tokens end to end are its text's UTF-8), or None where they
+        are not known: an id with no token, or one ``_token_bytes_table`` could not read (then
+        a decode of the token alone has U+FFFD, which would hide its real bytes). A lookup in a
+        table built on first use."""
+        table = self._token_bytes_table
+        return table[token_id] if 0 <= token_id < len(table) else None
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids that ``decode(..., skip_special_tokens=True)`` leaves out: the fast tokenizer's
+        added tokens marked special (it is the one that skips them), else transformers' list."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return frozenset(int(i) for i in self.hf.all_special_ids)
+        return frozenset(int(i) for i, token in backend.get_added_tokens_decoder().items() if token.special)
+
+    @functools.cached_property
+    def _token_bytes_table(self) -> list[bytes | None]:
+        """Every token's bytes, by id (``token_bytes``).
+
+        Read from the token's string where the decoder is one this knows: a byte-level BPE's
+        (GPT-2, SmolLM2, Llama 3, Qwen: each character of the string is one byte through GPT-2's
+        byte-to-unicode table, a character outside it its own UTF-8, as the decoder does, added
+        tokens included) or a SentencePiece one (Llama 2: ``<0xE6>`` is that byte when the decoder
+        has byte fallback, "\u2581" a space, the rest its UTF-8). Each entry is then checked
+        against a decode of the token alone (lossy UTF-8 of the bytes, less the one leading space a
+        SentencePiece decode strips); where that disagrees, or the decoder is of another kind, the
+        entry falls back to that decode's UTF-8 when it has no U+FFFD, else None (unknown: never the
+        replacement character's bytes standing in for the token's own)."""
+        hf = self.hf
+        backend = getattr(hf, "backend_tokenizer", None)
+        size = len(hf)
+        ids = [[i] for i in range(size)]
+        if backend is not None:
+            decoded = [str(t) for t in backend.decode_batch(ids, skip_special_tokens=False)]
+        else:  # a slow tokenizer: one decode a token (still only once)
+            decoded = [str(hf.decode(i, skip_special_tokens=False, clean_up_tokenization_spaces=False)) for i in ids]
+        kind = _decoder_kind(backend)
+        pieces = hf.convert_ids_to_tokens(list(range(size))) if kind is not None else [None] * size
+        table: list[bytes | None] = []
+        for piece, text in zip(pieces, decoded, strict=True):
+            raw = _piece_bytes(kind, piece) if kind is not None and isinstance(piece, str) else None
+            if raw is not None and _shown(kind, raw.decode("utf-8", "replace")) == _shown(kind, text):
+                table.append(raw)
+            else:
+                table.append(None if _REPLACEMENT_CHAR in text else text.encode())
+        return table
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
@@ -97,6 +147,70 @@ class Tokenizer:
         text = self.hf.apply_chat_template(messages, tools=tools, tokenize=False,
                                            add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's ``bytes_to_unicode`` inverted: the printable Latin-1 bytes stand for themselves, the
+    other bytes, in order, for U+0100 onwards."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {b: b for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = 256 + n
+    return {chr(c): b for b, c in chars.items()}
+
+
+def _decoder_kind(backend: Any) -> str | None:
+    """"byte-level", "sentencepiece" / "sentencepiece+bytes" (byte fallback), or None: a decoder
+    whose tokens' bytes ``_piece_bytes`` cannot read (``Tokenizer._token_bytes_table``)."""
+    import json
+
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return None
+    try:
+        state = json.loads(decoder.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if state.get("type") == "ByteLevel":
+        return "byte-level"
+    steps = state.get("decoders", []) if state.get("type") == "Sequence" else [state]
+    kinds = [step.get("type") for step in steps]
+    spaces = [step for step in steps if step.get("type") == "Metaspace" and step.get("replacement") == _SPACE_MARK
+              or step.get("type") == "Replace" and step.get("pattern") == {"String": _SPACE_MARK}
+              and step.get("content") == " "]
+    known = all(kind in ("Metaspace", "Replace", "ByteFallback", "Fuse", "Strip") for kind in kinds)
+    if not known or len(spaces) != len([k for k in kinds if k in ("Metaspace", "Replace")]) or not spaces:
+        return None
+    if any(step.get("type") == "Strip" and (step.get("content") != " " or step.get("stop") != 0
+                                            or step.get("start", 0) > 1) for step in steps):
+        return None
+    return "sentencepiece+bytes" if "ByteFallback" in kinds else "sentencepiece"
+
+
+_SPACE_MARK = "\u2581"  # SentencePiece's word boundary, a space in text
+
+
+def _piece_bytes(kind: str, piece: str) -> bytes | None:
+    """A token string's bytes under a ``_decoder_kind``."""
+    if kind == "byte-level":
+        table = _byte_of_char()
+        try:
+            return bytes([table[c] for c in piece])
+        except KeyError:  # a character outside the table (an added token's) is its own UTF-8, as the decoder has it
+            return b"".join(bytes([table[c]]) if c in table else c.encode() for c in piece)
+    if kind == "sentencepiece+bytes" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        try:
+            return bytes([int(piece[3:5], 16)])
+        except ValueError:
+            pass
+    return piece.replace(_SPACE_MARK, " ").encode()
+
+
+def _shown(kind: str | None, text: str) -> str:
+    """A token's text as a decode of it alone shows it: a SentencePiece decode strips one leading space."""
+    return text[1:] if kind is not None and kind.startswith("sentencepiece") and text.startswith(" ") else text
 
 
 class TokenIdsOnly(Tokenizer):
@@ -131,6 +245,14 @@ class TokenIdsOnly(Tokenizer):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """Not known without a tokenizer."""
+        return None
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset()
 
     @functools.cached_property
     def decodes_by_bytes(self) -> bool:

@@ -29,7 +29,7 @@ from pagedrs.server.serving import (
     sse,
 )
 from pagedrs.server.structured import checked, structured_outputs
-from pagedrs.server.tokens import token_text, top_logprobs
+from pagedrs.server.tokens import token_piece, top_logprobs
 from pagedrs.server.tools import ToolStream, finish_reason_with_calls, read_answer, tool_constraint
 
 
@@ -84,15 +84,19 @@ def _max_tokens_field(body: ChatCompletionRequest) -> str | None:
 
 
 def _logprobs(ctx: ServerContext, k: int, token_ids: list[int], entries: list[dict[int, float]]) -> ChatLogprobs:
+    """OpenAI's chat logprobs: ``bytes`` is each token's raw bytes (the content's UTF-8 is them end to
+    end; null where the tokenizer cannot say), ``token`` its text, or "bytes:\\xe6\\x88" for a token
+    that is part of a character (``token_piece``)."""
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
-        text = token_text(ctx.tokenizer, token_id)
+        text, raw = token_piece(ctx.tokenizer, token_id)
         top = [
-            TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-            for t, lp in top_logprobs(ctx.tokenizer, entry, k)
+            TopLogprob(token=t, logprob=lp, bytes=None if b is None else list(b))
+            for t, b, lp in top_logprobs(ctx.tokenizer, entry, k)
         ]
         logprob = entry.get(token_id, float("-inf"))
-        content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=list(text.encode()), top_logprobs=top))
+        content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=None if raw is None else list(raw),
+                                        top_logprobs=top))
     return ChatLogprobs(content=content)
 
 

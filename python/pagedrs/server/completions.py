@@ -19,7 +19,7 @@ from pagedrs.server.serving import (
     sse,
 )
 from pagedrs.server.structured import structured_outputs
-from pagedrs.server.tokens import token_text, top_logprobs
+from pagedrs.server.tokens import token_piece, token_text, top_logprobs
 
 
 async def prepare(ctx: ServerContext, body: CompletionRequest) -> Generation:
@@ -77,25 +77,113 @@ def _echo_text(ctx: ServerContext, gen: Generation, tag: int) -> str:
     return text if text is not None else str(ctx.tokenizer.decode(gen.prompts[tag]))
 
 
-class _LogprobBuilder:
-    """The legacy layout for one choice, built incrementally (offsets count characters of the choice text)."""
+class _CharCount:
+    """Characters of a text that is bytes decoded as UTF-8 with U+FFFD for each maximal invalid
+    part (Rust's ``from_utf8_lossy``, which the tokenizer's decode is, and Python's "replace"),
+    counted as the bytes come, a token's at a time: ``feed`` gives the index of the character a
+    token's bytes start in, the one before when they continue a character begun earlier."""
 
-    def __init__(self, ctx: ServerContext, top_k: int, offset: int) -> None:
-        self.ctx, self.top_k, self.offset = ctx, top_k, offset
+    def __init__(self, chars: int) -> None:
+        self.chars = chars
+        self._need = 0  # continuation bytes the open character still needs
+        self._lo, self._hi = 0x80, 0xBF  # the range its next byte must be in
+
+    def feed(self, data: bytes) -> int:
+        start = self.chars - 1 if data and self._need and self._lo <= data[0] <= self._hi else self.chars
+        for byte in data:
+            self._byte(byte)
+        return start
+
+    def text(self, text: str) -> int:
+        """A token whose bytes are not known: its decoded text's characters (best effort)."""
+        start, self._need = self.chars, 0
+        self.chars += len(text)
+        return start
+
+    def _byte(self, byte: int) -> None:
+        if self._need:
+            if self._lo <= byte <= self._hi:
+                self._need -= 1
+                self._lo, self._hi = 0x80, 0xBF
+                return
+            self._need = 0  # the open character ends here, one U+FFFD (counted at its first byte)
+        self.chars += 1
+        self._lo, self._hi = 0x80, 0xBF
+        if 0xC2 <= byte <= 0xDF:
+            self._need = 1
+        elif 0xE0 <= byte <= 0xEF:
+            self._need = 2
+            self._lo, self._hi = (0xA0, 0xBF) if byte == 0xE0 else (0x80, 0x9F) if byte == 0xED else (0x80, 0xBF)
+        elif 0xF0 <= byte <= 0xF4:
+            self._need = 3
+            self._lo, self._hi = (0x90, 0xBF) if byte == 0xF0 else (0x80, 0x8F) if byte == 0xF4 else (0x80, 0xBF)
+        # else ASCII, or a byte no character starts with (one U+FFFD of its own)
+
+
+class _LogprobBuilder:
+    """The legacy layout for one choice, built incrementally, streamed or not alike.
+
+    ``tokens`` as ``token_piece`` shows them: a token that is part of a character is
+    "bytes:\\xe6\\x88" (as OpenAI's legacy API), every other one its text, so that the tokens
+    are the choice's text wherever they are whole characters. ``text_offset[i]`` is the index
+    in the choice's text (in characters) of the character token i starts in, counted over the
+    tokens' bytes (``_CharCount``), so that a character split over tokens moves nothing after
+    it; a special token that the text leaves out (``skip_special_tokens``) takes no room.
+    """
+
+    def __init__(self, ctx: ServerContext, gen: Generation, top_k: int, offset: int) -> None:
+        self.ctx, self.top_k = ctx, top_k
+        self.special: frozenset[int] = getattr(ctx.tokenizer, "special_token_ids", frozenset())
+        self.skipped = self.special if gen.params.skip_special_tokens else frozenset()
+        self.count = _CharCount(offset)
         self.value = CompletionLogprobs()
 
     def add(self, token_ids: list[int], logprobs: Sequence[dict[int, float] | None]) -> CompletionLogprobs:
-        """The next tokens; an entry None (the prompt's first token) has null logprobs."""
+        """The next generated tokens: their text is the tokens' bytes decoded (the detokenizer's)."""
         part = CompletionLogprobs()
         for token_id, entry in zip(token_ids, logprobs, strict=True):
-            text = token_text(self.ctx.tokenizer, token_id)
-            part.tokens.append(text)
-            part.token_logprobs.append(None if entry is None else entry.get(token_id))
-            top = top_logprobs(self.ctx.tokenizer, entry, self.top_k) if entry is not None else []
-            # keyed by text: distinct tokens with the same text keep the likeliest one
-            part.top_logprobs.append(dict(reversed(top)) if self.top_k and entry is not None else None)
-            part.text_offset.append(self.offset)
-            self.offset += len(text)
+            text, raw = token_piece(self.ctx.tokenizer, token_id)
+            if raw is None:
+                offset = self.count.text(text)
+            else:
+                offset = self.count.feed(b"" if token_id in self.skipped else raw)
+            self._append(part, token_id, text, entry, offset)
+        return self._extend(part)
+
+    def add_prompt(self, token_ids: list[int], logprobs: Sequence[dict[int, float] | None],
+                   text: str) -> CompletionLogprobs:
+        """The prompt's tokens, offsets from 0 in its echoed ``text``; an entry None (the first
+        token) has null logprobs. Matched against the text's bytes: a special token not in it (a
+        BOS the encode added, or one a decode skipped) takes no room, nor does the leading space
+        a SentencePiece decode strips."""
+        part, data, pos, count = CompletionLogprobs(), text.encode(), 0, _CharCount(0)
+        for token_id, entry in zip(token_ids, logprobs, strict=True):
+            shown, raw = token_piece(self.ctx.tokenizer, token_id)
+            found = raw is not None and data.startswith(raw, pos)
+            if raw is None:  # bytes unknown: its decoded text's characters (best effort)
+                offset = count.text(shown)
+                pos += len(shown.encode())
+            elif not found and token_id in self.special:  # not in the text
+                offset = count.feed(b"")
+            elif not found and pos == 0 and raw[:1] == b" " and data.startswith(raw[1:]):
+                offset = count.feed(raw[1:])  # the first space, which a SentencePiece decode strips
+                pos += len(raw) - 1
+            else:
+                offset = count.feed(raw)
+                pos += len(raw)
+            self._append(part, token_id, shown, entry, offset)
+        return self._extend(part)
+
+    def _append(self, part: CompletionLogprobs, token_id: int, text: str, entry: dict[int, float] | None,
+                offset: int) -> None:
+        part.tokens.append(text)
+        part.token_logprobs.append(None if entry is None else entry.get(token_id))
+        top = [(t, lp) for t, _, lp in top_logprobs(self.ctx.tokenizer, entry, self.top_k)] if entry is not None else []
+        # keyed by text: distinct tokens with the same text keep the likeliest one
+        part.top_logprobs.append(dict(reversed(top)) if self.top_k and entry is not None else None)
+        part.text_offset.append(offset)
+
+    def _extend(self, part: CompletionLogprobs) -> CompletionLogprobs:
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(self.value, name).extend(getattr(part, name))
         return part
@@ -110,9 +198,9 @@ async def complete(ctx: ServerContext, body: CompletionRequest, gen: Generation)
         prefix = _echo_text(ctx, gen, tag) if body.echo else ""
         logprobs = None
         if body.logprobs is not None:
-            builder = _LogprobBuilder(ctx, body.logprobs, len(prefix))
+            builder = _LogprobBuilder(ctx, gen, body.logprobs, len(prefix))
             if _echo_logprobs(body):
-                _add_prompt(builder, gen, tag)
+                _add_prompt(builder, gen, tag, prefix)
             builder.add(state.token_ids, state.logprobs)
             logprobs = builder.value
         choice = _choice(index, prefix + "".join(state.text), logprobs, state)
@@ -125,13 +213,10 @@ async def complete(ctx: ServerContext, body: CompletionRequest, gen: Generation)
     )
 
 
-def _add_prompt(builder: _LogprobBuilder, gen: Generation, tag: int) -> CompletionLogprobs:
-    """The prompt's tokens first (offsets from 0); the generated ones then start at the echo's length."""
-    after = builder.offset
-    builder.offset = 0
-    part = builder.add(gen.prompts[tag], _prompt_entries(gen, tag))
-    builder.offset = after
-    return part
+def _add_prompt(builder: _LogprobBuilder, gen: Generation, tag: int, text: str) -> CompletionLogprobs:
+    """The prompt's tokens first (offsets from 0 in the echoed ``text``); the generated ones then
+    start at the echo's length."""
+    return builder.add_prompt(gen.prompts[tag], _prompt_entries(gen, tag), text)
 
 
 def _prompt_entries(gen: Generation, tag: int) -> list[dict[int, float] | None]:
@@ -205,13 +290,14 @@ def stream(ctx: ServerContext, body: CompletionRequest, gen: Generation) -> Asyn
             if _echo_logprobs(body):
                 assert body.logprobs is not None
                 text = _echo_text(ctx, gen, tag)
-                builders[index] = _LogprobBuilder(ctx, body.logprobs, len(text))
-                head = event([CompletionChoice(index=index, text=text, logprobs=_add_prompt(builders[index], gen, tag),
+                builders[index] = _LogprobBuilder(ctx, gen, body.logprobs, len(text))
+                head = event([CompletionChoice(index=index, text=text,
+                                               logprobs=_add_prompt(builders[index], gen, tag, text),
                                                prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids(index))])
                 prompt_logprobs = None
         logprobs = None
         if body.logprobs is not None:
-            builder = builders.setdefault(index, _LogprobBuilder(ctx, body.logprobs, 0))
+            builder = builders.setdefault(index, _LogprobBuilder(ctx, gen, body.logprobs, 0))
             logprobs = builder.add(sample.token_ids, sample.logprobs or [])
         return head + event([CompletionChoice(index=index, text=sample.text, logprobs=logprobs,
                                               finish_reason=sample.finish_reason, stop_reason=sample.stop_reason,

@@ -13,14 +13,40 @@ from pagedrs.server.protocol import ChatMessage
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
-    """The text one token stands for, special tokens included (OpenAI lists them too)."""
-    return str(tokenizer.decode([token_id], skip_special_tokens=False))
+    """The text of ``token_piece``."""
+    return token_piece(tokenizer, token_id)[0]
 
 
-def top_logprobs(tokenizer: Any, entry: dict[int, float], k: int) -> list[tuple[str, float]]:
-    """The k most likely tokens of one position, most likely first (ties by token id, for determinism)."""
+def token_piece(tokenizer: Any, token_id: int) -> tuple[str, bytes | None]:
+    """One token as logprobs show it, special tokens included (OpenAI lists them too): its text
+    and its raw bytes (``Tokenizer.token_bytes``; the bytes of an output's tokens end to end are
+    its text's UTF-8, a multi-byte character split across tokens included).
+
+    The text is the bytes as UTF-8 where they are whole characters; a token that is part of
+    a character (an emoji's or a CJK character's first bytes) shows as "bytes:" and its bytes
+    escaped, "bytes:\\xe6\\x88", as OpenAI's legacy completions show it, never as U+FFFD, which
+    would hide which bytes it has. The bytes are None where the tokenizer cannot say: then
+    the text is a decode of the token alone (may have U+FFFD). A tokenizer without
+    ``token_bytes`` (a test's fake) gets that decode's UTF-8 when it has no U+FFFD, else None.
+    """
+    read = getattr(tokenizer, "token_bytes", None)
+    if read is None:
+        text = str(tokenizer.decode([token_id], skip_special_tokens=False))
+        return text, (None if "\ufffd" in text else text.encode())
+    raw: bytes | None = read(token_id)
+    if raw is None:
+        return str(tokenizer.decode([token_id], skip_special_tokens=False)), None
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def top_logprobs(tokenizer: Any, entry: dict[int, float], k: int) -> list[tuple[str, bytes | None, float]]:
+    """The k most likely tokens of one position (``token_piece``'s text and bytes, and logprob),
+    most likely first (ties by token id, for determinism)."""
     ranked = sorted(entry.items(), key=lambda item: (-item[1], item[0]))[:k]
-    return [(token_text(tokenizer, token_id), logprob) for token_id, logprob in ranked]
+    return [(*token_piece(tokenizer, token_id), logprob) for token_id, logprob in ranked]
 
 
 def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
