@@ -28,6 +28,7 @@ from pagedrs.server.serving import (
     refuse_unstreamable,
     sse,
 )
+from pagedrs.server.sinks import LOGPROB_FLOOR
 from pagedrs.server.structured import checked, structured_outputs
 from pagedrs.server.tokens import token_piece, top_logprobs
 from pagedrs.server.tools import ToolStream, finish_reason_with_calls, read_answer, tool_constraint
@@ -94,7 +95,7 @@ def _logprobs(ctx: ServerContext, k: int, token_ids: list[int], entries: list[di
             TopLogprob(token=t, logprob=lp, bytes=None if b is None else list(b))
             for t, b, lp in top_logprobs(ctx.tokenizer, entry, k)
         ]
-        logprob = entry.get(token_id, float("-inf"))
+        logprob = entry.get(token_id, LOGPROB_FLOOR)  # (the core puts the sampled token in its entry)
         content.append(ChatTokenLogprob(token=text, logprob=logprob, bytes=None if raw is None else list(raw),
                                         top_logprobs=top))
     return ChatLogprobs(content=content)
