@@ -287,7 +287,9 @@ def test_the_cache_endpoints_pin_list_unpin_behind_the_admin_key(tiny_llama_dir:
                            ({"prompt": prompt, "ttl_s": "5"}, "ttl_s"), ({"prompt": prompt, "messages": []}, "prompt"),
                            ({}, "prompt"), ({"prompt": prompt, "colour": 1}, "colour"), ({"prompt": [1, 2]}, "block_size"),
                            ({"prompt": list(range(3, 83))}, "max_model_len"),
-                           ({"prompt": "a\ud800" * 20}, "lone surrogate"), ({"prompt": prompt, "cache_salt": "\udc80"}, "cache_salt")]:
+                           ({"prompt": "a\ud800" * 20}, "lone surrogate"), ({"prompt": prompt, "cache_salt": "\udc80"}, "cache_salt"),
+                           # a template renders them: 300 deep overflowed its stack (a 500)
+                           ({"messages": [{"role": "user", "content": _nested(300)}]}, "nest 65 or more deep")]:
             refused = httpx.post(live.url + "/v1/cache/pin", content=json.dumps(bad).encode(), timeout=120,
                                  headers={**bearer(ADMIN), "Content-Type": "application/json"})  # \u escapes
             assert refused.status_code in (400, 422) and field in refused.text, (bad, refused.text)
@@ -353,3 +355,10 @@ def test_a_pin_under_asynchronous_scheduling(tiny_llama_dir, hf_model):
     eng.check_invariants()
     eng.unpin(pin.pin_id)
     eng.shutdown()
+
+
+def _nested(depth: int) -> object:
+    value: object = "x"
+    for _ in range(depth):
+        value = [value]
+    return value

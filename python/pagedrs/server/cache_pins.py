@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 from pagedrs.errors import PinCapError, UnknownPinError
+from pagedrs.sampling_params import MAX_SCHEMA_DEPTH, json_depth
 from pagedrs.server.errors import APIError
 from pagedrs.server.field_policy import name_unknown_fields
 from pagedrs.server.protocol import Text
@@ -65,6 +66,10 @@ class PinRequest(BaseModel):
         if self.messages is not None:
             if not self.messages:
                 raise APIError(400, "messages is empty; it needs at least one message", param="messages")
+            depth = json_depth(self.messages)
+            if depth > MAX_SCHEMA_DEPTH:  # a chat template renders them: a hostile depth overflowed its stack (a 500)
+                raise APIError(400, f"messages nest {depth} or more deep; allowed: at most {MAX_SCHEMA_DEPTH}",
+                               param="messages")
             return self.messages
         return {"prompt_token_ids": self.prompt} if isinstance(self.prompt, list) else self.prompt
 
