@@ -182,6 +182,19 @@ def test_offline_commands_refuse_a_bad_engine_value_before_loading(capsys, comma
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_offline_commands_refuse_a_max_model_len_past_the_model_without_a_traceback(capsys, monkeypatch,
+                                                                                   tiny_llama_dir, command):
+    """Only the loaded model knows its context length, so this refusal comes after the load: exit 2
+    naming the field and how to allow it, not a traceback."""
+    monkeypatch.delenv("PAGEDRS_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    argv = [command, *(["p"] if command == "generate" else []), "--model", str(tiny_llama_dir), "--max-model-len", "999"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"pagedrs {command}: cannot start the engine: max_model_len is 999" in err and "--allow-long-max-model-len" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("argv, fragment", [(["--max-tokens", "-3"], "SamplingParams.max_tokens=-3"),
                                             (["--temperature", "nan"], "SamplingParams.temperature=nan")])
 def test_generate_refuses_a_bad_sampling_value_before_loading(capsys, argv, fragment):

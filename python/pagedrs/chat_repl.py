@@ -12,7 +12,11 @@ def run_chat(engine_kwargs: dict, max_tokens: int = 256, temperature: float = 0.
         pass
     from pagedrs import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs)
+    try:  # what only the loaded model can check (max_model_len past its context): exit 2 naming it, no traceback
+        llm = LLM(**engine_kwargs)
+    except (ValueError, OSError) as exc:
+        print(f"pagedrs chat: cannot start the engine: {exc}", file=sys.stderr)
+        return 2
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
     history: list[dict[str, str]] = []
     print("pagedrs chat — empty line or Ctrl-D to quit, Ctrl-C stops the current answer")

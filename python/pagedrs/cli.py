@@ -44,7 +44,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pagedrs {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    llm = LLM(**_checked_engine_kwargs(args))
+    try:  # what only the loaded model can check (max_model_len past its context): exit 2 naming it, no traceback
+        llm = LLM(**_checked_engine_kwargs(args))
+    except (ValueError, OSError) as exc:
+        print(f"pagedrs {args.command}: cannot start the engine: {exc}", file=sys.stderr)
+        return 2
     prompt = {"prompt_token_ids": llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])} if args.chat else args.prompt
     if args.stream:
         for delta in llm.stream(prompt, params):
