@@ -171,6 +171,62 @@ def test_a_store_of_another_model_is_ignored_with_one_warning(tiny_llama_dir, tm
     eng.shutdown()
 
 
+@pytest.fixture(scope="module")
+def two_gguf_models(tmp_path_factory):
+    """Two random models of one geometry (seeds 0 and 1, norms all ones in both, a tied Q8_0 table) as
+    GGUF files whose matrices the Rust kernels hold, and the first again with its products in Q4_0."""
+    import gguf
+
+    from conftest import make_tiny_model
+    from gguf_writer import KERNEL_QTYPES, write_gguf
+
+    root = tmp_path_factory.mktemp("gguf-fingerprints")
+    tied = {**KERNEL_QTYPES, "token_embd": gguf.GGMLQuantizationType.Q8_0}
+    files = {}
+    for seed in (0, 1):
+        hf = make_tiny_model("mistral", root / f"hf{seed}", seed=seed, tie_word_embeddings=True)
+        write_gguf(hf, root / f"hf{seed}", root / f"m{seed}.gguf", qtypes=tied)
+        files[seed] = root / f"m{seed}.gguf"
+        if seed == 0:
+            q4 = {name: gguf.GGMLQuantizationType.Q4_0 for name in KERNEL_QTYPES} | {"token_embd": tied["token_embd"]}
+            write_gguf(hf, root / "hf0", root / "m0-q4_0.gguf", qtypes=q4)
+            files["q4_0"] = root / "m0-q4_0.gguf"
+    return files
+
+
+@pytest.mark.parametrize("other", [1, "q4_0"])
+def test_a_store_of_another_gguf_model_is_ignored(two_gguf_models, tmp_path, other, caplog, monkeypatch):
+    """A GGUF model's matrices live in the Rust kernels (their modules' weight is None) and its tied table
+    reads the head's tiles: its state_dict held the norms alone, all ones in both files, so the two models
+    (or one model in two quantizations) shared a fingerprint and the second engine answered from the
+    first's pages, greedy tokens differing with no warning. The fingerprint now hashes those weights."""
+    from pagedrs.kv_tiers import model_fingerprint
+
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "cache"))
+    first, second = two_gguf_models[0], two_gguf_models[other]
+    kw = dict(weight_dtype="gguf", kv_disk_path=str(tmp_path / "disk"), kv_disk_gb=gib(400))
+    writer = engine(first, **kw)
+    prompts = conversations(writer.loaded.config.vocab_size)
+    run_all(writer, prompts, greedy(2))
+    fingerprint = model_fingerprint(writer.loaded.model, writer.loaded.config)
+    writer.shutdown()  # its pages go to disk
+    same = engine(first, **kw)  # the same file finds its own pages: the digest does not change between loads
+    run_all(same, prompts, greedy(2))
+    assert same.stats()["prefix_hits_disk"] > 0
+    same.shutdown()
+
+    alone = engine(second, weight_dtype="gguf")
+    want = run_all(alone, prompts, greedy(4))
+    assert model_fingerprint(alone.loaded.model, alone.loaded.config) != fingerprint
+    alone.shutdown()
+    with caplog.at_level(logging.WARNING, logger="pagedrs.kv_tiers"):
+        reader = engine(second, **kw)
+    assert any("another fingerprint" in r.getMessage() for r in caplog.records)
+    assert run_all(reader, prompts, greedy(4)) == want
+    assert reader.stats()["prefix_hits_disk"] == 0
+    reader.shutdown()
+
+
 @pytest.mark.parametrize("change", ["dtype", "block_size"])
 def test_a_store_of_another_dtype_or_block_size_is_ignored(tiny_llama_dir, tmp_path, change, caplog):
     fill_store(tiny_llama_dir, tmp_path)
