@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedrs.models.embedding import BlockEmbedding
+from pagedrs.models.embedding import _LEAN_ROWS, BlockEmbedding, _q6_k_rows, _q8_0_rows
 
 
 def _table(qtype: str, rows: int, cols: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -39,7 +39,8 @@ def test_rows_are_the_dense_tables_floats_bit_for_bit(qtype):
 
 def test_q8_0_matches_gguf_py_on_special_scales():
     """Q8_0's own path against gguf-py's where floats are delicate: subnormal, negative, huge, zero and
-    NaN scales (a NaN scale gives NaN rows, which the fused decode then refuses by name)."""
+    NaN scales (a table holding a NaN scale is refused when built: ``test_a_non_finite_scale_is_refused_at_load``;
+    the function still computes what gguf-py does)."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -49,7 +50,8 @@ def test_q8_0_matches_gguf_py_on_special_scales():
     for r, scale in enumerate(scales):
         blocks[r, :2] = np.frombuffer(scale.tobytes(), np.uint8)
     want = np.asarray(dequantize(blocks, GGMLQuantizationType.Q8_0), dtype=np.float32)
-    got = BlockEmbedding(blocks, "Q8_0", 96, torch.float32).rows(np.arange(8))
+    assert _LEAN_ROWS["Q8_0"] is _q8_0_rows  # the table's own path, not gguf-py's
+    got = _q8_0_rows(blocks).reshape(8, 96)
     assert np.array_equal(np.isnan(got), np.isnan(want))
     assert np.array_equal(np.nan_to_num(got).view(np.uint32), np.nan_to_num(want).view(np.uint32))
 
@@ -68,12 +70,57 @@ def test_q6_k_matches_gguf_py_on_every_code_scale_and_special_d():
         blocks[r, 208:210] = np.frombuffer(d.tobytes(), np.uint8)  # each row's first super-block
     with np.errstate(invalid="ignore"):  # (gguf-py's NaN d)
         want = np.asarray(dequantize(blocks, GGMLQuantizationType.Q6_K), dtype=np.float32)
-    table = BlockEmbedding(blocks, "Q6_K", 512, torch.float32)
-    assert table._dequantize.__name__ == "_q6_k_rows"  # its own path, not gguf-py's
+    assert _LEAN_ROWS["Q6_K"] is _q6_k_rows  # the table's own path, not gguf-py's
     ids = np.array([15, 0, 4, 4, 9, 3, 1])
-    got = table.rows(ids)
+    got = _q6_k_rows(blocks[ids])
     assert np.array_equal(np.isnan(got), np.isnan(want[ids]))
     assert np.array_equal(np.nan_to_num(got).view(np.uint32), np.nan_to_num(want[ids]).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype,field,offset", [("Q8_0", "d", 0), ("Q4_1", "m", 2), ("Q6_K", "d", 208),
+                                                 ("Q4_K", "dmin", 2), ("Q2_K", "d", 80)])
+@pytest.mark.parametrize("bits", [0x7E00, 0x7C00, 0xFC00])
+def test_a_non_finite_scale_is_refused_at_load(qtype, field, offset, bits):
+    """A NaN or infinite f16 scale (or minimum) in any block of the table is refused when the table is built,
+    naming the tensor, the row (token) and the block; it used to load, and fail only when that token came
+    (blaming the first product its NaN row reached), or give NaN logits."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from kquants import quantize_q4_k, quantize_q6_k
+
+    per_block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    cols = 2 * max(per_block, 256)
+    w = np.random.default_rng(3).standard_normal((6, cols)).astype(np.float32) * 0.05
+    if qtype == "Q2_K":  # (gguf-py cannot write K-quants; any bytes with finite d and dmin do)
+        blocks = np.random.default_rng(4).integers(0, 256, size=(6, cols // per_block * size), dtype=np.uint8)
+        for b in range(cols // per_block):
+            blocks[:, b * size + 80:b * size + 84] = np.frombuffer(np.array([0.01, 0.02], np.float16).tobytes(), np.uint8)
+    else:
+        blocks = {"Q6_K": quantize_q6_k, "Q4_K": quantize_q4_k}.get(qtype, lambda a: quantize(a, GGMLQuantizationType[qtype]))(w)
+    blocks = np.ascontiguousarray(blocks).reshape(6, -1)
+    BlockEmbedding(blocks, qtype, cols, torch.float32)  # finite: built
+    row, block = 4, cols // per_block - 1
+    blocks[row, block * size + offset:block * size + offset + 2] = np.frombuffer(np.uint16(bits).tobytes(), np.uint8)
+    value = "nan" if bits == 0x7E00 else "inf" if bits == 0x7C00 else "-inf"
+    with pytest.raises(ValueError, match=rf"GGUF tensor 'token_embd\.weight': {qtype} {field} of row 4 \(token 4\), "
+                                         rf"block {block} is {value} \(f16 bits {bits:#06x}\)"):
+        BlockEmbedding(blocks, qtype, cols, torch.float32)
+
+
+def test_a_non_finite_weight_of_another_type_is_refused_at_load():
+    """A type whose blocks' f16 fields are not listed is dequantized whole and checked."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    blocks = np.ascontiguousarray(quantize(np.ones((4, 32), np.float32), GGMLQuantizationType.Q8_0))
+    blocks[2, :2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    with pytest.MonkeyPatch.context() as patch:
+        from pagedrs.models import embedding
+
+        patch.delitem(embedding._F16_FIELDS, "Q8_0")
+        with pytest.raises(ValueError, match=r"GGUF tensor 'token_embd\.weight': row 2 \(token 2\) holds nan at column 0"):
+            BlockEmbedding(blocks, "Q8_0", 32, torch.float32)
 
 
 @pytest.mark.parametrize("bad", [-1, 97, 2**40, -(2**40)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -428,3 +429,129 @@ def test_a_tied_q6_k_table_is_read_from_the_heads_matrix(tmp_path, cache_dir, mo
     assert torch.equal(shared.model._embed(every_row), copied.model._embed(every_row))
     prompt = [5, 9, 17, 33, 65, 129, 250]
     assert torch.equal(_last_logits(shared, prompt), _last_logits(copied, prompt))
+
+
+@pytest.fixture(scope="module")
+def kernel_gguf(tmp_path_factory) -> Path:
+    """A tiny untied llama in the kernel's formats (attn_q Q8_0), its table in Q8_0 and its head and norms F32."""
+    import gguf
+
+    from gguf_writer import KERNEL_QTYPES
+
+    d = tmp_path_factory.mktemp("kernel_gguf")
+    model = make_tiny_model("mistral", d / "hf")
+    write_gguf(model, d / "hf", d / "kernel.gguf", qtypes={**KERNEL_QTYPES, "token_embd": gguf.GGMLQuantizationType.Q8_0})
+    return d / "kernel.gguf"
+
+
+def _poke(src: Path, dst: Path, tensor: str, at: int, value: bytes) -> Path:
+    """A copy of GGUF ``src`` at ``dst`` with ``value`` written ``at`` bytes into ``tensor``'s data."""
+    index = gguf_loader._tensor_index(gguf_loader.open_gguf(src))
+    (t,) = [t for t in index["tensors"] if t["name"] == tensor]
+    data = bytearray(src.read_bytes())
+    data[t["offset"] + at:t["offset"] + at + len(value)] = value
+    dst.write_bytes(bytes(data))
+    return dst
+
+
+_NAN16, _INF32 = bytes.fromhex("007e"), bytes.fromhex("0000807f")
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "int8"])
+def test_a_non_finite_block_scale_is_refused_by_name_before_the_dense_cache_is_written(
+        weight_dtype, kernel_gguf, tmp_path, cache_dir):
+    """A NaN f16 scale in one Q8_0 block of attn_q (a fuzzed file): a dense load refuses it naming the tensor,
+    the row and column and the block, and leaves no float32 copy in the cache for a later load to trust (it
+    used to load, and every logit was NaN: greedy returned token 0)."""
+    row_bytes = 64 // 32 * 34
+    path = _poke(kernel_gguf, tmp_path / "nan_scale.gguf", "blk.0.attn_q.weight", 2 * row_bytes + 34, _NAN16)
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.attn_q\.weight' in '.*nan_scale\.gguf' holds nan at "
+                                         r"row 2, column 32 \(Q8_0 block 1 of that row"):
+        load_model(path, weight_dtype=weight_dtype)
+    assert not list(cache_dir.glob("gguf/*/model.safetensors"))
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.attn_q\.weight' .* holds nan"):
+        load_model(path, weight_dtype=weight_dtype)  # and again: nothing was kept
+
+
+@pytest.mark.parametrize("weight_dtype", ["float32", "gguf"])
+@pytest.mark.parametrize("tensor,at,where", [("output_norm.weight", 3 * 4, "index 3"),
+                                             ("blk.1.ffn_norm.weight", 0, "index 0"),
+                                             ("output.weight", (100 * 64 + 5) * 4, "row 100, column 5")])
+def test_a_non_finite_float_weight_is_refused_by_name(weight_dtype, tensor, at, where, kernel_gguf, tmp_path, cache_dir):
+    """An infinite F32 norm or head value: refused naming the tensor and its place, by the dense formats and
+    by a block-format load (whose norms and float head stay in torch) alike."""
+    path = _poke(kernel_gguf, tmp_path / "inf.gguf", tensor, at, _INF32)
+    with pytest.raises(ValueError, match=rf"GGUF tensor '{re.escape(tensor)}' in '.*inf\.gguf' holds inf at {where};"):
+        load_model(path, weight_dtype=weight_dtype)
+
+
+def test_a_non_finite_scale_in_a_block_token_table_is_refused_at_load(kernel_gguf, tmp_path, cache_dir):
+    """A NaN scale in the Q8_0 token table a block-format load keeps in its blocks: refused at load naming the
+    table and the token (it used to load and fail only when that token was looked up, blaming q_proj)."""
+    path = _poke(kernel_gguf, tmp_path / "nan_table.gguf", "token_embd.weight", 9 * (64 // 32 * 34) + 34, _NAN16)
+    with pytest.raises(ValueError, match=r"GGUF tensor 'token_embd\.weight': Q8_0 d of row 9 \(token 9\), block 1 is nan"):
+        load_model(path, weight_dtype="gguf")
+
+
+def test_a_non_finite_scale_in_a_tied_table_read_from_the_heads_tiles_is_refused_at_load(tmp_path, cache_dir):
+    """A tied Q8_0 table whose lookup reads the head's tiles (``BlockEmbedding.of_head``): the head's matrix
+    refuses the NaN scale when it is packed, naming the tensor, the row and the block."""
+    import gguf
+
+    from gguf_writer import KERNEL_QTYPES
+
+    model = make_tiny_model("mistral", tmp_path / "hf", tie_word_embeddings=True)
+    write_gguf(model, tmp_path / "hf", tmp_path / "tied.gguf", qtypes={**KERNEL_QTYPES, "token_embd": gguf.GGMLQuantizationType.Q8_0})
+    assert type(load_model(tmp_path / "tied.gguf", weight_dtype="gguf").model.model.embed_tokens.head).__name__ == "GgufMatrix"
+    path = _poke(tmp_path / "tied.gguf", tmp_path / "tied_nan.gguf", "token_embd.weight", 7 * (64 // 32 * 34) + 34, _NAN16)
+    with pytest.raises(ValueError, match=r"tensor \"model\.embed_tokens\.weight\": scale field \"d\" of row 7, block 1 is "
+                                         r"not finite"):
+        load_model(path, weight_dtype="gguf")
+
+
+_BASE_CONFIG = {"model_type": "llama", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"rms_norm_eps": float("nan")}, r"rms_norm_eps=nan must be a finite number >= 0"),
+    ({"rms_norm_eps": -1.0}, r"rms_norm_eps=-1\.0 must be a finite number >= 0"),
+    ({"rms_norm_eps": float("inf")}, r"rms_norm_eps=inf must be"),
+    ({"rope_theta": 0.0}, r"rope_theta=0\.0 must be a positive finite number"),
+    ({"rope_theta": float("nan")}, r"rope_theta=nan must be"),
+    ({"rope_theta": -10000.0}, r"rope_theta=-10000\.0 must be"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}}, r"rope_theta=inf must be"),
+    ({"max_position_embeddings": -1}, r"max_position_embeddings=-1 must be a positive integer"),
+    ({"max_position_embeddings": 0}, r"max_position_embeddings=0 must be a positive integer"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}, r"rope_scaling\['factor'\]=0\.0 must be a positive finite number for rope_type 'linear'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("nan")}}, r"rope_scaling\['factor'\]=nan must be"),
+    ({"rope_scaling": {"type": "linear"}}, r"rope_scaling\['factor'\]=None must be a positive finite number for rope_type 'linear' \(it is missing\)"),
+    ({"rope_scaling": {**_LLAMA3, "low_freq_factor": -1.0}}, r"rope_scaling\['low_freq_factor'\]=-1\.0 must be .* rope_type 'llama3'"),
+    ({"rope_scaling": {**_LLAMA3, "high_freq_factor": float("inf")}}, r"rope_scaling\['high_freq_factor'\]=inf must be"),
+    ({"rope_scaling": {k: v for k, v in _LLAMA3.items() if k != "original_max_position_embeddings"}},
+     r"rope_scaling\['original_max_position_embeddings'\]=None must be .* \(it is missing\)"),
+    ({"rope_scaling": {"rope_type": "freq_factors", "freq_factors": [1.0, float("inf"), 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]}},
+     r"freq_factors is 'a list of 8'; it must be a list of head_dim / 2 = 8 positive finite numbers"),
+    ({"rope_scaling": ["linear", 2.0]}, r"rope_scaling=\['linear', 2\.0\] must be an object"),
+])
+def test_config_numbers_that_make_the_math_non_finite_are_refused_by_name(fields, message):
+    """A NaN, infinite or negative norm epsilon, a RoPE base or scaling factor that is not positive and finite,
+    a context of no positions: each made every logit NaN (or failed at a later step) and is refused naming the
+    field; what transformers accepts still loads."""
+    with pytest.raises(ValueError, match=rf"config field {message}" if "freq_factors is" not in message else message):
+        ModelConfig.from_hf_dict({**_BASE_CONFIG, **fields})
+    for ok in ({"rms_norm_eps": 0.0}, {"rope_scaling": {"rope_type": "linear", "factor": 0.5}},
+               {"rope_scaling": _LLAMA3}, {"max_position_embeddings": 1}, {"rope_theta": 1e-3}):
+        ModelConfig.from_hf_dict({**_BASE_CONFIG, **ok})
+
+
+def test_gguf_metadata_that_makes_the_math_non_finite_is_refused_naming_its_key(tmp_path, cache_dir):
+    """A GGUF's config comes from its metadata: a NaN rms epsilon is refused naming the config field and the key."""
+    model = make_tiny_model("mistral", tmp_path / "hf")
+    model.config.rms_norm_eps = float("nan")
+    write_gguf(model, tmp_path / "hf", tmp_path / "nan_eps.gguf")
+    with pytest.raises(ValueError, match=r"config field rms_norm_eps=nan must be a finite number >= 0 \(a GGUF file's "
+                                         r"metadata key llama\.attention\.layer_norm_rms_epsilon\)"):
+        load_model(tmp_path / "nan_eps.gguf", weight_dtype="float32")

@@ -61,6 +61,7 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        self._check_numbers()
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
@@ -81,13 +82,42 @@ class ModelConfig:
         if rope_type == "freq_factors":
             factors = (self.rope_scaling or {}).get("freq_factors")
             if not isinstance(factors, list) or len(factors) != self.head_dim // 2 or not all(
-                isinstance(f, (int, float)) and f > 0 for f in factors
+                _positive_number(f) for f in factors
             ):
                 shown = factors if not isinstance(factors, list) else f"a list of {len(factors)}"
                 raise ValueError(
                     f"rope_scaling freq_factors is {shown!r}; it must be a list of head_dim / 2 = "
-                    f"{self.head_dim // 2} positive numbers"
+                    f"{self.head_dim // 2} positive finite numbers"
                 )
+        for key in _ROPE_NUMBERS.get(rope_type, ()):
+            value = (self.rope_scaling or {}).get(key)
+            if not _positive_number(value):
+                raise ValueError(f"config field rope_scaling[{key!r}]={value!r} must be a positive finite number for "
+                                 f"rope_type {rope_type!r}" + (" (it is missing)" if value is None else "")
+                                 + (self._gguf_key("factor") if key == "factor" and rope_type == "linear" else ""))
+
+    def _gguf_key(self, config_field: str) -> str:
+        """Where a GGUF file keeps ``config_field`` (its config is made from the metadata), as a note for a message."""
+        arch = "qwen2" if self.model_type == "qwen2" else "llama"
+        return f" (a GGUF file's metadata key {arch}.{_GGUF_KEYS[config_field]})"
+
+    def _check_numbers(self) -> None:
+        """The scalars the forward computes with: a NaN or infinite one (or a zero or negative RoPE base, or a
+        context of no positions) makes every logit NaN or fails only at a later step, so it is refused at load
+        naming the field (a GGUF's come from its metadata: ``attention.layer_norm_rms_epsilon``,
+        ``rope.freq_base``, ``context_length``, ``rope.scaling.factor``)."""
+        eps = self.rms_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < math.inf):
+            raise ValueError(f"config field rms_norm_eps={eps!r} must be a finite number >= 0{self._gguf_key('rms_norm_eps')}")
+        if not _positive_number(self.rope_theta):
+            raise ValueError(f"config field rope_theta={self.rope_theta!r} must be a positive finite number"
+                             f"{self._gguf_key('rope_theta')}")
+        length = self.max_position_embeddings
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"config field max_position_embeddings={length!r} must be a positive integer"
+                             f"{self._gguf_key('max_position_embeddings')}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"config field rope_scaling={self.rope_scaling!r} must be an object (or null)")
 
     def layer_sliding_window(self, layer: int) -> int | None:
         """The window of layer ``layer``, or None for full causal attention."""
@@ -179,6 +209,20 @@ def _sliding_window_fields(model_type: str, d: dict[str, Any], layers: int) -> d
         "sliding_attention" if i >= int(d.get("max_window_layers", 28)) else "full_attention" for i in range(layers)
     ]
     return {"sliding_window": window, "layer_types": list(layer_types)}
+
+
+# GGUF metadata keys (after "<architecture>.") of the config fields a GGUF's config is made from
+_GGUF_KEYS = {"rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+              "max_position_embeddings": "context_length", "factor": "rope.scaling.factor"}
+# the numbers each RoPE scaling type computes with (transformers' required keys), each positive and finite
+_ROPE_NUMBERS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _positive_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -38,7 +38,8 @@ _Q8_0_BYTES = 2 + QK  # an f16 scale, then 32 int8 codes
 class BlockEmbedding(nn.Module):
     """``[num_embeddings, embedding_dim]`` in the GGUF type ``qtype``'s blocks (uint8 ``[rows, bytes per row]``)."""
 
-    def __init__(self, blocks: np.ndarray, qtype: str, embedding_dim: int, dtype: torch.dtype) -> None:
+    def __init__(self, blocks: np.ndarray, qtype: str, embedding_dim: int, dtype: torch.dtype,
+                 name: str = "token_embd.weight") -> None:
         super().__init__()
         from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -53,6 +54,37 @@ class BlockEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.dtype = dtype
         self._dequantize = _LEAN_ROWS.get(qtype) or _gguf_rows(GGMLQuantizationType[qtype])
+        self._check_scales(size, name)
+
+    def _check_scales(self, block_bytes: int, name: str) -> None:
+        """Refuse a table with a NaN or infinite f16 scale (or minimum) in any block, naming the tensor, the
+        row (token) and the block: a lookup dequantizes rows only as tokens come, so a bad block would
+        otherwise load and later give NaN rows (or be blamed on the first product they reach). The f16
+        fields of the common types are read where they lie (one f16 a block: milliseconds for a large
+        table); another type's rows are dequantized in runs and checked."""
+        assert self.blocks is not None
+        rows = self.blocks.shape[0]
+        fields = _F16_FIELDS.get(self.qtype)
+        if fields is None:
+            step = max(1, (1 << 22) // self.embedding_dim)
+            for first in range(0, rows, step):
+                values = self._dequantize(self.blocks[first:first + step]).reshape(-1, self.embedding_dim)
+                bad = np.argwhere(~np.isfinite(values))
+                if bad.size:
+                    row, col = first + int(bad[0][0]), int(bad[0][1])
+                    raise ValueError(f"GGUF tensor {name!r}: row {row} (token {row}) holds {float(values[tuple(bad[0])])} "
+                                     f"at column {col}; a model needs finite weights (the file is corrupt)")
+            return
+        blocks = self.blocks.reshape(rows, -1, block_bytes)
+        for field, offset in fields:
+            bits = np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.uint16)[..., 0]
+            bad = np.argwhere((bits & 0x7C00) == 0x7C00)  # an f16 with every exponent bit set: inf or NaN
+            if bad.size:
+                row, block = int(bad[0][0]), int(bad[0][1])
+                value = float(np.array(bits[row, block], dtype=np.uint16).view(np.float16))
+                raise ValueError(f"GGUF tensor {name!r}: {self.qtype} {field} of row {row} (token {row}), block {block} is "
+                                 f"{value} (f16 bits {int(bits[row, block]):#06x}); a model needs finite scales (the "
+                                 "file is corrupt)")
 
     @staticmethod
     def head_serves(head: GgufMatrix, qtype: str) -> bool:
@@ -128,6 +160,13 @@ def _q6_k_rows(rows: np.ndarray) -> np.ndarray:
 
 
 _LEAN_ROWS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"Q8_0": _q8_0_rows, "Q6_K": _q6_k_rows}
+# each block's f16 fields (name, byte offset) per GGUF type, as ggml lays its blocks out: when they are all
+# finite, so is every weight the block dequantizes to (codes and sub-block scales are small integers)
+_F16_FIELDS: dict[str, tuple[tuple[str, int], ...]] = {
+    "Q4_0": (("d", 0),), "Q4_1": (("d", 0), ("m", 2)), "Q5_0": (("d", 0),), "Q5_1": (("d", 0), ("m", 2)),
+    "Q8_0": (("d", 0),), "IQ4_NL": (("d", 0),), "IQ4_XS": (("d", 0),), "Q2_K": (("d", 80), ("dmin", 82)),
+    "Q3_K": (("d", 108),), "Q4_K": (("d", 0), ("dmin", 2)), "Q5_K": (("d", 0), ("dmin", 2)), "Q6_K": (("d", 208),),
+}
 
 
 def _gguf_rows(qtype: object) -> Callable[[np.ndarray], np.ndarray]:

@@ -153,8 +153,35 @@ def gguf_tensors(path: Path, index: dict[str, Any], config: dict[str, Any],
                 array[first:first + step] = np.asarray(dequantize(rows, qtype)).reshape(array[first:first + step].shape)
             except NotImplementedError as e:
                 raise ValueError(f"GGUF tensor {t['name']!r} in {str(path)!r} has unsupported type {t['type']}") from e
+            _check_finite(array[first:first + step], first, t, path)
         tensor = torch.from_numpy(array)
         yield name, _unpermuted(tensor, name, config) if permuted else tensor
+
+
+def _check_finite(values: np.ndarray, first_row: int, t: dict[str, Any], path: Path) -> None:
+    """Refuse a NaN or infinity among ``values`` (rows ``first_row``.. of tensor ``t`` dequantized, or the whole
+    of a vector) naming the tensor and the first one's place: its row and column as the file stores them, and
+    for a quantized type the block that holds it (a NaN or infinite f16 scale or minimum gives a whole block
+    of them). Why here: every float a load takes from a GGUF (the dense formats' weights before they are
+    written to the cache, the norms, biases and float head a block-format load keeps in torch) comes through
+    ``gguf_tensors``, and a model that loads with one computes NaN logits (greedy picks token 0) without a word."""
+    if np.isfinite(values).all():
+        return
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    place = np.argwhere(~np.isfinite(values))[0]
+    value = values[tuple(place)]
+    per_block = GGML_QUANT_SIZES[GGMLQuantizationType[t["type"]]][0]
+    if values.ndim == 1:
+        where = f"index {int(place[0])}"
+        col = int(place[0])
+    else:
+        where = f"row {first_row + int(place[0])}, column {int(place[1])}"
+        col = int(place[1])
+    block = f" ({t['type']} block {col // per_block}{' of that row' if values.ndim > 1 else ''}: its scale or minimum is not finite)" \
+        if per_block > 1 else ""
+    raise ValueError(f"GGUF tensor {t['name']!r} in {str(path)!r} holds {float(value)} at {where}{block}; "
+                     "a model needs finite weights (the file is corrupt)")
 
 
 def gguf_checkpoint_shapes(path: Path, index: dict[str, Any]) -> dict[str, tuple[int, ...]]:
