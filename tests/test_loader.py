@@ -555,3 +555,30 @@ def test_gguf_metadata_that_makes_the_math_non_finite_is_refused_naming_its_key(
     with pytest.raises(ValueError, match=r"config field rms_norm_eps=nan must be a finite number >= 0 \(a GGUF file's "
                                          r"metadata key llama\.attention\.layer_norm_rms_epsilon\)"):
         load_model(tmp_path / "nan_eps.gguf", weight_dtype="float32")
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_hidden_layers", 2**31, r"hold 2 layers \(model\.layers\.N\), but the config's num_hidden_layers is 2147483648"),
+    ("intermediate_size", 2**40, r"tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' .* has shape .*implies"),
+])
+def test_a_config_the_weights_do_not_bear_out_is_refused_before_a_model_is_built(tiny_llama_dir, tmp_path,
+                                                                                field, value, message):
+    """The checkpoint is checked against the config before any model is sized from it: a config of 2**31
+    layers used to build them all (a hang), one of a 2**40-wide MLP to allocate it, before the check."""
+    folder = _copy_folder(tiny_llama_dir, tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config[field] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        load_model(folder)
+
+
+def test_a_block_load_checks_the_cached_config_before_building_the_model(tiny_gguf, cache_dir):
+    """The same on the block-format path: a converted folder's config of 2**31 layers is refused by the
+    shape check, not built."""
+    folder = gguf_cache.convert_gguf_cached(tiny_gguf)
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = 2**31
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"hold 2 layers \(model\.layers\.N\), but the config's num_hidden_layers"):
+        load_model(tiny_gguf, weight_dtype="gguf")

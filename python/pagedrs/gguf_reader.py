@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -56,7 +57,76 @@ class HeaderInMemoryReader(GGUFReader):
 
     def _build_tensors(self, start_offs: int, fields: Any) -> None:
         self._in_header = False
+        # before gguf-py slices (and reshapes) any tensor's data: its errors name no tensor, and it adds
+        # each offset to the data's start in uint64, so a huge offset wraps to bytes before the data
+        check_tensor_infos(tensor_infos(fields), int(start_offs), int(self.alignment), self._size)
         super()._build_tensors(start_offs, fields)
+
+
+class TensorInfoError(ValueError):
+    """A tensor's entry in a GGUF header that no loader may read from (``check_tensor_infos``)."""
+
+
+class TensorPastEnd(TensorInfoError):
+    """A tensor whose bytes lie (partly) past the file's end: a truncated file, or a corrupt offset or shape."""
+
+
+def tensor_infos(fields: Any) -> list[tuple[str, list[int], int, int]]:
+    """(name, GGUF dims (innermost first), raw type, offset in the data region) of gguf-py's tensor-info
+    fields, as Python ints."""
+    infos = []
+    for field in fields:
+        _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
+        infos.append((bytes(name_data).decode("utf-8", "replace"), [int(d) for d in dims], int(raw_dtype[0]),
+                      int(offset[0])))
+    return infos
+
+
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+
+
+def check_tensor_infos(infos: list[tuple[str, list[int], int, int]], data_start: int, alignment: int,
+                       file_size: int) -> None:
+    """Refuse, naming the tensor, any tensor entry whose bytes cannot be this tensor's alone: an unknown
+    type, no or too many dimensions, a zero dimension, rows that are not whole blocks of its type, an
+    offset that is not a multiple of the file's alignment, bytes past the file's end, or bytes that
+    another tensor's overlap (``TensorInfoError``). In Python ints: nothing wraps."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    spans: list[tuple[int, int, str]] = []
+    seen: set[str] = set()
+    for name, dims, raw_type, offset in infos:
+        if name in seen:
+            raise TensorInfoError(f"tensor {name!r} appears twice in the header")
+        seen.add(name)
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise TensorInfoError(f"tensor {name!r} has type {raw_type}, which is no GGML type gguf-py "
+                                  "knows") from None
+        shape = tuple(reversed(dims))  # row-major, as the loader names shapes
+        if not 1 <= len(dims) <= MAX_DIMS:
+            raise TensorInfoError(f"tensor {name!r} has {len(dims)} dimensions; 1 to {MAX_DIMS} are allowed")
+        if any(d < 1 for d in dims):
+            raise TensorInfoError(f"tensor {name!r} has shape {shape}; every dimension must be at least 1")
+        if dims[0] % block:
+            raise TensorInfoError(f"tensor {name!r} of shape {shape}: its rows of {dims[0]} values are not whole "
+                                  f"{qtype.name} blocks ({block} values each)")
+        if offset % alignment:
+            raise TensorInfoError(f"tensor {name!r} starts at data offset {offset}, not a multiple of the file's "
+                                  f"alignment {alignment} (general.alignment)")
+        start = data_start + offset
+        end = start + math.prod(dims) // block * type_size
+        if end > file_size:
+            raise TensorPastEnd(f"tensor {name!r} ({qtype.name}, shape {shape}) needs bytes {start}..{end}, "
+                                f"the file has {file_size}")
+        spans.append((start, end, name))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise TensorInfoError(f"tensors {first!r} and {second!r} overlap: {second!r} starts at byte {start}, "
+                                  f"before {first!r} ends at byte {end}")
 
 
 @functools.cache

@@ -263,24 +263,7 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a transformers checkpoint of this config holds, with its (unsharded) shape."""
-        c = self.config
-        h, q, kv, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
-            c.intermediate_size
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-        if not c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, h)
-        per_layer: dict[str, tuple[int, ...]] = {
-            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-            "self_attn.o_proj.weight": (h, q),
-            "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
-        }
-        if c.attention_bias:
-            per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                              "self_attn.v_proj.bias": (kv,)})
-        for layer in range(c.num_hidden_layers):
-            shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
-        return shapes
+        return checkpoint_shapes(self.config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, preloaded: Collection[str] = ()) -> None:
         """Route each checkpoint tensor to its parameter's ``weight_loader``, then let every layer convert.
@@ -402,3 +385,24 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"tensor of shape {tuple(loaded.shape)} cannot fill a parameter of shape {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def checkpoint_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a transformers checkpoint of config ``c`` holds, with its (unsharded) shape."""
+    h, q, kv, i = c.hidden_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, \
+        c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    per_layer: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i),
+    }
+    if c.attention_bias:
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
+    for layer in range(c.num_hidden_layers):
+        shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
+    return shapes

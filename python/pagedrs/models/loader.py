@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedrs.models.config import ModelConfig, _as_dtype
-from pagedrs.models.llama import LlamaForCausalLM
+from pagedrs.models.llama import LlamaForCausalLM, checkpoint_shapes
 from pagedrs.models.quant import WeightFormat, resolve_weight_format
 from pagedrs.tokenizer import TokenIdsOnly, Tokenizer
 
@@ -174,10 +174,10 @@ def _load_gguf_blocks(path: Path, folder: Path, config_dict: dict[str, object], 
     from pagedrs.models.gguf_loader import gguf_checkpoint_shapes, gguf_raw_linears, gguf_tensors
 
     config = ModelConfig.from_hf_dict(config_dict)
-    model = LlamaForCausalLM(config, device=device, weight_format=weight_format)
     # every tensor's name and shape against the config (from the index: nothing is read yet), whichever
-    # way it is then loaded
-    check_checkpoint(model, gguf_checkpoint_shapes(path, index), where=str(path))
+    # way it is then loaded, and before a model is sized from the config
+    check_checkpoint(config, gguf_checkpoint_shapes(path, index), where=str(path))
+    model = LlamaForCausalLM(config, device=device, weight_format=weight_format)
     raw = gguf_raw_linears(path, config_dict, index)
     taken = install_gguf_weights(model, raw, tied=config.tie_word_embeddings, convert=ConvertedBlocks(folder))
     from_blocks = {n for names in taken.values() for n in names}  # the checkpoint tensors the matrices were made of
@@ -219,10 +219,13 @@ def load_hf_folder(folder: Path, dtype: torch.dtype, device: torch.device, *, na
     except json.JSONDecodeError as e:
         raise ValueError(f"{folder / 'config.json'} is not valid JSON: {e}") from e
     config = ModelConfig.from_hf_dict(config_dict)
-    state = read_safetensors_folder(folder)
+    state = checkpoint_state(read_safetensors_folder(folder), config)
+    # before a model is sized from the config: a config whose sizes the weights do not bear out is refused
+    # here, not after allocating them (or hanging on a billion layers)
+    check_checkpoint(config, {k: tuple(v.shape) for k, v in state.items()}, where=str(folder))
     fmt = weight_format or WeightFormat("float32", dtype)
     model = LlamaForCausalLM(config, device=device, weight_format=fmt)
-    load_weights(model, state, where=str(folder))
+    model.load_weights(state.items())
     model.eval()
     return LoadedModel(model=model, config=config, tokenizer=_tokenizer(folder, config, skip_tokenizer_init),
                        name=name, weight_format=fmt)
@@ -258,20 +261,32 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def checkpoint_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors a model loads: without rotary caches, and without a tied head's copy."""
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
 def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor], *, where: str) -> None:
     """Check checkpoint names and shapes against the config, then load through the layers' weight loaders."""
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if model.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    check_checkpoint(model, {k: tuple(v.shape) for k, v in state.items()}, where=where)
+    state = checkpoint_state(state, model.config)
+    check_checkpoint(model.config, {k: tuple(v.shape) for k, v in state.items()}, where=where)
     model.load_weights(state.items())
 
 
-def check_checkpoint(model: LlamaForCausalLM, shapes: dict[str, tuple[int, ...]], *, where: str) -> None:
+def check_checkpoint(config: ModelConfig, shapes: dict[str, tuple[int, ...]], *, where: str) -> None:
     """A clear error unless ``shapes`` (checkpoint name -> shape) are exactly the tensors the config needs,
-    each in the shape the config implies."""
-    expected = model.checkpoint_shapes()
-    if model.config.tie_word_embeddings:
+    each in the shape the config implies. Needs no model: a load calls it before building one. The layers
+    are counted first, so a config of billions of layers is refused before its expected names are listed
+    (a checkpoint's own names are then checked one by one)."""
+    layers = {k.split(".")[2] for k in shapes if k.startswith("model.layers.") and k.count(".") > 2}
+    if config.num_hidden_layers > len(layers):  # else the expected names are no more than the weights'
+        raise ValueError(f"weights in {where} hold {len(layers)} layers (model.layers.N), but the config's "
+                         f"num_hidden_layers is {config.num_hidden_layers}")
+    expected = checkpoint_shapes(config)
+    if config.tie_word_embeddings:
         shapes = {k: v for k, v in shapes.items() if k != "lm_head.weight"}
     missing = sorted(set(expected) - set(shapes))
     if missing:
