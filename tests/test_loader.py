@@ -547,13 +547,20 @@ def test_config_numbers_that_make_the_math_non_finite_are_refused_by_name(fields
         ModelConfig.from_hf_dict({**_BASE_CONFIG, **ok})
 
 
-def test_gguf_metadata_that_makes_the_math_non_finite_is_refused_naming_its_key(tmp_path, cache_dir):
-    """A GGUF's config comes from its metadata: a NaN rms epsilon is refused naming the config field and the key."""
+@pytest.mark.parametrize("eps, message", [
+    # not a finite number: the metadata reader refuses it, naming the file and the key
+    (float("nan"), r"nan_eps\.gguf': metadata field 'llama\.attention\.layer_norm_rms_epsilon' is float nan; "
+                   r"expected a finite number"),
+    # finite but out of range: ModelConfig refuses it, naming the config field and the key
+    (-1.0, r"config field rms_norm_eps=-1\.0 must be a finite number >= 0 \(a GGUF file's metadata key "
+           r"llama\.attention\.layer_norm_rms_epsilon\)"),
+])
+def test_gguf_metadata_that_makes_the_math_non_finite_is_refused_naming_its_key(tmp_path, cache_dir, eps, message):
+    """A GGUF's config comes from its metadata: a NaN or negative rms epsilon is refused naming the key."""
     model = make_tiny_model("mistral", tmp_path / "hf")
-    model.config.rms_norm_eps = float("nan")
+    model.config.rms_norm_eps = eps
     write_gguf(model, tmp_path / "hf", tmp_path / "nan_eps.gguf")
-    with pytest.raises(ValueError, match=r"config field rms_norm_eps=nan must be a finite number >= 0 \(a GGUF file's "
-                                         r"metadata key llama\.attention\.layer_norm_rms_epsilon\)"):
+    with pytest.raises(ValueError, match=message):
         load_model(tmp_path / "nan_eps.gguf", weight_dtype="float32")
 
 
