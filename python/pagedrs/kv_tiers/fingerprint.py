@@ -60,7 +60,7 @@ def _outside_torch(model: torch.nn.Module, h: Any) -> None:
         if isinstance(module, BlockEmbedding):
             h.update(f"{name}:blocks:{module.qtype}:{module.num_embeddings}x{module.embedding_dim}".encode())
             if module.blocks is not None:
-                h.update(memoryview(np.ascontiguousarray(module.blocks)).cast("B"))
+                h.update(np.ascontiguousarray(module.blocks).data)  # (the buffer itself: no copy of the table)
             else:
                 h.update(b"the head's tiles")
 
