@@ -400,3 +400,21 @@ def test_tier_fuzzer(tiny_llama_dir, hf_model, tmp_path):
                    suppress_health_check=list(HealthCheck))(machine)
     run.TestCase().runTest()
     assert hits["prefix_hits_host"] > 0 and hits["prefix_hits_disk"] > 0, f"the fuzzer never reached a tier: {hits}"
+
+
+def test_the_fingerprint_sees_one_byte_of_a_block_tables_own_blocks():
+    """A table with its own blocks (an untied one) is hashed whole: one code changed changes the digest."""
+    import numpy as np
+
+    from pagedrs.kv_tiers import model_fingerprint
+    from pagedrs.models.embedding import BlockEmbedding
+
+    blocks = np.zeros((4, 34), np.uint8)  # Q8_0 rows of 32: an f16 scale of 0.5, then 32 codes
+    blocks[:, 0:2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    changed = blocks.copy()
+    changed[1, 5] = 3
+
+    def digest(b: np.ndarray) -> str:
+        return model_fingerprint(torch.nn.Sequential(BlockEmbedding(b, "Q8_0", 32, torch.float32)), "config")
+
+    assert digest(blocks) == digest(blocks.copy()) != digest(changed)
