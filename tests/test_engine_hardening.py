@@ -508,3 +508,36 @@ def test_a_linear_rope_scaling_multiplies_the_context_length():
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 16}
     assert ModelConfig(**base, rope_scaling=llama3).context_length == 100
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=5, temperature=0.0),  # the fast rows (core/fast_rows.py)
+    SamplingParams(max_tokens=5, temperature=0.0, logprobs=2),  # the general path (record_token)
+    SamplingParams(max_tokens=5, temperature=1.0, seed=3),
+    SamplingParams(max_tokens=5, temperature=0.0, n=2),
+], ids=["fast", "logprobs", "seeded", "n2"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_nan_logits_end_the_request_with_an_error_not_token_0(tiny_llama_dir, tmp_path, params, async_scheduling):
+    """A checkpoint holding a NaN weight made every logit NaN: greedy picked token 0 five times and the
+    request finished with "length", a wrong answer with nothing to show it. Now the request ends with
+    finish_reason "error" naming the NaN logits, its pages are freed, and the engine serves on."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan-model"
+    shutil.copytree(tiny_llama_dir, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    name = next(k for k in weights if "layers.0.mlp.down_proj" in k)
+    weights[name][0, 0] = float("nan")
+    save_file(weights, str(broken / "model.safetensors"))
+    engine = Engine(EngineArgs(model=str(broken), block_size=4, num_gpu_blocks=64, skip_tokenizer_init=True,
+                               async_scheduling=async_scheduling))
+    engine.add_request("nan", [5, 6, 7], params)
+    outputs = run_to_end(engine)
+    out = outputs["nan"]
+    assert out.finished and out.error is not None and "NonFiniteLogitsError" in out.error, out
+    assert "logits were NaN at output token 0" in out.error
+    assert all(c.finish_reason == "error" and not c.token_ids for c in out.outputs)
+    assert engine.stats()["num_free_gpu_blocks"] == 64  # nothing held
+    engine.check_invariants()

@@ -67,6 +67,21 @@ class GrammarDeadEnd(ValueError):
     request ends with this error, never as a complete answer."""
 
 
+class NonFiniteLogitsError(RuntimeError):
+    """A request's logits held NaN where a token was to be drawn (non-finite weights, or an activation
+    that overflowed): its greedy pick would be token 0 and its log-probability NaN, a wrong answer
+    with nothing to show it. The request ends with this error (a 500: the model's fault, not the
+    request's); the others go on."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(f"the model's logits were NaN at output token {num_tokens} (non-finite weights or an "
+                         "activation that overflowed); no token was drawn")
+        self.num_tokens = num_tokens
+
+    def __reduce__(self) -> tuple[type[NonFiniteLogitsError], tuple[int]]:
+        return (NonFiniteLogitsError, (self.num_tokens,))
+
+
 class GrammarLimitError(ValueError):
     """A structured-output grammar that outgrew the grammar engine's parser limits partway through an
     answer (llguidance's items per row, lexer states, fuel: a schema of thousands of properties):

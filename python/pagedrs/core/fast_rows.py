@@ -30,6 +30,7 @@ from pagedrs.core import drawn_ids
 from pagedrs.core.continuation import IndependentSamples
 from pagedrs.core.protocol import CoreTokenRows
 from pagedrs.core.request import Request, Sample, TokenRule
+from pagedrs.errors import NonFiniteLogitsError
 from pagedrs.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -183,6 +184,10 @@ def record(core: EngineCore, fast: FastStep, tokens: list[int], logprobs: list[f
     owners: list[Request] = []
     for row, token, logprob in zip(fast.rows, tokens, logprobs):
         s, request = row.sample, row.request
+        if logprob != logprob:  # NaN logits (``record_token``'s rule): the request fails, no token taken
+            if request.error is None:
+                core.fail(request, NonFiniteLogitsError(len(s.token_ids)), touched)
+            continue
         s.token_ids.append(token)
         s.logprobs.append(logprob)
         rule = row.rule

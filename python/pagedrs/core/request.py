@@ -23,7 +23,7 @@ import torch
 
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.protocol import CoreOutput, CoreSampleOutput, RequestMetrics
-from pagedrs.errors import GrammarDeadEnd, GrammarLimitError
+from pagedrs.errors import GrammarDeadEnd, GrammarLimitError, NonFiniteLogitsError
 from pagedrs.sampling_params import SamplingParams
 
 # llguidance's words when a grammar outgrows its parser limits (ParserLimits: items per row, lexer
@@ -210,6 +210,8 @@ def record_token(sample: Sample, token: int, logprob: float, top_logprobs: Optio
     """Appends one sampled token and decides by token rules whether the sample is finished."""
     params = request.params
     assert isinstance(params, SamplingParams)
+    if logprob != logprob:  # NaN: the row's logits held NaN (the pick would be token 0)
+        raise NonFiniteLogitsError(len(sample.token_ids))
     rule = request.token_rule(eos_token_ids, max_model_len)
     sample.token_ids.append(token)
     sample.logprobs.append(logprob)
