@@ -192,23 +192,17 @@ def test_a_metadata_size_of_the_wrong_type_or_out_of_bounds_is_refused_by_key(tm
         _config(path)
 
 
-def test_kv_heads_that_do_not_divide_the_heads_are_refused(tmp_path):
-    path = _write(tmp_path / "m.gguf", {"llama.attention.head_count_kv": 3})
-    with pytest.raises(ValueError, match=r"'llama\.attention\.head_count_kv' is 3, which does not divide "
-                                         r"'llama\.attention\.head_count' 4"):
-        _config(path)
-
-
-def test_a_block_count_the_tensors_do_not_bear_out_is_refused(tmp_path):
-    path = _write(tmp_path / "m.gguf", {"llama.block_count": 2})
-    with pytest.raises(ValueError, match=r"'llama\.block_count' is 2, but the file's tensors hold 1 layers"):
-        _config(path)
-
-
-def test_a_size_the_tensors_do_not_bear_out_is_refused_naming_tensor_and_key(tmp_path):
-    path = _write(tmp_path / "m.gguf", {"llama.feed_forward_length": 48})
-    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.ffn_gate\.weight' has shape \(64, 32\), but the metadata "
-                                         r"implies llama\.feed_forward_length \(48\) x llama\.embedding_length \(32\)"):
+@pytest.mark.parametrize("key, value, message", [
+    ("llama.attention.head_count_kv", 3, r"'llama\.attention\.head_count_kv' is 3, which does not divide "
+                                         r"'llama\.attention\.head_count' 4"),
+    ("llama.block_count", 2, r"'llama\.block_count' is 2, but the file's tensors hold 1 layers"),
+    ("llama.feed_forward_length", 48, r"tensor 'blk\.0\.ffn_gate\.weight' has shape \(64, 32\), but the metadata "
+                                      r"implies llama\.feed_forward_length \(48\) x llama\.embedding_length \(32\)"),
+], ids=["kv heads that do not divide the heads", "a block count the tensors do not bear out",
+        "a size the tensors do not bear out"])
+def test_metadata_the_tensors_do_not_bear_out_is_refused_naming_the_key(tmp_path, key, value, message):
+    path = _write(tmp_path / "m.gguf", {key: value})
+    with pytest.raises(ValueError, match=message):
         _config(path)
 
 
