@@ -504,7 +504,8 @@ def test_a_linear_rope_scaling_multiplies_the_context_length():
                 num_attention_heads=1, num_key_value_heads=1, head_dim=8, max_position_embeddings=100)
     assert ModelConfig(**base).context_length == 100
     assert ModelConfig(**base, rope_scaling={"type": "linear", "factor": 4.0}).context_length == 400
-    assert ModelConfig(**base, rope_scaling={"rope_type": "linear", "factor": float("nan")}).context_length == 100
+    with pytest.raises(ValueError, match=r"rope_scaling\['factor'\]=nan must be a positive finite number"):
+        ModelConfig(**base, rope_scaling={"rope_type": "linear", "factor": float("nan")})  # refused, never guessed
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 16}
     assert ModelConfig(**base, rope_scaling=llama3).context_length == 100
