@@ -130,9 +130,10 @@ class ModelConfig:
         """The positions the model was made for: ``max_position_embeddings``, times the factor of a
         linear RoPE scaling (vLLM's rule: such configs give the unscaled length). Llama 3 scaling and
         llama.cpp's freq_factors give the scaled length already."""
-        factor = (self.rope_scaling or {}).get("factor") if self.rope_type == "linear" else None
-        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and 1 < factor < math.inf:
-            return int(self.max_position_embeddings * factor)
+        if self.rope_type == "linear" and self.rope_scaling is not None:  # (__post_init__: a positive finite factor)
+            factor = float(self.rope_scaling["factor"])
+            if factor > 1:
+                return int(self.max_position_embeddings * factor)
         return self.max_position_embeddings
 
     @property

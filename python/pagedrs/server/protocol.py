@@ -102,25 +102,20 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
-def _not_a_bool(value: Any) -> Any:
-    """JSON's true/false are not integers here (Python and pydantic's lax mode treat them as 1/0),
-    nor is a string of digits (pydantic's lax mode reads "3" as 3): a wrong type is the client's
-    mistake to hear about, not a value to guess."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected an integer, got the boolean {str(value).lower()}")
-    if isinstance(value, str):
-        raise ValueError(f"expected an integer, got the string {value[:40]!r}; send the number without quotes")
-    return value
+def _json_number(kind: str) -> BeforeValidator:
+    """A number field of ``kind`` ("an integer" or "a number": a float field takes an integer too,
+    ``temperature: 1`` is 1.0) refuses JSON's true/false (Python and pydantic's lax mode read them as
+    1/0: ``temperature: false`` was greedy) and strings (the lax mode reads "3" as 3): a wrong type
+    is the client's mistake to hear about, not a value to guess."""
 
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected {kind}, got the boolean {str(value).lower()}")
+        if isinstance(value, str):
+            raise ValueError(f"expected {kind}, got the string {value[:40]!r}; send the number without quotes")
+        return value
 
-def _a_number(value: Any) -> Any:
-    """A float field takes a JSON number (an integer too: ``temperature: 1`` is 1.0), never a boolean
-    (``false`` would be read as 0.0: greedy) nor a string ("0" would be read as 0.0)."""
-    if isinstance(value, bool):
-        raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
-    if isinstance(value, str):
-        raise ValueError(f"expected a number, got the string {value[:40]!r}; send the number without quotes")
-    return value
+    return BeforeValidator(check)
 
 
 # Every string of a request body goes through Text, every integer through Int: an integral
@@ -149,8 +144,8 @@ def _between(low: int, high: int) -> AfterValidator:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
-Int = Annotated[int, BeforeValidator(_not_a_bool)]
-Float = Annotated[float, BeforeValidator(_a_number)]
+Int = Annotated[int, _json_number("an integer")]
+Float = Annotated[float, _json_number("a number")]
 TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), AfterValidator(_valid_unicode)]
 CacheSalt = Annotated[StrictStr, AfterValidator(_valid_unicode), AfterValidator(_salt_size)]
