@@ -191,3 +191,29 @@ def _final_texts(engine: Engine, params: SamplingParams, kind: object) -> dict[s
             if out.finished and kind == RequestOutputKind.FINAL_ONLY:
                 assert count[key] == 1 and "first_token_time" in out.metrics
     return {k: [tuple(v[i]) for i in sorted(v)] for k, v in samples.items()}
+
+
+@pytest.mark.parametrize("client", ["inproc", "mp"])
+def test_whose_fault_an_error_is_travels_as_a_flag_on_both_clients(tiny_llama_dir, client: str) -> None:
+    """A request ended by its own grammar (a dead end: the request's fault, a 400) carries
+    ``error_by_request``; a request ended by a front-end failure that is the engine's (a 500) does
+    not. The server reads the flag, not the error text's first word: before, a type name read back
+    out of a message decided the status."""
+    from pagedrs.sampling_params import StructuredOutputsParams
+
+    dead_end = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "required": ["x"],
+                "additionalProperties": False, "$defs": {"a": {"$ref": "#/$defs/a"}}}
+    args = EngineArgs(model=str(tiny_llama_dir), **KW)
+    engine = RemoteEngine(args) if client == "mp" else Engine(args)
+    try:
+        engine.add_request("dead", [5, 6, 7], SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(
+            json=dead_end)))
+        engine.add_request("plain", [8, 9], SamplingParams(max_tokens=6, ignore_eos=True))
+        finals = {}
+        while engine.has_unfinished():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert finals["dead"].error is not None and finals["dead"].error.startswith("GrammarDeadEnd: ")
+        assert finals["dead"].error_by_request is True
+        assert finals["plain"].error is None and finals["plain"].error_by_request is False
+    finally:
+        engine.shutdown()

@@ -538,6 +538,7 @@ def test_nan_logits_end_the_request_with_an_error_not_token_0(tiny_llama_dir, tm
     outputs = run_to_end(engine)
     out = outputs["nan"]
     assert out.finished and out.error is not None and "NonFiniteLogitsError" in out.error, out
+    assert out.error_by_request is False  # the model's fault: a 500
     assert "logits were NaN at output token 0" in out.error
     assert all(c.finish_reason == "error" and not c.token_ids for c in out.outputs)
     assert engine.stats()["num_free_gpu_blocks"] == 64  # nothing held

@@ -89,10 +89,13 @@ class GrammarLimitError(ValueError):
 
 
 # Errors a request's own input causes while it runs: the core ends the request with ``"<Type>: message"``
-# (``EngineCore.fail``), and the server answers those with 400, not 500 (``caused_by_request``).
+# (``EngineCore.fail``) and ``error_by_request`` set, and the server answers those with 400, not 500.
 REQUEST_CAUSED: tuple[type[Exception], ...] = (FieldError, GrammarDeadEnd, GrammarLimitError)
 
 
-def caused_by_request(error: str) -> bool:
-    """Whether a request's error text (``CoreOutput.error``) names one of ``REQUEST_CAUSED``."""
-    return error.startswith(tuple(f"{t.__name__}: " for t in REQUEST_CAUSED))
+def error_text(exc: BaseException) -> tuple[str, bool]:
+    """What a failed request carries: its error's text (``"<Type>: message"``) and whether the request's
+    own input caused it (``REQUEST_CAUSED``: a 400) rather than the engine or the model (a 500). Why a
+    flag and not the text: a message is for people, and a type name read back out of it would break
+    the day a message starts with another type's name or a type is renamed."""
+    return f"{type(exc).__name__}: {exc}", isinstance(exc, REQUEST_CAUSED)

@@ -42,3 +42,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token {its id: logprob, then the top-k alternatives},
     # the first token's entry None (vLLM's shape); None until the whole prompt ran, and when not asked
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    # with ``error``: the request's own input caused it (a bad grammar, a field the engine could only
+    # check while running: a server answers 400), not the engine or the model (500)
+    error_by_request: bool = False

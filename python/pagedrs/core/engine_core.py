@@ -39,6 +39,7 @@ from pagedrs.core.step import StepContext, run_step
 from pagedrs.core.structured.backend import GrammarCompiler
 from pagedrs.core.structured.compilers import make_compiler
 from pagedrs.engine_args import EngineArgs
+from pagedrs.errors import error_text
 from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.rollback import Rollback
 from pagedrs.sampling_params import SamplingParams
@@ -274,7 +275,7 @@ class EngineCore:
     def fail(self, request: Request, exc: BaseException, touched: dict[str, Request]) -> None:
         """Ends one request with finish_reason "error"; the engine and other requests go on."""
         if request.error is None:
-            request.error = f"{type(exc).__name__}: {exc}"
+            request.error, request.error_by_request = error_text(exc)
         self._end_request(request, "error")
         touched[request.request_id] = request
 

@@ -100,6 +100,9 @@ class CoreOutput:
     cached_tokens_by_tier: Optional[dict[str, int]] = None
     # SamplingParams.prompt_logprobs: vLLM's list (first entry None), in one output only, once complete
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    # with ``error``: the request's own input caused it (errors.REQUEST_CAUSED; a server's 400), not
+    # the engine or the model (a 500)
+    error_by_request: bool = False
 
 
 @dataclass

@@ -33,6 +33,7 @@ from typing import Optional, Union
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import RequestShape, request_shape
 from pagedrs.core.protocol import Abort, CoreOutput, CoreOutputItem, CoreSampleOutput, CoreTokenRows, FinishSample, RequestMetrics
+from pagedrs.errors import error_text
 from pagedrs.frontend.completions import cumulative_completions, delta_completions, one_delta_completion
 from pagedrs.frontend.input_processor import ProcessedRequest, outputs_before_end
 from pagedrs.frontend.sample_text import SampleText, replay_text, take_deferred, take_hypothesis, take_plain_token, take_tokens
@@ -56,6 +57,7 @@ class RequestState:
     cached_tokens_by_tier: Optional[dict[str, int]] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # once the core sent them
     error: Optional[str] = None
+    error_by_request: bool = False  # ``error`` is the request's own fault (errors.error_text)
     ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
     delta: bool = False  # output_kind is DELTA (asked per step: a plain bool is cheaper than an enum compare)
     streams: bool = True  # it gets outputs before it finishes (not beam search, best_of > n, FINAL_ONLY)
@@ -182,7 +184,8 @@ class OutputProcessor:
         except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer: this request fails, the others go on
             self._fail_here(state, exc, commands)
         if out.error is not None:
-            state.error = state.error or out.error
+            if state.error is None:
+                state.error, state.error_by_request = out.error, out.error_by_request
             self._end(state, "error")
         self._touch(state, touched)
 
@@ -217,7 +220,8 @@ class OutputProcessor:
     def _fail_here(self, state: RequestState, exc: Exception, commands: list[Command]) -> None:
         """The front end failed the request (its text could not be made): it ends with "error"
         and the core is told to abort it."""
-        state.error = state.error or f"{type(exc).__name__}: {exc}"
+        if state.error is None:
+            state.error, state.error_by_request = error_text(exc)
         self._end(state, "error")
         commands.append(Abort(state.request_id))
 
@@ -287,7 +291,8 @@ class OutputProcessor:
             if completion is None:
                 return None
             return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], False,
-                                 state.error, {}, state.num_cached_tokens, state.cached_tokens_by_tier, None)
+                                 state.error, {}, state.num_cached_tokens, state.cached_tokens_by_tier, None,
+                                 state.error_by_request)
         delta = state.delta
         # Hold back text that might still turn out to be the start of a stop string.
         longest_hold = state.longest_hold
@@ -307,7 +312,8 @@ class OutputProcessor:
             state.prompt_logprobs_sent = True
         # positional, in RequestOutput's field order (keywords cost a batch of 256 a tenth of this call)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, state.error,
-                             metrics, state.num_cached_tokens, state.cached_tokens_by_tier, prompt_logprobs)
+                             metrics, state.num_cached_tokens, state.cached_tokens_by_tier, prompt_logprobs,
+                             state.error_by_request)
 
 
 def _rank_by_cumulative_logprob(state: RequestState) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedrs.errors import caused_by_request
 from pagedrs.server.deltas import DeltaStream, RequestDelta, SampleDelta
 from pagedrs.server.metrics import ServerMetrics
 from pagedrs.server.request_trace import RequestTrace
@@ -52,7 +51,7 @@ class Sink:
             samples=self._news(output.outputs),
             finished=bool(output.finished),
             error=error,
-            error_status=400 if error is not None and caused_by_request(error) else 500,
+            error_status=400 if error is not None and getattr(output, "error_by_request", False) else 500,
             num_cached_tokens=self.num_cached_tokens,
             cached_tokens_by_tier=self.cached_tokens_by_tier,
             prompt_logprobs=getattr(output, "prompt_logprobs", None),
