@@ -221,3 +221,39 @@ def test_more_tokens_than_the_table_has_rows_are_refused(tmp_path):
     with pytest.raises(ValueError, match=rf"'tokenizer\.ggml\.tokens' holds {VOCAB + 1} tokens, but "
                                          rf"'token_embd\.weight' has {VOCAB} rows"):
         _config(path)
+
+
+_TOKENS = ["a", "b", "ab", "c"] + [f"t{i}" for i in range(VOCAB - 4)]
+
+
+@pytest.mark.parametrize("meta, message", [
+    ({"tokenizer.ggml.merges": ["a x"]}, r"'tokenizer.ggml.merges' entry 0 \('a x'\) needs token 'x', which "
+                                          r"'tokenizer.ggml.tokens' lacks"),
+    ({"tokenizer.ggml.merges": ["b c"]}, r"entry 0 \('b c'\) needs token 'bc'"),  # the merge's result
+    ({"tokenizer.ggml.merges": (V.ARRAY, [1, 2])}, r"'tokenizer.ggml.merges' entry 0 is int 1; each entry must be a string"),
+    ({"tokenizer.ggml.merges": ["ab"]}, r"entry 0 is 'ab'; a merge is two tokens joined by one space"),
+    ({"tokenizer.ggml.tokens": (V.ARRAY, list(range(VOCAB)))},
+     r"'tokenizer.ggml.tokens' entry 0 is int 0; each entry must be a string"),
+], ids=["merge-names-no-token", "merge-result-no-token", "merges-ints", "merge-no-space", "tokens-ints"])
+def test_a_malformed_tokenizer_section_is_refused_by_its_key(tmp_path: Path, meta: dict[str, Any], message: str) -> None:
+    """transformers' own errors for these name no key ("'int' object has no attribute 'split'", "Token `x`
+    out of vocabulary", a bare Exception from the tokenizers library): each is a ValueError naming the
+    field, its entry and what a well-formed one holds."""
+    from pagedrs.tokenizer import Tokenizer
+
+    good = _write(tmp_path / "good.gguf", {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": _TOKENS,
+                                           "tokenizer.ggml.merges": ["a b"]})
+    assert len(Tokenizer.from_gguf(good).hf) >= VOCAB  # the well-formed section builds
+    bad = _write(tmp_path / "bad.gguf", {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": _TOKENS,
+                                         "tokenizer.ggml.merges": ["a b"], **meta})
+    with pytest.raises(ValueError, match=message) as caught:
+        Tokenizer.from_gguf(bad)
+    assert str(bad) in str(caught.value)
+
+
+def test_a_tokenizer_transformers_cannot_build_is_a_valueerror_naming_the_file(tmp_path: Path) -> None:
+    from pagedrs.tokenizer import Tokenizer
+
+    bad = _write(tmp_path / "odd.gguf", {"tokenizer.ggml.model": "nonsense", "tokenizer.ggml.tokens": _TOKENS})
+    with pytest.raises(ValueError, match=r"cannot build a tokenizer from GGUF file .*odd\.gguf.*skip_tokenizer_init"):
+        Tokenizer.from_gguf(bad)

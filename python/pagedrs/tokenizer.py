@@ -56,11 +56,20 @@ class Tokenizer:
         its reader parses the header from memory, ``pagedrs.gguf_reader``)."""
         from transformers import AutoTokenizer
 
+        from pagedrs import gguf_reader
         from pagedrs.gguf_reader import header_in_memory_everywhere
+        from pagedrs.models.gguf_loader import check_tokenizer_fields
 
         path = Path(path)
         with header_in_memory_everywhere():
-            tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+            try:
+                tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+            except Exception as e:  # noqa: BLE001 - the tokenizers library raises a bare Exception
+                # the malformed field by its key (transformers' own errors name none); checked only on a
+                # failure: reading the lists again costs ~2.4 s for SmolLM2's 49,152 tokens
+                check_tokenizer_fields(gguf_reader.reader(path), path)
+                raise ValueError(f"cannot build a tokenizer from GGUF file {str(path)!r} (its 'tokenizer.ggml.*' "
+                                 f"metadata): {e}; to run it without one, {SKIP_TOKENIZER_HINT}") from e
         return cls(tok, eos_token_ids)
 
     @property
@@ -150,7 +159,7 @@ class Tokenizer:
 
 
 @functools.cache
-def _byte_of_char() -> dict[str, int]:
+def byte_of_char() -> dict[str, int]:
     """GPT-2's ``bytes_to_unicode`` inverted: the printable Latin-1 bytes stand for themselves, the
     other bytes, in order, for U+0100 onwards."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
@@ -195,7 +204,7 @@ _SPACE_MARK = "\u2581"  # SentencePiece's word boundary, a space in text
 def _piece_bytes(kind: str, piece: str) -> bytes | None:
     """A token string's bytes under a ``_decoder_kind``."""
     if kind == "byte-level":
-        table = _byte_of_char()
+        table = byte_of_char()
         try:
             return bytes([table[c] for c in piece])
         except KeyError:  # a character outside the table (an added token's) is its own UTF-8, as the decoder has it
