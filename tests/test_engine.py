@@ -273,8 +273,13 @@ def test_bad_input_is_rejected_and_other_requests_continue(tiny_llama_dir, hf_mo
         (lambda: EngineArgs(kv_layout="ring"), "kv_layout"),
     ]
     small = make_engine(tiny_llama_dir, num_gpu_blocks=4, max_model_len=64)
-    with pytest.raises(ValueError, match="pool holds 4 blocks"):
+    with pytest.raises(ValueError, match="pool holds 4 blocks") as refused:
         small.add_request("huge", [5] * 20, greedy(max_tokens=8))
+    assert refused.value.param == "prompt"  # the prompt alone cannot fit: a server's 400 names it
+    with pytest.raises(ValueError, match="pool holds 4 blocks") as refused:
+        small.add_request("long", [5] * 3, greedy(max_tokens=40))
+    assert refused.value.param == "max_tokens"  # the prompt fits; its room to grow does not
+    assert_all_free(small)
     for call, fragment in cases:
         with pytest.raises(ValueError, match=fragment):
             call()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -39,13 +40,24 @@ from pagedrs.core.step import StepContext, run_step
 from pagedrs.core.structured.backend import GrammarCompiler
 from pagedrs.core.structured.compilers import make_compiler
 from pagedrs.engine_args import EngineArgs
-from pagedrs.errors import error_text
+from pagedrs.errors import FieldError, error_text
 from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.rollback import Rollback
 from pagedrs.sampling_params import SamplingParams
 from pagedrs.spec.config import SpeculativeConfig
 from pagedrs.stats import EngineStats
 from pagedrs.step_input import StepInput
+
+
+def _pool_fit_error(exc: ValueError, prompt_len: int, block_size: int) -> ValueError:
+    """The scheduler's refusal of a request the KV pool can never hold, as a ``FieldError`` naming the
+    field to change: "prompt" when the prompt and one new token cannot fit, else "max_tokens" (a
+    server's 400 then names it in ``param``); any other refusal is ``exc`` itself."""
+    message = str(exc)
+    if not message.startswith("the request needs up to") or (pool := re.search(r"the pool holds (\d+) blocks", message)) is None:
+        return exc
+    prompt_blocks = -(-(prompt_len + 1) // block_size)
+    return FieldError("prompt" if prompt_blocks > int(pool.group(1)) else "max_tokens", message)
 
 
 class EngineCore:
@@ -155,15 +167,18 @@ class EngineCore:
         if with_rows:  # a cached prefix computes no logits: this request reuses none
             salt = prompt_logprobs.unique_salt(arrival)
         with Rollback() as undo:
-            self.scheduler.add_sequence(
-                seq_id,
-                np.asarray(core_request.prompt_token_ids, dtype=np.uint32),
-                priority=core_request.priority,
-                arrival=arrival,
-                max_tokens=min(params.max_tokens, self.max_model_len),
-                num_samples=num_samples,
-                cache_salt=salt,
-            )
+            try:
+                self.scheduler.add_sequence(
+                    seq_id,
+                    np.asarray(core_request.prompt_token_ids, dtype=np.uint32),
+                    priority=core_request.priority,
+                    arrival=arrival,
+                    max_tokens=min(params.max_tokens, self.max_model_len),
+                    num_samples=num_samples,
+                    cache_salt=salt,
+                )
+            except ValueError as exc:
+                raise _pool_fit_error(exc, len(core_request.prompt_token_ids), self.args.block_size) from exc
             undo(lambda: self.scheduler.finish(seq_id))
             self._requests[request_id] = request
             undo(lambda: self._requests.pop(request_id, None))
