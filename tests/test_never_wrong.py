@@ -360,3 +360,39 @@ def _interrupted_then_exact(engine: Engine, p: list[int], hf_model) -> None:
     done = run(engine)
     assert done["a"].error is None
     assert done["a"].outputs[0].token_ids == hf_greedy(hf_model, p, 8)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_page_copy_that_fails_moves_nothing_the_core_then_reads(tiny_llama_dir, hf_model, monkeypatch, nth,
+                                                                    async_scheduling):
+    """A device fault inside a step's page copies (the ``nth`` device<->host copy raises): the executor
+    reported every transfer of the step complete, copies that never ran included, so a sequence swapped
+    out in that step (not in its forward, so not ended) resumed later from host pages nobody wrote and
+    finished with wrong tokens and no error (a black-box probe's find). Now only the copies that ran are
+    reported, the core fails the rest and recomputes their sequences: every request either ends with the
+    fault's error or equals transformers."""
+    engine = make_engine(tiny_llama_dir, num_gpu_blocks=12, swap_space_gb=0.001, preemption_mode="swap",
+                         enable_prefix_caching=False, async_scheduling=async_scheduling)
+    backend = engine.core.executor.runner.backend  # (the asynchronous execution forwards to the local executor)
+    real = backend.swap_blocks
+    calls = {"n": 0}
+
+    def swap_blocks(src, dst, pairs):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise RuntimeError("injected: a device fault during a page copy")
+        return real(src, dst, pairs)
+
+    monkeypatch.setattr(backend, "swap_blocks", swap_blocks)
+    prompts = {f"r{i}": prompt(6, seed=40 + i) for i in range(4)}
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
+    done = run(engine)
+    assert calls["n"] >= nth, "the workload must swap"
+    failed = [rid for rid, out in done.items() if out.error is not None]
+    assert failed and all("device fault during a page copy" in done[rid].error for rid in failed)
+    for rid, ids in prompts.items():
+        if rid not in failed:
+            assert done[rid].outputs[0].token_ids == hf_greedy(hf_model, ids, 14), rid
+    assert_free(engine)

@@ -89,15 +89,17 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # set by capture_graphs
 
     @torch.inference_mode()
-    def execute(self, step: StepInput, compute_logits: bool = True, fill: DeviceFill | None = None) -> torch.Tensor:
+    def execute(self, step: StepInput, compute_logits: bool = True, fill: DeviceFill | None = None,
+                transfers_done: list[int] | None = None) -> torch.Tensor:
         """float32 logits [S + E, vocab]: row i for the last new token of scheduled sequence i, then
         one row per token row in ``step.logit_rows`` (E of them; a decode-only step has none).
 
         ``compute_logits=False`` (tensor-parallel workers: rank 0 samples) skips the output
         head and returns an empty tensor. ``fill``: input ids still on the device (asynchronous
-        scheduling), written into the step's device ids before the forward reads them."""
+        scheduling), written into the step's device ids before the forward reads them.
+        ``transfers_done``: gets each of the step's transfers' ids as its copy finishes (``run_transfers``)."""
         # block movement first, in the plan's order: swap-outs free blocks others may reuse now
-        self.run_transfers(step.transfers)
+        self.run_transfers(step.transfers, transfers_done)
         if len(step.copies):
             self.backend.copy_blocks(self.kv_cache, torch.from_numpy(step.copies).long().to(self.device))
         vocab = self.config.vocab_size
@@ -172,8 +174,12 @@ class ModelRunner:
             self.graphs = graphs
         return self.graphs.sizes if self.graphs is not None else ()
 
-    def run_transfers(self, transfers: tuple[Transfer, ...] | list[Transfer]) -> None:
-        """Runs tier copies in list order; the tier names map to storage here."""
+    def run_transfers(self, transfers: tuple[Transfer, ...] | list[Transfer], done: list[int] | None = None) -> None:
+        """Runs tier copies in list order; the tier names map to storage here. ``done`` gets each
+        transfer's id once its copy has finished (a device-to-host copy blocks until its bytes are on
+        the host): when a copy raises, the ones after it never ran, and only those before it may be
+        reported complete (a transfer reported complete that never ran would leave the core serving
+        host or device pages nobody wrote)."""
         caches = {"gpu": self.kv_cache, "cpu": self.cpu_cache}
         for transfer in transfers:
             if transfer.dst == "disk" or transfer.src == "disk":
@@ -186,9 +192,11 @@ class ModelRunner:
                     self.disk.write(caches[transfer.src], transfer.pairs, transfer.meta)
                 else:
                     self.disk.read(transfer.pairs, caches[transfer.dst])
-                continue
-            pairs = torch.from_numpy(transfer.pairs).long()
-            self.backend.swap_blocks(caches[transfer.src], caches[transfer.dst], pairs)
+            else:
+                pairs = torch.from_numpy(transfer.pairs).long()
+                self.backend.swap_blocks(caches[transfer.src], caches[transfer.dst], pairs)
+            if done is not None:
+                done.append(transfer.id)
 
     def build_metadata(self, step: StepInput) -> AttentionMetadata:
         q = step.query_start_loc.tolist()

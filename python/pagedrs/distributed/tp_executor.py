@@ -245,9 +245,15 @@ class TPExecutor:
             return self.shard.local.execute(step)
 
         try:
-            return self._guarded(run)
-        finally:
-            self._completed.extend(self.shard.local.take_completed_transfers())
+            out = self._guarded(run)
+        except BaseException:
+            # rank 0's copies say nothing of the other ranks', which may have stopped sooner: none of
+            # the step's transfers is reported, so the core fails them all and recomputes what they
+            # were to move (never serves a page some rank did not write)
+            self.shard.local.take_completed_transfers()
+            raise
+        self._completed.extend(self.shard.local.take_completed_transfers())
+        return out
 
     def take_completed_transfers(self) -> list[int]:
         done, self._completed = self._completed, []

@@ -217,17 +217,21 @@ class LocalExecutor:
         scheduling, executor/token_fill.py); the runner writes them there."""
         if self.runner is None:
             raise RuntimeError("LocalExecutor.execute before init_kv_cache")
+        done: list[int] = []
         try:
             if self.draft is not None:  # the draft's pages follow the target's (once: a proposal may have run it)
                 if fill is not None:  # the draft's mirror reads the ids on the host
                     step, fill = fill.materialize(step), None
                 self.draft.mirror(step)
-            return self.runner.execute(step, compute_logits=compute_logits, fill=fill)
+            return self.runner.execute(step, compute_logits=compute_logits, fill=fill, transfers_done=done)
         finally:
-            # The runner's copies are synchronous with respect to later reads of the host
-            # pool (a device-to-host copy blocks), so every transfer is done by now, also
-            # when the forward pass failed after the copies.
-            self._completed.extend(t.id for t in step.transfers)
+            # Only the copies that ran: the runner's are synchronous with respect to later reads
+            # of the host pool (a device-to-host copy blocks), so those are done, also when the
+            # forward pass failed after them. A copy that raised, and every one after it (or all
+            # of them, when the draft's mirror raised first), is not reported: the core fails
+            # those transfers and recomputes the sequences whose pages they were to move, where
+            # reporting them made it resume sequences from host pages nobody wrote.
+            self._completed.extend(done)
 
     def take_completed_transfers(self) -> list[int]:
         done, self._completed = self._completed, []
