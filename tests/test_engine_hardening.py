@@ -130,6 +130,11 @@ def test_n_is_bounded_by_engine_args(tiny_llama_dir):
         ([], "the prompt is empty"),
         (b"bytes", "prompt must be a str"),
         (None, "prompt must be a str"),
+        (np.array([2**64 - 1], dtype=np.uint64), "token id 18446744073709551615 is outside"),  # not "-1"
+        ({"prompt": "x", "multi_modal_data": {"image": 1}}, r"key\(s\) \['multi_modal_data'\] this engine does not"),
+        ({"prompt_token_ids": [5], "prompt": 7}, "must be the ids' text"),
+        ({"prompt_token_ids": []}, "the prompt is empty"),
+        ({"prompt_token_ids": None}, "prompt must be a str, a list"),
     ],
 )
 def test_malformed_prompts_are_refused_with_nothing_changed(tiny_llama_dir, prompt, message):
@@ -141,6 +146,26 @@ def test_malformed_prompts_are_refused_with_nothing_changed(tiny_llama_dir, prom
     again = pickle.loads(pickle.dumps(refused.value))
     assert (type(again), again.param, str(again)) == (FieldError, "prompt", str(refused.value))
     assert engine.num_unfinished() == 0
+    assert_idle_and_free(engine)
+
+
+def test_a_token_prompt_with_its_text_and_salt_keeps_both(tiny_llama_dir):
+    """vLLM's TokensPrompt: ``prompt`` beside ``prompt_token_ids`` is the ids' text, shown as the output's
+    prompt (it was dropped without a word), and ``cache_salt`` in the dict salts the request like the
+    argument does (a different one given both ways is refused)."""
+    engine = make_engine(tiny_llama_dir, enable_prefix_caching=True)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8, 9], "prompt": "five to nine", "cache_salt": "s1"},
+                       SamplingParams(max_tokens=2))
+    out = run_to_end(engine)["a"]
+    assert out.prompt == "five to nine" and out.prompt_token_ids == [5, 6, 7, 8, 9]
+    engine.add_request("b", {"prompt_token_ids": [5, 6, 7, 8, 9]}, SamplingParams(max_tokens=2), cache_salt="s1")
+    assert run_to_end(engine)["b"].num_cached_tokens == 4  # the same salt: the first page is shared
+    engine.add_request("c", {"prompt_token_ids": [5, 6, 7, 8, 9]}, SamplingParams(max_tokens=2))
+    assert run_to_end(engine)["c"].num_cached_tokens == 0  # unsalted: nothing shared
+    with pytest.raises(FieldError, match="differs from the cache_salt argument") as refused:
+        engine.add_request("d", {"prompt_token_ids": [5], "cache_salt": "s1"}, SamplingParams(max_tokens=2),
+                           cache_salt="s2")
+    assert refused.value.param == "cache_salt"
     assert_idle_and_free(engine)
 
 
@@ -394,6 +419,32 @@ def test_memory_sizes_must_be_finite(field, value):
 
     with pytest.raises(ValueError, match=f"{field} is"):
         EngineArgs(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["swap_space_gb", "kv_host_cache_gb"])
+def test_a_host_tier_larger_than_the_host_is_refused_naming_the_fields(field):
+    """1e6 GiB of swap space reached the core as 262144000000 host blocks and was refused as
+    "num_cpu_blocks must be in 0..=4294967293", a field the user never set."""
+    from pagedrs import EngineArgs
+
+    with pytest.raises(ValueError, match=r"swap_space_gb \(.*\) \+ kv_host_cache_gb \(.*\) is 1e\+06 GiB of host memory"):
+        EngineArgs(**{field: 1e6})
+    EngineArgs(swap_space_gb=0.5, kv_host_cache_gb=0.5)  # a size the host holds is fine
+
+
+@pytest.mark.parametrize("call", ["BlockManager(400_000_000, 16, 0, True)", "BlockManager(1, 2**36)"])
+def test_block_tables_larger_than_the_host_raise_not_abort(call):
+    """Sizes inside the per-field ranges whose bookkeeping is larger than the host's memory: the core's
+    allocation failed and Rust aborted the interpreter (SIGABRT, rc 134). Now a ValueError naming the
+    fields. In a child process, so that a regression fails this test rather than killing the run."""
+    import subprocess
+    import sys
+
+    code = (f"from pagedrs import BlockManager\ntry:\n    {call}\nexcept ValueError as e:\n    print('refused:', e)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: the block tables' bookkeeping would need at least" in done.stdout, done.stdout
+    assert "block_size" in done.stdout and "num_gpu_blocks" in done.stdout
 
 
 @pytest.mark.parametrize("value", [0, -3, 1.5, True, 1025, float("nan"), "2"])

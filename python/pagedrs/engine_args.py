@@ -186,6 +186,7 @@ class EngineArgs:
             _check_cpu_threads("cpu_threads", self.cpu_threads)
         at_least("swap_space_gb", 0, optional=True)
         at_least("kv_host_cache_gb", 0, optional=True)
+        _check_host_tier_fits(self.swap_space_gb, self.kv_host_cache_gb)
         if isinstance(self.kv_disk_gb, bool) or not isinstance(self.kv_disk_gb, (int, float)) or not 0 < self.kv_disk_gb < math.inf:
             raise ValueError(f"kv_disk_gb is {self.kv_disk_gb!r}; it must be a finite number > 0")
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
@@ -227,6 +228,19 @@ class EngineArgs:
         _check_cpu_threads(f"${CPU_THREADS_ENV}", value, shown=env)
         return value
 
+
+def _check_host_tier_fits(swap_space_gb: float | None, kv_host_cache_gb: float | None) -> None:
+    """The host tier (swap space plus the host prefix cache) cannot be larger than the host: refused
+    naming both fields. Why here: the tier's page count came out of them, and the core refused that
+    count (``num_cpu_blocks ... got 262144000000``) naming a field the user never set."""
+    asked = (swap_space_gb or 0) + (kv_host_cache_gb or 0)
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: nothing to compare with
+        return
+    if host > 0 and asked > host:
+        raise ValueError(f"swap_space_gb ({swap_space_gb}) + kv_host_cache_gb ({kv_host_cache_gb}) is {asked:g} GiB of "
+                         f"host memory for the KV host tier; this host has {host:.1f} GiB: allowed at most that")
 
 def _check_cpu_threads(name: str, value: Any, shown: Any = None) -> None:
     """An integer from 1 to MAX_CPU_THREADS (not a bool, not 1.5: a thread count is whole)."""

@@ -73,7 +73,13 @@ class InputProcessor:
         self, request_id: Any, prompt: Any, params: Any, priority: Any, arrival_time: Any = None, cache_salt: Any = None,
     ) -> ProcessedRequest:
         """``arrival_time`` (``time.monotonic()``; None: when the core takes it) is when a front end
-        received the request; ``cache_salt`` a string of 1 to 256 UTF-8 bytes, or None."""
+        received the request; ``cache_salt`` a string of 1 to 256 UTF-8 bytes, or None (a dict prompt may
+        carry it too, as vLLM's do)."""
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise FieldError("cache_salt", f"request {request_id!r}: the prompt's cache_salt "
+                                 f"{prompt['cache_salt']!r} differs from the cache_salt argument {cache_salt!r}")
+            cache_salt = prompt["cache_salt"]
         check_cache_salt(cache_salt)
         if arrival_time is not None and (
             isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) or not math.isfinite(arrival_time)
@@ -140,13 +146,22 @@ class InputProcessor:
 
     def _tokenize(self, request_id: str, prompt: Any) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
+            unknown = sorted(map(str, prompt.keys() - _PROMPT_KEYS))
+            if unknown:  # never dropped without a word (multi_modal_data: this engine runs text models only)
+                raise FieldError("prompt", f"request {request_id!r}: a dict prompt has key(s) {unknown} this engine "
+                                 f"does not support; allowed: {sorted(_PROMPT_KEYS)}")
             if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-                if isinstance(prompt, str):
+                text = prompt.get("prompt")  # vLLM's TokensPrompt: the ids' text, shown as the output's prompt
+                if text is not None and not isinstance(text, str):
+                    raise FieldError("prompt", f"request {request_id!r}: the prompt's 'prompt' beside "
+                                     f"'prompt_token_ids' is {type(text).__name__}; it must be the ids' text (a str)")
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, str):
                     raise FieldError(
                         "prompt", f"request {request_id!r}: prompt_token_ids is a string; it must be a list of ints"
                     )
-            elif "prompt" in prompt:
+                return text, self._checked_ids(request_id, ids)
+            if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise FieldError(
@@ -167,18 +182,25 @@ class InputProcessor:
                     f"(character {exc.object[exc.start]!r} at index {exc.start})"
                 ) from None
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, (list, tuple, np.ndarray)):
-            text, token_ids = None, self._token_ids(request_id, prompt)
         else:
-            raise FieldError(
-                "prompt", f"request {request_id!r}: prompt must be a str, a list of token ids or a dict; "
-                f"got {type(prompt).__name__}"
-            )
+            return None, self._checked_ids(request_id, prompt)
         if not token_ids:
             raise FieldError("prompt", f"request {request_id!r}: the prompt is empty; at least 1 token is needed")
         if len(token_ids) > self.max_model_len:
             raise self._too_long(request_id, len(token_ids))
         return text, token_ids
+
+    def _checked_ids(self, request_id: str, prompt: Any) -> list[int]:
+        """A prompt given as token ids: in the vocabulary, 1 to max_model_len of them."""
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
+            raise FieldError(
+                "prompt", f"request {request_id!r}: prompt must be a str, a list of token ids or a dict; "
+                f"got {type(prompt).__name__}"
+            )
+        token_ids = self._token_ids(request_id, prompt)
+        if not token_ids:
+            raise FieldError("prompt", f"request {request_id!r}: the prompt is empty; at least 1 token is needed")
+        return token_ids
 
     def _too_long(self, request_id: str, tokens: int) -> FieldError:
         return FieldError(
@@ -194,7 +216,7 @@ class InputProcessor:
                     "prompt", f"request {request_id!r}: a token-id array must be 1-D of integers; "
                     f"got {prompt.dtype} {prompt.shape}"
                 )
-            token_ids = prompt.astype(np.int64).tolist()
+            token_ids = prompt.tolist()  # Python ints: a uint64 past 2**63 keeps its value (astype wrapped it to < 0)
         else:
             for t in prompt:  # bools are ints to Python, but never token ids
                 if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
@@ -206,6 +228,10 @@ class InputProcessor:
                     "prompt", f"request {request_id!r}: token id {t} is outside the vocabulary [0, {self.vocab_size})"
                 )
         return token_ids
+
+
+# The keys a dict prompt may have (vLLM's TextPrompt / TokensPrompt, less the multimodal ones).
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
 
 
 def _width(params: Union[SamplingParams, BeamSearchParams]) -> tuple[str, int]:

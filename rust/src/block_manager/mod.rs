@@ -26,6 +26,7 @@ mod allocate;
 pub(crate) mod block_table;
 mod config;
 pub mod eviction;
+mod footprint;
 mod invariants;
 pub mod kv_events;
 mod lru;
@@ -156,6 +157,7 @@ impl BlockManager {
                 cfg.block_size
             ));
         }
+        footprint::check([cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.num_disk_blocks], cfg.block_size)?;
         Ok(BlockManager {
             gpu: TierPool::new(cfg.num_gpu_blocks, cfg.block_size, cfg.eviction_policy),
             cpu: TierPool::new(cfg.num_cpu_blocks, cfg.block_size, cfg.eviction_policy),
