@@ -124,3 +124,31 @@ def test_server_beam_search_with_nan_logits_answers_500_and_serves_on(models, co
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"]) == 2
         assert_nothing_left(served.loop)
+
+
+def greedy_tokens(engine: Engine, prompts: list[list[int]], max_tokens: int = 4) -> dict[str, Any]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    outputs = run_to_end(engine)
+    return {rid: (out.error, out.outputs[0].token_ids) for rid, out in outputs.items()}
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_the_pages_a_nan_request_leaves_poison_no_later_request(models, prefix_caching):
+    """A request whose K/V went NaN fails; its pages go back to the pool holding NaN. Attention gathers a
+    page whole and masks the slots past a sequence's length (a reused page's unwritten tail, the padding
+    of a bucket), and a NaN there times its zero weight was NaN: 4 of the next 6 requests failed with
+    NonFiniteLogitsError, none of them with a NaN of its own. The torch backend now zeroes those slots
+    after the gather, as the CUDA kernel loads zeros there. With prefix caching, two prompts share pages
+    (the cascade path of decode)."""
+    clean, broken = models
+    shared = list(range(100, 124))
+    prompts = [list(range(20 + i, 23 + 9 * i)) for i in range(5)] + [shared + [7, 8], shared + [9]]
+    kw = dict(ENGINE_KW, enable_prefix_caching=prefix_caching)
+    want = greedy_tokens(Engine(EngineArgs(model=str(clean), skip_tokenizer_init=True, **kw)), prompts)
+    assert all(error is None and NAN_TOKEN not in tokens for error, tokens in want.values())  # the premise
+    engine = Engine(EngineArgs(model=str(broken), skip_tokenizer_init=True, **kw))
+    bad = greedy_tokens(engine, [[5, NAN_TOKEN, *range(10, 60)]])
+    assert "NonFiniteLogitsError" in (bad["p0"][0] or "")
+    assert greedy_tokens(engine, prompts) == want
+    engine.check_invariants()
