@@ -101,3 +101,36 @@ def test_chats_behind_one_prompt_match_transformers(tiny_llama_dir, monkeypatch:
     for i, p in enumerate(prompts):
         assert done[f"r{i}"] == hf_greedy(hf_model, p, 12), f"request r{i}"
     assert calls, "the shared prompt never took the cascade path"
+
+
+def _poison_past_the_ends(key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata) -> int:
+    """NaN in every slot the step's sequences must not read: each last page's tail, and page 0 (the tables'
+    padding) when no sequence holds it. Returns how many slots were poisoned."""
+    tables, poisoned = meta.block_tables.tolist(), 0
+    used = {page for table, n in zip(tables, meta.seq_lens_cpu) for page in table[: -(-n // BLOCK)]}
+    for table, n in zip(tables, meta.seq_lens_cpu):
+        last = table[(n - 1) // BLOCK]
+        for slot in range(n % BLOCK or BLOCK, BLOCK):
+            key_cache[last, slot] = value_cache[last, slot] = float("nan")
+            poisoned += 1
+    if 0 not in used:
+        key_cache[0] = value_cache[0] = float("nan")
+        poisoned += BLOCK
+    return poisoned
+
+
+@pytest.mark.parametrize("cascade", [True, False])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_what_a_pages_last_owner_left_past_a_sequences_end_is_never_read(case, cascade, monkeypatch):
+    """A page's slots past a sequence's length hold what its last owner left (a NaN when that owner's K/V
+    went NaN); they are masked, but a NaN times a zero weight is NaN: the output is the one clean pages give."""
+    groups, own, kv_heads, heads = CASES[case]
+    query, key_cache, value_cache, meta = _decode_step(groups, own, kv_heads, heads, seed=case)
+    if not cascade:
+        monkeypatch.setattr(cascade_module, "MIN_SAVED_FRACTION", 2.0)
+    backend = TorchAttentionBackend()
+    assert any(b.cascade is not None for b in backend.plan(meta, BLOCK).buckets) == cascade
+    expected = backend.forward(query, key_cache, value_cache, meta, scale=0.25)
+    assert _poison_past_the_ends(key_cache, value_cache, meta) > 0
+    got = backend.forward(query, key_cache, value_cache, meta, scale=0.25)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)

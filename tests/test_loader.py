@@ -30,6 +30,14 @@ def cache_dir(tmp_path, monkeypatch) -> Path:
     return tmp_path / "cache"
 
 
+def _vouch_for(folder: Path, gguf: Path) -> None:
+    """Writes the converted folder's manifest again after a test edited a file in it: the checks that come
+    after the manifest's must hold on their own (a folder whose manifest vouches for what it holds)."""
+    from pagedrs.models.gguf_manifest import seal
+
+    seal(folder, gguf.stat().st_size, gguf_cache._atomic_write_text)
+
+
 def _copy_folder(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -328,6 +336,7 @@ def test_a_block_loads_tensors_are_checked_against_the_config_before_any_is_read
     config = json.loads((folder / "config.json").read_text())
     config["vocab_size"] += 1
     (folder / "config.json").write_text(json.dumps(config))
+    _vouch_for(folder, path)
     with pytest.raises(ValueError, match=r"tensor 'model\.embed_tokens\.weight' in .*q8_table\.gguf has shape \(300, 64\), but config\.json implies \(301, 64\)"):
         load_model(path, weight_dtype="gguf")
 
@@ -399,6 +408,7 @@ def test_a_tensor_name_that_would_make_a_path_is_refused_before_anything_is_writ
     extra = dict(next(t for t in index["tensors"] if t["name"] == "blk.0.attn_q.weight"), name="blk./x.attn_q.weight")
     index["tensors"].append(extra)  # the same bytes again, under the name
     (folder / "gguf_index.json").write_text(json.dumps(index))
+    _vouch_for(folder, tiny_gguf)
     with pytest.raises(ValueError, match=r"hold tensors this architecture has no place for, e\.g\. "
                                          r"\['model\.layers\./x\.self_attn\.q_proj\.weight'\]"):
         load_model(tiny_gguf, weight_dtype="gguf")
@@ -587,5 +597,6 @@ def test_a_block_load_checks_the_cached_config_before_building_the_model(tiny_gg
     config = json.loads((folder / "config.json").read_text())
     config["num_hidden_layers"] = 2**31
     (folder / "config.json").write_text(json.dumps(config))
+    _vouch_for(folder, tiny_gguf)
     with pytest.raises(ValueError, match=r"hold 2 layers \(model\.layers\.N\), but the config's num_hidden_layers"):
         load_model(tiny_gguf, weight_dtype="gguf")

@@ -185,6 +185,39 @@ def test_the_pool_counts_the_drafts_layers_in_every_page(tiny_llama_dir, random_
     assert held["kv_pool"] == both.kv_plan.num_gpu_blocks * 4 * (target_bytes + draft_bytes)
 
 
+def test_the_disk_tier_holds_the_targets_layers_only_so_its_store_serves_any_draft(tiny_llama_dir, random_draft_dir,
+                                                                                    tmp_path, caplog):
+    """Why the disk store's fingerprint (kv_tiers/fingerprint.py) leaves the draft model out: the store never
+    holds the draft's layers (its pages are the target's bytes; the draft mirrors no disk transfer and has
+    no disk tier), and a page read back from it, like a prefix-cache hit, never serves draft K/V (a new
+    sequence's draft feeds its whole context from position 0: spec/draft.py). So a store written beside one
+    draft is read, and read right, beside another. Pinned: a change that stored the draft's layers (a
+    bigger slot) or skipped the draft's feed of disk hits (written by another draft: rejections) fails here,
+    and would have to put the draft in the fingerprint."""
+    import logging
+
+    disk = dict(kv_disk_path=str(tmp_path / "disk"), kv_disk_gb=0.01, kv_host_cache_gb=0, num_gpu_blocks=24,
+                max_num_seqs=2)
+    writer = make_engine(tiny_llama_dir, draft(random_draft_dir), **disk)
+    plain = make_engine(tiny_llama_dir, None, **{**disk, "kv_disk_path": str(tmp_path / "plain-disk")})
+    assert writer.executor.draft.runner.disk is None
+    assert writer.executor._disk_store.slot_bytes == plain.executor._disk_store.slot_bytes  # the target's layers only
+    plain.shutdown()
+    prompts = batch(writer.loaded.config.vocab_size) + batch(writer.loaded.config.vocab_size, seed=1)
+    written = run_all(writer, prompts, greedy(8))
+    writer.shutdown()  # its cached pages go to disk
+
+    with caplog.at_level(logging.WARNING, logger="pagedrs.kv_tiers"):
+        reader = make_engine(tiny_llama_dir, draft(tiny_llama_dir), **disk)  # another draft: the target itself
+    assert "ignoring the KV disk store" not in caplog.text  # the store is the target's: read
+    assert run_all(reader, prompts, greedy(8)) == written
+    stats = reader.stats()
+    assert stats["prefix_hits_disk"] > 0, stats
+    # an exact draft accepts every token: none of its K/V came from the pages the other draft ran beside
+    assert stats["spec_proposed"] > 20 and stats["spec_accepted"] == stats["spec_proposed"], stats
+    reader.shutdown()
+
+
 def test_kv_size_counts_the_drafts_layers(capsys):
     from pagedrs.cli import main
 

@@ -135,7 +135,10 @@ class BeamSearchSequence:
 
 @dataclass
 class BeamSearchOutput:
-    sequences: list[BeamSearchSequence]  # best first; beam_width of them
+    sequences: list[BeamSearchSequence]  # best first; beam_width of them (none when the search failed)
+    # set when the search ended with an error (NaN logits, ...): then ``sequences`` is empty, never
+    # a partial search's beams passed off as its hypotheses
+    error: Optional[str] = None
 
 
 @dataclass

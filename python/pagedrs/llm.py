@@ -104,13 +104,14 @@ class LLM:
     ) -> list[BeamSearchOutput]:
         """Beam search for every prompt (vLLM's ``LLM.beam_search``); hypotheses best first.
 
-        The search runs inside the engine beside other requests, its beams sharing pages.
+        The search runs inside the engine beside other requests, its beams sharing pages. A search
+        that failed (the model's logits were NaN, ...) has no sequences and its ``error`` set.
         """
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"beam_search needs BeamSearchParams, not {type(params).__name__}")
         outs = self.generate(prompts, params, use_tqdm=use_tqdm)
         return [
-            BeamSearchOutput([
+            BeamSearchOutput([], error=out.error) if out.error is not None else BeamSearchOutput([
                 BeamSearchSequence(
                     tokens=list(out.prompt_token_ids) + list(c.token_ids), token_ids=list(c.token_ids), text=c.text,
                     # None only for a hypothesis slot never filled (or an aborted search): HF's -1e9

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedrs.attention.stale_keys import stale_rows, zero_stale
+
 # Below this share of gathered pages saved, the extra calls cost more than they save.
 MIN_SAVED_FRACTION = 0.25
 
@@ -46,6 +48,7 @@ class OwnPages:
     seqs: torch.Tensor  # int64 [S']
     tables: torch.Tensor  # int64 [S', B]  each sequence's pages after its group's shared ones, padded
     mask: torch.Tensor  # float [S', 1, 1, B * block_size]  0 = may attend, -inf = padding or past the end
+    stale: torch.Tensor | None = None  # int64 [N]  gathered key rows past the end, zeroed (stale_keys); None: none
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,13 @@ def plan_cascade(tables: list[list[int]], seq_lens: list[int], block_size: int, 
         width = max(len(p) for p in pages)
         k_pos = torch.arange(width * block_size, device=device)[None, :]
         own_len = torch.tensor([seq_lens[s] - shared_len[s] * block_size for s in seqs], device=device)[:, None]
-        mask = torch.zeros(len(seqs), width * block_size, device=device).masked_fill_(k_pos >= own_len, float("-inf"))
+        past_end = k_pos >= own_len
+        mask = torch.zeros(len(seqs), width * block_size, device=device).masked_fill_(past_end, float("-inf"))
         own.append(OwnPages(
             seqs=torch.tensor(seqs, device=device),
             tables=torch.tensor([p + [p[0]] * (width - len(p)) for p in pages], dtype=torch.int64, device=device),
             mask=mask[:, None, None, :],
+            stale=stale_rows(~past_end),
         ))
     return Cascade(
         num_seqs=len(tables),
@@ -136,8 +141,10 @@ def attend_cascade(
 
     for part in cascade.own:
         n, keys = part.seqs.shape[0], part.tables.shape[1] * block_size
-        k = pages(key_cache, part.tables, 0).view(n, keys, kv_heads, head_dim).transpose(1, 2)
-        v = pages(value_cache, part.tables, 1).view(n, keys, kv_heads, head_dim).transpose(1, 2)
+        k = pages(key_cache, part.tables, 0).view(n, keys, kv_heads, head_dim)
+        v = pages(value_cache, part.tables, 1).view(n, keys, kv_heads, head_dim)
+        zero_stale(k, v, part.stale)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         o, part_lse = flash(q[part.seqs], k, v, 0.0, False, attn_mask=part.mask, scale=scale)  # [n, kvh, g, d], [n, kvh, g]
         out[part.seqs] = o
         lse[part.seqs] = part_lse

@@ -16,6 +16,10 @@ Bucket of S sequences, query rows padded to ``max_q`` by repeating the last real
                        seq 1: q0 q0 q0 q0      mask [S, 1, max_q, max_kv]: causal at each row's position,
                                                 and nothing past the sequence's length
 
+Keys past a sequence's length (a page's unwritten tail, a bucket's padding pages) are masked and, in
+the gathered copies, zeroed (``stale_keys``: a NaN a page's last owner left there, times its zero
+weight, was NaN).
+
 Short multi-row queries (``1 < max_q <= ROWWISE_MAX_Q``: a speculative verification's k + 1 rows,
 a small prefill remainder) attend row by row with decode's numerics: SDPA's CPU kernel computes a
 row differently alone than in a block of rows (its GEMMs change with the row count), and greedy
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 from pagedrs.attention.base import AttentionBackend, AttentionMetadata
 from pagedrs.attention.cascade import Cascade, attend_cascade, plan_cascade
 from pagedrs.attention.kv_quant import KvScales, dequantize, is_fp8, quantize
+from pagedrs.attention.stale_keys import stale_rows, zero_stale
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class _Bucket:
     tables: torch.Tensor  # int64 [S, num_blocks]  pages to gather
     mask: torch.Tensor  # bool [S, 1, max_q, num_blocks * block_size]  True = may attend
     cascade: Cascade | None = None  # decode buckets whose sequences share prefix pages (attention/cascade.py)
+    stale: torch.Tensor | None = None  # int64 [N]  gathered key rows past their sequence's end (stale_keys); None: none
     rows_are_all: bool = False  # rows is arange(T) as [T, 1] (the step is this bucket's decode tokens): no gather
     rowwise: bool = False  # short query rows (speculative verification): each attends as a decode row would
 
@@ -227,6 +233,7 @@ def _plan_buckets_loop(meta: AttentionMetadata, block_size: int, sliding_window:
             # -1 marks a page the core released out of the window (fully masked here): read page 0
             tables=meta.block_tables[index, skip:num_blocks].long().clamp_min(0),
             mask=mask[:, None],
+            stale=stale_rows(mask.any(dim=1)),  # keys no row of the sequence reads (a released page's too)
         ))
     return buckets
 
@@ -267,13 +274,15 @@ def _plan_decode_buckets(meta: AttentionMetadata, block_size: int) -> list[_Buck
         seq_lens = (meta.seq_lens if every else meta.seq_lens[index]).long()[:, None, None]  # [S, 1, 1]
         tables = meta.block_tables[:, 0:num_blocks] if every else meta.block_tables[index, 0:num_blocks]
         k_pos = torch.arange(0, num_blocks * block_size, device=device)[None, None, :]
+        mask = k_pos < seq_lens
         buckets.append(_Bucket(
             rows=index[:, None],
             rows_are_all=every,
             out_rows=index,
             keep=None,
             tables=tables.long().clamp_min(0),
-            mask=(k_pos < seq_lens)[:, None],
+            mask=mask[:, None],
+            stale=stale_rows(mask[:, 0]),
         ))
     return buckets
 
@@ -288,8 +297,9 @@ def _whole_decode_bucket(meta: AttentionMetadata, block_size: int, num_blocks: i
         tables = torch.from_numpy(np.maximum(meta.block_tables.numpy()[:, 0:num_blocks], 0).astype(np.int64))
     else:
         tables = meta.block_tables[:, 0:num_blocks].long().clamp_min(0)
-    return _Bucket(rows=rows, rows_are_all=True, out_rows=index, keep=None, tables=tables,
-                   mask=_key_mask(meta, num_blocks * block_size))
+    mask = _key_mask(meta, num_blocks * block_size)
+    return _Bucket(rows=rows, rows_are_all=True, out_rows=index, keep=None, tables=tables, mask=mask,
+                   stale=stale_rows(mask[:, 0, 0]))
 
 
 def _key_mask(meta: AttentionMetadata, num_keys: int) -> torch.Tensor:
@@ -352,6 +362,7 @@ def _attend_bucket(
         k, v = dequantize(k, kv_scales[0], query.dtype), dequantize(v, kv_scales[1], query.dtype)
     elif k.dtype != query.dtype:  # 16-bit pages of a float32 model (kv_cache_dtype="bfloat16"): exact widening
         k, v = k.to(query.dtype), v.to(query.dtype)
+    zero_stale(k, v, bucket.stale)
     if bucket.rowwise:
         return _attend_rowwise(q, k, v, bucket.mask, scale)
     o = F.scaled_dot_product_attention(

@@ -36,6 +36,7 @@ import torch
 from pagedrs.beam_search import BeamSearchParams, BeamState, beam_step
 from pagedrs.core.request import Hypothesis, Request, Sample, SamplesState, record_token
 from pagedrs.core.structured.mask import apply_grammar_masks
+from pagedrs.errors import NonFiniteLogitsError
 from pagedrs.sampling import SampleResult
 from pagedrs.sampling_params import SamplingParams
 
@@ -203,12 +204,17 @@ class BeamSearch:
         search = request.state
         assert isinstance(params, BeamSearchParams) and isinstance(search, BeamRequest)
         for row in rows:
+            if row.sample.seq_id in search.rows:
+                # the first row of a beam stays: one that ran again after a recompute preemption
+                # is for the same tokens (a beam gets no token before the decision)
+                continue
             logits = row.logits.float()
             if params.temperature > 0:
                 logits = logits / params.temperature
-            # the first row of a beam stays: one that ran again after a recompute preemption
-            # is for the same tokens (a beam gets no token before the decision)
-            search.rows.setdefault(row.sample.seq_id, torch.log_softmax(logits, dim=-1).cpu())
+            logprobs_row = torch.log_softmax(logits, dim=-1).cpu()
+            if bool(torch.isnan(logprobs_row).any()):  # ``record_token``'s rule: NaN logits end the request
+                raise NonFiniteLogitsError(search.state.num_generated)  # (NaN scores would rank silently)
+            search.rows[row.sample.seq_id] = logprobs_row
         beams = request.samples
         if any(b.seq_id not in search.rows for b in beams):
             return None  # wait for the other beams' rows

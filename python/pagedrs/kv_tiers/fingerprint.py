@@ -11,6 +11,11 @@ may be a ``BlockEmbedding`` of raw blocks. Before they were hashed, such a model
 ``state_dict`` held its norms alone, all ones in most checkpoints, so two different GGUF
 models of one geometry (or one model in two quantizations) shared a fingerprint and the
 disk tier served one model's pages to the other.
+
+A speculative draft model is left out on purpose: the store holds the target's layers only (the
+draft mirrors no disk transfer), and a page read back never serves draft K/V (a new sequence's draft
+feeds its context from position 0, spec/draft.py), so a store serves any draft alike
+(tests/test_spec_draft.py pins both; a change that stored the draft's layers would have to add it here).
 """
 
 from __future__ import annotations

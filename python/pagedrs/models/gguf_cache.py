@@ -6,8 +6,9 @@ seconds, so the result is written once under ``$PAGEDRS_CACHE_DIR`` (default ``~
 ``gguf/<sha256 of the file's content>-v<format>/``, and every later load reads that folder. The hash
 of a file is remembered by (path, size, mtime) so a warm load does not re-read the whole file. Every
 file is written under a temporary name and renamed into place, so no reader sees half of one; a cache
-that cannot be written is refused naming the folder and ``PAGEDRS_CACHE_DIR``. Reading the GGUF
-itself is ``gguf_loader``'s.
+that cannot be written is refused naming the folder and ``PAGEDRS_CACHE_DIR``. A folder is read only
+when its manifest (``gguf_manifest``: each file's size and SHA-256) holds; a damaged one is set aside
+and converted again, with a warning naming what was wrong. Reading the GGUF itself is ``gguf_loader``'s.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,13 +37,16 @@ from pagedrs.models.gguf_loader import (
     open_gguf,
     tensor_index,
 )
+from pagedrs.models.gguf_manifest import DENSE, dense_problem, problems, record, seal
 
 logger = logging.getLogger("pagedrs.engine")
 
 # bump when the cached folder's contents change meaning, or gguf_convert's conversions change their bytes (2:
-# gguf_index.json; 3: float32 weights written only for a dense load, converted blocks kept)
-_CONVERTED_FORMAT = 3
-_DENSE = "model.safetensors"  # every tensor in float32, for the dense formats and transformers
+# gguf_index.json; 3: float32 weights written only for a dense load, converted blocks kept; 4: manifest.json,
+# and folders converted with the finiteness and structure checks: a v3 folder may hold a NaN weight or an
+# index those checks refuse, written before they existed)
+_CONVERTED_FORMAT = 4
+_DENSE = DENSE
 _UNWRITABLE = (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT)  # a cache that cannot be written
 
 
@@ -96,21 +101,36 @@ def convert_gguf_cached(path: Path, *, dense_weights: bool = False) -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
     target = cache_root() / "gguf" / f"{file_sha256(path)}-v{_CONVERTED_FORMAT}"
+    source_bytes = path.stat().st_size
     try:
-        if not (target / _INDEX).is_file():
+        if target.is_dir() and (damage := problems(target, source_bytes)):
+            _set_aside(target, damage)
+        if not target.is_dir():
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
             try:
                 convert_gguf(path, staging)
+                seal(staging, source_bytes, _atomic_write_text)  # last: a folder without it is never read
                 try:
                     staging.rename(target)  # atomic: a concurrent converter may have won, which is fine
                 except OSError:
-                    if not (target / _INDEX).is_file():
+                    if not target.is_dir() or problems(target, source_bytes):
                         raise
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-        if dense_weights and not _whole_safetensors(target / _DENSE):
+        if dense_weights and (why := dense_problem(target)) is not None:
+            if (target / _DENSE).exists():
+                logger.warning("%s: %s; writing the float32 weights again", target, why)
             _write_dense_weights(path, target)
+            try:
+                record(target, _DENSE, _atomic_write_text)
+            except OSError as e:  # the weights are whole (renamed into place): this load reads them
+                if e.errno not in _UNWRITABLE:
+                    raise
+                logger.warning("%s could not be recorded in the manifest of %s (%s); the next dense load writes "
+                               "it again", _DENSE, target, e.strerror)
+    except _Damaged:
+        raise
     except OSError as e:
         if e.errno not in _UNWRITABLE:
             raise
@@ -120,16 +140,25 @@ def convert_gguf_cached(path: Path, *, dense_weights: bool = False) -> Path:
     return target
 
 
-def _whole_safetensors(path: Path) -> bool:
-    """Whether ``path`` is a safetensors file whose header and data add up (one cut short is written again
-    instead of failing every later load; the data's bits are not checksummed)."""
-    from safetensors import SafetensorError, safe_open
+class _Damaged(OSError):
+    """A damaged converted folder that could not be set aside (a read-only cache): its message says which
+    folder, what was wrong and how to clear it, and it is not reworded as a cache that cannot be written."""
 
+
+def _set_aside(folder: Path, damage: list[str]) -> None:
+    """Moves a damaged converted folder out of the loaders' sight (renamed ``.prune-...``, then deleted; a
+    prune finishes one left behind), so that it is converted again; says what was wrong."""
+    logger.warning("the cached conversion %s is damaged (%s); converting the GGUF file again", folder, "; ".join(damage))
+    trash = folder.with_name(f".prune-{folder.name}-{os.getpid()}-{time.monotonic_ns()}")
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return len(list(f.keys())) > 0
-    except (OSError, SafetensorError):
-        return False
+        folder.rename(trash)
+    except OSError as e:
+        if not folder.exists():  # a concurrent load set it aside first
+            return
+        raise _Damaged(e.errno, f"the cached conversion {str(folder)!r} is damaged ({'; '.join(damage)}) and could "
+                                f"not be moved aside ({e.strerror}); delete that folder (rm -r '{folder}') or point "
+                                "PAGEDRS_CACHE_DIR elsewhere, then load again") from e
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def convert_gguf(path: Path, out: Path) -> None:
@@ -142,7 +171,7 @@ def convert_gguf(path: Path, out: Path) -> None:
     from pagedrs.tokenizer import Tokenizer
 
     Tokenizer.from_gguf(path).hf.save_pretrained(str(out))
-    (out / _INDEX).write_text(json.dumps(index))  # last: the folder is complete when it exists
+    (out / _INDEX).write_text(json.dumps(index))  # (the manifest, written after it, makes the folder whole)
 
 
 def _write_dense_weights(path: Path, folder: Path) -> None:
