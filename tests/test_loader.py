@@ -111,6 +111,21 @@ def test_truncated_safetensors(tiny_llama_dir, tmp_path):
         load_model(folder)
 
 
+def test_a_tensor_in_two_files_is_refused_not_overridden(tiny_llama_dir, tmp_path):
+    """A stray file beside the weights holding a tensor of the same name (an older download, a
+    fine-tune's delta): the later file's copy replaced the earlier one without a word, so the model ran
+    weights nobody chose. Now refused, naming the tensor and both files."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy_folder(tiny_llama_dir, tmp_path / "m")
+    state = load_file(str(folder / "model.safetensors"))
+    name = sorted(state)[0]
+    save_file({name: torch.zeros_like(state[name])}, str(folder / "zz-stray.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor '{re.escape(name)}' is in both 'model.safetensors' and "
+                                         r"'zz-stray.safetensors'"):
+        load_model(folder)
+
+
 def test_sharded_safetensors_with_index(tiny_llama_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 

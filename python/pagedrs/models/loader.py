@@ -253,11 +253,20 @@ def read_safetensors_folder(folder: Path) -> dict[str, torch.Tensor]:
     if not files:
         raise ValueError(f"model folder {str(folder)!r} has no weights: expected *.safetensors files")
     state: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
     for f in files:
         try:
-            state.update(load_file(str(f)))
+            tensors = load_file(str(f))
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(f"safetensors file {str(f)!r} is truncated or corrupt: {e}") from e
+        for name in tensors.keys() & origin.keys():
+            # a later file's copy used to replace the earlier one without a word (a stray file in the folder,
+            # a shard holding a tensor the index puts elsewhere): which one the model is meant to run is not
+            # ours to guess
+            raise ValueError(f"model folder {str(folder)!r}: tensor {name!r} is in both {origin[name].name!r} and "
+                             f"{f.name!r}; each tensor must be in one file (remove the stray file)")
+        origin.update(dict.fromkeys(tensors, f))
+        state.update(tensors)
     return state
 
 
