@@ -3,6 +3,7 @@ version never reads."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -38,9 +39,9 @@ def cache(tmp_path, monkeypatch) -> dict[str, Path]:
     rewritten = tmp_path / "rewritten.gguf"
     rewritten.write_bytes(b"old")
     stat, old_stat = gguf.stat(), rewritten.stat()
-    memo = {f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}": "aa",
-            f"{tmp_path / 'moved.gguf'}|10|1": "bb",
-            f"{rewritten.resolve()}|{old_stat.st_size}|{old_stat.st_mtime_ns}": "cc"}
+    memo = {gguf_cache.memo_key(gguf, stat): "aa",
+            f"{tmp_path / 'moved.gguf'}|10|1|1|1:1": "bb",
+            gguf_cache.memo_key(rewritten, old_stat): "cc"}
     rewritten.write_bytes(b"new content")  # its memo entry no longer describes it
     (root).mkdir(parents=True)
     (root / "hashes.json").write_text(json.dumps(memo))
@@ -165,3 +166,21 @@ def test_a_linked_folder_is_never_followed_or_removed(cache, tmp_path):
     link.symlink_to(elsewhere, target_is_directory=True)
     assert link not in prune(orphans=True).removed
     assert link.is_symlink() and (elsewhere / "config.json").is_file()
+
+
+def test_a_file_rewritten_in_place_with_its_size_and_mtime_kept_is_hashed_again(tmp_path, monkeypatch):
+    """``cp -p other.gguf model.gguf`` (or a sync tool keeping times): same path, same size (Q4_0 and IQ4_NL
+    of one model both store 4.5 bits a weight), the same mtime put back. The memo keyed by path, size and
+    mtime alone sent the load to the old file's conversion: another model, served without a word. The
+    ctime (no user call sets it) and the inode are in the key now."""
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(tmp_path / "cache"))
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF" + b"a" * 60)
+    first = gguf_cache.file_sha256(f)
+    before = f.stat()
+    time.sleep(0.01)
+    f.write_bytes(b"GGUF" + b"b" * 60)  # the same size
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))  # and the old mtime back
+    assert (f.stat().st_size, f.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    second = gguf_cache.file_sha256(f)
+    assert second != first and second == hashlib.sha256(f.read_bytes()).hexdigest()

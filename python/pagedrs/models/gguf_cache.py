@@ -55,8 +55,18 @@ def cache_root() -> Path:
 
 
 def memo_key(path: Path, stat: os.stat_result) -> str:
-    """The hash memo's key of a file: ``resolved path|size|mtime_ns`` (a file rewritten gets a new key)."""
-    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    """The hash memo's key of a file: ``resolved path|size|mtime_ns|ctime_ns|device:inode``. A file rewritten
+    gets a new key: its contents' hash is read again. Why ctime and the inode too: ``cp -p other.gguf
+    model.gguf`` (or a sync tool that keeps times) rewrites a file in place with the other's mtime, and two
+    quantizations of one model can have the same size (Q4_0 and IQ4_NL both store 4.5 bits a weight), so
+    path, size and mtime alone could send a load to the old file's conversion: another model, served
+    without a word. No user call sets ctime; a replaced file has another inode."""
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_dev}:{stat.st_ino}"
+
+
+def memo_path(key: str) -> str:
+    """The file path a memo key names (``memo_key``'s first field)."""
+    return key.rsplit("|", 4)[0]
 
 
 def read_memo() -> dict[str, str]:
@@ -70,7 +80,7 @@ def read_memo() -> dict[str, str]:
 
 
 def file_sha256(path: Path) -> str:
-    """Content hash, memoized by (resolved path, size, mtime_ns) in the cache's hashes.json."""
+    """Content hash, memoized by ``memo_key`` (path, size, times, inode) in the cache's hashes.json."""
     memo_file = cache_root() / "hashes.json"
     key = memo_key(path, path.stat())
     memo = read_memo()

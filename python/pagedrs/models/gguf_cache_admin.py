@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedrs.models.gguf_cache import _CONVERTED_FORMAT, _DENSE, _atomic_write_text, cache_root, memo_key, read_memo
+from pagedrs.models.gguf_cache import _CONVERTED_FORMAT, _DENSE, _atomic_write_text, cache_root, memo_key, memo_path, read_memo
 
 STALE_STAGING_S = 24 * 3600  # a staging folder this old belongs to no conversion still running
 
@@ -55,7 +55,7 @@ def _size(path: Path) -> int:
 
 def _still_matches(key: str) -> bool:
     """Whether a memo key still describes the file at its path (``gguf_cache.memo_key``)."""
-    name = key.rsplit("|", 2)[0]
+    name = memo_path(key)
     try:
         return memo_key(Path(name), Path(name).stat()) == key
     except OSError:
@@ -83,7 +83,7 @@ def entries() -> list[CacheEntry]:
         return []
     by_sha: dict[str, list[str]] = {}
     for key, sha in _live_memo()[1].items():
-        by_sha.setdefault(sha, []).append(key.rsplit("|", 2)[0])
+        by_sha.setdefault(sha, []).append(memo_path(key))
     out = []
     for folder in root.iterdir():
         if not folder.is_dir() or folder.name.startswith("."):
