@@ -202,3 +202,42 @@ def test_generate_refuses_a_bad_sampling_value_before_loading(capsys, argv, frag
     assert main(["generate", "p", "--model", "/nonexistent/model", *argv]) == 2
     err = capsys.readouterr().err
     assert "pagedrs generate: error: " in err and fragment in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["", "--max-tokens", "3"], "the prompt is empty"),
+    (["ab " * 400, "--max-tokens", "3"], "max_model_len is"),
+    (["\udced", "--max-tokens", "3"], "not valid Unicode text"),  # argv that is not UTF-8 (surrogateescape)
+    (["hi", "--num-gpu-blocks", "1", "--max-tokens", "100"], "the pool holds 1 blocks"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_refuses_a_request_the_engine_refuses_without_a_traceback(tiny_llama_dir, capsys, argv, fragment,
+                                                                           stream):
+    """What only the loaded engine refuses (a black-box probe's finds): a traceback and exit 1 before; now
+    exit 2 and one line naming the reason."""
+    extra = ["--stream"] if stream else []
+    assert main(["generate", *argv[:1], "--model", str(tiny_llama_dir), *argv[1:], *extra]) == 2
+    err = capsys.readouterr().err
+    assert "pagedrs generate: error: " in err and fragment in err and "Traceback" not in err
+
+
+def test_chat_outlives_a_history_past_max_model_len_and_a_turn_the_engine_refuses(tiny_llama_dir):
+    """The session died with a traceback on the turn whose history outgrew max_model_len, on one message
+    too long alone, and on a turn the pool could never hold; the conversation was lost. Now the oldest turns
+    go (said), a too-long message is refused (said), and the session goes on to answer the next line."""
+    import subprocess
+    import sys
+
+    def chat(lines: str, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pagedrs.cli", "chat", "--model", str(tiny_llama_dir), *flags],
+                              input=lines, capture_output=True, text=True, timeout=180)
+
+    grown = chat("hello there\nhow are you doing\ntell me more\nand more\n\n", "--max-tokens", "20",
+                 "--max-model-len", "64")
+    assert grown.returncode == 0 and "Traceback" not in grown.stderr, grown.stderr[-2000:]
+    assert "the oldest 1 turn(s) were dropped" in grown.stdout and grown.stdout.count("bot> ") == 4
+    long = chat("ab " * 200 + "\nhi\n\n", "--max-tokens", "3")
+    assert long.returncode == 0 and "max_model_len is 256: send a shorter one" in long.stdout
+    assert long.stdout.count("bot> ") == 1  # the next line is answered
+    small = chat("hello\nagain\n\n", "--num-gpu-blocks", "1")
+    assert small.returncode == 0 and small.stdout.count("[this turn failed: ") == 2, small.stdout[-2000:]

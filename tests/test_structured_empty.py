@@ -50,3 +50,21 @@ def test_an_answer_whose_grammar_fails_midway_ends_in_an_error_not_a_stop(tiny_l
     assert dead.outputs[0].finish_reason == "error"
     assert len(done["plain"].outputs[0].token_ids) == 6  # the other request is untouched
     assert engine.stats()["num_free_gpu_blocks"] == free
+
+
+def test_a_stream_whose_request_fails_raises_after_its_text(tiny_llama_dir):
+    """``LLM.stream`` stopped quietly when the engine ended the request with an error, so a cut-short
+    answer read as a whole one; now the error is raised after the text already given (a ValueError here:
+    the request's own grammar dead-ends), and the engine serves on."""
+    from pagedrs import LLM
+
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_gpu_blocks=128, swap_space_gb=0.001, max_model_len=256)
+    pieces = []
+    with pytest.raises(ValueError, match=r"failed: GrammarDeadEnd: .*no token can continue"):
+        for piece in llm.stream([5, 6, 7], SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(
+                json=DEAD_END))):
+            pieces.append(piece)
+    assert "".join(pieces).startswith('{"x":')
+    assert "".join(llm.stream([8, 9], SamplingParams(max_tokens=3, ignore_eos=True)))  # serves on
+    stats = llm.engine.stats()
+    assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]

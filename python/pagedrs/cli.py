@@ -49,13 +49,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"pagedrs {args.command}: cannot start the engine: {exc}", file=sys.stderr)
         return 2
-    prompt = {"prompt_token_ids": llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])} if args.chat else args.prompt
-    if args.stream:
-        for delta in llm.stream(prompt, params):
-            print(delta, end="", flush=True)
-        print()
-    else:
-        print(llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text)
+    try:  # the request's own faults (an empty or too long prompt, a pool it can never fit) exit 2 naming them
+        prompt = ({"prompt_token_ids": llm.engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])}
+                  if args.chat else args.prompt)
+        if args.stream:
+            for delta in llm.stream(prompt, params):
+                print(delta, end="", flush=True)
+            print()
+            return 0
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+    except ValueError as exc:
+        print(f"\npagedrs {args.command}: error: {exc}" if args.stream else f"pagedrs {args.command}: error: {exc}",
+              file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # the engine's or the model's fault (NaN logits): said, never printed as an answer
+        print(f"\npagedrs {args.command}: the request failed: {exc}", file=sys.stderr)
+        return 1
+    if out.error is not None:
+        print(f"pagedrs {args.command}: the request failed: {out.error}", file=sys.stderr)
+        return 2 if out.error_by_request else 1
+    print(out.outputs[0].text)
     return 0
 
 

@@ -156,7 +156,10 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: PromptType, params: Optional[SamplingParams] = None) -> Generator[str, None, None]:
-        """Yields the text of one prompt's first sample as it is generated."""
+        """Yields the text of one prompt's first sample as it is generated. A request the engine ends with an
+        error (NaN logits, a grammar that dead-ends) raises it after the text already yielded: a ValueError
+        when the request's own input caused it (``RequestOutput.error_by_request``), else a RuntimeError;
+        before, the stream just stopped, and a cut-short answer read as a whole one."""
         request_id = self._next_id()
         self.engine.add_request(request_id, prompt, params or SamplingParams())
         try:
@@ -167,6 +170,9 @@ class LLM:
                     if out.outputs and out.outputs[0].delta_text:
                         yield out.outputs[0].delta_text
                     if out.finished:
+                        if out.error is not None:
+                            raise (ValueError if out.error_by_request else RuntimeError)(
+                                f"request {request_id!r} failed: {out.error}")
                         return
         finally:
             self.engine.abort(request_id)  # a no-op when it finished; frees pages when the caller stops early
