@@ -286,6 +286,8 @@ def test_the_cache_endpoints_pin_list_unpin_behind_the_admin_key(tiny_llama_dir:
         for bad, field in [({"prompt": prompt, "ttl_s": -1}, "ttl_s"), ({"prompt": prompt, "ttl_s": 1e9}, "ttl_s"),
                            ({"prompt": prompt, "ttl_s": "5"}, "ttl_s"), ({"prompt": prompt, "messages": []}, "prompt"),
                            ({}, "prompt"), ({"prompt": prompt, "colour": 1}, "colour"), ({"prompt": [1, 2]}, "block_size"),
+                           # under the default shared isolation a tenant changes nothing: refused, never ignored
+                           ({"prompt": prompt, "tenant": "alice"}, "--prefix-cache-isolation per-tenant"),
                            ({"prompt": list(range(3, 83))}, "max_model_len"),
                            ({"prompt": "a\ud800" * 20}, "lone surrogate"), ({"prompt": prompt, "cache_salt": "\udc80"}, "cache_salt"),
                            # a template renders them: 300 deep overflowed its stack (a 500)
@@ -329,6 +331,13 @@ def test_pin_prefix_file_good_and_bad(tiny_llama_dir: Path, tmp_path: Path, caps
             load_pin_file(str(bad))
         assert main(["--model", str(tiny_llama_dir), "--pin-prefix", str(bad)]) == 2  # before any engine starts
         assert why.split(":")[0] in capsys.readouterr().err
+    tenant = tmp_path / "tenant.jsonl"
+    tenant.write_text('{"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13], "tenant": "alice"}\n')
+    eng = engine(tiny_llama_dir)
+    with pytest.raises(ValueError, match=r"line 1: the pin was refused: .*tenant is 'alice', but the server runs "
+                                         r"--prefix-cache-isolation shared"):
+        preload_pins(eng, str(tenant), "shared")
+    eng.shutdown()
     refused = tmp_path / "refused.jsonl"
     refused.write_text('{"prompt": [5, 6, 7, 8, 9, 10, 11, 12, 13]}\n{"prompt": [1, 2]}\n')
     eng = engine(tiny_llama_dir)

@@ -114,10 +114,22 @@ class CacheInfo(BaseModel):
 
 
 def _salt(ctx: ServerContext, body: PinRequest) -> Optional[str]:
+    check_tenant_applies(ctx.prefix_cache_isolation, body.tenant)
     try:
         return engine_salt(ctx.prefix_cache_isolation, body.tenant, body.cache_salt)
     except ValueError as exc:
         raise APIError(400, f"{exc}: name it with the pin's 'tenant' field", param="tenant") from None
+
+
+def check_tenant_applies(isolation: str, tenant: Optional[str]) -> None:
+    """A pin's ``tenant`` means something only under ``--prefix-cache-isolation per-tenant``; under
+    ``shared`` it was accepted and changed nothing (alice's and bob's pins shared their pages, and a
+    request of no tenant hit them): refused instead, naming the flag that gives it a meaning."""
+    if tenant is not None and isolation != "per-tenant":
+        raise APIError(400, f"tenant is {tenant!r}, but the server runs --prefix-cache-isolation {isolation}, where "
+                            "every tenant shares the prefix cache and a pin's tenant changes nothing; pin without it "
+                            "(or use cache_salt), or start the server with --prefix-cache-isolation per-tenant",
+                       param="tenant")
 
 
 async def pin(ctx: ServerContext, body: PinRequest) -> PinResponse:
@@ -210,6 +222,7 @@ def preload_pins(engine: Any, path: str, isolation: str) -> list[str]:
     ids = []
     for number, request in load_pin_file(path):
         try:
+            check_tenant_applies(isolation, request.tenant)
             salt = engine_salt(isolation, request.tenant, request.cache_salt)
             ids.append(engine.pin_prefix(request.prompt_or_messages(), request.ttl_s, salt))
         except (ValueError, PinCapError, APIError) as exc:
