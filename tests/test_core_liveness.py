@@ -166,6 +166,8 @@ def test_request_timeout_aborts_an_accepted_request_in_the_engine() -> None:
     assert "--request-timeout=0.3 s" in delta.error and 0.3 <= took < 3
     assert ("abort", "slow") in engine.call_log() and not engine.has_unfinished()  # its pages are freed
     assert error_body(504, delta.error)["error"]["type"] == "timeout_error"
+    # counted in /metrics (a timed-out request went uncounted before)
+    assert loop.metrics.requests.labels(finish_reason="timeout")._value.get() == 1
     with pytest.raises(ValueError, match="request_timeout_s=0"):
         EngineLoop(engine, request_timeout_s=0)
 

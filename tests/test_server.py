@@ -449,7 +449,7 @@ def test_load_with_disconnects_frees_every_page_and_matches_offline(served: Serv
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(32)]
     leavers = set(range(0, 32, 4))
     stayers = [i for i in range(32) if i not in leavers]
-    finished_before = _finished_requests(served.metrics())
+    finished_before, aborted_before = _finished_requests(served.metrics()), _finished_requests(served.metrics(), "abort")
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str | None]:
         if i in leavers:
@@ -486,6 +486,8 @@ def test_load_with_disconnects_frees_every_page_and_matches_offline(served: Serv
     # 8: its 100 decode steps take a fraction of a second); broken aborts would finish all 8
     finished = _finished_requests(metrics) - finished_before
     assert len(stayers) <= finished <= len(stayers) + len(leavers) // 2, finished
+    # and every leaver the engine did not finish is counted as aborted (they went uncounted before)
+    assert _finished_requests(metrics, "abort") - aborted_before == len(stayers) + len(leavers) - finished
     expected = offline.generate([prompts[i] for i in stayers], SamplingParams(**GREEDY), use_tqdm=False)
     assert [results[i][0] for i in stayers] == [e.outputs[0].text for e in expected]
     assert [results[i][1] for i in stayers] == [e.outputs[0].finish_reason for e in expected]
@@ -493,8 +495,11 @@ def test_load_with_disconnects_frees_every_page_and_matches_offline(served: Serv
     assert metrics["pagedrs_time_to_first_token_seconds_count"] >= 32
 
 
-def _finished_requests(metrics: dict[str, float]) -> float:
-    return sum(v for k, v in metrics.items() if k.startswith("pagedrs_requests_finished_total{"))
+def _finished_requests(metrics: dict[str, float], *reasons: str) -> float:
+    """Requests finished with one of ``reasons`` (default: by their samples, "stop" or "length")."""
+    wanted = reasons or ("stop", "length")
+    return sum(v for k, v in metrics.items() if k.startswith("pagedrs_requests_finished_total{")
+               and any(f"finish_reason={r}}}" in k for r in wanted))
 
 
 def test_metrics_expose_every_required_series(served: Served) -> None:

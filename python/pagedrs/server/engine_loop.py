@@ -276,7 +276,8 @@ class EngineLoop:
             return
         for command in commands:
             if isinstance(command, _Abort):
-                self._sinks.pop(command.request_id, None)
+                if self._sinks.pop(command.request_id, None) is not None:  # in flight: its client went away
+                    self.metrics.requests.labels(finish_reason="abort").inc()
                 self.engine.abort(command.request_id)
             elif isinstance(command, _FailAll):
                 self._closed = command.message
@@ -335,7 +336,8 @@ class EngineLoop:
         if delta.finished:
             del self._sinks[output.request_id]
         if not sink.stream.put(delta):  # the handler's event loop is gone
-            self._sinks.pop(output.request_id, None)
+            if self._sinks.pop(output.request_id, None) is not None:
+                self.metrics.requests.labels(finish_reason="abort").inc()
             self.engine.abort(output.request_id)
 
     def _refresh_stats(self) -> None:
@@ -348,6 +350,7 @@ class EngineLoop:
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
             _fail(self.engine, request_id, sink, message, status, code)
+            self.metrics.requests.labels(finish_reason="failed").inc()
 
     def _expire(self, now: float) -> None:
         """Requests past their deadline (request_timeout_s): aborted in the engine, answered 504."""
@@ -356,6 +359,7 @@ class EngineLoop:
                 del self._sinks[request_id]
                 error = self._timeout_error(request_id)
                 _fail(self.engine, request_id, sink, str(error), _TIMEOUT_STATUS, REQUEST_TIMEOUT)
+                self.metrics.requests.labels(finish_reason="timeout").inc()
         with self._lock:  # submitted, never answered: a stopped core holds the handler at its add
             late = [c for c in self._unacked.values() if c.sink.deadline is not None and now >= c.sink.deadline]
             for command in late:

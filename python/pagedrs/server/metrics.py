@@ -128,6 +128,9 @@ class ServerMetrics:
             "pagedrs_prefix_pin_requests", "Pin and unpin requests (/v1/cache/pin), by outcome.",
             ["outcome"], registry=self.registry,
         )
+        # finish_reason: a sample's ("stop", "length", "error"), or how the server ended a request in flight:
+        # "abort" (its client went away), "timeout" (--request-timeout: a 504), "failed" (the engine failed or
+        # the server shut down with it in flight); before, those ended uncounted
         self.requests = Counter(
             "pagedrs_requests_finished", "Requests finished, by reason.", ["finish_reason"], registry=self.registry
         )
