@@ -107,6 +107,11 @@ def test_an_empty_or_missing_cache_is_reported_as_such(tmp_path, monkeypatch, ca
     assert entries() == [] and prune().removed == []
     assert main(["cache"]) == 0
     assert "(empty)" in capsys.readouterr().out
+    a_file = tmp_path / "not-a-folder"
+    a_file.write_text("x")
+    monkeypatch.setenv("PAGEDRS_CACHE_DIR", str(a_file))  # a typo listed as "(empty)" before
+    assert main(["cache", "--prune"]) == 2
+    assert "is not a directory" in capsys.readouterr().err and a_file.read_text() == "x"
 
 
 def test_a_memo_that_cannot_be_rewritten_is_an_error_naming_it(cache, monkeypatch, capsys):

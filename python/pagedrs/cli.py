@@ -128,8 +128,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache(args: argparse.Namespace) -> int:
+    from pagedrs.models.gguf_cache import cache_root
     from pagedrs.models.gguf_cache_admin import entries, prune, report
 
+    root = cache_root()
+    if root.exists() and not root.is_dir():  # listed as "(empty)" before: a typo in $PAGEDRS_CACHE_DIR went unseen
+        print(f"pagedrs cache: error: the cache folder {str(root)!r} ($PAGEDRS_CACHE_DIR) is not a directory",
+              file=sys.stderr)
+        return 2
     if args.prune or args.drop_dense or args.orphans:
         try:
             pruned = prune(drop_dense=args.drop_dense, orphans=args.orphans)
