@@ -41,7 +41,14 @@ from pagedrs.core.protocol import is_engine_fatal
 from pagedrs.server.deltas import DeltaStream
 from pagedrs.server.loop_call import LoopCall
 from pagedrs.server.metrics import ServerMetrics
-from pagedrs.server.refusals import ENGINE_DEAD, REQUEST_TIMEOUT, DeadEngineRefusal, RequestTimeoutError
+from pagedrs.server.refusals import (
+    ENGINE_DEAD,
+    ENGINE_UNRESPONSIVE,
+    REQUEST_TIMEOUT,
+    DeadEngineRefusal,
+    RequestTimeoutError,
+    UnresponsiveEngineRefusal,
+)
 from pagedrs.server.request_trace import RequestTrace
 from pagedrs.server.sinks import Sink
 
@@ -175,6 +182,9 @@ class EngineLoop:
             if self.engine_dead:
                 raise DeadEngineRefusal(f"the engine is dead: {self.fatal_error}")
             raise RuntimeError(f"the engine loop is not running ({self.fatal_error or 'stopped'})")
+        silent = self.engine.liveness()
+        if silent is not None and silent[0] == ENGINE_UNRESPONSIVE:
+            raise UnresponsiveEngineRefusal(silent[1])
         arrival = time.monotonic()
         deadline = None if self.request_timeout_s is None else arrival + self.request_timeout_s
         sink = Sink(out, tag, arrival, deadline)

@@ -16,7 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedrs.server.refusals import ENGINE_DEAD, REQUEST_TIMEOUT, DeadEngineRefusal, RequestTimeoutError
+from pagedrs.server.refusals import (
+    ENGINE_DEAD,
+    ENGINE_UNRESPONSIVE,
+    REQUEST_TIMEOUT,
+    DeadEngineRefusal,
+    RequestTimeoutError,
+    UnresponsiveEngineRefusal,
+)
 
 # OpenAI's error `type` for each status the server uses.
 _ERROR_TYPES: dict[int, str] = {
@@ -172,6 +179,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DeadEngineRefusal)
     async def _engine_dead(_: Request, exc: DeadEngineRefusal) -> JSONResponse:  # a request added after it died
         return APIError(503, str(exc), code=ENGINE_DEAD).response()
+
+    @app.exception_handler(UnresponsiveEngineRefusal)
+    async def _engine_unresponsive(_: Request, exc: UnresponsiveEngineRefusal) -> JSONResponse:
+        return APIError(503, str(exc), code=ENGINE_UNRESPONSIVE).response()
 
     @app.exception_handler(RequestTimeoutError)
     async def _request_timeout(_: Request, exc: RequestTimeoutError) -> JSONResponse:  # not even accepted in time

@@ -7,7 +7,8 @@ loop itself.
 
 from __future__ import annotations
 
-__all__ = ["ENGINE_DEAD", "REQUEST_TIMEOUT", "DeadEngineRefusal", "RequestTimeoutError"]
+__all__ = ["ENGINE_DEAD", "ENGINE_UNRESPONSIVE", "REQUEST_TIMEOUT", "DeadEngineRefusal", "RequestTimeoutError",
+           "UnresponsiveEngineRefusal"]
 
 
 class DeadEngineRefusal(Exception):
@@ -19,9 +20,15 @@ class DeadEngineRefusal(Exception):
     """
 
 
+class UnresponsiveEngineRefusal(Exception):
+    """A request refused because the engine core has been silent past ``--core-timeout`` (stopped, hung,
+    starved): answered 503 ``engine_unresponsive`` at once, as ``/health`` is, instead of queued behind a
+    core that may never answer (the client waited until it gave up)."""
+
+
 class RequestTimeoutError(TimeoutError):
     """A request had no finished output within the loop's ``request_timeout_s`` (HTTP 504)."""
 
 
 # error_code of the error deltas (OpenAI's `code`)
-ENGINE_DEAD, REQUEST_TIMEOUT = "engine_dead", "request_timeout"
+ENGINE_DEAD, ENGINE_UNRESPONSIVE, REQUEST_TIMEOUT = "engine_dead", "engine_unresponsive", "request_timeout"
