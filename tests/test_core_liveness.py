@@ -279,6 +279,20 @@ def test_a_stopped_core_turns_health_503_and_back_to_200(embedded) -> None:
     wait_until(lambda: served.health().status_code == 200, 10, "/health to say 200 again")
 
 
+def test_a_stopped_core_is_killed_at_shutdown_without_the_full_wait(embedded) -> None:
+    """A server SIGTERM'd while its core was SIGSTOP'd took 13.9 s to exit against a --shutdown-timeout of 2
+    (a probe's find): the stop message waited out every stage. A core already silent past --core-timeout now
+    gets 1 s to answer the stop, then is killed."""
+    served = embedded()
+    os.kill(served.engine.core_pid, signal.SIGSTOP)
+    wait_until(lambda: served.health().status_code == 503, 10 * CORE_TIMEOUT_S, "/health to say 503")
+    served.http.stop()
+    served.loop.stop()
+    started = time.monotonic()
+    served.engine.shutdown(timeout_s=10.0)
+    assert time.monotonic() - started < 5 and not served.engine.is_alive()
+
+
 def test_request_timeout_on_a_stopped_core_answers_504_and_frees_the_pages(embedded) -> None:
     served = embedded(request_timeout_s=1.0)
     with open_stream(served.url, stream_body()) as lines:  # accepted and running
