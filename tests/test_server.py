@@ -103,6 +103,9 @@ def client(served: Served) -> openai.OpenAI:
 def test_health_and_models(served: Served, client: openai.OpenAI) -> None:
     assert httpx.get(served.url + "/health").json() == {"status": "ok"}
     assert [m.id for m in client.models.list().data] == [MODEL]
+    for path in ("/health", "/v1/models"):  # load balancers probe with HEAD (a 405 before)
+        head = httpx.head(served.url + path)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
 
 
 def test_completions_equal_offline_generate_with_usage(client: openai.OpenAI, offline: LLM) -> None:

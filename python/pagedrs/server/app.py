@@ -87,7 +87,7 @@ def build_app(
     install_error_handlers(app)
     app.add_middleware(Gate, options=options, drain=drain)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes (it was a 405)
     async def health() -> Response:
         if drain.draining:
             return APIError(503, "the server is shutting down", code="server_shutting_down").response()
@@ -97,7 +97,7 @@ def build_app(
             return APIError(503, reason, code=code).response()
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=ctx.model_name, created=now_s(), max_model_len=ctx.max_model_len)])
 
