@@ -109,16 +109,16 @@ def test_a_restart_finds_the_pages_an_asynchronous_engine_wrote(tiny_llama_dir, 
 def test_an_interrupt_after_a_steps_disk_copies_never_serves_them_wrong(tiny_llama_dir, hf_model, tmp_path,  # noqa: F811
                                                                         async_scheduling):
     """Ctrl-C right after a step queued its copies to disk (before its forward; on the worker with
-    asynchronous scheduling): the steps in flight go back and are computed again, the copies' slots
-    leave the core's index, and neither this engine nor one restarted on the store ever answers
-    differently from transformers."""
+    asynchronous scheduling): the steps in flight go back and are computed again, the copies that ran
+    are reported done (only those: ``ModelRunner.run_transfers``' done list), and neither this engine
+    nor one restarted on the store ever answers differently from transformers."""
     eng = engine(tiny_llama_dir, async_scheduling=async_scheduling, kv_disk_path=str(tmp_path), kv_disk_gb=gib(400))
     runner = (eng.executor.inner if async_scheduling else eng.executor).runner
     real = runner.run_transfers
     armed = {"left": 2}  # two interrupts, each right after copies to disk
 
-    def run_transfers(transfers):
-        real(transfers)
+    def run_transfers(transfers, done=None):
+        real(transfers, done)
         if armed["left"] and any(t.dst == "disk" for t in transfers):
             armed["left"] -= 1
             raise KeyboardInterrupt
