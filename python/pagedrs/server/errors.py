@@ -16,14 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedrs.server.refusals import (
-    ENGINE_DEAD,
-    ENGINE_UNRESPONSIVE,
-    REQUEST_TIMEOUT,
-    DeadEngineRefusal,
-    RequestTimeoutError,
-    UnresponsiveEngineRefusal,
-)
+from pagedrs.server import refusals
 
 # OpenAI's error `type` for each status the server uses.
 _ERROR_TYPES: dict[int, str] = {
@@ -40,9 +33,9 @@ _ERROR_TYPES: dict[int, str] = {
 # Codes whose failure is not what their status usually means: a dead or stopped engine is no
 # overloaded server (a client would wait and retry instead of paging someone).
 _CODE_TYPES: dict[str, str] = {
-    ENGINE_DEAD: "engine_dead_error",
-    "engine_unresponsive": "engine_unresponsive_error",
-    REQUEST_TIMEOUT: "timeout_error",
+    refusals.ENGINE_DEAD: "engine_dead_error",
+    refusals.ENGINE_UNRESPONSIVE: "engine_unresponsive_error",
+    refusals.REQUEST_TIMEOUT: "timeout_error",
 }
 
 # Seconds a client should wait before retrying a 503 (sent as `Retry-After`).
@@ -176,17 +169,17 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
 
-    @app.exception_handler(DeadEngineRefusal)
-    async def _engine_dead(_: Request, exc: DeadEngineRefusal) -> JSONResponse:  # a request added after it died
-        return APIError(503, str(exc), code=ENGINE_DEAD).response()
+    @app.exception_handler(refusals.DeadEngineRefusal)
+    async def _engine_dead(_: Request, exc: refusals.DeadEngineRefusal) -> JSONResponse:  # added after it died
+        return APIError(503, str(exc), code=refusals.ENGINE_DEAD).response()
 
-    @app.exception_handler(UnresponsiveEngineRefusal)
-    async def _engine_unresponsive(_: Request, exc: UnresponsiveEngineRefusal) -> JSONResponse:
-        return APIError(503, str(exc), code=ENGINE_UNRESPONSIVE).response()
+    @app.exception_handler(refusals.UnresponsiveEngineRefusal)
+    async def _engine_unresponsive(_: Request, exc: refusals.UnresponsiveEngineRefusal) -> JSONResponse:
+        return APIError(503, str(exc), code=refusals.ENGINE_UNRESPONSIVE).response()
 
-    @app.exception_handler(RequestTimeoutError)
-    async def _request_timeout(_: Request, exc: RequestTimeoutError) -> JSONResponse:  # not even accepted in time
-        return APIError(504, str(exc), code=REQUEST_TIMEOUT).response()
+    @app.exception_handler(refusals.RequestTimeoutError)
+    async def _request_timeout(_: Request, exc: refusals.RequestTimeoutError) -> JSONResponse:  # not accepted in time
+        return APIError(504, str(exc), code=refusals.REQUEST_TIMEOUT).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
