@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -49,15 +48,15 @@ from pagedrs.stats import EngineStats
 from pagedrs.step_input import StepInput
 
 
-def _pool_fit_error(exc: ValueError, prompt_len: int, block_size: int) -> ValueError:
-    """The scheduler's refusal of a request the KV pool can never hold, as a ``FieldError`` naming the
-    field to change: "prompt" when the prompt and one new token cannot fit, else "max_tokens" (a
-    server's 400 then names it in ``param``); any other refusal is ``exc`` itself."""
-    message = str(exc)
-    if not message.startswith("the request needs up to") or (pool := re.search(r"the pool holds (\d+) blocks", message)) is None:
+def _pool_fit_error(exc: ValueError, prompt_len: int, block_size: int, pool_blocks: int) -> ValueError:
+    """The scheduler's refusal of a request the KV pool can never hold (``Scheduler.add_sequence``'s "the
+    request needs up to ..."), as a ``FieldError`` naming the field to change: "prompt" when the prompt
+    and one new token cannot fit the pool's ``pool_blocks``, else "max_tokens" (a server's 400 then names
+    it in ``param``); any other refusal is ``exc`` itself."""
+    if not str(exc).startswith("the request needs up to"):
         return exc
     prompt_blocks = -(-(prompt_len + 1) // block_size)
-    return FieldError("prompt" if prompt_blocks > int(pool.group(1)) else "max_tokens", message)
+    return FieldError("prompt" if prompt_blocks > pool_blocks else "max_tokens", str(exc))
 
 
 class EngineCore:
@@ -178,7 +177,8 @@ class EngineCore:
                     cache_salt=salt,
                 )
             except ValueError as exc:
-                raise _pool_fit_error(exc, len(core_request.prompt_token_ids), self.args.block_size) from exc
+                raise _pool_fit_error(exc, len(core_request.prompt_token_ids), self.args.block_size,
+                                      self.scheduler.num_gpu_blocks) from exc
             undo(lambda: self.scheduler.finish(seq_id))
             self._requests[request_id] = request
             undo(lambda: self._requests.pop(request_id, None))
