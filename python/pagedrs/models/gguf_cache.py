@@ -14,7 +14,6 @@ and converted again, with a warning naming what was wrong. Reading the GGUF itse
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -37,7 +36,7 @@ from pagedrs.models.gguf_loader import (
     open_gguf,
     tensor_index,
 )
-from pagedrs.models.gguf_manifest import DENSE, dense_problem, problems, record, seal
+from pagedrs.models.gguf_manifest import DENSE, dense_problem, problems, record, seal, sha256_of
 
 logger = logging.getLogger("pagedrs.engine")
 
@@ -86,11 +85,7 @@ def file_sha256(path: Path) -> str:
     memo = read_memo()
     if key in memo:
         return str(memo[key])
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    memo[key] = h.hexdigest()
+    memo[key] = sha256_of(path)
     try:
         _atomic_write_text(memo_file, json.dumps(memo))
     except OSError as e:  # only the saving is lost: the next load hashes the file again

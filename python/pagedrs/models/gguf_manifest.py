@@ -27,11 +27,15 @@ MANIFEST = "manifest.json"
 DENSE = "model.safetensors"  # every tensor in float32, for the dense formats and transformers
 
 
+def sha256_of(path: Path) -> str:
+    """The hex SHA-256 of the file at ``path``, read in chunks."""
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def file_entry(path: Path) -> dict[str, Any]:
     """``{"bytes": size, "sha256": hex}`` of the file at ``path``."""
-    with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    return {"bytes": path.stat().st_size, "sha256": digest}
+    return {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
 
 
 def _listed(folder: Path) -> list[Path]:
