@@ -242,6 +242,7 @@ def _check_host_tier_fits(swap_space_gb: float | None, kv_host_cache_gb: float |
         raise ValueError(f"swap_space_gb ({swap_space_gb}) + kv_host_cache_gb ({kv_host_cache_gb}) is {asked:g} GiB of "
                          f"host memory for the KV host tier; this host has {host:.1f} GiB: allowed at most that")
 
+
 def _check_cpu_threads(name: str, value: Any, shown: Any = None) -> None:
     """An integer from 1 to MAX_CPU_THREADS (not a bool, not 1.5: a thread count is whole)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= int(value) <= MAX_CPU_THREADS:

@@ -173,8 +173,10 @@ def check_tokenizer_fields(reader: Any, path: Path) -> None:
     """The tokenizer section's lists as transformers builds a tokenizer from them, refused by key: every
     token a string, every merge two tokens of the list joined by one space whose concatenation is a token
     too, scores numbers and token types integers, one of each per token. Why: transformers' own errors for
-    these name no key ("'int' object has no attribute 'split'", "Token `x` out of vocabulary"), and a
-    token-type list shorter than the tokens was taken silently (the tokens past it lost their types)."""
+    these name no key ("'int' object has no attribute 'split'", "Token `x` out of vocabulary"). Run only
+    once transformers has failed (``Tokenizer.from_gguf``): what it builds from without failing, such as a
+    token-type list shorter than the tokens, is not checked. (``_meta`` and ``_shown_value`` are
+    ``models/gguf_loader``'s ``_field`` and ``_shown`` again: that module sits a layer above this one.)"""
     tokens = _meta(reader, "tokenizer.ggml.tokens", [])
     _typed_list("tokenizer.ggml.tokens", tokens, str, "a string", path)
     n = len(tokens)
