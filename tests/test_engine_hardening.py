@@ -432,7 +432,9 @@ def test_a_host_tier_larger_than_the_host_is_refused_naming_the_fields(field):
     EngineArgs(swap_space_gb=0.5, kv_host_cache_gb=0.5)  # a size the host holds is fine
 
 
-@pytest.mark.parametrize("call", ["BlockManager(400_000_000, 16, 0, True)", "BlockManager(1, 2**36)"])
+# 4e9 blocks of 1024 tokens (~16 TiB of bookkeeping) and one block of 2**40 tokens (4 TiB): past any host
+# this runs on (the probe's 400_000_000 blocks of 16, ~39 GiB, would fit a large one and be allocated)
+@pytest.mark.parametrize("call", ["BlockManager(4_000_000_000, 1024, 0, True)", "BlockManager(1, 2**40)"])
 def test_block_tables_larger_than_the_host_raise_not_abort(call):
     """Sizes inside the per-field ranges whose bookkeeping is larger than the host's memory: the core's
     allocation failed and Rust aborted the interpreter (SIGABRT, rc 134). Now a ValueError naming the

@@ -18,11 +18,15 @@ const BYTES_PER_BLOCK: u128 = 40;
 /// Bytes per cached token of a block (a `u32` token id).
 const BYTES_PER_TOKEN: u128 = 4;
 
+/// The least bytes a block of `block_size` tokens costs the bookkeeping of its tier.
+fn per_block(block_size: usize) -> u128 {
+    BYTES_PER_BLOCK + BYTES_PER_TOKEN * block_size as u128
+}
+
 /// The least bytes the bookkeeping of tiers of `blocks` blocks of `block_size` tokens needs (u128:
 /// no product of two `usize`s overflows it).
 pub(super) fn bookkeeping_bytes(blocks: [usize; 3], block_size: usize) -> u128 {
-    let per_block = BYTES_PER_BLOCK + BYTES_PER_TOKEN * block_size as u128;
-    blocks.iter().map(|&n| n as u128 * per_block).sum()
+    blocks.iter().map(|&n| n as u128 * per_block(block_size)).sum()
 }
 
 /// Refuses tiers whose bookkeeping alone is larger than this host's physical memory, naming the
@@ -35,8 +39,8 @@ pub(super) fn check(blocks: [usize; 3], block_size: usize) -> Result<(), CoreErr
             "the block tables' bookkeeping would need at least {:.1} GiB of host memory (num_gpu_blocks {} + \
              num_cpu_blocks {} + num_disk_blocks {} blocks of block_size {} tokens, {} bytes a block), more than \
              this host's {:.1} GiB: use fewer or smaller blocks",
-            need as f64 / (1u64 << 30) as f64, blocks[0], blocks[1], blocks[2], block_size,
-            BYTES_PER_BLOCK + BYTES_PER_TOKEN * block_size as u128, have as f64 / (1u64 << 30) as f64
+            need as f64 / (1u64 << 30) as f64, blocks[0], blocks[1], blocks[2], block_size, per_block(block_size),
+            have as f64 / (1u64 << 30) as f64
         ));
     }
     Ok(())
@@ -67,13 +71,17 @@ fn physical_memory() -> Option<usize> {
 mod tests {
     use super::*;
 
+    /// Sizes set from this host's memory, so the test means the same on a 24 GiB and a 2 TiB machine.
+    #[cfg(target_os = "linux")]
     #[test]
     fn sizes_past_the_hosts_memory_are_refused_naming_the_fields() {
-        let e = check([400_000_000, 0, 0], 16).unwrap_err().to_string();
-        assert!(e.contains("num_gpu_blocks 400000000") && e.contains("block_size 16"), "{e}");
-        let e = check([1, 0, 0], 1 << 36).unwrap_err().to_string();
-        assert!(e.contains("block_size 68719476736") && e.contains("GiB"), "{e}");
-        assert!(check([100_000, 1_000, 0], 16).is_ok());
+        let have = physical_memory().expect("linux") as u128;
+        let past = (have / per_block(16) + 1) as usize;
+        let e = check([past, 0, 0], 16).unwrap_err().to_string();
+        assert!(e.contains(&format!("num_gpu_blocks {past}")) && e.contains("block_size 16"), "{e}");
+        let e = check([0, 1, 0], (have / 4) as usize + 1).unwrap_err().to_string();  // one block, too many tokens
+        assert!(e.contains("num_cpu_blocks 1") && e.contains("GiB"), "{e}");
+        assert!(check([past / 4, past / 4, 0], 16).is_ok());  // half the host: allowed
         // no overflow at the extremes
         assert!(bookkeeping_bytes([usize::MAX; 3], usize::MAX) > u64::MAX as u128);
     }
