@@ -241,3 +241,10 @@ def test_chat_outlives_a_history_past_max_model_len_and_a_turn_the_engine_refuse
     assert long.stdout.count("bot> ") == 1  # the next line is answered
     small = chat("hello\nagain\n\n", "--num-gpu-blocks", "1")
     assert small.returncode == 0 and small.stdout.count("[this turn failed: ") == 2, small.stdout[-2000:]
+    # a byte the terminal cannot decode (a lone surrogate in the line): a TypeError from the tokenizers
+    # library ended the session
+    raw = subprocess.run([sys.executable, "-m", "pagedrs.cli", "chat", "--model", str(tiny_llama_dir), "--max-tokens",
+                          "3"], input=b"a\xffb\nhi\n\n", capture_output=True, timeout=180)
+    out = raw.stdout.decode("utf-8", "replace")
+    assert raw.returncode == 0 and b"Traceback" not in raw.stderr, raw.stderr[-2000:]
+    assert "[your message was refused: the text is not valid Unicode" in out and out.count("bot> ") == 1

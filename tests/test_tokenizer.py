@@ -229,3 +229,11 @@ def test_token_bytes_of_an_unknown_decoder_never_hide_bytes(tmp_path):
     assert tok.decode([ids[0]]) == "\ufffd"
     assert tok.token_bytes(ids[0]) is None
     assert tok.token_bytes(ids[-1]) == tok.decode([ids[-1]]).encode() == b"The"
+
+
+def test_text_that_is_not_valid_unicode_is_a_value_error_naming_the_character(tiny_tokenizer):
+    """A lone surrogate (a terminal's undecodable byte read with surrogateescape, JSON's "\\ud800"): the
+    tokenizers library raised a TypeError that named nothing, and `pagedrs chat` died of it."""
+    with pytest.raises(ValueError, match=r"not valid Unicode: surrogates not allowed \(character '\\udcff' at index 1\)"):
+        tiny_tokenizer.encode("a\udcffb")
+    assert tiny_tokenizer.decode(tiny_tokenizer.encode("ab", add_special_tokens=False)) == "ab"  # valid text goes through

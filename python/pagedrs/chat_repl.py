@@ -40,7 +40,11 @@ def run_chat(engine_kwargs: dict, max_tokens: int = 256, temperature: float = 0.
         if not line:
             return 0
         history.append({"role": "user", "content": line})
-        prompt = fitted_prompt(llm, history)
+        try:
+            prompt = fitted_prompt(llm, history)
+        except ValueError as exc:  # a line that is not valid text (an undecodable byte from the terminal)
+            print(f"[your message was refused: {exc}]")
+            prompt = None
         if prompt is None:
             history.pop()
             continue

@@ -142,6 +142,14 @@ class Tokenizer:
         return table
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; a ValueError for text that is not valid Unicode (a lone surrogate, as a
+        terminal's undecodable byte or JSON's ``"\\ud800"`` gives), which the tokenizers library refused with
+        a TypeError that named nothing."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"the text is not valid Unicode: {exc.reason} (character {exc.object[exc.start]!r} "
+                             f"at index {exc.start})") from None
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
