@@ -84,6 +84,15 @@ def _index_naming_a_missing_shard(folder: Path) -> None:
         {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
 
 
+def _manifest_naming(name: str) -> Callable[[Path], None]:
+    """A manifest whose entry names ``name``, a path out of the folder: hashing /dev/zero never ends."""
+    def spoil(folder: Path) -> None:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["files"][name] = {"bytes": 0, "sha256": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    return spoil
+
+
 def _wrong_shape(folder: Path) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -110,6 +119,9 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
     "the index cut short": (lambda f: (f / "gguf_index.json").write_text((f / "gguf_index.json").read_text()[:100]),
                             "gguf_index.json has 100 bytes"),
     "no manifest": (lambda f: (f / "manifest.json").unlink(), "manifest.json is missing or unreadable"),
+    "a manifest naming /dev/zero": (_manifest_naming("/dev/zero"), "manifest.json is missing or unreadable"),
+    "a manifest naming a path out of the folder": (_manifest_naming("../hashes.json"),
+                                                   "manifest.json is missing or unreadable"),
 }
 
 

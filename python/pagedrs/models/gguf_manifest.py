@@ -60,9 +60,11 @@ def read(folder: Path) -> dict[str, Any] | None:
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not isinstance(manifest.get("source_bytes"), int):
         return None
-    for entry in files.values():
+    for name, entry in files.items():
         if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("sha256"), str)):
             return None
+        if Path(name).name != name or name in ("", ".", ".."):  # a file of this folder, never a path out of it:
+            return None  # "/dev/zero" or "../x" would be hashed wherever it led (the first for ever)
     return manifest
 
 
