@@ -223,6 +223,20 @@ def test_more_tokens_than_the_table_has_rows_are_refused(tmp_path):
         _config(path)
 
 
+@pytest.mark.parametrize("key, values", [
+    ("tokenizer.ggml.token_type", [1] * (VOCAB - 10)), ("tokenizer.ggml.token_type", [1] * (VOCAB + 1)),
+    ("tokenizer.ggml.scores", [0.0] * (VOCAB - 1)),
+], ids=["types-short", "types-long", "scores-short"])
+def test_a_per_token_list_of_another_length_than_the_tokens_is_refused_by_key(tmp_path, key, values):
+    """transformers builds a tokenizer from a short token-type list without a word (the tokens past its end
+    typed "normal": a control token left out is printed by skip_special_tokens), so the loader counts them."""
+    path = _write(tmp_path / "m.gguf", {key: (V.ARRAY, values)})
+    with pytest.raises(ValueError, match=rf"'{key}' has {len(values)} entries; 'tokenizer\.ggml\.tokens' has {VOCAB}"):
+        _config(path)
+    ok = _write(tmp_path / "ok.gguf", {key: (V.ARRAY, values[:1] * VOCAB)})
+    assert _config(ok)["vocab_size"] == VOCAB
+
+
 _TOKENS = ["a", "b", "ab", "c"] + [f"t{i}" for i in range(VOCAB - 4)]
 
 

@@ -16,8 +16,8 @@ def check_tokenizer_fields(reader: Any, path: Path, byte_of_char: dict[str, int]
     token a string, every merge two tokens of the list joined by one space whose concatenation is a token
     too, scores numbers and token types integers, one of each per token. Why: transformers' own errors for
     these name no key ("'int' object has no attribute 'split'", "Token `x` out of vocabulary"). Run only
-    once transformers has failed (``Tokenizer.from_gguf``): what it builds from without failing, such as a
-    token-type list shorter than the tokens, is not checked. ``byte_of_char``: GPT-2's byte alphabet
+    once transformers has failed (``Tokenizer.from_gguf``); the lists' lengths, which transformers does not
+    check, are checked on every load by ``models.gguf_loader``. ``byte_of_char``: GPT-2's byte alphabet
     (``tokenizer.byte_of_char``, passed in: that module imports this one)."""
     tokens = _meta(reader, "tokenizer.ggml.tokens", [])
     _typed_list("tokenizer.ggml.tokens", tokens, str, "a string", path)

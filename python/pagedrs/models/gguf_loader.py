@@ -136,6 +136,7 @@ def gguf_config(reader: Any, path: Path) -> dict[str, Any]:
     if not isinstance(tokens, list):
         raise ValueError(f"GGUF file {str(path)!r}: metadata field 'tokenizer.ggml.tokens' is {_shown(tokens)}; "
                          "expected a list of strings")
+    _check_per_token_lists(reader, len(tokens), path)
     names = {t.name for t in reader.tensors}
     config: dict[str, Any] = {
         "model_type": _ARCHITECTURES[arch][0],
@@ -222,6 +223,25 @@ def _check_against_tensors(config: dict[str, Any], arch: str, n_tokens: int, rea
     if n_tokens > config["vocab_size"]:
         raise ValueError(f"{where}: metadata field 'tokenizer.ggml.tokens' holds {n_tokens} tokens, but "
                          f"'token_embd.weight' has {config['vocab_size']} rows")
+
+
+def _check_per_token_lists(reader: Any, n_tokens: int, path: Path) -> None:
+    """The scores and token types, one per token, counted without reading them (the field's entry count).
+    Why here, on every load: transformers builds a tokenizer from a short token-type list without a word,
+    every token past its end typed "normal", so a control token the list left out is printed by
+    ``skip_special_tokens`` (and llama.cpp reads past the list's end)."""
+    from gguf import GGUFValueType
+
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        field = reader.fields.get(key)
+        if field is None:
+            continue
+        if field.types[:1] != [GGUFValueType.ARRAY]:
+            raise ValueError(f"GGUF file {str(path)!r}: metadata field {key!r} is not a list; expected one entry "
+                             "for each token")
+        if len(field.data) != n_tokens:
+            raise ValueError(f"GGUF file {str(path)!r}: metadata field {key!r} has {len(field.data)} entries; "
+                             f"'tokenizer.ggml.tokens' has {n_tokens}, and there must be one for each token")
 
 
 def _rope_freqs(reader: Any, path: Path) -> list[float]:
