@@ -230,6 +230,18 @@ def test_a_special_token_the_text_leaves_out_takes_no_room(make_module_served: C
         assert lp["text_offset"][-1] == len(text) - 1  # the last of the emoji's bytes
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_an_echoed_token_id_prompt_is_decoded_as_the_request_asks(served: Served, tokenizer: Tokenizer,
+                                                                  skip: bool) -> None:
+    """The echo of a token-id prompt dropped its special tokens even with skip_special_tokens false (it
+    was decoded with the default), while the answer kept its own: the echo decodes as the answer does."""
+    ids = tokenizer.encode("<|im_start|>The quick<|im_end|>", add_special_tokens=False)
+    expected = "<|im_start|>The quick<|im_end|>" if not skip else "The quick"
+    assert tokenizer.decode(ids, skip_special_tokens=skip) == expected
+    body = {"prompt": ids, "echo": True, "max_tokens": 2, "skip_special_tokens": skip}
+    assert _post(served, "/v1/completions", body)["choices"][0]["text"].startswith(expected)
+
+
 def test_character_count_is_a_lossy_decode_of_the_bytes() -> None:
     """_CharCount against Python's decoder (U+FFFD for each maximal invalid part, as the tokenizer's
     Rust decode): the character a token's first byte is in, however the bytes are cut into tokens,

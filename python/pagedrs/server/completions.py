@@ -73,8 +73,13 @@ def _echo_logprobs(body: CompletionRequest) -> bool:
 
 
 def _echo_text(ctx: ServerContext, gen: Generation, tag: int) -> str:
+    """The prompt as the request sent it: its text, or its token ids decoded as the request decodes its
+    answer (``skip_special_tokens``: a token-id prompt's special tokens were dropped from an echo that
+    asked to keep them)."""
     text = gen.echo_texts[tag]
-    return text if text is not None else str(ctx.tokenizer.decode(gen.prompts[tag]))
+    if text is not None:
+        return text
+    return str(ctx.tokenizer.decode(gen.prompts[tag], skip_special_tokens=gen.params.skip_special_tokens))
 
 
 class _CharCount:
