@@ -288,3 +288,24 @@ def test_legacy_echo_offsets_with_a_sentencepiece_tokenizer(make_module_served: 
             assert offset == (len((data + raw[:1]).decode("utf-8", "replace")) - 1 if raw else len(data.decode()))
             data += raw
         assert data.decode("utf-8") == choice["text"]
+
+
+@pytest.mark.parametrize("prompt", [" The quick", "  The  quick", "The quick"])
+def test_sentencepiece_echo_offsets_of_a_prompt_that_starts_with_a_space(
+        make_module_served: Callable[..., Served], tmp_path_factory: pytest.TempPathFactory, prompt: str) -> None:
+    """A prompt that starts with a space encodes to the prepended U+2581 and then its own ("\\u2581",
+    "\\u2581T"): the first one matched the text's space, and every offset after it was one on (the
+    probe's " The quick": "\\u2581T" at 1, "h" at 3). The prepended one takes no room."""
+    folder = tmp_path_factory.mktemp("sentencepiece-space")
+    make_sentencepiece_tokenizer(folder)
+    tokenizer = Tokenizer.from_folder(folder)
+    served = make_module_served(ScriptedEngine(tokenizer, answer="fox"))
+    ids = tokenizer.encode(prompt)
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1}
+    choice = _post(served, "/v1/completions", body)["choices"][0]
+    assert choice["text"].startswith(prompt)
+    pieces = [tokenizer.token_bytes(i) or b"" for i in ids]
+    pieces[0], pieces[1] = b"", pieces[1][1:]  # the BOS, and the space the encode prepended
+    assert b"".join(pieces).decode() == prompt
+    expected = [len(b"".join(pieces[:i]).decode()) for i in range(len(ids))]
+    assert choice["logprobs"]["text_offset"][:len(ids)] == expected

@@ -160,24 +160,61 @@ class _LogprobBuilder:
         """The prompt's tokens, offsets from 0 in its echoed ``text``; an entry None (the first
         token) has null logprobs. Matched against the text's bytes: a special token not in it (a
         BOS the encode added, or one a decode skipped) takes no room, nor does the leading space
-        a SentencePiece decode strips."""
-        part, data, pos, count = CompletionLogprobs(), text.encode(), 0, _CharCount(0)
-        for token_id, entry in zip(token_ids, logprobs, strict=True):
-            shown, raw = token_piece(self.ctx.tokenizer, token_id)
-            found = raw is not None and data.startswith(raw, pos)
-            if raw is None:  # bytes unknown: its decoded text's characters (best effort)
-                offset = count.text(shown)
-                pos += len(shown.encode())
-            elif not found and token_id in self.special:  # not in the text
-                offset = count.feed(b"")
-            elif not found and pos == 0 and raw[:1] == b" " and data.startswith(raw[1:]):
-                offset = count.feed(raw[1:])  # the first space, which a SentencePiece decode strips
-                pos += len(raw) - 1
-            else:
-                offset = count.feed(raw)
-                pos += len(raw)
+        a SentencePiece encode prepends (its decode strips it). Which of the two readings holds (the
+        first piece's space in the text or not) is the one whose pieces spell the whole text: a
+        prompt that starts with a space has both (``"\u2581"`` then ``"\u2581T"``), and the first
+        space matched the text's own, moving every offset after it one character on."""
+        data = text.encode()
+        pieces = [token_piece(self.ctx.tokenizer, token_id) for token_id in token_ids]
+        offsets = (self._spelled_offsets(token_ids, pieces, data, dummy_space=False)
+                   or self._spelled_offsets(token_ids, pieces, data, dummy_space=True)
+                   or self._matched_offsets(token_ids, pieces, data))
+        part = CompletionLogprobs()
+        for token_id, (shown, _), entry, offset in zip(token_ids, pieces, logprobs, offsets, strict=True):
             self._append(part, token_id, shown, entry, offset)
         return self._extend(part)
+
+    def _spelled_offsets(self, token_ids: list[int], pieces: list[tuple[str, bytes | None]], data: bytes, *,
+                         dummy_space: bool) -> list[int] | None:
+        """Offsets where the pieces spell ``data`` exactly (special tokens present or not), the first
+        ordinary piece less its leading space when ``dummy_space``; None where they do not."""
+        count, pos, offsets, first = _CharCount(0), 0, [], True
+        for token_id, (_, raw) in zip(token_ids, pieces, strict=True):
+            if raw is None:
+                return None
+            if first and token_id not in self.special:
+                first = False
+                if dummy_space:
+                    if not raw.startswith(b" "):
+                        return None
+                    raw = raw[1:]
+            if data.startswith(raw, pos):
+                offsets.append(count.feed(raw))
+                pos += len(raw)
+            elif token_id in self.special:
+                offsets.append(count.feed(b""))
+            else:
+                return None
+        return offsets if pos == len(data) else None
+
+    def _matched_offsets(self, token_ids: list[int], pieces: list[tuple[str, bytes | None]],
+                         data: bytes) -> list[int]:
+        """Best effort where the pieces do not spell the text (bytes unknown, a normalizer's change)."""
+        pos, count, offsets = 0, _CharCount(0), []
+        for token_id, (shown, raw) in zip(token_ids, pieces, strict=True):
+            found = raw is not None and data.startswith(raw, pos)
+            if raw is None:  # bytes unknown: its decoded text's characters (best effort)
+                offsets.append(count.text(shown))
+                pos += len(shown.encode())
+            elif not found and token_id in self.special:  # not in the text
+                offsets.append(count.feed(b""))
+            elif not found and pos == 0 and raw[:1] == b" " and data.startswith(raw[1:]):
+                offsets.append(count.feed(raw[1:]))  # the first space, which a SentencePiece decode strips
+                pos += len(raw) - 1
+            else:
+                offsets.append(count.feed(raw))
+                pos += len(raw)
+        return offsets
 
     def _append(self, part: CompletionLogprobs, token_id: int, text: str, entry: dict[int, float] | None,
                 offset: int) -> None:
