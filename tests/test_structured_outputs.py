@@ -192,6 +192,25 @@ def test_sampled_regex_choice_and_grammar_answers_all_match(tiny_llama_dir, kind
     assert len({s.text for s in answers}) > 1
 
 
+@pytest.mark.parametrize("constraint, text", [
+    (StructuredOutputsParams(choice=["<|im_start|>"]), "<|im_start|>"),
+    (StructuredOutputsParams(regex=r"a<\|im_end\|>b"), "a<|im_end|>b"),
+    (StructuredOutputsParams(json={"type": "string", "const": "x<|endoftext|>"}), '"x<|endoftext|>"'),
+], ids=["choice", "regex", "json"])
+def test_a_literal_spelling_a_special_token_is_generated_as_text(tiny_llama_dir, constraint, text):
+    """llguidance tokenized the forced text "<|im_start|>" to the special token, allowed it, then refused it
+    once sampled: a 500 ("the grammar refused token 1, which its mask allowed"). The text is now spelled
+    in ordinary tokens (``core/structured/text_tokenizer.py``)."""
+    engine = make_engine(tiny_llama_dir)
+    special = engine.tokenizer.special_token_ids
+    done = run(engine, prompts_for(engine, 2), SamplingParams(temperature=0.0, max_tokens=40, skip_special_tokens=False,
+                                                              structured_outputs=constraint))
+    for outputs in done.values():
+        s = outputs[0]
+        assert (s.finish_reason, s.text) == ("stop", text)
+        assert special.isdisjoint(s.token_ids[:-1])  # the last: EOS
+
+
 def test_max_tokens_ends_an_unfinished_answer_with_length(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir)
     done = run(engine, prompts_for(engine, 2), SamplingParams(temperature=0.0, max_tokens=3,

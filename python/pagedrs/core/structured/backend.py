@@ -7,8 +7,8 @@ costs a copy, not a compile. So the cache holds one untouched matcher per
 ``(kind, spec)`` — the tokenizer is this compiler's own — and ``num_compiles`` counts the
 misses, so that a test can see a second request with the same schema compile nothing.
 
-The llguidance tokenizer is built from the Hugging Face fast tokenizer on first use (about a
-second for a 50k vocabulary), with the model's vocabulary size: its masks have one bit per
+The llguidance tokenizer is built from the Hugging Face fast tokenizer on first use (about two
+seconds for a 50k vocabulary; ``text_tokenizer``: forced text is tokenized as text), with the model's vocabulary size: its masks have one bit per
 logit, and the ids the tokenizer lacks (padding rows of the embedding) are never allowed.
 """
 
@@ -19,10 +19,10 @@ from collections import OrderedDict
 from typing import Any, Optional
 
 import llguidance
-import llguidance.hf
 
 from pagedrs.core.structured.grammar import empty_language_error, grammar_text
 from pagedrs.core.structured.state import GrammarState, LLGuidanceState
+from pagedrs.core.structured.text_tokenizer import text_tokenizer
 from pagedrs.sampling_params import StructuredOutputsParams
 
 DEFAULT_CAPACITY = 128  # compiled grammars kept; a matcher is kilobytes to a few megabytes
@@ -47,7 +47,7 @@ class GrammarCompiler:
         if self._tokenizer is None:
             n_vocab = max(self.vocab_size, len(self._hf))
             eos = self.eos_token_ids or None
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=n_vocab, eos_token=eos)
+            self._tokenizer = text_tokenizer(self._hf, n_vocab, eos)
         return self._tokenizer
 
     def new_state(self, params: StructuredOutputsParams) -> GrammarState:
