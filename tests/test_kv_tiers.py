@@ -171,6 +171,39 @@ def test_a_store_of_another_model_is_ignored_with_one_warning(tiny_llama_dir, tm
     eng.shutdown()
 
 
+def test_a_model_that_differs_in_one_embedding_row_gets_a_fresh_store(tiny_llama_dir, tmp_path, tmp_path_factory,
+                                                                       caplog):
+    """A fine-tune that retrains a few tokens' rows (added tokens) and nothing else: the fingerprint hashed
+    a strided sample of 4096 values a tensor (here every 4th of the embedding's first 16,384), so the
+    edited model kept it and was served the first model's pages, its greedy tokens wrong with no error.
+    Every byte is hashed now."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    edited = tmp_path_factory.mktemp("tiny-llama-one-row")
+    for f in tiny_llama_dir.iterdir():
+        shutil.copy(f, edited / f.name)
+    weights = load_file(str(edited / "model.safetensors"))
+    row = weights["model.embed_tokens.weight"].shape[0] - 5  # past the sampled span
+    weights["model.embed_tokens.weight"][row] += 0.5
+    save_file(weights, str(edited / "model.safetensors"), metadata={"format": "pt"})
+    edited_hf = transformers.AutoModelForCausalLM.from_pretrained(str(edited), dtype=torch.float32).eval()
+    writer = restart(tiny_llama_dir, tmp_path)
+    prompts = [[row] + p[1:] for p in conversations(writer.loaded.config.vocab_size)]  # in the shared pages
+    run_all(writer, prompts, greedy(2))
+    writer.shutdown()
+    with caplog.at_level(logging.WARNING, logger="pagedrs.kv_tiers"):
+        eng = restart(edited, tmp_path)
+    assert any("fingerprint" in r.getMessage() for r in caplog.records if "ignoring the KV disk store" in r.getMessage())
+    done = run_all(eng, prompts, greedy(4))
+    for i, p in enumerate(prompts):
+        assert done[f"r{i}"] == hf_greedy(edited_hf, p, 4)
+    assert eng.stats()["prefix_hits_disk"] == 0
+    eng.shutdown()
+
+
 @pytest.fixture(scope="module")
 def two_gguf_models(tmp_path_factory):
     """Two random models of one geometry (seeds 0 and 1, norms all ones in both, a tied Q8_0 table) as
