@@ -237,3 +237,30 @@ def test_text_that_is_not_valid_unicode_is_a_value_error_naming_the_character(ti
     with pytest.raises(ValueError, match=r"not valid Unicode: surrogates not allowed \(character '\\udcff' at index 1\)"):
         tiny_tokenizer.encode("a\udcffb")
     assert tiny_tokenizer.decode(tiny_tokenizer.encode("ab", add_special_tokens=False)) == "ab"  # valid text goes through
+
+
+def test_byte_fallback_streams_match_full_decode(tmp_path):
+    """A byte-fallback decode turns every byte of a run that is not valid UTF-8 as a whole into U+FFFD,
+    its valid bytes too: the stream emitted a run's first bytes ("^R") before the invalid ones came, and
+    its text ("n^R\\ufffd\\ufffd\\ufffd") was not the ids' decode ("n" and five U+FFFD), nor what stop
+    strings and logprobs saw. A run is held until it ends; random streams over prompts with and
+    without context now give the decode's text."""
+    make_sentencepiece_tokenizer(tmp_path)
+    tok = Tokenizer.from_folder(tmp_path)
+    assert len(tok.byte_fallback_ids) == 256
+    byte = {b: tok.hf.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)}
+    letters = [tok.hf.convert_tokens_to_ids(c) for c in "Thequick"] + [tok.hf.convert_tokens_to_ids("\u2581q")]
+    probe = [tok.hf.convert_tokens_to_ids("n")] + [byte[b] for b in (0x5E, 0x52, 0xAD, 0xAD, 0x30)]
+    rng = random.Random(3)
+    streams = [probe, probe + letters[:2]]
+    interesting = [0x5E, 0x30, 0xAD, 0xE6, 0x88, 0x91, 0xF0, 0x9F, 0x98, 0x80, 0xC3, 0xA9]
+    for _ in range(200):
+        streams.append([rng.choice(letters) if rng.random() < 0.3 else byte[rng.choice(interesting)]
+                        for _ in range(rng.randrange(1, 14))])
+    for ids in streams:
+        for prompt in ([], tok.encode("The quick")):
+            detok = IncrementalDetokenizer(tok, prompt)
+            deltas = [detok.step([t]) for t in ids] + [detok.flush()]
+            whole = tok.decode(prompt + ids)
+            assert "".join(deltas) == detok.text
+            assert tok.decode(prompt) + detok.text == whole or (not prompt and detok.text == tok.decode(ids)), ids

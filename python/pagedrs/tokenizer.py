@@ -110,6 +110,26 @@ class Tokenizer:
         return frozenset(int(i) for i, token in backend.get_added_tokens_decoder().items() if token.special)
 
     @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """The ``<0xNN>`` tokens of a decoder with byte fallback (Llama 2's, Mistral's): a decode turns a run
+        of them into its UTF-8, or, when the run as a whole is not valid UTF-8, every byte of it into
+        U+FFFD, its valid bytes too. So text read from a run before it ends may be taken back by its
+        last byte (``IncrementalDetokenizer`` holds a run until it ends). Empty for any other decoder."""
+        import json
+        import re
+
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        try:
+            state = json.dumps(json.loads(decoder.__getstate__())) if decoder is not None else ""
+        except (AttributeError, TypeError, ValueError):
+            return frozenset()
+        if '"ByteFallback"' not in state:
+            return frozenset()
+        byte = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+        return frozenset(i for token, i in self.hf.get_vocab().items() if byte.fullmatch(token))
+
+    @functools.cached_property
     def _token_bytes_table(self) -> list[bytes | None]:
         """Every token's bytes, by id (``token_bytes``).
 
@@ -272,6 +292,10 @@ class TokenIdsOnly(Tokenizer):
         return frozenset()
 
     @functools.cached_property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        return frozenset()
+
+    @functools.cached_property
     def decodes_by_bytes(self) -> bool:
         """Every decode is "": at once or in pieces, the same."""
         return True
@@ -289,7 +313,10 @@ class IncrementalDetokenizer:
     tokens of left context keeps tokenizers that drop a leading space at the start of
     a decode (SentencePiece) right. A window that ends in U+FFFD is an incomplete
     byte sequence: it is held back until the next token completes it (``flush`` emits
-    it at the end of a request).
+    it at the end of a request). With a byte-fallback decoder a run of ``<0xNN>`` tokens
+    is held until a token of another kind ends it: the decode of a run that is not valid
+    UTF-8 as a whole is one U+FFFD a byte, its valid bytes included, so text emitted from
+    the run's start (``"^R"`` before two bytes 0xAD) would differ from the text's decode.
     """
 
     _CONTEXT = 5  # tokens of already-emitted left context
@@ -307,9 +334,12 @@ class IncrementalDetokenizer:
         # ``_emit`` decodes only the new tokens. Known only once the window has been decoded.
         self._by_bytes = tokenizer.decodes_by_bytes
         self._clean = False
+        self._run_ids: frozenset[int] = getattr(tokenizer, "byte_fallback_ids", frozenset())
 
     def step(self, new_token_ids: list[int]) -> str:
         self.ids.extend(new_token_ids)
+        if self._run_ids and len(self.ids) > self.read_offset and self.ids[-1] in self._run_ids:
+            return ""  # a byte run not yet ended: its decode may still turn to U+FFFD
         return self._emit(hold_incomplete=True)
 
     def flush(self) -> str:
