@@ -59,6 +59,7 @@ LAYERS: dict[str, int] = {
 # module -> the packages that may import it; everyone else uses the package's interface.
 INTERNAL: dict[str, tuple[str, ...]] = {
     "models.llama": ("models",),  # models.interface.KvModel; pagedrs.models.load_model builds it
+    "models.llama_layer": ("models",),  # one layer of models.llama
     "models.rotary": ("models",),
 }
 
