@@ -33,6 +33,7 @@ LAYERS: dict[str, int] = {
     "gc_heap": 0,  # the imports' objects out of full collections, once per process: no engine knowledge
     "gguf_reader": 0,  # gguf-py's reader with the header parsed from memory: a file format, no engine knowledge
     "gguf_tokenizer": 0,  # a GGUF's tokenizer section checked by key, beside the tokenizer that reads it
+    "structured_params": 0,  # StructuredOutputsParams, a plain value beside the sampling_params that carry it
     "distributed.parallel_state": 0,  # this process's tensor-parallel rank: the model layers size their shards by it
     "distributed.step_codec": 0,  # StepInput <-> bytes, beside step_input
     "spec": 0,  # speculative decoding's config (engine_args validates it) and the pure n-gram proposer
@@ -58,6 +59,7 @@ LAYERS: dict[str, int] = {
 # module -> the packages that may import it; everyone else uses the package's interface.
 INTERNAL: dict[str, tuple[str, ...]] = {
     "models.llama": ("models",),  # models.interface.KvModel; pagedrs.models.load_model builds it
+    "models.llama_layer": ("models",),  # one layer of models.llama
     "models.rotary": ("models",),
 }
 

@@ -1,7 +1,7 @@
 """The tokenizer section of a GGUF file checked field by field, naming the key at fault: what transformers'
 own errors for a malformed section do not do. ``Tokenizer.from_gguf`` runs it once transformers failed.
 
-(``_meta`` and ``_shown_value`` are ``models/gguf_loader``'s ``_field`` and ``_shown`` again: that module
+(``_meta`` and ``_shown_value`` are ``models/gguf_metadata``'s ``_field`` and ``_shown`` again: that module
 sits a layer above this one.)
 """
 
@@ -17,7 +17,7 @@ def check_tokenizer_fields(reader: Any, path: Path, byte_of_char: dict[str, int]
     too, scores numbers and token types integers, one of each per token. Why: transformers' own errors for
     these name no key ("'int' object has no attribute 'split'", "Token `x` out of vocabulary"). Run only
     once transformers has failed (``Tokenizer.from_gguf``); the lists' lengths, which transformers does not
-    check, are checked on every load by ``models.gguf_loader``. ``byte_of_char``: GPT-2's byte alphabet
+    check, are checked on every load by ``models.gguf_metadata``. ``byte_of_char``: GPT-2's byte alphabet
     (``tokenizer.byte_of_char``, passed in: that module imports this one)."""
     tokens = _meta(reader, "tokenizer.ggml.tokens", [])
     _typed_list("tokenizer.ggml.tokens", tokens, str, "a string", path)

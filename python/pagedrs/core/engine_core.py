@@ -8,13 +8,14 @@ The core owns the scheduler, the executor, the sampler and the continuation poli
 and ends a sequence by token rules only (core/request.py); it never holds text. The
 front end ends a sample by a text rule with ``finish_sample``. Everything a command
 takes was validated by the front end (frontend/input_processor.py); the core is touched
-last, and a failure after that rolls back (``Rollback``). The step itself: core/step.py.
+last, and a failure after that rolls back (``Rollback``). The step itself: core/step.py;
+the stats snapshot: core/core_stats.py; a seed's generator: core/seeding.py (``generator_seed``,
+re-exported here).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -28,11 +29,13 @@ from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core import prompt_logprobs
 from pagedrs.core.async_step import AsyncScheduler
 from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, IndependentSamples, request_shape
+from pagedrs.core.core_stats import core_stats
 from pagedrs.core.fast_rows import FastRows
 from pagedrs.core.pins import PinRegistry
 from pagedrs.core.prefix_cache import cached_tokens_by_tier
 from pagedrs.core.protocol import CoreOutput, CoreOutputItem, CoreOutputs, CoreRequest, CoreTokenRows, RequestMetrics
 from pagedrs.core.request import Request, Sample
+from pagedrs.core.seeding import generator_seed
 from pagedrs.core.setup import build_core
 from pagedrs.core.spec_step import Speculator
 from pagedrs.core.step import StepContext, run_step
@@ -349,24 +352,8 @@ class EngineCore:
     # ---- reporting and lifecycle ----------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        memory = self.executor.memory_bytes()
-        return EngineStats.build(
-            self.scheduler.core_stats(),
-            num_cpu_blocks=self.scheduler_config.num_cpu_blocks,
-            kv_layout=self.args.kv_layout,
-            eviction_policy=self.args.eviction_policy,
-            block_size=self.args.block_size,
-            num_generated_tokens=self.num_generated,
-            peak_running=self.peak_running,
-            kv_bytes_per_block=self.kv_plan.bytes_per_block,
-            num_host_cache_blocks=self.num_host_cache_blocks,
-            num_unfinished_requests=len(self._requests),
-            memory_weights_bytes=memory["weights"],
-            memory_kv_pool_bytes=memory["kv_pool"],
-            memory_host_pool_bytes=memory["host_pool"],
-            memory_rss_bytes=_rss_bytes(),
-            **_spec_stats(self.speculator),
-        )
+        """The core's stats now (core_stats.py)."""
+        return core_stats(self)
 
     def shutdown(self) -> None:
         """Aborts what is left, flushes the cached KV pages to the disk tier (when on), and
@@ -391,40 +378,3 @@ class EngineCore:
     def info(self) -> dict[str, Any]:
         """What a front end needs to know about the core it talks to."""
         return {"max_model_len": self.max_model_len, "model_name": self.loaded.name}
-
-
-def _spec_stats(speculator: Optional[Speculator]) -> dict[str, Any]:
-    """Speculative decoding's counters (zeros when it is off)."""
-    proposed, accepted, verified = (0, 0, 0) if speculator is None else (
-        speculator.proposed, speculator.accepted, speculator.verifications)
-    return dict(spec_proposed=proposed, spec_accepted=accepted, spec_verifications=verified,
-                spec_acceptance_rate=accepted / proposed if proposed else 0.0,
-                spec_mean_accepted_length=accepted / verified if verified else 0.0)
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process from /proc/self/statm (0 where it cannot be read)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def generator_seed(seed: int, device: torch.device) -> int:
-    """The torch generator seed for a request's 64-bit ``seed`` on ``device``.
-
-    CUDA's Philox generator keeps all 64 bits. The CPU's Mersenne Twister keeps the low 32 only
-    (``manual_seed(2**32)`` draws what ``manual_seed(0)`` does), so seeds 2**32 apart would share
-    one stream: a request seeded 2**32 would repeat seed 0's samples. On the CPU a seed of 2**32
-    or more is mixed down to 32 bits (splitmix64's finalizer, then the halves folded), so every bit
-    counts; seeds below 2**32 are used as they are (their streams are unchanged). Two seeds may still
-    share a stream, as any two of a 32-bit space do: with probability 2**-32 a pair, not by structure.
-    """
-    if device.type != "cpu" or seed < 2**32:
-        return seed
-    z = (seed + 0x9E3779B97F4A7C15) % 2**64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    z ^= z >> 31
-    return (z ^ (z >> 32)) & 0xFFFFFFFF

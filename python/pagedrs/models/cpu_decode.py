@@ -10,7 +10,7 @@ attention heads over the GEMV's thread team.
 It runs a step when the model is wholly on the kernel (every layer's four products have a
 GGUF matrix, one tensor-parallel rank, float32 activations) and the step's pages are a
 float32 or fp8 cache read by the torch backend; anything else (a dense layer, CUDA) takes
-the torch ops of ``llama.decoder_layer``. An fp8 cache (``kv_cache_dtype="fp8_e4m3"`` /
+the torch ops of ``llama_layer.decoder_layer``. An fp8 cache (``kv_cache_dtype="fp8_e4m3"`` /
 ``"fp8_e5m2"``) is handed over as its bytes with the backend's scales; the stack writes and reads
 the codes by the torch backend's rule (``attention.kv_quant``; ``rust/src/cpu_decode/kv_fp8.rs``),
 so a page either path wrote reads the same in the other. Every row is computed on its own, so a row's bits do

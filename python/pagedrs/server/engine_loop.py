@@ -20,12 +20,14 @@ the engine and gets a 504 error delta (or, not yet accepted, ``RequestTimeoutErr
 
 Deltas are snapshots (new text, new token ids, their logprobs), copied in the
 engine thread: the handler may read them after the engine has moved on.
+
+The commands themselves and ``EngineLike``, the part of the Engine the loop drives, are
+loop_commands.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import math
@@ -34,12 +36,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from pagedrs.core.protocol import is_engine_fatal
 from pagedrs.server.deltas import DeltaStream
 from pagedrs.server.loop_call import LoopCall
+from pagedrs.server.loop_commands import EngineLike, _Abort, _Add, _Command, _FailAll, _Stop, _Wake
 from pagedrs.server.metrics import ServerMetrics
 from pagedrs.server.refusals import (
     ENGINE_DEAD,
@@ -57,65 +59,6 @@ logger = logging.getLogger("pagedrs.server")
 
 _DEAD_STATUS = 500  # as vLLM answers a request its dead engine failed; /health says 503
 _TIMEOUT_STATUS = 504
-
-
-class EngineLike(Protocol):
-    """The part of ``pagedrs.Engine`` the loop drives (see docs/ENGINE_API.md).
-
-    ``submit`` is the one way in (from the handler's thread; answered on the loop thread).
-    ``check_alive()`` is called between idle turns (raises ``EngineDeadError`` once the engine
-    is gone); ``liveness()`` is ``(code, message)`` while it cannot serve, else None.
-    """
-
-    max_model_len: int
-    vocab_size: int
-    tokenizer: Any
-
-    def submit(
-        self, request_id: str, prompt: Any, params: Any, priority: int, on_ack: Callable[[BaseException | None], None],
-        cache_salt: str | None = None, arrival_time: float | None = None,
-    ) -> None: ...
-    def step(self) -> list[Any]: ...
-    def abort(self, request_id: str) -> bool: ...
-    def has_unfinished(self) -> bool: ...
-    def stats(self) -> dict[str, Any]: ...
-    def check_alive(self) -> None: ...
-    def liveness(self) -> tuple[str, str] | None: ...
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: Any
-    params: Any
-    priority: int
-    sink: Sink
-    cache_salt: str | None = None
-    accepted: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _FailAll:
-    """Abort everything in flight with ``message``, and refuse later adds (the drain deadline)."""
-
-    message: str
-    status: int
-
-
-class _Stop:
-    pass
-
-
-class _Wake:
-    """Nothing to apply: wakes an idle loop so it steps the engine, which answers the add just submitted."""
-
-
-_Command = _Abort | _FailAll | _Stop | _Wake | LoopCall
 
 
 class EngineLoop:
