@@ -44,10 +44,10 @@ def model_fingerprint(model: torch.nn.Module, config: object) -> str:
     return h.hexdigest()[:32]
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
+def _bytes_of(tensor: torch.Tensor) -> bytes | memoryview:
     """Every byte of ``tensor`` as stored (any dtype, fp8 and bool included), copied to the host once."""
     flat = tensor.detach().reshape(-1).contiguous().to("cpu")
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return flat.view(torch.uint8).numpy().data if flat.numel() else b""
 
 
 def _outside_torch(model: torch.nn.Module, h: Any) -> None:
