@@ -139,6 +139,30 @@ def test_integral_numbers_are_still_numbers(served: Served) -> None:
     assert len(response.json()["choices"]) == 2
 
 
+@pytest.mark.parametrize("path, body", [
+    (COMPLETIONS, _completion(n=None, stream=None, echo=None, max_tokens=2)),
+    (CHAT, _chat(n=None, stream=None, logprobs=None, max_tokens=2)),
+], ids=["completions", "chat"])
+def test_an_explicit_null_of_a_nullable_field_is_its_default(served: Served, path: str, body: dict[str, Any]) -> None:
+    """OpenAI declares n, stream, echo and chat's logprobs nullable: a client that sends its whole request
+    type, nulls for what it leaves unset, got a 400 for a request OpenAI serves."""
+    response = _post(served, path, body)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 1 and choices[0].get("logprobs") is None
+
+
+def test_an_integer_of_thousands_of_digits_is_a_400_that_says_so(served: Served) -> None:
+    """Python refuses integer literals past 4300 digits with a ValueError, which FastAPI answered "There was
+    an error parsing the body"."""
+    body = json.dumps(_completion()).replace("\"max_tokens\": 3", "\"max_tokens\": " + "9" * 5000)
+    assert '"max_tokens": 999' in body
+    response = httpx.post(served.url + COMPLETIONS, content=body.encode(), timeout=60,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "integer of more digits than this server reads" in response.json()["error"]["message"]
+
+
 # --- 2: logit_bias keys ---------------------------------------------------------------------
 
 

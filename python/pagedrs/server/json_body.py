@@ -35,6 +35,9 @@ def parse(body: bytes) -> Any:
     except json.JSONDecodeError as exc:
         raise HTTPException(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
                                  f"{exc.colno} (offset {exc.pos})") from None
+    except ValueError as exc:  # Python's cap on integer literals (sys.get_int_max_str_digits)
+        raise HTTPException(400, f"the request body holds an integer of more digits than this server reads ({exc}); "
+                                 "no field takes a number that large") from None
     except RecursionError:
         raise HTTPException(400, "the request body nests arrays or objects deeper than this server parses "
                                  "(about 1000 levels)") from None

@@ -65,6 +65,7 @@ from pagedrs.server.wire_types import (  # noqa: F401  (the field types and limi
     TokenId,
     _between,
     _Strict,
+    null_is,
 )
 
 # Request fields that map one-to-one onto SamplingParams fields of the same name.
@@ -159,7 +160,7 @@ class _SamplingRequest(_Strict):
     """Fields shared by both endpoints (see field_policy.py for what is refused and ignored)."""
 
     model: Text
-    n: Annotated[Int, Field(le=MAX_N)] = 1
+    n: Annotated[Int, Field(le=MAX_N), null_is(1)] = 1
     max_tokens: Int | None = None
     temperature: Float | None = None
     top_p: Float | None = None
@@ -167,7 +168,7 @@ class _SamplingRequest(_Strict):
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
-    stream: StrictBool = False
+    stream: Annotated[StrictBool, null_is(False)] = False
     stream_options: StreamOptions | None = None
     logit_bias: LogitBias | None = None  # token id (as a string) -> bias in [-100, 100], added to its logit
     user: Text | None = None  # ignored on purpose (field_policy.IGNORED_FIELDS)
@@ -215,7 +216,7 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
-    echo: StrictBool = False
+    echo: Annotated[StrictBool, null_is(False)] = False
     logprobs: Int | None = None
     prompt_logprobs: Int | None = None  # vLLM's: SamplingParams.prompt_logprobs (bounded there)
     suffix: Annotated[Any, not_supported("text after the completion (insertion)", "")] = None
@@ -223,7 +224,7 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
-    logprobs: StrictBool = False
+    logprobs: Annotated[StrictBool, null_is(False)] = False
     top_logprobs: Annotated[Int, _between(0, MAX_LOGPROBS)] | None = None  # SamplingParams.logprobs, named as sent
     # the newer name of max_tokens (both at once only when equal: chat.py), bounded here to be named as sent
     max_completion_tokens: Annotated[Int, _between(1, MAX_TOKENS_LIMIT)] | None = None

@@ -52,6 +52,13 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def null_is(default: Any) -> BeforeValidator:
+    """A field OpenAI's spec declares nullable (``n``, ``stream``, ``echo``, chat's ``logprobs``): an explicit
+    JSON null is its default, as OpenAI reads it; it was refused, so a client that sends every field of its
+    own request type (nulls for the unset ones) got a 400 for a request OpenAI serves."""
+    return BeforeValidator(lambda value: default if value is None else value)
+
+
 def _json_number(kind: str) -> BeforeValidator:
     """A number field of ``kind`` ("an integer" or "a number": a float field takes an integer too,
     ``temperature: 1`` is 1.0) refuses JSON's true/false (Python and pydantic's lax mode read them as
