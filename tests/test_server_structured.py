@@ -195,6 +195,10 @@ BAD = {
     "min_tokens with a grammar": ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens", "min_tokens"),
     # the grammar ends the answer with EOS where it is complete: ignore_eos could not take effect
     "ignore_eos with a grammar": ({"guided_choice": ["yes", "no"], "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+    # a stop cuts the answer before the grammar matched it ('{"name"' came back with finish_reason "stop")
+    "stop with a grammar": ({"guided_regex": "a+b", "stop": ["a"]}, "stop", "structured_outputs"),
+    "stop_token_ids with a grammar": ({"guided_choice": ["yes"], "stop_token_ids": [5]}, "stop_token_ids",
+                                      "structured_outputs"),
 }
 
 

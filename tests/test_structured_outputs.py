@@ -313,6 +313,16 @@ def test_sampling_params_refuse_structured_outputs_with_min_tokens():
         SamplingParams(structured_outputs={"regex": "a"})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("stop", [{"stop": ['"']}, {"stop": ":"}, {"stop_token_ids": [4]}])
+def test_a_stop_with_structured_outputs_is_refused(stop):
+    """A stop ends an answer only before the grammar has matched it (then EOS alone is allowed): a JSON
+    schema with stop '"' answered '{' with finish_reason "stop", as if complete (six of six samples)."""
+    name = next(iter(stop))
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{name}=.*allowed empty with structured_outputs"):
+        SamplingParams(**stop, structured_outputs=CONSTRAINTS["json"])
+    SamplingParams(stop=[], stop_token_ids=[], structured_outputs=CONSTRAINTS["json"])  # empty: allowed
+
+
 @pytest.mark.parametrize("constraint, match", [
     (StructuredOutputsParams(json={"type": "objectx"}), "(?s)structured_outputs.json does not compile: .*objectx"),
     (StructuredOutputsParams(regex="(?<=a)b"), "(?s)structured_outputs.regex does not compile: .*look-around"),

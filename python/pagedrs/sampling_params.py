@@ -155,7 +155,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            _fail("n", self.n, f"1 <= n <= {MAX_N}")
+            _fail("n", self.n, f"1 <= n <= {MAX_N} (and at most the engine's EngineArgs.max_n, 128 by default)")
         if not _is_number(self.temperature) or self.temperature < 0:
             _fail("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -210,6 +210,13 @@ class SamplingParams:
         if self.structured_outputs is not None and self.min_tokens:
             _fail("min_tokens", self.min_tokens, "0 with structured_outputs (the grammar decides where the answer "
                   "may end; EOS is allowed exactly there)")
+        if self.structured_outputs is not None:
+            # a stop string or token can only end an answer before the grammar has matched it (once it has, EOS
+            # alone is allowed): the cut text ('{"name"') came back with finish_reason "stop", as if complete
+            for name in ("stop", "stop_token_ids"):
+                if getattr(self, name):
+                    _fail(name, getattr(self, name), "empty with structured_outputs (the grammar decides where the "
+                          "answer ends; a stop would cut it before it matches the constraint)")
         if self.use_beam_search:
             self._check_beam_search()
         else:
