@@ -371,3 +371,39 @@ def _nested(depth: int) -> object:
     for _ in range(depth):
         value = [value]
     return value
+
+
+class _RecordingEngine:
+    """Takes ``--pin-prefix`` pins without an engine: what preload_pins asked for."""
+
+    def __init__(self) -> None:
+        self.pinned: list[tuple[Any, str | None]] = []
+
+    def pin_prefix(self, prompt: Any, ttl_s: float | None, salt: str | None) -> str:
+        self.pinned.append((prompt, salt))
+        return f"pin-{len(self.pinned) - 1}"
+
+
+@pytest.mark.parametrize(("line", "why"), [
+    ('{"prompt": "abc", "cache_salt": ""}', "line 1: cache_salt: cache_salt has 0 bytes in UTF-8; allowed 1 to 256"),
+    (json.dumps({"prompt": "abc", "cache_salt": "s" * 300}), "line 1: cache_salt: cache_salt has 300 bytes"),
+])
+def test_a_pin_file_salt_no_request_could_send_stops_the_start(tmp_path: Path, line: str, why: str) -> None:
+    from pagedrs.server.cache_pins import load_pin_file
+
+    path = tmp_path / "pins.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=why):
+        load_pin_file(str(path))
+
+
+def test_a_pin_file_tenant_no_api_key_names_stops_the_start(tmp_path: Path) -> None:
+    from pagedrs.server.cache_pins import preload_pins
+
+    path = tmp_path / "pins.jsonl"
+    path.write_text('{"prompt": "abc", "tenant": "alice"}\n{"prompt": "abc", "tenant": "nosuchtenant"}\n')
+    eng = _RecordingEngine()
+    with pytest.raises(ValueError, match=r"line 2: the pin was refused: tenant is 'nosuchtenant', which no API key "
+                                         r"of this server belongs to, so no request could hit the pin; allowed: alice, bob"):
+        preload_pins(eng, str(path), "per-tenant", frozenset({"alice", "bob"}))
+    assert [prompt for prompt, _ in eng.pinned] == ["abc"]  # line 1's, before the refusal

@@ -111,3 +111,46 @@ def test_a_reset_while_a_request_runs_is_a_409_and_clears_nothing(make_served) -
     metrics = httpx.get(served.url + "/metrics", headers=bearer(ADMIN), timeout=30).text
     assert 'pagedrs_prefix_cache_resets_total{outcome="refused"} 1.0' in metrics
     assert 'pagedrs_prefix_cache_resets_total{outcome="done"} 1.0' in metrics
+
+
+class PinningEngine(FakeEngine):
+    """A FakeEngine that records the pins it is asked for (the salt it would key them by)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: list[str | None] = []
+
+    def pin(self, prompt: Any, ttl_s: float | None, salt: str | None) -> Any:
+        from types import SimpleNamespace
+
+        self.pinned.append(salt)
+        return SimpleNamespace(pin_id=f"pin-{len(self.pinned) - 1}", num_tokens=16, num_pages=2, ttl_s=ttl_s,
+                               expires_in_s=None)
+
+
+PER_TENANT = ServerOptions(api_keys={"sk-alice": "alice", "sk-bob": "bob"}, admin_api_key=ADMIN,
+                           prefix_cache_isolation="per-tenant")
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    # every request refuses these salts: a pin under one could never be hit, and it used up the pin cap
+    ({"cache_salt": ""}, "cache_salt", "cache_salt has 0 bytes in UTF-8; allowed 1 to 256"),
+    ({"cache_salt": "x" * 300}, "cache_salt", "cache_salt has 300 bytes in UTF-8; allowed 1 to 256"),
+    ({"cache_salt": 5}, "cache_salt", "cache_salt"),
+    # no API key names this tenant: no request could hit its pin
+    ({"tenant": "nosuchtenant"}, "tenant", "tenant is 'nosuchtenant', which no API key of this server belongs to, "
+                                           "so no request could hit the pin; allowed: alice, bob"),
+])
+def test_a_pin_no_request_could_hit_is_refused_naming_the_field(make_served, body: dict[str, Any], param: str,
+                                                               says: str) -> None:
+    served: Served = make_served(engine := PinningEngine(), options=PER_TENANT)
+    refused = httpx.post(served.url + "/v1/cache/pin", json={"prompt": "a system prompt", "tenant": "alice", **body},
+                         headers=bearer(ADMIN), timeout=30)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert says in error["message"] and error["param"] == param, error
+    assert engine.pinned == []
+    done = httpx.post(served.url + "/v1/cache/pin", json={"prompt": "a system prompt", "tenant": "alice",
+                                                          "cache_salt": "s"}, headers=bearer(ADMIN), timeout=30)
+    assert done.status_code == 200 and done.json()["id"] == "pin-0", done.text
+    assert len(engine.pinned) == 1 and engine.pinned[0] is not None

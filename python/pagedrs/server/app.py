@@ -78,6 +78,7 @@ def build_app(
         max_seqs_per_request=options.max_seqs_per_request,
         prefix_cache_isolation=options.prefix_cache_isolation,
         tool_call_parser=options.tool_call_parser,
+        tenants=frozenset(options.tenants().values()),
     )
     _warm_token_bytes(engine.tokenizer)
     drain = DrainState()

@@ -6,7 +6,8 @@ full pages on the device until it is unpinned or its ``ttl_s`` runs out (core/pi
 guard (server/guard.py) gives every ``/v1/cache`` path the admin key, like ``/reset_prefix_cache``.
 A pin is salted as a request would be: ``cache_salt`` (and, under ``--prefix-cache-isolation
 per-tenant``, the ``tenant`` whose requests it serves), so it is hit by exactly the requests
-that would share its pages anyway. Errors: 400 for a bad body or prompt (naming the field),
+that would share its pages anyway; a pin no request could hit (a salt every request refuses, a
+tenant no API key names) is refused. Errors: 400 for a bad body or prompt (naming the field),
 409 past ``--max-pinned-fraction`` (naming the cap and the numbers), 404 for an unknown id.
 
 ``--pin-prefix FILE``: JSON lines, one pin each, ``{"prompt": "..."}`` or ``{"messages": [...]}``,
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -35,7 +37,7 @@ from pagedrs.errors import PinCapError, UnknownPinError
 from pagedrs.sampling_params import MAX_SCHEMA_DEPTH, json_depth
 from pagedrs.server.errors import APIError
 from pagedrs.server.field_policy import name_unknown_fields
-from pagedrs.server.protocol import Text
+from pagedrs.server.protocol import CacheSalt, Text
 from pagedrs.server.serving import ServerContext
 from pagedrs.server.tenants import engine_salt
 
@@ -50,7 +52,7 @@ class PinRequest(BaseModel):
     prompt: Optional[Union[Text, list[StrictInt]]] = None
     messages: Optional[list[dict[str, Any]]] = None
     ttl_s: Optional[Union[StrictInt, StrictFloat]] = None  # seconds, in (0, 7 days]; null: until unpinned
-    cache_salt: Optional[Text] = None
+    cache_salt: Optional[CacheSalt] = None  # as a request's: 1 to 256 bytes (no request could hit another)
     tenant: Optional[Text] = None  # --prefix-cache-isolation per-tenant: the tenant whose requests hit it
 
     @model_validator(mode="wrap")
@@ -114,22 +116,28 @@ class CacheInfo(BaseModel):
 
 
 def _salt(ctx: ServerContext, body: PinRequest) -> Optional[str]:
-    check_tenant_applies(ctx.prefix_cache_isolation, body.tenant)
+    check_tenant_applies(ctx.prefix_cache_isolation, body.tenant, ctx.tenants)
     try:
         return engine_salt(ctx.prefix_cache_isolation, body.tenant, body.cache_salt)
     except ValueError as exc:
         raise APIError(400, f"{exc}: name it with the pin's 'tenant' field", param="tenant") from None
 
 
-def check_tenant_applies(isolation: str, tenant: Optional[str]) -> None:
+def check_tenant_applies(isolation: str, tenant: Optional[str], tenants: Collection[str] = ()) -> None:
     """A pin's ``tenant`` means something only under ``--prefix-cache-isolation per-tenant``; under
     ``shared`` it was accepted and changed nothing (alice's and bob's pins shared their pages, and a
-    request of no tenant hit them): refused instead, naming the flag that gives it a meaning."""
+    request of no tenant hit them): refused instead, naming the flag that gives it a meaning. A tenant
+    that no API key names (``tenants``, when the server knows them) is refused too: no request could
+    ever hit its pin, which would only use up the pin cap."""
     if tenant is not None and isolation != "per-tenant":
         raise APIError(400, f"tenant is {tenant!r}, but the server runs --prefix-cache-isolation {isolation}, where "
                             "every tenant shares the prefix cache and a pin's tenant changes nothing; pin without it "
                             "(or use cache_salt), or start the server with --prefix-cache-isolation per-tenant",
                        param="tenant")
+    if tenant is not None and tenants and tenant not in tenants:
+        raise APIError(400, f"tenant is {tenant!r}, which no API key of this server belongs to, so no request could "
+                            f"hit the pin; allowed: {', '.join(sorted(tenants))} (--api-key-file; --api-key is "
+                            "tenant 'default')", param="tenant")
 
 
 async def pin(ctx: ServerContext, body: PinRequest) -> PinResponse:
@@ -216,13 +224,14 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {err.get('msg')}"
 
 
-def preload_pins(engine: Any, path: str, isolation: str) -> list[str]:
+def preload_pins(engine: Any, path: str, isolation: str, tenants: Collection[str] = ()) -> list[str]:
     """Pins every line of ``--pin-prefix FILE`` on ``engine`` before the server starts; the ids.
-    A bad line, or a pin the engine refuses, stops the start: ValueError naming the line."""
+    A bad line, or a pin the engine refuses, stops the start: ValueError naming the line.
+    ``tenants``: the tenants the API keys name (a pin for any other is refused; empty: unchecked)."""
     ids = []
     for number, request in load_pin_file(path):
         try:
-            check_tenant_applies(isolation, request.tenant)
+            check_tenant_applies(isolation, request.tenant, tenants)
             salt = engine_salt(isolation, request.tenant, request.cache_salt)
             ids.append(engine.pin_prefix(request.prompt_or_messages(), request.ttl_s, salt))
         except (ValueError, PinCapError, APIError) as exc:
