@@ -154,3 +154,34 @@ def test_a_pin_no_request_could_hit_is_refused_naming_the_field(make_served, bod
                                                           "cache_salt": "s"}, headers=bearer(ADMIN), timeout=30)
     assert done.status_code == 200 and done.json()["id"] == "pin-0", done.text
     assert len(engine.pinned) == 1 and engine.pinned[0] is not None
+
+
+REFUSED_RESETS: list[tuple[str, bytes, str | None, str]] = [
+    # each of these was a 200 that cleared every tier
+    ("", b'{"tier": "disk"}', "tier", "takes no body (got tier)"),
+    ("?tier=host", b"", "tier", "'tier' is not a query parameter of /reset_prefix_cache"),
+    ("?reset_running_requests=true", b"", "reset_running_requests",
+     "reset_running_requests='true' is not supported: a reset is refused (409) while requests are in the engine"),
+    ("?reset_external=false", b"", "reset_external", "reset_external='false' is not supported"),
+    ("?device=gpu", b"", "device", "'device' is not a query parameter"),
+    ("?reset_external=true&reset_external=true", b"", "reset_external", "given twice"),
+    ("", b"[1]", None, "takes no body (got [1])"),
+    ("", b'{"a": 1, "a": 2}', None, "the key 'a' twice"),
+]
+
+
+def test_a_reset_refuses_what_it_would_not_do(make_served) -> None:
+    """Every field of vLLM's reset is honoured exactly or refused naming it; any other field too."""
+    served: Served = make_served(FakeEngine(), options=OPTIONS)
+    for query, body, param, says in REFUSED_RESETS:
+        refused = httpx.post(served.url + "/reset_prefix_cache" + query, content=body, timeout=30,
+                             headers={**bearer(ADMIN), "Content-Type": "application/json"})
+        assert refused.status_code == 400, (query, body, refused.text)
+        error = refused.json()["error"]
+        assert says in error["message"] and error.get("param") == param, error
+    assert served.count("reset_prefix_cache") == 0
+    for query, body in [("?reset_running_requests=false&reset_external=true", b""), ("?reset_external=1", b"{}"),
+                        ("", b"")]:  # vLLM's values that ask for what the reset does
+        done = httpx.post(served.url + "/reset_prefix_cache" + query, content=body, headers=bearer(ADMIN), timeout=30)
+        assert done.status_code == 200 and "dropped_pages" in done.json(), done.text
+    assert served.count("reset_prefix_cache") == 3
