@@ -185,3 +185,19 @@ def test_a_reset_refuses_what_it_would_not_do(make_served) -> None:
         done = httpx.post(served.url + "/reset_prefix_cache" + query, content=body, headers=bearer(ADMIN), timeout=30)
         assert done.status_code == 200 and "dropped_pages" in done.json(), done.text
     assert served.count("reset_prefix_cache") == 3
+
+
+def test_a_pin_message_names_which_field_is_wrong(make_served) -> None:
+    """It said "must have a string 'role' and a string 'content'; got keys ['content', 'role']", param "prompt"."""
+    served: Served = make_served(engine := PinningEngine(), options=OPTIONS)
+    for message, says in [({"role": "user", "content": 5}, "messages.0.content is 5, a number; allowed: a string"),
+                          ({"role": "bogus", "content": 5}, "messages.0.role is \"bogus\", a string; allowed: one of "
+                                                            "'system', 'developer', 'user', 'assistant', 'tool'"),
+                          ({"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                           "messages.0.content is [{\"type\": \"text\", \"text\": \"hi\"}], an array; allowed: a string")]:
+        refused = httpx.post(served.url + "/v1/cache/pin", json={"messages": [message]}, headers=bearer(ADMIN),
+                             timeout=30)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["message"].startswith(says) and error["param"] == "messages", error
+    assert engine.pinned == []
