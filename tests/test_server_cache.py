@@ -94,8 +94,11 @@ def test_a_reset_while_a_request_runs_is_a_409_and_clears_nothing(make_served) -
         deadline = time.monotonic() + 30
         while served.count("add") < 2 and time.monotonic() < deadline:
             time.sleep(0.01)  # the add is applied at the start of a step, which then waits for a permit
+        queued = served.loop._commands.qsize()  # the engine thread waits in the step: nothing takes from it
         reset = pool.submit(httpx.post, served.url + "/reset_prefix_cache", headers=bearer(ADMIN), timeout=30)
-        time.sleep(0.2)  # the reset is queued for the engine thread, behind the step
+        while served.loop._commands.qsize() == queued and time.monotonic() < deadline + 30:
+            time.sleep(0.01)  # the reset is queued for the engine thread, behind the step (a fixed 0.2 s lost the race
+            # on a loaded machine: the step ended first, the next waited for a permit, and the reset behind it)
         permits.release(1)  # that step ends; the reset runs before the next: the request is unfinished
         refused = reset.result()
         assert refused.status_code == 409, refused.text
