@@ -13,7 +13,7 @@ import pytest
 
 from pagedrs.cli import main
 from pagedrs.models import gguf_cache
-from pagedrs.models.gguf_cache_admin import STALE_STAGING_S, entries, prune
+from pagedrs.models.gguf_cache_admin import STALE_STAGING_S, MemoUnreadableError, entries, prune
 
 V = gguf_cache._CONVERTED_FORMAT
 
@@ -189,3 +189,47 @@ def test_a_file_rewritten_in_place_with_its_size_and_mtime_kept_is_hashed_again(
     assert (f.stat().st_size, f.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     second = gguf_cache.file_sha256(f)
     assert second != first and second == hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def test_the_listing_says_what_prune_does_to_each_folder(cache, tmp_path, capsys):
+    """A newer version's folder of a file no longer known was listed "left alone" but went with --orphans;
+    a link (to another disk) was listed as an older format "removed by --prune" and sized through the link,
+    but kept. Now each line's state is what the prune does, and a link is never sized or entered."""
+    elsewhere = tmp_path / "other_disk"
+    elsewhere.mkdir()
+    (elsewhere / "weights").write_bytes(b"w" * 5000)
+    gguf = gguf_cache.cache_root() / "gguf"
+    (gguf / "cccc-v1").symlink_to(elsewhere, target_is_directory=True)
+    (gguf / f"dd-v{V}").symlink_to(elsewhere, target_is_directory=True)
+    _folder(gguf_cache.cache_root(), "bbbb-v999", {"f": 2})
+    got = {e.path.name: e for e in entries()}
+    assert (got["cccc-v1"].bytes, got["cccc-v1"].link, got["cccc-v1"].current) == (0, str(elsewhere), False)
+    assert main(["cache"]) == 0
+    lines = {line.split()[2]: line for line in capsys.readouterr().out.splitlines()[1:-1]}
+    assert f"[a link to {elsewhere}: not followed, left alone]" in lines["cccc-v1"] and "0.0 MiB" in lines["cccc-v1"]
+    assert "[a newer version's: left alone]" in lines["bbbb-v999"]
+    assert "[current, its file unknown: removed by --orphans]" in lines[f"bb-v{V}"]
+    will_go = sorted(name for name, line in lines.items() if "removed by" in line)
+    assert will_go == sorted([f"aa-v{V - 1}", f"bb-v{V}"])
+    pruned = prune(orphans=True)
+    assert sorted(p.name for p in pruned.removed if p.name != ".convert-old") == will_go
+    assert (gguf / "bbbb-v999" / "f").is_file() and (gguf / "cccc-v1").is_symlink() and (gguf / f"dd-v{V}").is_symlink()
+    assert (elsewhere / "weights").read_bytes() == b"w" * 5000
+
+
+@pytest.mark.parametrize("spoiled", [b"\xff\xfe{not json", b"[1, 2]", b'{"cut short'])
+def test_orphans_are_refused_when_the_memo_cannot_be_read(cache, capsys, spoiled):
+    """An unreadable hashes.json knows no file: --orphans took every folder for an orphan, silently."""
+    memo = gguf_cache.cache_root() / "hashes.json"
+    memo.write_bytes(spoiled)
+    assert main(["cache"]) == 0
+    assert f"warning: {memo}" in capsys.readouterr().err
+    before = sorted(p.name for p in (gguf_cache.cache_root() / "gguf").iterdir())
+    assert main(["cache", "--prune", "--orphans"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --orphans needs the hash memo to tell which folders are in use, but {memo}" in err
+    assert "nothing was removed" in err
+    assert sorted(p.name for p in (gguf_cache.cache_root() / "gguf").iterdir()) == before
+    with pytest.raises(MemoUnreadableError):
+        prune(orphans=True)
+    assert sorted(p.name for p in prune().removed) == sorted([f"aa-v{V - 1}", ".convert-old"])  # no memo needed

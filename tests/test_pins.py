@@ -139,8 +139,11 @@ def test_bad_prompts_and_unknown_ids_are_refused(tiny_llama_dir):
         eng.pin([])
     with pytest.raises(UnknownPinError, match="pin_id='pin-99' is not a live pin"):
         eng.unpin("pin-99")
-    with pytest.raises(ValueError, match=r"messages\[0\] must have a string 'role'"):
+    with pytest.raises(ValueError, match=r"messages\[0\] has no 'role' \(its keys: \['content'\]\); a pinned message "
+                                         r"needs a string 'role' and a string 'content'"):
         eng.pin([{"content": "hi"}])
+    with pytest.raises(ValueError, match=r"messages\[0\]\['content'\] is 5 \(int\); a pinned message needs"):
+        eng.pin([{"role": "user", "content": 5}])
     assert eng.list_pins() == [] and held_pages(eng) == 0 and not eng.has_unfinished()
     eng.shutdown()
 
@@ -371,3 +374,63 @@ def _nested(depth: int) -> object:
     for _ in range(depth):
         value = [value]
     return value
+
+
+class _RecordingEngine:
+    """Takes ``--pin-prefix`` pins without an engine: what preload_pins asked for."""
+
+    def __init__(self) -> None:
+        self.pinned: list[tuple[Any, str | None]] = []
+
+    def pin_prefix(self, prompt: Any, ttl_s: float | None, salt: str | None) -> str:
+        self.pinned.append((prompt, salt))
+        return f"pin-{len(self.pinned) - 1}"
+
+
+@pytest.mark.parametrize(("line", "why"), [
+    ('{"prompt": "abc", "cache_salt": ""}', "line 1: cache_salt: cache_salt has 0 bytes in UTF-8; allowed 1 to 256"),
+    (json.dumps({"prompt": "abc", "cache_salt": "s" * 300}), "line 1: cache_salt: cache_salt has 300 bytes"),
+])
+def test_a_pin_file_salt_no_request_could_send_stops_the_start(tmp_path: Path, line: str, why: str) -> None:
+    from pagedrs.server.cache_pins import load_pin_file
+
+    path = tmp_path / "pins.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=why):
+        load_pin_file(str(path))
+
+
+def test_a_pin_file_tenant_no_api_key_names_stops_the_start(tmp_path: Path) -> None:
+    from pagedrs.server.cache_pins import preload_pins
+
+    path = tmp_path / "pins.jsonl"
+    path.write_text('{"prompt": "abc", "tenant": "alice"}\n{"prompt": "abc", "tenant": "nosuchtenant"}\n')
+    eng = _RecordingEngine()
+    with pytest.raises(ValueError, match=r"line 2: the pin was refused: tenant is 'nosuchtenant', which no API key "
+                                         r"of this server belongs to, so no request could hit the pin; allowed: alice, bob"):
+        preload_pins(eng, str(path), "per-tenant", frozenset({"alice", "bob"}))
+    assert [prompt for prompt, _ in eng.pinned] == ["abc"]  # line 1's, before the refusal
+
+
+@pytest.mark.parametrize(("line", "why"), [
+    # said "must have a string 'role' and a string 'content'; got keys ['content', 'role']", param "prompt"
+    ('{"messages": [{"role": "user", "content": 5}]}', "line 1: messages.0.content is 5, a number; allowed: a string"),
+    ('{"messages": [{"role": "system", "content": "a"}, {"role": "bogus", "content": "b"}]}',
+     "line 1: messages.1.role is \"bogus\", a string; allowed: one of 'system', 'developer', 'user'"),
+    ('{"messages": [{"content": "a"}]}', "line 1: messages.0.role is missing; allowed: one of 'system'"),
+    # said "ttl_s.int: Input should be a valid integer"
+    ('{"prompt": "x", "ttl_s": 1e400}', r"line 1: ttl_s is 1e400, a number too large \(it reads as infinity\); "
+                                         r"allowed: seconds in \(0, 604800\], or null for no TTL"),
+    ('{"prompt": [1, 2, -1e999]}', r"line 1: prompt.2 is -1e999, a number too large"),
+    ('{"prompt": "x", "ttl_s": -5.5e-1, "ttl_s": 60}', "line 1: the line has the key 'ttl_s' twice in one object"),
+    # json.loads kept the last of two equal keys: this line pinned [1, 2], silently
+    ('{"prompt": "abc", "prompt": [1,2]}', "line 1: the line has the key 'prompt' twice in one object; each key may "
+                                           "appear once"),
+])
+def test_a_bad_pin_file_line_is_named_with_its_field_and_value(tmp_path: Path, line: str, why: str) -> None:
+    from pagedrs.server.cache_pins import load_pin_file
+
+    path = tmp_path / "pins.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=why):
+        load_pin_file(str(path))

@@ -94,8 +94,11 @@ def test_a_reset_while_a_request_runs_is_a_409_and_clears_nothing(make_served) -
         deadline = time.monotonic() + 30
         while served.count("add") < 2 and time.monotonic() < deadline:
             time.sleep(0.01)  # the add is applied at the start of a step, which then waits for a permit
+        queued = served.loop._commands.qsize()  # the engine thread waits in the step: nothing takes from it
         reset = pool.submit(httpx.post, served.url + "/reset_prefix_cache", headers=bearer(ADMIN), timeout=30)
-        time.sleep(0.2)  # the reset is queued for the engine thread, behind the step
+        while served.loop._commands.qsize() == queued and time.monotonic() < deadline + 30:
+            time.sleep(0.01)  # the reset is queued for the engine thread, behind the step (a fixed 0.2 s lost the race
+            # on a loaded machine: the step ended first, the next waited for a permit, and the reset behind it)
         permits.release(1)  # that step ends; the reset runs before the next: the request is unfinished
         refused = reset.result()
         assert refused.status_code == 409, refused.text
@@ -111,3 +114,93 @@ def test_a_reset_while_a_request_runs_is_a_409_and_clears_nothing(make_served) -
     metrics = httpx.get(served.url + "/metrics", headers=bearer(ADMIN), timeout=30).text
     assert 'pagedrs_prefix_cache_resets_total{outcome="refused"} 1.0' in metrics
     assert 'pagedrs_prefix_cache_resets_total{outcome="done"} 1.0' in metrics
+
+
+class PinningEngine(FakeEngine):
+    """A FakeEngine that records the pins it is asked for (the salt it would key them by)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pinned: list[str | None] = []
+
+    def pin(self, prompt: Any, ttl_s: float | None, salt: str | None) -> Any:
+        from types import SimpleNamespace
+
+        self.pinned.append(salt)
+        return SimpleNamespace(pin_id=f"pin-{len(self.pinned) - 1}", num_tokens=16, num_pages=2, ttl_s=ttl_s,
+                               expires_in_s=None)
+
+
+PER_TENANT = ServerOptions(api_keys={"sk-alice": "alice", "sk-bob": "bob"}, admin_api_key=ADMIN,
+                           prefix_cache_isolation="per-tenant")
+
+
+@pytest.mark.parametrize(("body", "param", "says"), [
+    # every request refuses these salts: a pin under one could never be hit, and it used up the pin cap
+    ({"cache_salt": ""}, "cache_salt", "cache_salt has 0 bytes in UTF-8; allowed 1 to 256"),
+    ({"cache_salt": "x" * 300}, "cache_salt", "cache_salt has 300 bytes in UTF-8; allowed 1 to 256"),
+    ({"cache_salt": 5}, "cache_salt", "cache_salt"),
+    # no API key names this tenant: no request could hit its pin
+    ({"tenant": "nosuchtenant"}, "tenant", "tenant is 'nosuchtenant', which no API key of this server belongs to, "
+                                           "so no request could hit the pin; allowed: alice, bob"),
+])
+def test_a_pin_no_request_could_hit_is_refused_naming_the_field(make_served, body: dict[str, Any], param: str,
+                                                               says: str) -> None:
+    served: Served = make_served(engine := PinningEngine(), options=PER_TENANT)
+    refused = httpx.post(served.url + "/v1/cache/pin", json={"prompt": "a system prompt", "tenant": "alice", **body},
+                         headers=bearer(ADMIN), timeout=30)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert says in error["message"] and error["param"] == param, error
+    assert engine.pinned == []
+    done = httpx.post(served.url + "/v1/cache/pin", json={"prompt": "a system prompt", "tenant": "alice",
+                                                          "cache_salt": "s"}, headers=bearer(ADMIN), timeout=30)
+    assert done.status_code == 200 and done.json()["id"] == "pin-0", done.text
+    assert len(engine.pinned) == 1 and engine.pinned[0] is not None
+
+
+REFUSED_RESETS: list[tuple[str, bytes, str | None, str]] = [
+    # each of these was a 200 that cleared every tier
+    ("", b'{"tier": "disk"}', "tier", "takes no body (got tier)"),
+    ("?tier=host", b"", "tier", "'tier' is not a query parameter of /reset_prefix_cache"),
+    ("?reset_running_requests=true", b"", "reset_running_requests",
+     "reset_running_requests='true' is not supported: a reset is refused (409) while requests are in the engine"),
+    ("?reset_external=false", b"", "reset_external", "reset_external='false' is not supported"),
+    ("?device=gpu", b"", "device", "'device' is not a query parameter"),
+    ("?reset_external=true&reset_external=true", b"", "reset_external", "given twice"),
+    ("", b"[1]", None, "takes no body (got [1])"),
+    ("", b'{"a": 1, "a": 2}', None, "the key 'a' twice"),
+]
+
+
+def test_a_reset_refuses_what_it_would_not_do(make_served) -> None:
+    """Every field of vLLM's reset is honoured exactly or refused naming it; any other field too."""
+    served: Served = make_served(FakeEngine(), options=OPTIONS)
+    for query, body, param, says in REFUSED_RESETS:
+        refused = httpx.post(served.url + "/reset_prefix_cache" + query, content=body, timeout=30,
+                             headers={**bearer(ADMIN), "Content-Type": "application/json"})
+        assert refused.status_code == 400, (query, body, refused.text)
+        error = refused.json()["error"]
+        assert says in error["message"] and error.get("param") == param, error
+    assert served.count("reset_prefix_cache") == 0
+    for query, body in [("?reset_running_requests=false&reset_external=true", b""), ("?reset_external=1", b"{}"),
+                        ("", b"")]:  # vLLM's values that ask for what the reset does
+        done = httpx.post(served.url + "/reset_prefix_cache" + query, content=body, headers=bearer(ADMIN), timeout=30)
+        assert done.status_code == 200 and "dropped_pages" in done.json(), done.text
+    assert served.count("reset_prefix_cache") == 3
+
+
+def test_a_pin_message_names_which_field_is_wrong(make_served) -> None:
+    """It said "must have a string 'role' and a string 'content'; got keys ['content', 'role']", param "prompt"."""
+    served: Served = make_served(engine := PinningEngine(), options=OPTIONS)
+    for message, says in [({"role": "user", "content": 5}, "messages.0.content is 5, a number; allowed: a string"),
+                          ({"role": "bogus", "content": 5}, "messages.0.role is \"bogus\", a string; allowed: one of "
+                                                            "'system', 'developer', 'user', 'assistant', 'tool'"),
+                          ({"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                           "messages.0.content is [{\"type\": \"text\", \"text\": \"hi\"}], an array; allowed: a string")]:
+        refused = httpx.post(served.url + "/v1/cache/pin", json={"messages": [message]}, headers=bearer(ADMIN),
+                             timeout=30)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["message"].startswith(says) and error["param"] == "messages", error
+    assert engine.pinned == []

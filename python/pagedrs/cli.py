@@ -129,16 +129,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_cache(args: argparse.Namespace) -> int:
     from pagedrs.models.gguf_cache import cache_root
-    from pagedrs.models.gguf_cache_admin import entries, prune, report
+    from pagedrs.models.gguf_cache_admin import MemoUnreadableError, entries, memo_problem, prune, report
 
     root = cache_root()
     if root.exists() and not root.is_dir():  # listed as "(empty)" before: a typo in $PAGEDRS_CACHE_DIR went unseen
         print(f"pagedrs cache: error: the cache folder {str(root)!r} ($PAGEDRS_CACHE_DIR) is not a directory",
               file=sys.stderr)
         return 2
+    problem = memo_problem()
+    if problem is not None:
+        print(f"pagedrs cache: warning: {problem}: no folder's GGUF file is known", file=sys.stderr)
     if args.prune or args.drop_dense or args.orphans:
         try:
             pruned = prune(drop_dense=args.drop_dense, orphans=args.orphans)
+        except MemoUnreadableError as e:
+            print(f"pagedrs cache: error: {e}", file=sys.stderr)
+            return 2
         except OSError as e:
             print(f"pagedrs cache: {e}", file=sys.stderr)
             return 1

@@ -236,8 +236,11 @@ class Engine:
 
     def _render_messages(self, messages: list[dict[str, Any]]) -> list[int]:
         for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must have a string 'role' and a string 'content'; got keys {sorted(map(str, m))}")
+            for key in ("role", "content"):
+                if not isinstance(m.get(key), str):
+                    wrong = (f"messages[{i}][{key!r}] is {m[key]!r} ({type(m[key]).__name__})" if key in m
+                             else f"messages[{i}] has no {key!r} (its keys: {sorted(map(str, m))})")
+                    raise ValueError(f"{wrong}; a pinned message needs a string 'role' and a string 'content'")
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=False))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

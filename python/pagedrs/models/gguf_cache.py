@@ -71,11 +71,22 @@ def memo_path(key: str) -> str:
 def read_memo() -> dict[str, str]:
     """The cache's hash memo (``hashes.json``: memo key -> content hash); empty when missing or unreadable
     (cut short, not JSON, not UTF-8, not an object): it is only a saving, rebuilt as files are hashed."""
+    return read_memo_checked()[0]
+
+
+def read_memo_checked() -> tuple[dict[str, str], str | None]:
+    """``read_memo``, and why the memo could not be read (None when it was, or is missing): ``pagedrs cache
+    --orphans`` must not take an unreadable memo for one that knows no file."""
+    path = cache_root() / "hashes.json"
     try:
-        memo = json.loads((cache_root() / "hashes.json").read_text())
-    except (OSError, ValueError):  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
-        return {}
-    return memo if isinstance(memo, dict) else {}
+        memo = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}, None
+    except (OSError, ValueError) as e:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        return {}, f"{path} cannot be read ({e})"
+    if not isinstance(memo, dict):
+        return {}, f"{path} holds a JSON {type(memo).__name__}, not an object of file -> hash"
+    return memo, None
 
 
 def file_sha256(path: Path) -> str:

@@ -14,18 +14,30 @@ conversion's is younger), hash-memo entries whose file is gone or changed.
 the folders of files no longer where the memo saw them (a load converts again: work, never a wrong
 answer, since a folder is keyed by the file's content). The
 current format's folders, their tokenizer and index, and kept conversions stay: they are what a
-warm load reads; a folder that is a link (to another disk) is never followed or removed.
+warm load reads; a folder that is a link (to another disk) is never followed (not for its size
+either) or removed. The listing (``report``) says of each folder what a prune does to it, and
+``prune`` does exactly that. ``orphans`` needs the hash memo: when ``hashes.json`` cannot be read,
+it is refused (``MemoUnreadableError``) rather than taking every folder for an orphan.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedrs.models.gguf_cache import _CONVERTED_FORMAT, _DENSE, _atomic_write_text, cache_root, memo_key, memo_path, read_memo
+from pagedrs.models.gguf_cache import (
+    _CONVERTED_FORMAT,
+    _DENSE,
+    _atomic_write_text,
+    cache_root,
+    memo_key,
+    memo_path,
+    read_memo_checked,
+)
 
 STALE_STAGING_S = 24 * 3600  # a staging folder this old belongs to no conversion still running
 
@@ -41,13 +53,20 @@ class CacheEntry:
     dense_bytes: int  # model.safetensors (float32 weights), 0 when absent
     converted_bytes: int  # converted/ (kept conversions)
     sources: list[str] = field(default_factory=list)  # GGUF files the hash memo maps to it, that still match
+    link: str | None = None  # where the folder links to, when it is a symbolic link (never followed: sizes 0)
 
     @property
     def current(self) -> bool:
-        return self.version == _CONVERTED_FORMAT
+        return self.link is None and self.version == _CONVERTED_FORMAT
+
+
+class MemoUnreadableError(Exception):
+    """``prune(orphans=True)`` over a hash memo that cannot be read: which folders are in use is unknown."""
 
 
 def _size(path: Path) -> int:
+    if path.is_symlink():  # someone else's: never followed
+        return 0
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
@@ -62,10 +81,15 @@ def _still_matches(key: str) -> bool:
         return False
 
 
-def _live_memo() -> tuple[dict[str, str], dict[str, str]]:
-    """The hash memo, and its entries that still describe their files."""
-    memo = read_memo()
-    return memo, {key: str(sha) for key, sha in memo.items() if _still_matches(key)}
+def _live_memo() -> tuple[dict[str, str], dict[str, str], str | None]:
+    """The hash memo, its entries that still describe their files, and why it could not be read (or None)."""
+    memo, problem = read_memo_checked()
+    return memo, {key: str(sha) for key, sha in memo.items() if _still_matches(key)}, problem
+
+
+def memo_problem() -> str | None:
+    """Why the hash memo cannot be read (so no folder's file is known), or None."""
+    return read_memo_checked()[1]
 
 
 def _name(folder: Path) -> tuple[str, int | None]:
@@ -86,9 +110,14 @@ def entries() -> list[CacheEntry]:
         by_sha.setdefault(sha, []).append(memo_path(key))
     out = []
     for folder in root.iterdir():
-        if not folder.is_dir() or folder.name.startswith("."):
+        if folder.name.startswith("."):
             continue
         sha, version = _name(folder)
+        if folder.is_symlink():  # listed as a link, never sized through it
+            out.append(CacheEntry(folder, sha, version, 0, 0, 0, link=os.readlink(folder)))
+            continue
+        if not folder.is_dir():
+            continue
         out.append(CacheEntry(folder, sha, version, _size(folder),
                               _size(folder / _DENSE) if (folder / _DENSE).is_file() else 0,
                               _size(folder / "converted") if (folder / "converted").is_dir() else 0,
@@ -106,12 +135,16 @@ class Pruned:
 def prune(drop_dense: bool = False, orphans: bool = False, now: float | None = None) -> Pruned:
     """Removes what this version never reads (see the module docs); with ``drop_dense`` the float32
     copies too; with ``orphans`` the folders no GGUF file known to the hash memo maps to any more (a
-    file deleted, moved or rewritten: a load of it converts again). Returns what went and the bytes freed."""
+    file deleted, moved or rewritten: a load of it converts again). Returns what went and the bytes freed.
+    MemoUnreadableError, before anything is removed, for ``orphans`` over a memo that cannot be read."""
     root = cache_root() / "gguf"
     removed: list[Path] = []
     freed = 0
     now = time.time() if now is None else now
-    memo, live = _live_memo()
+    memo, live, problem = _live_memo()
+    if orphans and problem is not None:
+        raise MemoUnreadableError(f"--orphans needs the hash memo to tell which folders are in use, but {problem}; "
+                                  "nothing was removed (loading a GGUF file writes a new memo)")
     known = set(live.values())
     if root.is_dir():
         for folder in sorted(root.iterdir()):
@@ -122,7 +155,7 @@ def prune(drop_dense: bool = False, orphans: bool = False, now: float | None = N
                 shutil.rmtree(folder, ignore_errors=True)
             elif ((folder.name.startswith(".convert-") and now - folder.stat().st_mtime > STALE_STAGING_S)
                   or (version is not None and version < _CONVERTED_FORMAT)  # (a newer version's is left to it)
-                  or (orphans and version is not None and sha not in known)):
+                  or (orphans and version == _CONVERTED_FORMAT and sha not in known)):  # (as report says)
                 size = _size(folder)
                 if _remove(folder):
                     removed.append(folder)
@@ -161,7 +194,9 @@ def report(items: list[CacheEntry]) -> str:
     if not items:
         return lines[0] + "\n(empty)"
     for e in items:
-        state = ("current" if e.current else "not a cache folder: left alone" if e.version is None
+        state = (f"a link to {e.link}: not followed, left alone" if e.link is not None
+                 else "current, its file unknown: removed by --orphans" if e.current and not e.sources
+                 else "current" if e.current else "not a cache folder: left alone" if e.version is None
                  else "an older format: removed by --prune" if e.version < _CONVERTED_FORMAT
                  else "a newer version's: left alone")
         lines.append(f"{e.bytes / mb:9.1f} MiB  {e.path.name}  [{state}]  float32 copy {e.dense_bytes / mb:.1f} MiB, "

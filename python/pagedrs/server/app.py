@@ -78,6 +78,7 @@ def build_app(
         max_seqs_per_request=options.max_seqs_per_request,
         prefix_cache_isolation=options.prefix_cache_isolation,
         tool_call_parser=options.tool_call_parser,
+        tenants=frozenset(options.tenants().values()),
     )
     _warm_token_bytes(engine.tokenizer)
     drain = DrainState()
@@ -122,7 +123,8 @@ def build_app(
         return await tokenize.detokenize(ctx, body)
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> cache_admin.PrefixCacheResetResponse:
+    async def reset_prefix_cache(request: Request) -> cache_admin.PrefixCacheResetResponse:
+        await cache_admin.check_reset_request(request)
         return await cache_admin.reset_prefix_cache(ctx)
 
     @app.post("/v1/cache/pin")

@@ -6,18 +6,22 @@ full pages on the device until it is unpinned or its ``ttl_s`` runs out (core/pi
 guard (server/guard.py) gives every ``/v1/cache`` path the admin key, like ``/reset_prefix_cache``.
 A pin is salted as a request would be: ``cache_salt`` (and, under ``--prefix-cache-isolation
 per-tenant``, the ``tenant`` whose requests it serves), so it is hit by exactly the requests
-that would share its pages anyway. Errors: 400 for a bad body or prompt (naming the field),
+that would share its pages anyway; a pin no request could hit (a salt every request refuses, a
+tenant no API key names) is refused. Errors: 400 for a bad body or prompt (naming the field),
 409 past ``--max-pinned-fraction`` (naming the cap and the numbers), 404 for an unknown id.
 
 ``--pin-prefix FILE``: JSON lines, one pin each, ``{"prompt": "..."}`` or ``{"messages": [...]}``,
 optionally with ``ttl_s``, ``cache_salt`` and ``tenant``; blank lines and lines starting with
-``#`` are skipped. A bad line stops the server's start with its line number.
+``#`` are skipped. A bad line stops the server's start with its line number, the field and the
+value; a line is read as strictly as a request body (no key twice in one object).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -31,11 +35,13 @@ from pydantic import (
     model_validator,
 )
 
+from pagedrs.core.pins import MAX_TTL_S
 from pagedrs.errors import PinCapError, UnknownPinError
 from pagedrs.sampling_params import MAX_SCHEMA_DEPTH, json_depth
 from pagedrs.server.errors import APIError
-from pagedrs.server.field_policy import name_unknown_fields
-from pagedrs.server.protocol import Text
+from pagedrs.server.field_policy import CHAT_ROLES, name_unknown_fields
+from pagedrs.server.json_body import unique_keys
+from pagedrs.server.protocol import CacheSalt, Text
 from pagedrs.server.serving import ServerContext
 from pagedrs.server.tenants import engine_salt
 
@@ -50,7 +56,7 @@ class PinRequest(BaseModel):
     prompt: Optional[Union[Text, list[StrictInt]]] = None
     messages: Optional[list[dict[str, Any]]] = None
     ttl_s: Optional[Union[StrictInt, StrictFloat]] = None  # seconds, in (0, 7 days]; null: until unpinned
-    cache_salt: Optional[Text] = None
+    cache_salt: Optional[CacheSalt] = None  # as a request's: 1 to 256 bytes (no request could hit another)
     tenant: Optional[Text] = None  # --prefix-cache-isolation per-tenant: the tenant whose requests hit it
 
     @model_validator(mode="wrap")
@@ -70,8 +76,32 @@ class PinRequest(BaseModel):
             if depth > MAX_SCHEMA_DEPTH:  # a chat template renders them: a hostile depth overflowed its stack (a 500)
                 raise APIError(400, f"messages nest {depth} or more deep; allowed: at most {MAX_SCHEMA_DEPTH}",
                                param="messages")
+            for i, message in enumerate(self.messages):
+                _check_message(i, message)
             return self.messages
         return {"prompt_token_ids": self.prompt} if isinstance(self.prompt, list) else self.prompt
+
+
+def _check_message(i: int, message: dict[str, Any]) -> None:
+    """APIError 400 naming ``messages.<i>.role`` or ``.content`` when it is not what a pin renders:
+    a chat role, and text (the chat template renders a pin's messages as they are)."""
+    role, content = message.get("role", _MISSING), message.get("content", _MISSING)
+    if role not in CHAT_ROLES:
+        raise APIError(400, f"messages.{i}.role is {_shown(role)}; allowed: one of {', '.join(map(repr, CHAT_ROLES))}",
+                       param="messages")
+    if not isinstance(content, str):
+        raise APIError(400, f"messages.{i}.content is {_shown(content)}; allowed: a string (the text the chat "
+                            "template renders)", param="messages")
+
+
+_MISSING = object()
+
+
+def _shown(value: Any) -> str:
+    """A JSON value as an error names it: ``5, a number``; ``missing`` for a field not sent."""
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array", dict: "an object",
+             type(None): "null"}
+    return "missing" if value is _MISSING else f"{json.dumps(value)[:40]}, {kinds.get(type(value), 'a value')}"
 
 
 class PinResponse(BaseModel):
@@ -114,22 +144,28 @@ class CacheInfo(BaseModel):
 
 
 def _salt(ctx: ServerContext, body: PinRequest) -> Optional[str]:
-    check_tenant_applies(ctx.prefix_cache_isolation, body.tenant)
+    check_tenant_applies(ctx.prefix_cache_isolation, body.tenant, ctx.tenants)
     try:
         return engine_salt(ctx.prefix_cache_isolation, body.tenant, body.cache_salt)
     except ValueError as exc:
         raise APIError(400, f"{exc}: name it with the pin's 'tenant' field", param="tenant") from None
 
 
-def check_tenant_applies(isolation: str, tenant: Optional[str]) -> None:
+def check_tenant_applies(isolation: str, tenant: Optional[str], tenants: Collection[str] = ()) -> None:
     """A pin's ``tenant`` means something only under ``--prefix-cache-isolation per-tenant``; under
     ``shared`` it was accepted and changed nothing (alice's and bob's pins shared their pages, and a
-    request of no tenant hit them): refused instead, naming the flag that gives it a meaning."""
+    request of no tenant hit them): refused instead, naming the flag that gives it a meaning. A tenant
+    that no API key names (``tenants``, when the server knows them) is refused too: no request could
+    ever hit its pin, which would only use up the pin cap."""
     if tenant is not None and isolation != "per-tenant":
         raise APIError(400, f"tenant is {tenant!r}, but the server runs --prefix-cache-isolation {isolation}, where "
                             "every tenant shares the prefix cache and a pin's tenant changes nothing; pin without it "
                             "(or use cache_salt), or start the server with --prefix-cache-isolation per-tenant",
                        param="tenant")
+    if tenant is not None and tenants and tenant not in tenants:
+        raise APIError(400, f"tenant is {tenant!r}, which no API key of this server belongs to, so no request could "
+                            f"hit the pin; allowed: {', '.join(sorted(tenants))} (--api-key-file; --api-key is "
+                            "tenant 'default')", param="tenant")
 
 
 async def pin(ctx: ServerContext, body: PinRequest) -> PinResponse:
@@ -199,9 +235,17 @@ def load_pin_file(path: str) -> list[tuple[int, PinRequest]]:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         try:
-            request = PinRequest.model_validate(json.loads(line))
+            fields = json.loads(line, object_pairs_hook=unique_keys("the line"), parse_float=_Overflow.or_float)
+            _refuse_overflow(fields, "")
+            request = PinRequest.model_validate(fields)
             if (request.prompt is None) == (request.messages is None):
                 raise ValueError("it needs exactly one of 'prompt' and 'messages'")
+            request.prompt_or_messages()  # the messages' roles and contents
+        except APIError as exc:
+            raise ValueError(f"--pin-prefix {path}, line {number}: {exc.message}") from None
+        except RecursionError:
+            raise ValueError(f"--pin-prefix {path}, line {number}: it nests arrays or objects deeper than this "
+                             "server parses (about 1000 levels)") from None
         except (json.JSONDecodeError, ValidationError, ValueError) as exc:
             detail = str(exc).splitlines()[0] if not isinstance(exc, ValidationError) else _first_error(exc)
             raise ValueError(f"--pin-prefix {path}, line {number}: {detail} (each line is a JSON object "
@@ -211,18 +255,45 @@ def load_pin_file(path: str) -> list[tuple[int, PinRequest]]:
 
 
 def _first_error(exc: ValidationError) -> str:
-    err = exc.errors()[0]
+    errors = exc.errors()  # a union (ttl_s: int or float) fails once per member: the one about the value, first
+    err = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
     where = ".".join(str(p) for p in err.get("loc", ()))
     return f"{where}: {err.get('msg')}"
 
 
-def preload_pins(engine: Any, path: str, isolation: str) -> list[str]:
+class _Overflow:
+    """A JSON number too large for a float (``1e400``), kept as written: json.loads made it infinity,
+    which pydantic then refused as "not a valid integer", naming neither the value nor the cause."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @classmethod
+    def or_float(cls, text: str) -> float | _Overflow:
+        value = float(text)
+        return value if math.isfinite(value) else cls(text)
+
+
+def _refuse_overflow(value: Any, where: str) -> None:
+    """ValueError naming the field and the number of the first ``_Overflow`` in a parsed line."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        field = f"{where}.{key}" if where else str(key)
+        if isinstance(item, _Overflow):
+            raise ValueError(f"{field} is {item.text[:40]}, a number too large (it reads as infinity); "
+                             + (f"allowed: seconds in (0, {MAX_TTL_S:g}], or null for no TTL" if field == "ttl_s"
+                                else "allowed: a finite number"))
+        _refuse_overflow(item, field)
+
+
+def preload_pins(engine: Any, path: str, isolation: str, tenants: Collection[str] = ()) -> list[str]:
     """Pins every line of ``--pin-prefix FILE`` on ``engine`` before the server starts; the ids.
-    A bad line, or a pin the engine refuses, stops the start: ValueError naming the line."""
+    A bad line, or a pin the engine refuses, stops the start: ValueError naming the line.
+    ``tenants``: the tenants the API keys name (a pin for any other is refused; empty: unchecked)."""
     ids = []
     for number, request in load_pin_file(path):
         try:
-            check_tenant_applies(isolation, request.tenant)
+            check_tenant_applies(isolation, request.tenant, tenants)
             salt = engine_salt(isolation, request.tenant, request.cache_salt)
             ids.append(engine.pin_prefix(request.prompt_or_messages(), request.ttl_s, salt))
         except (ValueError, PinCapError, APIError) as exc:

@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.pin_prefix is not None:
         try:
-            pinned = preload_pins(engine, args.pin_prefix, options.prefix_cache_isolation)
+            pinned = preload_pins(engine, args.pin_prefix, options.prefix_cache_isolation,
+                                  frozenset(options.tenants().values()))
         except ValueError as exc:  # PinCapError too: the file asks for more than --max-pinned-fraction
             print(f"pagedrs serve: {exc}", file=sys.stderr)
             engine.shutdown()

@@ -29,8 +29,8 @@ def parse(body: bytes) -> Any:
         raise HTTPException(400, f"the request body is not UTF-8 text: byte 0x{body[exc.start]:02x} at offset "
                                  f"{exc.start} ({exc.reason}); a JSON body must be UTF-8 (RFC 8259)") from None
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys)
-    except _RepeatedKey as exc:
+        return json.loads(text, object_pairs_hook=unique_keys("the request body"))
+    except RepeatedKeyError as exc:
         raise HTTPException(400, str(exc)) from None
     except json.JSONDecodeError as exc:
         raise HTTPException(400, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column "
@@ -43,18 +43,24 @@ def parse(body: bytes) -> Any:
                                  "(about 1000 levels)") from None
 
 
-class _RepeatedKey(ValueError):
+class RepeatedKeyError(ValueError):
     pass
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _RepeatedKey(f"the request body has the key {key!r} twice in one object; each key may appear "
-                               "once (JSON parsers keep one of the two values, so the other would be ignored)")
-        out[key] = value
-    return out
+def unique_keys(where: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
+    """A ``json.loads`` ``object_pairs_hook`` that refuses a key repeated in one object: RepeatedKeyError
+    naming the key and ``where`` the JSON came from ("the request body", a file's line)."""
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise RepeatedKeyError(f"{where} has the key {key!r} twice in one object; each key may appear "
+                                       "once (JSON parsers keep one of the two values, so the other would be ignored)")
+            out[key] = value
+        return out
+
+    return hook
 
 
 class StrictJSONRequest(Request):

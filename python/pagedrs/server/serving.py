@@ -50,6 +50,7 @@ class ServerContext:
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # prompts x sequences per prompt, at most
     prefix_cache_isolation: str = "shared"  # or "per-tenant": the engine's cache salt names the tenant
     tool_call_parser: str | None = None  # --tool-call-parser: how tool_choice "auto" reads answers (None: refused)
+    tenants: frozenset[str] = frozenset()  # the tenants the API keys name (a pin for another is refused; empty: unchecked)
 
     def check_model(self, requested: str) -> None:
         if requested != self.model_name:
