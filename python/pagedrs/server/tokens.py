@@ -72,9 +72,17 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
         raise bad_request("messages is empty: send at least one message", param="messages")
     plain = [_for_template(i, m) for i, m in enumerate(messages)]
     ids = _render(tokenizer, plain, add_generation_prompt, tools)
+    _check_rendered(tokenizer, plain, add_generation_prompt, tools, ids)
+    return ids
+
+
+def _check_rendered(tokenizer: Any, plain: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None, ids: list[int]) -> None:
+    """400 when leaving the tools, or one message's calls, out gives the same prompt ``ids``
+    (one render more for the tools and per message with calls, on the tokenizer threads)."""
     if tools and _render_or_none(tokenizer, plain, add_generation_prompt, None) == ids:
         raise bad_request(NOT_RENDERED.format(what="tools", field="tools", lost="the functions it may call")
-                          + " Or send no tools; for an answer that follows a schema, send response_format "
+                          + '; or send no tools: for an answer that only follows a schema, send response_format '
                           '{"type": "json_schema", ...} instead', param="tools")
     for i, message in enumerate(plain):
         if "tool_calls" in message:
@@ -83,13 +91,12 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
                 field = f"messages.{i}.tool_calls"
                 raise bad_request(NOT_RENDERED.format(what="an assistant message's tool_calls", field=field,
                                                       lost="the calls it made"), param=field)
-    return ids
 
 
 NOT_RENDERED = ("{field}: this model's chat template does not render {what} (the prompt is the same without "
                 "them), so the model would never see {lost}. Serve a model whose chat template renders them (the "
-                "template is the model's own: its tokenizer_config.json's chat_template; pagedrs serve has no "
-                "--chat-template option).")
+                "template is the model's own, chat_template.jinja or tokenizer_config.json's chat_template in its "
+                "folder; pagedrs serve has no --chat-template option)")
 
 
 def _render(tokenizer: Any, plain: list[dict[str, Any]], add_generation_prompt: bool,
