@@ -3,7 +3,8 @@ plumbing without a model), live servers over it or over a real Engine, and the l
 server test ends with (``assert_nothing_left``).
 
 It follows docs/ENGINE_API.md: one token per sample per step, token ``ord('a') + (k + index) % 26``
-for the k-th token of sample ``index``. Every call is recorded; with ``permits`` set, each step
+for the k-th token of sample ``index`` (or, with ``script`` set, the script's k-th character, and
+"stop" after its last one: an answer a test chooses, ended as by EOS or a stop string). Every call is recorded; with ``permits`` set, each step
 records itself and then waits for one permit, so a test can hold the engine inside a step.
 Its prefix cache is a model of the real one: a prompt reuses the full pages (of ``BLOCK_SIZE``
 tokens, always keeping its last token to compute) of any earlier prompt under the same
@@ -45,7 +46,9 @@ class FakeTokenizer:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
         text = "".join(f"<tool:{t['function']['name']}>" for t in tools or [])
-        text += "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        text += "".join(f"<{m['role']}>{m['content']}" + "".join(f"<call:{c['function']['name']}>"
+                                                                for c in m.get("tool_calls") or [])
+                        for m in messages)
         return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
 
 
@@ -57,6 +60,7 @@ class FakeEngine:
         self.model_name = "fake"
         self.permits = permits  # when set, every step takes one (waiting at most a minute)
         self.fail_next_step = False
+        self.script: str | None = None  # when set, every sample writes this text, then ends by "stop" (EOS)
         self.calls: list[tuple[str, Any]] = []  # ("add", id) | ("abort", id) | ("step", k)
         self.added: dict[str, dict[str, Any]] = {}  # request id -> what add_request was given (kept after it ends)
         self._cached: dict[str | None, set[tuple[int, ...]]] = {}  # cache_salt -> full-page prefixes seen
@@ -163,12 +167,14 @@ class FakeEngine:
         for request_id, r in list(self._requests.items()):
             completions = []
             for index, tokens in enumerate(r["samples"]):
-                token = ord("a") + (len(tokens) + index) % 26
+                token = ord("a") + (len(tokens) + index) % 26 if self.script is None else ord(self.script[len(tokens)])
                 tokens.append(token)
-                done = len(tokens) >= r["params"].max_tokens
+                ended = self.script is not None and len(tokens) == len(self.script)
+                done = ended or len(tokens) >= r["params"].max_tokens
                 # Cumulative fields by reference, not rebuilt: the server reads only the deltas, and an
                 # endless request rebuilt every step made each step O(tokens so far) (a quadratic flood).
-                completion = CompletionOutput(index, "", tokens, chr(token), [token], "length" if done else None)
+                completion = CompletionOutput(index, "", tokens, chr(token), [token],
+                                              "stop" if ended else "length" if done else None)
                 if r["params"].logprobs is not None:
                     ranked = [token, *(t for t in range(ord("a"), ord("a") + r["params"].logprobs + 1) if t != token)]
                     completion.logprobs = [{t: -0.5 * (rank + 1) for rank, t in enumerate(ranked)}]

@@ -126,24 +126,21 @@ def _offline_text(offline: LLM, messages: list[dict[str, Any]], regex: str | Non
 
 def _streamed(client: openai.OpenAI, **kw: Any) -> tuple[str, list[tuple[str, str]], list[str]]:
     """(content, [(name, arguments)], finish reasons) joined from a stream as a client joins them,
-    checking each chunk's shape: a call's first chunk has id, type, name and "" arguments, later ones not."""
-    content, calls, finish = "", {}, []
+    checking each chunk's shape: a call comes once complete, in one delta with id, type, name and
+    its whole arguments (server/tools.py)."""
+    content, calls, finish = "", [], []
     for chunk in client.chat.completions.create(stream=True, **kw):
         if not chunk.choices:
             continue
         choice = chunk.choices[0]
         content += choice.delta.content or ""
         for t in choice.delta.tool_calls or []:
-            if t.index not in calls:
-                assert t.id.startswith("call_") and t.type == "function" and t.function.arguments == "", t
-                assert t.index == len(calls)
-                calls[t.index] = (t.function.name, "")
-            else:
-                assert t.id is None and t.type is None and t.function.name is None, t
-                calls[t.index] = (calls[t.index][0], calls[t.index][1] + t.function.arguments)
+            assert t.id.startswith("call_") and t.type == "function" and t.index == len(calls), t
+            json.loads(t.function.arguments)
+            calls.append((t.function.name, t.function.arguments))
         if choice.finish_reason:
             finish.append(choice.finish_reason)
-    return content, [calls[i] for i in sorted(calls)], finish
+    return content, calls, finish
 
 
 def test_the_template_renders_the_tools_and_an_unsteered_answer_is_text(client: openai.OpenAI, offline: LLM) -> None:
@@ -213,8 +210,8 @@ def test_streamed_logprobs_cover_every_token_held_back_or_not(client: openai.Ope
     assert streamed == [t.token for t in whole.logprobs.content] and len(streamed) > 20
 
 
-def test_a_call_cut_by_max_tokens_is_text_whole_and_a_started_call_streamed(client: openai.OpenAI, offline: LLM) -> None:
-    """The one case where the two answers differ (tools.py): the stream had sent the call's start."""
+def test_a_call_cut_by_max_tokens_is_text_streamed_or_not(client: openai.OpenAI, offline: LLM) -> None:
+    """The stream holds a call until it is complete, so a cut one goes out as the same content."""
     regex = _regex(CALLS_IN_FORMAT["hermes"])
     prompt = offline.engine.tokenizer.apply_chat_template(MESSAGES, tools=TOOLS)
     params = SamplingParams(temperature=0.0, max_tokens=200, structured_outputs=StructuredOutputsParams(regex=regex))
@@ -226,7 +223,7 @@ def test_a_call_cut_by_max_tokens_is_text_whole_and_a_started_call_streamed(clie
     choice = client.chat.completions.create(**kw).choices[0]
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (decode(ids[:cut]), None, "length")
     content, streamed, finish = _streamed(client, **kw)
-    assert (content, finish) == ("Sure.", ["length"]) and streamed[0][0] == "add" and streamed[0][1].startswith("{")
+    assert (content, streamed, finish) == (decode(ids[:cut]), [], ["length"])
 
 
 def test_a_call_of_an_unknown_function_stays_content(client: openai.OpenAI, offline: LLM) -> None:
@@ -263,18 +260,15 @@ def test_a_round_trip_call_tool_message_answer(client: openai.OpenAI, offline: L
     assert answer.usage.prompt_tokens == len(rendered)
 
 
-def test_a_forced_call_streams_its_arguments_in_pieces(served: LiveServer, client: openai.OpenAI) -> None:
+def test_a_forced_call_streams_once_complete_in_one_delta(served: LiveServer, client: openai.OpenAI) -> None:
     kw: dict[str, Any] = dict(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0.0, max_tokens=100,
                               tool_choice={"type": "function", "function": {"name": "add"}})
     whole = client.chat.completions.create(**kw).choices[0]
     with httpx.stream("POST", served.url + "/v1/chat/completions", json={**kw, "stream": True}, timeout=120) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     deltas = [t for e in events for t in e["choices"][0]["delta"].get("tool_calls") or []]
-    assert deltas[0].keys() == {"index", "id", "type", "function"} and deltas[0]["function"] == {"name": "add",
-                                                                                                    "arguments": ""}
-    assert len(deltas) > 2 and all(d == {"index": 0, "function": {"arguments": d["function"]["arguments"]}}
-                                   for d in deltas[1:])  # later chunks: the index and a piece, nothing else
-    assert "".join(d["function"]["arguments"] for d in deltas) == whole.message.tool_calls[0].function.arguments
+    assert len(deltas) == 1 and deltas[0].keys() == {"index", "id", "type", "function"}
+    assert deltas[0]["function"] == {"name": "add", "arguments": whole.message.tool_calls[0].function.arguments}
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]] == ["tool_calls"]
 
 

@@ -151,21 +151,22 @@ def stream(ctx: ServerContext, body: ChatCompletionRequest, gen: Generation) -> 
 
     def render_tools(index: int, sample: SampleDelta) -> str:
         """The answer through its tool parser: content and ``delta.tool_calls`` chunks, in the
-        order the text has them; the sample's logprobs ride on its first chunk."""
+        order the text has them (a call once complete: ``tools.py``); the logprobs of tokens held
+        back ride on the next chunk sent."""
         tools = tool_streams.setdefault(index, ToolStream(gen.tool_reading))
         token_ids, entries = unsent.setdefault(index, ([], []))
         token_ids += sample.token_ids
         entries += sample.logprobs or []
         finished = sample.finish_reason is not None
         deltas = [ChatDelta(content=part) if isinstance(part, str) else ChatDelta(tool_calls=part)
-                  for part in tools.parts(sample.text, finished)]
+                  for part in tools.parts(sample.text, sample.finish_reason)]
         if finished and not deltas:
             deltas = [ChatDelta()]
         events = []
         for i, delta in enumerate(deltas):
             logprobs = _logprobs(ctx, k, token_ids, entries) if body.logprobs and i == 0 else None
             last = finished and i == len(deltas) - 1
-            reason = finish_reason_with_calls(sample.finish_reason, tools.has_calls) if last else None
+            reason = tools.finish_reason(sample.finish_reason) if last else None
             events.append(event([ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason,
                                                  stop_reason=sample.stop_reason if last else None,
                                                  token_ids=body.returned_ids(token_ids) if i == 0 else None)]))

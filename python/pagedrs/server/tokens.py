@@ -8,7 +8,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from pagedrs.sampling_params import MAX_SCHEMA_DEPTH, json_depth
-from pagedrs.server.errors import bad_request
+from pagedrs.server.errors import APIError, bad_request
 from pagedrs.server.protocol import ChatMessage
 
 
@@ -53,14 +53,54 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The conversation through the model's chat template, as prompt token ids.
 
-    The template is given each message's role and content (its text parts joined), and the
-    request's ``tools`` when it has some (transformers' ``apply_chat_template(tools=...)``; a
-    template that does not render them ignores them): every other message field is refused
-    by the request model, so nothing a client sent is lost here.
+    The template is given each message's role and content (its text parts joined), an
+    assistant's ``tool_calls``, a tool message's ``tool_call_id``, and the request's ``tools``
+    when it has some (transformers' ``apply_chat_template(tools=...)``); every other message
+    field is refused by the request model, so nothing a client sent is lost here.
+
+    Many templates render neither tools nor tool calls (SmolLM2's, Llama 2's): they would be
+    dropped, the model never told of the functions or of the calls it made, and the answer a
+    200 all the same. So whether the template renders them is tried, not guessed from its text:
+    the prompt is rendered once more without the tools, and once more without each message's
+    calls; the same ids mean the template left them out, a 400 naming ``tools`` or
+    ``messages.N.tool_calls``. This holds for every ``tool_choice``, a forced one included: its
+    grammar makes the answer a call that fits a schema, but what the function is for (its
+    description, even its name) reaches the model only through the prompt; a client that wants
+    the schema alone says so with ``response_format`` ``json_schema``.
     """
     if not messages:
         raise bad_request("messages is empty: send at least one message", param="messages")
     plain = [_for_template(i, m) for i, m in enumerate(messages)]
+    ids = _render(tokenizer, plain, add_generation_prompt, tools)
+    _check_rendered(tokenizer, plain, add_generation_prompt, tools, ids)
+    return ids
+
+
+def _check_rendered(tokenizer: Any, plain: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None, ids: list[int]) -> None:
+    """400 when leaving the tools, or one message's calls, out gives the same prompt ``ids``
+    (one render more for the tools and per message with calls, on the tokenizer threads)."""
+    if tools and _render_or_none(tokenizer, plain, add_generation_prompt, None) == ids:
+        raise bad_request(NOT_RENDERED.format(what="tools", field="tools", lost="the functions it may call")
+                          + '; or send no tools: for an answer that only follows a schema, send response_format '
+                          '{"type": "json_schema", ...} instead', param="tools")
+    for i, message in enumerate(plain):
+        if "tool_calls" in message:
+            without = [*plain[:i], {k: v for k, v in message.items() if k != "tool_calls"}, *plain[i + 1:]]
+            if _render_or_none(tokenizer, without, add_generation_prompt, tools) == ids:
+                field = f"messages.{i}.tool_calls"
+                raise bad_request(NOT_RENDERED.format(what="an assistant message's tool_calls", field=field,
+                                                      lost="the calls it made"), param=field)
+
+
+NOT_RENDERED = ("{field}: this model's chat template does not render {what} (the prompt is the same without "
+                "them), so the model would never see {lost}. Serve a model whose chat template renders them (the "
+                "template is the model's own, chat_template.jinja or tokenizer_config.json's chat_template in its "
+                "folder; pagedrs serve has no --chat-template option)")
+
+
+def _render(tokenizer: Any, plain: list[dict[str, Any]], add_generation_prompt: bool,
+            tools: list[dict[str, Any]] | None) -> list[int]:
     extra = {"tools": tools} if tools else {}
     try:
         return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **extra))
@@ -69,6 +109,16 @@ def render_chat(tokenizer: Any, messages: list[ChatMessage], add_generation_prom
     except RecursionError:  # the last guard: the request model bounds the nesting it knows of
         raise bad_request("the chat template recursed too deeply on this conversation: its messages or tools "
                           "nest too deeply to render", param="messages") from None
+
+
+def _render_or_none(tokenizer: Any, plain: list[dict[str, Any]], add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None) -> list[int] | None:
+    """``_render`` of the conversation with something left out; None where the template refuses it
+    (then what was left out mattered to it)."""
+    try:
+        return _render(tokenizer, plain, add_generation_prompt, tools)
+    except APIError:
+        return None
 
 
 def _for_template(index: int, message: ChatMessage) -> dict[str, Any]:

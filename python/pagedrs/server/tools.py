@@ -15,14 +15,29 @@ read back as ``message.tool_calls`` (whole, or as ``delta.tool_calls`` chunks wh
   without ``--tool-call-parser``.
 
 Both ways of answering read the text with the same parser (``tool_parsers.base`` has the rules),
-so a stream sends the same calls, arguments and content as the whole answer: a call's first chunk
-carries ``index``, ``id``, ``type``, ``function.name`` and ``function.arguments: ""``, the next
-ones ``index`` and pieces of the arguments as the model writes them. A response with calls ends
-with ``finish_reason: "tool_calls"`` (or ``"length"`` when ``max_tokens`` cut what followed them).
-A call cut by ``max_tokens`` is no call: the whole answer returns it as text with ``"length"``;
-a stream has already sent its start (and a forced answer cut short is text, all of it).
+and the stream sends exactly what the whole answer returns, whatever the text and wherever it
+ends (a stop string, ``max_tokens``, EOS in the middle of a call): the same calls, the same
+arguments, the same content and the same ``finish_reason``. A streamed call can only be sent
+once nothing after it can unmake it, so:
+
+* content is sent as it arrives (markup and what may begin a marker are held by the parser);
+* a call is held, name and arguments, until the parser ends it: a complete call (``CallEnd``)
+  goes out as one ``delta.tool_calls`` chunk with ``index``, ``id``, ``type``, ``function.name``
+  and the whole ``function.arguments``; a call that breaks (``CallBroken``: invalid JSON such as
+  ``NaN``, a key given twice, the answer ending inside it) goes out as content, its text exactly
+  as the whole answer's ``content`` has it. Arguments are never streamed in pieces: any later
+  character could still break the call, and a client cannot take back a piece it was sent;
+* a forced answer (``"required"``, a named function) is held whole until it ends: one that did
+  not end by "stop" is text, all of it, and even a complete first call of ``"required"`` is
+  unmade by a ``max_tokens`` cut after it.
+
+A response with calls ends with ``finish_reason: "tool_calls"`` (or ``"length"`` when
+``max_tokens`` cut what followed them); a call cut by ``max_tokens`` or a stop string is no
+call, and the answer keeps its own finish reason.
+
 The next turn sends the assistant message back with a ``tool`` message per result
-(``server/tokens.py`` hands both to the template).
+(``server/tokens.py`` hands both to the template, and refuses tools or calls the template does
+not render, for every ``tool_choice``: why is there).
 """
 
 from __future__ import annotations
@@ -39,7 +54,7 @@ from pagedrs.server.tool_parsers import (
     PARSERS,
     TOOL_CALL_PARSERS,
     CallArgs,
-    CallBroken,
+    CallEnd,
     CallStart,
     Event,
     ForcedListParser,
@@ -117,15 +132,22 @@ def finish_reason_with_calls(finish_reason: Optional[str], has_calls: bool) -> O
 
 
 class ToolStream:
-    """One streamed choice's answer as chunk parts: content, and ``delta.tool_calls`` the OpenAI way."""
+    """One streamed choice's answer as chunk parts: content, and ``delta.tool_calls`` the OpenAI way.
+    It holds a call until it is complete (the module docstring says why)."""
 
     def __init__(self, reading: ToolReading) -> None:
+        self.reading = reading
         self.parser = reading.new_parser()
-        self.has_calls = False  # a call was announced (its chunks are sent: the answer has calls)
+        self._held: list[str] = []  # a forced answer's text so far (read whole at its end)
+        self._open: dict[int, tuple[str, list[str]]] = {}  # the parser's call index -> (name, argument pieces)
+        self._calls_sent = 0  # a sent call's index is its place among the complete calls (a broken one has none)
 
-    def parts(self, text: str, finished: bool) -> list[str | list[ToolCallDelta]]:
+    def parts(self, text: str, finish_reason: Optional[str]) -> list[str | list[ToolCallDelta]]:
         """What ``text`` (the next piece of the answer) adds, in order: content strings and lists of
-        tool-call deltas (one chunk each). ``finished``: the answer ends after it."""
+        tool-call deltas (one chunk each). ``finish_reason``: the answer ends after it (None: it goes on)."""
+        if self.reading.forced:
+            return self._forced(text, finish_reason)
+        finished = finish_reason is not None
         events = self.parser.feed(text) + (self.parser.finish() if finished else [])
         parts: list[str | list[ToolCallDelta]] = []
         for event in events:
@@ -140,18 +162,39 @@ class ToolStream:
                     parts.append([delta])
         return parts
 
+    def finish_reason(self, finish_reason: Optional[str]) -> Optional[str]:
+        """The answer's finish reason once its last part is out, as the whole answer gives it."""
+        return finish_reason_with_calls(finish_reason, self._calls_sent > 0)
+
+    def _forced(self, text: str, finish_reason: Optional[str]) -> list[str | list[ToolCallDelta]]:
+        self._held.append(text)
+        if finish_reason is None:
+            return []
+        content, calls = read_answer(self.reading, "".join(self._held), finish_reason)
+        self._held = []
+        self._calls_sent = len(calls)
+        deltas = [ToolCallDelta(index=i, id=c.id, type="function",
+                                function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
+                  for i, c in enumerate(calls)]
+        parts: list[str | list[ToolCallDelta]] = [content] if content else []
+        return parts + ([deltas] if deltas else [])
+
     def _delta(self, event: Event) -> str | ToolCallDelta | None:
         if isinstance(event, Text):
             return event.text
         if isinstance(event, CallStart):
-            self.has_calls = True
-            return ToolCallDelta(index=event.index, id=_call_id(), type="function",
-                                 function=FunctionCallDelta(name=event.name, arguments=""))
-        if isinstance(event, CallArgs):
-            return ToolCallDelta(index=event.index, function=FunctionCallDelta(arguments=event.piece))
-        if isinstance(event, CallBroken):
-            return None  # already announced: the client has its start, and nothing more comes
-        return None  # CallEnd: the arguments are complete, nothing to send
+            self._open[event.index] = (event.name, [])
+        elif isinstance(event, CallArgs):
+            self._open[event.index][1].append(event.piece)
+        elif isinstance(event, CallEnd):
+            name, pieces = self._open.pop(event.index)
+            self._calls_sent += 1
+            return ToolCallDelta(index=self._calls_sent - 1, id=_call_id(), type="function",
+                                 function=FunctionCallDelta(name=name, arguments="".join(pieces)))
+        else:  # CallBroken: never sent, so its text is content, as the whole answer has it
+            self._open.pop(event.index)
+            return event.text
+        return None
 
 
 def _call(name: str, arguments: str) -> ToolCall:

@@ -13,13 +13,14 @@ When a call counts (the rules every format follows):
 * markup (``<tool_call>``, ``[TOOL_CALLS]``...) is held back, never sent as content, until the
   parser knows what it is: a prefix of a marker at the end of the text so far is held too;
 * a call is announced (``CallStart``) once its function name is complete and is one of the
-  request's tools, and its arguments object has begun; from then on its arguments are sent as
-  they arrive, each piece checked as JSON syntax first (``call_object``);
+  request's tools, and its arguments object has begun; from then on its arguments come as
+  events as they arrive, each piece checked as JSON syntax first (``call_object``); a stream
+  sends none of it before ``CallEnd`` (``server/tools.py``: any later character may break it);
 * a block refused before that (not JSON, no name, a name that is not one of the request's tools,
   arguments that are not an object) is not a call: its text, markup included, is content;
 * a call that breaks after it was announced (invalid JSON further on, or the answer ends before
   the call closes, e.g. at ``max_tokens``) is ``CallBroken``: ``read_calls`` returns its text as
-  content, as if it had been refused; a stream has already sent its start, and sends no more of it;
+  content, as if it had been refused, and so does a stream (it had sent none of the call);
 * whitespace between a call and the text before it, between two calls and after the last call at
   the end is markup, not content (the text after a call keeps its own leading whitespace);
 * with ``max_calls`` (``parallel_tool_calls: false``: 1) calls past the first ``max_calls`` are
