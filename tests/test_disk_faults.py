@@ -403,6 +403,10 @@ def test_the_engine_refuses_every_unusable_disk_tier(tiny_llama_dir, tmp_path, m
         engine(tiny_llama_dir, kv_disk_path=str(tmp_path / "small"), kv_disk_gb=gib(1) / 4)
     with pytest.raises(DiskTierError, match="kv_layout is 'contiguous'"):
         engine(tiny_llama_dir, kv_disk_path=str(tmp_path / "c"), kv_disk_gb=gib(8), kv_layout="contiguous")
+    with pytest.raises(DiskTierError, match="enable_prefix_caching is False; the disk tier holds evicted prefix-cache "
+                       "pages, so it needs enable_prefix_caching=True"):
+        engine(tiny_llama_dir, kv_disk_path=str(tmp_path / "np"), kv_disk_gb=gib(8), enable_prefix_caching=False)
+    assert not (tmp_path / "np").exists(), "refused before the store was made"
     from pagedrs.distributed import tp_executor
 
     def no_workers(*args, **kw):
@@ -435,6 +439,29 @@ def test_the_clis_exit_2_naming_the_path_and_the_reason(tiny_llama_dir, tmp_path
         code = main([*command.split()[1:], *flags])
     err = capsys.readouterr().err
     assert code == 2 and str(tmp_path / "file") in err and "not a directory" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve --engine-in-process", "serve"])
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_the_clis_refuse_a_tier_without_prefix_caching(tiny_llama_dir, tmp_path, capsys, command, tier):
+    """--no-prefix-caching with --kv-disk-path or --kv-host-cache-gb: exit 2 naming the field (the tiers were
+    accepted and never written)."""
+    flags = ["--model", str(tiny_llama_dir), "--no-prefix-caching"]
+    flags += ["--kv-disk-path", str(tmp_path / "d"), "--kv-disk-gb", "0.01"] if tier == "disk" else ["--kv-host-cache-gb", "0.01"]
+    if command == "generate":
+        from pagedrs.cli import main
+
+        try:
+            code = main(["generate", "hello", "--max-tokens", "1", *flags])
+        except SystemExit as exc:  # a bad flag value: exit 2 before anything loads
+            code = exc.code
+    else:
+        from pagedrs.server.cli import main
+
+        code = main([*command.split()[1:], *flags])
+    err = capsys.readouterr().err
+    field = "kv_disk_path" if tier == "disk" else "kv_host_cache_gb"
+    assert code == 2 and field in err and "enable_prefix_caching" in err, err
 
 
 # ---- engine level: greedy output under each fault equals the no-disk run ---------------
