@@ -309,6 +309,25 @@ def test_no_space_for_the_store_is_a_startup_error_and_leaves_it_unlocked(tmp_pa
     again.close()
 
 
+def test_a_store_past_the_free_space_is_refused_before_anything_is_allocated(tiny_llama_dir, tmp_path, monkeypatch):
+    """kv_disk_gb=1e6 raised MemoryError (the writer's index, 8 bytes a slot, was allocated first)."""
+    with pytest.raises(DiskTierError) as err:
+        engine(tiny_llama_dir, kv_disk_path=str(tmp_path / "kv"), kv_disk_gb=1e6)
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    found = re.search(r"needs (\d+) more bytes \((\d+) page slots of 4096 bytes\) and its file system has (\d+) bytes "
+                      r"free; lower kv_disk_gb", str(err.value))
+    assert found, str(err.value)
+    needed, free_said = int(found[1]), int(found[3])
+    assert needed == HEADER_BYTES + int(found[2]) * 4096 and needed > 1e6 * 2**30 * 0.99
+    assert abs(free_said - free) < 2**30
+    assert not (tmp_path / "kv").exists(), "refused before the store was made"
+    huge = os.statvfs(tmp_path)
+    monkeypatch.setattr(os, "statvfs", lambda where: types.SimpleNamespace(f_bavail=2**40, f_frsize=huge.f_frsize))
+    with pytest.raises(DiskTierError, match=f"asks for {2**32} page slots of 4096 bytes; the store numbers its slots "
+                       f"in 32 bits: allowed at most {2**32 - 1} slots"):
+        DiskPageStore(tmp_path / "huge", num_slots=2**32, geometry=GEOMETRY).open()
+
+
 def test_a_file_system_without_fallocate_stays_sparse_if_it_has_the_space(tmp_path, monkeypatch, caplog):
     def unsupported(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
