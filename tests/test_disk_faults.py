@@ -35,7 +35,7 @@ from pagedrs.kv_tiers.disk_store import FILE_NAME, HEADER_BYTES, DiskPageStore
 from pagedrs.kv_tiers.errors import CorruptPageError, DiskTierError, StoreBusyError
 from test_engine import greedy
 from test_kv_store import GEOMETRY, page, write
-from test_kv_tiers import conversations, engine, gib
+from test_kv_tiers import BLOCK, conversations, engine, gib
 
 
 def slots(*s: int) -> np.ndarray:
@@ -669,6 +669,41 @@ def test_pages_corrupted_on_disk_are_recomputed_and_never_hit_again(tiny_llama_d
 
     check_never_wrong(eng, watch, prompts, reference, turns=3, between=corrupt_every_other_page, damaged=damaged)
     assert watch.lost() and watch.lost() <= damaged, "corrupted pages were read (and recomputed), no other was lost"
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_disk_pages_that_fail_their_check_are_not_counted_as_cached(tiny_llama_dir, tmp_path, no_disk, async_scheduling):
+    """Every page on disk corrupted: each request whose admission found disk pages fails its step and is
+    recomputed; its cached_tokens said the disk served them (issue: cached_tokens_by_tier {'disk': 96})."""
+    prompts, reference = no_disk
+    eng = disk_engine(tiny_llama_dir, tmp_path, async_scheduling=async_scheduling)
+    store = eng.executor._disk_store
+    run_turn(eng, prompts)
+    store.flush()
+    written = [s for s in range(store.num_slots) if store.slot_meta(s) is not None]
+    assert written, "the first turn pushed pages to disk"
+    for s in written:
+        flip(store.path, HEADER_BYTES + s * store.slot_bytes + store.meta_bytes + 5)
+    before = eng.stats()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, greedy(6))
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == reference[1]
+    after = eng.stats()
+    failed, lost = (after[k] - before[k] for k in ("num_failed_steps", "disk_pages_invalidated"))
+    assert failed > 0 and lost > 0
+    served = after["prefix_hits_disk"] - before["prefix_hits_disk"] - lost  # hits counted at lookup, lost ones too
+    for rid, out in done.items():
+        by_tier = out.cached_tokens_by_tier
+        assert by_tier is None or sum(by_tier.values()) == out.num_cached_tokens, (rid, by_tier)
+    said = sum(out.cached_tokens_by_tier["disk"] for out in done.values() if out.cached_tokens_by_tier is not None)
+    # a re-admission whose total differs from the first's has no split (None): its disk hits go unsaid
+    assert said <= served * BLOCK, {rid: (out.num_cached_tokens, out.cached_tokens_by_tier) for rid, out in done.items()}
     eng.shutdown()
 
 
