@@ -192,6 +192,11 @@ class EngineArgs:
             raise ValueError(f"kv_disk_gb is {self.kv_disk_gb!r}; it must be a finite number > 0")
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
+        for name in ("model", "kv_disk_path"):  # the paths: os calls refuse a NUL with a bare "embedded null byte"
+            value = getattr(self, name)
+            raw = os.fspath(value) if isinstance(value, (str, os.PathLike)) else ""
+            if ("\0" if isinstance(raw, str) else b"\0") in raw:
+                raise ValueError(f"{name} is {value!r}; a path cannot hold a NUL byte (\\x00)")
         whole_at_least("aging_steps", 0)
         _check_kv_events(self)
         for name in ("prefill_first", "enforce_eager", "async_scheduling", "allow_long_max_model_len"):
