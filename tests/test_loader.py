@@ -572,6 +572,30 @@ def test_config_numbers_that_make_the_math_non_finite_are_refused_by_name(fields
         ModelConfig.from_hf_dict({**_BASE_CONFIG, **ok})
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_parameters": {**_LLAMA3, "rope_theta": 5e5}, "rope_scaling": {**_LLAMA3, "factor": 2.0}},
+     r"rope_parameters=.* and rope_scaling=.*: they disagree"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"rope_parameters=.* and rope_scaling=.*: they disagree"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 1e4},
+     r"rope_parameters.rope_theta=500000.0 and rope_theta=10000.0: they disagree"),
+])
+def test_rope_parameters_and_the_older_rope_fields_that_disagree_are_refused(fields, message):
+    """transformers 5's rope_parameters beside a top-level rope_scaling (or rope_theta) saying otherwise: pagedrs
+    read rope_parameters, the transformers installed read rope_scaling, and the tokens differed."""
+    with pytest.raises(ValueError, match=message + ", and which one transformers uses depends on its version"):
+        ModelConfig.from_hf_dict({**_BASE_CONFIG, **fields})
+    agreeing = [{"rope_parameters": {**_LLAMA3, "rope_theta": 5e5}, "rope_scaling": dict(_LLAMA3), "rope_theta": 5e5},
+                {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": None},
+                {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {"rope_type": "default"}},
+                {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                 "rope_scaling": {"type": "linear", "factor": 2}}]
+    for fields in agreeing:
+        config = ModelConfig.from_hf_dict({**_BASE_CONFIG, **fields})
+        assert config.rope_theta == fields["rope_parameters"]["rope_theta"]
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
 @pytest.mark.parametrize("eps, message", [
     # not a finite number: the metadata reader refuses it, naming the file and the key
     (float("nan"), r"nan_eps\.gguf': metadata field 'llama\.attention\.layer_norm_rms_epsilon' is float nan; "
