@@ -322,7 +322,8 @@ def test_a_store_past_the_free_space_is_refused_before_anything_is_allocated(tin
     assert abs(free_said - free) < 2**30
     assert not (tmp_path / "kv").exists(), "refused before the store was made"
     huge = os.statvfs(tmp_path)
-    monkeypatch.setattr(os, "statvfs", lambda where: types.SimpleNamespace(f_bavail=2**40, f_frsize=huge.f_frsize))
+    monkeypatch.setattr(os, "statvfs", lambda where: types.SimpleNamespace(f_bavail=2**40, f_frsize=huge.f_frsize,
+                                                                           f_blocks=2**41))
     with pytest.raises(DiskTierError, match=f"asks for {2**32} page slots of 4096 bytes; the store numbers its slots "
                        f"in 32 bits: allowed at most {2**32 - 1} slots"):
         DiskPageStore(tmp_path / "huge", num_slots=2**32, geometry=GEOMETRY).open()
@@ -338,7 +339,7 @@ def test_a_file_system_without_fallocate_stays_sparse_if_it_has_the_space(tmp_pa
     assert len(warnings_of(caplog, "cannot reserve space")) == 1
     assert os.stat(store.path).st_size == HEADER_BYTES + 8 * store.slot_bytes
     store.close()
-    monkeypatch.setattr(os, "statvfs", lambda fd: types.SimpleNamespace(f_bavail=1, f_frsize=4096))
+    monkeypatch.setattr(os, "statvfs", lambda fd: types.SimpleNamespace(f_bavail=1, f_frsize=4096, f_blocks=2**20))
     with pytest.raises(DiskTierError, match="bytes free"):
         DiskPageStore(tmp_path / "other", num_slots=8, geometry=GEOMETRY).open()
 

@@ -223,7 +223,9 @@ class DiskPageStore:
             held = os.stat(where).st_blocks * 512 if where.is_file() else 0
             while not where.exists() and where != where.parent:
                 where = where.parent
-            free = _free_bytes(where)
+            vfs = os.statvfs(where)
+            # a file system of no size (procfs, sysfs) holds no store: the open that follows says why
+            free = vfs.f_bavail * vfs.f_frsize if vfs.f_blocks > 0 else None
         except OSError:
             free = None  # the open that follows names what is wrong with the path
         if free is not None and total - held > free:
