@@ -35,7 +35,7 @@ from pagedrs.kv_tiers.disk_store import FILE_NAME, HEADER_BYTES, DiskPageStore
 from pagedrs.kv_tiers.errors import CorruptPageError, DiskTierError, StoreBusyError
 from test_engine import greedy
 from test_kv_store import GEOMETRY, page, write
-from test_kv_tiers import conversations, engine, gib
+from test_kv_tiers import BLOCK, conversations, engine, gib
 
 
 def slots(*s: int) -> np.ndarray:
@@ -309,6 +309,26 @@ def test_no_space_for_the_store_is_a_startup_error_and_leaves_it_unlocked(tmp_pa
     again.close()
 
 
+def test_a_store_past_the_free_space_is_refused_before_anything_is_allocated(tiny_llama_dir, tmp_path, monkeypatch):
+    """kv_disk_gb=1e6 raised MemoryError (the writer's index, 8 bytes a slot, was allocated first)."""
+    with pytest.raises(DiskTierError) as err:
+        engine(tiny_llama_dir, kv_disk_path=str(tmp_path / "kv"), kv_disk_gb=1e6)
+    free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
+    found = re.search(r"needs (\d+) more bytes \((\d+) page slots of 4096 bytes\) and its file system has (\d+) bytes "
+                      r"free; lower kv_disk_gb", str(err.value))
+    assert found, str(err.value)
+    needed, free_said = int(found[1]), int(found[3])
+    assert needed == HEADER_BYTES + int(found[2]) * 4096 and needed > 1e6 * 2**30 * 0.99
+    assert abs(free_said - free) < 2**30
+    assert not (tmp_path / "kv").exists(), "refused before the store was made"
+    huge = os.statvfs(tmp_path)
+    monkeypatch.setattr(os, "statvfs", lambda where: types.SimpleNamespace(f_bavail=2**40, f_frsize=huge.f_frsize,
+                                                                           f_blocks=2**41))
+    with pytest.raises(DiskTierError, match=f"asks for {2**32} page slots of 4096 bytes; the store numbers its slots "
+                       f"in 32 bits: allowed at most {2**32 - 1} slots"):
+        DiskPageStore(tmp_path / "huge", num_slots=2**32, geometry=GEOMETRY).open()
+
+
 def test_a_file_system_without_fallocate_stays_sparse_if_it_has_the_space(tmp_path, monkeypatch, caplog):
     def unsupported(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
@@ -319,7 +339,7 @@ def test_a_file_system_without_fallocate_stays_sparse_if_it_has_the_space(tmp_pa
     assert len(warnings_of(caplog, "cannot reserve space")) == 1
     assert os.stat(store.path).st_size == HEADER_BYTES + 8 * store.slot_bytes
     store.close()
-    monkeypatch.setattr(os, "statvfs", lambda fd: types.SimpleNamespace(f_bavail=1, f_frsize=4096))
+    monkeypatch.setattr(os, "statvfs", lambda fd: types.SimpleNamespace(f_bavail=1, f_frsize=4096, f_blocks=2**20))
     with pytest.raises(DiskTierError, match="bytes free"):
         DiskPageStore(tmp_path / "other", num_slots=8, geometry=GEOMETRY).open()
 
@@ -403,6 +423,10 @@ def test_the_engine_refuses_every_unusable_disk_tier(tiny_llama_dir, tmp_path, m
         engine(tiny_llama_dir, kv_disk_path=str(tmp_path / "small"), kv_disk_gb=gib(1) / 4)
     with pytest.raises(DiskTierError, match="kv_layout is 'contiguous'"):
         engine(tiny_llama_dir, kv_disk_path=str(tmp_path / "c"), kv_disk_gb=gib(8), kv_layout="contiguous")
+    with pytest.raises(DiskTierError, match="enable_prefix_caching is False; the disk tier holds evicted prefix-cache "
+                       "pages, so it needs enable_prefix_caching=True"):
+        engine(tiny_llama_dir, kv_disk_path=str(tmp_path / "np"), kv_disk_gb=gib(8), enable_prefix_caching=False)
+    assert not (tmp_path / "np").exists(), "refused before the store was made"
     from pagedrs.distributed import tp_executor
 
     def no_workers(*args, **kw):
@@ -435,6 +459,29 @@ def test_the_clis_exit_2_naming_the_path_and_the_reason(tiny_llama_dir, tmp_path
         code = main([*command.split()[1:], *flags])
     err = capsys.readouterr().err
     assert code == 2 and str(tmp_path / "file") in err and "not a directory" in err, err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve --engine-in-process", "serve"])
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_the_clis_refuse_a_tier_without_prefix_caching(tiny_llama_dir, tmp_path, capsys, command, tier):
+    """--no-prefix-caching with --kv-disk-path or --kv-host-cache-gb: exit 2 naming the field (the tiers were
+    accepted and never written)."""
+    flags = ["--model", str(tiny_llama_dir), "--no-prefix-caching"]
+    flags += ["--kv-disk-path", str(tmp_path / "d"), "--kv-disk-gb", "0.01"] if tier == "disk" else ["--kv-host-cache-gb", "0.01"]
+    if command == "generate":
+        from pagedrs.cli import main
+
+        try:
+            code = main(["generate", "hello", "--max-tokens", "1", *flags])
+        except SystemExit as exc:  # a bad flag value: exit 2 before anything loads
+            code = exc.code
+    else:
+        from pagedrs.server.cli import main
+
+        code = main([*command.split()[1:], *flags])
+    err = capsys.readouterr().err
+    field = "kv_disk_path" if tier == "disk" else "kv_host_cache_gb"
+    assert code == 2 and field in err and "enable_prefix_caching" in err, err
 
 
 # ---- engine level: greedy output under each fault equals the no-disk run ---------------
@@ -623,6 +670,41 @@ def test_pages_corrupted_on_disk_are_recomputed_and_never_hit_again(tiny_llama_d
 
     check_never_wrong(eng, watch, prompts, reference, turns=3, between=corrupt_every_other_page, damaged=damaged)
     assert watch.lost() and watch.lost() <= damaged, "corrupted pages were read (and recomputed), no other was lost"
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_disk_pages_that_fail_their_check_are_not_counted_as_cached(tiny_llama_dir, tmp_path, no_disk, async_scheduling):
+    """Every page on disk corrupted: each request whose admission found disk pages fails its step and is
+    recomputed; its cached_tokens said the disk served them (issue: cached_tokens_by_tier {'disk': 96})."""
+    prompts, reference = no_disk
+    eng = disk_engine(tiny_llama_dir, tmp_path, async_scheduling=async_scheduling)
+    store = eng.executor._disk_store
+    run_turn(eng, prompts)
+    store.flush()
+    written = [s for s in range(store.num_slots) if store.slot_meta(s) is not None]
+    assert written, "the first turn pushed pages to disk"
+    for s in written:
+        flip(store.path, HEADER_BYTES + s * store.slot_bytes + store.meta_bytes + 5)
+    before = eng.stats()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, greedy(6))
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == reference[1]
+    after = eng.stats()
+    failed, lost = (after[k] - before[k] for k in ("num_failed_steps", "disk_pages_invalidated"))
+    assert failed > 0 and lost > 0
+    served = after["prefix_hits_disk"] - before["prefix_hits_disk"] - lost  # hits counted at lookup, lost ones too
+    for rid, out in done.items():
+        by_tier = out.cached_tokens_by_tier
+        assert by_tier is None or sum(by_tier.values()) == out.num_cached_tokens, (rid, by_tier)
+    said = sum(out.cached_tokens_by_tier["disk"] for out in done.values() if out.cached_tokens_by_tier is not None)
+    # a re-admission whose total differs from the first's has no split (None): its disk hits go unsaid
+    assert said <= served * BLOCK, {rid: (out.num_cached_tokens, out.cached_tokens_by_tier) for rid, out in done.items()}
     eng.shutdown()
 
 

@@ -548,6 +548,16 @@ def test_allow_long_max_model_len_is_a_bool(value):
         EngineArgs(model="x", allow_long_max_model_len=value)
 
 
+@pytest.mark.parametrize("field", ["model", "kv_disk_path", "speculative_config.model"])
+def test_a_path_with_a_nul_byte_is_refused_naming_the_field(field):
+    """os calls refuse a NUL with a bare "ValueError: embedded null byte" that named neither field nor path."""
+    path = "/tmp/\x00bad"
+    kw = ({"speculative_config": {"method": "draft_model", "model": path, "num_speculative_tokens": 2}}
+          if field == "speculative_config.model" else {field: path})
+    with pytest.raises(ValueError, match=re.escape(f"{field} is {path!r}; a path cannot hold a NUL byte")):
+        EngineArgs(**kw)
+
+
 def test_a_linear_rope_scaling_multiplies_the_context_length():
     """vLLM's rule for "linear" scaling: the config gives the unscaled length; Llama 3 scaling gives the
     scaled one already."""

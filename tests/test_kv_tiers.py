@@ -101,6 +101,29 @@ def test_host_tier_is_off_by_default_on_the_cpu_explicit_sizes_are_honoured_and_
         EngineArgs(kv_disk_gb=0)
 
 
+@pytest.mark.parametrize("cache_off", [dict(enable_prefix_caching=False), dict(kv_layout="contiguous")])
+@pytest.mark.parametrize("host", [dict(kv_host_cache_gb=gib(20)), dict(host_cache_evicted=True, swap_space_gb=gib(8))])
+def test_a_host_cache_without_prefix_cache_pages_to_hold_is_refused(cache_off, host):
+    """The host cache holds evicted prefix-cache pages: without prefix caching (or with the contiguous
+    baseline) it was accepted and sized to 0 or never used (num_host_cache_blocks 0, host_cache_saves 0)."""
+    field = next(iter(host))
+    with pytest.raises(ValueError, match=f"{field} is .* with (enable_prefix_caching=False|kv_layout='contiguous'): "
+                       "the host cache holds evicted prefix-cache pages, so it needs enable_prefix_caching=True and "
+                       "kv_layout='paged'"):
+        EngineArgs(**cache_off, **host)
+    EngineArgs(**cache_off, kv_host_cache_gb=0)  # off, and auto (None: 0 on the CPU, none without pages on CUDA)
+    EngineArgs(**cache_off, kv_host_cache_gb=None)
+
+
+def test_an_auto_host_cache_without_prefix_caching_is_none_on_any_device(tiny_llama_dir, monkeypatch):
+    from pagedrs.kv_tiers import sizing
+
+    monkeypatch.setattr(sizing, "resolved_host_cache_gb", lambda value, device_type: gib(20))  # CUDA's auto
+    assert engine(tiny_llama_dir, kv_host_cache_gb=None).stats()["num_host_cache_blocks"] == 20
+    off = engine(tiny_llama_dir, kv_host_cache_gb=None, enable_prefix_caching=False)
+    assert off.stats()["num_host_cache_blocks"] == 0 and not off.scheduler_config.host_cache_evicted
+
+
 def restart(model_dir, path, **kw) -> Engine:
     return engine(model_dir, kv_disk_path=str(path), kv_disk_gb=gib(400), **kw)
 

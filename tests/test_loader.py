@@ -572,6 +572,30 @@ def test_config_numbers_that_make_the_math_non_finite_are_refused_by_name(fields
         ModelConfig.from_hf_dict({**_BASE_CONFIG, **ok})
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"rope_parameters": {**_LLAMA3, "rope_theta": 5e5}, "rope_scaling": {**_LLAMA3, "factor": 2.0}},
+     r"rope_parameters=.* and rope_scaling=.*: they disagree"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     r"rope_parameters=.* and rope_scaling=.*: they disagree"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_theta": 1e4},
+     r"rope_parameters.rope_theta=500000.0 and rope_theta=10000.0: they disagree"),
+])
+def test_rope_parameters_and_the_older_rope_fields_that_disagree_are_refused(fields, message):
+    """transformers 5's rope_parameters beside a top-level rope_scaling (or rope_theta) saying otherwise: pagedrs
+    read rope_parameters, the transformers installed read rope_scaling, and the tokens differed."""
+    with pytest.raises(ValueError, match=message + ", and which one transformers uses depends on its version"):
+        ModelConfig.from_hf_dict({**_BASE_CONFIG, **fields})
+    agreeing = [{"rope_parameters": {**_LLAMA3, "rope_theta": 5e5}, "rope_scaling": dict(_LLAMA3), "rope_theta": 5e5},
+                {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": None},
+                {"rope_parameters": {"rope_type": "default", "rope_theta": 5e5}, "rope_scaling": {"rope_type": "default"}},
+                {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                 "rope_scaling": {"type": "linear", "factor": 2}}]
+    for fields in agreeing:
+        config = ModelConfig.from_hf_dict({**_BASE_CONFIG, **fields})
+        assert config.rope_theta == fields["rope_parameters"]["rope_theta"]
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
 @pytest.mark.parametrize("eps, message", [
     # not a finite number: the metadata reader refuses it, naming the file and the key
     (float("nan"), r"nan_eps\.gguf': metadata field 'llama\.attention\.layer_norm_rms_epsilon' is float nan; "
@@ -615,3 +639,31 @@ def test_a_block_load_checks_the_cached_config_before_building_the_model(tiny_gg
     _vouch_for(folder, tiny_gguf)
     with pytest.raises(ValueError, match=r"hold 2 layers \(model\.layers\.N\), but the config's num_hidden_layers"):
         load_model(tiny_gguf, weight_dtype="gguf")
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_bfloat16_weights_on_a_cpu_without_fast_bf16_run_float32_and_say_so(tiny_llama_dir, monkeypatch, caplog, fast_bf16):
+    """A documented fallback (emulated bf16 GEMMs are slower than float32's), but it was silent: the load now
+    warns naming weight_dtype and what runs, and the loaded model's weight format says float32."""
+    import logging
+
+    from pagedrs.models import quant
+
+    monkeypatch.setattr(quant, "cpu_has_fast_bf16", lambda: fast_bf16)
+    with caplog.at_level(logging.WARNING, logger="pagedrs.engine"):
+        loaded = load_model(tiny_llama_dir, weight_dtype="bfloat16")
+    said = [r.getMessage() for r in caplog.records if "weight_dtype 'bfloat16'" in r.getMessage()]
+    linear = {p.dtype for name, p in loaded.model.named_parameters() if name.endswith("qkv_proj.weight")}
+    if fast_bf16:
+        assert not said and loaded.weight_format.name == "bfloat16" and linear == {torch.bfloat16}
+        return
+    assert len(said) == 1 and "no fast bf16" in said[0] and "run as float32 instead" in said[0], said
+    assert loaded.weight_format.name == "float32" and linear == {torch.float32}
+    from pagedrs import Engine, EngineArgs
+
+    weights = {}
+    for weight_dtype in ("bfloat16", "float32"):
+        engine = Engine(EngineArgs(model=str(tiny_llama_dir), weight_dtype=weight_dtype, num_gpu_blocks=8, max_model_len=64))
+        weights[weight_dtype] = (engine.loaded.weight_format.name, engine.stats()["memory_weights_bytes"])
+        engine.shutdown()
+    assert weights["bfloat16"] == weights["float32"], "the engine reports the float32 weights that run"

@@ -187,10 +187,16 @@ class EngineArgs:
         at_least("swap_space_gb", 0, optional=True)
         at_least("kv_host_cache_gb", 0, optional=True)
         _check_host_tier_fits(self.swap_space_gb, self.kv_host_cache_gb)
+        _check_host_cache_has_pages(self)
         if isinstance(self.kv_disk_gb, bool) or not isinstance(self.kv_disk_gb, (int, float)) or not 0 < self.kv_disk_gb < math.inf:
             raise ValueError(f"kv_disk_gb is {self.kv_disk_gb!r}; it must be a finite number > 0")
         if self.kv_disk_path is not None and (not isinstance(self.kv_disk_path, (str, os.PathLike)) or not str(self.kv_disk_path)):
             raise ValueError(f"kv_disk_path is {self.kv_disk_path!r}; it must be a directory path or None")
+        for name in ("model", "kv_disk_path"):  # the paths: os calls refuse a NUL with a bare "embedded null byte"
+            value = getattr(self, name)
+            raw = os.fspath(value) if isinstance(value, (str, os.PathLike)) else ""
+            if ("\0" if isinstance(raw, str) else b"\0") in raw:
+                raise ValueError(f"{name} is {value!r}; a path cannot hold a NUL byte (\\x00)")
         whole_at_least("aging_steps", 0)
         _check_kv_events(self)
         for name in ("prefill_first", "enforce_eager", "async_scheduling", "allow_long_max_model_len"):
@@ -241,6 +247,20 @@ def _check_host_tier_fits(swap_space_gb: float | None, kv_host_cache_gb: float |
     if host > 0 and asked > host:
         raise ValueError(f"swap_space_gb ({swap_space_gb}) + kv_host_cache_gb ({kv_host_cache_gb}) is {asked:g} GiB of "
                          f"host memory for the KV host tier; this host has {host:.1f} GiB: allowed at most that")
+
+
+def _check_host_cache_has_pages(args: EngineArgs) -> None:
+    """The host cache holds evicted prefix-cache pages: without prefix caching, or with the contiguous
+    baseline, there are none, and a host cache asked for would be accepted and never used (refused).
+    The disk tier's twin of this check is executor/tiers.py's ``disk_tier_refusal`` (a DiskTierError)."""
+    if args.kv_layout == "paged" and args.enable_prefix_caching:
+        return
+    why = "enable_prefix_caching=False" if args.kv_layout == "paged" else f"kv_layout={args.kv_layout!r}"
+    for name, off in (("kv_host_cache_gb", "0 or None"), ("host_cache_evicted", "False")):
+        if getattr(args, name):
+            raise ValueError(f"{name} is {getattr(args, name)!r} with {why}: the host cache holds evicted prefix-cache "
+                             f"pages, so it needs enable_prefix_caching=True and kv_layout='paged'; allowed with "
+                             f"{why}: {name}={off}")
 
 
 def _check_cpu_threads(name: str, value: Any, shown: Any = None) -> None:

@@ -34,10 +34,12 @@ class RequestOutput:
     error: Optional[str] = None  # set when the request ended with finish_reason "error"
     metrics: dict[str, float] = field(default_factory=dict)  # arrival_time, first_token_time, finished_time (time.monotonic)
     # prompt tokens whose K/V the core reused from the prefix cache at the request's first
-    # admission (any tier); None until it was first scheduled (OpenAI's cached_tokens)
+    # admission (any tier; after a failed step reset it before its first token, at the admission
+    # that followed); None until it was first scheduled (OpenAI's cached_tokens)
     num_cached_tokens: Optional[int] = None
     # that count by the tier the tokens were found on, {"device": .., "host": .., "disk": ..}
-    # (a host or disk hit was copied back to the device first); None until first scheduled
+    # (a host or disk hit was copied back to the device first); None until first scheduled, or
+    # after such a reset when the core cannot split the new count
     cached_tokens_by_tier: Optional[dict[str, int]] = None
     # SamplingParams.prompt_logprobs: per prompt token {its id: logprob, then the top-k alternatives},
     # the first token's entry None (vLLM's shape); None until the whole prompt ran, and when not asked

@@ -68,6 +68,8 @@ class EngineStats:
     host_cache_hits: int
     prefix_hits_device: int  # prefix_hits by the tier that served them
     prefix_hits_host: int
+    # counted at lookup: a disk page that then fails its check (and is recomputed) is a hit here and a
+    # disk_pages_invalidated too; served from disk = prefix_hits_disk - those lost at read
     prefix_hits_disk: int
     prefix_misses_never_seen: int  # prefix_queries - prefix_hits, by reason
     prefix_misses_evicted: int  # evicted from device and host

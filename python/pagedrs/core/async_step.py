@@ -202,7 +202,7 @@ class AsyncScheduler:
                 pass
         if exc is None:
             core.scheduler.complete_transfers(self._execution.take_completed_transfers())
-            core.scheduler.complete_step(step.step_id, False)
+            core.note_reset(core.scheduler.complete_step(step.step_id, False))
         else:
             on_failed_step(core, step, exc, ctx.touched)
         if current.placeholders:
@@ -225,4 +225,4 @@ class AsyncScheduler:
         scheduler.complete_transfers(self._execution.take_completed_transfers())
         assert pending.ctx.step is not None
         if pending.ctx.step.step_id in scheduler.open_steps():
-            scheduler.complete_step(pending.ctx.step.step_id, ran if ok is None else ok)
+            self._core.note_reset(scheduler.complete_step(pending.ctx.step.step_id, ran if ok is None else ok))

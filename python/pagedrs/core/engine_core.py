@@ -32,7 +32,7 @@ from pagedrs.core.continuation import BeamSearch, ContinuationPolicy, Independen
 from pagedrs.core.core_stats import core_stats
 from pagedrs.core.fast_rows import FastRows
 from pagedrs.core.pins import PinRegistry
-from pagedrs.core.prefix_cache import cached_tokens_by_tier
+from pagedrs.core.prefix_cache import cached_tokens_by_tier, recount_cached_tokens
 from pagedrs.core.protocol import CoreOutput, CoreOutputItem, CoreOutputs, CoreRequest, CoreTokenRows, RequestMetrics
 from pagedrs.core.request import Request, Sample
 from pagedrs.core.seeding import generator_seed
@@ -131,6 +131,15 @@ class EngineCore:
     def sequences(self) -> Mapping[int, tuple[Request, Sample]]:
         """Every live sequence: seq id -> (its request, its sample)."""
         return MappingProxyType(self._by_seq)
+
+    def note_reset(self, seq_ids: list[int]) -> None:
+        """Sequences a failed step reset (``Scheduler.complete_step``'s answer): a request still before
+        its first token counts its cached tokens again at its next admission (what the reset threw
+        away was never reused)."""
+        for seq_id in seq_ids:
+            entry = self._by_seq.get(seq_id)
+            if entry is not None and entry[0].metrics.first_token_time is None:
+                entry[0].recount_cached = True
 
     def sequence(self, seq_id: int) -> Optional[tuple[Request, Sample]]:
         return self._by_seq.get(seq_id)
@@ -318,14 +327,16 @@ class EngineCore:
         if not self._unstarted:  # a steady decode step: nothing to note, no loop over the batch
             return
         seen: set[str] = set()
-        for seq_id in step.seq_ids.tolist():
+        for row, seq_id in enumerate(step.seq_ids.tolist()):
             entry = self._by_seq.get(seq_id)
             if entry is None or entry[0].metrics.first_token_time is not None or entry[0].request_id in seen:
                 continue
             request = entry[0]
             metrics = request.metrics
             seen.add(request.request_id)
-            if request.num_cached_tokens is None:
+            if request.recount_cached:  # re-admitted after a reset: its step starts where this admission's hits end
+                recount_cached_tokens(self.scheduler, request, seq_id, int(step.positions[step.query_start_loc[row]]))
+            elif request.num_cached_tokens is None:
                 request.num_cached_tokens = self.scheduler.num_cached_tokens_of(seq_id)
                 request.cached_tokens_by_tier = cached_tokens_by_tier(self.scheduler, seq_id)
             if metrics.first_scheduled_time is None:

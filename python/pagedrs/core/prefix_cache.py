@@ -14,6 +14,7 @@ from pagedrs.errors import PrefixCacheBusyError
 
 if TYPE_CHECKING:
     from pagedrs.core.engine_core import EngineCore
+    from pagedrs.core.request import Request
 
 TIERS = ("device", "host", "disk")  # the keys of cached_tokens_by_tier, in the core's order
 
@@ -23,6 +24,17 @@ def cached_tokens_by_tier(scheduler: Any, seq_id: int) -> Optional[dict[str, int
     tier (a host or disk hit was copied back to the device); None before its admission."""
     split = scheduler.num_cached_tokens_by_tier_of(seq_id)
     return None if split is None else dict(zip(TIERS, (int(n) for n in split)))
+
+
+def recount_cached_tokens(scheduler: Any, request: Request, seq_id: int, cached: int) -> None:
+    """A request re-admitted after a reset found ``cached`` prompt tokens (where its first step starts).
+    The core's split is of this admission, but it answers only while the total equals the first
+    admission's; otherwise the split is unknown (None), never the pages that were thrown away."""
+    split = cached_tokens_by_tier(scheduler, seq_id)
+    if split is None or sum(split.values()) != cached:
+        split = dict.fromkeys(TIERS, 0) if cached == 0 else None
+    request.num_cached_tokens, request.cached_tokens_by_tier = cached, split
+    request.recount_cached = False
 
 
 def answer_reset(core: EngineCore) -> CacheReset:

@@ -95,7 +95,7 @@ class CoreOutput:
     finished: bool
     metrics: Optional[RequestMetrics]  # None: unchanged since the previous output (a client may send them once)
     error: Optional[str] = None  # set when the core ended it with finish_reason "error"
-    num_cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission; None until scheduled
+    num_cached_tokens: Optional[int] = None  # prompt tokens reused at its admission (the last, after a reset); None until scheduled
     # that count by the tier the tokens were found on: {"device": .., "host": .., "disk": ..}
     cached_tokens_by_tier: Optional[dict[str, int]] = None
     # SamplingParams.prompt_logprobs: vLLM's list (first entry None), in one output only, once complete

@@ -96,8 +96,11 @@ class Request:
     metrics: RequestMetrics
     queued_step: int = 0  # the core's step count when it was queued
     stream_tokens: bool = True  # CoreRequest.stream_tokens: False, its output goes out once, when it ends
-    num_cached_tokens: Optional[int] = None  # prompt tokens reused at its first admission
+    num_cached_tokens: Optional[int] = None  # prompt tokens reused at its admission (the last, after a reset)
     cached_tokens_by_tier: Optional[dict[str, int]] = None  # that count by tier (core/prefix_cache.py)
+    # its sequences were reset before its first token (a failed step: a disk page that failed its check, say):
+    # what that admission found was thrown away, so the next admission's reuse is the one reported
+    recount_cached: bool = False
     hypotheses: Optional[list[Hypothesis]] = None  # beam search, once it ended
     ended: Optional[str] = None  # "abort" or "error": it ended before its samples did
     error: Optional[str] = None

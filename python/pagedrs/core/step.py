@@ -179,7 +179,7 @@ def abandon_step(core: EngineCore, step: StepInput) -> None:
     if step.step_id not in core.scheduler.open_steps():
         return
     core.scheduler.complete_transfers(core.executor.take_completed_transfers())
-    core.scheduler.complete_step(step.step_id, False)
+    core.note_reset(core.scheduler.complete_step(step.step_id, False))
     drop_failed_disk_writes(core)
 
 

@@ -35,6 +35,7 @@ def on_failed_step(core: EngineCore, step: StepInput, exc: BaseException, touche
         logger.warning("a step read %d disk page(s) that failed their checksum (%d dropped from the tier); "
                        "recomputing its %d sequences: %s", len(exc.slots), dropped, step.num_seqs, exc)
     reset = scheduler.complete_step(step.step_id, False)
+    core.note_reset(reset)
     drop_failed_disk_writes(core)
     if lost_pages:
         return

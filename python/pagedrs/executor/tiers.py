@@ -25,8 +25,8 @@ def plan_tiers(executor: Executor, args: EngineArgs, plan: KvPlan) -> TierPlan:
 def _plan_tiers(executor: Executor, args: EngineArgs, plan: KvPlan) -> TierPlan:
     """Sizes the host cache (any executor: each rank keeps its own host pool) and opens the
     disk store through the executor (``Executor.open_disk_tier``: one that cannot hold one refuses)."""
-    if args.kv_layout != "paged":
-        return TierPlan(0, 0)  # the contiguous baseline caches nothing
+    if args.kv_layout != "paged" or not args.enable_prefix_caching:
+        return TierPlan(0, 0)  # nothing is cached: an auto host cache is 0 (an explicit one EngineArgs refused)
     host = host_cache_blocks(args.kv_host_cache_gb, plan.bytes_per_block, device_type=torch.device(args.device).type)
     if args.kv_disk_path is None:
         return TierPlan(host, 0)
@@ -44,6 +44,9 @@ def disk_tier_refusal(args: EngineArgs) -> Optional[str]:
     Asked before any process starts: a tier asked for and not given is a startup error."""
     if args.kv_disk_path is None:
         return None
+    if not args.enable_prefix_caching:
+        return ("enable_prefix_caching is False; the disk tier holds evicted prefix-cache pages, so it needs "
+                "enable_prefix_caching=True")
     if args.tensor_parallel_size > 1:
         return (f"tensor_parallel_size is {args.tensor_parallel_size}; the disk tier needs tensor_parallel_size=1 "
                 "(a tensor-parallel store would need a file per rank)")

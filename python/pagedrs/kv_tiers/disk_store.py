@@ -62,11 +62,18 @@ logger = logging.getLogger("pagedrs.kv_tiers")
 
 _FILE_MAGIC = b"PAGEDRS-KVSTORE\n"
 _ALIGN = 4096
+MAX_SLOTS = 2**32 - 1  # slots travel as uint32 (the core's disk index, DiskTier's transfers)
 _NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def _free_bytes(where: int | os.PathLike) -> int:
+    """The bytes an unprivileged writer may still use on the file system of a file descriptor or path."""
+    vfs = os.statvfs(where)
+    return vfs.f_bavail * vfs.f_frsize
 
 
 class DiskPageStore:
@@ -83,7 +90,7 @@ class DiskPageStore:
         self.slot_bytes = _round_up(self.meta_bytes + self.page_bytes, _ALIGN)
         self._fd: Optional[int] = None
         self._generation = 0
-        self._writer = SlotWriter(self.path, num_slots, self._write_record, self._zero_magic)
+        self._writer = SlotWriter(self.path, self._write_record, self._zero_magic)
         self._queue = self._writer.queue  # what waiting for the writer joins
         self.bytes_read = 0
 
@@ -106,6 +113,7 @@ class DiskPageStore:
         Raises DiskTierError (StoreBusyError when another engine holds it) naming the path
         and the reason when the store cannot be used: nothing stays open then."""
         directory = self.path.parent
+        self._check_room()
         try:
             directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -120,6 +128,7 @@ class DiskPageStore:
             raise DiskTierError(directory, f"the store {self.path} cannot be locked: {os_reason(exc)}") from exc
         self._fd = fd
         try:
+            self._writer.open_index(self.num_slots)
             seed = self._open_locked()
         except BaseException as exc:
             os.close(fd)
@@ -192,26 +201,45 @@ class DiskPageStore:
                 if st.st_size < total:
                     os.ftruncate(self._f, st.st_size)  # give back what a partial reservation took
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                    raise self._too_small(total - reserved, exc) from exc
+                    raise self._too_small(total - reserved, _free_bytes(self._f), exc) from exc
                 raise
         # A file system that cannot reserve space: the file stays sparse if the space is free
         # now; a disk that fills later is a failed write (the page is lost, never wrong).
-        if self._free_bytes() < total - reserved:
-            raise self._too_small(total - reserved, None)
+        free = _free_bytes(self._f)
+        if free < total - reserved:
+            raise self._too_small(total - reserved, free, None)
         logger.warning("the file system of the KV disk store %s cannot reserve space (no fallocate); the store "
                        "stays sparse, and a disk that fills later drops the pages it cannot write", self.path)
         if st.st_size < total:
             os.ftruncate(self._f, total)
 
-    def _free_bytes(self) -> int:
-        vfs = os.statvfs(self._f)
-        return vfs.f_bavail * vfs.f_frsize
+    def _check_room(self) -> None:
+        """Before anything is made or allocated (the writer's index takes 8 bytes a slot): the slots are
+        numbered in 32 bits, and the store fits the free space of the file system it goes on (a store
+        already there counts the space it holds). The exact reservation is _preallocate's, at open."""
+        total = HEADER_BYTES + self.num_slots * self.slot_bytes
+        where, held = self.path, 0
+        try:
+            held = os.stat(where).st_blocks * 512 if where.is_file() else 0
+            while not where.exists() and where != where.parent:
+                where = where.parent
+            vfs = os.statvfs(where)
+            # a file system of no size (procfs, sysfs) holds no store: the open that follows says why
+            free = vfs.f_bavail * vfs.f_frsize if vfs.f_blocks > 0 else None
+        except OSError:
+            free = None  # the open that follows names what is wrong with the path
+        if free is not None and total - held > free:
+            raise self._too_small(total - held, free, None)
+        if self.num_slots > MAX_SLOTS:
+            raise DiskTierError(self.path.parent, f"kv_disk_gb asks for {self.num_slots} page slots of {self.slot_bytes} "
+                                                  f"bytes; the store numbers its slots in 32 bits: allowed at most "
+                                                  f"{MAX_SLOTS} slots ({MAX_SLOTS * self.slot_bytes} bytes); lower kv_disk_gb")
 
-    def _too_small(self, needed: int, exc: Optional[OSError]) -> DiskTierError:
+    def _too_small(self, needed: int, free: int, exc: Optional[OSError]) -> DiskTierError:
         why = f" ({os_reason(exc)})" if exc is not None else ""
         return DiskTierError(self.path.parent, f"the store {self.path} needs {needed} more bytes ({self.num_slots} "
                                                f"page slots of {self.slot_bytes} bytes) and its file system has "
-                                               f"{self._free_bytes()} bytes free{why}; lower kv_disk_gb")
+                                               f"{free} bytes free{why}; lower kv_disk_gb")
 
     def _empty_seed(self, invalidated: np.ndarray) -> SeedPages:
         bs = self.geometry.block_size

@@ -34,21 +34,25 @@ NO_PAGE, WRITE_FAILED = -1, -2  # values of SlotWriter.current when a slot holds
 
 
 class SlotWriter:
-    def __init__(self, path: Path, num_slots: int, write: Callable[[int, bytes], None],
-                 invalidate: Callable[[int], None]) -> None:
+    def __init__(self, path: Path, write: Callable[[int, bytes], None], invalidate: Callable[[int], None]) -> None:
         """write(slot, record) writes a whole record or raises; invalidate(slot) makes the
         slot's record fail validation at the next open (best effort, after a failed write)."""
         self.path = path
         self._write, self._invalidate = write, invalidate
         self._lock = threading.Lock()
         self._pending: dict[int, bytes] = {}  # slot -> its newest record, until the writer is done with it
-        self.current = np.full(num_slots, NO_PAGE, dtype=np.int64)  # set by the store's scan at open
+        # one entry a slot, allocated by open_index once the store knows it has room; set by its scan at open
+        self.current = np.full(0, NO_PAGE, dtype=np.int64)
         self._failed: set[int] = set()  # slots whose newest write failed, until take_failed
         self.queue: queue.Queue[Optional[tuple[int, int, bytes]]] = queue.Queue()  # slot, generation, record
         self._thread: Optional[threading.Thread] = None
         self._burst = 0  # failures since the last write that succeeded (the writer thread's own)
         self.bytes_written = 0
         self.failed_writes = 0
+
+    def open_index(self, num_slots: int) -> None:
+        """Every slot holds no page (until the store's scan says what it holds)."""
+        self.current = np.full(num_slots, NO_PAGE, dtype=np.int64)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="pagedrs-kv-disk-writer", daemon=True)

@@ -167,6 +167,7 @@ class ModelConfig:
         rope_scaling = d.get("rope_scaling")
         rope_params = d.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
         if isinstance(rope_params, dict):
+            _check_rope_fields_agree(rope_params, rope_theta, rope_scaling)
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
@@ -196,6 +197,32 @@ class ModelConfig:
         heads = self.num_key_value_heads if kv_heads is None else kv_heads
         return KvGeometry(self.num_hidden_layers, heads, self.head_dim).bytes_per_element_token(_as_dtype(dtype).itemsize)
 
+
+def _rope_scaling_part(value: Any) -> dict | None:
+    """A rope_scaling or rope_parameters dict without its theta, legacy "type" named "rope_type";
+    None for no scaling (absent, or rope_type "default")."""
+    if not isinstance(value, dict):
+        return None
+    part = {k: v for k, v in value.items() if k != "rope_theta"}
+    if "type" in part and "rope_type" not in part:
+        part["rope_type"] = part.pop("type")
+    return None if part.get("rope_type", "default") == "default" else part
+
+
+def _check_rope_fields_agree(rope_params: dict, rope_theta: Any, rope_scaling: Any) -> None:
+    """A config.json with transformers 5's rope_parameters beside the older top-level rope_theta or
+    rope_scaling: which one transformers reads depends on its version, so two that disagree are
+    refused naming both (guessing would be a model that answers differently from transformers)."""
+    theta = rope_params.get("rope_theta")
+    numbers = all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in (rope_theta, theta))
+    if numbers and rope_theta != theta:  # anything else is refused by name where theta is checked
+        raise ValueError(f"config.json has rope_parameters.rope_theta={theta!r} and rope_theta={rope_theta!r}: they "
+                         "disagree, and which one transformers uses depends on its version; allowed: one of "
+                         "them, or both equal")
+    if rope_scaling is not None and _rope_scaling_part(rope_scaling) != _rope_scaling_part(rope_params):
+        raise ValueError(f"config.json has rope_parameters={rope_params!r} and rope_scaling={rope_scaling!r}: they "
+                         "disagree, and which one transformers uses depends on its version; allowed: one of "
+                         "them, or both saying the same scaling")
 
 def _sliding_window_fields(model_type: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
     """transformers' reading of the window: Mistral applies ``sliding_window`` on every layer

@@ -114,6 +114,7 @@ def load_model(
             return _load_gguf(ggufs[0], ggufs[0].stem, torch_dtype, device, weight_dtype, skip_tokenizer_init)
         raise ValueError(f"model folder {str(path)!r} has no config.json (and not exactly one .gguf file)")
     fmt = resolve_weight_format(weight_dtype, torch_dtype, gguf_types=None, device=device)
+    _say_bf16_fallback(weight_dtype, fmt)
     if fmt.name == "gguf":
         raise ValueError(f"weight_dtype 'gguf' needs a GGUF file; {str(path)!r} is a Hugging Face folder "
                          "(use int4, int8, bfloat16 or float32)")
@@ -121,6 +122,15 @@ def load_model(
         _hint_block_formats(path)
     return load_hf_folder(path, torch_dtype, device, name=path.name, weight_format=fmt,
                           skip_tokenizer_init=skip_tokenizer_init)
+
+
+def _say_bf16_fallback(weight_dtype: str, fmt: WeightFormat) -> None:
+    """weight_dtype 'bfloat16' on a CPU without fast bf16 runs float32 (resolve_weight_format: emulated
+    bf16 GEMMs are slower than float32's); a documented fallback, said at load so it is never silent."""
+    if weight_dtype == "bfloat16" and fmt.name != "bfloat16":
+        logger.warning("weight_dtype 'bfloat16': this CPU has no fast bf16 (AVX512-BF16 or AMX), where bf16 GEMMs "
+                       "are emulated and slower than float32 ones; the linear weights run as %s instead "
+                       "(weight format %r)", fmt.name, fmt.name)
 
 
 def _hint_block_formats(path: Path) -> None:
@@ -150,6 +160,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, 
     types = linear_tensor_types(path, index) if weight_dtype == "auto" else None
     whole = tp_size() == 1 or shards_hold_whole_blocks(config, tp_size())
     fmt = resolve_weight_format(weight_dtype, dtype, gguf_types=types, device=device, whole_block_shards=whole)
+    _say_bf16_fallback(weight_dtype, fmt)
     if fmt.name == "gguf":
         return _load_gguf_blocks(path, folder, config, index, dtype, device, name=name, weight_format=fmt,
                                  skip_tokenizer_init=skip_tokenizer_init)

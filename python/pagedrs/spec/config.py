@@ -97,6 +97,8 @@ def _draft_model(raw: Mapping[str, Any]) -> str:
     if not isinstance(model, str) or not model.strip():
         raise ValueError(f"speculative_config.model is {model!r}; it must be a non-empty path to a local Hugging "
                          "Face folder or GGUF file")
+    if "\0" in model:
+        raise ValueError(f"speculative_config.model is {model!r}; a path cannot hold a NUL byte (\\x00)")
     return model
 
 
