@@ -217,3 +217,26 @@ def test_whose_fault_an_error_is_travels_as_a_flag_on_both_clients(tiny_llama_di
         assert finals["plain"].error is None and finals["plain"].error_by_request is False
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("client", ["inproc", "mp"])
+def test_a_request_the_pool_can_never_hold_names_its_field_on_both_clients(tiny_llama_dir, client: str) -> None:
+    """The core's refusal names the field to change (``FieldError.param``: "prompt" or "max_tokens"), and a
+    server's 400 reports it; a core in its own process sent the message alone, so that client raised a
+    plain ValueError and the 400's ``param`` was null."""
+    from pagedrs.errors import FieldError
+
+    args = EngineArgs(model=str(tiny_llama_dir), **{**KW, "num_gpu_blocks": 16})  # 64 tokens of pages
+    engine = RemoteEngine(args) if client == "mp" else Engine(args)
+    try:
+        for prompt, max_tokens, param in (([5] * 10, 80, "max_tokens"), ([5] * 70, 20, "prompt")):
+            with pytest.raises(FieldError, match="the request needs up to") as refused:
+                engine.add_request(f"r-{param}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+            assert refused.value.param == param
+        engine.add_request("fits", [5] * 10, SamplingParams(max_tokens=4, temperature=0))
+        finals = {}
+        while engine.has_unfinished():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert list(finals) == ["fits"] and len(finals["fits"].outputs[0].token_ids) == 4
+    finally:
+        engine.shutdown()

@@ -18,7 +18,7 @@ import marshal
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from pagedrs.core import protocol as p
 
@@ -45,10 +45,13 @@ class Added:
 
 @dataclasses.dataclass(frozen=True)
 class AddRefused:
-    """The core refused an add the front end had validated (an id still in use): a ValueError."""
+    """The core refused an add the front end had validated (an id still in use, a request the KV pool can
+    never hold): a ValueError, or a ``FieldError`` naming ``param`` where the core's refusal named one (the
+    server's 400 reports it; without it a pool-fit refusal was a 400 with ``param`` null in this client)."""
 
     request_id: str
     message: str
+    param: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pagedrs.core.protocol import (
     Unpinned,
 )
 from pagedrs.engine_args import EngineArgs
+from pagedrs.errors import FieldError
 from pagedrs.frontend import codec
 from pagedrs.frontend.codec import Added, AddRefused, CoreFailed, Ready, StepOutputs, Stop
 from pagedrs.frontend.core_pipe import SerialSender, beat
@@ -82,7 +83,8 @@ def core_main(conn: Connection, args: EngineArgs, heartbeat_s: float = 1.0) -> N
                         pipe.send_bytes(codec.encode(Added(request_id)))
                     except Exception as exc:  # noqa: BLE001 - the client's error, reported back
                         message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-                        pipe.send_bytes(codec.encode(AddRefused(request_id, message)))
+                        param = exc.param if isinstance(exc, FieldError) else None
+                        pipe.send_bytes(codec.encode(AddRefused(request_id, message, param)))
                     busy = True
                 elif isinstance(command, Abort):  # its end goes back at once, with the stats it changed
                     if (aborted := core.abort(command.request_id)) is not None:

@@ -55,7 +55,7 @@ from pagedrs.core.protocol import (
     Unpinned,
 )
 from pagedrs.engine_args import EngineArgs
-from pagedrs.errors import PrefixCacheBusyError
+from pagedrs.errors import FieldError, PrefixCacheBusyError
 from pagedrs.frontend import codec
 from pagedrs.frontend.codec import Added, AddRefused, CoreFailed, Ready, StepOutputs, Stop
 from pagedrs.frontend.core_pipe import (
@@ -283,7 +283,7 @@ class MPClient:
             with self._acks_lock:
                 on_ack = self._acks.pop(message.request_id, None)
             if on_ack is not None:
-                on_ack(None if isinstance(message, Added) else ValueError(message.message))
+                on_ack(None if isinstance(message, Added) else refusal(message))
         elif isinstance(message, CacheReset):
             self._reset_answer = message
         elif isinstance(message, (Pinned, Unpinned, PinList)):
@@ -293,3 +293,9 @@ class MPClient:
             if message.outputs.stats is not None:
                 self._stats = message.outputs.stats
             self.step_seconds, self.busy_seconds = message.step_seconds, message.busy_seconds
+
+
+def refusal(message: AddRefused) -> ValueError:
+    """The core's refusal of an add as the in-process client raises it: a ``FieldError`` naming its field
+    where the core named one, else a ValueError."""
+    return FieldError(message.param, message.message) if message.param else ValueError(message.message)
