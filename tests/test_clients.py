@@ -240,3 +240,24 @@ def test_a_request_the_pool_can_never_hold_names_its_field_on_both_clients(tiny_
         assert list(finals) == ["fits"] and len(finals["fits"].outputs[0].token_ids) == 4
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("client", ["inproc", "mp"])
+def test_the_field_of_an_error_met_while_running_crosses_to_the_client(tiny_llama_dir, client: str) -> None:
+    """allowed_token_ids = {EOS} with min_tokens = 2 leaves nothing to draw: the request ends with a FieldError
+    the core meets mid-answer. Its field (``error_param``) now travels beside the text and the flag, so a
+    server's 400 names it (``param`` was null)."""
+    args = EngineArgs(model=str(tiny_llama_dir), **KW)
+    engine = RemoteEngine(args) if client == "mp" else Engine(args)
+    try:
+        eos = min(engine.tokenizer.eos_token_ids)
+        engine.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.0, min_tokens=2,
+                                                              allowed_token_ids=[eos]))
+        finals = {}
+        while engine.has_unfinished():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        out = finals["stuck"]
+        assert "every allowed token is masked" in str(out.error)
+        assert (out.error_by_request, out.error_param) == (True, "allowed_token_ids")
+    finally:
+        engine.shutdown()

@@ -189,6 +189,8 @@ def test_a_row_with_nothing_left_to_draw_ends_alone_with_an_error_naming_the_fie
     while engine.has_unfinished():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     assert "allowed_token_ids: every allowed token is masked" in str(outs["stuck"].error)
+    # the field travels beside the text, for a server's 400 ``param`` (it was null)
+    assert (outs["stuck"].error_by_request, outs["stuck"].error_param) == (True, "allowed_token_ids")
     assert outs["ok"].error is None and len(outs["ok"].outputs[0].token_ids) == MAX_TOKENS
     stats = engine.stats()
     assert stats["num_free_gpu_blocks"] == stats["num_gpu_blocks"]

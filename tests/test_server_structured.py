@@ -450,3 +450,17 @@ def test_allowed_token_ids_the_grammar_forbids_are_the_requests_400(served: Live
     assert error["type"] == "invalid_request_error" and "allowed_token_ids" in error["message"], error
     ok = httpx.post(served.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3}, timeout=60)
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_an_error_met_mid_answer_names_its_field_in_param(served: LiveServer, endpoint: str) -> None:
+    """An allowed_token_ids the grammar leaves nothing of is found while the request runs (the core's
+    FieldError): the 400's ``param`` was null, the field's name only in the message."""
+    base = ({"prompt": "Hi", "max_tokens": 4} if endpoint == "completions"
+            else {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    body = {"model": MODEL, **base, "guided_choice": ["yes", "no"], "allowed_token_ids": [1, 2, 3]}
+    r = httpx.post(served.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "allowed_token_ids" and "every allowed token is masked" in error["message"], error

@@ -93,6 +93,13 @@ class GrammarLimitError(ValueError):
 REQUEST_CAUSED: tuple[type[Exception], ...] = (FieldError, GrammarDeadEnd, GrammarLimitError)
 
 
+def error_param(exc: BaseException) -> str | None:
+    """The request field a request-caused error names (``FieldError.param``), carried beside its text so a
+    server's 400 reports it in ``param`` (an ``allowed_token_ids`` the grammar masked to nothing mid-answer
+    was a 400 with ``param`` null); None for any other error."""
+    return exc.param if isinstance(exc, FieldError) else None
+
+
 def error_text(exc: BaseException) -> tuple[str, bool]:
     """What a failed request carries: its error's text (``"<Type>: message"``) and whether the request's
     own input caused it (``REQUEST_CAUSED``: a 400) rather than the engine or the model (a 500). Why a

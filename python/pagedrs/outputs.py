@@ -47,3 +47,4 @@ class RequestOutput:
     # with ``error``: the request's own input caused it (a bad grammar, a field the engine could only
     # check while running: a server answers 400), not the engine or the model (500)
     error_by_request: bool = False
+    error_param: Optional[str] = None  # with ``error_by_request``: the request field it names (a server's ``param``)

@@ -42,7 +42,7 @@ from pagedrs.core.step import StepContext, run_step
 from pagedrs.core.structured.backend import GrammarCompiler
 from pagedrs.core.structured.compilers import make_compiler
 from pagedrs.engine_args import EngineArgs
-from pagedrs.errors import FieldError, error_text
+from pagedrs.errors import FieldError, error_param, error_text
 from pagedrs.executor.async_execution import AsyncExecution
 from pagedrs.rollback import Rollback
 from pagedrs.sampling_params import SamplingParams
@@ -303,6 +303,7 @@ class EngineCore:
         """Ends one request with finish_reason "error"; the engine and other requests go on."""
         if request.error is None:
             request.error, request.error_by_request = error_text(exc)
+            request.error_param = error_param(exc)
         self._end_request(request, "error")
         touched[request.request_id] = request
 

@@ -103,6 +103,7 @@ class CoreOutput:
     # with ``error``: the request's own input caused it (errors.REQUEST_CAUSED; a server's 400), not
     # the engine or the model (a 500)
     error_by_request: bool = False
+    error_param: Optional[str] = None  # with ``error_by_request``: the request field it names (errors.error_param)
 
 
 @dataclass

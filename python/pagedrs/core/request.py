@@ -105,6 +105,7 @@ class Request:
     ended: Optional[str] = None  # "abort" or "error": it ended before its samples did
     error: Optional[str] = None
     error_by_request: bool = False  # ``error`` is the request's own fault (errors.error_text)
+    error_param: Optional[str] = None  # the request field ``error`` names (errors.error_param)
     # prompt_logprobs asked (core/prompt_logprobs.py): prompt position p -> the entry of token p + 1
     prompt_logprobs: Optional[dict[int, dict[int, float]]] = None
     prompt_logprobs_sent: bool = False
@@ -159,7 +160,8 @@ class Request:
             # a running one-sample request past its first token (most of a decode batch): what the
             # general path below builds for it, without its loops and checks
             return CoreOutput(self.request_id, [samples_held[0].take_output()], False, None, self.error,
-                              self.num_cached_tokens, self.cached_tokens_by_tier, None, self.error_by_request)
+                              self.num_cached_tokens, self.cached_tokens_by_tier, None, self.error_by_request,
+                              self.error_param)
         if self.hypotheses is not None:
             samples = [CoreSampleOutput(i, list(h.token_ids), finish_reason=h.finish_reason, stop_reason=h.stop_reason,
                                         cumulative_logprob=h.cumulative_logprob, score=h.score)
@@ -181,7 +183,7 @@ class Request:
             self._timed = self.metrics.first_token_time is not None
         prompt_logprobs = None if self.prompt_logprobs is None else self.take_prompt_logprobs()
         return CoreOutput(self.request_id, samples, finished, metrics, self.error, self.num_cached_tokens,
-                          self.cached_tokens_by_tier, prompt_logprobs, self.error_by_request)
+                          self.cached_tokens_by_tier, prompt_logprobs, self.error_by_request, self.error_param)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from typing import Optional, Union
 from pagedrs.beam_search import BeamSearchParams
 from pagedrs.core.continuation import RequestShape, request_shape
 from pagedrs.core.protocol import Abort, CoreOutput, CoreOutputItem, CoreSampleOutput, CoreTokenRows, FinishSample, RequestMetrics
-from pagedrs.errors import error_text
+from pagedrs.errors import error_param, error_text
 from pagedrs.frontend.completions import cumulative_completions, delta_completions, one_delta_completion
 from pagedrs.frontend.input_processor import ProcessedRequest, outputs_before_end
 from pagedrs.frontend.sample_text import SampleText, replay_text, take_deferred, take_hypothesis, take_plain_token, take_tokens
@@ -58,6 +58,7 @@ class RequestState:
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # once the core sent them
     error: Optional[str] = None
     error_by_request: bool = False  # ``error`` is the request's own fault (errors.error_text)
+    error_param: Optional[str] = None  # the request field ``error`` names (errors.error_param)
     ended: Optional[str] = None  # "abort" or "error": ended before its samples did (no ranking)
     delta: bool = False  # output_kind is DELTA (asked per step: a plain bool is cheaper than an enum compare)
     streams: bool = True  # it gets outputs before it finishes (not beam search, best_of > n, FINAL_ONLY)
@@ -185,7 +186,7 @@ class OutputProcessor:
             self._fail_here(state, exc, commands)
         if out.error is not None:
             if state.error is None:
-                state.error, state.error_by_request = out.error, out.error_by_request
+                state.error, state.error_by_request, state.error_param = out.error, out.error_by_request, out.error_param
             self._end(state, "error")
         self._touch(state, touched)
 
@@ -222,6 +223,7 @@ class OutputProcessor:
         and the core is told to abort it."""
         if state.error is None:
             state.error, state.error_by_request = error_text(exc)
+            state.error_param = error_param(exc)
         self._end(state, "error")
         commands.append(Abort(state.request_id))
 
@@ -292,7 +294,7 @@ class OutputProcessor:
                 return None
             return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], False,
                                  state.error, {}, state.num_cached_tokens, state.cached_tokens_by_tier, None,
-                                 state.error_by_request)
+                                 state.error_by_request, state.error_param)
         delta = state.delta
         # Hold back text that might still turn out to be the start of a stop string.
         longest_hold = state.longest_hold
@@ -313,7 +315,7 @@ class OutputProcessor:
         # positional, in RequestOutput's field order (keywords cost a batch of 256 a tenth of this call)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs, finished, state.error,
                              metrics, state.num_cached_tokens, state.cached_tokens_by_tier, prompt_logprobs,
-                             state.error_by_request)
+                             state.error_by_request, state.error_param)
 
 
 def _rank_by_cumulative_logprob(state: RequestState) -> None:

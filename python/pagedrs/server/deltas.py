@@ -49,6 +49,7 @@ class RequestDelta:
     error: str | None = None
     error_status: int = 500  # the HTTP status the error maps to (503: the server is shutting down)
     error_code: str | None = None  # OpenAI's `code`: ENGINE_DEAD, REQUEST_TIMEOUT, or None
+    error_param: str | None = None  # OpenAI's `param`: the request field a 400 names (RequestOutput.error_param)
     num_cached_tokens: int = 0  # prompt tokens whose K/V the engine reused (RequestOutput.num_cached_tokens)
     cached_tokens_by_tier: dict[str, int] | None = None  # that count by tier (RequestOutput.cached_tokens_by_tier)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # RequestOutput.prompt_logprobs, once complete

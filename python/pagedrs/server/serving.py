@@ -243,7 +243,8 @@ class Generation:
                     yield replace(delta, error=None, finished=False)
                 if delta.error is not None:
                     code = delta.error_code or ("server_shutting_down" if delta.error_status == 503 else None)
-                    raise APIError(delta.error_status, f"request {delta.request_id} failed: {delta.error}", code=code)
+                    raise APIError(delta.error_status, f"request {delta.request_id} failed: {delta.error}",
+                                   param=delta.error_param, code=code)
                 if delta.prompt_token_ids:
                     self.prompt_token_ids[delta.tag] = delta.prompt_token_ids
                     self.cached_tokens[delta.tag] = delta.num_cached_tokens

@@ -52,6 +52,7 @@ class Sink:
             finished=bool(output.finished),
             error=error,
             error_status=400 if error is not None and getattr(output, "error_by_request", False) else 500,
+            error_param=getattr(output, "error_param", None) if error is not None else None,
             num_cached_tokens=self.num_cached_tokens,
             cached_tokens_by_tier=self.cached_tokens_by_tier,
             prompt_logprobs=getattr(output, "prompt_logprobs", None),
