@@ -24,7 +24,7 @@ import threading
 import types
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pytest
@@ -543,15 +543,21 @@ class Watch:
 
 
 def run_turn(eng: Engine, prompts: list[list[int]], max_tokens: int = 6) -> dict[str, tuple[list[int], str]]:
+    return {rid: (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+            for rid, out in finished_outputs(eng, prompts, max_tokens).items()}
+
+
+def finished_outputs(eng: Engine, prompts: list[list[int]], max_tokens: int = 6) -> dict[str, Any]:
+    """Each prompt as request r<i>, greedy, stepped to its end: its final RequestOutput by request id."""
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, greedy(max_tokens))
-    done: dict[str, tuple[list[int], str]] = {}
+    done: dict[str, Any] = {}
     for _ in range(10_000):
         if not eng.has_unfinished():
             break
         for out in eng.step():
             if out.finished:
-                done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+                done[out.request_id] = out
         eng.scheduler.check_invariants()
     assert not eng.has_unfinished()
     return done
@@ -687,13 +693,7 @@ def test_disk_pages_that_fail_their_check_are_not_counted_as_cached(tiny_llama_d
     for s in written:
         flip(store.path, HEADER_BYTES + s * store.slot_bytes + store.meta_bytes + 5)
     before = eng.stats()
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", p, greedy(6))
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
+    done = finished_outputs(eng, prompts)
     assert {rid: out.outputs[0].token_ids for rid, out in done.items()} == reference[1]
     after = eng.stats()
     failed, lost = (after[k] - before[k] for k in ("num_failed_steps", "disk_pages_invalidated"))
