@@ -34,3 +34,15 @@ def test_advice_covers_whole_aligned_pages_and_never_fails() -> None:
     for ptr, nbytes in [(-1, HUGE), (t.data_ptr(), -1), (2**64, 1)]:
         with pytest.raises(OverflowError):  # not an address or a size: refused before any call
             advise_huge_pages(ptr, nbytes)
+
+
+def test_a_large_one_is_its_own_tensor_on_a_fresh_mapping() -> None:
+    """Its slices' base is the tensor itself (the fused CPU decode finds the cache through it), its data
+    starts on a 2 MiB boundary, and its memory outlives every name but the tensor's."""
+    import gc
+
+    t = huge_pages.zeros((2, 3, 1 << 20), torch.float32)
+    assert t._base is None and t[1, 2]._base is t and t.data_ptr() % HUGE == 0 and t.storage_offset() >= 0
+    gc.collect()
+    t[1, 2, -1] = 7.0
+    assert float(t.sum()) == 7.0

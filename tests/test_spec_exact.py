@@ -17,6 +17,19 @@ from pagedrs.attention.torch_backend import ROWWISE_MAX_Q, TorchAttentionBackend
 BLOCK = 16
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The engine's default (``cpu_threads`` 1). At more threads this torch build's CPU SDPA gives a
+    row that a worker thread computes other low bits than the same row on the calling thread
+    (measured: two equal heads at 2 threads differ by 6e-8), so a row's bits depend on where it
+    sits in the batch, and no row-by-row scheme is bit-equal then. The bit-equality tests ran at
+    whatever thread count the tests before them left (1 after any engine): now they say which."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _meta(q_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
     starts = [0]
     for q in q_lens:

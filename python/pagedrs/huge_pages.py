@@ -35,7 +35,8 @@ MAPPED_MIN_BYTES = 4 << 20
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """``torch.zeros(shape, dtype=dtype)`` on the CPU. A large one is a view of a private anonymous
     mapping, 2 MiB-aligned and advised as huge pages before any byte is touched; the tensor keeps
-    the mapping alive (``torch.frombuffer`` holds a reference to it), and unmapping it frees it."""
+    the mapping alive (the storage ``torch.frombuffer`` made holds a reference to it), and the
+    mapping is unmapped when the last tensor on it goes."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = math.prod(shape)
     nbytes = numel * itemsize
@@ -46,8 +47,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # one huge page more than asked, so the tensor can start on a 2 MiB boundary inside it
     buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    whole = torch.frombuffer(buf, dtype=torch.uint8)
-    offset = -whole.data_ptr() % HUGE_PAGE
-    t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset)
+    whole = torch.frombuffer(buf, dtype=torch.uint8)  # its storage holds the mapping
+    offset = -whole.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page, so of any itemsize
+    # a tensor of its own on that storage, not a view: callers slice it and take their base to be it
+    t = torch.empty(0, dtype=dtype).set_(whole.untyped_storage(), offset // itemsize, shape)
     advise_huge_pages(t.data_ptr(), nbytes)
-    return t.view(shape)
+    return t

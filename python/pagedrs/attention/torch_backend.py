@@ -382,8 +382,10 @@ def _attend_rowwise(
 
     Heads are ordered (kv head, query head of its group, row): GQA then maps the ``group * max_q``
     heads of one KV head to it, and each (row, head) is a length-1 query with its own mask row.
-    Bit-equal to one-row decode of each position (tests/test_spec_exact.py): the kernel's result for
-    a row depends neither on the other heads nor on masked keys past the row's context."""
+    Bit-equal to one-row decode of each position (tests/test_spec_exact.py): at one torch thread (the
+    engine's default) the kernel's result for a row depends neither on the other heads nor on masked keys
+    past the row's context. At more, a row a worker thread computes gets other low bits than on the
+    calling thread (measured, torch 2.15 CPU), so no row-by-row scheme is bit-equal there."""
     num_seqs, max_q, num_heads, head_dim = q.shape
     keys = k.shape[1]
     qh = q.permute(0, 2, 1, 3).reshape(num_seqs, num_heads * max_q, 1, head_dim)  # heads (kv, group, row)
