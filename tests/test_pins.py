@@ -434,3 +434,15 @@ def test_a_bad_pin_file_line_is_named_with_its_field_and_value(tmp_path: Path, l
     path.write_text(line + "\n")
     with pytest.raises(ValueError, match=why):
         load_pin_file(str(path))
+
+
+def test_a_pin_file_saved_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -> None:
+    from pagedrs.server.cache_pins import load_pin_file
+
+    path = tmp_path / "pins.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "abc", "ttl_s": 60}\n{"prompt": [1, 2]}\n')
+    pins = load_pin_file(str(path))
+    assert [(number, request.prompt, request.ttl_s) for number, request in pins] == [(1, "abc", 60), (2, [1, 2], None)]
+    path.write_bytes(b'{"prompt": "abc"}\n\xef\xbb\xbf{"prompt": "x"}\n')  # only at the start: a mark elsewhere is text
+    with pytest.raises(ValueError, match="line 2: "):
+        load_pin_file(str(path))

@@ -50,6 +50,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     whole = torch.frombuffer(buf, dtype=torch.uint8)  # its storage holds the mapping
     offset = -whole.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page, so of any itemsize
     # a tensor of its own on that storage, not a view: callers slice it and take their base to be it
-    t = torch.empty(0, dtype=dtype).set_(whole.untyped_storage(), offset // itemsize, shape)
+    strides = torch.empty(shape, dtype=dtype, device="meta").stride()  # contiguous, no memory
+    t = torch.empty(0, dtype=dtype).set_(whole.untyped_storage(), offset // itemsize, shape, strides)
     advise_huge_pages(t.data_ptr(), nbytes)
     return t

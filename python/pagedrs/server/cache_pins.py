@@ -225,9 +225,10 @@ async def cache_info(ctx: ServerContext) -> CacheInfo:
 
 def load_pin_file(path: str) -> list[tuple[int, PinRequest]]:
     """``--pin-prefix FILE``'s pins with their line numbers, validated; ValueError naming the file,
-    the line and what is wrong."""
+    the line and what is wrong. A UTF-8 byte order mark at the start (what Windows editors write) is
+    the encoding's mark, not the first line's text: read past (it made line 1 invalid JSON)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--pin-prefix {path}: cannot read it: {exc}") from None
     pins: list[tuple[int, PinRequest]] = []
