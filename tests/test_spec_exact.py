@@ -115,3 +115,22 @@ def test_smollm2_default_weights_with_prompt_lookup_give_the_tokens_of_sequentia
         engine.shutdown()
     assert stats["spec_accepted"] > 0, stats  # it did verify drafts
     assert outs["spec"] == outs["plain"]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_speculation_on_more_than_one_cpu_thread_says_at_start_that_ties_may_differ(tiny_llama_dir, caplog, threads):
+    import logging
+
+    from pagedrs.engine import Engine
+    from pagedrs.engine_args import EngineArgs
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
+    with caplog.at_level(logging.WARNING, logger="pagedrs.engine"):
+        for config in (spec, None):
+            Engine(EngineArgs(model=str(tiny_llama_dir), num_gpu_blocks=8, block_size=4, max_model_len=32,
+                              cpu_threads=threads, speculative_config=config)).shutdown()
+    said = [r.getMessage() for r in caplog.records if "speculative decoding on the CPU" in r.getMessage()]
+    assert said == ([] if threads == 1 else [
+        "speculative decoding on the CPU with cpu_threads=2: its greedy output equals decoding without speculation "
+        "bit for bit only at cpu_threads=1 (torch's CPU attention gives rows on its worker threads other low bits), "
+        "so at an exact tie between two logits it can pick another token"])

@@ -37,6 +37,22 @@ class CoreParts:
     kv_events: KvEvents  # the routers' event publisher (core/kv_events.py), closed by the closer
 
 
+def warn_verify_numerics(args: EngineArgs) -> None:
+    """Speculative decoding on the CPU at more than one thread: said at start, since exactness is the
+    point of it. A verification's rows are bit-equal to sequential decode's only at one torch thread
+    (``attention/torch_backend._attend_rowwise``): at more, torch's CPU attention gives a row that a
+    worker thread computes other low bits than the calling thread's, so a tie between two logits
+    (common with bf16 weights) can pick another token than decoding without speculation would."""
+    if args.speculative_config is None or not str(args.device).startswith("cpu"):
+        return
+    threads = args.resolved_cpu_threads()
+    if threads > 1:
+        logger.warning("speculative decoding on the CPU with cpu_threads=%d: its greedy output equals decoding "
+                       "without speculation bit for bit only at cpu_threads=1 (torch's CPU attention gives rows on "
+                       "its worker threads other low bits), so at an exact tie between two logits it can pick "
+                       "another token", threads)
+
+
 def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBackend | None) -> CoreParts:
     """Builds the executor, plans the KV pools and tiers, and builds the scheduler.
 
@@ -45,6 +61,7 @@ def build_core(owner: object, args: EngineArgs, attention_backend: AttentionBack
     comes first. The finalizer holds the executor, never ``owner``.
     """
     torch.manual_seed(args.seed)
+    warn_verify_numerics(args)
     executor = make_executor(args, attention_backend=attention_backend)
     closer = weakref.finalize(owner, executor.shutdown)
     config = executor.loaded.config
