@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from pagedrs import Engine, EngineArgs
 from pagedrs.kv_tiers import sizing
@@ -111,3 +112,25 @@ def test_the_default_cpu_engine_holds_about_its_pool_not_twice_it(tiny_llama_dir
     assert pool == 256 * MIB
     assert at_start < 32 * MIB, at_start / MIB
     assert 256 * MIB <= in_use < 256 * MIB + 384 * MIB, in_use / MIB
+
+
+
+def test_a_pool_the_host_cannot_map_is_refused_naming_the_fields_and_the_bytes(tiny_llama_dir, monkeypatch):
+    """The mapped pool failed with a bare "OSError: [Errno 12] Cannot allocate memory" (torch's allocator
+    had named the size). 1 EiB is past any x86-64 process's address space (5-level paging too), so no
+    overcommit setting maps it; an engine asking that much is stopped earlier by its bookkeeping's check, so the engine's
+    message is checked with the mapping's failure standing in."""
+    from pagedrs import huge_pages
+
+    with pytest.raises(MemoryError, match=r"cannot map 1152921504606846976 bytes for a CPU tensor of shape "
+                                          r"\(1152921504606846976,\) \(torch.uint8\): "):
+        huge_pages.zeros((1 << 60,), torch.uint8)
+
+    def unmappable(shape, dtype):
+        raise MemoryError("cannot map 123 bytes: Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages, "zeros", unmappable)
+    with pytest.raises(ValueError, match=r"num_gpu_blocks / kv_cache_memory: the KV pool of 24 blocks of 4 tokens "
+                                         r"cannot be allocated in host memory \(cannot map 123 bytes: Cannot "
+                                         r"allocate memory\); ask for a smaller pool"):
+        tiny(tiny_llama_dir)

@@ -33,10 +33,11 @@ MAPPED_MIN_BYTES = 4 << 20
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype)`` on the CPU. A large one is a view of a private anonymous
+    """``torch.zeros(shape, dtype=dtype)`` on the CPU. A large one is a tensor on a private anonymous
     mapping, 2 MiB-aligned and advised as huge pages before any byte is touched; the tensor keeps
     the mapping alive (the storage ``torch.frombuffer`` made holds a reference to it), and the
-    mapping is unmapped when the last tensor on it goes."""
+    mapping is unmapped when the last tensor on it goes. MemoryError naming the size where the
+    mapping cannot be made (torch's allocator named it; a bare ``OSError: [Errno 12]`` did not)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = math.prod(shape)
     nbytes = numel * itemsize
@@ -45,8 +46,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         advise_huge_pages(t.data_ptr(), nbytes)
         return t.zero_()
     # one huge page more than asked, so the tensor can start on a 2 MiB boundary inside it
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    try:
+        buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except (OSError, OverflowError) as exc:
+        raise MemoryError(f"cannot map {nbytes} bytes for a CPU tensor of shape {tuple(shape)} ({dtype}): "
+                          f"{getattr(exc, 'strerror', None) or exc}") from None
     whole = torch.frombuffer(buf, dtype=torch.uint8)  # its storage holds the mapping
     offset = -whole.data_ptr() % HUGE_PAGE  # a multiple of the 4 KiB page, so of any itemsize
     # a tensor of its own on that storage, not a view: callers slice it and take their base to be it

@@ -70,8 +70,15 @@ class ModelRunner:
         scratch = 1 if padding is not None else 0  # the scratch page, past the scheduler's blocks
         kv_shape = self.model.kv_cache_shape(num_gpu_blocks + scratch, block_size)
         # on the CPU the step streams these pages from memory: in 2 MiB pages (pagedrs/huge_pages.py)
-        self.kv_cache = (huge_pages.zeros(kv_shape, self.kv_dtype) if self.device.type == "cpu"
-                         else torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device))
+        if self.device.type == "cpu":
+            try:
+                self.kv_cache = huge_pages.zeros(kv_shape, self.kv_dtype)
+            except MemoryError as exc:  # the pool is a mapping made at once: a size the host can never hold
+                raise ValueError(f"num_gpu_blocks / kv_cache_memory: the KV pool of {num_gpu_blocks} blocks of "
+                                 f"{block_size} tokens cannot be allocated in host memory ({exc}); ask for a "
+                                 "smaller pool") from None
+        else:
+            self.kv_cache = torch.zeros(kv_shape, dtype=self.kv_dtype, device=self.device)
         self.cpu_cache = torch.zeros(
             self.model.kv_cache_shape(num_cpu_blocks, block_size),
             dtype=self.kv_dtype,
